@@ -1,0 +1,1 @@
+"""Custom ONNX Runtime operators (the `loopcast` op domain)."""

@@ -1,0 +1,1 @@
+"""Build and check artifacts: torch reference model, checkpoint I/O, ONNX export."""

@@ -1,0 +1,193 @@
+"""Read and write Hugging Face checkpoint directories (config.json + safetensors).
+
+Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) layouts,
+upstream tensor names, fp32/fp16/bf16. Every tensor is checked by name and shape before the
+model is built, so a bad checkpoint fails with the tensor named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from loopcast.config import ModelConfig, load_config
+from loopcast.errors import CheckpointError
+from loopcast.exporter.reference import LoopedLM
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Upstream checkpoints may carry derived buffers we recompute.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_checkpoint(path_or_name: str | os.PathLike) -> Path:
+    """``demo`` names the shipped demo model; anything else is a directory path."""
+    if str(path_or_name) == "demo":
+        from loopcast.demo import demo_checkpoint_dir
+        return demo_checkpoint_dir()
+    path = Path(path_or_name)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    return path
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config must hold, with its shape."""
+    with torch.device("meta"):
+        model = LoopedLM(config)
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+
+def _weight_files(checkpoint_dir: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it."""
+    index = checkpoint_dir / INDEX_FILE
+    single = checkpoint_dir / SINGLE_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: malformed index ({exc})") from None
+        files = {name: checkpoint_dir / fname for name, fname in weight_map.items()}
+        for fname in sorted(set(files.values())):
+            if not fname.is_file():
+                raise CheckpointError(f"{fname}: shard named in {INDEX_FILE} is missing")
+        return files
+    if single.is_file():
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as exc:  # safetensors raises several types for corrupt headers
+            raise CheckpointError(f"{single}: not a readable safetensors file ({exc})") from None
+    raise CheckpointError(f"{checkpoint_dir}: no weights ({SINGLE_FILE} or {INDEX_FILE}) found")
+
+
+def iter_checkpoint_tensors(checkpoint_dir: Path, config: ModelConfig,
+                            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` one at a time after validating names and shapes."""
+    files = _weight_files(checkpoint_dir)
+    files = {n: f for n, f in files.items() if not n.endswith(IGNORED_SUFFIXES)}
+    shapes = expected_shapes(config)
+    missing = sorted(set(shapes) - set(files))
+    if missing:
+        raise CheckpointError(f"{checkpoint_dir}: tensor {missing[0]} is missing"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = sorted(set(files) - set(shapes))
+    if unexpected:
+        raise CheckpointError(f"{checkpoint_dir}: unexpected tensor {unexpected[0]} for a "
+                              f"{config.model_type} config")
+    by_file: dict[Path, list[str]] = {}
+    for name, fname in files.items():
+        by_file.setdefault(fname, []).append(name)
+    for fname, names in sorted(by_file.items()):
+        with safe_open(fname, framework="pt") as f:
+            for name in sorted(names):
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != shapes[name]:
+                    raise CheckpointError(f"{fname.name}: tensor {name} has shape {list(shape)}, "
+                                          f"expected {list(shapes[name])}")
+                tensor = f.get_tensor(name)
+                if not tensor.is_floating_point():
+                    raise CheckpointError(f"{fname.name}: tensor {name} has dtype {tensor.dtype}, "
+                                          "expected a floating-point dtype")
+                yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def checkpoint_dtype(checkpoint_dir: Path) -> torch.dtype:
+    """The dtype the weights are stored in (of the first tensor)."""
+    files = _weight_files(checkpoint_dir)
+    name, fname = sorted(files.items())[0]
+    with safe_open(fname, framework="pt") as f:
+        return f.get_tensor(name).dtype
+
+
+def load_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None = None) -> LoopedLM:
+    """Build the reference model from a checkpoint directory (or ``demo``).
+
+    ``dtype`` defaults to the stored dtype. The model is created on the meta device and
+    filled tensor by tensor, so only one copy of the weights is ever held.
+    """
+    checkpoint_dir = resolve_checkpoint(path_or_name)
+    config = load_config(checkpoint_dir)
+    with torch.device("meta"):
+        model = LoopedLM(config)
+    state = dict(iter_checkpoint_tensors(checkpoint_dir, config, dtype))
+    model.load_state_dict(state, assign=True)
+    return model.eval()
+
+
+def save_checkpoint(model: LoopedLM, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int | None = None) -> Path:
+    """Write ``model`` as a Hugging Face directory (sharded above ``max_shard_bytes``)."""
+    tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
+    return write_checkpoint(model.config, lambda: iter(tensors.items()), out_dir, dtype, max_shard_bytes)
+
+
+def write_checkpoint(config: ModelConfig, tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+                     out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+                     max_shard_bytes: int | None = None) -> Path:
+    """Stream ``(name, tensor)`` pairs into safetensors shards; at most one shard is held.
+
+    The directory is written next to its destination and renamed into place, so a failed
+    write leaves nothing that looks like a checkpoint.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: output path exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        weight_map, shards, shard, shard_bytes = {}, [], {}, 0
+        stored_dtype = dtype
+        for name, tensor in tensors():
+            tensor = (tensor if dtype is None else tensor.to(dtype)).contiguous()
+            stored_dtype = stored_dtype or tensor.dtype
+            nbytes = tensor.numel() * tensor.element_size()
+            if max_shard_bytes and shard and shard_bytes + nbytes > max_shard_bytes:
+                shards.append(_flush_shard(staging, len(shards), shard, weight_map))
+                shard, shard_bytes = {}, 0
+            shard[name] = tensor
+            shard_bytes += nbytes
+        if not max_shard_bytes:
+            save_file(shard, staging / SINGLE_FILE, metadata={"format": "pt"})
+        else:
+            shards.append(_flush_shard(staging, len(shards), shard, weight_map))
+            total = len(shards)
+            for i, tmp in enumerate(shards):
+                tmp.rename(staging / f"model-{i + 1:05d}-of-{total:05d}.safetensors")
+            weight_map = {n: f"model-{int(i) + 1:05d}-of-{total:05d}.safetensors"
+                          for n, i in weight_map.items()}
+            (staging / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        hf = config.replace(torch_dtype=str(stored_dtype).removeprefix("torch.")).to_hf_dict()
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    except BaseException:
+        _remove_tree(staging)
+        raise
+    return out
+
+
+def _flush_shard(staging: Path, index: int, shard: dict[str, torch.Tensor], weight_map: dict) -> Path:
+    path = staging / f"shard-{index}.tmp"
+    save_file(shard, path, metadata={"format": "pt"})
+    for name in shard:
+        weight_map[name] = str(index)
+    return path
+
+
+def _remove_tree(path: Path) -> None:
+    if not path.exists():
+        return
+    for child in sorted(path.rglob("*"), reverse=True):
+        child.rmdir() if child.is_dir() else child.unlink()
+    path.rmdir()

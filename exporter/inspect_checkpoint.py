@@ -1,0 +1,47 @@
+"""Human-readable summary of a checkpoint directory (``loopcast inspect``)."""
+
+from __future__ import annotations
+
+import math
+
+from loopcast.config import load_config
+from loopcast.exporter.checkpoint import checkpoint_dtype, expected_shapes, resolve_checkpoint
+
+_BYTES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def describe_checkpoint(path_or_name: str) -> str:
+    path = resolve_checkpoint(path_or_name)
+    cfg = load_config(path)
+    dtype = checkpoint_dtype(path)
+    nbytes = _BYTES.get(str(dtype), 4)
+    params = sum(math.prod(s) for s in expected_shapes(cfg).values())
+    per_token = cfg.kv_bytes_per_token(nbytes)
+    lines = [
+        f"checkpoint      {path}",
+        f"model_type      {cfg.model_type}",
+        f"dtype           {str(dtype).removeprefix('torch.')}",
+        f"parameters      {params:,}",
+        f"loops (R)       {cfg.num_loops}  x  {cfg.num_layers} core layers"
+        + (f"  (+{cfg.num_prelude_layers} prelude, +{cfg.num_coda_layers} coda)"
+           if cfg.num_prelude_layers or cfg.num_coda_layers else ""),
+        f"layer norms     {'sandwich (4 RMSNorms)' if cfg.sandwich_norm else 'pre-norm (2 RMSNorms)'}",
+        f"hidden          {cfg.hidden_size}, intermediate {cfg.intermediate_size}",
+        f"attention       {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, "
+        f"rope theta {cfg.rope_theta:g}",
+        f"vocab           {cfg.vocab_size} ({'tied' if cfg.tie_word_embeddings else 'untied'} lm_head)",
+        f"exit gate       {'yes' if cfg.has_exit_gate else 'no'}",
+        f"KV slots        {cfg.num_kv_slots}",
+        f"KV per token    {_size(per_token)}",
+        f"KV at max len   {_size(per_token * cfg.max_position_embeddings)} "
+        f"(max_position_embeddings {cfg.max_position_embeddings})",
+    ]
+    return "\n".join(lines)

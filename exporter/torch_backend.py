@@ -1,0 +1,43 @@
+"""`loopcast generate --backend torch`: the reference model on a checkpoint directory."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from loopcast.errors import RequestError
+from loopcast.exporter.checkpoint import load_checkpoint, resolve_checkpoint
+from loopcast.exporter.reference_generate import greedy_generate
+
+
+def load_tokenizer(directory: Path):
+    """The directory's ``tokenizer.json`` as a `tokenizers.Tokenizer`, or None."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(path))
+
+
+def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int] | None,
+                            max_new_tokens: int) -> dict:
+    checkpoint_dir = resolve_checkpoint(path)
+    tokenizer = load_tokenizer(checkpoint_dir)
+    if prompt is not None:
+        if tokenizer is None:
+            raise RequestError(f"{checkpoint_dir}: no tokenizer.json, use --prompt-ids")
+        prompt_ids = tokenizer.encode(prompt).ids
+    import torch
+    model = load_checkpoint(checkpoint_dir, dtype=torch.float32)
+    stop = (model.config.eos_token_id,) if model.config.eos_token_id is not None else ()
+    start = time.perf_counter()
+    result = greedy_generate(model, prompt_ids, max_new_tokens, stop_ids=stop)
+    seconds = time.perf_counter() - start
+    text = tokenizer.decode(result.tokens, skip_special_tokens=False) if tokenizer else None
+    return {
+        "tokens": result.tokens,
+        "text": text,
+        "stats": {"backend": "torch", "prompt_tokens": len(prompt_ids), "new_tokens": len(result.tokens),
+                  "finish_reason": result.finish_reason, "seconds": round(seconds, 4),
+                  "tokens_per_second": round(len(result.tokens) / seconds, 2) if seconds > 0 else None},
+    }

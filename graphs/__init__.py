@@ -1,0 +1,1 @@
+"""ONNX graph builders: one function per block, composed into graph kinds."""

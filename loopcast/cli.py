@@ -1,0 +1,127 @@
+"""The ``loopcast`` command line. Heavy imports happen inside commands, not at import time."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from loopcast.errors import LoopcastError
+
+
+def _friendly_errors(func):
+    """LoopcastError → one line on stderr and exit 2; anything else is a bug and keeps its traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except LoopcastError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        from loopcast.errors import RequestError
+        raise RequestError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+@click.group()
+@click.version_option(package_name="loopcast")
+def main() -> None:
+    """Export looped transformers to ONNX and run them with ONNX Runtime."""
+
+
+@main.command()
+@click.argument("path")
+@_friendly_errors
+def inspect(path: str) -> None:
+    """Explain a checkpoint directory (or `demo`) or an exported artifact."""
+    if (Path(path) / "manifest.json").is_file():
+        from loopcast.ort_runtime.artifact import describe_artifact
+        click.echo(describe_artifact(Path(path)))
+        return
+    from loopcast.exporter.inspect_checkpoint import describe_checkpoint
+    click.echo(describe_checkpoint(path))
+
+
+@main.command("random-checkpoint")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--preset", default="tiny-ouro", show_default=True,
+              help="Shape preset: tiny-ouro, tiny-llama or ouro-1.4b.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-shard-mb", type=int, default=None, help="Shard the weights above this size.")
+@_friendly_errors
+def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_shard_mb: int | None) -> None:
+    """Write a random-weight Hugging Face checkpoint of a preset shape."""
+    from loopcast.config import PRESETS
+    from loopcast.errors import ConfigError
+    from loopcast.exporter.checkpoint import DTYPES
+    from loopcast.exporter.random_checkpoint import write_random_checkpoint
+
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    config = PRESETS[preset]
+    path = write_random_checkpoint(config, out_dir, seed=seed, dtype=DTYPES[dtype],
+                                   max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+    click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.argument("path")
+@click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", show_default=True,
+              help="ort runs an exported artifact; torch runs the reference on a checkpoint dir.")
+@click.option("--prompt", help="Prompt text (needs the tokenizer).")
+@click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--speculative", type=click.Choice(["none", "prompt-lookup", "self"]), default="none",
+              show_default=True)
+@click.option("--num-draft-tokens", type=int, default=None, help="K drafts per round.")
+@click.option("--draft-depth", type=int, default=None, help="Loops the self-draft runs (< R).")
+@click.option("--gate", type=click.Choice(["none", "hit-density", "cost"]), default="none", show_default=True)
+@click.option("--stream", is_flag=True, help="Print text as tokens are committed.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tokens, text, stats).")
+@_friendly_errors
+def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None, max_new_tokens: int,
+             device: str, speculative: str, num_draft_tokens: int | None, draft_depth: int | None,
+             gate: str, stream: bool, as_json: bool) -> None:
+    """Greedy generation from a prompt."""
+    from loopcast.errors import RequestError
+
+    if (prompt is None) == (prompt_ids is None):
+        raise RequestError("give exactly one of --prompt and --prompt-ids")
+    if max_new_tokens < 0:
+        raise RequestError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    if backend == "torch":
+        if speculative != "none" or device != "cpu":
+            raise RequestError("--backend torch runs plain greedy on the CPU only")
+        from loopcast.exporter.torch_backend import generate_with_reference
+        result = generate_with_reference(path, prompt, ids, max_new_tokens)
+    else:
+        from loopcast.ort_runtime.cli_generate import generate_with_ort
+        result = generate_with_ort(path, prompt, ids, max_new_tokens, device=device,
+                                   speculative=speculative, num_draft_tokens=num_draft_tokens,
+                                   draft_depth=draft_depth, gate=gate,
+                                   on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None)
+    if as_json:
+        click.echo(json.dumps(result))
+    elif not stream:
+        click.echo(result["text"] if result.get("text") is not None else
+                   ",".join(str(t) for t in result["tokens"]))
+    else:
+        click.echo()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,1 @@
+"""Deployable runtime: onnxruntime + numpy + tokenizers only (no torch, no exporter)."""

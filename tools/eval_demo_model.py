@@ -1,0 +1,95 @@
+"""Measure the demo model card's numbers on the held-out split.
+
+Per loop depth: held-out cross-entropy (nats/token) and bits/byte; top-1 agreement of depth d
+with depth R; exit-probability means; and greedy continuations of a few code prompts.
+Writes one JSON file (``--out``) that docs/demo-model.md quotes.
+
+    python tools/eval_demo_model.py --checkpoint loopcast/demo_model --data .corpus --out eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from loopcast.exporter.checkpoint import load_checkpoint
+from loopcast.exporter.reference import exit_probabilities
+from loopcast.exporter.reference_generate import greedy_generate
+from loopcast.exporter.torch_backend import load_tokenizer
+
+CODE_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    def __repr__(self):\n        return ",
+    "for i in range(10):\n",
+]
+
+
+@torch.no_grad()
+def heldout_metrics(model, heldout: np.ndarray, seq: int, max_windows: int | None, device) -> dict:
+    R = model.config.num_loops
+    n_windows = (len(heldout) - 1) // seq
+    if max_windows:
+        n_windows = min(n_windows, max_windows)
+    nats = torch.zeros(R, dtype=torch.float64)
+    agree = torch.zeros(R, dtype=torch.float64)
+    p_exit = torch.zeros(R, dtype=torch.float64)
+    count = 0
+    for w0 in range(0, n_windows, 8):
+        rows = [heldout[i * seq:i * seq + seq + 1] for i in range(w0, min(n_windows, w0 + 8))]
+        ids = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
+        out = model(ids[:, :-1], all_depths=True)
+        final = out.logits[-1].argmax(-1)
+        for r, lg in enumerate(out.logits):
+            nats[r] += F.cross_entropy(lg.float().transpose(1, 2), ids[:, 1:], reduction="sum").double().cpu()
+            agree[r] += (lg.argmax(-1) == final).sum().double().cpu()
+        p_exit += exit_probabilities(out.gate_logits).sum(dim=(0, 1)).double().cpu()
+        count += ids[:, 1:].numel()
+    return {"tokens_scored": count, "ce_nats": (nats / count).tolist(),
+            "agreement_with_R": (agree / count).tolist(), "p_exit_mean": (p_exit / count).tolist()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default="loopcast/demo_model")
+    p.add_argument("--data", type=Path, default=Path(".corpus"))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--max-windows", type=int, default=None, help="limit for a quick CPU run")
+    p.add_argument("--new-tokens", type=int, default=96)
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_checkpoint(args.checkpoint, dtype=torch.float32).to(device)
+    meta = json.loads((args.data / "corpus_meta.json").read_text())["splits"]["heldout"]
+    heldout = np.load(args.data / "heldout.npy")
+    t0 = time.time()
+    metrics = heldout_metrics(model, heldout, args.seq, args.max_windows, device)
+    tokens_per_byte = meta["n_tokens"] / meta["n_bytes"]
+    metrics["bits_per_byte"] = [c / math.log(2) * tokens_per_byte for c in metrics["ce_nats"]]
+    metrics["tokens_per_byte"] = tokens_per_byte
+    tokenizer = load_tokenizer(Path(args.checkpoint))
+    samples = []
+    for prompt in CODE_PROMPTS:
+        ids = tokenizer.encode(prompt).ids
+        res = greedy_generate(model, ids, args.new_tokens, stop_ids=(0,), max_length=1024)
+        samples.append({"prompt": prompt, "completion": tokenizer.decode(res.tokens),
+                        "tokens": res.tokens, "distinct_tokens": len(set(res.tokens))})
+    metrics["samples"] = samples
+    metrics["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    metrics["seconds"] = round(time.time() - t0, 1)
+    args.out.write_text(json.dumps(metrics, indent=1))
+    print(json.dumps({k: v for k, v in metrics.items() if k != "samples"}, indent=1))
+    for s in samples:
+        print("----", repr(s["prompt"]), "->", repr(s["completion"][:200]))
+
+
+if __name__ == "__main__":
+    main()

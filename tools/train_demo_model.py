@@ -1,0 +1,191 @@
+"""Train the demo looped model (Ouro architecture, R=4) on the packed stdlib corpus.
+
+Objective (Ouro): at every loop exit r the next-token cross-entropy CE_r is weighted by the
+exit distribution p_r that the early-exit gate produces, plus an entropy regulariser that keeps
+the distribution from collapsing early:  L = mean_tokens( Σ_r p_r·CE_r − β·H(p) ).
+
+Resumable: the state (model, optimiser, step, data RNG) is saved under --run-dir every
+--save-every steps and when --time-budget-s runs out; running the same command again resumes.
+The best held-out checkpoint (by depth-R loss) is exported in Hugging Face format (fp16).
+
+    python tools/train_demo_model.py --data .corpus --run-dir runs/demo --out loopcast/demo_model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from loopcast.config import ModelConfig
+from loopcast.exporter.checkpoint import save_checkpoint
+from loopcast.exporter.reference import LoopedLM, exit_probabilities, init_weights
+
+DEMO_CONFIG = ModelConfig(
+    model_type="ouro", vocab_size=4096, hidden_size=384, intermediate_size=1024, num_layers=4,
+    num_heads=6, num_kv_heads=6, head_dim=64, num_loops=4, rms_norm_eps=1e-6, rope_theta=10000.0,
+    max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=None, eos_token_id=0,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, default=Path(".corpus"), help="dir with train.npy / heldout.npy")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="resumable state + logs")
+    p.add_argument("--out", type=Path, default=None, help="export the best checkpoint here (HF, fp16)")
+    p.add_argument("--tokenizer-dir", type=Path, default=Path("loopcast/demo_model"))
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--beta", type=float, default=0.05, help="entropy regulariser weight")
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-windows", type=int, default=64)
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--time-budget-s", type=float, default=480.0, help="stop (resumably) after this")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run: few steps, small batch")
+    return p.parse_args()
+
+
+def ouro_loss(model: LoopedLM, ids: torch.Tensor, beta: float):
+    """Return (objective, per-depth CE [R], mean exit distribution [R])."""
+    out = model(ids[:, :-1], all_depths=True)
+    target = ids[:, 1:]
+    ce = torch.stack([F.cross_entropy(lg.float().transpose(1, 2), target, reduction="none")
+                      for lg in out.logits], dim=-1)                       # [B, S, R]
+    probs = exit_probabilities(out.gate_logits)                             # [B, S, R]
+    entropy = -(probs * torch.log(probs.clamp_min(1e-9))).sum(-1)
+    objective = (probs * ce).sum(-1).mean() - beta * entropy.mean()
+    return objective, ce.mean(dim=(0, 1)).detach(), probs.mean(dim=(0, 1)).detach()
+
+
+@torch.no_grad()
+def evaluate(model: LoopedLM, heldout: np.ndarray, seq: int, windows: int, device) -> list[float]:
+    """Mean next-token CE (nats) per depth over fixed, evenly spaced held-out windows."""
+    model.eval()
+    starts = np.linspace(0, len(heldout) - seq - 2, windows).astype(np.int64)
+    totals = torch.zeros(model.config.num_loops, device=device)
+    for chunk in np.array_split(starts, max(1, windows // 16)):
+        ids = torch.from_numpy(np.stack([heldout[s:s + seq + 1] for s in chunk]).astype(np.int64)).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model(ids[:, :-1], all_depths=True)
+        for r, lg in enumerate(out.logits):
+            totals[r] += F.cross_entropy(lg.float().transpose(1, 2), ids[:, 1:], reduction="sum")
+    model.train()
+    return (totals / (len(starts) * seq)).tolist()
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.smoke:
+        args.steps, args.batch, args.seq, args.eval_every, args.eval_windows = 20, 4, 128, 10, 8
+        args.save_every, args.warmup = 10, 5
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    train = np.load(args.data / "train.npy", mmap_mode="r")
+    heldout = np.load(args.data / "heldout.npy", mmap_mode="r")
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = args.run_dir / "state.pt"
+    log_path = args.run_dir / "log.jsonl"
+
+    model = LoopedLM(DEMO_CONFIG)
+    init_weights(model, seed=args.seed)
+    model.to(device)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
+    step, best, rng = 0, float("inf"), np.random.default_rng(args.seed)
+    if state_path.is_file():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, best = state["step"], state["best"]
+        rng.bit_generator.state = state["rng"]
+        print(f"resumed at step {step} (best held-out depth-R loss {best:.4f})", flush=True)
+    forward = torch.compile(model) if args.compile else model
+
+    def save_state() -> None:
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
+                    "rng": rng.bit_generator.state, "args": vars(args) | {"data": str(args.data)}}, tmp)
+        tmp.replace(state_path)
+
+    params = sum(p.numel() for p in model.parameters())
+    print(f"params {params:,}  device {device}  train tokens {len(train):,}", flush=True)
+    t0 = time.time()
+    model.train()
+    while step < args.steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        starts = rng.integers(0, len(train) - args.seq - 1, size=args.batch)
+        ids = torch.from_numpy(np.stack([train[s:s + args.seq + 1] for s in starts]).astype(np.int64)).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            objective, ce, probs = ouro_loss(forward, ids, args.beta)
+        opt.zero_grad(set_to_none=True)
+        objective.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0 or step == 1:
+            print(f"step {step} obj {objective.item():.4f} ce/depth {[round(c, 3) for c in ce.tolist()]} "
+                  f"p_exit {[round(p, 3) for p in probs.tolist()]} {time.time() - t0:.0f}s", flush=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            losses = evaluate(model, heldout, args.seq, args.eval_windows, device)
+            record = {"step": step, "elapsed_s": round(time.time() - t0, 1), "train_ce": ce.tolist(),
+                      "heldout_ce": losses, "p_exit": probs.tolist(), "lr": lr_at(step, args)}
+            with log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"eval step {step} heldout ce/depth {[round(x, 4) for x in losses]}", flush=True)
+            if losses[-1] < best:
+                best = losses[-1]
+                torch.save(model.state_dict(), args.run_dir / "best.pt")
+        if step % args.save_every == 0:
+            save_state()
+        if time.time() - t0 > args.time_budget_s:
+            print(f"time budget reached at step {step}; rerun the same command to resume", flush=True)
+            break
+    save_state()
+    if args.out is not None and (args.run_dir / "best.pt").is_file():
+        export_best(args)
+
+
+def export_best(args) -> None:
+    """Write the best held-out weights as an HF checkpoint (fp16) with the tokenizer files."""
+    model = LoopedLM(DEMO_CONFIG)
+    model.load_state_dict(torch.load(args.run_dir / "best.pt", map_location="cpu"))
+    staging = args.run_dir / "export"
+    if staging.exists():
+        shutil.rmtree(staging)
+    save_checkpoint(model, staging, dtype=torch.float16)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(staging / name, args.out / name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        src = args.tokenizer_dir / name
+        if src.is_file() and src.resolve() != (args.out / name).resolve():
+            shutil.copy(src, args.out / name)
+    print(f"exported best checkpoint to {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
