@@ -60,7 +60,7 @@ class KVCache:
 def rotary_cos_sin(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
     """cos/sin ``[S, D]`` for the half-split (rotate_half) convention, computed in fp32."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d))
     freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1).float()
     return emb.cos().to(dtype), emb.sin().to(dtype)
