@@ -8,9 +8,8 @@ distribution from collapsing onto the loops that learn fastest:
 
 With a uniform prior π this is Ouro's entropy regulariser (−β·H(p) up to a constant). The
 Ouro paper also studies non-uniform priors; the default here, π_r ∝ 2^r, leans on the last
-loops: with a uniform prior the 10M-parameter demo ended with depth 3 better than depth 4
-(held-out 1.895 vs 1.913 nats/token, docs/demo-model.md), because shallow loops learn first
-and the gate then moves weight to them.
+loops. The default is the uniform prior (Ouro's objective); docs/demo-model.md records what
+each prior gave.
 
 Resumable: the state (model, optimiser, step, data RNG) is saved under --run-dir every
 --save-every steps and when --time-budget-s runs out; running the same command again resumes.
@@ -49,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="resumable state + logs")
     p.add_argument("--out", type=Path, default=None, help="export the best checkpoint here (HF, fp16)")
     p.add_argument("--tokenizer-dir", type=Path, default=Path("loopcast/demo_model"))
+    p.add_argument("--layers", type=int, default=DEMO_CONFIG.num_layers, help="core layers per loop")
+    p.add_argument("--hidden", type=int, default=DEMO_CONFIG.hidden_size)
+    p.add_argument("--intermediate", type=int, default=DEMO_CONFIG.intermediate_size)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=1024)
@@ -56,7 +58,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--beta", type=float, default=0.5, help="regulariser weight")
-    p.add_argument("--exit-prior", choices=["geometric", "uniform"], default="geometric",
+    p.add_argument("--exit-prior", choices=["geometric", "uniform"], default="uniform",
                    help="prior of the exit-distribution regulariser (uniform = Ouro's entropy term)")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-windows", type=int, default=64)
@@ -121,7 +123,8 @@ def main() -> None:
     state_path = args.run_dir / "state.pt"
     log_path = args.run_dir / "log.jsonl"
 
-    model = LoopedLM(DEMO_CONFIG)
+    config = model_config(args)
+    model = LoopedLM(config)
     init_weights(model, seed=args.seed)
     model.to(device)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -138,7 +141,7 @@ def main() -> None:
         rng.bit_generator.state = state["rng"]
         print(f"resumed at step {step} (best held-out depth-R loss {best:.4f})", flush=True)
     forward = torch.compile(model) if args.compile else model
-    prior = exit_prior(args.exit_prior, DEMO_CONFIG.num_loops, device)
+    prior = exit_prior(args.exit_prior, config.num_loops, device)
 
     def save_state() -> None:
         tmp = state_path.with_suffix(".tmp")
@@ -185,9 +188,15 @@ def main() -> None:
         export_best(args)
 
 
+def model_config(args) -> ModelConfig:
+    heads = args.hidden // DEMO_CONFIG.head_dim
+    return DEMO_CONFIG.replace(num_layers=args.layers, hidden_size=args.hidden,
+                               intermediate_size=args.intermediate, num_heads=heads, num_kv_heads=heads)
+
+
 def export_best(args) -> None:
     """Write the best held-out weights as an HF checkpoint (fp16) with the tokenizer files."""
-    model = LoopedLM(DEMO_CONFIG)
+    model = LoopedLM(model_config(args))
     model.load_state_dict(torch.load(args.run_dir / "best.pt", map_location="cpu"))
     staging = args.run_dir / "export"
     if staging.exists():
