@@ -70,9 +70,8 @@ def _weight_files(checkpoint_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"{checkpoint_dir}: no weights ({SINGLE_FILE} or {INDEX_FILE}) found")
 
 
-def iter_checkpoint_tensors(checkpoint_dir: Path, config: ModelConfig,
-                            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` one at a time after validating names and shapes."""
+def validate_checkpoint(checkpoint_dir: Path, config: ModelConfig) -> dict[str, Path]:
+    """Check every tensor's presence, name and shape (headers only); return name → file."""
     files = _weight_files(checkpoint_dir)
     files = {n: f for n, f in files.items() if not n.endswith(IGNORED_SUFFIXES)}
     shapes = expected_shapes(config)
@@ -84,16 +83,30 @@ def iter_checkpoint_tensors(checkpoint_dir: Path, config: ModelConfig,
     if unexpected:
         raise CheckpointError(f"{checkpoint_dir}: unexpected tensor {unexpected[0]} for a "
                               f"{config.model_type} config")
-    by_file: dict[Path, list[str]] = {}
-    for name, fname in files.items():
-        by_file.setdefault(fname, []).append(name)
-    for fname, names in sorted(by_file.items()):
+    for fname, names in _by_file(files).items():
         with safe_open(fname, framework="pt") as f:
-            for name in sorted(names):
+            for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != shapes[name]:
                     raise CheckpointError(f"{fname.name}: tensor {name} has shape {list(shape)}, "
                                           f"expected {list(shapes[name])}")
+    return files
+
+
+def _by_file(files: dict[str, Path]) -> dict[Path, list[str]]:
+    by_file: dict[Path, list[str]] = {}
+    for name, fname in sorted(files.items()):
+        by_file.setdefault(fname, []).append(name)
+    return dict(sorted(by_file.items()))
+
+
+def iter_checkpoint_tensors(checkpoint_dir: Path, config: ModelConfig,
+                            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` one at a time after validating names and shapes."""
+    files = validate_checkpoint(checkpoint_dir, config)
+    for fname, names in _by_file(files).items():
+        with safe_open(fname, framework="pt") as f:
+            for name in names:
                 tensor = f.get_tensor(name)
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"{fname.name}: tensor {name} has dtype {tensor.dtype}, "

@@ -77,6 +77,27 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
 
 
 @main.command()
+@click.argument("checkpoint")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path),
+              help="Artifact directory to create.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option("--max-length", type=int, default=None, help="KV capacity S_max (default: min(max positions, 4096)).")
+@click.option("--verify-width", type=int, default=5, show_default=True, help="Rows W of verify/verify_tail.")
+@click.option("--draft-depth", type=int, default=None, help="Loops of the draft graph (default 1 when R > 1).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
+@_friendly_errors
+def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, verify_width: int,
+           draft_depth: int | None, overwrite: bool) -> None:
+    """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
+    from loopcast.exporter.export import ExportOptions, export_checkpoint
+
+    manifest = export_checkpoint(checkpoint, out_dir, ExportOptions(dtype, max_length, verify_width, draft_depth),
+                                 progress=True, overwrite=overwrite)
+    kinds = ", ".join(f"{k}({v.rows or 'M'})" for k, v in manifest.graphs.items())
+    click.echo(f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}")
+
+
+@main.command()
 @click.argument("path")
 @click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", show_default=True,
               help="ort runs an exported artifact; torch runs the reference on a checkpoint dir.")

@@ -208,13 +208,13 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=1, eos_token_id=2, torch_dtype="float16",
     ),
     "tiny-ouro": ModelConfig(
-        model_type="ouro", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=4, num_kv_heads=4, head_dim=8, num_loops=3, rope_theta=1e4,
+        model_type="ouro", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+        num_heads=4, num_kv_heads=4, head_dim=16, num_loops=3, rope_theta=1e4,
         max_position_embeddings=128, eos_token_id=0,
     ),
     "tiny-llama": ModelConfig(
-        model_type="llama", vocab_size=101, hidden_size=32, intermediate_size=48, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=8, num_loops=1, rope_theta=1e4,
+        model_type="llama", vocab_size=101, hidden_size=64, intermediate_size=80, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, num_loops=1, rope_theta=1e4,
         max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=0,
     ),
 }

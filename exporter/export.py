@@ -1,0 +1,162 @@
+"""``loopcast export``: checkpoint directory → artifact directory (DESIGN §3, §4).
+
+The artifact is assembled in a staging directory beside the destination and renamed into
+place only when every file is written and checked, so a failed export leaves nothing that
+looks like an artifact.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+from tqdm import tqdm
+
+from loopcast import __version__
+from loopcast.config import ModelConfig, load_config
+from loopcast.errors import ExportError
+from loopcast.exporter.checkpoint import DTYPES, resolve_checkpoint, validate_checkpoint
+from loopcast.exporter.weights import artifact_tensors, checkpoint_reader, write_weights
+from loopcast.graphs.builder import GraphBuilder, WeightRef
+from loopcast.graphs.kinds import build_kind, plan_kinds
+from loopcast.manifest import MANIFEST_FILE, SCHEMA_VERSION, WEIGHTS_FILE, Manifest
+
+IR_DTYPES = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MAX_VERIFY_WIDTH = 32
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    dtype: str = "fp32"
+    max_length: int | None = None      # default: min(config max positions, 4096)
+    verify_width: int = 5
+    draft_depth: int | None = None     # default: 1 when R > 1
+
+    def resolved(self, config: ModelConfig) -> ExportOptions:
+        if self.dtype not in IR_DTYPES:
+            raise ExportError(f"--dtype must be one of fp32, fp16, bf16, got {self.dtype!r}")
+        max_length = self.max_length or min(config.max_position_embeddings, 4096)
+        if not 1 <= max_length <= config.max_position_embeddings:
+            raise ExportError(f"--max-length {max_length} is outside 1..{config.max_position_embeddings} "
+                              "(the model's max_position_embeddings)")
+        if not 2 <= self.verify_width <= MAX_VERIFY_WIDTH:
+            raise ExportError(f"--verify-width must be in 2..{MAX_VERIFY_WIDTH}, got {self.verify_width}")
+        if self.verify_width > max_length:
+            raise ExportError(f"--verify-width {self.verify_width} exceeds --max-length {max_length}")
+        depth = self.draft_depth
+        if config.num_loops == 1:
+            if depth is not None:
+                raise ExportError(f"--draft-depth needs a looped model; this one has R=1")
+        else:
+            depth = 1 if depth is None else depth
+            if not 1 <= depth < config.num_loops:
+                raise ExportError(f"--draft-depth must be in 1..{config.num_loops - 1} (R={config.num_loops}), "
+                                  f"got {depth}")
+        return ExportOptions(self.dtype, max_length, self.verify_width, depth)
+
+
+def check_supported(config: ModelConfig) -> None:
+    """Limits of the ORT ops the graphs use, beyond what the config itself validates."""
+    if config.head_dim % 16:
+        raise ExportError(f"head_dim {config.head_dim} is not supported: GroupQueryAttention's rotary "
+                          "needs a multiple of 16")
+
+
+def _check_output_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: output path exists and is a file")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
+        raise ExportError(f"{out}: output directory is not empty and is not a loopcast artifact")
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: ExportOptions = ExportOptions(),
+                      *, progress: bool = False, overwrite: bool = False) -> Manifest:
+    checkpoint_dir = resolve_checkpoint(checkpoint)
+    config = load_config(checkpoint_dir)
+    check_supported(config)
+    opts = options.resolved(config)
+    out = Path(out_dir)
+    _check_output_dir(out)
+    if (out / MANIFEST_FILE).is_file() and not overwrite:
+        raise ExportError(f"{out}: an artifact is already there (pass --overwrite to replace it)")
+    validate_checkpoint(checkpoint_dir, config)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging.", dir=out.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
+    try:
+        manifest = _write_artifact(checkpoint_dir, config, opts, staging, progress)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,
+                    show_progress: bool) -> Manifest:
+    dtype = DTYPES[opts.dtype]
+    plans = plan_kinds(config, opts.verify_width, opts.draft_depth)
+    read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
+    n_tensors = len(artifact_tensors(config, opts.max_length, read))
+    bar = tqdm(total=n_tensors + len(plans), desc="export", unit="step", disable=not show_progress)
+    try:
+        stored = write_weights(staging / WEIGHTS_FILE, config, opts.max_length, dtype, _checked(read),
+                               progress=bar.update)
+    finally:
+        close()
+    refs = {name: WeightRef(name, IR_DTYPES[opts.dtype], t.shape, t.offset, t.length)
+            for name, t in stored.items()}
+    graphs = {}
+    for plan in plans:
+        builder = GraphBuilder(refs, WEIGHTS_FILE, staging)
+        model, spec = build_kind(plan, config, IR_DTYPES[opts.dtype], opts.max_length, builder)
+        ir.save(model, staging / spec.file)
+        graphs[plan.kind] = spec
+        bar.update(1)
+    bar.close()
+    tokenizer_files = []
+    for name in TOKENIZER_FILES:
+        if (checkpoint_dir / name).is_file():
+            shutil.copy(checkpoint_dir / name, staging / name)
+            tokenizer_files.append(name)
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION,
+        exporter_version=__version__,
+        model=config.to_hf_dict(),
+        dtype=opts.dtype,
+        max_length=opts.max_length,
+        verify_width=opts.verify_width,
+        draft_depth=opts.draft_depth,
+        kv_layout={
+            "slots": config.num_kv_slots,
+            "slot_of": "core loop r, layer l -> r*L + l; then prelude, then coda",
+            "shape": [1, config.num_kv_heads, opts.max_length, config.head_dim],
+            "names": {"past": "past_key.{slot} / past_value.{slot}",
+                      "present": "present_key.{slot} / present_value.{slot} (bind the same buffer)"},
+            "lengths": "seqlens_k = n+M-1 (int32 [1]); total_sequence_length = n+M (int32 scalar)",
+        },
+        graphs=graphs,
+        tokenizer_files=tokenizer_files,
+        eos_token_ids=[config.eos_token_id] if config.eos_token_id is not None else [],
+    )
+    (staging / MANIFEST_FILE).write_text(manifest.to_json())
+    return manifest
+
+
+def _checked(read):
+    """Wrap the checkpoint reader so that shape errors name the tensor."""
+    def read_checked(name: str) -> torch.Tensor:
+        tensor = read(name)
+        if not tensor.is_floating_point():
+            raise ExportError(f"checkpoint tensor {name} has dtype {tensor.dtype}, expected floating point")
+        return tensor.float()
+    return read_checked
+

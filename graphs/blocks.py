@@ -1,0 +1,188 @@
+"""Block builders: one function per architectural block, taking and returning values.
+
+A graph kind (``graphs/kinds.py``) is a composition of these; a change to a block is made once.
+Value names carry shapes: B batch (1), S new rows, H hidden, Q packed q|k|v width, I
+intermediate, V vocab, Hkv KV heads, T KV capacity (max length), D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from loopcast.config import ModelConfig
+from loopcast.graphs.builder import MS_DOMAIN, GraphBuilder
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Per-step values every attention block reads (DESIGN §2: the host owns n).
+
+    For M new rows at positions n..n+M-1: ``seqlens_k = n+M-1`` (int32 [B]) and
+    ``total_sequence_length = n+M`` (int32 scalar), GroupQueryAttention's contract.
+    """
+
+    seqlens_k: ir.Value
+    total_sequence_length: ir.Value
+    cos_cache: ir.Value
+    sin_cache: ir.Value
+
+
+@dataclass(frozen=True)
+class BlockContext:
+    config: ModelConfig
+    dtype: ir.DataType
+    max_length: int
+    step: StepInputs
+
+
+def rms_norm(b: GraphBuilder, x: ir.Value, weight: str, ctx: BlockContext, *, path: str, out: str) -> ir.Value:
+    # stash_type=1: statistics in fp32 whatever the model dtype, as the reference does.
+    return b.op("RMSNormalization", [x, b.weight(weight)], path=path, out=out,
+                axis=-1, epsilon=ctx.config.rms_norm_eps, stash_type=1)
+
+
+def residual_rms_norm(b: GraphBuilder, branch: ir.Value, residual: ir.Value, weight: str,
+                      ctx: BlockContext, *, path: str, prefix: str) -> tuple[ir.Value, ir.Value]:
+    """``x = residual + branch; h = rms(x)·g`` in one fused contrib op; returns (h, x).
+
+    SkipSimplifiedLayerNormalization outputs: 0 normed, 1 mean, 2 inv_std_var, 3 input+skip.
+    """
+    normed, _, _, summed = b.op_multi(
+        "SkipSimplifiedLayerNormalization", [branch, residual, b.weight(weight)], path=path,
+        outs=[f"{prefix}.normed_BSH", f"{prefix}.mean", f"{prefix}.inv_std", f"{prefix}.sum_BSH"],
+        domain=MS_DOMAIN, epsilon=ctx.config.rms_norm_eps)
+    return normed, summed
+
+
+def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int, ctx: BlockContext, *,
+              path: str, prefix: str) -> ir.Value:
+    """Self-attention over the static KV buffers of ``slot`` (bound as past and present).
+
+        h ─ qkv_proj ─▶ qkv_BSQ ─▶ GroupQueryAttention(rotary, KV write at n.., causal) ─ o_proj ─▶
+                                          ▲ past_key.{slot}  ▼ present_key.{slot} (same buffer)
+    """
+    cfg = ctx.config
+    kv_shape = [1, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
+    past_key = b.input(f"past_key.{slot}", ctx.dtype, kv_shape)
+    past_value = b.input(f"past_value.{slot}", ctx.dtype, kv_shape)
+    qkv = b.op("MatMul", [h_BSH, b.weight(f"{layer}.qkv_proj.weight_T")],
+               path=f"{path}/qkv_proj", out=f"{prefix}.qkv_BSQ")
+    # Inputs in schema order: query (packed q|k|v), key, value (empty: packed), past_key,
+    # past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache; trailing optional
+    # inputs 9.. (position_ids, attention_bias, head_sink) are not used.
+    attn, present_key, present_value = b.op_multi(
+        "GroupQueryAttention",
+        [qkv, None, None, past_key, past_value, ctx.step.seqlens_k, ctx.step.total_sequence_length,
+         ctx.step.cos_cache, ctx.step.sin_cache],
+        path=f"{path}/gqa", outs=[f"{prefix}.attn_BSHD", f"present_key.{slot}", f"present_value.{slot}"],
+        domain=MS_DOMAIN, num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
+        do_rotary=1, rotary_interleaved=0, scale=cfg.head_dim ** -0.5)
+    b.output(present_key)
+    b.output(present_value)
+    return b.op("MatMul", [attn, b.weight(f"{layer}.o_proj.weight_T")],
+                path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH")
+
+
+def swiglu_mlp(b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, *,
+               path: str, prefix: str) -> ir.Value:
+    """``down(silu(gate(h)) · up(h))`` with gate and up fused into one MatMul.
+
+        h ─ gate_up_proj ─▶ [gate | up] ─ Split ─▶ gate ─ Sigmoid ─ Mul(gate) ─ Mul(up) ─ down_proj ─▶
+    """
+    inter = ctx.config.intermediate_size
+    gate_up = b.op("MatMul", [h_BSH, b.weight(f"{layer}.gate_up_proj.weight_T")],
+                   path=f"{path}/gate_up_proj", out=f"{prefix}.gate_up_BS2I")
+    gate, up = b.op_multi("Split", [gate_up, b.const_i64("split_sizes_2I", [inter, inter])],
+                          path=f"{path}/split", outs=[f"{prefix}.gate_BSI", f"{prefix}.up_BSI"], axis=-1)
+    sig = b.op("Sigmoid", [gate], path=f"{path}/sigmoid", out=f"{prefix}.sigmoid_BSI")
+    silu = b.op("Mul", [gate, sig], path=f"{path}/silu", out=f"{prefix}.silu_BSI")
+    act = b.op("Mul", [silu, up], path=f"{path}/gated", out=f"{prefix}.act_BSI")
+    return b.op("MatMul", [act, b.weight(f"{layer}.down_proj.weight_T")],
+                path=f"{path}/down_proj", out=f"{prefix}.mlp_out_BSH")
+
+
+def decoder_layer(b: GraphBuilder, x_BSH: ir.Value, layer: str, slot: int, ctx: BlockContext, *,
+                  path: str, prefix: str) -> ir.Value:
+    """One decoder layer: Ouro sandwich or Llama pre-norm.
+
+    Sandwich:  x ─┬─ n1 ─ attn ─ n2 ─(+)─ x1 ─┬─ n3 ─ mlp ─ n4 ─(+)─▶
+                  └──────────────────┘         └──────────────────┘
+    The residual add after attention and n3 are one SkipSimplifiedLayerNormalization.
+    """
+    sandwich = ctx.config.sandwich_norm
+    h1 = rms_norm(b, x_BSH, f"{layer}.input_layernorm.weight", ctx, path=f"{path}/input_norm",
+                  out=f"{prefix}.h1_BSH")
+    a = attention(b, h1, layer, slot, ctx, path=f"{path}/attn", prefix=prefix)
+    if sandwich:
+        a = rms_norm(b, a, f"{layer}.input_layernorm_2.weight", ctx, path=f"{path}/input_norm_2",
+                     out=f"{prefix}.a2_BSH")
+    h3, x1 = residual_rms_norm(b, a, x_BSH, f"{layer}.post_attention_layernorm.weight", ctx,
+                               path=f"{path}/attn_residual_norm", prefix=f"{prefix}.res1")
+    m = swiglu_mlp(b, h3, layer, ctx, path=f"{path}/mlp", prefix=prefix)
+    if sandwich:
+        m = rms_norm(b, m, f"{layer}.post_attention_layernorm_2.weight", ctx,
+                     path=f"{path}/post_norm_2", out=f"{prefix}.m4_BSH")
+    return b.op("Add", [x1, m], path=f"{path}/mlp_residual", out=f"{prefix}.out_BSH")
+
+
+def core_loop(b: GraphBuilder, x_BSH: ir.Value, loop: int, ctx: BlockContext) -> ir.Value:
+    """The core stack at depth ``loop``, then the loop-norm (its output feeds the next loop)."""
+    cfg = ctx.config
+    for layer in range(cfg.num_layers):
+        x_BSH = decoder_layer(b, x_BSH, f"layers.{layer}", cfg.core_slot(loop, layer), ctx,
+                              path=f"/loop{loop}/layer{layer}", prefix=f"loop{loop}.layer{layer}")
+    return rms_norm(b, x_BSH, "norm.weight", ctx, path=f"/loop{loop}/loop_norm", out=f"loop{loop}.normed_BSH")
+
+
+def prelude(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
+    for i in range(ctx.config.num_prelude_layers):
+        x_BSH = decoder_layer(b, x_BSH, f"prelude_layers.{i}", ctx.config.prelude_slot(i), ctx,
+                              path=f"/prelude/layer{i}", prefix=f"prelude.layer{i}")
+    return x_BSH
+
+
+def coda(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
+    for i in range(ctx.config.num_coda_layers):
+        x_BSH = decoder_layer(b, x_BSH, f"coda_layers.{i}", ctx.config.coda_slot(i), ctx,
+                              path=f"/coda/layer{i}", prefix=f"coda.layer{i}")
+    return x_BSH
+
+
+def embed(b: GraphBuilder, input_ids_BS: ir.Value) -> ir.Value:
+    return b.op("Gather", [b.weight("embed_tokens.weight"), input_ids_BS], path="/embed", out="embed_BSH", axis=0)
+
+
+def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
+    """Logits in fp32 whatever the model dtype (the argmax and the host read them)."""
+    cfg = ctx.config
+    if cfg.tie_word_embeddings:
+        # Gemm(transB) reads the [V, H] embedding in place instead of storing a transposed copy.
+        flat = b.op("Reshape", [x_BSH, b.const_i64("shape_NH", [-1, cfg.hidden_size])],
+                    path="/lm_head/flatten", out="head_in_NH")
+        logits = b.op("Gemm", [flat, b.weight("embed_tokens.weight")], path="/lm_head/gemm",
+                      out="logits_NV", transB=1)
+        logits = b.op("Reshape", [logits, b.const_i64("shape_BSV", [1, -1, cfg.vocab_size])],
+                      path="/lm_head/unflatten", out="logits_raw_BSV")
+    else:
+        logits = b.op("MatMul", [x_BSH, b.weight("lm_head.weight_T")], path="/lm_head/matmul",
+                      out="logits_raw_BSV")
+    if ctx.dtype != ir.DataType.FLOAT:
+        logits = b.op("Cast", [logits], path="/lm_head/cast", out="logits_f32_BSV", to=ir.DataType.FLOAT)
+    return logits
+
+
+def greedy_outputs(b: GraphBuilder, logits_BSV: ir.Value, *, with_gap: bool = False) -> None:
+    """Next-token ids on the device (ArgMax), logits, and optionally the top-1/top-2 gap."""
+    ids = b.op("ArgMax", [logits_BSV], path="/sample/argmax", out="next_token_ids_BS", axis=-1, keepdims=0)
+    b.output(ids)
+    b.output(logits_BSV, "logits_BSV")
+    if with_gap:
+        top_values, _ = b.op_multi("TopK", [logits_BSV, b.const_i64("k2", [2])], path="/sample/top2",
+                                   outs=["top2_values_BS2", "top2_indices_BS2"], axis=-1)
+        first, second = b.op_multi("Split", [top_values, b.const_i64("split_ones", [1, 1])],
+                                   path="/sample/top2_split", outs=["top1_BS1", "top2_BS1"], axis=-1)
+        gap = b.op("Sub", [first, second], path="/sample/gap", out="top2_gap_BS1")
+        b.output(b.op("Squeeze", [gap, b.const_i64("axis_last", [-1])], path="/sample/gap_squeeze",
+                      out="top2_gap_BS"))

@@ -1,0 +1,89 @@
+"""A thin layer over onnx-ir's Tape: named ops, graph IO and external-data weights.
+
+Block builders (``graphs/blocks.py``) take a :class:`GraphBuilder` and values, and return
+values; the builder only records. Node names are paths (``/loop2/layer7/attn/qkv_proj``),
+value names carry their shape (``qkv_BSQ``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+
+OPSET = 23            # RMSNormalization is standard from opset 23
+MS_DOMAIN = "com.microsoft"
+IR_VERSION = 10
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """Where a weight lives in the artifact's weights file."""
+
+    name: str
+    dtype: ir.DataType
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+
+
+@dataclass
+class GraphBuilder:
+    weights: Mapping[str, WeightRef]
+    weights_file: str
+    base_dir: Path
+    tape: ir.tape.Tape = field(default_factory=ir.tape.Tape)
+    inputs: list[ir.Value] = field(default_factory=list)
+    outputs: list[ir.Value] = field(default_factory=list)
+    _initializers: dict[str, ir.Value] = field(default_factory=dict)
+
+    # -- values ------------------------------------------------------------------------------
+    def input(self, name: str, dtype: ir.DataType, shape: Sequence[int | str]) -> ir.Value:
+        value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(shape)))
+        self.inputs.append(value)
+        return value
+
+    def output(self, value: ir.Value, name: str | None = None) -> ir.Value:
+        if name is not None and value.name != name:
+            value = self.op("Identity", [value], path=f"/outputs/{name}", out=name)
+        self.outputs.append(value)
+        return value
+
+    def weight(self, name: str) -> ir.Value:
+        """The initializer for a stored weight (created once per graph, data stays external)."""
+        if name not in self._initializers:
+            ref = self.weights[name]
+            tensor = ir.ExternalTensor(self.weights_file, ref.offset, ref.length, ref.dtype,
+                                       shape=ir.Shape(list(ref.shape)), name=name,
+                                       base_dir=str(self.base_dir))
+            self._initializers[name] = ir.Value(name=name, type=ir.TensorType(ref.dtype),
+                                                shape=ir.Shape(list(ref.shape)), const_value=tensor)
+        return self._initializers[name]
+
+    def const_i64(self, name: str, values: Sequence[int]) -> ir.Value:
+        """A small int64 constant (shapes, axes), embedded in the graph."""
+        if name not in self._initializers:
+            tensor = ir.tensor(list(values), dtype=ir.DataType.INT64, name=name)
+            self._initializers[name] = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64),
+                                                shape=ir.Shape([len(values)]), const_value=tensor)
+        return self._initializers[name]
+
+    # -- ops ---------------------------------------------------------------------------------
+    def op(self, op_type: str, inputs: Sequence[ir.Value | None], *, path: str, out: str,
+           domain: str = "", **attributes) -> ir.Value:
+        return self.tape.op(op_type, list(inputs), attributes or None, domain=domain, name=path,
+                            output=ir.Value(name=out))
+
+    def op_multi(self, op_type: str, inputs: Sequence[ir.Value | None], *, path: str,
+                 outs: Sequence[str], domain: str = "", **attributes) -> Sequence[ir.Value]:
+        return self.tape.op_multi_out(op_type, list(inputs), attributes or None, domain=domain,
+                                      name=path, outputs=[ir.Value(name=n) for n in outs])
+
+    # -- result ------------------------------------------------------------------------------
+    def build(self, name: str, doc: str) -> ir.Model:
+        graph = ir.Graph(self.inputs, self.outputs, nodes=self.tape.nodes,
+                         initializers=list(self._initializers.values()),
+                         opset_imports={"": OPSET, MS_DOMAIN: 1}, name=name, doc_string=doc)
+        return ir.Model(graph, ir_version=IR_VERSION, producer_name="loopcast")
