@@ -1,1 +1,8 @@
-"""Deployable runtime: onnxruntime + numpy + tokenizers only (no torch, no exporter)."""
+"""Deployable runtime: onnxruntime + numpy + tokenizers only (no torch, no exporter).
+
+``load(artifact_dir)`` returns a :class:`LoopcastModel`; see ``ort_runtime/api.py``.
+"""
+
+from loopcast.ort_runtime.api import GenerationResult, LoopcastModel, StreamPiece, load
+
+__all__ = ["GenerationResult", "LoopcastModel", "StreamPiece", "load"]

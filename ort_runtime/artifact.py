@@ -1,0 +1,128 @@
+"""Open an artifact: validate the manifest, create one ORT session per graph kind.
+
+Weights: every graph references the one ``weights.safetensors`` as external data, which ORT
+memory-maps on the CPU. ORT's MatMul weight *prepacking* would give every session a private
+packed copy (measured with 3 sessions over 192 MB: 585 MB private with prepacking, one shared
+mapping without), so the small-row graphs (decode, verify, draft, verify_tail) run with
+prepacking off — for M ≤ 32 rows it costs nothing measurable — and only prefill, where
+packing pays for large M, keeps a packed copy. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnxruntime as ort
+
+from loopcast.errors import ArtifactError, RequestError
+from loopcast.manifest import PREFILL, Manifest
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+@dataclass
+class LoadedModel:
+    """An opened artifact: manifest, sessions (shared by every generator) and tokenizer."""
+
+    path: Path
+    manifest: Manifest
+    device: str
+    sessions: dict[str, ort.InferenceSession]
+    tokenizer: object | None = None
+    load_seconds: float = 0.0
+    _eos: tuple[int, ...] = field(default=())
+
+    @property
+    def config(self):
+        return self.manifest.config
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.manifest.eos_token_ids)
+
+    def has(self, kind: str) -> bool:
+        return kind in self.sessions
+
+
+def _session_options(kind: str, manifest: Manifest, artifact_dir: Path, threads: int | None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    if kind != PREFILL:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    if manifest.custom_op_library:
+        library = artifact_dir / manifest.custom_op_library
+        try:
+            so.register_custom_ops_library(str(library))
+        except Exception as exc:  # ORT raises a generic error type
+            raise ArtifactError(f"{library}: custom-op library could not be loaded ({exc})") from None
+    return so
+
+
+def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
+                  kinds: tuple[str, ...] | None = None) -> LoadedModel:
+    import time
+
+    start = time.perf_counter()
+    path = Path(artifact_dir)
+    manifest = Manifest.read(path)
+    if device not in PROVIDERS:
+        raise RequestError(f"unknown device {device!r}; choose cpu or cuda")
+    provider = PROVIDERS[device]
+    if provider not in ort.get_available_providers():
+        raise RequestError(f"device {device!r} needs {provider}, which this onnxruntime build lacks "
+                           "(install the `cuda` extra: onnxruntime-gpu)")
+    if device == "cuda" and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+    sessions = {}
+    for kind, spec in manifest.graphs.items():
+        if kinds is not None and kind not in kinds:
+            continue
+        try:
+            sessions[kind] = ort.InferenceSession(str(path / spec.file), _session_options(kind, manifest, path, threads),
+                                                  providers=[provider])
+        except ArtifactError:
+            raise
+        except Exception as exc:
+            raise ArtifactError(f"{path / spec.file}: ONNX Runtime could not load the '{kind}' graph "
+                                f"({str(exc).splitlines()[0][:300]})") from None
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+        try:
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:
+            raise ArtifactError(f"{path / 'tokenizer.json'}: unreadable tokenizer ({exc})") from None
+    return LoadedModel(path, manifest, device, sessions, tokenizer, time.perf_counter() - start)
+
+
+def describe_artifact(path: Path) -> str:
+    manifest = Manifest.read(path)
+    cfg = manifest.config
+    total = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    weights = (Path(path) / manifest.weights_file).stat().st_size
+    lines = [
+        f"artifact        {path}",
+        f"schema          v{manifest.schema_version} (exporter {manifest.exporter_version})",
+        f"model           {cfg.model_type}, R={cfg.num_loops} loops x {cfg.num_layers} layers, "
+        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
+        f"dtype           {manifest.dtype}",
+        f"max length      {manifest.max_length} (KV slots: {manifest.kv_layout['slots']}, "
+        f"each {manifest.kv_layout['shape']})",
+        f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB (artifact total {total / 2**20:.1f} MiB)",
+        f"custom ops      {', '.join(manifest.custom_ops) or 'none'}",
+        "graphs:",
+    ]
+    for kind, spec in manifest.graphs.items():
+        size = (Path(path) / spec.file).stat().st_size
+        lines.append(f"  {kind:<12} {spec.file:<17} rows {spec.rows or 'dynamic':<8} loops "
+                     f"{spec.first_loop}..{spec.last_loop - 1}  KV slots {len(spec.kv_slots):<3} {size / 1024:.0f} KiB")
+        others = [n for n in spec.inputs if not n.startswith("past_")]
+        outs = [n for n in spec.outputs if not n.startswith("present_")]
+        lines.append(f"  {'':<12} inputs {', '.join(others)} + past_key/value.{{slot}}")
+        lines.append(f"  {'':<12} outputs {', '.join(outs)} + present_key/value.{{slot}}")
+    return "\n".join(lines)

@@ -1,0 +1,223 @@
+"""A generator: KV buffers, IO bindings and the committed length ``n`` of one sequence.
+
+Everything a step touches is allocated once, when the generator is made: one K and one V
+buffer per slot ``[1, H_kv, S_max, D]`` bound as both past and present of every graph that
+reads the slot (GroupQueryAttention updates it in place), and per graph kind fixed input and
+output buffers bound once. A step writes its inputs into those buffers and runs; nothing is
+allocated per token. Prefill (dynamic rows) rebinds its token ids per call; it is not hot.
+
+The host owns ``n`` (DESIGN §2): a step over M rows at positions s..s+M-1 writes exactly those
+positions of the slots it binds. ``rewind(n')`` only moves ``n``; data past ``n`` is never read
+again before it is rewritten, because every row attends only to positions ≤ its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from loopcast.errors import ArtifactError, RequestError
+from loopcast.manifest import DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL, GraphSpec
+from loopcast.ort_runtime.artifact import LoadedModel
+
+_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+class _Buffer:
+    """A fixed host array and the OrtValue bound to it (on CPU they share memory)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, device: str) -> None:
+        self.host = np.zeros(shape, dtype)
+        self.device = device
+        if device == "cpu":
+            self.value = ort.OrtValue.ortvalue_from_numpy(self.host)
+        else:
+            self.value = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", 0)
+            self.value.update_inplace(self.host)
+
+    def push(self) -> None:
+        """Make the device copy current after ``host`` was written (no-op on CPU)."""
+        if self.device != "cpu":
+            self.value.update_inplace(self.host)
+
+    def pull(self) -> np.ndarray:
+        if self.device != "cpu":
+            self.host[...] = self.value.numpy()
+        return self.host
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    next_ids: np.ndarray            # [rows] int64, argmax of each row
+    logits: np.ndarray              # [rows, V] float32 (a view into the bound buffer)
+    hidden: np.ndarray | None = None  # draft only: [1, H] state at the draft depth
+    top2_gap: float | None = None     # draft only
+
+
+class _KindBinding:
+    """One graph kind's session, IO binding and fixed buffers."""
+
+    def __init__(self, session: ort.InferenceSession, spec: GraphSpec, kv: dict[int, tuple[_Buffer, _Buffer]],
+                 model: LoadedModel, dtype) -> None:
+        cfg, device = model.config, model.device
+        self.spec, self.session = spec, session
+        self.binding = session.io_binding()
+        rows = spec.rows or 1
+        out_rows = 1 if spec.kind == PREFILL else rows
+        self.ids = _Buffer((1, rows), np.int64, device) if spec.first_loop == 0 else None
+        self.hidden = _Buffer((1, rows, cfg.hidden_size), dtype, device) if spec.first_loop > 0 else None
+        self.seqlens = _Buffer((1,), np.int32, "cpu")
+        self.total = _Buffer((), np.int32, "cpu")
+        self.next_ids = _Buffer((1, out_rows), np.int64, device)
+        self.logits = _Buffer((1, out_rows, cfg.vocab_size), np.float32, device)
+        self.gap = _Buffer((1, 1), np.float32, device) if spec.kind == DRAFT else None
+        self.hidden_out = _Buffer((1, 1, cfg.hidden_size), dtype, device) if spec.kind == DRAFT else None
+        b = self.binding
+        if self.ids is not None and spec.rows is not None:
+            b.bind_ortvalue_input("input_ids_BS", self.ids.value)
+        if self.hidden is not None:
+            b.bind_ortvalue_input("hidden_BSH", self.hidden.value)
+        b.bind_ortvalue_input("seqlens_k", self.seqlens.value)
+        b.bind_ortvalue_input("total_sequence_length", self.total.value)
+        for slot in spec.kv_slots:
+            key, value = kv[slot]
+            b.bind_ortvalue_input(f"past_key.{slot}", key.value)
+            b.bind_ortvalue_input(f"past_value.{slot}", value.value)
+            b.bind_ortvalue_output(f"present_key.{slot}", key.value)
+            b.bind_ortvalue_output(f"present_value.{slot}", value.value)
+        b.bind_ortvalue_output("next_token_ids_BS", self.next_ids.value)
+        b.bind_ortvalue_output("logits_BSV", self.logits.value)
+        if self.gap is not None:
+            b.bind_ortvalue_output("top2_gap_BS", self.gap.value)
+            b.bind_ortvalue_output("hidden_BSH_out", self.hidden_out.value)
+
+    def bound_objects(self) -> list[object]:
+        """Every buffer this binding holds (tests assert they never change identity)."""
+        bufs = [self.ids, self.hidden, self.seqlens, self.total, self.next_ids, self.logits, self.gap, self.hidden_out]
+        return [x for b in bufs if b is not None for x in (b.host, b.value)] + [self.binding]
+
+
+class Generator:
+    """One sequence's state on a loaded model; several generators share the model's sessions."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        manifest = model.manifest
+        if manifest.dtype not in _NP_DTYPES or (manifest.dtype == "fp16" and model.device == "cpu"):
+            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device "
+                                f"(the CPU execution provider lacks {manifest.dtype} kernels for these graphs)")
+        cfg = model.config
+        self.model = model
+        self.max_length = manifest.max_length
+        dtype = _NP_DTYPES[manifest.dtype]
+        shape = (1, cfg.num_kv_heads, self.max_length, cfg.head_dim)
+        self._kv = {s: (_Buffer(shape, dtype, model.device), _Buffer(shape, dtype, model.device))
+                    for s in range(cfg.num_kv_slots)}
+        self._kinds = {kind: _KindBinding(sess, manifest.graphs[kind], self._kv, model, dtype)
+                       for kind, sess in model.sessions.items()}
+        self._tokens: list[int] = []          # ids whose KV is committed; len == n
+        self.step_counts: dict[str, int] = defaultdict(int)
+        self.step_seconds: dict[str, float] = defaultdict(float)
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    def rewind(self, n: int) -> None:
+        """Forget everything after the first ``n`` committed tokens. Never copies KV."""
+        if not 0 <= n <= self.n:
+            raise RequestError(f"rewind({n}) outside 0..{self.n} (the committed length)")
+        del self._tokens[n:]
+
+    def commit(self, ids: list[int]) -> None:
+        """Declare that the KV of ``ids`` at positions n.. has been written by a step."""
+        if self.n + len(ids) > self.max_length:
+            raise RequestError(f"commit past the KV capacity {self.max_length}")
+        self._tokens.extend(int(t) for t in ids)
+
+    def has_kind(self, kind: str) -> bool:
+        return kind in self._kinds
+
+    def rows(self, kind: str) -> int | None:
+        return self.model.manifest.graphs[kind].rows
+
+    def bound_objects(self) -> list[object]:
+        objs = [x for k, v in self._kv.values() for x in (k.host, k.value, v.host, v.value)]
+        for kind in sorted(self._kinds):
+            objs += self._kinds[kind].bound_objects()
+        return objs
+
+    # -- steps (write KV at positions start.., never move n) ---------------------------------
+    def run(self, kind: str, start: int, *, tokens: list[int] | None = None,
+            hidden: np.ndarray | None = None) -> StepOutput:
+        """Run one graph over rows at positions ``start..``; padded rows repeat the last input."""
+        kb = self._kinds[kind]
+        used = len(tokens) if tokens is not None else hidden.shape[0]
+        rows = kb.spec.rows or used
+        if used < 1 or used > rows:
+            raise RequestError(f"{kind} takes 1..{rows} rows, got {used}")
+        if start + rows > self.max_length:
+            raise RequestError(f"{kind} at position {start} with {rows} rows passes the KV capacity "
+                               f"{self.max_length}")
+        if tokens is not None:
+            if kb.spec.rows is None:  # prefill: dynamic rows, bound per call
+                ids = np.asarray([tokens], dtype=np.int64)
+                kb.binding.bind_cpu_input("input_ids_BS", ids)
+            else:
+                kb.ids.host[0, :used] = tokens
+                kb.ids.host[0, used:] = tokens[-1]
+                kb.ids.push()
+        else:
+            kb.hidden.host[0, :used] = hidden
+            kb.hidden.host[0, used:] = hidden[-1]
+            kb.hidden.push()
+        kb.seqlens.host[0] = start + rows - 1
+        kb.total.host[...] = start + rows
+        t0 = time.perf_counter()
+        kb.session.run_with_iobinding(kb.binding)
+        self.step_seconds[kind] += time.perf_counter() - t0
+        self.step_counts[kind] += 1
+        out_rows = 1 if kind == PREFILL else used
+        next_ids = kb.next_ids.pull()[0, :out_rows]
+        logits = kb.logits.pull()[0, :out_rows]
+        if kind == DRAFT:
+            return StepOutput(next_ids, logits, kb.hidden_out.pull()[0].copy(), float(kb.gap.pull()[0, 0]))
+        return StepOutput(next_ids, logits)
+
+    # -- committing steps --------------------------------------------------------------------
+    def prefill(self, ids: list[int], chunk: int | None = None) -> int:
+        """Write ``ids`` at n.. (in chunks of ``chunk`` rows if given), commit, return the next token."""
+        if not ids:
+            raise RequestError("prompt is empty: give at least one token")
+        chunk = chunk or len(ids)
+        out = None
+        for i in range(0, len(ids), chunk):
+            part = ids[i:i + chunk]
+            out = self.run(PREFILL, self.n, tokens=part)
+            self.commit(part)
+        return int(out.next_ids[-1])
+
+    def decode(self, token: int) -> int:
+        out = self.run(DECODE, self.n, tokens=[token])
+        self.commit([token])
+        return int(out.next_ids[0])
+
+    def validate_ids(self, ids: list[int]) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if self.n + len(ids) > self.max_length:
+            raise RequestError(f"prompt of {len(ids)} tokens after {self.n} committed ones is longer than "
+                               f"the max length {self.max_length}")
+
+
+__all__ = ["Generator", "StepOutput", DECODE, VERIFY, VERIFY_TAIL]
