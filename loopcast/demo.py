@@ -15,3 +15,21 @@ def demo_checkpoint_dir() -> Path:
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise CheckpointError(f"{path}: the demo model is not in this installation")
     return path
+
+
+def demo_artifact_dir(cache_dir: Path | None = None, *, progress: bool = False) -> Path:
+    """The demo model exported (fp32, CPU) into the cache, exporting on first use."""
+    import hashlib
+    import os
+
+    from loopcast import __version__
+
+    checkpoint = demo_checkpoint_dir()
+    digest = hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest()[:12]
+    root = cache_dir or Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
+    artifact = Path(root) / f"demo-{__version__}-{digest}"
+    if not (artifact / "manifest.json").is_file():
+        from loopcast.exporter.export import ExportOptions, export_checkpoint
+        export_checkpoint(checkpoint, artifact, ExportOptions(dtype="fp32", max_length=1024, verify_width=5,
+                                                              draft_depth=1), progress=progress, overwrite=True)
+    return artifact

@@ -102,5 +102,8 @@ class LoopcastModel:
         return GenerationResult(tokens, self.decode(tokens), stats.finish_reason, stats)
 
 
-def load(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None) -> LoopcastModel:
-    return LoopcastModel(open_artifact(artifact_dir, device, threads=threads))
+def load(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
+         share_weights: bool = False) -> LoopcastModel:
+    """Open an artifact. ``share_weights`` keeps one resident copy of the weights for all
+    graph kinds at the cost of slower multi-row steps (see ort_runtime/artifact.py)."""
+    return LoopcastModel(open_artifact(artifact_dir, device, threads=threads, share_weights=share_weights))

@@ -1,11 +1,15 @@
 """Open an artifact: validate the manifest, create one ORT session per graph kind.
 
 Weights: every graph references the one ``weights.safetensors`` as external data, which ORT
-memory-maps on the CPU. ORT's MatMul weight *prepacking* would give every session a private
-packed copy (measured with 3 sessions over 192 MB: 585 MB private with prepacking, one shared
-mapping without), so the small-row graphs (decode, verify, draft, verify_tail) run with
-prepacking off — for M ≤ 32 rows it costs nothing measurable — and only prefill, where
-packing pays for large M, keeps a packed copy. See docs/architecture.md.
+memory-maps on the CPU, so the raw weights are resident once however many sessions use them.
+ORT's MatMul weight *prepacking* then gives each session a private packed copy (3 sessions
+over 192 MB: 585 MB private with prepacking, one shared 192 MB mapping without). Prepacking
+is kept by default because without it every M>1 MatMul repacks the weights per call (verify
+W=5 on the demo model: 20.8 ms vs 7.9 ms per step); ``share_weights=True`` turns it off for
+one resident copy. Numbers and commands: docs/architecture.md.
+
+Several sessions alternate on the same cores, so their intra-op threads must not spin after
+a run (spinning threads of one session starve the next session's run).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import PREFILL, Manifest
+from loopcast.manifest import Manifest
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -46,13 +50,15 @@ class LoadedModel:
         return kind in self.sessions
 
 
-def _session_options(kind: str, manifest: Manifest, artifact_dir: Path, threads: int | None) -> ort.SessionOptions:
+def _session_options(manifest: Manifest, artifact_dir: Path, threads: int | None,
+                     share_weights: bool) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads
-    if kind != PREFILL:
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if share_weights:
         so.add_session_config_entry("session.disable_prepacking", "1")
     if manifest.custom_op_library:
         library = artifact_dir / manifest.custom_op_library
@@ -64,7 +70,7 @@ def _session_options(kind: str, manifest: Manifest, artifact_dir: Path, threads:
 
 
 def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
-                  kinds: tuple[str, ...] | None = None) -> LoadedModel:
+                  kinds: tuple[str, ...] | None = None, share_weights: bool = False) -> LoadedModel:
     import time
 
     start = time.perf_counter()
@@ -83,7 +89,7 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
         if kinds is not None and kind not in kinds:
             continue
         try:
-            sessions[kind] = ort.InferenceSession(str(path / spec.file), _session_options(kind, manifest, path, threads),
+            sessions[kind] = ort.InferenceSession(str(path / spec.file), _session_options(manifest, path, threads, share_weights),
                                                   providers=[provider])
         except ArtifactError:
             raise

@@ -192,6 +192,8 @@ def _proposer(gen: Generator, spec: SpeculationConfig):
     if not 1 <= k <= width - 1:
         raise RequestError(f"--num-draft-tokens must be in 1..{width - 1} (verify width {width}), got {k}")
     if spec.proposer is not None:
+        if spec.mode == "self" and not isinstance(spec.proposer, SelfDraftProposer):
+            raise RequestError("speculative mode 'self' takes a SelfDraftProposer")
         return spec.proposer, k
     if spec.mode == "self":
         return SelfDraftProposer(), k
@@ -208,7 +210,7 @@ def _round(gen: Generator, proposer, pending: int, k: int, spec: SpeculationConf
             out = gen.run(DRAFT, n + i, tokens=[rows_in[i]])
             hidden.append(out.hidden[0])
             if i < k:
-                rows_in.append(int(out.next_ids[0]))
+                rows_in.append(proposer.adjust(i, int(out.next_ids[0])))
         drafts = rows_in[1:]
         verified = gen.run(VERIFY_TAIL, n, hidden=np.stack(hidden))
     else:

@@ -149,6 +149,11 @@ class Generator:
     def rows(self, kind: str) -> int | None:
         return self.model.manifest.graphs[kind].rows
 
+    def kv_arrays(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of one slot's K and V buffers ``[1, H_kv, S_max, D]`` (for checks)."""
+        key, value = self._kv[slot]
+        return key.pull().copy(), value.pull().copy()
+
     def bound_objects(self) -> list[object]:
         objs = [x for k, v in self._kv.values() for x in (k.host, k.value, v.host, v.value)]
         for kind in sorted(self._kinds):

@@ -87,11 +87,21 @@ class PromptLookupProposer:
 
 
 class SelfDraftProposer:
-    """Marker for shallow-loop self-speculation: drafts come from the draft graph at depth d
-    (the decoding loop runs it, since its rows also write depth<d KV)."""
+    """Shallow-loop self-speculation: drafts come from the draft graph at depth d (the
+    decoding loop runs it, since its rows also write depth<d KV).
+
+    ``perturb(position, token) -> token`` may replace a drafted token before it is fed to the
+    next draft row — the adversarial tests use it to force rejections mid-chain.
+    """
 
     name = "self"
     needs_hidden = True
+
+    def __init__(self, perturb=None) -> None:
+        self.perturb = perturb
+
+    def adjust(self, position: int, token: int) -> int:
+        return int(self.perturb(position, token)) if self.perturb is not None else token
 
 
 # -- gates -------------------------------------------------------------------------------------
