@@ -79,8 +79,8 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int, ctx: Bloc
         path=f"{path}/gqa", outs=[f"{prefix}.attn_BSHD", f"present_key.{slot}", f"present_value.{slot}"],
         domain=MS_DOMAIN, num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
         do_rotary=1, rotary_interleaved=0, scale=cfg.head_dim ** -0.5)
-    b.output(present_key)
-    b.output(present_value)
+    b.output(present_key, ctx.dtype, kv_shape)
+    b.output(present_value, ctx.dtype, kv_shape)
     return b.op("MatMul", [attn, b.weight(f"{layer}.o_proj.weight_T")],
                 path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH")
 
@@ -173,11 +173,12 @@ def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
     return logits
 
 
-def greedy_outputs(b: GraphBuilder, logits_BSV: ir.Value, *, with_gap: bool = False) -> None:
+def greedy_outputs(b: GraphBuilder, logits_BSV: ir.Value, rows: int | str, vocab: int, *,
+                   with_gap: bool = False) -> None:
     """Next-token ids on the device (ArgMax), logits, and optionally the top-1/top-2 gap."""
     ids = b.op("ArgMax", [logits_BSV], path="/sample/argmax", out="next_token_ids_BS", axis=-1, keepdims=0)
-    b.output(ids)
-    b.output(logits_BSV, "logits_BSV")
+    b.output(ids, ir.DataType.INT64, [1, rows])
+    b.output(logits_BSV, ir.DataType.FLOAT, [1, rows, vocab], "logits_BSV")
     if with_gap:
         top_values, _ = b.op_multi("TopK", [logits_BSV, b.const_i64("k2", [2])], path="/sample/top2",
                                    outs=["top2_values_BS2", "top2_indices_BS2"], axis=-1)
@@ -185,4 +186,4 @@ def greedy_outputs(b: GraphBuilder, logits_BSV: ir.Value, *, with_gap: bool = Fa
                                    path="/sample/top2_split", outs=["top1_BS1", "top2_BS1"], axis=-1)
         gap = b.op("Sub", [first, second], path="/sample/gap", out="top2_gap_BS1")
         b.output(b.op("Squeeze", [gap, b.const_i64("axis_last", [-1])], path="/sample/gap_squeeze",
-                      out="top2_gap_BS"))
+                      out="top2_gap_BS"), ir.DataType.FLOAT, [1, rows])

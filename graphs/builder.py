@@ -45,9 +45,13 @@ class GraphBuilder:
         self.inputs.append(value)
         return value
 
-    def output(self, value: ir.Value, name: str | None = None) -> ir.Value:
+    def output(self, value: ir.Value, dtype: ir.DataType, shape: Sequence[int | str],
+               name: str | None = None) -> ir.Value:
+        """Declare a graph output (graph outputs carry their type and shape)."""
         if name is not None and value.name != name:
             value = self.op("Identity", [value], path=f"/outputs/{name}", out=name)
+        value.type = ir.TensorType(dtype)
+        value.shape = ir.Shape(list(shape))
         self.outputs.append(value)
         return value
 

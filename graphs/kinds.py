@@ -64,9 +64,10 @@ def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_leng
         x = b.op("Slice", [x, b.const_i64("last_start", [-1]), b.const_i64("last_end", [2**62]),
                            b.const_i64("rows_axis", [1])], path="/prefill/last_row", out="last_row_B1H")
     logits = blocks.lm_head(b, x, ctx)
-    blocks.greedy_outputs(b, logits, with_gap=plan.kind == DRAFT)
+    out_rows = 1 if plan.kind == PREFILL else rows
+    blocks.greedy_outputs(b, logits, out_rows, config.vocab_size, with_gap=plan.kind == DRAFT)
     if plan.kind == DRAFT:
-        b.output(depth_state, "hidden_BSH_out")
+        b.output(depth_state, dtype, [1, rows, config.hidden_size], "hidden_BSH_out")
     model = b.build(plan.kind, __doc__.split("\n\n")[0])
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
     spec = GraphSpec(kind=plan.kind, file=f"{plan.kind}.onnx", rows=plan.rows,

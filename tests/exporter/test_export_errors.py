@@ -1,0 +1,113 @@
+"""Export refuses what it cannot honour, with a clear error and nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loopcast.errors import ConfigError, ExportError, LoopcastError
+from loopcast.exporter.export import ExportOptions, export_checkpoint
+from tests.artifacts import checkpoint
+
+
+def _edited_checkpoint(tmp_path: Path, **changes) -> Path:
+    src = checkpoint("ouro-r3")
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    raw = json.loads((dst / "config.json").read_text())
+    raw.update(changes)
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"model_type": "mistral"}, "model_type"),
+])
+def test_unsupported_configs(tmp_path: Path, changes, match) -> None:
+    ckpt = _edited_checkpoint(tmp_path, **changes)
+    with pytest.raises(ConfigError, match=match):
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_head_dim_not_multiple_of_16(tmp_path: Path) -> None:
+    ckpt = _edited_checkpoint(tmp_path)
+    raw = json.loads((ckpt / "config.json").read_text())
+    assert raw["head_dim"] == 16
+
+
+@pytest.mark.parametrize("options,match", [
+    (ExportOptions(verify_width=1), "verify-width"),
+    (ExportOptions(verify_width=33), "verify-width"),
+    (ExportOptions(draft_depth=3), "draft-depth"),
+    (ExportOptions(draft_depth=0), "draft-depth"),
+    (ExportOptions(max_length=100_000), "max-length"),
+    (ExportOptions(dtype="int8"), "dtype"),
+])
+def test_bad_options(tmp_path: Path, options, match) -> None:
+    with pytest.raises(ExportError, match=match):
+        export_checkpoint(checkpoint("ouro-r3"), tmp_path / "out", options)
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_draft_depth_on_llama_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match="R=1"):
+        export_checkpoint(checkpoint("llama-tied-gqa"), tmp_path / "out", ExportOptions(draft_depth=1))
+
+
+def test_output_is_a_file_or_unrelated_directory(tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(ExportError, match="is a file"):
+        export_checkpoint(checkpoint("ouro-r3"), target)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not empty"):
+        export_checkpoint(checkpoint("ouro-r3"), busy)
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"]
+
+
+def test_failed_export_leaves_nothing(tmp_path: Path) -> None:
+    """A checkpoint whose tensor is truncated fails mid-export; no artifact appears."""
+    ckpt = _edited_checkpoint(tmp_path)
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    with pytest.raises(Exception):
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_cli_export_error_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "export", str(checkpoint("ouro-r3")),
+                           "-o", str(tmp_path / "out"), "--verify-width", "1"], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error:"), proc.stderr
+    assert "verify-width" in proc.stderr
+
+
+def test_cli_export_and_inspect(tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "export", str(checkpoint("ouro-r3")),
+                           "-o", str(out), "--verify-width", "4", "--draft-depth", "2"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["verify_width"] == 4 and manifest["draft_depth"] == 2
+    assert set(manifest["graphs"]) == {"prefill", "decode", "verify", "draft", "verify_tail"}
+    proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "inspect", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for word in ("verify_tail", "rows 4", "loops 2..2", "fp32", "past_key"):
+        assert word in proc.stdout
+    assert issubclass(ExportError, LoopcastError)

@@ -1,0 +1,57 @@
+"""Structural checks of every exported graph: standard ONNX + com.microsoft, no control flow."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import onnxruntime as ort
+import pytest
+
+from tests.artifacts import artifact
+
+
+def _graphs(path):
+    manifest = json.loads((path / "manifest.json").read_text())
+    for kind, spec in manifest["graphs"].items():
+        yield kind, spec, path / spec["file"]
+
+
+@pytest.mark.parametrize("name,dtype", [("ouro-r3", "fp32"), ("llama-tied-gqa", "fp32"),
+                                        ("ouro-r2-gqa", "fp16"), ("ouro-r2-gqa", "bf16"),
+                                        ("llama-untied", "bf16")])
+def test_checker_and_shape_inference_pass(name: str, dtype: str) -> None:
+    path = artifact(name, dtype=dtype)
+    for kind, spec, file in _graphs(path):
+        onnx.checker.check_model(str(file), full_check=True)  # path form: external data resolved lazily
+        model = onnx.load(str(file), load_external_data=False)
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        ops = {(n.domain or "ai.onnx", n.op_type) for n in model.graph.node}
+        assert not {op for _, op in ops} & {"Loop", "If", "Scan"}, f"{kind}: control flow blocks CUDA graphs"
+        assert ("com.microsoft", "GroupQueryAttention") in ops
+        assert ("com.microsoft", "SkipSimplifiedLayerNormalization") in ops
+        assert {d for d, _ in ops} <= {"ai.onnx", "com.microsoft"}
+        assert all(n.name.startswith("/") for n in model.graph.node), "node names are paths"
+        # weights are external references into the one shared file, never embedded copies
+        for init in model.graph.initializer:
+            if init.data_type != onnx.TensorProto.INT64:
+                locations = {e.key: e.value for e in init.external_data}
+                assert locations.get("location") == "weights.safetensors", init.name
+        assert len(spec["kv_slots"]) > 0
+
+
+@pytest.mark.parametrize("name", ["ouro-r3", "llama-untied"])
+def test_ort_loads_with_all_optimizations(name: str) -> None:
+    path = artifact(name)
+    for kind, _, file in _graphs(path):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        ort.InferenceSession(str(file), so, providers=["CPUExecutionProvider"])
+
+
+def test_artifact_stores_weights_once() -> None:
+    path = artifact("demo")
+    weights = (path / "weights.safetensors").stat().st_size
+    total = sum(f.stat().st_size for f in path.iterdir())
+    tokenizer = sum((path / n).stat().st_size for n in ("tokenizer.json", "tokenizer_config.json"))
+    assert total - tokenizer <= 1.05 * weights
