@@ -4,6 +4,7 @@ error contract (a LoopcastError is one `error:` line on stderr and exit status 2
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from loopcast.cli import main
@@ -83,7 +85,8 @@ def test_inspect_demo_prints_parameters_and_loops():
     result = invoke("inspect", "demo")
     assert result.exit_code == 0, result.output
     fields = inspect_fields(result.stdout)
-    params = sum(t.numel() for t in load_checkpoint("demo").state_dict().values())
+    with safe_open(resolve_checkpoint("demo") / SINGLE_FILE, framework="pt") as f:  # headers only
+        params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     assert fields["parameters"] == f"{params:,}"
     assert fields["loops (R)"].split()[0] == "4"
     assert fields["model_type"] == "ouro"
