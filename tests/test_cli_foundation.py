@@ -200,8 +200,13 @@ def test_missing_config_and_weights(damaged):
         assert_cli_error(invoke(*command), str(path), "no weights")
 
 
-def test_unknown_preset(tmp_path):
+def test_random_checkpoint_bad_options(tmp_path):
     assert_cli_error(invoke("random-checkpoint", tmp_path / "x", "--preset", "huge"), "unknown preset 'huge'")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert_cli_error(invoke("random-checkpoint", taken), str(taken), "not an empty directory")
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"]
 
 
 # Real processes: the installed console script and `python -m loopcast.cli`.
