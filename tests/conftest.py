@@ -63,3 +63,10 @@ def make_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def pytest_configure(config) -> None:
+    # The torch reference and ONNX Runtime share 2 cores in one process: torch's own thread
+    # pool only adds contention for these tiny matrices (measured: 234 s vs 7 s for
+    # test_reference.py on a loaded machine).
+    torch.set_num_threads(1)
