@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from loopcast.config import load_config
-from loopcast.exporter.checkpoint import checkpoint_dtype, expected_shapes, resolve_checkpoint
+from loopcast.exporter.checkpoint import checkpoint_dtype, expected_shapes, resolve_checkpoint, validate_checkpoint
 
 _BYTES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}
 
@@ -21,6 +21,7 @@ def _size(n: float) -> str:
 def describe_checkpoint(path_or_name: str) -> str:
     path = resolve_checkpoint(path_or_name)
     cfg = load_config(path)
+    validate_checkpoint(path, cfg)  # names the first missing or mis-shaped tensor
     dtype = checkpoint_dtype(path)
     nbytes = _BYTES.get(str(dtype), 4)
     params = sum(math.prod(s) for s in expected_shapes(cfg).values())

@@ -236,6 +236,11 @@ class LoopedLM(nn.Module):
         last_loop = cfg.num_loops if last_loop is None else last_loop
         if not 0 <= first_loop < last_loop <= cfg.num_loops:
             raise ValueError(f"loop range {first_loop}..{last_loop} outside 0..{cfg.num_loops}")
+        if all_depths and cache is not None and cfg.num_coda_layers:
+            # The cache holds one coda KV per position (the committed depth's); a shallower
+            # depth's coda would need its own, so its logits are undefined on a cached step.
+            raise ValueError("all_depths with a KV cache is undefined for models with coda layers; "
+                             "run last_loop=d per depth instead")
         if first_loop == 0:
             x = self.embed(input_ids_BS)
         else:
@@ -252,8 +257,8 @@ class LoopedLM(nn.Module):
             if cfg.has_exit_gate:
                 gates.append(self.exit_gate(x))
             if all_depths or loop == last_loop - 1:
-                # The coda only writes its KV on the final pass so that its slots hold the
-                # state of the depth that is actually committed.
+                # Without coda layers (Ouro, Llama) the coda is the identity and every depth's
+                # logits are defined with or without a cache (see the check above).
                 is_last = loop == last_loop - 1
                 coda_ctx = ctx if is_last else StepContext(ctx.start, ctx.cos_SD, ctx.sin_SD, None)
                 logits.append(self.head(self.coda(x, coda_ctx)))

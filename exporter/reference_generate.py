@@ -20,6 +20,9 @@ class ReferenceResult:
 
 def validate_request(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int, max_length: int) -> None:
     vocab = model.config.vocab_size
+    if not 1 <= max_length <= model.config.max_position_embeddings:
+        raise RequestError(f"max_length {max_length} is outside 1..{model.config.max_position_embeddings} "
+                           "(max_position_embeddings)")
     if not prompt_ids:
         raise RequestError("prompt is empty: give at least one token")
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
@@ -40,7 +43,7 @@ def greedy_generate(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int,
     ``depth`` stops every step after that many loops (the shallow model). Generation ends at a
     stop id (kept in the output), after ``max_new_tokens`` or when the cache is full.
     """
-    max_length = max_length or model.config.max_position_embeddings
+    max_length = model.config.max_position_embeddings if max_length is None else max_length
     validate_request(model, prompt_ids, max_new_tokens, max_length)
     dtype = model.model.embed_tokens.weight.dtype
     device = model.model.embed_tokens.weight.device
@@ -74,7 +77,7 @@ def greedy_generate_recompute(model: LoopedLM, prompt_ids: list[int], max_new_to
                               max_length: int | None = None, stop_ids: tuple[int, ...] = (),
                               depth: int | None = None, keep_logits: bool = False) -> ReferenceResult:
     """Same contract as :func:`greedy_generate`, recomputing the whole sequence every step."""
-    max_length = max_length or model.config.max_position_embeddings
+    max_length = model.config.max_position_embeddings if max_length is None else max_length
     validate_request(model, prompt_ids, max_new_tokens, max_length)
     device = model.model.embed_tokens.weight.device
     seq = list(prompt_ids)
