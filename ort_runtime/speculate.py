@@ -173,23 +173,35 @@ class CostGate:
 
     name = "cost"
 
-    def __init__(self, k_max: int, costs, *, margin: float = 0.05, prior_alpha: float = 0.5,
-                 probe_every: int = 16) -> None:
+    def __init__(self, k_max: int, costs, *, margin: float = 0.05, prior_alpha: float = 0.8,
+                 probe_every: int = 8) -> None:
         self.k_max, self.costs, self.margin = k_max, costs, margin
-        self.alpha, self.rounds = prior_alpha, 0
+        # α = accepted / (accepted + rejections), as decayed counts: a ratio of sums, not a
+        # mean of per-round ratios (which undercounts long accepted runs).
+        self._accepted, self._trials = 2.0 * prior_alpha, 2.0
         self.probe_every, self._next_probe = probe_every, 0
         self.engaged = False
         self.transitions = 0
 
+    @property
+    def alpha(self) -> float:
+        return self._accepted / self._trials
+
     def best_k(self) -> tuple[int, float]:
-        decode = self.costs.decode()
-        best_k, best_rate = 0, 1.0 / decode
+        """The k with the best expected tokens/s, 0 if plain decode is better.
+
+        Hysteresis: engaging needs a ``margin`` gain over decode, staying engaged only needs
+        to lose less than ``margin``, so one unlucky round does not flip the gate.
+        """
+        plain = 1.0 / self.costs.decode()
+        need = plain * (1 - self.margin if self.engaged else 1 + self.margin)
+        best_k, best_rate = 0, need
         for k in range(1, self.k_max + 1):
             expected = sum(self.alpha ** i for i in range(k + 1))
             rate = expected / self.costs.round(k)
-            if rate > best_rate * (1 + self.margin) and rate > best_rate:
+            if rate > best_rate:
                 best_k, best_rate = k, rate
-        return best_k, best_rate
+        return best_k, max(best_rate, plain)
 
     def engage(self, step: int) -> int | None:
         k, _ = self.best_k()
@@ -197,7 +209,7 @@ class CostGate:
         if not now and step >= self._next_probe:
             self._next_probe = step + self.probe_every
             self.probe_every = min(self.probe_every * 2, 256)
-            k = 1
+            k = self.k_max  # a full-length probe: one round tells how far drafts stay right
         if now != self.engaged:
             self.transitions += 1
             self.engaged = now
@@ -205,8 +217,8 @@ class CostGate:
 
     def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
         if proposed:
-            # Per-draft acceptance from a truncated geometric: a accepted of k offered.
-            rate = accepted / (accepted + (1 if accepted < proposed else 0)) if proposed else 0.0
-            self.alpha = 0.8 * self.alpha + 0.2 * rate
+            decay = 0.8
+            self._accepted = decay * self._accepted + accepted
+            self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
             if accepted > 0:
-                self.probe_every = 16
+                self.probe_every = 8

@@ -1,6 +1,6 @@
 """CPU benchmark of the demo model: torch reference vs ONNX Runtime, and the speculation matrix.
 
-    python tools/bench_cpu.py                 # full run (~6 min on 2 cores), JSON → docs/perf-cpu.json
+    python tools/bench_cpu.py                 # full run (~7 min on 2 cores), JSON → docs/perf-cpu.json
     python tools/bench_cpu.py --quick         # smoke run (2 prompts, 32 tokens, 1 pass), JSON → /tmp
 
 What it measures, all in one process on the shipped demo model (fp32, max length 1024):
@@ -31,9 +31,16 @@ How it measures:
   * Each path / artifact is warmed up once (a short run per mode) before anything is timed.
   * A configuration's speed is sum(tokens) / sum(wall seconds) over all prompts of its
     workload, the wall clock taken around each ``generate`` / ``greedy_generate`` call.
-  * The whole set of configurations is measured ``--repeats`` (2) times, passes interleaved
-    (pass 1 over every configuration, then pass 2), and each configuration keeps its faster
-    pass: the machine is shared, so the faster pass is the one less disturbed by other load.
+  * The whole set of configurations is measured ``--repeats`` (2) times and each configuration
+    keeps its faster pass: the machine is shared, so the faster pass is the one less disturbed
+    by other load. Passes run one after the other; inside a pass the configurations take turns
+    prompt by prompt, so a burst of outside load is spread over many configurations.
+  * Threads: ORT uses its default intra-op pool (no spinning, see ort_runtime/artifact.py);
+    torch runs with ``--torch-threads`` (default 1). On the 2-core demo machine one torch
+    thread is as fast as two when the machine is idle (~35-39 vs ~31-36 tokens/s) and is not
+    wrecked by other load: with one other busy process, two OpenMP threads fell to ~11 tokens/s
+    (and to ~4 under heavier load) while one thread stayed at ~39. Pass ``--torch-threads 2``
+    to measure torch's default.
   * The cost gate reads the generator's step timers, which accumulate over the runs made on
     the same loaded model, so its decisions depend on what ran before (as in a long-lived
     process); the order of configurations is fixed.
@@ -189,31 +196,29 @@ class Pass:
         return self.new_tokens / self.seconds
 
 
-def run_ort(model, config: Config, prompt_ids: list[list[int]], max_new_tokens: int) -> Pass:
-    result = Pass([], 0.0)
-    for ids in prompt_ids:
-        start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens, speculative=config.mode, gate=config.gate,
-                             num_draft_tokens=config.k, stop_ids=())
-        result.seconds += time.perf_counter() - start
-        result.tokens.append(out.tokens)
-        stats = out.stats
-        result.rounds += stats.rounds
-        result.proposed += stats.proposed
-        result.accepted += stats.accepted
-        for kind, n in stats.steps.items():
-            result.steps[kind] = result.steps.get(kind, 0) + n
-    return result
+TORCH = "torch"   # the job key of the torch reference (ORT jobs are keyed by their Config)
 
 
-def run_torch(reference, prompt_ids: list[list[int]], max_new_tokens: int) -> Pass:
-    result = Pass([], 0.0)
-    for ids in prompt_ids:
-        start = time.perf_counter()
-        out = greedy_generate(reference, ids, max_new_tokens, max_length=MAX_LENGTH, stop_ids=())
-        result.seconds += time.perf_counter() - start
-        result.tokens.append(out.tokens)
-    return result
+def run_ort(model, config: Config, ids: list[int], max_new_tokens: int, into: Pass) -> None:
+    """One ORT generation of one prompt, added to ``into``."""
+    start = time.perf_counter()
+    out = model.generate(ids, max_new_tokens, speculative=config.mode, gate=config.gate,
+                         num_draft_tokens=config.k, stop_ids=())
+    into.seconds += time.perf_counter() - start
+    into.tokens.append(out.tokens)
+    into.rounds += out.stats.rounds
+    into.proposed += out.stats.proposed
+    into.accepted += out.stats.accepted
+    for kind, n in out.stats.steps.items():
+        into.steps[kind] = into.steps.get(kind, 0) + n
+
+
+def run_torch(reference, ids: list[int], max_new_tokens: int, into: Pass) -> None:
+    """One torch reference generation (eager, cached) of one prompt, added to ``into``."""
+    start = time.perf_counter()
+    out = greedy_generate(reference, ids, max_new_tokens, max_length=MAX_LENGTH, stop_ids=())
+    into.seconds += time.perf_counter() - start
+    into.tokens.append(out.tokens)
 
 
 def warm_up(models: dict, reference, prompt_ids: list[int], configs: list[Config]) -> None:
@@ -251,21 +256,27 @@ def export_artifacts(root: Path) -> dict[str, Path]:
 
 
 def measure(args, models: dict, reference, workloads: dict[str, Workload]) -> tuple[dict, dict]:
-    """Interleaved passes → (best Pass per (workload, config), every pass's seconds)."""
+    """Interleaved passes → (fastest Pass per (workload, job), every pass's seconds).
+
+    Within a pass, the jobs take turns prompt by prompt (prompt 1 for every job, then prompt 2,
+    ...), so a burst of load from elsewhere on the machine hits many jobs a little rather than
+    one job a lot."""
     encode = models["w5d1"].encode
     ids = {w: [encode(p) for p in wl.prompts] for w, wl in workloads.items()}
-    jobs = [("code", "torch")] + [(w, c) for w in workloads for c in matrix()]
+    jobs = [("code", TORCH)] + [(w, c) for w in workloads for c in matrix()]
     best: dict = {}
     seconds: dict = {}
     for rep in range(args.repeats):
-        for workload, config in jobs:
-            if config == "torch":
-                result = run_torch(reference, ids[workload], args.max_new_tokens)
-                label = "torch reference (eager)"
-            else:
-                result = run_ort(models[config.artifact], config, ids[workload], args.max_new_tokens)
-                label = f"ORT {config.label}"
-            key = (workload, config)
+        passes = {job: Pass([], 0.0) for job in jobs}
+        for i in range(args.prompts):
+            for workload, job in jobs:
+                if job == TORCH:
+                    run_torch(reference, ids[workload][i], args.max_new_tokens, passes[(workload, job)])
+                else:
+                    run_ort(models[job.artifact], job, ids[workload][i], args.max_new_tokens,
+                            passes[(workload, job)])
+            print(f"pass {rep + 1}/{args.repeats}: prompt {i + 1}/{args.prompts} done", flush=True)
+        for key, result in passes.items():
             seconds.setdefault(key, []).append(result.seconds)
             previous = best.get(key)
             if previous is None or result.seconds < previous.seconds:
@@ -273,19 +284,21 @@ def measure(args, models: dict, reference, workloads: dict[str, Workload]) -> tu
             if previous is not None:
                 best[key].differs_between_passes = (previous.differs_between_passes
                                                     or result.tokens != previous.tokens)
+            workload, job = key
+            label = "torch reference (eager)" if job == TORCH else f"ORT {job.label}"
             print(f"pass {rep + 1}/{args.repeats}  {workload:4s}  {label:38s} "
                   f"{result.tokens_per_second:7.1f} tok/s", flush=True)
     return best, seconds
 
 
 def summarize(best: dict, seconds: dict, workloads: dict[str, Workload]) -> tuple[dict, list[dict]]:
-    torch_pass, ort_pass = best[("code", "torch")], best[("code", PLAIN)]
+    torch_pass, ort_pass = best[("code", TORCH)], best[("code", PLAIN)]
     baseline = {
         "workload": "code",
         "torch_tokens_per_second": torch_pass.tokens_per_second,
         "ort_tokens_per_second": ort_pass.tokens_per_second,
         "ort_over_torch": ort_pass.tokens_per_second / torch_pass.tokens_per_second,
-        "torch_seconds_per_pass": seconds[("code", "torch")],
+        "torch_seconds_per_pass": seconds[("code", TORCH)],
         "ort_seconds_per_pass": seconds[("code", PLAIN)],
         "tokens": torch_pass.new_tokens,
         "same": torch_pass.tokens == ort_pass.tokens,
@@ -392,6 +405,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help=f"JSON output (default {DEFAULT_OUT}; {QUICK_OUT} with --quick)")
     parser.add_argument("--prompts", type=int, help="prompts per workload (default 8, 2 with --quick)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens per run (default 128, 32 with --quick)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads for the reference (default 1: see the docstring)")
     parser.add_argument("--repeats", type=int, help="passes; each configuration keeps its fastest "
                                                     "(default 2, 1 with --quick)")
     args = parser.parse_args(argv)
@@ -406,6 +421,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    torch.set_num_threads(args.torch_threads)
     info = machine_info()
     workloads = make_workloads(args.prompts)
     with tempfile.TemporaryDirectory(prefix="loopcast-bench-") as tmp:
@@ -419,6 +435,7 @@ def main(argv=None) -> int:
     info["load_average_end"] = os.getloadavg()
     settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                 "max_length": MAX_LENGTH, "dtype": "fp32", "stop_ids": [],
+                "torch_threads": args.torch_threads, "ort_threads": "onnxruntime default",
                 "timing": "sum(tokens)/sum(wall seconds of each generate call) over a workload's "
                           "prompts; fastest of `repeats` interleaved passes",
                 "artifacts": {name: {"verify_width": w, "draft_depth": d} for name, (w, d) in ARTIFACTS.items()},

@@ -160,7 +160,7 @@ def test_cost_gate_disengages_when_drafts_keep_missing(demo) -> None:
     oracle = Oracle(prompt, plain.tokens, WRONG["always-wrong"])
     spec = demo.generate(prompt, 120, stop_ids=(), speculative="prompt-lookup", gate="cost", proposer=oracle)
     assert spec.tokens == plain.tokens
-    assert spec.stats.rounds <= 12, spec.stats.rounds  # a few probes, then plain decode
+    assert spec.stats.rounds <= 16, spec.stats.rounds  # learns within a few rounds, then rare probes
     assert spec.stats.steps.get("decode", 0) >= 100
 
 
