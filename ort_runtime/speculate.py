@@ -138,6 +138,7 @@ class HitDensityGate:
         self.engaged = False
         self.transitions = 0
         self._last_info = 0
+        self._base_probe, self._probing = probe_every, False
 
     def engage(self, step: int) -> int | None:
         density = sum(self.hits) / len(self.hits) if self.hits else 1.0
@@ -146,8 +147,10 @@ class HitDensityGate:
             self.transitions += 1
             self.engaged = now
         if not now and step - self._last_info >= self.probe_every:
-            # Proposers without a free would-hit signal (self-drafts) learn only from rounds.
+            # Proposers without a free would-hit signal (self-drafts) learn only from rounds;
+            # the interval doubles while probes keep missing.
             self._last_info = step
+            self._probing = True
             return self.k
         return self.k if now else None
 
@@ -158,6 +161,9 @@ class HitDensityGate:
         elif proposed:
             self.hits.append(accepted > 0)
             self._last_info = step
+            if self._probing:
+                self.probe_every = self._base_probe if accepted > 0 else min(2 * self.probe_every, 256)
+        self._probing = False
 
 
 class CostGate:
@@ -216,9 +222,15 @@ class CostGate:
         return k or None
 
     def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+        decay = 0.8
         if proposed:
-            decay = 0.8
             self._accepted = decay * self._accepted + accepted
             self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
             if accepted > 0:
                 self.probe_every = 8
+        elif would_hit is not None:
+            # Free evidence from a plain step (prompt lookup): one draft, hit or miss. It
+            # replaces the probe, which would only measure the same thing at a cost.
+            self._accepted = decay * self._accepted + float(would_hit)
+            self._trials = decay * self._trials + 1.0
+            self._next_probe = step + self.probe_every
