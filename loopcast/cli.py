@@ -160,7 +160,10 @@ def demo(prompt: str | None, max_new_tokens: int, speculative: str) -> None:
     prompt = prompt or DEMO_PROMPT
     modes = {"auto": [("prompt-lookup", "hit-density"), ("self", "cost")], "none": [],
              "prompt-lookup": [("prompt-lookup", "hit-density")], "self": [("self", "cost")]}[speculative]
-    model.generate(prompt, 8)  # warm-up: first-run allocations stay out of the timings
+    # Warm-up: every graph kind's first run (allocations, thread start) stays out of the timings.
+    model.generate(prompt, 8)
+    for mode, gate in modes:
+        model.generate(prompt, 8, speculative=mode, gate=gate)
     plain = model.generate(prompt, max_new_tokens)
     best, best_label = plain, "plain greedy"
     rows = [("plain greedy", plain)]
