@@ -34,6 +34,27 @@ def validate_request(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int
         raise RequestError(f"prompt of {len(prompt_ids)} tokens is longer than the max length {max_length}")
 
 
+def _greedy_loop(next_logits, prompt_ids: list[int], max_new_tokens: int, max_length: int,
+                 stop_ids: tuple[int, ...], keep_logits: bool) -> ReferenceResult:
+    """The stopping rules both paths share; ``next_logits(pending, n)`` scores the last row."""
+    tokens: list[int] = []
+    kept: list[torch.Tensor] = []
+    pending, n = list(prompt_ids), 0  # n: tokens already consumed (the cached path's KV length)
+    while len(tokens) < max_new_tokens:
+        if n + len(pending) > max_length:  # no room for the pending tokens' KV
+            return ReferenceResult(tokens, "capacity", kept)
+        row = next_logits(pending, n)
+        n += len(pending)
+        token = int(row.argmax())
+        tokens.append(token)
+        if keep_logits:
+            kept.append(row.float().cpu())
+        if token in stop_ids:
+            return ReferenceResult(tokens, "eos", kept)
+        pending = [token]
+    return ReferenceResult(tokens, "length", kept)
+
+
 @torch.no_grad()
 def greedy_generate(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int, *,
                     max_length: int | None = None, stop_ids: tuple[int, ...] = (),
@@ -45,31 +66,14 @@ def greedy_generate(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int,
     """
     max_length = model.config.max_position_embeddings if max_length is None else max_length
     validate_request(model, prompt_ids, max_new_tokens, max_length)
-    dtype = model.model.embed_tokens.weight.dtype
-    device = model.model.embed_tokens.weight.device
-    cache = KVCache(model.config, max_length, dtype=dtype, device=device)
-    tokens: list[int] = []
-    logits_kept: list[torch.Tensor] = []
-    pending = list(prompt_ids)
-    n = 0  # committed KV length
-    reason = "length"
-    while len(tokens) < max_new_tokens:
-        if n + len(pending) > max_length:
-            reason = "capacity"
-            break
-        ids = torch.tensor([pending], device=device)
-        out = model(ids, start=n, cache=cache, last_loop=depth)
-        n += len(pending)
-        row = out.final_logits[0, -1]
-        token = int(row.argmax())
-        tokens.append(token)
-        if keep_logits:
-            logits_kept.append(row.float().cpu())
-        if token in stop_ids:
-            reason = "eos"
-            break
-        pending = [token]
-    return ReferenceResult(tokens, reason, logits_kept)
+    weight = model.model.embed_tokens.weight
+    cache = KVCache(model.config, max_length, dtype=weight.dtype, device=weight.device)
+
+    def next_logits(pending: list[int], n: int) -> torch.Tensor:
+        out = model(torch.tensor([pending], device=weight.device), start=n, cache=cache, last_loop=depth)
+        return out.final_logits[0, -1]
+
+    return _greedy_loop(next_logits, prompt_ids, max_new_tokens, max_length, stop_ids, keep_logits)
 
 
 @torch.no_grad()
@@ -80,23 +84,10 @@ def greedy_generate_recompute(model: LoopedLM, prompt_ids: list[int], max_new_to
     max_length = model.config.max_position_embeddings if max_length is None else max_length
     validate_request(model, prompt_ids, max_new_tokens, max_length)
     device = model.model.embed_tokens.weight.device
-    seq = list(prompt_ids)
-    tokens: list[int] = []
-    logits_kept: list[torch.Tensor] = []
-    reason = "length"
-    while len(tokens) < max_new_tokens:
-        # The cached path needs room for the pending token's KV at position len(seq)-1.
-        if len(seq) > max_length:
-            reason = "capacity"
-            break
-        out = model(torch.tensor([seq], device=device), last_loop=depth)
-        row = out.final_logits[0, -1]
-        token = int(row.argmax())
-        tokens.append(token)
-        if keep_logits:
-            logits_kept.append(row.float().cpu())
-        if token in stop_ids:
-            reason = "eos"
-            break
-        seq.append(token)
-    return ReferenceResult(tokens, reason, logits_kept)
+    seq: list[int] = []
+
+    def next_logits(pending: list[int], n: int) -> torch.Tensor:
+        seq.extend(pending)
+        return model(torch.tensor([seq], device=device), last_loop=depth).final_logits[0, -1]
+
+    return _greedy_loop(next_logits, prompt_ids, max_new_tokens, max_length, stop_ids, keep_logits)
