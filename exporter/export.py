@@ -40,7 +40,7 @@ class ExportOptions:
     def resolved(self, config: ModelConfig) -> ExportOptions:
         if self.dtype not in IR_DTYPES:
             raise ExportError(f"--dtype must be one of fp32, fp16, bf16, got {self.dtype!r}")
-        max_length = self.max_length or min(config.max_position_embeddings, 4096)
+        max_length = self.max_length if self.max_length is not None else min(config.max_position_embeddings, 4096)
         if not 1 <= max_length <= config.max_position_embeddings:
             raise ExportError(f"--max-length {max_length} is outside 1..{config.max_position_embeddings} "
                               "(the model's max_position_embeddings)")
@@ -70,6 +70,11 @@ def check_supported(config: ModelConfig) -> None:
 def _check_output_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: output path exists and is a file")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ExportError(f"{out}: {parent} is not a directory")
+            break
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
         raise ExportError(f"{out}: output directory is not empty and is not a loopcast artifact")
 
@@ -86,18 +91,36 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: Expo
         raise ExportError(f"{out}: an artifact is already there (pass --overwrite to replace it)")
     validate_checkpoint(checkpoint_dir, config)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging.", dir=out.parent))
+    except OSError as exc:
+        raise ExportError(f"{out}: cannot create the output directory ({exc.strerror})") from None
     staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
     try:
         manifest = _write_artifact(checkpoint_dir, config, opts, staging, progress)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        _swap_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+def _swap_into_place(staging: Path, out: Path) -> None:
+    """Rename the finished artifact into place; an old one is moved aside first and removed
+    only after the new one is there, so no moment leaves ``out`` missing or half-deleted."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+    backup.rmdir()
+    out.rename(backup)
+    try:
+        staging.rename(out)
+    except BaseException:
+        backup.rename(out)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
 
 
 def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,

@@ -82,6 +82,9 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     if provider not in ort.get_available_providers():
         raise RequestError(f"device {device!r} needs {provider}, which this onnxruntime build lacks "
                            "(install the `cuda` extra: onnxruntime-gpu)")
+    if device == "cpu" and manifest.dtype != "fp32":
+        raise ArtifactError(f"{path}: {manifest.dtype} artifacts need the CUDA device; the CPU execution "
+                            f"provider lacks {manifest.dtype} kernels for these graphs (export --dtype fp32)")
     if device == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     sessions = {}

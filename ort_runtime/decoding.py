@@ -127,9 +127,8 @@ def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tup
     base = gen.n
     start = time.perf_counter()
     counts0, secs0 = dict(gen.step_counts), dict(gen.step_seconds)
-    emitted = 0
 
-    def finish(reason: str) -> None:
+    def finish(reason: str, emitted: int = 0) -> None:
         stats.finish_reason = reason
         gen.rewind(min(gen.n, base + len(ids) + emitted - 1))
         stats.seconds = time.perf_counter() - start
@@ -142,23 +141,37 @@ def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tup
     if max_new_tokens == 0:
         finish("length")
         return
+    try:
+        yield from _decode_loop(gen, ids, max_new_tokens, stop_ids, spec, stats, proposer, k_max, finish)
+    finally:
+        # A consumer that stops early (close(), break) or an error mid-round must not leave
+        # ``n`` past the yielded tokens: rounds commit drafts before yielding them.
+        if not stats.finish_reason:
+            emitted = stats.new_tokens
+            gen.rewind(min(gen.n, base + len(ids) + emitted - 1) if emitted else base)
+
+
+def _decode_loop(gen: Generator, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...],
+                 spec: SpeculationConfig, stats: GenerationStats, proposer, k_max: int, finish) -> Iterator[int]:
     pending = gen.prefill(ids)
     costs = StepCosts(gen, gen.model.manifest.draft_depth, spec.mode)
     gate = _make_gate(spec, k_max, costs) if proposer is not None else None
     step = 0
     new_tokens = [pending]
+    emitted = 0
     while True:
         for token in new_tokens:
             emitted += 1
+            stats.new_tokens = emitted
             yield token
             if token in stop_ids:
-                finish("eos")
+                finish("eos", emitted)
                 return
             if emitted >= max_new_tokens:
-                finish("length")
+                finish("length", emitted)
                 return
         if gen.n >= gen.max_length:  # no room for the pending token's KV
-            finish("length")
+            finish("length", emitted)
             return
         step += 1
         new_tokens = None
@@ -207,10 +220,13 @@ def _round(gen: Generator, proposer, pending: int, k: int, spec: SpeculationConf
     if isinstance(proposer, SelfDraftProposer):
         rows_in, hidden = [pending], []
         for i in range(k + 1):
-            out = gen.run(DRAFT, n + i, tokens=[rows_in[i]])
+            out = gen.run(DRAFT, n + i, tokens=[rows_in[i]], want_logits=False)
             hidden.append(out.hidden[0])
             if i < k:
-                rows_in.append(proposer.adjust(i, int(out.next_ids[0])))
+                token = proposer.adjust(i, int(out.next_ids[0]))
+                if not 0 <= token < gen.model.config.vocab_size:
+                    raise RequestError(f"self-draft token {token} is outside the vocabulary")
+                rows_in.append(token)
         drafts = rows_in[1:]
         verified = gen.run(VERIFY_TAIL, n, hidden=np.stack(hidden))
     else:

@@ -53,7 +53,7 @@ class _Buffer:
 @dataclass(frozen=True)
 class StepOutput:
     next_ids: np.ndarray            # [rows] int64, argmax of each row
-    logits: np.ndarray              # [rows, V] float32 (a view into the bound buffer)
+    logits: np.ndarray | None       # [rows, V] float32, a view of the bound buffer (None: not pulled)
     hidden: np.ndarray | None = None  # draft only: [1, H] state at the draft depth
     top2_gap: float | None = None     # draft only
 
@@ -70,7 +70,8 @@ class _KindBinding:
         out_rows = 1 if spec.kind == PREFILL else rows
         self.ids = _Buffer((1, rows), np.int64, device) if spec.first_loop == 0 else None
         self.hidden = _Buffer((1, rows, cfg.hidden_size), dtype, device) if spec.first_loop > 0 else None
-        self.seqlens = _Buffer((1,), np.int32, "cpu")
+        # GroupQueryAttention reads seqlens_k on the device and total_sequence_length on the host.
+        self.seqlens = _Buffer((1,), np.int32, device)
         self.total = _Buffer((), np.int32, "cpu")
         self.next_ids = _Buffer((1, out_rows), np.int64, device)
         self.logits = _Buffer((1, out_rows, cfg.vocab_size), np.float32, device)
@@ -106,9 +107,12 @@ class Generator:
 
     def __init__(self, model: LoadedModel) -> None:
         manifest = model.manifest
-        if manifest.dtype not in _NP_DTYPES or (manifest.dtype == "fp16" and model.device == "cpu"):
-            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device "
-                                f"(the CPU execution provider lacks {manifest.dtype} kernels for these graphs)")
+        if manifest.dtype not in _NP_DTYPES:
+            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts cannot be run by this runtime yet "
+                                "(no bf16 host buffers); export fp32 or fp16")
+        if manifest.dtype == "fp16" and model.device == "cpu":
+            raise ArtifactError(f"{model.path}: fp16 artifacts need the CUDA device (the CPU execution "
+                                "provider lacks fp16 kernels for these graphs); export fp32 for the CPU")
         cfg = model.config
         self.model = model
         self.max_length = manifest.max_length
@@ -162,8 +166,12 @@ class Generator:
 
     # -- steps (write KV at positions start.., never move n) ---------------------------------
     def run(self, kind: str, start: int, *, tokens: list[int] | None = None,
-            hidden: np.ndarray | None = None) -> StepOutput:
-        """Run one graph over rows at positions ``start..``; padded rows repeat the last input."""
+            hidden: np.ndarray | None = None, want_logits: bool = True) -> StepOutput:
+        """Run one graph over rows at positions ``start..``; padded rows repeat the last input.
+
+        ``next_ids`` is a copy; ``logits`` is a view of the bound buffer that the next step
+        overwrites (``want_logits=False`` skips the device→host copy on CUDA).
+        """
         kb = self._kinds[kind]
         used = len(tokens) if tokens is not None else hidden.shape[0]
         rows = kb.spec.rows or used
@@ -185,14 +193,15 @@ class Generator:
             kb.hidden.host[0, used:] = hidden[-1]
             kb.hidden.push()
         kb.seqlens.host[0] = start + rows - 1
+        kb.seqlens.push()
         kb.total.host[...] = start + rows
         t0 = time.perf_counter()
         kb.session.run_with_iobinding(kb.binding)
         self.step_seconds[kind] += time.perf_counter() - t0
         self.step_counts[kind] += 1
         out_rows = 1 if kind == PREFILL else used
-        next_ids = kb.next_ids.pull()[0, :out_rows]
-        logits = kb.logits.pull()[0, :out_rows]
+        next_ids = kb.next_ids.pull()[0, :out_rows].copy()
+        logits = kb.logits.pull()[0, :out_rows] if want_logits or kb.logits.device == "cpu" else None
         if kind == DRAFT:
             return StepOutput(next_ids, logits, kb.hidden_out.pull()[0].copy(), float(kb.gap.pull()[0, 0]))
         return StepOutput(next_ids, logits)
@@ -206,12 +215,12 @@ class Generator:
         out = None
         for i in range(0, len(ids), chunk):
             part = ids[i:i + chunk]
-            out = self.run(PREFILL, self.n, tokens=part)
+            out = self.run(PREFILL, self.n, tokens=part, want_logits=False)
             self.commit(part)
         return int(out.next_ids[-1])
 
     def decode(self, token: int) -> int:
-        out = self.run(DECODE, self.n, tokens=[token])
+        out = self.run(DECODE, self.n, tokens=[token], want_logits=False)
         self.commit([token])
         return int(out.next_ids[0])
 

@@ -111,3 +111,25 @@ def test_cli_export_and_inspect(tmp_path: Path) -> None:
     for word in ("verify_tail", "rows 4", "loops 2..2", "fp32", "past_key"):
         assert word in proc.stdout
     assert issubclass(ExportError, LoopcastError)
+
+
+def test_output_under_a_file_is_refused(tmp_path: Path) -> None:
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    with pytest.raises(ExportError, match="not a directory"):
+        export_checkpoint(checkpoint("ouro-r3"), blocker / "art")
+
+
+def test_max_length_zero_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match="max-length 0"):
+        export_checkpoint(checkpoint("ouro-r3"), tmp_path / "out", ExportOptions(max_length=0))
+
+
+def test_overwrite_replaces_an_artifact_atomically(tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    export_checkpoint(checkpoint("ouro-r3"), out, ExportOptions(verify_width=3))
+    with pytest.raises(ExportError, match="--overwrite"):
+        export_checkpoint(checkpoint("ouro-r3"), out, ExportOptions(verify_width=4))
+    export_checkpoint(checkpoint("ouro-r3"), out, ExportOptions(verify_width=4), overwrite=True)
+    assert json.loads((out / "manifest.json").read_text())["verify_width"] == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]  # no staging or backup left behind

@@ -143,3 +143,9 @@ def test_cli_generate_json_and_stream() -> None:
     assert plain["tokens"] == data["tokens"]
     streamed = _cli("generate", path, "--prompt", "def add(a, b):\n", "--max-new-tokens", "12", "--stream")
     assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == plain["text"].rstrip("\n")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_artifact_on_cpu_gets_a_clear_error(dtype: str) -> None:
+    with pytest.raises(ArtifactError, match=f"{dtype} artifacts need the CUDA device"):
+        load(artifact("ouro-r2-gqa", dtype=dtype))

@@ -184,3 +184,18 @@ def test_bad_speculation_requests(demo) -> None:
     with pytest.raises(RequestError, match="verify_tail"):
         llama.generate([1, 2], 5, speculative="self")
     assert demo.generate("x", 5).tokens  # still usable
+
+
+@pytest.mark.parametrize("mode", ["none", "prompt-lookup", "self"])
+def test_closing_a_stream_early_keeps_n_consistent(demo, mode: str) -> None:
+    """Rounds commit drafts before yielding them; an early close must rewind to what was yielded."""
+    prompt = demo.encode("x = [1, 2, 3]\nx = [1, 2, 3]\nx = [1,")
+    plain = demo.generate(prompt, 40, stop_ids=()).tokens
+    gen = demo.new_generator()
+    it = demo.stream_ids(prompt, 40, stop_ids=(), speculative=mode, generator=gen)
+    got = [next(it) for _ in range(3)]
+    it.close()
+    assert got == plain[:3]
+    assert gen.n == len(prompt) + 2  # the third token is pending, exactly as in plain greedy
+    rest = list(demo.stream_ids([got[-1]], 10, stop_ids=(), generator=gen))
+    assert rest == plain[3:13]

@@ -105,7 +105,9 @@ static Manifest read_manifest(const char *dir) {
     const cJSON *kv = field(root, "kv_layout", path);
     m.slots = int_field(kv, "slots", path);
     const cJSON *shape = field(kv, "shape", path);
-    if (cJSON_GetArraySize(shape) != 4) die("%s: corrupt manifest (kv_layout.shape)", path);
+    if (cJSON_GetArraySize(shape) != 4 || !cJSON_IsNumber(cJSON_GetArrayItem(shape, 1)) ||
+        !cJSON_IsNumber(cJSON_GetArrayItem(shape, 3)))
+        die("%s: corrupt manifest (kv_layout.shape)", path);
     m.kv_heads = cJSON_GetArrayItem(shape, 1)->valueint;
     m.head_dim = cJSON_GetArrayItem(shape, 3)->valueint;
     const cJSON *graphs = field(root, "graphs", path);
@@ -170,6 +172,7 @@ int main(int argc, char **argv) {
 
     /* prompt ids */
     int64_t *prompt = malloc(sizeof(int64_t) * (strlen(argv[3]) + 1));
+    if (prompt == NULL) die("out of memory");
     int64_t n_prompt = 0;
     for (char *tok = strtok(argv[3], ","); tok != NULL; tok = strtok(NULL, ",")) {
         long id = strtol(tok, &end, 10);
@@ -216,6 +219,7 @@ int main(int argc, char **argv) {
     int64_t token_in[1], next_id[1];
     int32_t seqlens[1], total[1];
     float *logits = malloc(sizeof(float) * (size_t)m.vocab);
+    if (logits == NULL || keys == NULL || values == NULL) die("out of memory");
     const int64_t one[1] = {1}, ids_shape[2] = {1, 1}, logits_shape[3] = {1, 1, m.vocab};
     OrtValue *seqlens_v = tensor(mem, seqlens, sizeof seqlens, one, 1, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
     OrtValue *total_v = tensor(mem, total, sizeof total, NULL, 0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
