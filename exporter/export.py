@@ -51,7 +51,7 @@ class ExportOptions:
         depth = self.draft_depth
         if config.num_loops == 1:
             if depth is not None:
-                raise ExportError(f"--draft-depth needs a looped model; this one has R=1")
+                raise ExportError("--draft-depth needs a looped model; this one has R=1")
         else:
             depth = 1 if depth is None else depth
             if not 1 <= depth < config.num_loops:

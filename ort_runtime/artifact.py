@@ -15,7 +15,7 @@ a run (spinning threads of one session starve the next session's run).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnxruntime as ort
@@ -36,7 +36,6 @@ class LoadedModel:
     sessions: dict[str, ort.InferenceSession]
     tokenizer: object | None = None
     load_seconds: float = 0.0
-    _eos: tuple[int, ...] = field(default=())
 
     @property
     def config(self):

@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL, GraphSpec
+from loopcast.manifest import DECODE, DRAFT, PREFILL, GraphSpec
 from loopcast.ort_runtime.artifact import LoadedModel
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -233,5 +233,3 @@ class Generator:
             raise RequestError(f"prompt of {len(ids)} tokens after {self.n} committed ones is longer than "
                                f"the max length {self.max_length}")
 
-
-__all__ = ["Generator", "StepOutput", DECODE, VERIFY, VERIFY_TAIL]

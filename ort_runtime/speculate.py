@@ -69,7 +69,6 @@ class PromptLookupProposer:
     (n from ``max_ngram`` down to ``min_ngram``) and propose what followed it."""
 
     name = "prompt-lookup"
-    needs_hidden = False
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -95,7 +94,6 @@ class SelfDraftProposer:
     """
 
     name = "self"
-    needs_hidden = True
 
     def __init__(self, perturb=None) -> None:
         self.perturb = perturb

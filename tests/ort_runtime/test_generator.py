@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.ort_runtime import load
