@@ -144,6 +144,19 @@ def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None
         click.echo()
 
 
+@main.command("build-ops")
+@click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="Directory for libloopcast_ops.so (default: custom_ops/build).")
+@click.option("--ort-include", type=click.Path(path_type=Path), default=None,
+              help="Directory holding onnxruntime_cxx_api.h.")
+@_friendly_errors
+def build_ops(out_dir: Path | None, ort_include: Path | None) -> None:
+    """Compile the `loopcast` custom-op library (CPU kernels)."""
+    from loopcast.custom_ops.build import build_library
+
+    click.echo(f"built {build_library(out_dir, ort_include)}")
+
+
 @main.command()
 @click.option("--prompt", default=None, help="Prompt text (default: a built-in code prompt).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
