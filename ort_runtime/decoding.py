@@ -43,6 +43,7 @@ class SpeculationConfig:
     max_ngram: int = 3
     tie_guard: TieGuard = TieGuard()
     proposer: object | None = None        # inject a proposer with .propose(context, k) (tests)
+    costs: object | None = None           # inject step costs (.decode(), .round(k)); default: measured
 
 
 @dataclass
@@ -154,7 +155,7 @@ def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tup
 def _decode_loop(gen: Generator, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...],
                  spec: SpeculationConfig, stats: GenerationStats, proposer, k_max: int, finish) -> Iterator[int]:
     pending = gen.prefill(ids)
-    costs = StepCosts(gen, gen.model.manifest.draft_depth, spec.mode)
+    costs = spec.costs or StepCosts(gen, gen.model.manifest.draft_depth, spec.mode)
     gate = _make_gate(spec, k_max, costs) if proposer is not None else None
     step = 0
     new_tokens = [pending]
