@@ -10,12 +10,18 @@ one resident copy. Numbers and commands: docs/architecture.md.
 
 Several sessions alternate on the same cores, so their intra-op threads must not spin after
 a run (spinning threads of one session starve the next session's run).
+
+CUDA graphs (DESIGN §5): every fixed-width kind (decode, verify, draft, verify_tail) gets a
+session with ``enable_cuda_graph``; each generator takes its own ``gpu_graph_id`` per kind
+(a captured graph bakes in the addresses of that generator's buffers). Prefill has dynamic
+rows and runs in an ordinary session. A kind whose graph session cannot be made falls back to
+an eager session; the reason is kept in ``graph_fallbacks``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnxruntime as ort
@@ -36,6 +42,11 @@ class LoadedModel:
     sessions: dict[str, ort.InferenceSession]
     tokenizer: object | None = None
     load_seconds: float = 0.0
+    graph_kinds: frozenset[str] = frozenset()        # kinds whose session captures CUDA graphs
+    graph_fallbacks: dict[str, str] = field(default_factory=dict)  # kind -> why it runs eager
+    _graph_ids: dict[str, int] = field(default_factory=dict, repr=False)
+    _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
+    _session_factory: object = field(default=None, repr=False)
 
     @property
     def config(self):
@@ -47,6 +58,19 @@ class LoadedModel:
 
     def has(self, kind: str) -> bool:
         return kind in self.sessions
+
+    def allocate_graph_id(self, kind: str) -> int:
+        """A fresh ``gpu_graph_id`` of ``kind``'s session (ids start at 1; -1 means uncaptured)."""
+        self._graph_ids[kind] = self._graph_ids.get(kind, 0) + 1
+        return self._graph_ids[kind]
+
+    def eager_session(self, kind: str) -> ort.InferenceSession:
+        """An uncaptured session of ``kind``, for slots whose capture failed (made on first use)."""
+        if kind not in self.graph_kinds:
+            return self.sessions[kind]
+        if kind not in self._eager:
+            self._eager[kind] = self._session_factory(kind, False)
+        return self._eager[kind]
 
 
 def _session_options(manifest: Manifest, artifact_dir: Path, threads: int | None,
@@ -69,7 +93,8 @@ def _session_options(manifest: Manifest, artifact_dir: Path, threads: int | None
 
 
 def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
-                  kinds: tuple[str, ...] | None = None, share_weights: bool = False) -> LoadedModel:
+                  kinds: tuple[str, ...] | None = None, share_weights: bool = False,
+                  cuda_graphs: bool = True) -> LoadedModel:
     import time
 
     start = time.perf_counter()
@@ -86,18 +111,31 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
                             f"provider lacks {manifest.dtype} kernels for these graphs (export --dtype fp32)")
     if device == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
-    sessions = {}
-    for kind, spec in manifest.graphs.items():
-        if kinds is not None and kind not in kinds:
-            continue
+
+    def make_session(kind: str, capture: bool) -> ort.InferenceSession:
+        spec = manifest.graphs[kind]
+        options = _session_options(manifest, path, threads, share_weights)
+        providers = [(provider, {"enable_cuda_graph": "1"})] if capture else [provider]
         try:
-            sessions[kind] = ort.InferenceSession(str(path / spec.file), _session_options(manifest, path, threads, share_weights),
-                                                  providers=[provider])
+            return ort.InferenceSession(str(path / spec.file), options, providers=providers)
         except ArtifactError:
             raise
         except Exception as exc:
             raise ArtifactError(f"{path / spec.file}: ONNX Runtime could not load the '{kind}' graph "
                                 f"({str(exc).splitlines()[0][:300]})") from None
+
+    sessions, graph_kinds, fallbacks = {}, set(), {}
+    for kind, spec in manifest.graphs.items():
+        if kinds is not None and kind not in kinds:
+            continue
+        if device == "cuda" and cuda_graphs and spec.rows is not None:
+            try:
+                sessions[kind] = make_session(kind, True)
+                graph_kinds.add(kind)
+                continue
+            except ArtifactError as exc:  # e.g. a node left on the CPU: run this kind eagerly
+                fallbacks[kind] = str(exc)
+        sessions[kind] = make_session(kind, False)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
@@ -105,7 +143,9 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as exc:
             raise ArtifactError(f"{path / 'tokenizer.json'}: unreadable tokenizer ({exc})") from None
-    return LoadedModel(path, manifest, device, sessions, tokenizer, time.perf_counter() - start)
+    return LoadedModel(path, manifest, device, sessions, tokenizer, time.perf_counter() - start,
+                       graph_kinds=frozenset(graph_kinds), graph_fallbacks=fallbacks,
+                       _session_factory=make_session)
 
 
 def describe_artifact(path: Path) -> str:

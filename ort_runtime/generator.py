@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 
@@ -24,7 +25,8 @@ from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import DECODE, DRAFT, PREFILL, GraphSpec
 from loopcast.ort_runtime.artifact import LoadedModel
 
-_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+_ONNX_BFLOAT16 = 16  # TensorProto.BFLOAT16: ORT's numpy bridge has no bf16, so bf16 moves as raw uint16
 
 
 class _Buffer:
@@ -33,21 +35,50 @@ class _Buffer:
     def __init__(self, shape: tuple[int, ...], dtype, device: str) -> None:
         self.host = np.zeros(shape, dtype)
         self.device = device
+        bf16 = np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
+        self._raw = self.host.view(np.uint16) if bf16 else self.host
+        self._mirror = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(self._raw, _ONNX_BFLOAT16) if bf16 else None
         if device == "cpu":
-            self.value = ort.OrtValue.ortvalue_from_numpy(self.host)
+            self.value = self._mirror if bf16 else ort.OrtValue.ortvalue_from_numpy(self.host)
         else:
-            self.value = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", 0)
-            self.value.update_inplace(self.host)
+            self.value = ort.OrtValue.ortvalue_from_shape_and_type(
+                shape, _ONNX_BFLOAT16 if bf16 else dtype, "cuda", 0)
+            self.value.update_inplace(self._raw)
 
     def push(self) -> None:
         """Make the device copy current after ``host`` was written (no-op on CPU)."""
         if self.device != "cpu":
-            self.value.update_inplace(self.host)
+            self.value.update_inplace(self._raw)
 
     def pull(self) -> np.ndarray:
         if self.device != "cpu":
-            self.host[...] = self.value.numpy()
+            if self._mirror is not None:
+                self._mirror.update_inplace(self.value)  # device -> the host array's memory
+            else:
+                self.host[...] = self.value.numpy()
         return self.host
+
+
+@dataclass
+class GraphSlot:
+    """One generator's captured CUDA graph of one kind (DESIGN §5), and what happened to it.
+
+    ORT's CUDA provider runs a graph id's first run normally (allocations), captures on the
+    second and replays from then on; the counters follow that rule per id. ``fallbacks``
+    counts runs that went to the eager session after a capture failed.
+    """
+
+    graph_id: int
+    runs: int = 0
+    warmups: int = 0
+    captures: int = 0
+    replays: int = 0
+    fallbacks: int = 0
+    failure: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"graph_id": self.graph_id, "warmups": self.warmups, "captures": self.captures,
+                "replays": self.replays, "fallbacks": self.fallbacks, "failure": self.failure}
 
 
 @dataclass(frozen=True)
@@ -66,18 +97,30 @@ class _KindBinding:
         cfg, device = model.config, model.device
         self.spec, self.session = spec, session
         self.binding = session.io_binding()
+        self.slot = GraphSlot(model.allocate_graph_id(spec.kind)) if spec.kind in model.graph_kinds else None
+        self.run_options = None
+        if self.slot is not None:
+            self.run_options = ort.RunOptions()
+            self.run_options.add_run_config_entry("gpu_graph_id", str(self.slot.graph_id))
         rows = spec.rows or 1
         out_rows = 1 if spec.kind == PREFILL else rows
         self.ids = _Buffer((1, rows), np.int64, device) if spec.first_loop == 0 else None
         self.hidden = _Buffer((1, rows, cfg.hidden_size), dtype, device) if spec.first_loop > 0 else None
-        # GroupQueryAttention reads seqlens_k on the device and total_sequence_length on the host.
+        # GroupQueryAttention reads seqlens_k on the device and total_sequence_length on the
+        # host; the loopcast attention op reads both on the device (nothing host-side to freeze
+        # into a captured graph).
+        custom_attention = "BatchInvariantAttention" in model.manifest.custom_ops
         self.seqlens = _Buffer((1,), np.int32, device)
-        self.total = _Buffer((), np.int32, "cpu")
+        self.total = _Buffer((), np.int32, device if custom_attention else "cpu")
         self.next_ids = _Buffer((1, out_rows), np.int64, device)
         self.logits = _Buffer((1, out_rows, cfg.vocab_size), np.float32, device)
         self.gap = _Buffer((1, 1), np.float32, device) if spec.kind == DRAFT else None
         self.hidden_out = _Buffer((1, 1, cfg.hidden_size), dtype, device) if spec.kind == DRAFT else None
-        b = self.binding
+        self._kv = kv
+        self._bind(self.binding)
+
+    def _bind(self, b: ort.IOBinding) -> None:
+        spec, kv = self.spec, self._kv
         if self.ids is not None and spec.rows is not None:
             b.bind_ortvalue_input("input_ids_BS", self.ids.value)
         if self.hidden is not None:
@@ -101,6 +144,38 @@ class _KindBinding:
         bufs = [self.ids, self.hidden, self.seqlens, self.total, self.next_ids, self.logits, self.gap, self.hidden_out]
         return [x for b in bufs if b is not None for x in (b.host, b.value)] + [self.binding]
 
+    def execute(self, model: LoadedModel) -> None:
+        """Run once: eagerly, or as this slot's warm-up / capture / replay."""
+        slot = self.slot
+        if slot is None:
+            self.session.run_with_iobinding(self.binding)
+            return
+        if slot.failure is not None:
+            slot.fallbacks += 1
+            self.session.run_with_iobinding(self.binding)
+            return
+        try:
+            self.session.run_with_iobinding(self.binding, self.run_options)
+        except Exception as exc:
+            if slot.replays:  # a replay failing is not a capture problem: surface it
+                raise
+            # Capture failed: this slot runs eagerly from now on, on a session without graphs
+            # (the same kernels, so the same tokens).
+            slot.failure = str(exc).splitlines()[0][:300]
+            self.session = model.eager_session(self.spec.kind)
+            self.binding = self.session.io_binding()
+            self._bind(self.binding)
+            slot.fallbacks += 1
+            self.session.run_with_iobinding(self.binding)
+            return
+        slot.runs += 1
+        if slot.runs == 1:
+            slot.warmups += 1
+        elif slot.runs == 2:
+            slot.captures += 1
+        else:
+            slot.replays += 1
+
 
 class Generator:
     """One sequence's state on a loaded model; several generators share the model's sessions."""
@@ -108,11 +183,10 @@ class Generator:
     def __init__(self, model: LoadedModel) -> None:
         manifest = model.manifest
         if manifest.dtype not in _NP_DTYPES:
-            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts cannot be run by this runtime yet "
-                                "(no bf16 host buffers); export fp32 or fp16")
-        if manifest.dtype == "fp16" and model.device == "cpu":
-            raise ArtifactError(f"{model.path}: fp16 artifacts need the CUDA device (the CPU execution "
-                                "provider lacks fp16 kernels for these graphs); export fp32 for the CPU")
+            raise ArtifactError(f"{model.path}: unknown dtype {manifest.dtype!r} in the manifest")
+        if manifest.dtype != "fp32" and model.device == "cpu":
+            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device (the CPU "
+                                "execution provider lacks kernels for these graphs); export fp32 for the CPU")
         cfg = model.config
         self.model = model
         self.max_length = manifest.max_length
@@ -158,6 +232,10 @@ class Generator:
         key, value = self._kv[slot]
         return key.pull().copy(), value.pull().copy()
 
+    def graph_slots(self) -> dict[str, dict]:
+        """Per kind: this generator's CUDA-graph counters (empty when nothing is captured)."""
+        return {kind: kb.slot.as_dict() for kind, kb in sorted(self._kinds.items()) if kb.slot is not None}
+
     def bound_objects(self) -> list[object]:
         objs = [x for k, v in self._kv.values() for x in (k.host, k.value, v.host, v.value)]
         for kind in sorted(self._kinds):
@@ -195,8 +273,9 @@ class Generator:
         kb.seqlens.host[0] = start + rows - 1
         kb.seqlens.push()
         kb.total.host[...] = start + rows
+        kb.total.push()
         t0 = time.perf_counter()
-        kb.session.run_with_iobinding(kb.binding)
+        kb.execute(self.model)
         self.step_seconds[kind] += time.perf_counter() - t0
         self.step_counts[kind] += 1
         out_rows = 1 if kind == PREFILL else used

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from loopcast.config import ModelConfig
-from loopcast.exporter.checkpoint import save_checkpoint
+from loopcast.exporter.checkpoint import load_checkpoint, save_checkpoint
 from loopcast.exporter.reference import LoopedLM, exit_probabilities, init_weights
 
 DEMO_CONFIG = ModelConfig(
@@ -58,8 +58,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--beta", type=float, default=0.5, help="regulariser weight")
-    p.add_argument("--exit-prior", choices=["geometric", "uniform"], default="uniform",
-                   help="prior of the exit-distribution regulariser (uniform = Ouro's entropy term)")
+    p.add_argument("--exit-prior", default="uniform",
+                   help="prior of the exit-distribution regulariser: uniform (Ouro's entropy term), "
+                        "geometric (∝ 2^r) or R comma-separated weights, e.g. 1,1,2,4")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this HF checkpoint's weights (fine-tuning); ignored when resuming")
+    p.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine floor as a fraction of --lr")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--save-every", type=int, default=500)
@@ -71,7 +75,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def exit_prior(kind: str, num_loops: int, device) -> torch.Tensor:
-    weights = torch.ones(num_loops) if kind == "uniform" else 2.0 ** torch.arange(num_loops)
+    if kind == "uniform":
+        weights = torch.ones(num_loops)
+    elif kind == "geometric":
+        weights = 2.0 ** torch.arange(num_loops)
+    else:
+        weights = torch.tensor([float(w) for w in kind.split(",")])
+        if len(weights) != num_loops or bool((weights <= 0).any()):
+            raise SystemExit(f"--exit-prior needs {num_loops} positive weights, got {kind!r}")
     return (weights / weights.sum()).to(device)
 
 
@@ -107,7 +118,8 @@ def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    floor = args.min_lr_frac
+    return args.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def main() -> None:
@@ -126,6 +138,10 @@ def main() -> None:
     config = model_config(args)
     model = LoopedLM(config)
     init_weights(model, seed=args.seed)
+    if args.init_from is not None and not state_path.is_file():
+        # Fine-tuning: the starting weights come from a finished run's exported checkpoint.
+        model.load_state_dict(load_checkpoint(args.init_from, dtype=torch.float32).state_dict())
+        print(f"initialised from {args.init_from}", flush=True)
     model.to(device)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
