@@ -36,6 +36,7 @@ class ExportOptions:
     max_length: int | None = None      # default: min(config max positions, 4096)
     verify_width: int = 5
     draft_depth: int | None = None     # default: 1 when R > 1
+    batch_invariant: bool = False      # loopcast custom ops: verify rows == decode rows bit for bit
 
     def resolved(self, config: ModelConfig) -> ExportOptions:
         if self.dtype not in IR_DTYPES:
@@ -57,14 +58,45 @@ class ExportOptions:
             if not 1 <= depth < config.num_loops:
                 raise ExportError(f"--draft-depth must be in 1..{config.num_loops - 1} (R={config.num_loops}), "
                                   f"got {depth}")
-        return ExportOptions(self.dtype, max_length, self.verify_width, depth)
+        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant)
 
 
-def check_supported(config: ModelConfig) -> None:
+def check_supported(config: ModelConfig, batch_invariant: bool = False) -> None:
     """Limits of the ORT ops the graphs use, beyond what the config itself validates."""
-    if config.head_dim % 16:
+    if config.head_dim % 2:
+        raise ExportError(f"head_dim {config.head_dim} is not supported: rotary needs an even head_dim")
+    if config.head_dim % 16 and not batch_invariant:
         raise ExportError(f"head_dim {config.head_dim} is not supported: GroupQueryAttention's rotary "
-                          "needs a multiple of 16")
+                          "needs a multiple of 16 (the --batch-invariant attention op has no such limit)")
+
+
+def custom_op_library() -> Path:
+    """The built custom-op library, compiled once per source version into the loopcast cache.
+
+    Keyed by a hash of the sources and the build switches, so an edited kernel is rebuilt and
+    an unchanged one is reused by every export.
+    """
+    import hashlib
+    import os
+
+    from loopcast.custom_ops import build
+
+    src_dir = Path(build.__file__).resolve().parent / "src"
+    digest = hashlib.sha256()
+    for source in sorted(src_dir.iterdir()):
+        if source.is_file():
+            digest.update(source.name.encode() + source.read_bytes())
+    for var in ("LOOPCAST_NO_CUDA", "LOOPCAST_NVCC", "LOOPCAST_ORT_INCLUDE"):
+        digest.update(f"{var}={os.environ.get(var, '')}".encode())
+    root = Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
+    out = root / f"ops-{digest.hexdigest()[:12]}"
+    library = out / build.LIBRARY_NAME
+    if not library.is_file():
+        try:
+            build.build_library(out)
+        except Exception as exc:
+            raise ExportError(f"--batch-invariant needs the custom-op library: {exc}") from None
+    return library
 
 
 def _check_output_dir(out: Path) -> None:
@@ -83,7 +115,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: Expo
                       *, progress: bool = False, overwrite: bool = False) -> Manifest:
     checkpoint_dir = resolve_checkpoint(checkpoint)
     config = load_config(checkpoint_dir)
-    check_supported(config)
+    check_supported(config, options.batch_invariant)
     opts = options.resolved(config)
     out = Path(out_dir)
     _check_output_dir(out)
@@ -137,14 +169,21 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         close()
     refs = {name: WeightRef(name, IR_DTYPES[opts.dtype], t.shape, t.offset, t.length)
             for name, t in stored.items()}
-    graphs = {}
+    graphs, custom_ops, library = {}, set(), None
     for plan in plans:
         builder = GraphBuilder(refs, WEIGHTS_FILE, staging)
-        model, spec = build_kind(plan, config, IR_DTYPES[opts.dtype], opts.max_length, builder)
+        model, spec = build_kind(plan, config, IR_DTYPES[opts.dtype], opts.max_length, builder,
+                                 batch_invariant=opts.batch_invariant)
         ir.save(model, staging / spec.file)
         graphs[plan.kind] = spec
+        custom_ops.update(builder.custom_ops())
         bar.update(1)
     bar.close()
+    if custom_ops:
+        # The artifact carries its own copy so that C programs and other machines need nothing else.
+        built = custom_op_library()
+        library = built.name
+        shutil.copy(built, staging / library)
     tokenizer_files = []
     for name in TOKENIZER_FILES:
         if (checkpoint_dir / name).is_file():
@@ -167,11 +206,58 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
             "lengths": "seqlens_k = n+M-1 (int32 [1]); total_sequence_length = n+M (int32 scalar)",
         },
         graphs=graphs,
+        custom_ops=sorted(custom_ops),
+        custom_op_library=library,
         tokenizer_files=tokenizer_files,
         eos_token_ids=[config.eos_token_id] if config.eos_token_id is not None else [],
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json())
     return manifest
+
+
+def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int) -> Manifest:
+    """A sibling artifact whose verify graphs take ``width`` rows, sharing the weights file.
+
+    Only the graphs are rebuilt (seconds, even at 1.4B); the weights, tokenizer and custom-op
+    library are hard-linked (ORT refuses external data reached through a symlink that leaves the
+    model's directory; a copy is made across file systems), so benchmarks can compare several
+    verify widths of one export.
+    """
+    import os
+
+    from loopcast.exporter.weights import read_stored
+
+    src, out = Path(artifact_dir), Path(out_dir)
+    manifest = Manifest.read(src)
+    config = manifest.config
+    if not 2 <= width <= min(MAX_VERIFY_WIDTH, manifest.max_length):
+        raise ExportError(f"verify width must be in 2..{min(MAX_VERIFY_WIDTH, manifest.max_length)}, got {width}")
+    _check_output_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = IR_DTYPES[manifest.dtype]
+    refs = {name: WeightRef(name, dtype, t.shape, t.offset, t.length)
+            for name, t in read_stored(src / manifest.weights_file).items()}
+    keep = [manifest.weights_file, *manifest.tokenizer_files]
+    if manifest.custom_op_library:
+        keep.append(manifest.custom_op_library)
+    for name in keep:
+        link = out / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        try:
+            os.link(src / name, link)
+        except OSError:
+            shutil.copy(src / name, link)
+    graphs = {}
+    batch_invariant = bool(manifest.custom_ops)
+    for plan in plan_kinds(config, width, manifest.draft_depth):
+        builder = GraphBuilder(refs, manifest.weights_file, out)
+        model, spec = build_kind(plan, config, dtype, manifest.max_length, builder, batch_invariant=batch_invariant)
+        ir.save(model, out / spec.file)
+        graphs[plan.kind] = spec
+    derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width})
+    (out / MANIFEST_FILE).write_text(derived.to_json())
+    return derived
 
 
 def _checked(read):

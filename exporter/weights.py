@@ -130,3 +130,15 @@ def checkpoint_reader(files: dict[str, Path]) -> tuple[Callable[[str], torch.Ten
 
     return read, close
 
+
+
+def read_stored(path: Path) -> dict[str, StoredTensor]:
+    """Where each tensor of an artifact's weights file lives (from its safetensors header)."""
+    inverse = {v: k for k, v in _SAFETENSORS_DTYPE.items()}
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    base = 8 + size
+    return {name: StoredTensor(name, inverse[h["dtype"]], tuple(h["shape"]), base + h["data_offsets"][0],
+                               h["data_offsets"][1] - h["data_offsets"][0])
+            for name, h in header.items() if name != "__metadata__"}

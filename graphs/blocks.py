@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from loopcast.config import ModelConfig
-from loopcast.graphs.builder import MS_DOMAIN, GraphBuilder
+from loopcast.graphs.builder import LOOPCAST_DOMAIN, MS_DOMAIN, GraphBuilder
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,22 @@ class BlockContext:
     dtype: ir.DataType
     max_length: int
     step: StepInputs
+    # The loopcast custom ops (BatchInvariantMatMul, BatchInvariantAttention) instead of MatMul,
+    # Gemm and GroupQueryAttention: a row's result then does not depend on how many rows the
+    # step has, so every verify row equals the M=1 decode row bit for bit (DESIGN §6).
+    batch_invariant: bool = False
+
+
+def linear(b: GraphBuilder, x: ir.Value, weight: str, ctx: BlockContext, *, path: str, out: str,
+           trans_b: bool = False) -> ir.Value:
+    """``x @ W`` (``W`` stored [K, N]), or ``x @ Wᵀ`` for a [N, K] weight read in place."""
+    w = b.weight(weight)
+    if ctx.batch_invariant:
+        return b.op("BatchInvariantMatMul", [x, w], path=path, out=out, domain=LOOPCAST_DOMAIN,
+                    **({"trans_b": 1} if trans_b else {}))
+    if trans_b:
+        raise ValueError("stock graphs read transposed weights through Gemm (lm_head)")
+    return b.op("MatMul", [x, w], path=path, out=out)
 
 
 def rms_norm(b: GraphBuilder, x: ir.Value, weight: str, ctx: BlockContext, *, path: str, out: str) -> ir.Value:
@@ -67,22 +83,23 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int, ctx: Bloc
     kv_shape = [1, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
     past_key = b.input(f"past_key.{slot}", ctx.dtype, kv_shape)
     past_value = b.input(f"past_value.{slot}", ctx.dtype, kv_shape)
-    qkv = b.op("MatMul", [h_BSH, b.weight(f"{layer}.qkv_proj.weight_T")],
-               path=f"{path}/qkv_proj", out=f"{prefix}.qkv_BSQ")
+    qkv = linear(b, h_BSH, f"{layer}.qkv_proj.weight_T", ctx, path=f"{path}/qkv_proj", out=f"{prefix}.qkv_BSQ")
     # Inputs in schema order: query (packed q|k|v), key, value (empty: packed), past_key,
     # past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache; trailing optional
-    # inputs 9.. (position_ids, attention_bias, head_sink) are not used.
+    # inputs 9.. (position_ids, attention_bias, head_sink) are not used. The batch-invariant op
+    # takes the same inputs and attributes.
+    op_type, domain = (("BatchInvariantAttention", LOOPCAST_DOMAIN) if ctx.batch_invariant
+                       else ("GroupQueryAttention", MS_DOMAIN))
     attn, present_key, present_value = b.op_multi(
-        "GroupQueryAttention",
+        op_type,
         [qkv, None, None, past_key, past_value, ctx.step.seqlens_k, ctx.step.total_sequence_length,
          ctx.step.cos_cache, ctx.step.sin_cache],
         path=f"{path}/gqa", outs=[f"{prefix}.attn_BSHD", f"present_key.{slot}", f"present_value.{slot}"],
-        domain=MS_DOMAIN, num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
+        domain=domain, num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
         do_rotary=1, rotary_interleaved=0, scale=cfg.head_dim ** -0.5)
     b.output(present_key, ctx.dtype, kv_shape)
     b.output(present_value, ctx.dtype, kv_shape)
-    return b.op("MatMul", [attn, b.weight(f"{layer}.o_proj.weight_T")],
-                path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH")
+    return linear(b, attn, f"{layer}.o_proj.weight_T", ctx, path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH")
 
 
 def swiglu_mlp(b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, *,
@@ -92,15 +109,14 @@ def swiglu_mlp(b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, 
         h ─ gate_up_proj ─▶ [gate | up] ─ Split ─▶ gate ─ Sigmoid ─ Mul(gate) ─ Mul(up) ─ down_proj ─▶
     """
     inter = ctx.config.intermediate_size
-    gate_up = b.op("MatMul", [h_BSH, b.weight(f"{layer}.gate_up_proj.weight_T")],
-                   path=f"{path}/gate_up_proj", out=f"{prefix}.gate_up_BS2I")
+    gate_up = linear(b, h_BSH, f"{layer}.gate_up_proj.weight_T", ctx, path=f"{path}/gate_up_proj",
+                     out=f"{prefix}.gate_up_BS2I")
     gate, up = b.op_multi("Split", [gate_up, b.const_i64("split_sizes_2I", [inter, inter])],
                           path=f"{path}/split", outs=[f"{prefix}.gate_BSI", f"{prefix}.up_BSI"], axis=-1)
     sig = b.op("Sigmoid", [gate], path=f"{path}/sigmoid", out=f"{prefix}.sigmoid_BSI")
     silu = b.op("Mul", [gate, sig], path=f"{path}/silu", out=f"{prefix}.silu_BSI")
     act = b.op("Mul", [silu, up], path=f"{path}/gated", out=f"{prefix}.act_BSI")
-    return b.op("MatMul", [act, b.weight(f"{layer}.down_proj.weight_T")],
-                path=f"{path}/down_proj", out=f"{prefix}.mlp_out_BSH")
+    return linear(b, act, f"{layer}.down_proj.weight_T", ctx, path=f"{path}/down_proj", out=f"{prefix}.mlp_out_BSH")
 
 
 def decoder_layer(b: GraphBuilder, x_BSH: ir.Value, layer: str, slot: int, ctx: BlockContext, *,
@@ -157,7 +173,10 @@ def embed(b: GraphBuilder, input_ids_BS: ir.Value) -> ir.Value:
 def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
     """Logits in fp32 whatever the model dtype (the argmax and the host read them)."""
     cfg = ctx.config
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and ctx.batch_invariant:
+        logits = linear(b, x_BSH, "embed_tokens.weight", ctx, path="/lm_head/matmul",
+                        out="logits_raw_BSV", trans_b=True)
+    elif cfg.tie_word_embeddings:
         # Gemm(transB) reads the [V, H] embedding in place instead of storing a transposed copy.
         flat = b.op("Reshape", [x_BSH, b.const_i64("shape_NH", [-1, cfg.hidden_size])],
                     path="/lm_head/flatten", out="head_in_NH")
@@ -166,8 +185,7 @@ def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
         logits = b.op("Reshape", [logits, b.const_i64("shape_BSV", [1, -1, cfg.vocab_size])],
                       path="/lm_head/unflatten", out="logits_raw_BSV")
     else:
-        logits = b.op("MatMul", [x_BSH, b.weight("lm_head.weight_T")], path="/lm_head/matmul",
-                      out="logits_raw_BSV")
+        logits = linear(b, x_BSH, "lm_head.weight_T", ctx, path="/lm_head/matmul", out="logits_raw_BSV")
     if ctx.dtype != ir.DataType.FLOAT:
         logits = b.op("Cast", [logits], path="/lm_head/cast", out="logits_f32_BSV", to=ir.DataType.FLOAT)
     return logits

@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 OPSET = 23            # RMSNormalization is standard from opset 23
 MS_DOMAIN = "com.microsoft"
+LOOPCAST_DOMAIN = "loopcast"   # the custom-op library's domain (custom_ops/)
 IR_VERSION = 10
 
 
@@ -85,9 +86,16 @@ class GraphBuilder:
         return self.tape.op_multi_out(op_type, list(inputs), attributes or None, domain=domain,
                                       name=path, outputs=[ir.Value(name=n) for n in outs])
 
+    def custom_ops(self) -> list[str]:
+        """The ``loopcast``-domain op types recorded so far (the manifest lists them)."""
+        return sorted({n.op_type for n in self.tape.nodes if n.domain == LOOPCAST_DOMAIN})
+
     # -- result ------------------------------------------------------------------------------
     def build(self, name: str, doc: str) -> ir.Model:
+        opsets = {"": OPSET, MS_DOMAIN: 1}
+        if any(node.domain == LOOPCAST_DOMAIN for node in self.tape.nodes):
+            opsets[LOOPCAST_DOMAIN] = 1
         graph = ir.Graph(self.inputs, self.outputs, nodes=self.tape.nodes,
                          initializers=list(self._initializers.values()),
-                         opset_imports={"": OPSET, MS_DOMAIN: 1}, name=name, doc_string=doc)
+                         opset_imports=opsets, name=name, doc_string=doc)
         return ir.Model(graph, ir_version=IR_VERSION, producer_name="loopcast")

@@ -84,15 +84,18 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
 @click.option("--max-length", type=int, default=None, help="KV capacity S_max (default: min(max positions, 4096)).")
 @click.option("--verify-width", type=int, default=5, show_default=True, help="Rows W of verify/verify_tail.")
 @click.option("--draft-depth", type=int, default=None, help="Loops of the draft graph (default 1 when R > 1).")
+@click.option("--batch-invariant", is_flag=True,
+              help="Use the loopcast custom ops (built and copied into the artifact) so that every "
+                   "verify row equals the M=1 decode row bit for bit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
 @_friendly_errors
 def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, verify_width: int,
-           draft_depth: int | None, overwrite: bool) -> None:
+           draft_depth: int | None, batch_invariant: bool, overwrite: bool) -> None:
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
 
-    manifest = export_checkpoint(checkpoint, out_dir, ExportOptions(dtype, max_length, verify_width, draft_depth),
-                                 progress=True, overwrite=overwrite)
+    options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant)
+    manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(f"{k}({v.rows or 'M'})" for k, v in manifest.graphs.items())
     click.echo(f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}")
 
@@ -142,6 +145,49 @@ def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None
                    ",".join(str(t) for t in result["tokens"]))
     else:
         click.echo()
+
+
+@main.command()
+@click.argument("checkpoint", default="demo")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["fp32", "fp16", "bf16"]),
+              help="Repeatable (default: fp16 and bf16 on cuda, fp32 on cpu).")
+@click.option("--variant", "variants", multiple=True, type=click.Choice(["stock", "batch-invariant"]),
+              help="Graph variants to compare (default: both).")
+@click.option("--past", type=int, default=1024, show_default=True, help="KV length the steps attend over.")
+@click.option("--widths", default="2,5,8", show_default=True, help="Verify widths W (comma-separated).")
+@click.option("--iters", type=int, default=50, show_default=True, help="Timed runs per step kind.")
+@click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens per end-to-end prompt.")
+@click.option("--alternate-tokens", type=int, default=1000, show_default=True,
+              help="Length of the decode/draft/verify alternation run (CUDA).")
+@click.option("--no-end-to-end", is_flag=True, help="Skip the end-to-end tokens/s rows.")
+@click.option("--no-torch", is_flag=True, help="Skip the PyTorch baseline.")
+@click.option("--no-profile", is_flag=True, help="Skip the per-kernel-family decode profile (CUDA).")
+@click.option("--work-dir", type=click.Path(path_type=Path), default=Path("bench-work"), show_default=True,
+              help="Where checkpoints and artifacts are exported.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results/bench.json"),
+              show_default=True, help="JSON report (a PNG beside it when matplotlib is installed).")
+@_friendly_errors
+def bench(checkpoint: str, device: str, dtypes: tuple[str, ...], variants: tuple[str, ...], past: int, widths: str,
+          iters: int, new_tokens: int, alternate_tokens: int, no_end_to_end: bool, no_torch: bool,
+          no_profile: bool, work_dir: Path, out: Path) -> None:
+    """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""
+    from loopcast.bench import BenchOptions, format_table, run_bench, write_report
+    from loopcast.errors import RequestError
+
+    try:
+        width_list = tuple(int(w) for w in widths.split(",") if w)
+    except ValueError:
+        raise RequestError(f"--widths must be comma-separated integers, got {widths!r}") from None
+    if past < 1 or iters < 1:
+        raise RequestError("--past and --iters must be positive")
+    opts = BenchOptions(checkpoint, work_dir, device, dtypes or (("fp16", "bf16") if device == "cuda" else ("fp32",)),
+                        variants or ("stock", "batch-invariant"), past, width_list, iters, new_tokens,
+                        not no_end_to_end, alternate_tokens, not no_torch, not no_profile)
+    report = run_bench(opts, log=lambda line: click.echo(line, err=True))
+    click.echo(format_table(report))
+    for path in write_report(report, out):
+        click.echo(f"wrote {path}")
 
 
 @main.command("build-ops")

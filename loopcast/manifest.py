@@ -94,4 +94,11 @@ class Manifest:
                 raise ArtifactError(f"{Path(artifact_dir) / spec.file}: graph file for '{spec.kind}' is missing")
         if not (Path(artifact_dir) / manifest.weights_file).is_file():
             raise ArtifactError(f"{Path(artifact_dir) / manifest.weights_file}: weights file is missing")
+        library = manifest.custom_op_library
+        if manifest.custom_ops and not library:
+            raise ArtifactError(f"{path}: the graphs use custom ops {manifest.custom_ops} but the manifest "
+                                "names no custom_op_library")
+        if library and (Path(library).name != library or not (Path(artifact_dir) / library).is_file()):
+            raise ArtifactError(f"{Path(artifact_dir) / library}: custom-op library is missing (it must be a "
+                                "file inside the artifact)")
         return manifest

@@ -36,16 +36,17 @@ def reference(name: str):
 
 
 def artifact(name: str, dtype: str = "fp32", verify_width: int = 5, draft_depth: int | None = None,
-             max_length: int | None = None) -> Path:
-    return _artifact(name, dtype, verify_width, draft_depth, max_length)
+             max_length: int | None = None, batch_invariant: bool = False) -> Path:
+    return _artifact(name, dtype, verify_width, draft_depth, max_length, batch_invariant)
 
 
 @lru_cache(maxsize=None)
-def _artifact(name: str, dtype: str, verify_width: int, draft_depth: int | None, max_length: int | None) -> Path:
+def _artifact(name: str, dtype: str, verify_width: int, draft_depth: int | None, max_length: int | None,
+              batch_invariant: bool) -> Path:
     source = "demo" if name == "demo" else checkpoint(name)
-    out = _ROOT / f"art-{name}-{dtype}-{verify_width}-{draft_depth}-{max_length}"
+    out = _ROOT / f"art-{name}-{dtype}-{verify_width}-{draft_depth}-{max_length}-{int(batch_invariant)}"
     export_checkpoint(source, out, ExportOptions(dtype, max_length or (512 if name == "demo" else None),
-                                                 verify_width, draft_depth))
+                                                 verify_width, draft_depth, batch_invariant))
     return out
 
 

@@ -1,5 +1,4 @@
-"""The `loopcast` custom-op library: BatchInvariantMatMul against numpy, row invariance, and
-loading from Python and from the C example."""
+"""The `loopcast` custom-op library: BatchInvariantMatMul (B[K, N] and trans_b B[N, K]) against\nnumpy, row invariance, CPU-only and CUDA builds, and loading from Python and from the C example."""
 
 from __future__ import annotations
 
@@ -13,60 +12,62 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
 
-from loopcast.custom_ops.build import build_library, find_ort_include
+from loopcast.custom_ops.build import build_library, find_nvcc, has_cuda
 from loopcast.errors import LoopcastError
 from loopcast.ort_runtime import load
 from tests.artifacts import artifact
+from tests.custom_ops.ops_models import as_dtype, matmul_model, session
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> Path:
-    if find_ort_include() is None or shutil.which("c++") is None:
-        if os.environ.get("LOOPCAST_REQUIRE_C") == "1":
-            pytest.fail("ORT C++ headers or a C++ compiler missing")
-        pytest.skip("ORT C++ headers or a C++ compiler missing (tools/c_generate/fetch_deps.sh)")
-    return build_library(tmp_path_factory.mktemp("ops"))
+def _session(library: Path, K: int, N: int, dtype: str, trans_b: bool = False) -> ort.InferenceSession:
+    return session(matmul_model(K, N, dtype, trans_b), library)
 
 
-def _session(library: Path, K: int, N: int, dtype: int) -> ort.InferenceSession:
-    a = helper.make_tensor_value_info("A", dtype, ["M", K])
-    b = helper.make_tensor_value_info("B", dtype, [K, N])
-    y = helper.make_tensor_value_info("Y", dtype, ["M", N])
-    node = helper.make_node("BatchInvariantMatMul", ["A", "B"], ["Y"], domain="loopcast", name="/matmul")
-    model = helper.make_model(helper.make_graph([node], "bi_matmul", [a, b], [y]), ir_version=10,
-                              opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("loopcast", 1)])
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
-@pytest.mark.parametrize("dtype,np_dtype,tol", [(TensorProto.FLOAT, np.float32, 1e-4),
-                                                (TensorProto.FLOAT16, np.float16, 2e-2)])
-def test_matches_numpy(library: Path, dtype, np_dtype, tol) -> None:
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float16", 2e-2), ("bfloat16", 5e-2)])
+def test_matches_numpy(library: Path, dtype: str, tol: float, trans_b: bool) -> None:
     rng = np.random.default_rng(1)
     for K, N in [(64, 48), (384, 1152), (7, 3)]:
-        A = rng.standard_normal((9, K)).astype(np_dtype)
-        B = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np_dtype)
-        got = _session(library, K, N, dtype).run(None, {"A": A, "B": B})[0]
-        expected = A.astype(np.float64) @ B.astype(np.float64)
-        assert got.dtype == np_dtype
+        A = as_dtype(rng.standard_normal((9, K)), dtype)
+        B = as_dtype(rng.standard_normal((N, K) if trans_b else (K, N)) / np.sqrt(K), dtype)
+        got = _session(library, K, N, dtype, trans_b).run(None, {"A": A, "B": B})[0]
+        expected = A.astype(np.float64) @ (B.T if trans_b else B).astype(np.float64)
         np.testing.assert_allclose(got.astype(np.float64), expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype,np_dtype", [(TensorProto.FLOAT, np.float32), (TensorProto.FLOAT16, np.float16)])
-def test_rows_do_not_depend_on_the_number_of_rows(library: Path, dtype, np_dtype) -> None:
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_rows_do_not_depend_on_the_number_of_rows(library: Path, dtype: str, trans_b: bool) -> None:
     rng = np.random.default_rng(2)
-    K, N = 384, 640
-    session = _session(library, K, N, dtype)
-    A = rng.standard_normal((32, K)).astype(np_dtype)
-    B = rng.standard_normal((K, N)).astype(np_dtype)
-    single = np.concatenate([session.run(None, {"A": A[i:i + 1], "B": B})[0] for i in range(32)])
-    for m in (2, 5, 8, 17, 32):
-        assert np.array_equal(session.run(None, {"A": A[:m], "B": B})[0], single[:m]), m
+    K, N = 384, 320
+    session_ = _session(library, K, N, dtype, trans_b)
+    A = as_dtype(rng.standard_normal((40, K)), dtype)
+    B = as_dtype(rng.standard_normal((N, K) if trans_b else (K, N)), dtype)
+    single = np.concatenate([session_.run(None, {"A": A[i:i + 1], "B": B})[0] for i in range(40)])
+    for m in [*range(2, 33), 40]:
+        assert np.array_equal(session_.run(None, {"A": A[:m], "B": B})[0], single[:m]), m
+
+
+def test_shape_errors_name_the_layout(library: Path) -> None:
+    with pytest.raises(Exception, match=r"B\[N, K\] \(trans_b=1\), got A\[2, 8\] and B\[8, 4\]"):
+        session(matmul_model("K", "N", "float32", trans_b=True), library).run(
+            None, {"A": np.zeros((2, 8), np.float32), "B": np.zeros((8, 4), np.float32)})
+
+
+def test_cuda_and_cpu_only_builds_load_in_a_cpu_session(library: Path, tmp_path: Path) -> None:
+    """A CUDA build must load and run in a CPU-only runtime with no GPU (cudart is static and lazy)."""
+    libs = [build_library(tmp_path / "cpu", cuda=False)]
+    assert not has_cuda(libs[0])
+    if find_nvcc() is not None:
+        libs.append(build_library(tmp_path / "cuda", cuda=True))
+        assert has_cuda(libs[1])
+    A = np.ones((3, 16), np.float32)
+    for lib in libs:
+        assert np.array_equal(_session(lib, 16, 4, "float32").run(None, {"A": A, "B": np.ones((16, 4), np.float32)})[0],
+                              np.full((3, 4), 16.0, np.float32))
 
 
 def _artifact_with_library(tmp_path: Path, library: Path) -> Path:

@@ -1,0 +1,129 @@
+// BatchInvariantAttention, CPU kernel: rotary, KV-cache write and causal GQA attention for the
+// packed-QKV GroupQueryAttention form our graphs use.
+//
+// Row invariance: all new rows' K/V are rotated, rounded to T and stored first; then each row
+// attends over positions 0..p reading only the stored cache and its own q. Every reduction
+// (q·k over d, max, sum, weighted sum over positions) runs serially in ascending order, so row i
+// of an S-row call is bit-identical to the same row computed alone after rows < i were committed.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "attention_shapes.h"
+#include "cpu_ops.h"
+#include "op_schemas.h"
+
+namespace loopcast {
+namespace {
+
+// Rotate-half (NeoX) rotary in fp32: out = [x1*cos - x2*sin, x2*cos + x1*sin].
+template <typename T>
+void rotate(const T* x, const T* cos_row, const T* sin_row, int64_t D, bool do_rotary, float* out) {
+  const int64_t h = D / 2;
+  if (!do_rotary) {
+    for (int64_t d = 0; d < D; ++d) out[d] = to_float(x[d]);
+    return;
+  }
+  for (int64_t d = 0; d < h; ++d) {
+    const float x1 = to_float(x[d]), x2 = to_float(x[d + h]);
+    const float c = to_float(cos_row[d]), s = to_float(sin_row[d]);
+    out[d] = x1 * c - x2 * s;
+    out[d + h] = x2 * c + x1 * s;
+  }
+}
+
+template <typename T>
+struct AttentionCpuKernel {
+  AttentionAttrs attrs;
+  AttentionCpuKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {}
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const AttentionShapes s = attention_shapes(ctx, attrs);
+    const int64_t B = s.B, S = s.S, D = s.D, T_cap = s.T, Hq = attrs.num_heads, Hkv = attrs.kv_num_heads;
+    const int64_t group = Hq / Hkv, width = (Hq + 2 * Hkv) * D;
+    const T* qkv = ctx.GetInput(0).GetTensorData<T>();
+    const T* past_k = ctx.GetInput(3).GetTensorData<T>();
+    const T* past_v = ctx.GetInput(4).GetTensorData<T>();
+    const int32_t* seqlens = ctx.GetInput(5).GetTensorData<int32_t>();
+    const T* cos = attrs.do_rotary ? ctx.GetInput(7).GetTensorData<T>() : nullptr;
+    const T* sin = attrs.do_rotary ? ctx.GetInput(8).GetTensorData<T>() : nullptr;
+    const int64_t max_pos = attrs.do_rotary ? ctx.GetInput(7).GetTensorTypeAndShapeInfo().GetShape()[0] : T_cap;
+    T* out = ctx.GetOutput(0, {B, S, Hq * D}).GetTensorMutableData<T>();
+    T* pk = ctx.GetOutput(1, s.past_shape).GetTensorMutableData<T>();
+    T* pv = ctx.GetOutput(2, s.past_shape).GetTensorMutableData<T>();
+    const size_t cache_bytes = static_cast<size_t>(B * Hkv * T_cap * D) * sizeof(T);
+    // past and present are usually one buffer (IO binding); copy only when they differ.
+    if (pk != past_k) std::memcpy(pk, past_k, cache_bytes);
+    if (pv != past_v) std::memcpy(pv, past_v, cache_bytes);
+
+    const int64_t half = D / 2;
+    std::vector<float> buf(static_cast<size_t>(D)), q(static_cast<size_t>(D)), acc(static_cast<size_t>(D));
+    std::vector<float> scores(static_cast<size_t>(T_cap));
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = static_cast<int64_t>(seqlens[b]) + 1 - S;
+      if (n < 0 || n + S > T_cap || (attrs.do_rotary && n + S > max_pos))
+        fail("BatchInvariantAttention: seqlens_k[" + std::to_string(b) + "]=" + std::to_string(seqlens[b]) +
+             " gives positions " + std::to_string(n) + ".." + std::to_string(n + S - 1) + " outside the cache (" +
+             std::to_string(T_cap) + ") or rotary table (" + std::to_string(max_pos) + ")");
+      const size_t cache_b = static_cast<size_t>(b * Hkv * T_cap * D);
+      // 1. Commit the new rows' rotated K (rounded to T, as stored) and V.
+      for (int64_t i = 0; i < S; ++i) {
+        const int64_t p = n + i;
+        const T* row = qkv + (b * S + i) * width;
+        for (int64_t h = 0; h < Hkv; ++h) {
+          rotate(row + (Hq + h) * D, cos ? cos + p * half : nullptr, sin ? sin + p * half : nullptr, D,
+                 attrs.do_rotary, buf.data());
+          T* kdst = pk + cache_b + static_cast<size_t>((h * T_cap + p) * D);
+          T* vdst = pv + cache_b + static_cast<size_t>((h * T_cap + p) * D);
+          const T* vsrc = row + (Hq + Hkv + h) * D;
+          for (int64_t d = 0; d < D; ++d) kdst[d] = from_float<T>(buf[d]);
+          for (int64_t d = 0; d < D; ++d) vdst[d] = vsrc[d];
+        }
+      }
+      // 2. Each row attends over the stored cache at positions 0..p.
+      for (int64_t i = 0; i < S; ++i) {
+        const int64_t p = n + i;
+        const T* row = qkv + (b * S + i) * width;
+        for (int64_t h = 0; h < Hq; ++h) {
+          rotate(row + h * D, cos ? cos + p * half : nullptr, sin ? sin + p * half : nullptr, D, attrs.do_rotary,
+                 q.data());
+          const T* kc = pk + cache_b + static_cast<size_t>(h / group * T_cap * D);
+          const T* vc = pv + cache_b + static_cast<size_t>(h / group * T_cap * D);
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j <= p; ++j) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < D; ++d) dot += q[d] * to_float(kc[j * D + d]);
+            scores[j] = dot * s.scale;
+            mx = std::max(mx, scores[j]);
+          }
+          float sum = 0.0f;
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int64_t j = 0; j <= p; ++j) {
+            const float e = std::exp(scores[j] - mx);
+            sum += e;
+            for (int64_t d = 0; d < D; ++d) acc[d] += e * to_float(vc[j * D + d]);
+          }
+          T* o = out + (b * S + i) * Hq * D + h * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(acc[d] / sum);
+        }
+      }
+    }
+  }
+};
+
+AttentionOp<AttentionCpuKernel<float>, float, false> g_f32;
+AttentionOp<AttentionCpuKernel<Ort::Float16_t>, Ort::Float16_t, false> g_f16;
+AttentionOp<AttentionCpuKernel<Ort::BFloat16_t>, Ort::BFloat16_t, false> g_bf16;
+
+}  // namespace
+
+void add_cpu_attention(Ort::CustomOpDomain& domain) {
+  domain.Add(&g_f32);
+  domain.Add(&g_f16);
+  domain.Add(&g_bf16);
+}
+
+}  // namespace loopcast

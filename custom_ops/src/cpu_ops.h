@@ -1,0 +1,9 @@
+// Registration hooks of the CPU kernels (matmul_cpu.cc, attention_cpu.cc).
+#pragma once
+
+#include "ort_api.h"
+
+namespace loopcast {
+void add_cpu_matmul(Ort::CustomOpDomain& domain);
+void add_cpu_attention(Ort::CustomOpDomain& domain);
+}  // namespace loopcast

@@ -1,0 +1,31 @@
+// C entry points of the CUDA kernels (matmul_cuda.cu, attention_cuda.cu). They take raw device
+// pointers and the caller's stream, and only enqueue work: no allocation, no host sync, no
+// host<->device copy, so they can run inside a captured CUDA graph. Kept free of CUDA and ORT
+// types so both the ORT glue (cuda_ops.cc) and ctypes-based tests can call them.
+// Return value: 0, or a cudaError_t code (loopcast_cuda_error_string names it).
+#pragma once
+
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define LOOPCAST_CUDA_API extern "C" __declspec(dllexport)
+#else
+#define LOOPCAST_CUDA_API extern "C" __attribute__((visibility("default")))
+#endif
+
+// dtype: 0 fp32, 1 fp16, 2 bf16 (loopcast::DType).
+// Y[M, N] = A[M, K] · B (B is [K, N], or [N, K] with trans_b = 1); fp32 accumulation.
+LOOPCAST_CUDA_API int loopcast_cuda_matmul(int dtype, const void* A, const void* B, void* Y, int64_t M, int64_t K,
+                                           int64_t N, int trans_b, void* stream);
+
+// Packed-QKV GQA with rotate-half rotary; see attention_cuda.cu. present_* may equal past_*.
+LOOPCAST_CUDA_API int loopcast_cuda_attention(int dtype, const void* qkv, const void* past_k, const void* past_v,
+                                              void* present_k, void* present_v, const int32_t* seqlens_k,
+                                              const void* cos_cache, const void* sin_cache, void* out, int B, int S,
+                                              int num_heads, int kv_num_heads, int head_dim, int capacity,
+                                              int rotary_len, float scale, int do_rotary, void* stream);
+
+LOOPCAST_CUDA_API const char* loopcast_cuda_error_string(int code);
+
+// Largest cache capacity (positions) the attention kernel takes: its scores live in shared memory.
+constexpr int kLoopcastMaxCudaCapacity = 49152;

@@ -1,0 +1,87 @@
+// The CUDA execution provider's BatchInvariantMatMul and BatchInvariantAttention: shape checks on
+// the host, then one call into the CUDA launchers on ORT's compute stream. Inputs stay on the
+// device (seqlens_k too: the kernels read it there), and Compute neither allocates nor syncs, so
+// the ops can run inside captured CUDA graphs.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "attention_shapes.h"
+#include "cuda_launch.h"
+#include "cuda_ops.h"
+#include "op_schemas.h"
+
+namespace loopcast {
+namespace {
+
+void check_launch(int code, const char* op) {
+  if (code != 0)
+    fail(std::string(op) + " (CUDA): kernel launch failed: " + loopcast_cuda_error_string(code));
+}
+
+template <typename T>
+struct MatMulCudaKernel {
+  bool trans_b;
+  MatMulCudaKernel(const OrtApi&, const OrtKernelInfo* info) : trans_b(attr_int(info, "trans_b", 0) != 0) {}
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    Ort::ConstValue a = ctx.GetInput(0), b = ctx.GetInput(1);
+    const MatMulDims dims = matmul_dims(a.GetTensorTypeAndShapeInfo().GetShape(),
+                                        b.GetTensorTypeAndShapeInfo().GetShape(), trans_b);
+    Ort::UnownedValue y = ctx.GetOutput(0, dims.y_shape);
+    if (dims.rows == 0 || dims.N == 0) return;
+    check_launch(loopcast_cuda_matmul(static_cast<int>(DTypeOf<T>::value), a.GetTensorRawData(), b.GetTensorRawData(),
+                                      y.GetTensorMutableRawData(), dims.rows, dims.K, dims.N, trans_b ? 1 : 0,
+                                      ctx.GetGPUComputeStream()),
+                 "BatchInvariantMatMul");
+  }
+};
+
+template <typename T>
+struct AttentionCudaKernel {
+  AttentionAttrs attrs;
+  AttentionCudaKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {}
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const AttentionShapes s = attention_shapes(ctx, attrs);
+    if (s.D != 16 && s.D != 32 && s.D != 64 && s.D != 128)
+      fail("BatchInvariantAttention (CUDA): head_dim must be 16, 32, 64 or 128, got " + std::to_string(s.D));
+    if (s.T > kLoopcastMaxCudaCapacity)
+      fail("BatchInvariantAttention (CUDA): cache capacity " + std::to_string(s.T) + " exceeds " +
+           std::to_string(kLoopcastMaxCudaCapacity));
+    const void* cos = attrs.do_rotary ? ctx.GetInput(7).GetTensorRawData() : nullptr;
+    const void* sin = attrs.do_rotary ? ctx.GetInput(8).GetTensorRawData() : nullptr;
+    const int64_t rotary_len = attrs.do_rotary ? ctx.GetInput(7).GetTensorTypeAndShapeInfo().GetShape()[0] : s.T;
+    Ort::UnownedValue out = ctx.GetOutput(0, {s.B, s.S, attrs.num_heads * s.D});
+    Ort::UnownedValue pk = ctx.GetOutput(1, s.past_shape);
+    Ort::UnownedValue pv = ctx.GetOutput(2, s.past_shape);
+    check_launch(loopcast_cuda_attention(
+                     static_cast<int>(DTypeOf<T>::value), ctx.GetInput(0).GetTensorRawData(),
+                     ctx.GetInput(3).GetTensorRawData(), ctx.GetInput(4).GetTensorRawData(),
+                     pk.GetTensorMutableRawData(), pv.GetTensorMutableRawData(),
+                     ctx.GetInput(5).GetTensorData<int32_t>(), cos, sin, out.GetTensorMutableRawData(),
+                     static_cast<int>(s.B), static_cast<int>(s.S), static_cast<int>(attrs.num_heads),
+                     static_cast<int>(attrs.kv_num_heads), static_cast<int>(s.D), static_cast<int>(s.T),
+                     static_cast<int>(std::min<int64_t>(rotary_len, 1 << 30)), s.scale, attrs.do_rotary ? 1 : 0,
+                     ctx.GetGPUComputeStream()),
+                 "BatchInvariantAttention");
+  }
+};
+
+MatMulOp<MatMulCudaKernel<float>, float, true> g_mm_f32;
+MatMulOp<MatMulCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_mm_f16;
+MatMulOp<MatMulCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_mm_bf16;
+AttentionOp<AttentionCudaKernel<float>, float, true> g_at_f32;
+AttentionOp<AttentionCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_at_f16;
+AttentionOp<AttentionCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_at_bf16;
+
+}  // namespace
+
+void add_cuda_ops(Ort::CustomOpDomain& domain) {
+  for (OrtCustomOp* op : std::vector<OrtCustomOp*>{&g_mm_f32, &g_mm_f16, &g_mm_bf16, &g_at_f32, &g_at_f16, &g_at_bf16})
+    domain.Add(op);
+}
+
+}  // namespace loopcast

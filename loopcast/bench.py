@@ -1,0 +1,460 @@
+"""``loopcast bench``: ONNX Runtime step and end-to-end timings against PyTorch, in one run.
+
+For one checkpoint and each (dtype, graph variant) it exports an artifact and measures, on one
+device: per-step time of decode, verify(W) for several W, draft and verify_tail, captured
+(CUDA graphs) and uncaptured; whether verify rows equal the M=1 decode rows bit for bit;
+end-to-end tokens/s of plain greedy, prompt lookup and self-speculation with the tokens
+compared against plain greedy; a long run alternating draft, verify and decode with the
+graph-slot counters; where a decode step's GPU time goes by kernel family; and, as baselines
+measured in the same run, the same model's PyTorch decode step (eager and under a CUDA graph)
+and the memory-bandwidth floor (bytes read per step / measured device bandwidth).
+
+Variants: ``stock`` (MatMul / GroupQueryAttention) and ``batch-invariant`` (the loopcast
+custom ops). The result is one JSON document; :func:`format_table` renders it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
+
+BENCH_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "    def __repr__(self):\n        return ",
+    "def merge(left, right):\n    result = []\n",
+    "class Queue:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    # edit workload: the answer repeats the prompt, as in code edits
+    "def area(width, height):\n    return width * height\n\n\n" * 3 + "def area(",
+]
+VARIANTS = ("stock", "batch-invariant")
+
+
+@dataclass
+class BenchOptions:
+    checkpoint: str                         # a checkpoint dir, `demo`, or `preset:NAME` (random weights)
+    work_dir: Path
+    device: str = "cuda"
+    dtypes: tuple[str, ...] = ("fp16", "bf16")
+    variants: tuple[str, ...] = VARIANTS
+    past: int = 1024
+    widths: tuple[int, ...] = (2, 5, 8)
+    iters: int = 50
+    new_tokens: int = 128                   # per prompt, end-to-end rows
+    end_to_end: bool = True
+    alternate_tokens: int = 1000
+    torch_baseline: bool = True
+    profile: bool = True
+
+
+@dataclass
+class StepTimes:
+    kind: str
+    rows: int
+    captured_ms: float | None
+    uncaptured_ms: float
+
+
+@dataclass
+class VariantResult:
+    dtype: str
+    variant: str
+    past: int
+    export_s: float
+    steps: list[StepTimes] = field(default_factory=list)
+    rows_identical: dict = field(default_factory=dict)
+    end_to_end: dict = field(default_factory=dict)
+    alternation: dict = field(default_factory=dict)
+    profile_ms: dict = field(default_factory=dict)
+    graph_fallbacks: dict = field(default_factory=dict)
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+def _median_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def step_ms(model, kind: str, past: int, iters: int) -> float:
+    """Median wall time of one ``kind`` step at positions past.. (host pushes and id pull included)."""
+    gen = model.new_generator()
+    rows = gen.rows(kind)
+    if kind == VERIFY_TAIL:
+        hidden = np.zeros((rows, model.config.hidden_size), np.float32)
+        return _median_ms(lambda: gen.run(kind, past, hidden=hidden, want_logits=False), iters)
+    tokens = [1] * rows
+    return _median_ms(lambda: gen.run(kind, past, tokens=tokens, want_logits=False), iters)
+
+
+def rows_identical(model, prompts: list[list[int]]) -> dict:
+    """Per prompt: W decode steps (M=1) vs one verify(W) step over the same tokens."""
+    W = model.loaded.manifest.verify_width
+    same, total, worst = 0, 0, 0.0
+    for prompt in prompts:
+        gen = model.new_generator()
+        token = gen.prefill(prompt)
+        fed, rows = [], []
+        for _ in range(W):
+            out = gen.run(DECODE, gen.n, tokens=[token])
+            fed.append(token)
+            rows.append(out.logits[0].copy())
+            gen.commit([token])
+            token = int(out.next_ids[0])
+        gen.rewind(len(prompt))
+        verify = gen.run(VERIFY, gen.n, tokens=fed).logits
+        for i in range(W):
+            total += 1
+            same += bool(np.array_equal(verify[i], rows[i]))
+            worst = max(worst, float(np.abs(verify[i] - rows[i]).max()))
+    return {"bit_identical_rows": same, "rows": total, "max_abs_diff": worst}
+
+
+def _first_divergence(model, prompt: list[int], plain: list[int], other: list[int]) -> dict:
+    """Where ``other`` leaves plain greedy, and plain greedy's top-1/top-2 margin there."""
+    j = next((i for i, (x, y) in enumerate(zip(plain, other)) if x != y), min(len(plain), len(other)))
+    if j >= len(plain):
+        return {"index": j, "margin": None}
+    # Token j of plain greedy comes from the step that fed the token before it.
+    context = prompt + plain[:j]
+    gen = model.new_generator()
+    if len(context) > 1:
+        gen.prefill(context[:-1])
+    top = np.sort(gen.run(DECODE, gen.n, tokens=[context[-1]]).logits[0])[-2:]
+    return {"index": j, "margin": float(top[1] - top[0])}
+
+
+def end_to_end(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """tokens/s of plain greedy, prompt lookup and self-speculation; tokens vs plain greedy."""
+    result, plain_tokens = {}, {}
+    modes = [("plain", {}), ("prompt-lookup", {"speculative": "prompt-lookup", "num_draft_tokens": 4}),
+             ("self", {"speculative": "self", "num_draft_tokens": 4})]
+    for name, kwargs in modes:
+        if name == "self" and not model.loaded.has(DRAFT):
+            continue
+        tokens, seconds, divergent, firsts, accepted, proposed = 0, 0.0, 0, [], 0, 0
+        for i, prompt in enumerate(prompts):
+            model.generate(prompt, 8, stop_ids=(), **kwargs)  # warm the slots this mode uses
+            t0 = time.perf_counter()
+            out = model.generate(prompt, new_tokens, stop_ids=(), **kwargs)
+            seconds += time.perf_counter() - t0
+            tokens += len(out.tokens)
+            accepted += out.stats.accepted
+            proposed += out.stats.proposed
+            if name == "plain":
+                plain_tokens[i] = out.tokens
+            elif out.tokens != plain_tokens[i]:
+                divergent += 1
+                firsts.append(_first_divergence(model, prompt, plain_tokens[i], out.tokens))
+        result[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+                        "divergent_prompts": divergent, "first_divergences": firsts,
+                        "acceptance": accepted / proposed if proposed else None}
+    base = result["plain"]["tokens_per_s"]
+    for entry in result.values():
+        entry["speedup"] = entry["tokens_per_s"] / base
+    return result
+
+
+def alternation(model, prompt: list[int], tokens: int, chunk: int = 40) -> dict:
+    """One generator alternating self-speculation (draft, verify_tail), prompt lookup (verify,
+    decode) and plain decode in chunks for ``tokens`` tokens: after one warm-up chunk of each
+    mode every slot has captured once, and from then on it may only replay."""
+    gen = model.new_generator()
+    modes = [{"speculative": "self", "num_draft_tokens": 4},
+             {"speculative": "prompt-lookup", "num_draft_tokens": 4}, {}]
+    ids = list(prompt)
+
+    def run_chunk(mode: dict) -> int:
+        nonlocal ids
+        out = list(model.stream_ids(ids, chunk, stop_ids=(), generator=gen, **mode))
+        ids = [out[-1]]
+        return len(out)
+
+    for mode in modes:
+        run_chunk(mode)
+    warm = gen.graph_slots()
+    counts0 = dict(gen.step_counts)
+    produced, t0 = 0, time.perf_counter()
+    while produced < tokens and gen.n + chunk + 8 < gen.max_length:
+        for mode in modes:
+            produced += run_chunk(mode)
+    end = gen.graph_slots()
+    return {"tokens": produced, "seconds": time.perf_counter() - t0,
+            "steps": {k: gen.step_counts[k] - counts0.get(k, 0) for k in gen.step_counts},
+            "slots_after_warmup": warm, "slots_at_end": end,
+            "recaptures_after_warmup": {k: end[k]["captures"] - warm.get(k, {}).get("captures", 0) for k in end},
+            "fallbacks": {k: end[k]["fallbacks"] for k in end}}
+
+
+def profile_decode(model, past: int, iters: int = 20) -> dict:
+    """GPU time per decode step by kernel family (CUPTI through torch.profiler sees every
+    kernel in the process, ORT's included). Run uncaptured so that each kernel is a record."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = model.new_generator()
+    for _ in range(3):
+        gen.run(DECODE, past, tokens=[1], want_logits=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            gen.run(DECODE, past, tokens=[1], want_logits=False)
+        torch.cuda.synchronize()
+    families: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        families[kernel_family(event.name)] = families.get(kernel_family(event.name), 0.0) + event.device_time
+    return {k: v / iters / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])}
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    rules = [("loopcast", "loopcast custom ops"), ("batch_invariant", "loopcast custom ops"),
+             ("gemm", "matmul"), ("gemv", "matmul"), ("xmma", "matmul"), ("cutlass", "matmul"),
+             ("norm", "rmsnorm"), ("flash", "attention"), ("attention", "attention"),
+             ("rotary", "attention"), ("kv", "attention"), ("concat", "attention"),
+             ("argmax", "sampling"), ("topk", "sampling"), ("memcpy", "memcpy")]
+    for key, family in rules:
+        if key in low:
+            return family
+    return "elementwise/other"
+
+
+# -- orchestration --------------------------------------------------------------------------
+
+def _checkpoint(opts: BenchOptions, dtype: str) -> Path:
+    if not opts.checkpoint.startswith("preset:"):
+        from loopcast.exporter.checkpoint import resolve_checkpoint
+        return resolve_checkpoint(opts.checkpoint)
+    from loopcast.config import PRESETS
+    from loopcast.exporter.checkpoint import DTYPES
+    from loopcast.exporter.random_checkpoint import write_random_checkpoint
+
+    preset = opts.checkpoint.split(":", 1)[1]
+    out = opts.work_dir / f"ckpt-{preset}-{dtype}"
+    if not (out / "config.json").is_file():
+        write_random_checkpoint(PRESETS[preset], out, seed=0, dtype=DTYPES[dtype])
+    return out
+
+
+def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> VariantResult:
+    from loopcast.config import load_config
+    from loopcast.exporter.export import ExportOptions, export_checkpoint, with_verify_width
+    from loopcast.ort_runtime import load
+
+    checkpoint = _checkpoint(opts, dtype)
+    config = load_config(checkpoint)
+    widths = sorted(set(opts.widths) | {5})
+    max_length = min(config.max_position_embeddings, opts.past + max(widths) + 1)
+    past = max_length - max(widths) - 1
+    art = opts.work_dir / f"art-{Path(str(checkpoint)).name}-{dtype}-{variant}"
+    t0 = time.perf_counter()
+    export_checkpoint(checkpoint, art, ExportOptions(dtype, max_length, 5, 1 if config.num_loops > 1 else None,
+                                                     variant == "batch-invariant"), overwrite=True)
+    result = VariantResult(dtype, variant, past, time.perf_counter() - t0)
+    log(f"[{dtype}/{variant}] exported in {result.export_s:.1f}s; past {past}")
+    cuda = opts.device == "cuda"
+    hot = (DECODE, VERIFY, DRAFT, VERIFY_TAIL)
+    captured = load(art, opts.device, kinds=hot) if cuda else None
+    eager = load(art, opts.device, cuda_graphs=False, kinds=hot)
+    if captured is not None:
+        result.graph_fallbacks = dict(captured.loaded.graph_fallbacks)
+    for kind in hot:
+        if not eager.loaded.has(kind):
+            continue
+        rows = eager.new_generator().rows(kind)
+        cap = step_ms(captured, kind, past, opts.iters) if captured is not None else None
+        result.steps.append(StepTimes(kind, rows, cap, step_ms(eager, kind, past, opts.iters)))
+        log(f"  {kind}({rows}) captured {cap if cap is None else round(cap, 3)} ms, "
+            f"uncaptured {result.steps[-1].uncaptured_ms:.3f} ms")
+    del captured
+    for width in widths:
+        if width == 5:
+            continue
+        with_verify_width(art, opts.work_dir / f"{art.name}-w{width}", width)
+        for graphs in ((True, False) if cuda else (False,)):
+            model = load(opts.work_dir / f"{art.name}-w{width}", opts.device, cuda_graphs=graphs, kinds=(VERIFY,))
+            ms = step_ms(model, VERIFY, past, opts.iters)
+            entry = next((s for s in result.steps if s.kind == VERIFY and s.rows == width), None)
+            if entry is None:
+                entry = StepTimes(VERIFY, width, None, ms)
+                result.steps.append(entry)
+            if graphs:
+                entry.captured_ms = ms
+            else:
+                entry.uncaptured_ms = ms
+            del model
+        log(f"  verify({width}) {entry.captured_ms} / {entry.uncaptured_ms:.3f} ms")
+    if opts.profile and cuda:
+        result.profile_ms = profile_decode(eager, past)
+    del eager
+    full = load(art, opts.device)
+    if full.tokenizer is not None:
+        prompts = [full.encode(p) for p in BENCH_PROMPTS]
+    else:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, config.vocab_size, 24).tolist() for _ in range(4)]
+    result.rows_identical = rows_identical(full, prompts)
+    log(f"  verify rows bit-identical to decode rows: {result.rows_identical}")
+    if opts.end_to_end:
+        new_tokens = min(opts.new_tokens, max_length - max(len(p) for p in prompts) - 8)
+        result.end_to_end = end_to_end(full, prompts, new_tokens)
+        for name, entry in result.end_to_end.items():
+            log(f"  {name}: {entry['tokens_per_s']:.1f} tok/s (x{entry['speedup']:.2f}), "
+                f"divergent prompts {entry['divergent_prompts']}")
+    if opts.alternate_tokens and full.loaded.has(DRAFT) and cuda:
+        result.alternation = alternation(full, prompts[0], opts.alternate_tokens)
+        log(f"  alternation: {result.alternation['tokens']} tokens, re-captures after warm-up "
+            f"{result.alternation['recaptures_after_warmup']}")
+    return result
+
+
+def torch_baseline(opts: BenchOptions, dtype: str, past: int) -> dict:
+    import torch
+
+    from loopcast.exporter import torch_bench
+
+    checkpoint = _checkpoint(opts, dtype)
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    model = torch_bench.load_reference(checkpoint, torch_dtype, opts.device)
+    max_length = past + 8
+    out = {"eager_ms": torch_bench.decode_step_ms(model, past=past, max_length=max_length, cuda_graph=False,
+                                                  iters=min(opts.iters, 20))}
+    if opts.device == "cuda":
+        out["cuda_graph_ms"] = torch_bench.decode_step_ms(model, past=past, max_length=max_length,
+                                                          cuda_graph=True, iters=opts.iters)
+    del model
+    if opts.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_bench(opts: BenchOptions, log=print) -> dict:
+    import onnxruntime as ort
+
+    from loopcast.config import load_config
+
+    opts.work_dir.mkdir(parents=True, exist_ok=True)
+    report = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": _machine(opts.device), "onnxruntime": ort.__version__, "runs": [], "baselines": {}}
+    for dtype in opts.dtypes:
+        for variant in opts.variants:
+            result = bench_variant(opts, dtype, variant, log)
+            report["runs"].append(asdict(result))
+        past = report["runs"][-1]["past"]
+        config = load_config(_checkpoint(opts, dtype))
+        baseline: dict = {"past": past}
+        if opts.torch_baseline:
+            try:
+                baseline.update(torch_baseline(opts, dtype, past))
+            except Exception as exc:  # the baseline is optional; say why it is missing
+                baseline["error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            from loopcast.exporter import torch_bench
+            bandwidth = torch_bench.device_bandwidth_gbs(opts.device)
+            nbytes = torch_bench.bytes_per_decode_step(config, 4 if dtype == "fp32" else 2, past)
+            baseline.update({"bandwidth_gbs": bandwidth, "bytes_per_step": nbytes,
+                             "floor_ms": torch_bench.floor_ms(nbytes["total"], bandwidth)})
+        except ImportError as exc:
+            baseline["error"] = f"no torch for the floor: {exc}"
+        report["baselines"][dtype] = baseline
+        log(f"[{dtype}] baselines {baseline}")
+    return report
+
+
+def _machine(device: str) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version()}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        if device == "cuda" and torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return info
+
+
+# -- reporting ------------------------------------------------------------------------------
+
+def format_table(report: dict) -> str:
+    lines = [f"loopcast bench — {report['options']['checkpoint']} on {report['machine'].get('gpu', report['options']['device'])}"
+             f", onnxruntime {report['onnxruntime']}, {report['date']}"]
+    for run in report["runs"]:
+        base = report["baselines"].get(run["dtype"], {})
+        decode = next((s for s in run["steps"] if s["kind"] == DECODE), None)
+        lines.append(f"\n{run['dtype']} / {run['variant']} (past {run['past']})")
+        lines.append(f"  {'step':<16}{'captured ms':>12}{'uncaptured ms':>15}{'/ decode':>10}")
+        for s in sorted(run["steps"], key=lambda s: (s["kind"], s["rows"])):
+            ref = decode["captured_ms"] if decode and decode["captured_ms"] else decode["uncaptured_ms"] if decode else None
+            mine = s["captured_ms"] if s["captured_ms"] else s["uncaptured_ms"]
+            cap = f"{s['captured_ms']:.3f}" if s["captured_ms"] else "-"
+            lines.append(f"  {s['kind'] + '(' + str(s['rows']) + ')':<16}{cap:>12}{s['uncaptured_ms']:>15.3f}"
+                         f"{mine / ref if ref else float('nan'):>10.2f}")
+        if decode and base.get("floor_ms"):
+            best = decode["captured_ms"] or decode["uncaptured_ms"]
+            lines.append(f"  floor {base['floor_ms']:.3f} ms ({base['bandwidth_gbs']:.0f} GB/s): decode at "
+                         f"{base['floor_ms'] / best * 100:.0f}% of bandwidth; torch eager "
+                         f"{base.get('eager_ms', float('nan')):.3f} ms, torch CUDA graph "
+                         f"{base.get('cuda_graph_ms', float('nan')):.3f} ms")
+        r = run["rows_identical"]
+        if r:
+            lines.append(f"  verify rows bit-identical to decode: {r['bit_identical_rows']}/{r['rows']} "
+                         f"(max |diff| {r['max_abs_diff']:.3g})")
+        for name, e in run["end_to_end"].items():
+            lines.append(f"  {name:<14}{e['tokens_per_s']:>9.1f} tok/s  x{e['speedup']:.2f}  divergent "
+                         f"prompts {e['divergent_prompts']}")
+        if run["alternation"]:
+            a = run["alternation"]
+            lines.append(f"  alternation {a['tokens']} tokens: re-captures after warm-up {a['recaptures_after_warmup']}")
+        if run["profile_ms"]:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in run["profile_ms"].items())
+            lines.append(f"  decode GPU ms by kernel family: {parts}")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: Path) -> list[Path]:
+    """JSON always; a PNG of step times when matplotlib is installed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(out)
+    written = [out]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels, values = [], []
+    for run in report["runs"]:
+        for s in sorted(run["steps"], key=lambda s: (s["kind"], s["rows"])):
+            labels.append(f"{run['dtype']}/{run['variant'][:5]}\n{s['kind']}({s['rows']})")
+            values.append(s["captured_ms"] or s["uncaptured_ms"])
+    ax.bar(range(len(values)), values)
+    ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"loopcast bench: {report['options']['checkpoint']}")
+    fig.tight_layout()
+    png = out.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return written + [png]

@@ -1,0 +1,25 @@
+"""The custom-op library, built once per test session (CUDA kernels included when nvcc is found;
+LOOPCAST_NO_CUDA=1 builds the CPU-only library)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loopcast.custom_ops.build import build_library, find_ort_include
+
+
+def require_c_toolchain() -> None:
+    if find_ort_include() is None or shutil.which("c++") is None:
+        if os.environ.get("LOOPCAST_REQUIRE_C") == "1":
+            pytest.fail("ORT C++ headers or a C++ compiler missing")
+        pytest.skip("ORT C++ headers or a C++ compiler missing (tools/c_generate/fetch_deps.sh)")
+
+
+@pytest.fixture(scope="session")
+def library(tmp_path_factory) -> Path:
+    require_c_toolchain()
+    return build_library(tmp_path_factory.mktemp("ops"))
