@@ -27,7 +27,7 @@ SOURCES = ("loopcast_ops.cc", "matmul_cpu.cc", "attention_cpu.cc")
 CUDA_SOURCES = ("cuda_ops.cc",)             # host glue, compiled by the C++ compiler
 CUDA_KERNELS = ("matmul_cuda.cu", "attention_cuda.cu")
 _HERE = Path(__file__).resolve().parent
-_CXXFLAGS = ["-O2", "-std=c++17", "-fPIC", "-Wall", "-Werror"]
+_CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-Wall", "-Werror"]
 _NVCCFLAGS = ["-O3", "-std=c++17", "-gencode", "arch=compute_90,code=[sm_90,compute_90]",
               "-Xcompiler", "-fPIC,-Wall", "--cudart", "static"]
 

@@ -1,10 +1,10 @@
 // BatchInvariantMatMul, CPU kernel.
 //
 // Y = A·B (B[K, N]) or, with trans_b=1, Y = A·Bᵀ (B[N, K], e.g. a tied lm_head reading the
-// embedding [V, H] in place), fp32 accumulation. Every output element is reduced over
-// k = 0..K-1 in ascending order whatever the number of rows, so a row's result does not depend on
-// how many rows share the call (stock GEMMs pick different kernels and blockings for M = 1 and
-// M = W).
+// embedding [V, H] in place), fp32 accumulation. Every output element is reduced in an order
+// fixed by (k, K) alone whatever the number of rows, so a row's result does not depend on how
+// many rows share the call (stock GEMMs pick different kernels and blockings for M = 1 and
+// M = W). The weights are read once per call for all rows, as in a GEMV.
 #include <algorithm>
 #include <vector>
 
@@ -29,29 +29,51 @@ struct MatMulCpuKernel {
     const T* A = a.GetTensorData<T>();
     const T* B = b.GetTensorData<T>();
     T* Y = y.GetTensorMutableData<T>();
-    std::vector<float> acc(static_cast<size_t>(N));
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* a_row = A + r * K;
-      if (trans_b) {
-        // One serial dot product per output, k ascending.
-        for (int64_t n = 0; n < N; ++n) {
-          const T* b_row = B + n * K;
-          float s = 0.0f;
-          for (int64_t k = 0; k < K; ++k) s += to_float(a_row[k]) * to_float(b_row[k]);
-          acc[n] = s;
-        }
-      } else {
-        // acc[n] += A[r,k] * B[k,n] for k ascending: the same order per element as above, and B
-        // is read row by row (contiguous), which vectorises over n without reassociating k.
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t k = 0; k < K; ++k) {
-          const float a_rk = to_float(a_row[k]);
-          const T* b_row = B + k * N;
-          for (int64_t n = 0; n < N; ++n) acc[n] += a_rk * to_float(b_row[n]);
+    if (trans_b) {
+      // Each weight row is read once for all rows. A dot product keeps kLanes partial sums
+      // (lane j takes k ≡ j mod kLanes, k ascending) combined in one fixed order: vectorisable,
+      // and the order depends on (k, K) only, never on the number of rows.
+      std::vector<float> a_f(static_cast<size_t>(rows * K));
+      for (int64_t i = 0; i < rows * K; ++i) a_f[i] = to_float(A[i]);
+      std::vector<float> b_f(static_cast<size_t>(K));
+      for (int64_t n = 0; n < N; ++n) {
+        for (int64_t k = 0; k < K; ++k) b_f[k] = to_float(B[n * K + k]);
+        for (int64_t r = 0; r < rows; ++r) Y[r * N + n] = from_float<T>(lane_dot(a_f.data() + r * K, b_f.data(), K));
+      }
+      return;
+    }
+    // acc[r][n] += A[r,k] * B[k,n] for k ascending, over column blocks that stay in L1: each
+    // weight block is read once for all rows, and every element's order is k ascending.
+    constexpr int64_t kBlock = 512;
+    std::vector<float> acc(static_cast<size_t>(rows * kBlock));
+    std::vector<float> b_f(static_cast<size_t>(kBlock));
+    for (int64_t n0 = 0; n0 < N; n0 += kBlock) {
+      const int64_t width = std::min(kBlock, N - n0);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const T* b_row = B + k * N + n0;
+        for (int64_t n = 0; n < width; ++n) b_f[n] = to_float(b_row[n]);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float a_rk = to_float(A[r * K + k]);
+          float* acc_r = acc.data() + r * kBlock;
+          for (int64_t n = 0; n < width; ++n) acc_r[n] += a_rk * b_f[n];
         }
       }
-      for (int64_t n = 0; n < N; ++n) Y[r * N + n] = from_float<T>(acc[n]);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < width; ++n) Y[r * N + n0 + n] = from_float<T>(acc[r * kBlock + n]);
     }
+  }
+
+  static float lane_dot(const float* a, const float* b, int64_t K) {
+    constexpr int kLanes = 16;
+    float lanes[kLanes] = {};
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes)
+      for (int j = 0; j < kLanes; ++j) lanes[j] += a[k + j] * b[k + j];
+    for (int j = 0; k < K; ++k, ++j) lanes[j] += a[k] * b[k];
+    for (int width = kLanes / 2; width > 0; width /= 2)  // fixed pairwise combine
+      for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    return lanes[0];
   }
 };
 

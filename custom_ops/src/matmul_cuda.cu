@@ -17,6 +17,8 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
@@ -207,22 +209,388 @@ int launch(const T* A, const T* B, T* Y, int M, int K, int N, bool trans_b, cuda
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
+// ---------------------------------------------------------------------------------------------
+// fp16 / bf16: tensor-core kernel (mma.sync m16n8k16, fp32 accumulation), weights streamed from
+// HBM straight into registers (128-bit loads, one chunk prefetched ahead), activations padded to
+// 16-row MMA tiles (rows >= M are zeros and are never stored).
+//
+//   grid (CS, tiles), cluster (CS, 1, 1), 256 threads = 8 warps; a tile is 64 output columns.
+//   K is cut into 32-wide chunks; warp q = rank * 8 + warp owns chunks [q * cpw, (q + 1) * cpw).
+//   Per chunk a lane loads 8 x 16 bytes of the weight (a warp: 32 k x 64 columns, 4 KiB).
+//     trans_b = 0 (B[K, N]): lane (g, t) loads rows k0 + 16s + {2t, 2t+1, 2t+8, 2t+9} (s = 0, 1),
+//       columns 8g..8g+7; byte permutes pair up k for the B fragments: n-tile j holds columns
+//       {8g' + j}, k-slots in natural order (two k16 MMAs per chunk).
+//     trans_b = 1 (B[N, K]): lane (g, t) loads B[8j + g][k0 + 8t .. +8] for n-tiles j = 0..7;
+//       the k-slots of the two k16 MMAs are the permutation {8t + 0..3} / {8t + 4..7} (the
+//       activations are loaded with the same permutation, so it is still the dot product).
+//
+// M-invariance: output (m, n) is the serial chain of MMAs over the warp's chunks (ascending) ->
+// serial sum over the 8 warps -> serial sum over the CS cluster ranks. CS, cpw and the tiling
+// depend only on (K, N, dtype). An MMA computes each output element from its own A row, B column
+// and accumulator only, so which other rows share the 16-row tile (or are zero padding) does not
+// change a row's result; MT (16-row tiles per pass: 1 for M <= 16, else 2) and the prefetch depth
+// only change how many rows a launch carries. M > 32: one launch per 32 rows, same launch shape.
+constexpr int kMmaWarps = 8;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaTN = 64;          // output columns per tile
+constexpr int kChunkK = 32;         // k per chunk
+constexpr int kMmaCapacity = 264;   // 2 blocks per SM on an H100/H200 (a constant, not queried)
+constexpr int kMaxRowsPerLaunch = 32;
+
+template <typename T> struct MmaTraits;
+template <> struct MmaTraits<__half> {
+  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+template <> struct MmaTraits<__nv_bfloat16> {
+  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+// `count` (0..8) consecutive 16-bit elements from p, zero-filled to 8.
+__device__ __forceinline__ uint4 load8_partial(const uint16_t* p, int count) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = 2 * i < count ? p[2 * i] : 0u, hi = 2 * i + 1 < count ? p[2 * i + 1] : 0u;
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+// 8 elements with a stride (a column of B[K, N] is not needed; kept for B[N, K] rows).
+__device__ __forceinline__ uint32_t load2_partial(const uint16_t* p, int count) {
+  const uint32_t lo = count > 0 ? p[0] : 0u, hi = count > 1 ? p[1] : 0u;
+  return lo | (hi << 16);
+}
+
+struct MmaArgs {
+  const uint16_t* A;
+  const uint16_t* B;
+  void* Y;
+  int M, K, N, cpw, chunks;
+  bool b_vec, a_vec;  // 16-byte weight loads / aligned activation loads allowed
+};
+
+template <int MT>
+struct ChunkRegs {
+  uint4 b[8];
+  uint32_t a[MT][8];
+};
+
+// Whole chunk in bounds with aligned 16-byte (weight) / 4- or 16-byte (activation) loads: only
+// the row < M predicate is left. Otherwise every element is bounds-checked (zero fill).
+template <bool TB, int MT>
+__device__ __forceinline__ void load_chunk(ChunkRegs<MT>& r, const MmaArgs& p, int chunk, int n0, int g, int t) {
+  const int k0 = chunk * kChunkK;
+  const bool full = p.b_vec && p.a_vec && k0 + kChunkK <= p.K && n0 + kMmaTN <= p.N;
+  if (!TB) {
+    if (full) {
+      const uint16_t* src = p.B + static_cast<size_t>(k0 + 2 * t) * p.N + n0 + 8 * g;
+      const size_t N = p.N;
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) r.b[s * 4 + q] = ld_stream16(src + (16 * s + (q & 1) + 8 * (q >> 1)) * N);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * mt + g + 8 * h;
+          const unsigned int* a = reinterpret_cast<const unsigned int*>(p.A + static_cast<size_t>(row) * p.K + k0 + 2 * t);
+#pragma unroll
+          for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi)
+              r.a[mt][s * 4 + h + 2 * hi] = row < p.M ? __ldg(a + 8 * s + 4 * hi) : 0u;
+        }
+      return;
+    }
+    const int col = n0 + 8 * g;
+    const int ncount = min(8, p.N - col);
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int k = k0 + 16 * s + 2 * t + (q & 1) + 8 * (q >> 1);
+        const uint16_t* src = p.B + static_cast<size_t>(k) * p.N + col;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (k < p.K && ncount > 0) v = (p.b_vec && ncount == 8) ? ld_stream16(src) : load8_partial(src, ncount);
+        r.b[s * 4 + q] = v;
+      }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // A fragment register q of sub-chunk s
+          const int row = 16 * mt + g + 8 * (q & 1), k = k0 + 16 * s + 2 * t + 8 * (q >> 1);
+          uint32_t v = 0;
+          if (row < p.M) {
+            const uint16_t* src = p.A + static_cast<size_t>(row) * p.K + k;
+            if (p.a_vec && k + 1 < p.K) v = __ldg(reinterpret_cast<const unsigned int*>(src));
+            else if (k < p.K) v = load2_partial(src, p.K - k);
+          }
+          r.a[mt][s * 4 + q] = v;
+        }
+  } else {
+    const int k = k0 + 8 * t;
+    if (full) {
+      const uint16_t* src = p.B + static_cast<size_t>(n0 + g) * p.K + k;
+      const size_t K8 = static_cast<size_t>(8) * p.K;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) r.b[j] = ld_stream16(src + j * K8);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * mt + g + 8 * h;
+          uint4 v = make_uint4(0, 0, 0, 0);
+          if (row < p.M) v = __ldg(reinterpret_cast<const uint4*>(p.A + static_cast<size_t>(row) * p.K + k));
+          r.a[mt][4 * h + 0] = v.x;
+          r.a[mt][4 * h + 1] = v.y;
+          r.a[mt][4 * h + 2] = v.z;
+          r.a[mt][4 * h + 3] = v.w;
+        }
+      return;
+    }
+    const int kcount = min(8, p.K - k);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int n = n0 + 8 * j + g;
+      const uint16_t* src = p.B + static_cast<size_t>(n) * p.K + k;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (n < p.N && kcount > 0) v = (p.b_vec && kcount == 8) ? ld_stream16(src) : load8_partial(src, kcount);
+      r.b[j] = v;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of the tile
+        const int row = 16 * mt + g + 8 * h;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (row < p.M && kcount > 0) {
+          const uint16_t* src = p.A + static_cast<size_t>(row) * p.K + k;
+          v = (p.a_vec && kcount == 8) ? __ldg(reinterpret_cast<const uint4*>(src)) : load8_partial(src, kcount);
+        }
+        r.a[mt][4 * h + 0] = v.x;
+        r.a[mt][4 * h + 1] = v.y;
+        r.a[mt][4 * h + 2] = v.z;
+        r.a[mt][4 * h + 3] = v.w;
+      }
+  }
+}
+
+template <typename T, bool TB, int MT>
+__device__ __forceinline__ void mma_chunk(float (&acc)[MT][8][4], const ChunkRegs<MT>& r) {
+  if (!TB) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
+        const uint32_t b0 = __byte_perm(word(r.b[s * 4 + 0], j >> 1), word(r.b[s * 4 + 1], j >> 1), sel);
+        const uint32_t b1 = __byte_perm(word(r.b[s * 4 + 2], j >> 1), word(r.b[s * 4 + 3], j >> 1), sel);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          MmaTraits<T>::mma(acc[mt][j], r.a[mt][s * 4 + 0], r.a[mt][s * 4 + 1], r.a[mt][s * 4 + 2],
+                            r.a[mt][s * 4 + 3], b0, b1);
+      }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          MmaTraits<T>::mma(acc[mt][j], r.a[mt][2 * h], r.a[mt][4 + 2 * h], r.a[mt][2 * h + 1], r.a[mt][5 + 2 * h],
+                            word(r.b[j], 2 * h), word(r.b[j], 2 * h + 1));
+  }
+}
+
+template <typename T, bool TB, int MT, bool PIPE>
+__global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
+  constexpr int ROWS = 16 * MT;
+  extern __shared__ __align__(16) float mma_smem[];
+  float* red = mma_smem;                              // [warps][ROWS][64]
+  float* part = mma_smem + kMmaWarps * ROWS * kMmaTN;  // [ROWS][64], read by the whole cluster
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int cs = static_cast<int>(cluster.num_blocks());
+  const int n0 = blockIdx.y * kMmaTN;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int c_begin = (rank * kMmaWarps + warp) * p.cpw;
+  const int n = max(0, min(p.chunks, c_begin + p.cpw) - c_begin);
+
+  float acc[MT][8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.0f;
+
+  if (PIPE) {  // one chunk in flight while the previous one is multiplied
+    ChunkRegs<MT> x, y;
+    if (n > 0) load_chunk<TB, MT>(x, p, c_begin, n0, g, t);
+    for (int i = 0; i < n; i += 2) {
+      if (i + 1 < n) load_chunk<TB, MT>(y, p, c_begin + i + 1, n0, g, t);
+      mma_chunk<T, TB, MT>(acc, x);
+      if (i + 1 < n) {
+        if (i + 2 < n) load_chunk<TB, MT>(x, p, c_begin + i + 2, n0, g, t);
+        mma_chunk<T, TB, MT>(acc, y);
+      }
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      ChunkRegs<MT> x;
+      load_chunk<TB, MT>(x, p, c_begin + i, n0, g, t);
+      mma_chunk<T, TB, MT>(acc, x);
+    }
+  }
+
+  // This warp's partial -> red[warp]; rows >= M are padding and are dropped here.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * mt + g + 8 * (e >> 1);
+        const int slot = 2 * t + (e & 1);
+        const int col = TB ? 8 * j + slot : 8 * slot + j;
+        if (row < p.M) red[(warp * ROWS + row) * kMmaTN + col] = acc[mt][j][e];
+      }
+  __syncthreads();
+  const int rows = min(p.M, ROWS);
+  for (int e = tid; e < rows * kMmaTN; e += kMmaThreads) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) s += red[w * ROWS * kMmaTN + e];
+    part[e] = s;
+  }
+  T* Y = static_cast<T*>(p.Y);
+  if (cs == 1) {
+    for (int e = tid; e < rows * kMmaTN; e += kMmaThreads) {
+      const int m = e / kMmaTN, col = n0 + e % kMmaTN;
+      if (col < p.N) Y[static_cast<size_t>(m) * p.N + col] = from_f<T>(0.0f + part[e]);
+    }
+    return;
+  }
+  cluster.sync();  // every rank's part is complete
+  for (int e = rank + cs * tid; e < rows * kMmaTN; e += cs * kMmaThreads) {
+    float s = 0.0f;
+    for (int q = 0; q < cs; ++q) s += cluster.map_shared_rank(part, q)[e];
+    const int m = e / kMmaTN, col = n0 + e % kMmaTN;
+    if (col < p.N) Y[static_cast<size_t>(m) * p.N + col] = from_f<T>(s);
+  }
+  cluster.sync();  // nobody exits while another rank still reads its part
+}
+
+struct MmaPlan {
+  int cs, tiles, chunks, cpw;
+};
+
+// From (K, N) only, never from M.
+inline MmaPlan mma_plan(int K, int N) {
+  MmaPlan p{};
+  p.tiles = (N + kMmaTN - 1) / kMmaTN;
+  p.chunks = (K + kChunkK - 1) / kChunkK;
+  p.cs = std::max(1, std::min({kMaxCluster, kMmaCapacity / p.tiles, p.chunks / kMmaWarps}));
+  const int warps = p.cs * kMmaWarps;
+  p.cpw = (p.chunks + warps - 1) / warps;
+  return p;
+}
+
+template <typename T, bool TB, int MT>
+int mma_launch(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
+#ifndef LOOPCAST_MM_PIPE
+#define LOOPCAST_MM_PIPE 0
+#endif
+  constexpr bool kPipe = LOOPCAST_MM_PIPE && MT == 1;
+  auto kernel = mma_matmul_kernel<T, TB, MT, kPipe>;
+  const int smem = (kMmaWarps + 1) * 16 * MT * kMmaTN * static_cast<int>(sizeof(float));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(plan.cs, plan.tiles, 1);
+  cfg.blockDim = dim3(kMmaThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = plan.cs;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  err = cudaLaunchKernelEx(&cfg, kernel, args);
+  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+template <typename T, bool TB>
+int mma_run(const void* A, const void* B, void* Y, int M, int K, int N, cudaStream_t stream) {
+  const MmaPlan plan = mma_plan(K, N);
+  MmaArgs args{};
+  args.B = static_cast<const uint16_t*>(B);
+  args.K = K;
+  args.N = N;
+  args.cpw = plan.cpw;
+  args.chunks = plan.chunks;
+  args.b_vec = reinterpret_cast<uintptr_t>(B) % 16 == 0 && (TB ? K % 8 == 0 : N % 8 == 0);
+  for (int m0 = 0; m0 < M; m0 += kMaxRowsPerLaunch) {  // same launch shape for every 32-row group
+    const int rows = std::min(kMaxRowsPerLaunch, M - m0);
+    args.A = static_cast<const uint16_t*>(A) + static_cast<size_t>(m0) * K;
+    args.Y = static_cast<T*>(Y) + static_cast<size_t>(m0) * N;
+    args.M = rows;
+    const uintptr_t a_addr = reinterpret_cast<uintptr_t>(args.A);
+    args.a_vec = TB ? (a_addr % 16 == 0 && K % 8 == 0) : (a_addr % 4 == 0 && K % 2 == 0);
+    const int err = rows <= 16 ? mma_launch<T, TB, 1>(args, plan, stream) : mma_launch<T, TB, 2>(args, plan, stream);
+    if (err != 0) return err;
+  }
+  return 0;
+}
+
 template <typename T>
 struct MatMulLauncher {
   static int run(const void* A, const void* B, void* Y, int64_t M, int64_t K, int64_t N, int trans_b, void* stream) {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0 || K > (1 << 30) || N > (1 << 30) || M > (1 << 30) || (N + 63) / 64 > 65535)
       return static_cast<int>(cudaErrorInvalidValue);
-    auto a = static_cast<const T*>(A);
-    auto b = static_cast<const T*>(B);
-    auto y = static_cast<T*>(Y);
     auto s = static_cast<cudaStream_t>(stream);
     const int m = static_cast<int>(M), k = static_cast<int>(K), n = static_cast<int>(N);
-    // Rows per pass: only how many rows share a pass, never how a row is reduced.
-    if (m == 1) return launch<T, 1>(a, b, y, m, k, n, trans_b != 0, s);
-    if (m == 2) return launch<T, 2>(a, b, y, m, k, n, trans_b != 0, s);
-    if (m <= 4) return launch<T, 4>(a, b, y, m, k, n, trans_b != 0, s);
-    return launch<T, 8>(a, b, y, m, k, n, trans_b != 0, s);
+    if constexpr (!std::is_same<T, float>::value) {
+      return trans_b ? mma_run<T, true>(A, B, Y, m, k, n, s) : mma_run<T, false>(A, B, Y, m, k, n, s);
+    } else {
+      auto a = static_cast<const T*>(A);
+      auto b = static_cast<const T*>(B);
+      auto y = static_cast<T*>(Y);
+      // Rows per pass: only how many rows share a pass, never how a row is reduced.
+      if (m == 1) return launch<T, 1>(a, b, y, m, k, n, trans_b != 0, s);
+      if (m == 2) return launch<T, 2>(a, b, y, m, k, n, trans_b != 0, s);
+      if (m <= 4) return launch<T, 4>(a, b, y, m, k, n, trans_b != 0, s);
+      return launch<T, 8>(a, b, y, m, k, n, trans_b != 0, s);
+    }
   }
 };
 

@@ -1,0 +1,103 @@
+"""The CUDA path (needs onnxruntime-gpu and a GPU; skipped elsewhere, as in CI).
+
+Captured CUDA graphs must give the tokens of eager runs; fp16/bf16 graphs track the fp32 torch
+reference within dtype tolerance; with the batch-invariant ops every verify row equals the
+M=1 decode row bit for bit and speculation equals plain greedy of the same dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
+from loopcast.ort_runtime import load
+from tests.artifacts import artifact, reference
+from tests.ort_runtime.test_generator import DEMO_PROMPTS
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                       reason="needs onnxruntime-gpu (CUDAExecutionProvider)"),
+]
+HOT = (DECODE, VERIFY, DRAFT, VERIFY_TAIL)
+TOLERANCE = {"fp32": 1e-3, "fp16": 0.08, "bf16": 0.5}  # max |logit diff| vs the fp32 reference
+
+
+def _demo(dtype: str, batch_invariant: bool = False, **kw):
+    return load(artifact("demo", dtype, draft_depth=1, batch_invariant=batch_invariant), "cuda", **kw)
+
+
+def test_fp32_cuda_tokens_equal_cpu() -> None:
+    cpu = load(artifact("demo", draft_depth=1))
+    gpu = _demo("fp32")
+    for prompt in DEMO_PROMPTS[:5]:
+        assert gpu.generate(prompt, 64).tokens == cpu.generate(prompt, 64).tokens
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_captured_equals_eager_and_slots_capture_once(dtype: str) -> None:
+    captured, eager = _demo(dtype), _demo(dtype, cuda_graphs=False)
+    assert captured.loaded.graph_kinds == frozenset(HOT), captured.loaded.graph_fallbacks
+    gen = captured.new_generator()
+    for mode in ("none", "prompt-lookup", "self"):
+        for prompt in DEMO_PROMPTS[:4]:
+            a = captured.generate(prompt, 64, speculative=mode, generator=gen)
+            b = eager.generate(prompt, 64, speculative=mode)
+            assert a.tokens == b.tokens, (mode, prompt)
+    for kind, slot in gen.graph_slots().items():
+        assert slot["captures"] <= 1 and slot["fallbacks"] == 0, (kind, slot)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_tracks_the_fp32_reference(dtype: str) -> None:
+    model = _demo(dtype)
+    ref = reference("demo")
+    for prompt in DEMO_PROMPTS[:3]:
+        ids = model.encode(prompt)
+        gen = model.new_generator()
+        gen.prefill(ids[:-1])
+        logits = gen.run(DECODE, gen.n, tokens=[ids[-1]]).logits[0]
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).final_logits[0, -1].numpy()
+        assert float(np.abs(logits - expected).max()) < TOLERANCE[dtype]
+
+
+def test_two_generators_keep_their_own_graphs() -> None:
+    model = _demo("fp16")
+    alone = [model.generate(p, 48).tokens for p in DEMO_PROMPTS[:2]]
+    a, b = model.new_generator(), model.new_generator()
+    sa = model.stream_ids(DEMO_PROMPTS[0], 48, generator=a)
+    sb = model.stream_ids(DEMO_PROMPTS[1], 48, generator=b)
+    got_a, got_b = [], []
+    for x, y in zip(sa, sb):
+        got_a.append(x)
+        got_b.append(y)
+    assert [got_a, got_b] == alone
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_batch_invariant_rows_and_speculation_are_exact(dtype: str) -> None:
+    model = _demo(dtype, batch_invariant=True)
+    W = model.loaded.manifest.verify_width
+    for prompt in DEMO_PROMPTS[:4]:
+        ids = model.encode(prompt)
+        gen = model.new_generator()
+        token = gen.prefill(ids)
+        fed, rows = [], []
+        for _ in range(W):
+            out = gen.run(DECODE, gen.n, tokens=[token])
+            fed.append(token)
+            rows.append(out.logits[0].copy())
+            gen.commit([token])
+            token = int(out.next_ids[0])
+        gen.rewind(len(ids))
+        verify = gen.run(VERIFY, gen.n, tokens=fed).logits
+        for i in range(W):
+            assert np.array_equal(verify[i], rows[i]), (dtype, prompt, i)
+    for prompt in DEMO_PROMPTS:
+        plain = model.generate(prompt, 96).tokens
+        for mode in ("prompt-lookup", "self"):
+            assert model.generate(prompt, 96, speculative=mode).tokens == plain, (mode, prompt)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
+# setup | tests | bench-demo | bench-1p4b. Results go to /root/res and are packed into
+# $OUT/results-<phases>.tgz (the device returns only a few files per call).
+# setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
+# and the pure-Python wheels the machine lacks under .ortgpu/wheels.
+set -uo pipefail
+export PYTHONPATH=/tmp/site:/tmp/lc
+export LOOPCAST_CACHE=$PWD/.lccache   # carries the custom-op library built on the dev machine
+RES=/root/res; mkdir -p "$RES"
+phase_setup() {
+  cat /root/og/p? > /root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/onnxruntime_gpu-*.whl
+  for w in .ortgpu/wheels/*.whl; do
+    mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z'); mod=${mod/onnx_ir/onnx_ir}
+    python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
+  done
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/lc . >/dev/null
+  python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" | tee "$RES/setup.txt"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$RES/setup.txt"
+}
+phase_tests() {
+  LIB=$(ls .lccache/ops-*/libloopcast_ops.so | head -1)
+  LOOPCAST_OPS_LIB=$LIB timeout 250 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py \
+    tests/custom_ops/test_cuda_kernels.py 2>&1 | tail -30 > "$RES/gpu-tests.txt"
+  timeout 120 python3 tools/check_ops_cuda.py --lib "$LIB" --out "$RES/check-ops-cuda.json" --skip-bench \
+    > "$RES/check-ops-cuda.txt" 2>&1
+}
+phase_bench_demo() {
+  timeout 280 python3 -m loopcast.cli bench demo --dtype fp16 --dtype bf16 --iters 30 --new-tokens 96 \
+    --past 1000 --work-dir /root/bw --out "$RES/bench-demo.json" > "$RES/bench-demo.txt" 2>&1
+}
+phase_bench_1p4b() {
+  timeout 540 python3 -m loopcast.cli bench preset:ouro-1.4b --dtype fp16 --dtype bf16 --iters 20 \
+    --past 1024 --widths 2,5,8 --no-end-to-end --alternate-tokens 0 --work-dir /root/bw14 \
+    --out "$RES/bench-1p4b.json" > "$RES/bench-1p4b.txt" 2>&1
+}
+for p in "$@"; do
+  echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
+  "phase_${p//-/_}"
+done
+echo "== done $(date -u +%T)" >> "$RES/phases.txt"
+tar czf "$OUT/results-$(IFS=_; echo "$*").tgz" -C "$RES" .
+tail -5 "$RES"/*.txt
