@@ -61,8 +61,8 @@ class BenchOptions:
 class StepTimes:
     kind: str
     rows: int
-    captured_ms: float | None
-    uncaptured_ms: float
+    captured_ms: float | None     # None: not captured (CPU)
+    uncaptured_ms: float | None   # None: not measured (extra verify widths on CUDA)
 
 
 @dataclass
@@ -271,40 +271,32 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     log(f"[{dtype}/{variant}] exported in {result.export_s:.1f}s; past {past}")
     cuda = opts.device == "cuda"
     hot = (DECODE, VERIFY, DRAFT, VERIFY_TAIL)
-    captured = load(art, opts.device, kinds=hot) if cuda else None
-    eager = load(art, opts.device, cuda_graphs=False, kinds=hot)
-    if captured is not None:
-        result.graph_fallbacks = dict(captured.loaded.graph_fallbacks)
+    # One model with every kind (captured where possible) serves the captured steps, the row
+    # check and generation; an uncaptured one (hot kinds only) the eager steps and the profile.
+    # Sessions are few on purpose: each CUDA session holds its own copy of the weights.
+    full = load(art, opts.device)
+    eager = load(art, opts.device, cuda_graphs=False, kinds=hot) if cuda else full
+    result.graph_fallbacks = dict(full.loaded.graph_fallbacks)
     for kind in hot:
-        if not eager.loaded.has(kind):
+        if not full.loaded.has(kind):
             continue
-        rows = eager.new_generator().rows(kind)
-        cap = step_ms(captured, kind, past, opts.iters) if captured is not None else None
+        rows = full.new_generator().rows(kind)
+        cap = step_ms(full, kind, past, opts.iters) if cuda else None
         result.steps.append(StepTimes(kind, rows, cap, step_ms(eager, kind, past, opts.iters)))
         log(f"  {kind}({rows}) captured {cap if cap is None else round(cap, 3)} ms, "
             f"uncaptured {result.steps[-1].uncaptured_ms:.3f} ms")
-    del captured
+    if opts.profile and cuda:
+        result.profile_ms = profile_decode(eager, past)
+    del eager
     for width in widths:
         if width == 5:
             continue
         with_verify_width(art, opts.work_dir / f"{art.name}-w{width}", width)
-        for graphs in ((True, False) if cuda else (False,)):
-            model = load(opts.work_dir / f"{art.name}-w{width}", opts.device, cuda_graphs=graphs, kinds=(VERIFY,))
-            ms = step_ms(model, VERIFY, past, opts.iters)
-            entry = next((s for s in result.steps if s.kind == VERIFY and s.rows == width), None)
-            if entry is None:
-                entry = StepTimes(VERIFY, width, None, ms)
-                result.steps.append(entry)
-            if graphs:
-                entry.captured_ms = ms
-            else:
-                entry.uncaptured_ms = ms
-            del model
-        log(f"  verify({width}) {entry.captured_ms} / {entry.uncaptured_ms:.3f} ms")
-    if opts.profile and cuda:
-        result.profile_ms = profile_decode(eager, past)
-    del eager
-    full = load(art, opts.device)
+        model = load(opts.work_dir / f"{art.name}-w{width}", opts.device, kinds=(VERIFY,))
+        ms = step_ms(model, VERIFY, past, opts.iters)
+        result.steps.append(StepTimes(VERIFY, width, ms, None) if cuda else StepTimes(VERIFY, width, None, ms))
+        del model
+        log(f"  verify({width}) {ms:.3f} ms ({'captured' if cuda else 'uncaptured'})")
     if full.tokenizer is not None:
         prompts = [full.encode(p) for p in BENCH_PROMPTS]
     else:
@@ -406,7 +398,8 @@ def format_table(report: dict) -> str:
             ref = decode["captured_ms"] if decode and decode["captured_ms"] else decode["uncaptured_ms"] if decode else None
             mine = s["captured_ms"] if s["captured_ms"] else s["uncaptured_ms"]
             cap = f"{s['captured_ms']:.3f}" if s["captured_ms"] else "-"
-            lines.append(f"  {s['kind'] + '(' + str(s['rows']) + ')':<16}{cap:>12}{s['uncaptured_ms']:>15.3f}"
+            eager = f"{s['uncaptured_ms']:.3f}" if s["uncaptured_ms"] else "-"
+            lines.append(f"  {s['kind'] + '(' + str(s['rows']) + ')':<16}{cap:>12}{eager:>15}"
                          f"{mine / ref if ref else float('nan'):>10.2f}")
         if decode and base.get("floor_ms"):
             best = decode["captured_ms"] or decode["uncaptured_ms"]

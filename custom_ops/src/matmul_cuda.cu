@@ -216,13 +216,13 @@ int launch(const T* A, const T* B, T* Y, int M, int K, int N, bool trans_b, cuda
 //
 //   grid (CS, tiles), cluster (CS, 1, 1), 256 threads = 8 warps; a tile is 64 output columns.
 //   K is cut into 32-wide chunks; warp q = rank * 8 + warp owns chunks [q * cpw, (q + 1) * cpw).
-//   Per chunk a lane loads 8 x 16 bytes of the weight (a warp: 32 k x 64 columns, 4 KiB).
-//     trans_b = 0 (B[K, N]): lane (g, t) loads rows k0 + 16s + {2t, 2t+1, 2t+8, 2t+9} (s = 0, 1),
-//       columns 8g..8g+7; byte permutes pair up k for the B fragments: n-tile j holds columns
-//       {8g' + j}, k-slots in natural order (two k16 MMAs per chunk).
-//     trans_b = 1 (B[N, K]): lane (g, t) loads B[8j + g][k0 + 8t .. +8] for n-tiles j = 0..7;
-//       the k-slots of the two k16 MMAs are the permutation {8t + 0..3} / {8t + 4..7} (the
-//       activations are loaded with the same permutation, so it is still the dot product).
+//   Per chunk a lane loads 8 x 16 bytes of the weight (a warp: 32 k x 64 columns, 4 KiB) and
+//   16 bytes of each of its activation rows, A[row][k0 + 8t .. +8] (lane = 4g + t).
+//     trans_b = 0 (B[K, N]): lane (g, t) loads rows k0 + 8t .. +7, columns 8g .. 8g+7; byte
+//       permutes pair up consecutive k for the B fragments; n-tile j holds columns {8g' + j}.
+//     trans_b = 1 (B[N, K]): lane (g, t) loads B[8j + g][k0 + 8t .. +8] for n-tiles j = 0..7.
+//   Both use the same k-slot permutation for A and B (so it is still the dot product): MMA h of a
+//   chunk takes k0 + 8t + 4h + {0, 1, 2, 3} as k-slots {2t, 2t+1, 2t+8, 2t+9}.
 //
 // M-invariance: output (m, n) is the serial chain of MMAs over the warp's chunks (ascending) ->
 // serial sum over the 8 warps -> serial sum over the CS cluster ranks. CS, cpw and the tiling
@@ -234,7 +234,15 @@ constexpr int kMmaWarps = 8;
 constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaTN = 64;          // output columns per tile
 constexpr int kChunkK = 32;         // k per chunk
-constexpr int kMmaCapacity = 264;   // 2 blocks per SM on an H100/H200 (a constant, not queried)
+#ifndef LOOPCAST_MM_CAPACITY
+#define LOOPCAST_MM_CAPACITY 264
+#endif
+#ifndef LOOPCAST_MM_UNROLL
+#define LOOPCAST_MM_UNROLL 1
+#endif
+constexpr int kMmaCapacity = LOOPCAST_MM_CAPACITY;  // 2 blocks per SM on an H100/H200 (a constant, not queried)
+constexpr int kMmaUnroll = LOOPCAST_MM_UNROLL;      // chunks in flight per warp (M <= 16)
+constexpr int kRedStride = kMmaTN + 1;
 constexpr int kMaxRowsPerLaunch = 32;
 
 template <typename T> struct MmaTraits;
@@ -277,12 +285,6 @@ __device__ __forceinline__ uint4 load8_partial(const uint16_t* p, int count) {
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
-// 8 elements with a stride (a column of B[K, N] is not needed; kept for B[N, K] rows).
-__device__ __forceinline__ uint32_t load2_partial(const uint16_t* p, int count) {
-  const uint32_t lo = count > 0 ? p[0] : 0u, hi = count > 1 ? p[1] : 0u;
-  return lo | (hi << 16);
-}
-
 struct MmaArgs {
   const uint16_t* A;
   const uint16_t* B;
@@ -297,142 +299,98 @@ struct ChunkRegs {
   uint32_t a[MT][8];
 };
 
-// Whole chunk in bounds with aligned 16-byte (weight) / 4- or 16-byte (activation) loads: only
-// the row < M predicate is left. Otherwise every element is bounds-checked (zero fill).
+// Whole chunk in bounds with aligned 16-byte loads: only the row < M predicate is left.
+// Otherwise every element is bounds-checked (zero fill). Lane (g, t) loads the activations
+// A[row][k0 + 8t .. +8] for rows g and g + 8 of each 16-row tile (one 16-byte load each).
 template <bool TB, int MT>
 __device__ __forceinline__ void load_chunk(ChunkRegs<MT>& r, const MmaArgs& p, int chunk, int n0, int g, int t) {
   const int k0 = chunk * kChunkK;
+  const int k = k0 + 8 * t;
   const bool full = p.b_vec && p.a_vec && k0 + kChunkK <= p.K && n0 + kMmaTN <= p.N;
-  if (!TB) {
-    if (full) {
-      const uint16_t* src = p.B + static_cast<size_t>(k0 + 2 * t) * p.N + n0 + 8 * g;
+  if (full) {
+    if (!TB) {  // rows k .. k + 7, columns n0 + 8g .. +8
+      const uint16_t* src = p.B + static_cast<size_t>(k) * p.N + n0 + 8 * g;
       const size_t N = p.N;
 #pragma unroll
-      for (int s = 0; s < 2; ++s)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) r.b[s * 4 + q] = ld_stream16(src + (16 * s + (q & 1) + 8 * (q >> 1)) * N);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = 16 * mt + g + 8 * h;
-          const unsigned int* a = reinterpret_cast<const unsigned int*>(p.A + static_cast<size_t>(row) * p.K + k0 + 2 * t);
-#pragma unroll
-          for (int s = 0; s < 2; ++s)
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi)
-              r.a[mt][s * 4 + h + 2 * hi] = row < p.M ? __ldg(a + 8 * s + 4 * hi) : 0u;
-        }
-      return;
-    }
-    const int col = n0 + 8 * g;
-    const int ncount = min(8, p.N - col);
-#pragma unroll
-    for (int s = 0; s < 2; ++s)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int k = k0 + 16 * s + 2 * t + (q & 1) + 8 * (q >> 1);
-        const uint16_t* src = p.B + static_cast<size_t>(k) * p.N + col;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (k < p.K && ncount > 0) v = (p.b_vec && ncount == 8) ? ld_stream16(src) : load8_partial(src, ncount);
-        r.b[s * 4 + q] = v;
-      }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {  // A fragment register q of sub-chunk s
-          const int row = 16 * mt + g + 8 * (q & 1), k = k0 + 16 * s + 2 * t + 8 * (q >> 1);
-          uint32_t v = 0;
-          if (row < p.M) {
-            const uint16_t* src = p.A + static_cast<size_t>(row) * p.K + k;
-            if (p.a_vec && k + 1 < p.K) v = __ldg(reinterpret_cast<const unsigned int*>(src));
-            else if (k < p.K) v = load2_partial(src, p.K - k);
-          }
-          r.a[mt][s * 4 + q] = v;
-        }
-  } else {
-    const int k = k0 + 8 * t;
-    if (full) {
+      for (int i = 0; i < 8; ++i) r.b[i] = ld_stream16(src + i * N);
+    } else {  // columns n0 + 8j + g, k .. k + 7
       const uint16_t* src = p.B + static_cast<size_t>(n0 + g) * p.K + k;
       const size_t K8 = static_cast<size_t>(8) * p.K;
 #pragma unroll
       for (int j = 0; j < 8; ++j) r.b[j] = ld_stream16(src + j * K8);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = 16 * mt + g + 8 * h;
-          uint4 v = make_uint4(0, 0, 0, 0);
-          if (row < p.M) v = __ldg(reinterpret_cast<const uint4*>(p.A + static_cast<size_t>(row) * p.K + k));
-          r.a[mt][4 * h + 0] = v.x;
-          r.a[mt][4 * h + 1] = v.y;
-          r.a[mt][4 * h + 2] = v.z;
-          r.a[mt][4 * h + 3] = v.w;
-        }
-      return;
     }
+  } else {
     const int kcount = min(8, p.K - k);
+    if (!TB) {
+      const int col = n0 + 8 * g;
+      const int ncount = min(8, p.N - col);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int n = n0 + 8 * j + g;
-      const uint16_t* src = p.B + static_cast<size_t>(n) * p.K + k;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (n < p.N && kcount > 0) v = (p.b_vec && kcount == 8) ? ld_stream16(src) : load8_partial(src, kcount);
-      r.b[j] = v;
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of the tile
-        const int row = 16 * mt + g + 8 * h;
+      for (int i = 0; i < 8; ++i) {
+        const uint16_t* src = p.B + static_cast<size_t>(k + i) * p.N + col;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (row < p.M && kcount > 0) {
-          const uint16_t* src = p.A + static_cast<size_t>(row) * p.K + k;
-          v = (p.a_vec && kcount == 8) ? __ldg(reinterpret_cast<const uint4*>(src)) : load8_partial(src, kcount);
-        }
-        r.a[mt][4 * h + 0] = v.x;
-        r.a[mt][4 * h + 1] = v.y;
-        r.a[mt][4 * h + 2] = v.z;
-        r.a[mt][4 * h + 3] = v.w;
+        if (i < kcount && ncount > 0) v = (p.b_vec && ncount == 8) ? ld_stream16(src) : load8_partial(src, ncount);
+        r.b[i] = v;
       }
-  }
-}
-
-template <typename T, bool TB, int MT>
-__device__ __forceinline__ void mma_chunk(float (&acc)[MT][8][4], const ChunkRegs<MT>& r) {
-  if (!TB) {
-#pragma unroll
-    for (int s = 0; s < 2; ++s)
+    } else {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
-        const uint32_t b0 = __byte_perm(word(r.b[s * 4 + 0], j >> 1), word(r.b[s * 4 + 1], j >> 1), sel);
-        const uint32_t b1 = __byte_perm(word(r.b[s * 4 + 2], j >> 1), word(r.b[s * 4 + 3], j >> 1), sel);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          MmaTraits<T>::mma(acc[mt][j], r.a[mt][s * 4 + 0], r.a[mt][s * 4 + 1], r.a[mt][s * 4 + 2],
-                            r.a[mt][s * 4 + 3], b0, b1);
+        const int n = n0 + 8 * j + g;
+        const uint16_t* src = p.B + static_cast<size_t>(n) * p.K + k;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (n < p.N && kcount > 0) v = (p.b_vec && kcount == 8) ? ld_stream16(src) : load8_partial(src, kcount);
+        r.b[j] = v;
       }
-  } else {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          MmaTraits<T>::mma(acc[mt][j], r.a[mt][2 * h], r.a[mt][4 + 2 * h], r.a[mt][2 * h + 1], r.a[mt][5 + 2 * h],
-                            word(r.b[j], 2 * h), word(r.b[j], 2 * h + 1));
+    }
   }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of the tile
+      const int row = 16 * mt + g + 8 * h;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (row < p.M) {
+        const uint16_t* src = p.A + static_cast<size_t>(row) * p.K + k;
+        if (full) v = __ldg(reinterpret_cast<const uint4*>(src));
+        else if (k < p.K) v = (p.a_vec && k + 8 <= p.K) ? __ldg(reinterpret_cast<const uint4*>(src))
+                                                         : load8_partial(src, min(8, p.K - k));
+      }
+      r.a[mt][4 * h + 0] = v.x;
+      r.a[mt][4 * h + 1] = v.y;
+      r.a[mt][4 * h + 2] = v.z;
+      r.a[mt][4 * h + 3] = v.w;
+    }
 }
 
-template <typename T, bool TB, int MT, bool PIPE>
+// Two k16 MMAs per chunk; MMA h takes, for lane (g, t), physical k = k0 + 8t + 4h + {0, 1} as
+// k-slots {2t, 2t+1} and k0 + 8t + 4h + {2, 3} as k-slots {2t+8, 2t+9}, for A and B alike.
+template <typename T, bool TB, int MT>
+__device__ __forceinline__ void mma_chunk(float (&acc)[MT][8][4], const ChunkRegs<MT>& r) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t b0, b1;
+      if (!TB) {  // pair rows (k, k+1) of column 8g + j: byte permutes of two 16-byte row loads
+        const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
+        b0 = __byte_perm(word(r.b[4 * h + 0], j >> 1), word(r.b[4 * h + 1], j >> 1), sel);
+        b1 = __byte_perm(word(r.b[4 * h + 2], j >> 1), word(r.b[4 * h + 3], j >> 1), sel);
+      } else {
+        b0 = word(r.b[j], 2 * h);
+        b1 = word(r.b[j], 2 * h + 1);
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        MmaTraits<T>::mma(acc[mt][j], r.a[mt][2 * h], r.a[mt][4 + 2 * h], r.a[mt][2 * h + 1], r.a[mt][5 + 2 * h],
+                          b0, b1);
+    }
+}
+
+template <typename T, bool TB, int MT, int U>
 __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
   constexpr int ROWS = 16 * MT;
   extern __shared__ __align__(16) float mma_smem[];
-  float* red = mma_smem;                              // [warps][ROWS][64]
-  float* part = mma_smem + kMmaWarps * ROWS * kMmaTN;  // [ROWS][64], read by the whole cluster
+  float* red = mma_smem;                                 // [warps][ROWS][65] (padded: fewer bank conflicts)
+  float* part = mma_smem + kMmaWarps * ROWS * kRedStride;  // [ROWS][64], read by the whole cluster
 
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -450,23 +408,15 @@ __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.0f;
 
-  if (PIPE) {  // one chunk in flight while the previous one is multiplied
-    ChunkRegs<MT> x, y;
-    if (n > 0) load_chunk<TB, MT>(x, p, c_begin, n0, g, t);
-    for (int i = 0; i < n; i += 2) {
-      if (i + 1 < n) load_chunk<TB, MT>(y, p, c_begin + i + 1, n0, g, t);
-      mma_chunk<T, TB, MT>(acc, x);
-      if (i + 1 < n) {
-        if (i + 2 < n) load_chunk<TB, MT>(x, p, c_begin + i + 2, n0, g, t);
-        mma_chunk<T, TB, MT>(acc, y);
-      }
-    }
-  } else {
-    for (int i = 0; i < n; ++i) {
-      ChunkRegs<MT> x;
-      load_chunk<TB, MT>(x, p, c_begin + i, n0, g, t);
-      mma_chunk<T, TB, MT>(acc, x);
-    }
+  // U chunks loaded per round (only changes how many loads are in flight, not the MMA order).
+  for (int i = 0; i < n; i += U) {
+    ChunkRegs<MT> x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u < n) load_chunk<TB, MT>(x[u], p, c_begin + i + u, n0, g, t);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u < n) mma_chunk<T, TB, MT>(acc, x[u]);
   }
 
   // This warp's partial -> red[warp]; rows >= M are padding and are dropped here.
@@ -479,14 +429,14 @@ __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
         const int row = 16 * mt + g + 8 * (e >> 1);
         const int slot = 2 * t + (e & 1);
         const int col = TB ? 8 * j + slot : 8 * slot + j;
-        if (row < p.M) red[(warp * ROWS + row) * kMmaTN + col] = acc[mt][j][e];
+        if (row < p.M) red[(warp * ROWS + row) * kRedStride + col] = acc[mt][j][e];
       }
   __syncthreads();
   const int rows = min(p.M, ROWS);
   for (int e = tid; e < rows * kMmaTN; e += kMmaThreads) {
     float s = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) s += red[w * ROWS * kMmaTN + e];
+    for (int w = 0; w < kMmaWarps; ++w) s += red[(w * ROWS + e / kMmaTN) * kRedStride + e % kMmaTN];
     part[e] = s;
   }
   T* Y = static_cast<T*>(p.Y);
@@ -524,12 +474,8 @@ inline MmaPlan mma_plan(int K, int N) {
 
 template <typename T, bool TB, int MT>
 int mma_launch(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
-#ifndef LOOPCAST_MM_PIPE
-#define LOOPCAST_MM_PIPE 0
-#endif
-  constexpr bool kPipe = LOOPCAST_MM_PIPE && MT == 1;
-  auto kernel = mma_matmul_kernel<T, TB, MT, kPipe>;
-  const int smem = (kMmaWarps + 1) * 16 * MT * kMmaTN * static_cast<int>(sizeof(float));
+  auto kernel = mma_matmul_kernel<T, TB, MT, MT == 1 ? kMmaUnroll : 1>;
+  const int smem = (kMmaWarps * kRedStride + kMmaTN) * 16 * MT * static_cast<int>(sizeof(float));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
   cudaLaunchConfig_t cfg = {};

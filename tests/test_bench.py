@@ -1,0 +1,50 @@
+"""`loopcast bench` on the CPU with a tiny model: the report's structure and its exactness rows.
+
+Timings are not asserted (benchmarks prove speed, tests prove behaviour)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from loopcast.bench import BenchOptions, format_table, kernel_family, run_bench, write_report
+from loopcast.cli import main
+from loopcast.custom_ops.build import find_ort_include
+from tests.artifacts import checkpoint
+
+
+def test_tiny_report_on_cpu(tmp_path) -> None:
+    variants = ("stock", "batch-invariant") if find_ort_include() and shutil.which("c++") else ("stock",)
+    opts = BenchOptions(str(checkpoint("ouro-r3")), tmp_path / "work", device="cpu", dtypes=("fp32",),
+                        variants=variants, past=40, widths=(2, 5), iters=2, new_tokens=8, alternate_tokens=0)
+    report = run_bench(opts, log=lambda line: None)
+    assert [r["variant"] for r in report["runs"]] == list(variants)
+    for run in report["runs"]:
+        kinds = {(s["kind"], s["rows"]) for s in run["steps"]}
+        assert {("decode", 1), ("verify", 2), ("verify", 5), ("draft", 1), ("verify_tail", 5)} <= kinds
+        assert all(s["uncaptured_ms"] > 0 and s["captured_ms"] is None for s in run["steps"])
+        assert set(run["end_to_end"]) == {"plain", "prompt-lookup", "self"}
+        assert all(e["divergent_prompts"] == 0 for e in run["end_to_end"].values())
+        if run["variant"] == "batch-invariant":
+            rows = run["rows_identical"]
+            assert rows["bit_identical_rows"] == rows["rows"] > 0 and rows["max_abs_diff"] == 0.0
+    base = report["baselines"]["fp32"]
+    assert base["eager_ms"] > 0 and base["floor_ms"] > 0 and base["bytes_per_step"]["total"] > 0
+    assert "fp32 / stock" in format_table(report)
+    out = write_report(report, tmp_path / "r" / "bench.json")
+    assert json.loads(out[0].read_text())["runs"][0]["dtype"] == "fp32"
+
+
+def test_kernel_families() -> None:
+    assert kernel_family("sm90_xmma_gemm_f16f16_f32") == "matmul"
+    assert kernel_family("loopcast::bi_matmul_kernel<__half>") == "loopcast custom ops"
+    assert kernel_family("void onnxruntime::cuda::_LayerNormKernel") == "rmsnorm"
+    assert kernel_family("flash_fwd_splitkv_kernel") == "attention"
+
+
+def test_bad_widths_is_one_line_error() -> None:
+    result = CliRunner().invoke(main, ["bench", "demo", "--device", "cpu", "--widths", "2,x"])
+    assert result.exit_code == 2 and "--widths" in result.output and "Traceback" not in result.output
