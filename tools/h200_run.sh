@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
-# setup | tests | bench-demo | bench-1p4b. Results go to /root/res and are packed into
+# setup | tests | parity | bench-demo | bench-1p4b. Results go to /root/res and are packed into
 # $OUT/results-<phases>.tgz (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
@@ -25,6 +25,9 @@ phase_tests() {
     tests/custom_ops/test_cuda_kernels.py 2>&1 | tail -30 > "$RES/gpu-tests.txt"
   timeout 120 python3 tools/check_ops_cuda.py --lib "$LIB" --out "$RES/check-ops-cuda.json" --skip-bench \
     > "$RES/check-ops-cuda.txt" 2>&1
+}
+phase_parity() {
+  timeout 150 python3 tools/gpu_parity.py --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1
 }
 phase_bench_demo() {
   timeout 280 python3 -m loopcast.cli bench demo --dtype fp16 --dtype bf16 --iters 30 --new-tokens 96 \
