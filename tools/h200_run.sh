@@ -5,7 +5,11 @@
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
 set -uo pipefail
-export PYTHONPATH=/tmp/site:/tmp/lc
+[ -n "${OUT:-}" ] || { echo "tools/h200_run.sh runs on the lent GPU machine (\$OUT unset)" >&2; exit 2; }
+export PYTHONPATH=/tmp/site:$PWD
+# The repository maps exporter/, graphs/, ... into loopcast.*; plain PYTHONPATH imports need
+# the same view (links inside this throwaway copy of the work tree).
+for d in exporter graphs ort_runtime custom_ops; do [ -e loopcast/$d ] || ln -s ../$d loopcast/$d; done
 export LOOPCAST_CACHE=$PWD/.lccache   # carries the custom-op library built on the dev machine
 RES=/root/res; mkdir -p "$RES"
 phase_setup() {
@@ -15,7 +19,6 @@ phase_setup() {
     mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z'); mod=${mod/onnx_ir/onnx_ir}
     python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
   done
-  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/lc . >/dev/null
   python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" | tee "$RES/setup.txt"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$RES/setup.txt"
 }
