@@ -337,7 +337,9 @@ def torch_baseline(opts: BenchOptions, dtype: str, past: int) -> dict:
     return out
 
 
-def run_bench(opts: BenchOptions, log=print) -> dict:
+def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
+    """Every (dtype, variant) in turn; ``on_progress(report)`` after each, so a run cut short
+    still leaves what it measured."""
     import onnxruntime as ort
 
     from loopcast.config import load_config
@@ -350,6 +352,8 @@ def run_bench(opts: BenchOptions, log=print) -> dict:
         for variant in opts.variants:
             result = bench_variant(opts, dtype, variant, log)
             report["runs"].append(asdict(result))
+            if on_progress is not None:
+                on_progress(report)
         past = report["runs"][-1]["past"]
         config = load_config(_checkpoint(opts, dtype))
         baseline: dict = {"past": past}
@@ -368,6 +372,8 @@ def run_bench(opts: BenchOptions, log=print) -> dict:
             baseline["error"] = f"no torch for the floor: {exc}"
         report["baselines"][dtype] = baseline
         log(f"[{dtype}] baselines {baseline}")
+        if on_progress is not None:
+            on_progress(report)
     return report
 
 
@@ -423,13 +429,15 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: dict, out: Path) -> list[Path]:
-    """JSON always; a PNG of step times when matplotlib is installed."""
+def write_report(report: dict, out: Path, plot: bool = True) -> list[Path]:
+    """JSON always; a PNG of step times when matplotlib is installed (and ``plot``)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=1) + "\n")
     tmp.replace(out)
     written = [out]
+    if not plot:
+        return written
     try:
         import matplotlib
         matplotlib.use("Agg")

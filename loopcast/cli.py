@@ -184,7 +184,8 @@ def bench(checkpoint: str, device: str, dtypes: tuple[str, ...], variants: tuple
     opts = BenchOptions(checkpoint, work_dir, device, dtypes or (("fp16", "bf16") if device == "cuda" else ("fp32",)),
                         variants or ("stock", "batch-invariant"), past, width_list, iters, new_tokens,
                         not no_end_to_end, alternate_tokens, not no_torch, not no_profile)
-    report = run_bench(opts, log=lambda line: click.echo(line, err=True))
+    report = run_bench(opts, log=lambda line: click.echo(line, err=True),
+                       on_progress=lambda partial: write_report(partial, out, plot=False))
     click.echo(format_table(report))
     for path in write_report(report, out):
         click.echo(f"wrote {path}")
