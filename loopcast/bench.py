@@ -76,7 +76,9 @@ class VariantResult:
     end_to_end: dict = field(default_factory=dict)
     alternation: dict = field(default_factory=dict)
     profile_ms: dict = field(default_factory=dict)
+    top_kernels: list = field(default_factory=list)
     graph_fallbacks: dict = field(default_factory=dict)
+    captured_fixed_position_only: bool = False  # stock graphs: captured timing at one position only
 
 
 # -- measuring ------------------------------------------------------------------------------
@@ -216,17 +218,22 @@ def profile_decode(model, past: int, iters: int = 20) -> dict:
             gen.run(DECODE, past, tokens=[1], want_logits=False)
         torch.cuda.synchronize()
     families: dict[str, float] = {}
+    kernels: dict[str, float] = {}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         families[kernel_family(event.name)] = families.get(kernel_family(event.name), 0.0) + event.device_time
-    return {k: v / iters / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])}
+        kernels[event.name[:90]] = kernels.get(event.name[:90], 0.0) + event.device_time
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return ({k: v / iters / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+            [(name, t / iters / 1e3) for name, t in top])
 
 
 def kernel_family(name: str) -> str:
     low = name.lower()
     rules = [("loopcast", "loopcast custom ops"), ("batch_invariant", "loopcast custom ops"),
-             ("gemm", "matmul"), ("gemv", "matmul"), ("xmma", "matmul"), ("cutlass", "matmul"),
+             ("flash", "attention"), ("gemm", "matmul"), ("gemv", "matmul"), ("xmma", "matmul"), ("cutlass", "matmul"),
+             ("sm90_", "matmul"), ("cublas", "matmul"), ("splitk", "matmul"),
              ("norm", "rmsnorm"), ("flash", "attention"), ("attention", "attention"),
              ("rotary", "attention"), ("kv", "attention"), ("concat", "attention"),
              ("argmax", "sampling"), ("topk", "sampling"), ("memcpy", "memcpy")]
@@ -277,22 +284,27 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     full = load(art, opts.device)
     eager = load(art, opts.device, cuda_graphs=False, kinds=hot) if cuda else full
     result.graph_fallbacks = dict(full.loaded.graph_fallbacks)
+    # Stock graphs are not captured for generation (GroupQueryAttention's host-side length would
+    # be frozen); their captured time is measured at one fixed position, for comparison only.
+    result.captured_fixed_position_only = bool(full.loaded.graph_fallbacks) and cuda
+    capt = load(art, opts.device, cuda_graphs="always", kinds=hot) if result.captured_fixed_position_only else full
     for kind in hot:
         if not full.loaded.has(kind):
             continue
         rows = full.new_generator().rows(kind)
-        cap = step_ms(full, kind, past, opts.iters) if cuda else None
+        cap = step_ms(capt, kind, past, opts.iters) if cuda else None
         result.steps.append(StepTimes(kind, rows, cap, step_ms(eager, kind, past, opts.iters)))
         log(f"  {kind}({rows}) captured {cap if cap is None else round(cap, 3)} ms, "
             f"uncaptured {result.steps[-1].uncaptured_ms:.3f} ms")
     if opts.profile and cuda:
-        result.profile_ms = profile_decode(eager, past)
-    del eager
+        result.profile_ms, result.top_kernels = profile_decode(eager, past)
+    del eager, capt
     for width in widths:
         if width == 5:
             continue
         with_verify_width(art, opts.work_dir / f"{art.name}-w{width}", width)
-        model = load(opts.work_dir / f"{art.name}-w{width}", opts.device, kinds=(VERIFY,))
+        model = load(opts.work_dir / f"{art.name}-w{width}", opts.device, kinds=(VERIFY,),
+                     cuda_graphs="always" if result.captured_fixed_position_only else True)
         ms = step_ms(model, VERIFY, past, opts.iters)
         result.steps.append(StepTimes(VERIFY, width, ms, None) if cuda else StepTimes(VERIFY, width, None, ms))
         del model
@@ -398,7 +410,8 @@ def format_table(report: dict) -> str:
     for run in report["runs"]:
         base = report["baselines"].get(run["dtype"], {})
         decode = next((s for s in run["steps"] if s["kind"] == DECODE), None)
-        lines.append(f"\n{run['dtype']} / {run['variant']} (past {run['past']})")
+        note = " — captured = one fixed position, timing only" if run.get("captured_fixed_position_only") else ""
+        lines.append(f"\n{run['dtype']} / {run['variant']} (past {run['past']}){note}")
         lines.append(f"  {'step':<16}{'captured ms':>12}{'uncaptured ms':>15}{'/ decode':>10}")
         for s in sorted(run["steps"], key=lambda s: (s["kind"], s["rows"])):
             ref = decode["captured_ms"] if decode and decode["captured_ms"] else decode["uncaptured_ms"] if decode else None

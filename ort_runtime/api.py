@@ -103,11 +103,12 @@ class LoopcastModel:
 
 
 def load(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
-         share_weights: bool = False, cuda_graphs: bool = True,
+         share_weights: bool = False, cuda_graphs: bool | str = True,
          kinds: tuple[str, ...] | None = None) -> LoopcastModel:
     """Open an artifact. ``share_weights`` keeps one resident copy of the weights for all
     graph kinds at the cost of slower multi-row steps (see ort_runtime/artifact.py).
-    On CUDA the fixed-width kinds run as captured CUDA graphs unless ``cuda_graphs=False``;
+    On CUDA the fixed-width kinds of ``--batch-invariant`` artifacts run as captured CUDA graphs
+    unless ``cuda_graphs=False`` (stock graphs run eagerly: see ort_runtime/artifact.py);
     ``kinds`` opens only those graph kinds (prefill is always needed to generate)."""
     return LoopcastModel(open_artifact(artifact_dir, device, threads=threads, share_weights=share_weights,
                                        cuda_graphs=cuda_graphs, kinds=kinds))

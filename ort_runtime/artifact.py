@@ -16,6 +16,14 @@ session with ``enable_cuda_graph``; each generator takes its own ``gpu_graph_id`
 (a captured graph bakes in the addresses of that generator's buffers). Prefill has dynamic
 rows and runs in an ordinary session. A kind whose graph session cannot be made falls back to
 an eager session; the reason is kept in ``graph_fallbacks``.
+
+Only graphs whose every per-step input lives on the device are captured: GroupQueryAttention
+reads ``total_sequence_length`` on the host, and a captured graph freezes that host value, so
+stock graphs replayed at later positions gave wrong logits on the H200 (verify rows off by up
+to 15, speculative tokens diverging; docs/perf.md). Stock graphs therefore run eagerly on CUDA;
+``export --batch-invariant`` graphs (the loopcast attention op reads both lengths on the
+device) are captured. ``cuda_graphs="always"`` captures anyway, for timing a step replayed
+at one fixed position only.
 """
 
 from __future__ import annotations
@@ -94,7 +102,7 @@ def _session_options(manifest: Manifest, artifact_dir: Path, threads: int | None
 
 def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
                   kinds: tuple[str, ...] | None = None, share_weights: bool = False,
-                  cuda_graphs: bool = True) -> LoadedModel:
+                  cuda_graphs: bool | str = True) -> LoadedModel:
     import time
 
     start = time.perf_counter()
@@ -115,7 +123,10 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     def make_session(kind: str, capture: bool) -> ort.InferenceSession:
         spec = manifest.graphs[kind]
         options = _session_options(manifest, path, threads, share_weights)
-        providers = [(provider, {"enable_cuda_graph": "1"})] if capture else [provider]
+        cuda_options = {"enable_cuda_graph": "1"} if capture else {}
+        if device == "cuda" and manifest.dtype == "fp32":
+            cuda_options["use_tf32"] = "0"  # an fp32 artifact means fp32 math, not TF32 matmuls
+        providers = [(provider, cuda_options)] if cuda_options else [provider]
         try:
             return ort.InferenceSession(str(path / spec.file), options, providers=providers)
         except ArtifactError:
@@ -124,11 +135,17 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
             raise ArtifactError(f"{path / spec.file}: ONNX Runtime could not load the '{kind}' graph "
                                 f"({str(exc).splitlines()[0][:300]})") from None
 
+    if cuda_graphs not in (True, False, "always"):
+        raise RequestError(f"cuda_graphs must be True, False or 'always', got {cuda_graphs!r}")
+    host_lengths = "BatchInvariantAttention" not in manifest.custom_ops
     sessions, graph_kinds, fallbacks = {}, set(), {}
     for kind, spec in manifest.graphs.items():
         if kinds is not None and kind not in kinds:
             continue
-        if device == "cuda" and cuda_graphs and spec.rows is not None:
+        if device == "cuda" and cuda_graphs and spec.rows is not None and host_lengths and cuda_graphs != "always":
+            fallbacks[kind] = ("GroupQueryAttention reads total_sequence_length on the host, which a captured "
+                               "graph would freeze; export --batch-invariant for captured graphs")
+        elif device == "cuda" and cuda_graphs and spec.rows is not None:
             try:
                 sessions[kind] = make_session(kind, True)
                 graph_kinds.add(kind)

@@ -37,9 +37,16 @@ def test_fp32_cuda_tokens_equal_cpu() -> None:
         assert gpu.generate(prompt, 64).tokens == cpu.generate(prompt, 64).tokens
 
 
+def test_stock_graphs_run_eagerly_and_say_why() -> None:
+    model = _demo("fp16")
+    assert model.loaded.graph_kinds == frozenset()
+    assert set(model.loaded.graph_fallbacks) == set(HOT)
+    assert "total_sequence_length" in model.loaded.graph_fallbacks[DECODE]
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_captured_equals_eager_and_slots_capture_once(dtype: str) -> None:
-    captured, eager = _demo(dtype), _demo(dtype, cuda_graphs=False)
+    captured, eager = _demo(dtype, True), _demo(dtype, True, cuda_graphs=False)
     assert captured.loaded.graph_kinds == frozenset(HOT), captured.loaded.graph_fallbacks
     gen = captured.new_generator()
     for mode in ("none", "prompt-lookup", "self"):
@@ -66,7 +73,7 @@ def test_half_precision_tracks_the_fp32_reference(dtype: str) -> None:
 
 
 def test_two_generators_keep_their_own_graphs() -> None:
-    model = _demo("fp16")
+    model = _demo("fp16", True)
     alone = [model.generate(p, 48).tokens for p in DEMO_PROMPTS[:2]]
     a, b = model.new_generator(), model.new_generator()
     sa = model.stream_ids(DEMO_PROMPTS[0], 48, generator=a)
