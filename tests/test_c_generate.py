@@ -39,9 +39,11 @@ def _run(program: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(program), *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("name", ["ouro-r3", "llama-tied-gqa", "demo"])
-def test_c_tokens_equal_python(program: Path, name: str) -> None:
-    path = artifact(name)
+@pytest.mark.parametrize("name,batch_invariant", [("ouro-r3", False), ("llama-tied-gqa", False), ("demo", False),
+                                                  ("ouro-r3", True), ("llama-tied-gqa", True)])
+def test_c_tokens_equal_python(program: Path, name: str, batch_invariant: bool) -> None:
+    """With --batch-invariant the C program registers the library the artifact carries."""
+    path = artifact(name, batch_invariant=batch_invariant)
     model = load(path)
     rng = np.random.default_rng(5)
     for length in (1, 4, 13):
