@@ -2,16 +2,30 @@
 //
 //   1. kv_write   grid (S, B): rotate the new rows' k (fp32, rounded to T as stored) and copy v
 //                 into present[b, h, p, :], p = seqlens_k[b] + 1 - S + i.
-//   2. attend     grid (Hq, S, B), 256 threads: row i, q head h over the stored cache 0..p.
-// Two launches on one stream, so row i's KV is visible to rows > i of the same call. n is read
-// from seqlens_k in device memory: nothing crosses to the host, so both launches can be captured.
+//   2. attention  split over positions (flash decoding), below; or, when the static scratch
+//                 cannot hold the partials, the serial kernel (grid (Hq, S, B), one block per row
+//                 and head over the whole cache 0..p).
+// The launches share one stream, so row i's KV is visible to rows > i of the same call. n is read
+// from seqlens_k in device memory: nothing crosses to the host, so every launch can be captured.
 //
-// Row invariance: a row reads only the cache and its own q, and every reduction order is a
-// fixed function of p and head_dim:
-//   q·k   4 d per thread (serial fmaf), xor-butterfly over the D/4 threads of a position
-//   sum   thread t sums positions t, t+256, ... serially -> warp butterfly -> serial over 8 warps
-//   p·v   group g (of 256/(D/4) groups) sums positions g, g+G, ... serially -> serial over groups
-// The max is exact in any order.
+// Row invariance: a row reads only the cache and its own q, and every reduction order is a fixed
+// function of p and head_dim, never of S or of the grid.
+//
+// Split kernel. Positions are cut into fixed chunks [cC, cC+C), C = kChunk; a row at position p
+// uses chunks 0..p/C (the last one partial). For each (row, q head, chunk) a block computes the
+// chunk's max m_c, sum of exponentials l_c and weighted V sum a_c[D] in a fixed order:
+//   q·k     lane t of a position owns d = t*VEC..t*VEC+VEC-1 (one 128-bit load), serial fmaf,
+//           then an xor butterfly over the LPP = D/VEC lanes of the position
+//   l, a    position group g (PPI = 128/LPP groups) sums positions g, g+PPI, ... serially, then
+//           an xor butterfly over the groups of a warp, then serially over the 4 warps
+// and stores (m_c, l_c, a_c) to a static scratch. The last block of a (row, head) to finish (an
+// atomic counter; it only decides who combines) merges chunks 0..p/C in ascending order:
+//   M = max m_c, w_c = exp(m_c - M), out = (sum_c w_c a_c) / (sum_c w_c l_c), serial in c.
+// Which block computes which chunk (blocks stride over chunks; one block serves several rows and
+// the q heads of a kv head, so K/V are loaded once for them) is free: it changes no arithmetic.
+// The scratch and counters are process-wide statics: calls on one device must not run
+// concurrently on different streams (a session runs its steps one at a time). Whether the split
+// kernel is used depends on B, Hq, D and the capacity only (sized for S = 32), never on S <= 32.
 #include <cfloat>
 
 #include "cuda_common.cuh"
@@ -43,11 +57,11 @@ __global__ void kv_write_kernel(const T* __restrict__ qkv, T* __restrict__ pk, T
     } else if (d < half) {
       const float x1 = to_f(k[d]), x2 = to_f(k[d + half]);
       const float c = to_f(cos_cache[p * half + d]), s = to_f(sin_cache[p * half + d]);
-      pk[dst] = from_f<T>(x1 * c - x2 * s);
+      pk[dst] = from_f<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
     } else {
       const float x1 = to_f(k[d - half]), x2 = to_f(k[d]);
       const float c = to_f(cos_cache[p * half + d - half]), s = to_f(sin_cache[p * half + d - half]);
-      pk[dst] = from_f<T>(x2 * c + x1 * s);
+      pk[dst] = from_f<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
     }
   }
 }
@@ -84,7 +98,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const T* __restrict__ 
       const int dd = d < half ? d : d - half;
       const float x1 = to_f(row[dd]), x2 = to_f(row[dd + half]);
       const float c = to_f(cos_cache[p * half + dd]), s = to_f(sin_cache[p * half + dd]);
-      q[d] = d < half ? x1 * c - x2 * s : x2 * c + x1 * s;
+      q[d] = d < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
     }
   }
   __syncthreads();
@@ -177,6 +191,303 @@ int launch_attend(const T* qkv, const T* pk, const T* pv, const int32_t* seqlens
   return static_cast<int>(cudaGetLastError());
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Split (flash-decoding) kernel.
+
+constexpr int kChunk = 64;                 // positions per chunk: part of the numerics, fixed
+constexpr int kSplitThreads = 128;
+constexpr int kSplitWarps = kSplitThreads / 32;
+constexpr int kMaxChunks = (kLoopcastMaxCudaCapacity + kChunk - 1) / kChunk;
+constexpr int kMaxUnitsPerBlock = 16;      // (row, q head) pairs one block serves
+constexpr int kSplitRowsBound = 32;        // the scratch is sized for this many rows
+constexpr size_t kScratchFloats = size_t(12) << 20;  // 48 MiB of partials
+constexpr int kMaxUnits = 1 << 16;
+
+__device__ float g_attn_scratch[kScratchFloats];       // [B*S*Hq][nch][2 + D]: m, l, a[D]
+__device__ unsigned int g_attn_counters[kMaxUnits];    // zero between launches
+
+template <typename T> struct Vec;
+template <> struct Vec<float> {
+  static constexpr int N = 4;
+  __device__ static void cvt(const uint4& u, float* f) {
+    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+  }
+};
+template <> struct Vec<__half> {
+  static constexpr int N = 8;
+  __device__ static void cvt(const uint4& u, float* f) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[k] & 0xffffu)));
+      f[2 * k + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[k] >> 16)));
+    }
+  }
+};
+template <> struct Vec<__nv_bfloat16> {
+  static constexpr int N = 8;
+  __device__ static void cvt(const uint4& u, float* f) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = __uint_as_float(w[k] << 16);
+      f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  }
+};
+
+__device__ __forceinline__ bool row_valid(int p, int cap, int rotary_len, bool do_rotary) {
+  return p >= 0 && p < cap && !(do_rotary && p >= rotary_len);
+}
+
+// grid (NB, Hq/HB, B*nRG): block x takes chunks x, x+NB, ...; y the q heads y*HB..y*HB+HB-1 (one
+// kv head); z = b*nRG + rg the rows rg*RG..rg*RG+RG-1.
+template <typename T, int D>
+__global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
+    const T* __restrict__ qkv, const T* __restrict__ pk, const T* __restrict__ pv, const int32_t* __restrict__ seqlens,
+    const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, T* __restrict__ out, int S, int Hq, int Hkv,
+    int cap, int rotary_len, float scale, bool do_rotary, int nch_cap, int HB, int RG) {
+  constexpr int VEC = Vec<T>::N, LPP = D / VEC, PPI = kSplitThreads / LPP, R = kChunk / PPI, half = D / 2;
+  static_assert(LPP >= 1 && LPP <= 32 && 32 % LPP == 0 && kChunk % PPI == 0 && D <= kSplitThreads, "layout");
+  constexpr int P = D + 2;  // floats per chunk partial
+  __shared__ float q_s[kMaxUnitsPerBlock][D];
+  __shared__ float mx_s[2][kSplitWarps];
+  __shared__ float l_s2[2][kSplitWarps];
+  __shared__ float red_s[2][kSplitWarps][D];
+  __shared__ float w_s[kMaxChunks];
+  __shared__ float cl_s[kMaxChunks];
+  __shared__ float cm_s[kSplitWarps];
+  __shared__ int last_s[kMaxUnitsPerBlock];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int t = tid % LPP, g = tid / LPP;
+  const int nRG = (S + RG - 1) / RG;
+  const int b = blockIdx.z / nRG, i0 = (blockIdx.z % nRG) * RG, i1 = min(S, i0 + RG);
+  const int hq0 = blockIdx.y * HB, kvh = hq0 / (Hq / Hkv);
+  const int n = seqlens[b] + 1 - S;
+  const int NB = gridDim.x, x = blockIdx.x;
+  const int nunits = (i1 - i0) * HB;  // unit u: row i0 + u / HB, head hq0 + u % HB
+
+  // Rows out of range get zeros (block x == 0); valid rows form one interval of i.
+  int p_hi = -1;
+  for (int i = i0; i < i1; ++i) {
+    const int p = n + i;
+    if (row_valid(p, cap, rotary_len, do_rotary)) {
+      p_hi = p;
+    } else if (x == 0) {
+      for (int e = tid; e < HB * D; e += kSplitThreads)
+        out[(static_cast<size_t>(b * S + i) * Hq + hq0 + e / D) * D + e % D] = from_f<T>(0.0f);
+    }
+  }
+  if (p_hi < 0 || x * kChunk > p_hi) return;  // uniform over the block
+
+  // Rotated q of every unit (the same expression in every block: the same bits).
+  for (int e = tid; e < nunits * D; e += kSplitThreads) {
+    const int u = e / D, d = e % D, i = i0 + u / HB, h = hq0 + u % HB, p = n + i;
+    if (!row_valid(p, cap, rotary_len, do_rotary)) continue;
+    const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D + h * D;
+    float qv;
+    if (!do_rotary) {
+      qv = to_f(row[d]);
+    } else {
+      const int dd = d < half ? d : d - half;
+      const float x1 = to_f(row[dd]), x2 = to_f(row[dd + half]);
+      const float c = to_f(cos_cache[p * half + dd]), s = to_f(sin_cache[p * half + dd]);
+      qv = d < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+    }
+    q_s[u][d] = qv;
+  }
+  __syncthreads();
+
+  const T* kc = pk + static_cast<size_t>(b * Hkv + kvh) * cap * D + t * VEC;
+  const T* vc = pv + static_cast<size_t>(b * Hkv + kvh) * cap * D + t * VEC;
+  int buf = 0;
+  for (int c = x; c * kChunk <= p_hi; c += NB) {
+    const int j0 = c * kChunk;
+    uint4 kr[R], vr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int j = j0 + g + r * PPI;
+      kr[r] = make_uint4(0u, 0u, 0u, 0u);
+      vr[r] = make_uint4(0u, 0u, 0u, 0u);
+      if (j <= p_hi) {
+        kr[r] = __ldg(reinterpret_cast<const uint4*>(kc + static_cast<size_t>(j) * D));
+        vr[r] = __ldg(reinterpret_cast<const uint4*>(vc + static_cast<size_t>(j) * D));
+      }
+    }
+    for (int u = 0; u < nunits; ++u) {
+      const int i = i0 + u / HB, p = n + i;
+      if (!row_valid(p, cap, rotary_len, do_rotary) || p < j0) continue;  // uniform
+      float qr[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) qr[e] = q_s[u][t * VEC + e];
+      float s[R];
+      float mloc = -FLT_MAX;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float kf[VEC];
+        Vec<T>::cvt(kr[r], kf);
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dot = fmaf(qr[e], kf[e], dot);
+#pragma unroll
+        for (int off = LPP / 2; off >= 1; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        s[r] = __fmul_rn(dot, scale);
+        if (j0 + g + r * PPI <= p) mloc = fmaxf(mloc, s[r]);
+      }
+#pragma unroll
+      for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+      if (lane == 0) mx_s[buf][warp] = mloc;
+      __syncthreads();
+      float m = mx_s[buf][0];
+#pragma unroll
+      for (int w = 1; w < kSplitWarps; ++w) m = fmaxf(m, mx_s[buf][w]);
+
+      float lsum = 0.0f, acc[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (j0 + g + r * PPI <= p) {
+          const float ex = expf(__fsub_rn(s[r], m));
+          lsum += ex;
+          float vf[VEC];
+          Vec<T>::cvt(vr[r], vf);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[e] = fmaf(ex, vf[e], acc[e]);
+        }
+      }
+#pragma unroll
+      for (int off = LPP; off < 32; off *= 2) {
+        lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+      }
+      if (lane < LPP) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) red_s[buf][warp][t * VEC + e] = acc[e];
+      }
+      if (lane == 0) l_s2[buf][warp] = lsum;
+      __syncthreads();
+      const int unit = (b * S + i) * Hq + hq0 + u % HB;
+      float* part = g_attn_scratch + (static_cast<size_t>(unit) * nch_cap + c) * P;
+      if (tid < D) {
+        float a = red_s[buf][0][tid];
+#pragma unroll
+        for (int w = 1; w < kSplitWarps; ++w) a += red_s[buf][w][tid];
+        part[2 + tid] = a;
+      }
+      if (tid == 0) {
+        float l = l_s2[buf][0];
+#pragma unroll
+        for (int w = 1; w < kSplitWarps; ++w) l += l_s2[buf][w];
+        part[0] = m;
+        part[1] = l;
+      }
+      buf ^= 1;  // double-buffered shared memory: no third barrier per unit
+    }
+  }
+
+  // Count this block in for every unit it served; the last one in merges that unit's chunks.
+  __threadfence();
+  __syncthreads();
+  if (tid < nunits) {
+    const int i = i0 + tid / HB, p = n + i;
+    int last = 0;
+    if (row_valid(p, cap, rotary_len, do_rotary) && x * kChunk <= p) {
+      const int nc = p / kChunk + 1;
+      const unsigned expected = static_cast<unsigned>(min(NB, nc));
+      const int unit = (b * S + i) * Hq + hq0 + tid % HB;
+      last = atomicAdd(&g_attn_counters[unit], 1u) == expected - 1u;
+    }
+    last_s[tid] = last;
+  }
+  __syncthreads();
+  for (int u = 0; u < nunits; ++u) {
+    if (!last_s[u]) continue;  // uniform
+    __threadfence();
+    const int i = i0 + u / HB, p = n + i, nc = p / kChunk + 1;
+    const int unit = (b * S + i) * Hq + hq0 + u % HB;
+    const float* part = g_attn_scratch + static_cast<size_t>(unit) * nch_cap * P;
+    float mloc = -FLT_MAX;
+    for (int c = tid; c < nc; c += kSplitThreads) {
+      const float mc = __ldcg(part + static_cast<size_t>(c) * P);
+      w_s[c] = mc;
+      cl_s[c] = __ldcg(part + static_cast<size_t>(c) * P + 1);
+      mloc = fmaxf(mloc, mc);
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+    if (lane == 0) cm_s[warp] = mloc;
+    __syncthreads();
+    float M = cm_s[0];
+#pragma unroll
+    for (int w = 1; w < kSplitWarps; ++w) M = fmaxf(M, cm_s[w]);
+    for (int c = tid; c < nc; c += kSplitThreads) w_s[c] = expf(__fsub_rn(w_s[c], M));
+    __syncthreads();
+    if (tid < D) {
+      float L = 0.0f, O = 0.0f;
+      const float* a = part + 2 + tid;
+#pragma unroll 8
+      for (int c = 0; c < nc; ++c) {
+        const float w = w_s[c];
+        L = fmaf(w, cl_s[c], L);
+        O = fmaf(w, __ldcg(a + static_cast<size_t>(c) * P), O);
+      }
+      out[(static_cast<size_t>(b * S + i) * Hq + hq0 + u % HB) * D + tid] = from_f<T>(O / L);
+    }
+    if (tid == 0) g_attn_counters[unit] = 0u;  // every block of this unit has counted in
+    __syncthreads();  // w_s, cl_s, cm_s reuse
+  }
+}
+
+int split_target_blocks() {
+  static int sms = 0;  // host attribute query: not a stream operation, fine under capture
+  if (sms == 0) {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0)
+      sms = v;
+    else
+      return 4 * 132;
+  }
+  return 4 * sms;
+}
+
+// Whether the split kernel serves this shape: depends on B, Hq, Hkv, D and cap, never on S <= 32.
+bool split_fits(int B, int S, int Hq, int Hkv, int D, int cap) {
+  const long long rows = static_cast<long long>(B) * (S > kSplitRowsBound ? S : kSplitRowsBound);
+  const long long units = rows * Hq;
+  const long long nch = (cap + kChunk - 1) / kChunk;
+  (void)Hkv;
+  return units <= kMaxUnits && units * nch * (D + 2) <= static_cast<long long>(kScratchFloats) && nch <= kMaxChunks;
+}
+
+template <typename T, int D>
+int launch_split(const T* qkv, const T* pk, const T* pv, const int32_t* seqlens, const T* cos_cache,
+                 const T* sin_cache, T* out, int B, int S, int Hq, int Hkv, int cap, int rotary_len, float scale,
+                 bool do_rotary, cudaStream_t stream) {
+  const int group = Hq / Hkv;
+  int HB = group;
+  while (HB > kMaxUnitsPerBlock) HB = HB % 2 == 0 ? HB / 2 : 1;
+  int nRG = (S * HB + 3) / 4;  // about 4 (row, head) units per block
+  if (nRG > S) nRG = S;
+  if (nRG < 1) nRG = 1;
+  const int RG = (S + nRG - 1) / nRG;
+  nRG = (S + RG - 1) / RG;
+  const int nch = (cap + kChunk - 1) / kChunk;
+  const long long cols = static_cast<long long>(Hq / HB) * B * nRG;
+  if (static_cast<long long>(B) * nRG > 65535 || Hq / HB > 65535) return static_cast<int>(cudaErrorInvalidValue);
+  long long NB = (split_target_blocks() + cols - 1) / cols;
+  if (NB > nch) NB = nch;
+  if (NB < 1) NB = 1;
+  split_attend_kernel<T, D><<<dim3(static_cast<unsigned>(NB), Hq / HB, B * nRG), kSplitThreads, 0, stream>>>(
+      qkv, pk, pv, seqlens, cos_cache, sin_cache, out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG);
+  return static_cast<int>(cudaGetLastError());
+}
+
 template <typename T>
 struct AttentionLauncher {
   static int run(const void* qkv_, const void* past_k, const void* past_v, void* present_k, void* present_v,
@@ -207,11 +518,21 @@ struct AttentionLauncher {
                                                             rotary_len, do_rotary != 0);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return static_cast<int>(err);
+    const bool rot = do_rotary != 0;
+    if (split_fits(B, S, Hq, Hkv, D, cap)) {
+      switch (D) {
+        case 16: return launch_split<T, 16>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
+        case 32: return launch_split<T, 32>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
+        case 64: return launch_split<T, 64>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
+        case 128: return launch_split<T, 128>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
+        default: return static_cast<int>(cudaErrorInvalidValue);
+      }
+    }
     switch (D) {
-      case 16: return launch_attend<T, 4>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, do_rotary != 0, stream);
-      case 32: return launch_attend<T, 8>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, do_rotary != 0, stream);
-      case 64: return launch_attend<T, 16>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, do_rotary != 0, stream);
-      case 128: return launch_attend<T, 32>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, do_rotary != 0, stream);
+      case 16: return launch_attend<T, 4>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
+      case 32: return launch_attend<T, 8>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
+      case 64: return launch_attend<T, 16>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
+      case 128: return launch_attend<T, 32>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
       default: return static_cast<int>(cudaErrorInvalidValue);
     }
   }
