@@ -24,27 +24,28 @@ phase_setup() {
 }
 phase_tests() {
   LIB=$(ls .lccache/ops-*/libloopcast_ops.so | head -1)
-  LOOPCAST_OPS_LIB=$LIB timeout 75 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
+  LOOPCAST_OPS_LIB=$LIB timeout 70 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
     tests/ort_runtime/test_cuda.py 2>&1 | tail -30 > "$RES/gpu-tests.txt"
   [ -n "${CHECK_OPS:-}" ] && timeout 120 python3 tools/check_ops_cuda.py --lib "$LIB" --out "$RES/check-ops-cuda.json" --skip-bench \
     > "$RES/check-ops-cuda.txt" 2>&1
 }
 phase_parity() {
-  timeout 150 python3 tools/gpu_parity.py --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1
+  timeout 45 python3 tools/gpu_parity.py --new-tokens 48 --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1
 }
 phase_bench_demo() {
-  timeout 120 python3 -m loopcast.cli bench demo --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \
+  timeout 75 python3 -m loopcast.cli bench demo --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \
     --past 1000 --widths 2,5,8 --work-dir /root/bw --out "$RES/bench-demo.json" > "$RES/bench-demo.txt" 2>&1
 }
 phase_bench_1p4b() {
-  timeout 300 python3 -m loopcast.cli bench preset:ouro-1.4b --dtype fp16 --dtype bf16 --iters 20 \
+  timeout 210 python3 -m loopcast.cli bench preset:ouro-1.4b --dtype fp16 --dtype bf16 --iters 20 \
     --past 1024 --widths 5 --no-end-to-end --alternate-tokens 0 --work-dir /root/bw14 \
     --out "$RES/bench-1p4b.json" > "$RES/bench-1p4b.txt" 2>&1
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
   "phase_${p//-/_}"
+  tar czf "$OUT/results.tgz" -C "$RES" .   # after every phase: a call cut short keeps what ran
 done
 echo "== done $(date -u +%T)" >> "$RES/phases.txt"
-tar czf "$OUT/results-$(IFS=_; echo "$*").tgz" -C "$RES" .
+tar czf "$OUT/results.tgz" -C "$RES" .
 tail -5 "$RES"/*.txt

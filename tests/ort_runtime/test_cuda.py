@@ -30,11 +30,23 @@ def _demo(dtype: str, batch_invariant: bool = False, **kw):
     return load(artifact("demo", dtype, draft_depth=1, batch_invariant=batch_invariant), "cuda", **kw)
 
 
-def test_fp32_cuda_tokens_equal_cpu() -> None:
+def test_fp32_cuda_logits_track_cpu_step_by_step() -> None:
+    """Teacher-forced on the CPU's greedy tokens, every GPU decode row stays within 1e-3 of
+    the CPU row (token equality would also hinge on near-ties between two fp32 kernels)."""
     cpu = load(artifact("demo", draft_depth=1))
     gpu = _demo("fp32")
     for prompt in DEMO_PROMPTS[:5]:
-        assert gpu.generate(prompt, 64).tokens == cpu.generate(prompt, 64).tokens
+        ids = cpu.encode(prompt)
+        tokens = cpu.generate(ids, 32, stop_ids=()).tokens
+        a, b = cpu.new_generator(), gpu.new_generator()
+        a.prefill(ids[:-1])
+        b.prefill(ids[:-1])
+        for token in [ids[-1], *tokens[:-1]]:
+            row_a = a.run(DECODE, a.n, tokens=[token]).logits[0].copy()
+            row_b = b.run(DECODE, b.n, tokens=[token]).logits[0]
+            assert float(np.abs(row_a - row_b).max()) < 1e-3
+            a.commit([token])
+            b.commit([token])
 
 
 def test_stock_graphs_run_eagerly_and_say_why() -> None:
