@@ -133,3 +133,28 @@ def test_overwrite_replaces_an_artifact_atomically(tmp_path: Path) -> None:
     export_checkpoint(checkpoint("ouro-r3"), out, ExportOptions(verify_width=4), overwrite=True)
     assert json.loads((out / "manifest.json").read_text())["verify_width"] == 4
     assert [p.name for p in tmp_path.iterdir()] == ["art"]  # no staging or backup left behind
+
+
+def test_with_verify_width_shares_weights_and_matches(tmp_path) -> None:
+    """Graphs re-emitted at another verify width read the same weights file (hard link) and
+    give the same verify rows as a fresh export at that width."""
+    import numpy as np
+
+    from loopcast.exporter.export import with_verify_width
+    from loopcast.manifest import VERIFY
+    from loopcast.ort_runtime import load
+    from tests.artifacts import artifact
+
+    src = artifact("ouro-r3", draft_depth=1)
+    derived = with_verify_width(src, tmp_path / "w3", 3)
+    assert derived.verify_width == 3 and derived.graphs[VERIFY].rows == 3
+    assert (tmp_path / "w3" / "weights.safetensors").stat().st_ino == (src / "weights.safetensors").stat().st_ino
+    fresh = load(artifact("ouro-r3", verify_width=3, draft_depth=1))
+    model = load(tmp_path / "w3")
+    ids = [5, 9, 2, 7]
+    a, b = model.new_generator(), fresh.new_generator()
+    a.prefill(ids)
+    b.prefill(ids)
+    assert np.array_equal(a.run(VERIFY, 4, tokens=[1, 2, 3]).logits, b.run(VERIFY, 4, tokens=[1, 2, 3]).logits)
+    with pytest.raises(ExportError, match="verify width"):
+        with_verify_width(src, tmp_path / "bad", 1)
