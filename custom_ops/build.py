@@ -18,6 +18,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from loopcast.errors import LoopcastError
@@ -83,15 +84,17 @@ def build_library(out_dir: str | os.PathLike | None = None, ort_include: str | o
     out = Path(out_dir) if out_dir else _HERE / "build"
     out.mkdir(parents=True, exist_ok=True)
     target = out / LIBRARY_NAME
-    staging = out / f".{LIBRARY_NAME}.tmp"
+    # A private work directory per build: concurrent builds into one folder (parallel test
+    # workers, two exports) must not share object files or a staging name.
+    work = Path(tempfile.mkdtemp(prefix=".build.", dir=out))
+    staging = work / LIBRARY_NAME
     src = _HERE / "src"
     try:
         if nvcc is None:
             _run([compiler, *_CXXFLAGS, "-shared", f"-I{include}", *[str(src / s) for s in SOURCES],
                   "-o", str(staging)], "C++")
         else:
-            objs = out / "obj"
-            objs.mkdir(exist_ok=True)
+            objs = work
             objects = []
             for s in (*SOURCES, *CUDA_SOURCES):
                 obj = objs / f"{s}.o"
@@ -107,8 +110,7 @@ def build_library(out_dir: str | os.PathLike | None = None, ort_include: str | o
             _run([str(nvcc), "-shared", "--cudart", "static", "-Xcompiler", "-fPIC",
                   "-Xlinker", "--exclude-libs,ALL", "-Xlinker", "-Bsymbolic", *objects, "-o", str(staging)],
                  "link")
-    except LoopcastError:
-        staging.unlink(missing_ok=True)
-        raise
-    staging.replace(target)  # never leave a half-written library under the real name
+        staging.replace(target)  # never leave a half-written library under the real name
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return target

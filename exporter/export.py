@@ -67,7 +67,8 @@ def check_supported(config: ModelConfig, batch_invariant: bool = False) -> None:
         raise ExportError(f"head_dim {config.head_dim} is not supported: rotary needs an even head_dim")
     if config.head_dim % 16 and not batch_invariant:
         raise ExportError(f"head_dim {config.head_dim} is not supported: GroupQueryAttention's rotary "
-                          "needs a multiple of 16 (the --batch-invariant attention op has no such limit)")
+                          "needs a multiple of 16 (--batch-invariant graphs take any even head_dim on the "
+                          "CPU; their CUDA kernel takes 16, 32, 64 or 128)")
 
 
 def custom_op_library() -> Path:
@@ -86,6 +87,10 @@ def custom_op_library() -> Path:
     for source in sorted(src_dir.iterdir()):
         if source.is_file():
             digest.update(source.name.encode() + source.read_bytes())
+    # The build recipe and whether CUDA kernels can be built are part of the key: a CPU-only
+    # library cached before nvcc was installed must not be reused.
+    digest.update(Path(build.__file__).read_bytes())
+    digest.update(f"nvcc={build.find_nvcc()} cxx={os.environ.get('CXX', '')}".encode())
     for var in ("LOOPCAST_NO_CUDA", "LOOPCAST_NVCC", "LOOPCAST_ORT_INCLUDE"):
         digest.update(f"{var}={os.environ.get(var, '')}".encode())
     root = Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
@@ -158,6 +163,8 @@ def _swap_into_place(staging: Path, out: Path) -> None:
 def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,
                     show_progress: bool) -> Manifest:
     dtype = DTYPES[opts.dtype]
+    # Built (or found in the cache) first: a missing toolchain fails before minutes of writing.
+    built_library = custom_op_library() if opts.batch_invariant else None
     plans = plan_kinds(config, opts.verify_width, opts.draft_depth)
     read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
     n_tensors = len(artifact_tensors(config, opts.max_length, read))
@@ -181,9 +188,8 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     bar.close()
     if custom_ops:
         # The artifact carries its own copy so that C programs and other machines need nothing else.
-        built = custom_op_library()
-        library = built.name
-        shutil.copy(built, staging / library)
+        library = built_library.name
+        shutil.copy(built_library, staging / library)
     tokenizer_files = []
     for name in TOKENIZER_FILES:
         if (checkpoint_dir / name).is_file():
@@ -215,13 +221,15 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     return manifest
 
 
-def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int) -> Manifest:
+def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int, *,
+                      overwrite: bool = False) -> Manifest:
     """A sibling artifact whose verify graphs take ``width`` rows, sharing the weights file.
 
     Only the graphs are rebuilt (seconds, even at 1.4B); the weights, tokenizer and custom-op
     library are hard-linked (ORT refuses external data reached through a symlink that leaves the
     model's directory; a copy is made across file systems), so benchmarks can compare several
-    verify widths of one export.
+    verify widths of one export. Assembled in a staging directory and swapped into place like
+    an export, so a failure leaves nothing behind.
     """
     import os
 
@@ -232,31 +240,39 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int)
     config = manifest.config
     if not 2 <= width <= min(MAX_VERIFY_WIDTH, manifest.max_length):
         raise ExportError(f"verify width must be in 2..{min(MAX_VERIFY_WIDTH, manifest.max_length)}, got {width}")
+    if out.exists() and out.resolve() == src.resolve():
+        raise ExportError(f"{out}: the output must differ from the source artifact")
     _check_output_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST_FILE).is_file() and not overwrite:
+        raise ExportError(f"{out}: an artifact is already there (pass overwrite=True to replace it)")
     dtype = IR_DTYPES[manifest.dtype]
     refs = {name: WeightRef(name, dtype, t.shape, t.offset, t.length)
             for name, t in read_stored(src / manifest.weights_file).items()}
     keep = [manifest.weights_file, *manifest.tokenizer_files]
     if manifest.custom_op_library:
         keep.append(manifest.custom_op_library)
-    for name in keep:
-        link = out / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        try:
-            os.link(src / name, link)
-        except OSError:
-            shutil.copy(src / name, link)
-    graphs = {}
-    batch_invariant = bool(manifest.custom_ops)
-    for plan in plan_kinds(config, width, manifest.draft_depth):
-        builder = GraphBuilder(refs, manifest.weights_file, out)
-        model, spec = build_kind(plan, config, dtype, manifest.max_length, builder, batch_invariant=batch_invariant)
-        ir.save(model, out / spec.file)
-        graphs[plan.kind] = spec
-    derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width})
-    (out / MANIFEST_FILE).write_text(derived.to_json())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging.", dir=out.parent))
+    staging.chmod(0o755)
+    try:
+        for name in keep:
+            try:
+                os.link(src / name, staging / name)
+            except OSError:
+                shutil.copy(src / name, staging / name)
+        graphs = {}
+        for plan in plan_kinds(config, width, manifest.draft_depth):
+            builder = GraphBuilder(refs, manifest.weights_file, staging)
+            model, spec = build_kind(plan, config, dtype, manifest.max_length, builder,
+                                     batch_invariant=bool(manifest.custom_ops))
+            ir.save(model, staging / spec.file)
+            graphs[plan.kind] = spec
+        derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width})
+        (staging / MANIFEST_FILE).write_text(derived.to_json())
+        _swap_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return derived
 
 

@@ -181,6 +181,9 @@ def bench(checkpoint: str, device: str, dtypes: tuple[str, ...], variants: tuple
         raise RequestError(f"--widths must be comma-separated integers, got {widths!r}") from None
     if past < 1 or iters < 1:
         raise RequestError("--past and --iters must be positive")
+    from loopcast.exporter.export import MAX_VERIFY_WIDTH
+    if not width_list or any(not 2 <= w <= MAX_VERIFY_WIDTH for w in width_list):
+        raise RequestError(f"--widths must be verify widths in 2..{MAX_VERIFY_WIDTH}, got {widths!r}")
     opts = BenchOptions(checkpoint, work_dir, device, dtypes or (("fp16", "bf16") if device == "cuda" else ("fp32",)),
                         variants or ("stock", "batch-invariant"), past, width_list, iters, new_tokens,
                         not no_end_to_end, alternate_tokens, not no_torch, not no_profile)

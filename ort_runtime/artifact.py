@@ -117,6 +117,13 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     if device == "cpu" and manifest.dtype != "fp32":
         raise ArtifactError(f"{path}: {manifest.dtype} artifacts need the CUDA device; the CPU execution "
                             f"provider lacks {manifest.dtype} kernels for these graphs (export --dtype fp32)")
+    if kinds is not None:
+        unknown = sorted(set(kinds) - set(manifest.graphs))
+        if unknown:
+            raise RequestError(f"unknown graph kind(s) {', '.join(unknown)}; this artifact has "
+                               f"{', '.join(manifest.graphs)}")
+    if device == "cuda" and manifest.custom_ops:
+        _check_cuda_custom_ops(path, manifest)
     if device == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
 
@@ -163,6 +170,26 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     return LoadedModel(path, manifest, device, sessions, tokenizer, time.perf_counter() - start,
                        graph_kinds=frozenset(graph_kinds), graph_fallbacks=fallbacks,
                        _session_factory=make_session)
+
+
+def _check_cuda_custom_ops(path: Path, manifest: Manifest) -> None:
+    """The loopcast ops must have CUDA kernels, and the shapes must be ones they take; otherwise
+    ORT would quietly run them on the CPU with copies every step, or fail on the first step."""
+    import ctypes
+
+    library = path / manifest.custom_op_library
+    try:
+        has_cuda = bool(ctypes.CDLL(str(library)).loopcast_ops_has_cuda())
+    except (OSError, AttributeError) as exc:
+        raise ArtifactError(f"{library}: custom-op library could not be loaded ({exc})") from None
+    if not has_cuda:
+        raise ArtifactError(f"{library}: built without CUDA kernels (no nvcc at export time); "
+                            "re-export with nvcc on the PATH to run on cuda")
+    cfg = manifest.config
+    if "BatchInvariantAttention" in manifest.custom_ops and (
+            cfg.head_dim not in (16, 32, 64, 128) or manifest.max_length > 49152):
+        raise ArtifactError(f"{path}: the CUDA BatchInvariantAttention kernel takes head_dim 16/32/64/128 "
+                            f"and max length <= 49152 (this artifact: {cfg.head_dim}, {manifest.max_length})")
 
 
 def describe_artifact(path: Path) -> str:

@@ -82,8 +82,9 @@ class StepCosts:
         self.depth_share = (draft_depth or 1) / gen.model.config.num_loops
 
     def _mean(self, kind: str) -> float | None:
-        count = self.gen.step_counts.get(kind, 0)
-        return self.gen.step_seconds[kind] / count if count else None
+        # Steady runs only: a CUDA slot's first run (warm-up + capture) costs many steps.
+        count = self.gen.timed_counts.get(kind, 0)
+        return self.gen.timed_seconds[kind] / count if count else None
 
     def decode(self) -> float:
         return self._mean(DECODE) or 1e-3

@@ -63,9 +63,11 @@ class _Buffer:
 class GraphSlot:
     """One generator's captured CUDA graph of one kind (DESIGN §5), and what happened to it.
 
-    ORT's CUDA provider runs a graph id's first run normally (allocations), captures on the
-    second and replays from then on; the counters follow that rule per id. ``fallbacks``
-    counts runs that went to the eager session after a capture failed.
+    ORT's CUDA provider does the warm-up run and the capture inside a graph id's first
+    ``Run`` (it re-runs itself until the graph is captured) and replays from the second call
+    on; the counters follow that rule per id — they are derived, ORT does not report them.
+    ``fallbacks`` counts runs that went to the eager session after the first run failed with
+    graphs but succeeded without.
     """
 
     graph_id: int
@@ -144,37 +146,47 @@ class _KindBinding:
         bufs = [self.ids, self.hidden, self.seqlens, self.total, self.next_ids, self.logits, self.gap, self.hidden_out]
         return [x for b in bufs if b is not None for x in (b.host, b.value)] + [self.binding]
 
-    def execute(self, model: LoadedModel) -> None:
-        """Run once: eagerly, or as this slot's warm-up / capture / replay."""
+    def execute(self, model: LoadedModel) -> bool:
+        """Run once: eagerly, or as this slot's warm-up + capture / replay. Returns whether the
+        run was a steady one (not a slot's first run), which the cost measurements keep."""
         slot = self.slot
         if slot is None:
             self.session.run_with_iobinding(self.binding)
-            return
+            return True
         if slot.failure is not None:
             slot.fallbacks += 1
             self.session.run_with_iobinding(self.binding)
-            return
+            return True
         try:
             self.session.run_with_iobinding(self.binding, self.run_options)
         except Exception as exc:
-            if slot.replays:  # a replay failing is not a capture problem: surface it
+            if slot.runs:  # a replay failing is not a capture problem: surface it
                 raise
-            # Capture failed: this slot runs eagerly from now on, on a session without graphs
-            # (the same kernels, so the same tokens).
-            slot.failure = str(exc).splitlines()[0][:300]
-            self.session = model.eager_session(self.spec.kind)
-            self.binding = self.session.io_binding()
-            self._bind(self.binding)
-            slot.fallbacks += 1
-            self.session.run_with_iobinding(self.binding)
-            return
+            self._fall_back(model, str(exc).splitlines()[0][:300])
+            return False
         slot.runs += 1
         if slot.runs == 1:
             slot.warmups += 1
-        elif slot.runs == 2:
             slot.captures += 1
-        else:
-            slot.replays += 1
+            return False
+        slot.replays += 1
+        return True
+
+    def _fall_back(self, model: LoadedModel, reason: str) -> None:
+        """The first run failed with graphs: try the same graph eagerly (the same kernels, so
+        the same tokens). Only if that works does this slot stay eager; otherwise the error is
+        not a capture problem and is raised, naming the kind."""
+        session = model.eager_session(self.spec.kind)
+        binding = session.io_binding()
+        self._bind(binding)
+        try:
+            session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise ArtifactError(f"the '{self.spec.kind}' graph failed on its first run "
+                                f"({str(exc).splitlines()[0][:300]})") from None
+        self.session, self.binding = session, binding
+        self.slot.failure = reason
+        self.slot.fallbacks += 1
 
 
 class Generator:
@@ -199,6 +211,9 @@ class Generator:
         self._tokens: list[int] = []          # ids whose KV is committed; len == n
         self.step_counts: dict[str, int] = defaultdict(int)
         self.step_seconds: dict[str, float] = defaultdict(float)
+        # Steady runs only (no warm-up/capture, no fallback set-up): what the cost gate averages.
+        self.timed_counts: dict[str, int] = defaultdict(int)
+        self.timed_seconds: dict[str, float] = defaultdict(float)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -275,9 +290,13 @@ class Generator:
         kb.total.host[...] = start + rows
         kb.total.push()
         t0 = time.perf_counter()
-        kb.execute(self.model)
-        self.step_seconds[kind] += time.perf_counter() - t0
+        steady = kb.execute(self.model)
+        elapsed = time.perf_counter() - t0
+        self.step_seconds[kind] += elapsed
         self.step_counts[kind] += 1
+        if steady:
+            self.timed_seconds[kind] += elapsed
+            self.timed_counts[kind] += 1
         out_rows = 1 if kind == PREFILL else used
         next_ids = kb.next_ids.pull()[0, :out_rows].copy()
         logits = kb.logits.pull()[0, :out_rows] if want_logits or kb.logits.device == "cpu" else None
@@ -290,6 +309,9 @@ class Generator:
         """Write ``ids`` at n.. (in chunks of ``chunk`` rows if given), commit, return the next token."""
         if not ids:
             raise RequestError("prompt is empty: give at least one token")
+        if PREFILL not in self._kinds:
+            raise RequestError("this model was opened without the prefill graph (kinds=...); "
+                               "generation needs it")
         chunk = chunk or len(ids)
         out = None
         for i in range(0, len(ids), chunk):

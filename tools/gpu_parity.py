@@ -36,18 +36,21 @@ def main() -> None:
     checkpoint = resolve_checkpoint(args.checkpoint)
     report = {}
     ref32 = load_checkpoint(checkpoint, dtype=torch.float32).cuda().eval()
+    draft_depth = 1 if ref32.config.num_loops > 1 else None
     for dtype in args.dtypes.split(","):
         ref = load_checkpoint(checkpoint, dtype=DTYPES[dtype]).cuda().eval()
         for variant in ("stock", "batch-invariant"):
             art = args.work_dir / f"{dtype}-{variant}"
-            export_checkpoint(checkpoint, art, ExportOptions(dtype, 1024, 5, 1, variant == "batch-invariant"),
+            export_checkpoint(checkpoint, art, ExportOptions(dtype, min(1024, ref32.config.max_position_embeddings), 5,
+                                                                  draft_depth, variant == "batch-invariant"),
                               overwrite=True)
             model = load(art, "cuda")
             rows, worst_first_step = [], 0.0
             for prompt in BENCH_PROMPTS:
                 ids = model.encode(prompt)
                 ours = model.generate(ids, args.new_tokens, stop_ids=()).tokens
-                theirs = greedy_generate(ref, ids, args.new_tokens, max_length=1024, keep_logits=True)
+                theirs = greedy_generate(ref, ids, args.new_tokens, max_length=model.loaded.manifest.max_length,
+                                         keep_logits=True)
                 j = next((i for i, (a, b) in enumerate(zip(ours, theirs.tokens)) if a != b), None)
                 entry = {"prompt": prompt[:40], "identical": j is None}
                 if j is not None:
@@ -69,8 +72,8 @@ def main() -> None:
                   f"{[(r['first_divergence'], round(r['reference_margin'], 4)) for r in rows if not r['identical']]}",
                   flush=True)
             del model
+            args.out.write_text(json.dumps(report, indent=1) + "\n")  # after each: a cut run keeps it
         del ref
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
 # setup | tests | parity | bench-demo | bench-1p4b. Results go to /root/res and are packed into
-# $OUT/results-<phases>.tgz (the device returns only a few files per call).
+# $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
 set -uo pipefail
@@ -23,7 +23,7 @@ phase_setup() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$RES/setup.txt"
 }
 phase_tests() {
-  LIB=$(ls .lccache/ops-*/libloopcast_ops.so | head -1)
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
   LOOPCAST_OPS_LIB=$LIB timeout 70 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
     tests/ort_runtime/test_cuda.py 2>&1 | tail -30 > "$RES/gpu-tests.txt"
   [ -n "${CHECK_OPS:-}" ] && timeout 120 python3 tools/check_ops_cuda.py --lib "$LIB" --out "$RES/check-ops-cuda.json" --skip-bench \

@@ -158,3 +158,26 @@ def test_with_verify_width_shares_weights_and_matches(tmp_path) -> None:
     assert np.array_equal(a.run(VERIFY, 4, tokens=[1, 2, 3]).logits, b.run(VERIFY, 4, tokens=[1, 2, 3]).logits)
     with pytest.raises(ExportError, match="verify width"):
         with_verify_width(src, tmp_path / "bad", 1)
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ExportError, match="differ from the source"):
+        with_verify_width(src, src, 3)
+    assert (src / "weights.safetensors").is_file()
+    with pytest.raises(ExportError, match="already there"):
+        with_verify_width(src, tmp_path / "w3", 4)
+    assert with_verify_width(src, tmp_path / "w3", 4, overwrite=True).verify_width == 4
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_with_verify_width_keeps_the_custom_op_library(tmp_path) -> None:
+    from loopcast.custom_ops.build import find_ort_include
+    from loopcast.exporter.export import with_verify_width
+    from loopcast.manifest import Manifest
+    from tests.artifacts import artifact
+
+    if find_ort_include() is None:
+        pytest.skip("ORT C++ headers missing (tools/c_generate/fetch_deps.sh)")
+    src = artifact("ouro-r3", draft_depth=1, batch_invariant=True)
+    derived = with_verify_width(src, tmp_path / "w2", 2)
+    assert derived.custom_ops == Manifest.read(src).custom_ops
+    assert (tmp_path / "w2" / derived.custom_op_library).is_file()
+    assert b"BatchInvariantAttention" in (tmp_path / "w2" / "verify.onnx").read_bytes()
