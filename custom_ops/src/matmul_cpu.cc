@@ -29,38 +29,63 @@ struct MatMulCpuKernel {
     const T* A = a.GetTensorData<T>();
     const T* B = b.GetTensorData<T>();
     T* Y = y.GetTensorMutableData<T>();
+    // Work is split over output columns through the session's intra-op thread pool; every
+    // output element is still computed by one task in its fixed order, so threads change
+    // nothing in the bits.
+    Job job{A, B, Y, rows, K, N, {}};
     if (trans_b) {
-      // Each weight row is read once for all rows. A dot product keeps kLanes partial sums
-      // (lane j takes k ≡ j mod kLanes, k ascending) combined in one fixed order: vectorisable,
-      // and the order depends on (k, K) only, never on the number of rows.
-      std::vector<float> a_f(static_cast<size_t>(rows * K));
-      for (int64_t i = 0; i < rows * K; ++i) a_f[i] = to_float(A[i]);
-      std::vector<float> b_f(static_cast<size_t>(K));
-      for (int64_t n = 0; n < N; ++n) {
-        for (int64_t k = 0; k < K; ++k) b_f[k] = to_float(B[n * K + k]);
-        for (int64_t r = 0; r < rows; ++r) Y[r * N + n] = from_float<T>(lane_dot(a_f.data() + r * K, b_f.data(), K));
-      }
-      return;
+      job.a_f.resize(static_cast<size_t>(rows * K));
+      for (int64_t i = 0; i < rows * K; ++i) job.a_f[i] = to_float(A[i]);
+      ctx.ParallelFor(&trans_task, static_cast<size_t>((N + kTransChunk - 1) / kTransChunk), 0, &job);
+    } else {
+      ctx.ParallelFor(&block_task, static_cast<size_t>((N + kBlock - 1) / kBlock), 0, &job);
     }
-    // acc[r][n] += A[r,k] * B[k,n] for k ascending, over column blocks that stay in L1: each
-    // weight block is read once for all rows, and every element's order is k ascending.
-    constexpr int64_t kBlock = 512;
-    std::vector<float> acc(static_cast<size_t>(rows * kBlock));
+  }
+
+  static constexpr int64_t kBlock = 512;      // columns per task (an L1-sized accumulator per row)
+  static constexpr int64_t kTransChunk = 64;  // outputs per task for trans_b
+
+  struct Job {
+    const T* A;
+    const T* B;
+    T* Y;
+    int64_t rows, K, N;
+    std::vector<float> a_f;  // trans_b: A converted once
+  };
+
+  // acc[r][n] += A[r,k] * B[k,n] for k ascending over one column block: each weight block is
+  // read once for all rows, and every element's order is k ascending.
+  static void block_task(void* data, size_t index) {
+    const Job& job = *static_cast<const Job*>(data);
+    const int64_t n0 = static_cast<int64_t>(index) * kBlock;
+    const int64_t width = std::min(kBlock, job.N - n0);
+    std::vector<float> acc(static_cast<size_t>(job.rows * kBlock), 0.0f);
     std::vector<float> b_f(static_cast<size_t>(kBlock));
-    for (int64_t n0 = 0; n0 < N; n0 += kBlock) {
-      const int64_t width = std::min(kBlock, N - n0);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t k = 0; k < K; ++k) {
-        const T* b_row = B + k * N + n0;
-        for (int64_t n = 0; n < width; ++n) b_f[n] = to_float(b_row[n]);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float a_rk = to_float(A[r * K + k]);
-          float* acc_r = acc.data() + r * kBlock;
-          for (int64_t n = 0; n < width; ++n) acc_r[n] += a_rk * b_f[n];
-        }
+    for (int64_t k = 0; k < job.K; ++k) {
+      const T* b_row = job.B + k * job.N + n0;
+      for (int64_t n = 0; n < width; ++n) b_f[n] = to_float(b_row[n]);
+      for (int64_t r = 0; r < job.rows; ++r) {
+        const float a_rk = to_float(job.A[r * job.K + k]);
+        float* acc_r = acc.data() + r * kBlock;
+        for (int64_t n = 0; n < width; ++n) acc_r[n] += a_rk * b_f[n];
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t n = 0; n < width; ++n) Y[r * N + n0 + n] = from_float<T>(acc[r * kBlock + n]);
+    }
+    for (int64_t r = 0; r < job.rows; ++r)
+      for (int64_t n = 0; n < width; ++n) job.Y[r * job.N + n0 + n] = from_float<T>(acc[r * kBlock + n]);
+  }
+
+  // trans_b: each weight row is read once for all rows. A dot product keeps kLanes partial
+  // sums (lane j takes k ≡ j mod kLanes, k ascending) combined in one fixed order:
+  // vectorisable, and the order depends on (k, K) only, never on the number of rows.
+  static void trans_task(void* data, size_t index) {
+    const Job& job = *static_cast<const Job*>(data);
+    const int64_t n0 = static_cast<int64_t>(index) * kTransChunk;
+    const int64_t n1 = std::min(job.N, n0 + kTransChunk);
+    std::vector<float> b_f(static_cast<size_t>(job.K));
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t k = 0; k < job.K; ++k) b_f[k] = to_float(job.B[n * job.K + k]);
+      for (int64_t r = 0; r < job.rows; ++r)
+        job.Y[r * job.N + n] = from_float<T>(lane_dot(job.a_f.data() + r * job.K, b_f.data(), job.K));
     }
   }
 
