@@ -1,8 +1,9 @@
 """CUDA kernels of the custom-op library, called through their C entry points with torch device
 tensors (no onnxruntime-gpu needed): against a float64 torch reference (and the CPU op of the same
 library when onnxruntime is importable), and row invariance: every row of an S-row call is
-bit-identical to the same row computed by S one-row calls. The ORT-level CUDA checks (and
-benchmarks) are tools/check_ops_cuda.py; tools/bench_attention_cuda.py times the attention kernel.
+bit-identical to the same row computed by S one-row calls. The ORT-level CUDA checks are
+tests/ort_runtime/test_cuda.py; tools/bench_matmul_cuda.py and tools/bench_attention_cuda.py time
+the kernels.
 
 Runs on a GPU machine without onnxruntime or the editable install: set LOOPCAST_OPS_LIB to a built
 library (then nothing from loopcast is imported)."""
