@@ -114,20 +114,27 @@ def _captured(ms: float, slot: dict | None) -> float | None:
     return ms if slot is not None and slot["captures"] and slot["failure"] is None else None
 
 
+def decode_rows(gen, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill ``prompt`` on ``gen``, then plain M=1 greedy decode for ``steps`` steps: the fed
+    tokens and a copy of each step's logits row (the rows a verify step must reproduce)."""
+    token = gen.prefill(prompt)
+    fed, rows = [], []
+    for _ in range(steps):
+        out = gen.run(DECODE, gen.n, tokens=[token])
+        fed.append(token)
+        rows.append(out.logits[0].copy())
+        gen.commit([token])
+        token = int(out.next_ids[0])
+    return fed, rows
+
+
 def rows_identical(model, prompts: list[list[int]]) -> dict:
     """Per prompt: W decode steps (M=1) vs one verify(W) step over the same tokens."""
     W = model.loaded.manifest.verify_width
     same, total, worst = 0, 0, 0.0
     for prompt in prompts:
         gen = model.new_generator()
-        token = gen.prefill(prompt)
-        fed, rows = [], []
-        for _ in range(W):
-            out = gen.run(DECODE, gen.n, tokens=[token])
-            fed.append(token)
-            rows.append(out.logits[0].copy())
-            gen.commit([token])
-            token = int(out.next_ids[0])
+        fed, rows = decode_rows(gen, prompt, W)
         gen.rewind(len(prompt))
         verify = gen.run(VERIFY, gen.n, tokens=fed).logits
         for i in range(W):

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from loopcast.bench import decode_rows
 from loopcast.custom_ops.build import find_ort_include
-from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL, Manifest
+from loopcast.manifest import DRAFT, VERIFY, VERIFY_TAIL, Manifest
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.speculate import SelfDraftProposer
 from tests.artifacts import TINY, artifact, reference
@@ -38,17 +39,8 @@ def _bi(name: str, **kw):
 
 
 def _decode_rows(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """Plain M=1 decode from ``prompt``: the fed tokens and each step's logits row."""
-    gen = model.new_generator()
-    token = gen.prefill(prompt)
-    fed, rows = [], []
-    for _ in range(steps):
-        out = gen.run(DECODE, gen.n, tokens=[token])
-        fed.append(token)
-        rows.append(out.logits[0].copy())
-        gen.commit([token])
-        token = int(out.next_ids[0])
-    return fed, rows
+    """Plain M=1 decode from ``prompt`` on a fresh generator: the fed tokens and each step's logits row."""
+    return decode_rows(model.new_generator(), prompt, steps)
 
 
 def test_manifest_lists_the_ops_and_the_artifact_carries_the_library() -> None:

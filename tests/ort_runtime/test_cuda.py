@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from loopcast.bench import decode_rows
 from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
 from loopcast.ort_runtime import load
 from tests.artifacts import artifact, reference
@@ -104,14 +105,7 @@ def test_batch_invariant_rows_and_speculation_are_exact(dtype: str) -> None:
     for prompt in DEMO_PROMPTS[:4]:
         ids = model.encode(prompt)
         gen = model.new_generator()
-        token = gen.prefill(ids)
-        fed, rows = [], []
-        for _ in range(W):
-            out = gen.run(DECODE, gen.n, tokens=[token])
-            fed.append(token)
-            rows.append(out.logits[0].copy())
-            gen.commit([token])
-            token = int(out.next_ids[0])
+        fed, rows = decode_rows(gen, ids, W)
         gen.rewind(len(ids))
         verify = gen.run(VERIFY, gen.n, tokens=fed).logits
         for i in range(W):
