@@ -51,14 +51,17 @@ def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_leng
         sin_cache=b.weight("rotary.sin_SD2"),
     )
     ctx = blocks.BlockContext(config, dtype, max_length, step, batch_invariant)
-    if plan.first_loop == 0:
-        x = blocks.prelude(b, blocks.embed(b, token_ids), ctx)
+    x = blocks.embed(b, token_ids) if plan.first_loop == 0 else hidden_in
+    if batch_invariant:
+        sites = blocks.layer_sites(config, plan.first_loop, plan.last_loop, prelude=plan.first_loop == 0)
+        x, depth_state = blocks.decoder_stack(b, x, sites, ctx)
     else:
-        x = hidden_in
-    for loop in range(plan.first_loop, plan.last_loop):
-        x = blocks.core_loop(b, x, loop, ctx)
-    depth_state = x
-    x = blocks.coda(b, x, ctx)
+        if plan.first_loop == 0:
+            x = blocks.prelude(b, x, ctx)
+        for loop in range(plan.first_loop, plan.last_loop):
+            x = blocks.core_loop(b, x, loop, ctx)
+        depth_state = x
+        x = blocks.coda(b, x, ctx)
     if plan.kind == PREFILL:
         # Only the last row's next token is needed; slicing first keeps the head at one row.
         x = b.op("Slice", [x, b.const_i64("last_start", [-1]), b.const_i64("last_end", [2**62]),

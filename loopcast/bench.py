@@ -76,6 +76,9 @@ class VariantResult:
     rows_identical: dict = field(default_factory=dict)
     end_to_end: dict = field(default_factory=dict)
     alternation: dict = field(default_factory=dict)
+    # Captured decode of the same artifact with the custom ops launched without programmatic
+    # dependent launch (LOOPCAST_PDL=0): what PDL buys, measured in the same run.
+    decode_without_pdl_ms: float | None = None
     profile_ms: dict = field(default_factory=dict)
     top_kernels: list = field(default_factory=list)
     graph_fallbacks: dict = field(default_factory=dict)
@@ -107,6 +110,27 @@ def step_ms(model, kind: str, past: int, iters: int) -> tuple[float, dict | None
         tokens = [1] * rows
         ms = _median_ms(lambda: gen.run(kind, past, tokens=tokens, want_logits=False), iters)
     return ms, gen.graph_slots().get(kind)
+
+
+def decode_without_pdl(art: Path, device: str, past: int, iters: int) -> float | None:
+    """Captured decode step with the custom-op kernels launched without PDL. The library reads
+    LOOPCAST_PDL at each launch, and a captured graph keeps what it recorded, so the variable
+    only has to be set while this session warms up and captures."""
+    import os
+
+    from loopcast.ort_runtime import load
+
+    previous = os.environ.get("LOOPCAST_PDL")
+    os.environ["LOOPCAST_PDL"] = "0"
+    try:
+        model = load(art, device, kinds=(DECODE,))
+        ms, slot = step_ms(model, DECODE, past, iters)
+    finally:
+        if previous is None:
+            del os.environ["LOOPCAST_PDL"]
+        else:
+            os.environ["LOOPCAST_PDL"] = previous
+    return _captured(ms, slot)
 
 
 def _captured(ms: float, slot: dict | None) -> float | None:
@@ -192,24 +216,34 @@ def end_to_end(model, prompts: list[list[int]], new_tokens: int) -> dict:
 def alternation(model, prompt: list[int], tokens: int, chunk: int = 40) -> dict:
     """One generator alternating self-speculation (draft, verify_tail), prompt lookup (verify,
     decode) and plain decode in chunks for ``tokens`` tokens: after one warm-up chunk of each
-    mode every slot has captured once, and from then on it may only replay."""
+    mode every slot has captured once, and from then on it may only replay. When the context
+    fills up the generator rewinds to the prompt and goes on (``restarts``), so the run reaches
+    ``tokens`` on any context length."""
     gen = model.new_generator()
     modes = [{"speculative": "self", "num_draft_tokens": 4},
              {"speculative": "prompt-lookup", "num_draft_tokens": 4}, {}]
     ids = list(prompt)
+    if len(prompt) + 4 * (chunk + 8) > gen.max_length:
+        raise ValueError(f"alternation needs room for 4 chunks of {chunk} tokens after the prompt; "
+                         f"max length is {gen.max_length}")
 
     def run_chunk(mode: dict) -> int:
         nonlocal ids
+        if gen.n + chunk + 8 >= gen.max_length:  # rewind = move a length; the slots stay captured
+            gen.rewind(0)
+            ids = list(prompt)
+            restarts.append(gen.n)
         out = list(model.stream_ids(ids, chunk, stop_ids=(), generator=gen, **mode))
         ids = [out[-1]]
         return len(out)
 
+    restarts: list[int] = []
     for mode in modes:
         run_chunk(mode)
     warm = gen.graph_slots()
     counts0, warm_secs = dict(gen.step_counts), dict(gen.step_seconds)
     produced, t0 = 0, time.perf_counter()
-    while produced < tokens and gen.n + chunk + 8 < gen.max_length:
+    while produced < tokens:
         for mode in modes:
             produced += run_chunk(mode)
     end = gen.graph_slots()
@@ -221,7 +255,7 @@ def alternation(model, prompt: list[int], tokens: int, chunk: int = 40) -> dict:
             "mean_step_ms": {k: round((gen.step_seconds[k] - secs0.get(k, 0.0)) * 1e3
                                       / max(1, gen.step_counts[k] - counts0.get(k, 0)), 4)
                              for k in gen.step_counts},
-            "slots_after_warmup": warm, "slots_at_end": end,
+            "restarts": len(restarts), "slots_after_warmup": warm, "slots_at_end": end,
             "fallbacks": {k: end[k]["fallbacks"] for k in end}}
 
 
@@ -321,6 +355,9 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     if opts.profile and cuda:
         result.profile_ms, result.top_kernels = profile_decode(eager, past)
     del eager, capt
+    if cuda and not result.captured_fixed_position_only:
+        result.decode_without_pdl_ms = decode_without_pdl(art, opts.device, past, opts.iters)
+        log(f"  decode captured without PDL {result.decode_without_pdl_ms} ms")
     for width in widths:
         if width == 5:
             continue
@@ -445,6 +482,9 @@ def format_table(report: dict) -> str:
             eager = f"{s['uncaptured_ms']:.3f}" if s["uncaptured_ms"] else "-"
             lines.append(f"  {s['kind'] + '(' + str(s['rows']) + ')':<16}{cap:>12}{eager:>15}"
                          f"{mine / ref if ref else float('nan'):>10.2f}")
+        if run.get("decode_without_pdl_ms"):
+            lines.append(f"  decode captured without PDL {run['decode_without_pdl_ms']:.3f} ms "
+                         f"(with: {decode['captured_ms']:.3f} ms)")
         if decode and base.get("floor_ms"):
             best = decode["captured_ms"] or decode["uncaptured_ms"]
             lines.append(f"  floor {base['floor_ms']:.3f} ms ({base['bandwidth_gbs']:.0f} GB/s): decode at "

@@ -10,10 +10,11 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from loopcast.bench import BenchOptions, format_table, kernel_family, run_bench, write_report
+from loopcast.bench import BenchOptions, alternation, format_table, kernel_family, run_bench, write_report
 from loopcast.cli import main
 from loopcast.custom_ops.build import find_ort_include
-from tests.artifacts import checkpoint
+from loopcast.ort_runtime import load
+from tests.artifacts import artifact, checkpoint
 
 
 def test_tiny_report_on_cpu(tmp_path) -> None:
@@ -48,3 +49,19 @@ def test_kernel_families() -> None:
 def test_bad_widths_is_one_line_error() -> None:
     result = CliRunner().invoke(main, ["bench", "demo", "--device", "cpu", "--widths", "2,x"])
     assert result.exit_code == 2 and "--widths" in result.output and "Traceback" not in result.output
+
+
+def test_alternation_rewinds_to_reach_the_token_count() -> None:
+    # 128 positions hold about two rounds of the three modes; 300 tokens need restarts.
+    model = load(artifact("ouro-r3", draft_depth=1, max_length=128), "cpu")
+    prompt = list(range(3, 19))
+    result = alternation(model, prompt, tokens=300, chunk=10)
+    assert result["tokens"] >= 300 and result["restarts"] >= 2
+    assert set(result["steps"]) >= {"decode", "draft", "verify", "verify_tail"}
+    assert result["fallbacks"] == {}  # CPU: nothing captured
+
+
+def test_alternation_refuses_a_context_without_room() -> None:
+    model = load(artifact("ouro-r3", draft_depth=1, max_length=128), "cpu")
+    with pytest.raises(ValueError, match="room for 4 chunks"):
+        alternation(model, list(range(3, 19)), tokens=10, chunk=40)

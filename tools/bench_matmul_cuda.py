@@ -6,6 +6,11 @@ buffers (>= 8x the 50 MB L2) that every call reads its weight from HBM. Also che
 shapes, that rows are bit-identical whatever M (M = 32 and M = 5 against M = 1 row by row).
 
     python3 tools/bench_matmul_cuda.py --lib new=custom_ops/build/libloopcast_ops.so [--lib old=...] [--out DIR]
+
+The calls of one graph run back to back, as a decode step's kernels do, so a library that
+launches with programmatic dependent launch (PDL) overlaps each call's ramp-up with the previous
+call's tail. ``--pdl-both`` also times every library with LOOPCAST_PDL=0 (column ``NAME-nopdl``):
+that column is the kernel on its own.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import argparse
 import ctypes
 import json
 import os
+
+import contextlib
 
 import torch
 
@@ -67,6 +74,21 @@ def graph_time_us(fn_list, reps: int = 3) -> float:
     return best
 
 
+@contextlib.contextmanager
+def pdl_setting(value: str | None):
+    """LOOPCAST_PDL while a graph is captured (the library reads it at each launch)."""
+    previous = os.environ.get("LOOPCAST_PDL")
+    if value is not None:
+        os.environ["LOOPCAST_PDL"] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("LOOPCAST_PDL", None)
+        else:
+            os.environ["LOOPCAST_PDL"] = previous
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -88,8 +110,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--calls", type=int, default=120)
     ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--pdl-both", action="store_true", help="also time each library with LOOPCAST_PDL=0")
     args = ap.parse_args()
     libs = {kv.split("=", 1)[0]: load(kv.split("=", 1)[1]) for kv in args.lib}
+    # (column, library, LOOPCAST_PDL during capture)
+    columns = [(name, lib, None) for name, lib in libs.items()]
+    if args.pdl_both:
+        columns += [(f"{name}-nopdl", lib, "0") for name, lib in libs.items()]
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s", flush=True)
@@ -124,10 +151,11 @@ def main() -> None:
                     Y = torch.empty(M, N, dtype=dtype, device="cuda")
                     ncalls = max(args.calls, nbuf)
                     row = dict(dtype=dname, K=K, N=N, trans_b=tb, M=M, bytes=wn * pool.element_size())
-                    for name, lib in libs.items():
+                    for name, lib, pdl in columns:
                         fns = [(lambda W=Ws[i % nbuf], lib=lib: call(lib, Am, W, Y, tb)) for i in range(ncalls)]
                         try:
-                            row[name] = graph_time_us(fns)
+                            with pdl_setting(pdl):
+                                row[name] = graph_time_us(fns)
                         except RuntimeError as e:  # keep going: report the failure in the table
                             print(f"!! {name}: {e}", flush=True)
                             row[name] = float("nan")
@@ -138,7 +166,7 @@ def main() -> None:
                     row["cublas"] = graph_time_us(fns)
                     results["rows"].append(row)
                     cells = "  ".join(f"{k} {row[k]:6.1f}us {row['bytes'] / row[k] / 1e3 / bw * 100:3.0f}%"
-                                      for k in [*libs, "cublas"])
+                                      for k in [*(c[0] for c in columns), "cublas"])
                     print(f"{dname:8s} [{K:5d},{N:5d}] tb={tb} M={M:2d}  {cells}", flush=True)
         del pool
         torch.cuda.empty_cache()

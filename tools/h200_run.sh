@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
-# setup | tests | parity | bench-demo | bench-1p4b. Results go to /root/res and are packed into
+# setup | kernels | tests | parity | bench-demo | bench-1p4b (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
@@ -26,6 +26,14 @@ phase_tests() {
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
   LOOPCAST_OPS_LIB=$LIB timeout 70 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
     tests/ort_runtime/test_cuda.py 2>&1 | tail -30 > "$RES/gpu-tests.txt"
+}
+phase_kernels() {  # ctypes microbenchmarks; needs no onnxruntime-gpu. baseline = a build of an earlier commit
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  local libs=(--lib "new=$LIB")
+  [ -f .lccache/baseline/libloopcast_ops.so ] && libs+=(--lib "baseline=$PWD/.lccache/baseline/libloopcast_ops.so")
+  timeout 100 python3 tools/bench_matmul_cuda.py "${libs[@]}" --pdl-both --calls 96 --out "$RES" > "$RES/bench-matmul.txt" 2>&1
+  LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
+    2>&1 | tail -30 > "$RES/gpu-kernel-tests.txt"
 }
 phase_parity() {
   timeout 45 python3 tools/gpu_parity.py --new-tokens 48 --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1

@@ -42,6 +42,8 @@ __global__ void kv_write_kernel(const T* __restrict__ qkv, T* __restrict__ pk, T
                                 const int32_t* __restrict__ seqlens, const T* __restrict__ cos_cache,
                                 const T* __restrict__ sin_cache, int S, int Hq, int Hkv, int D, int cap,
                                 int rotary_len, bool do_rotary) {
+  pdl_trigger();
+  pdl_wait();
   const int i = blockIdx.x, b = blockIdx.y;
   const int p = seqlens[b] + 1 - S + i;
   if (p < 0 || p >= cap || (do_rotary && p >= rotary_len)) return;  // out of range: nothing is written
@@ -82,6 +84,8 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const T* __restrict__ 
   __shared__ float wred[kWarps];
   __shared__ float stat[2];  // max, sum
 
+  pdl_trigger();
+  pdl_wait();
   const int h = blockIdx.x, i = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int p = seqlens[b] + 1 - S + i;
@@ -186,9 +190,8 @@ int launch_attend(const T* qkv, const T* pk, const T* pv, const int32_t* seqlens
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  kernel<<<dim3(Hq, S, B), kThreads, smem, stream>>>(qkv, pk, pv, seqlens, cos_cache, sin_cache, out, S, Hq, Hkv, cap,
-                                                     rotary_len, scale, do_rotary);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(launch_kernel(kernel, dim3(Hq, S, B), dim3(kThreads), smem, stream, 0, qkv, pk, pv, seqlens,
+                                        cos_cache, sin_cache, out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary));
 }
 
 
@@ -261,6 +264,8 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
   __shared__ float cm_s[kSplitWarps];
   __shared__ int last_s[kMaxUnitsPerBlock];
 
+  pdl_trigger();
+  pdl_wait();  // also orders this launch's use of the static scratch and counters after the last one's
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int t = tid % LPP, g = tid / LPP;
   const int nRG = (S + RG - 1) / RG;
@@ -483,9 +488,9 @@ int launch_split(const T* qkv, const T* pk, const T* pv, const int32_t* seqlens,
   long long NB = (split_target_blocks() + cols - 1) / cols;
   if (NB > nch) NB = nch;
   if (NB < 1) NB = 1;
-  split_attend_kernel<T, D><<<dim3(static_cast<unsigned>(NB), Hq / HB, B * nRG), kSplitThreads, 0, stream>>>(
-      qkv, pk, pv, seqlens, cos_cache, sin_cache, out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(launch_kernel(split_attend_kernel<T, D>, dim3(static_cast<unsigned>(NB), Hq / HB, B * nRG),
+                                        dim3(kSplitThreads), 0, stream, 0, qkv, pk, pv, seqlens, cos_cache, sin_cache,
+                                        out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG));
 }
 
 template <typename T>
@@ -514,9 +519,8 @@ struct AttentionLauncher {
       cudaError_t err = cudaMemcpyAsync(present_v, past_v, bytes, cudaMemcpyDeviceToDevice, stream);
       if (err != cudaSuccess) return static_cast<int>(err);
     }
-    kv_write_kernel<T><<<dim3(S, B), kThreads, 0, stream>>>(qkv, pk, pv, seqlens, cs, sn, S, Hq, Hkv, D, cap,
-                                                            rotary_len, do_rotary != 0);
-    cudaError_t err = cudaGetLastError();
+    cudaError_t err = launch_kernel(kv_write_kernel<T>, dim3(S, B), dim3(kThreads), 0, stream, 0, qkv, pk, pv, seqlens,
+                                    cs, sn, S, Hq, Hkv, D, cap, rotary_len, do_rotary != 0);
     if (err != cudaSuccess) return static_cast<int>(err);
     const bool rot = do_rotary != 0;
     if (split_fits(B, S, Hq, Hkv, D, cap)) {

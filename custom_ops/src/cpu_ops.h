@@ -1,4 +1,5 @@
-// Registration hooks of the CPU kernels (matmul_cpu.cc, attention_cpu.cc).
+// Registration hooks of the CPU kernels (matmul_cpu.cc, attention_cpu.cc, residual_norm_cpu.cc,
+// swiglu_cpu.cc).
 #pragma once
 
 #include "ort_api.h"
@@ -6,4 +7,6 @@
 namespace loopcast {
 void add_cpu_matmul(Ort::CustomOpDomain& domain);
 void add_cpu_attention(Ort::CustomOpDomain& domain);
+void add_cpu_residual_norm(Ort::CustomOpDomain& domain);
+void add_cpu_swiglu(Ort::CustomOpDomain& domain);
 }  // namespace loopcast

@@ -1,9 +1,13 @@
-// Device helpers shared by the CUDA kernels: fp32 conversions of the three element types.
+// Helpers shared by the CUDA kernels: fp32 conversions of the three element types, and the
+// launch with programmatic dependent launch.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <utility>
 
 namespace loopcast_cuda {
 
@@ -15,6 +19,52 @@ template <typename T> __device__ __forceinline__ T from_f(float v);
 template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Programmatic dependent launch (PDL, sm_90). Kernels launched through launch_kernel() may start
+// while the previous kernel on the stream is still finishing, so a decode step's ~1 000 short
+// kernels overlap their launch and ramp-up instead of paying them back to back. Rules for every
+// such kernel: call pdl_wait() before reading anything an earlier kernel wrote or writing any
+// global memory (constant weights may be read before: the matmul prefetches its first weight
+// chunks there); pdl_trigger() lets the next kernel launch. The trigger only fires once every
+// block of this grid has triggered or exited, so waiting blocks never starve this grid.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" :::); }
+
+// LOOPCAST_PDL=0 launches without PDL (read at every launch, so a benchmark can compare both in
+// one process; launches happen once per captured graph, not per replay).
+inline bool pdl_enabled() {
+  const char* v = std::getenv("LOOPCAST_PDL");
+  return !(v != nullptr && v[0] == '0' && v[1] == '\0');
+}
+
+// cudaLaunchKernelEx with an optional thread-block cluster (cluster_x > 0) and PDL.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          int cluster_x, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (cluster_x > 0) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = static_cast<unsigned>(cluster_x);
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
 
 // Launch a dtype-templated functor: 0 fp32, 1 fp16, 2 bf16.
 template <template <typename> class F, typename... Args>

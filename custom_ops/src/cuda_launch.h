@@ -1,7 +1,8 @@
-// C entry points of the CUDA kernels (matmul_cuda.cu, attention_cuda.cu). They take raw device
-// pointers and the caller's stream, and only enqueue work: no allocation, no host sync, no
-// host<->device copy, so they can run inside a captured CUDA graph. Kept free of CUDA and ORT
-// types so both the ORT glue (cuda_ops.cc) and ctypes-based tests can call them.
+// C entry points of the CUDA kernels (matmul_cuda.cu, attention_cuda.cu, residual_norm_cuda.cu,
+// swiglu_cuda.cu). They take raw device pointers and the caller's stream, and only enqueue work:
+// no allocation, no host sync, no host<->device copy, so they can run inside a captured CUDA
+// graph. Kept free of CUDA and ORT types so both the ORT glue (cuda_ops.cc) and ctypes-based
+// tests can call them.
 // Return value: 0, or a cudaError_t code (loopcast_cuda_error_string names it).
 #pragma once
 
@@ -25,7 +26,25 @@ LOOPCAST_CUDA_API int loopcast_cuda_attention(int dtype, const void* qkv, const 
                                               int num_heads, int kv_num_heads, int head_dim, int capacity,
                                               int rotary_len, float scale, int do_rotary, void* stream);
 
+// Per row of `hidden` elements (see residual_norm_cuda.cu):
+//   b = branch_weight ? norm(branch, branch_weight) : branch;  s = residual ? residual + b : b
+//   sum = loop_weight ? norm(s, loop_weight) : s;  normed = norm(sum, out_weight)
+// residual and the weights are [rows, hidden] / [hidden] or null; normed_out is null exactly when
+// out_weight is. sum_out may be
+// residual or branch (each thread rewrites only what it read).
+LOOPCAST_CUDA_API int loopcast_cuda_residual_rms_norm(int dtype, const void* branch, const void* residual,
+                                                      const void* branch_weight, const void* loop_weight,
+                                                      const void* out_weight, void* sum_out, void* normed_out,
+                                                      int64_t rows, int64_t hidden, float epsilon, void* stream);
+
+// out[rows, inter] = silu(gate) * up over gate_up[rows, 2*inter] = [gate | up].
+LOOPCAST_CUDA_API int loopcast_cuda_swiglu(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,
+                                           void* stream);
+
 LOOPCAST_CUDA_API const char* loopcast_cuda_error_string(int code);
 
 // Largest cache capacity (positions) the attention kernel takes: its scores live in shared memory.
 constexpr int kLoopcastMaxCudaCapacity = 49152;
+// Largest row ResidualRMSNorm takes: its kernel keeps the row in registers, at most 16 16-byte
+// granules per thread (16384 fp32 elements).
+constexpr int64_t kLoopcastMaxNormHidden = 16384;

@@ -1,7 +1,7 @@
-// The CUDA execution provider's BatchInvariantMatMul and BatchInvariantAttention: shape checks on
-// the host, then one call into the CUDA launchers on ORT's compute stream. Inputs stay on the
-// device (seqlens_k too: the kernels read it there), and Compute neither allocates nor syncs, so
-// the ops can run inside captured CUDA graphs.
+// The CUDA execution provider's BatchInvariantMatMul, BatchInvariantAttention, ResidualRMSNorm and
+// SwiGLU: shape checks on the host, then one call into the CUDA launchers on ORT's compute stream.
+// Inputs stay on the device (seqlens_k too: the kernels read it there), and Compute neither
+// allocates nor syncs, so the ops can run inside captured CUDA graphs.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -70,17 +70,59 @@ struct AttentionCudaKernel {
   }
 };
 
+template <typename T>
+struct ResidualNormCudaKernel {
+  float epsilon;
+  ResidualNormCudaKernel(const OrtApi&, const OrtKernelInfo* info) : epsilon(attr_float(info, "epsilon", 1e-6f)) {}
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const ResidualNormIO io = residual_norm_io(ctx);
+    if (io.H > kLoopcastMaxNormHidden)
+      fail("ResidualRMSNorm (CUDA): hidden size " + std::to_string(io.H) + " exceeds " +
+           std::to_string(kLoopcastMaxNormHidden));
+    if (io.rows == 0 || io.H == 0) return;
+    check_launch(loopcast_cuda_residual_rms_norm(static_cast<int>(DTypeOf<T>::value), io.branch, io.residual,
+                                                 io.branch_weight, io.loop_weight, io.out_weight, io.sum, io.normed,
+                                                 io.rows, io.H, epsilon, ctx.GetGPUComputeStream()),
+                 "ResidualRMSNorm");
+  }
+};
+
+template <typename T>
+struct SwiGLUCudaKernel {
+  SwiGLUCudaKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    Ort::ConstValue x = ctx.GetInput(0);
+    const SwiGLUDims d = swiglu_dims(x.GetTensorTypeAndShapeInfo().GetShape());
+    Ort::UnownedValue y = ctx.GetOutput(0, d.out_shape);
+    if (d.rows == 0 || d.inter == 0) return;
+    check_launch(loopcast_cuda_swiglu(static_cast<int>(DTypeOf<T>::value), x.GetTensorRawData(),
+                                      y.GetTensorMutableRawData(), d.rows, d.inter, ctx.GetGPUComputeStream()),
+                 "SwiGLU");
+  }
+};
+
 MatMulOp<MatMulCudaKernel<float>, float, true> g_mm_f32;
 MatMulOp<MatMulCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_mm_f16;
 MatMulOp<MatMulCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_mm_bf16;
 AttentionOp<AttentionCudaKernel<float>, float, true> g_at_f32;
 AttentionOp<AttentionCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_at_f16;
 AttentionOp<AttentionCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_at_bf16;
+ResidualRMSNormOp<ResidualNormCudaKernel<float>, float, true> g_rn_f32;
+ResidualRMSNormOp<ResidualNormCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_rn_f16;
+ResidualRMSNormOp<ResidualNormCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_rn_bf16;
+SwiGLUOp<SwiGLUCudaKernel<float>, float, true> g_sg_f32;
+SwiGLUOp<SwiGLUCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_sg_f16;
+SwiGLUOp<SwiGLUCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_sg_bf16;
 
 }  // namespace
 
 void add_cuda_ops(Ort::CustomOpDomain& domain) {
-  for (OrtCustomOp* op : std::vector<OrtCustomOp*>{&g_mm_f32, &g_mm_f16, &g_mm_bf16, &g_at_f32, &g_at_f16, &g_at_bf16})
+  for (OrtCustomOp* op : std::vector<OrtCustomOp*>{&g_mm_f32, &g_mm_f16, &g_mm_bf16, &g_at_f32, &g_at_f16, &g_at_bf16,
+                                                   &g_rn_f32, &g_rn_f16, &g_rn_bf16, &g_sg_f32, &g_sg_f16, &g_sg_bf16})
     domain.Add(op);
 }
 

@@ -1,7 +1,9 @@
 // loopcast custom-op library (op domain "loopcast"): the registry.
 //
-//   BatchInvariantMatMul     matmul_cpu.cc, matmul_cuda.cu      rows independent of M
-//   BatchInvariantAttention  attention_cpu.cc, attention_cuda.cu rows independent of S
+//   BatchInvariantMatMul     matmul_cpu.cc, matmul_cuda.cu                rows independent of M
+//   BatchInvariantAttention  attention_cpu.cc, attention_cuda.cu          rows independent of S
+//   ResidualRMSNorm          residual_norm_cpu.cc, residual_norm_cuda.cu  residual add + RMSNorms, per row
+//   SwiGLU                   swiglu_cpu.cc, swiglu_cuda.cu                silu(gate) * up, elementwise
 //
 // CPU kernels are always built; CUDA kernels only with LOOPCAST_WITH_CUDA (custom_ops/build.py
 // defines it when nvcc is found). cudart is linked statically and nothing calls CUDA before a
@@ -39,6 +41,8 @@ extern "C" ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOption
       g_domain = new Ort::CustomOpDomain("loopcast");
       loopcast::add_cpu_matmul(*g_domain);
       loopcast::add_cpu_attention(*g_domain);
+      loopcast::add_cpu_residual_norm(*g_domain);
+      loopcast::add_cpu_swiglu(*g_domain);
 #ifdef LOOPCAST_WITH_CUDA
       loopcast::add_cuda_ops(*g_domain);
 #endif

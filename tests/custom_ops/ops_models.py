@@ -142,3 +142,63 @@ def reference_attention(feeds: dict[str, np.ndarray], *, Hq: int, Hkv: int, D: i
                 e = np.exp(s - s.max())
                 out[b, i, h * D:(h + 1) * D] = (e @ pv[b, kv, :p + 1].astype(np.float32)) / e.sum()
     return as_dtype(out, dtype), pk, pv
+
+
+NORM_WEIGHTS = ("branch_weight", "loop_weight", "out_weight")
+
+
+def residual_norm_model(H: int | str, dtype: str, weights: tuple[str, ...] = NORM_WEIGHTS, *,
+                        normed: bool | None = None, epsilon: float | None = None, trim: bool = True,
+                        weight_shape: list | None = None, residual: bool = True) -> bytes:
+    """ResidualRMSNorm over [B, S, H] with the named weights; the others are "" (trailing ones left
+    off the node when `trim`). Output 1 `normed` is declared when `normed` (default: with out_weight).
+    Without `residual` input 1 is "" (the op is then a plain RMSNorm of the branch)."""
+    t = _io(dtype)
+    normed = "out_weight" in weights if normed is None else normed
+    # inputs 0 branch, 1 residual, 2 branch_weight, 3 loop_weight, 4 out_weight ("" = absent)
+    names = ["branch", "residual" if residual else "", *(w if w in weights else "" for w in NORM_WEIGHTS)]
+    while trim and names[-1] == "":
+        names.pop()
+    outs = ["sum", "normed"] if normed else ["sum"]
+    attrs = {} if epsilon is None else {"epsilon": epsilon}
+    node = helper.make_node("ResidualRMSNorm", names, outs, domain="loopcast", name="/residual_norm", **attrs)
+    x = ["B", "S", H]
+    inputs = [("branch", t, x)] + ([("residual", t, x)] if residual else []) + [
+        (w, t, weight_shape or [H]) for w in NORM_WEIGHTS if w in weights]
+    return _wrap([node], inputs, [(o, t, x) for o in outs], dtype, {n for n, _, _ in inputs} | set(outs))
+
+
+def stock_residual_norm_model(H: int, dtype: str, weights: tuple[str, ...] = NORM_WEIGHTS,
+                              epsilon: float = 1e-6) -> bytes:
+    """The chain ResidualRMSNorm replaces, from stock ops (RMSNormalization-23 with fp32 stash):
+
+      branch ──[RMSNorm(branch_weight)]──┐
+      residual ─────────────────────────Add──[RMSNorm(loop_weight)]── sum ──[RMSNorm(out_weight)]── normed
+    """
+    t = _io(dtype)
+    nodes, x = [], ["B", "S", H]
+
+    def norm(src: str, weight: str, dst: str) -> str:
+        nodes.append(helper.make_node("RMSNormalization", [src, weight], [dst], name=f"/{dst}", axis=-1,
+                                      epsilon=epsilon, stash_type=1))
+        return dst
+
+    b = norm("branch", "branch_weight", "branch_normed") if "branch_weight" in weights else "branch"
+    s = "sum" if "loop_weight" not in weights else "added"
+    nodes.append(helper.make_node("Add", ["residual", b], [s], name="/add"))
+    if "loop_weight" in weights:
+        norm(s, "loop_weight", "sum")
+    outs = ["sum"]
+    if "out_weight" in weights:
+        outs.append(norm("sum", "out_weight", "normed"))
+    inputs = [("branch", t, x), ("residual", t, x)] + [(w, t, [H]) for w in NORM_WEIGHTS if w in weights]
+    return _wrap(nodes, inputs, [(o, t, x) for o in outs], dtype, {n for n, _, _ in inputs} | set(outs))
+
+
+def swiglu_model(width: int | str, dtype: str) -> bytes:
+    """SwiGLU over gate_up [B, S, width] -> out [B, S, width/2] (width "W": any, checked at run)."""
+    t = _io(dtype)
+    node = helper.make_node("SwiGLU", ["gate_up"], ["out"], domain="loopcast", name="/swiglu")
+    half = width // 2 if isinstance(width, int) else "I"
+    return _wrap([node], [("gate_up", t, ["B", "S", width])], [("out", t, ["B", "S", half])], dtype,
+                 {"gate_up", "out"})
