@@ -37,8 +37,9 @@ class BlockContext:
     step: StepInputs
     # The loopcast custom ops instead of stock ones: BatchInvariantMatMul and
     # BatchInvariantAttention (a row's result then does not depend on how many rows the step
-    # has, so every verify row equals the M=1 decode row bit for bit, DESIGN §6), plus the fused
-    # ResidualRMSNorm and SwiGLU, which cut a layer from ~15 kernels to 9 (decoder_stack).
+    # has, so every verify row equals the M=1 decode row bit for bit, DESIGN §6), the fused
+    # ResidualRMSNorm, and the MLP activation inside the down projection: a layer is 8 kernels
+    # instead of ~15 (decoder_stack).
     batch_invariant: bool = False
 
 
@@ -68,14 +69,15 @@ def layer_sites(config: ModelConfig, first_loop: int, last_loop: int, *, prelude
 
 
 def linear(b: GraphBuilder, x: ir.Value, weight: str, ctx: BlockContext, *, path: str, out: str,
-           trans_b: bool = False) -> ir.Value:
-    """``x @ W`` (``W`` stored [K, N]), or ``x @ Wᵀ`` for a [N, K] weight read in place."""
+           trans_b: bool = False, swiglu: bool = False) -> ir.Value:
+    """``x @ W`` (``W`` stored [K, N]), or ``x @ Wᵀ`` for a [N, K] weight read in place; with
+    ``swiglu`` x is [gate | up] and the loopcast op multiplies silu(gate)·up, formed as it loads x."""
     w = b.weight(weight)
     if ctx.batch_invariant:
-        return b.op("BatchInvariantMatMul", [x, w], path=path, out=out, domain=LOOPCAST_DOMAIN,
-                    **({"trans_b": 1} if trans_b else {}))
-    if trans_b:
-        raise ValueError("stock graphs read transposed weights through Gemm (lm_head)")
+        attrs = {**({"trans_b": 1} if trans_b else {}), **({"swiglu": 1} if swiglu else {})}
+        return b.op("BatchInvariantMatMul", [x, w], path=path, out=out, domain=LOOPCAST_DOMAIN, **attrs)
+    if trans_b or swiglu:
+        raise ValueError("trans_b and swiglu are loopcast-op forms; stock graphs use Gemm / Split+Sigmoid+Mul")
     return b.op("MatMul", [x, w], path=path, out=out)
 
 
@@ -188,10 +190,9 @@ def swiglu_mlp(b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, 
     inter = ctx.config.intermediate_size
     gate_up = linear(b, h_BSH, f"{layer}.gate_up_proj.weight_T", ctx, path=f"{path}/gate_up_proj",
                      out=f"{prefix}.gate_up_BS2I")
-    if ctx.batch_invariant:  # split, silu and gating in one elementwise kernel
-        act = b.op("SwiGLU", [gate_up], path=f"{path}/swiglu", out=f"{prefix}.act_BSI", domain=LOOPCAST_DOMAIN)
-        return linear(b, act, f"{layer}.down_proj.weight_T", ctx, path=f"{path}/down_proj",
-                      out=f"{prefix}.mlp_out_BSH")
+    if ctx.batch_invariant:  # split, silu and gating happen as down_proj loads its input
+        return linear(b, gate_up, f"{layer}.down_proj.weight_T", ctx, path=f"{path}/down_proj",
+                      out=f"{prefix}.mlp_out_BSH", swiglu=True)
     gate, up = b.op_multi("Split", [gate_up, b.const_i64("split_sizes_2I", [inter, inter])],
                           path=f"{path}/split", outs=[f"{prefix}.gate_BSI", f"{prefix}.up_BSI"], axis=-1)
     sig = b.op("Sigmoid", [gate], path=f"{path}/sigmoid", out=f"{prefix}.sigmoid_BSI")

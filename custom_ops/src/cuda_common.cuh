@@ -20,6 +20,15 @@ template <> __device__ __forceinline__ float from_f<float>(float v) { return v; 
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// SwiGLU of one element pair, T(T(silu(gate)) * up): explicit _rn operations (no contraction), the
+// roundings of the CPU kernels (ops_common.h swiglu_value).
+template <typename T>
+__device__ __forceinline__ T swiglu_value(T gate, T up) {
+  const float g = to_f(gate);
+  const float silu = to_f(from_f<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g)))));
+  return from_f<T>(__fmul_rn(silu, to_f(up)));
+}
+
 // Programmatic dependent launch (PDL, sm_90). Kernels launched through launch_kernel() may start
 // while the previous kernel on the stream is still finishing, so a decode step's ~1 000 short
 // kernels overlap their launch and ramp-up instead of paying them back to back. Rules for every

@@ -18,6 +18,10 @@
 // Y[M, N] = A[M, K] · B (B is [K, N], or [N, K] with trans_b = 1); fp32 accumulation.
 LOOPCAST_CUDA_API int loopcast_cuda_matmul(int dtype, const void* A, const void* B, void* Y, int64_t M, int64_t K,
                                            int64_t N, int trans_b, void* stream);
+// The same with A[M, 2K] = [gate | up]: Y = SwiGLU(A) · B, the activation applied as A is loaded
+// (the values of loopcast_cuda_swiglu, never written to memory).
+LOOPCAST_CUDA_API int loopcast_cuda_swiglu_matmul(int dtype, const void* A, const void* B, void* Y, int64_t M,
+                                                  int64_t K, int64_t N, int trans_b, void* stream);
 
 // Packed-QKV GQA with rotate-half rotary; see attention_cuda.cu. present_* may equal past_*.
 LOOPCAST_CUDA_API int loopcast_cuda_attention(int dtype, const void* qkv, const void* past_k, const void* past_v,

@@ -4,7 +4,8 @@
 // embedding [V, H] in place), fp32 accumulation. Every output element is reduced in an order
 // fixed by (k, K) alone whatever the number of rows, so a row's result does not depend on how
 // many rows share the call (stock GEMMs pick different kernels and blockings for M = 1 and
-// M = W). The weights are read once per call for all rows, as in a GEMV.
+// M = W). The weights are read once per call for all rows, as in a GEMV. swiglu=1: A is
+// [gate | up] and its SwiGLU (the SwiGLU op's values) is formed first, then multiplied.
 #include <algorithm>
 #include <vector>
 
@@ -16,17 +17,25 @@ namespace {
 
 template <typename T>
 struct MatMulCpuKernel {
-  bool trans_b;
-  MatMulCpuKernel(const OrtApi&, const OrtKernelInfo* info) : trans_b(attr_int(info, "trans_b", 0) != 0) {}
+  bool trans_b, swiglu;
+  MatMulCpuKernel(const OrtApi&, const OrtKernelInfo* info)
+      : trans_b(attr_int(info, "trans_b", 0) != 0), swiglu(attr_int(info, "swiglu", 0) != 0) {}
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     Ort::ConstValue a = ctx.GetInput(0), b = ctx.GetInput(1);
     const MatMulDims dims = matmul_dims(a.GetTensorTypeAndShapeInfo().GetShape(),
-                                        b.GetTensorTypeAndShapeInfo().GetShape(), trans_b);
+                                        b.GetTensorTypeAndShapeInfo().GetShape(), trans_b, swiglu);
     const int64_t rows = dims.rows, K = dims.K, N = dims.N;
     Ort::UnownedValue y = ctx.GetOutput(0, dims.y_shape);
     const T* A = a.GetTensorData<T>();
+    std::vector<T> act;
+    if (swiglu) {
+      act.resize(static_cast<size_t>(rows * K));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K; ++k) act[r * K + k] = swiglu_value(A[r * 2 * K + k], A[r * 2 * K + K + k]);
+      A = act.data();
+    }
     const T* B = b.GetTensorData<T>();
     T* Y = y.GetTensorMutableData<T>();
     // Work is split over output columns through the session's intra-op thread pool; every

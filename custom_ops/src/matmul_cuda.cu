@@ -83,10 +83,11 @@ __device__ void load_slice(T* bs, const T* __restrict__ B, int K, int N, int s0,
   }
 }
 
+// A row r starts at A + r * a_stride; swiglu: the element at k is swiglu(A[r][k], A[r][K + k]).
 template <typename T, int RPT>
 __global__ void __launch_bounds__(kThreads) matmul_kernel(const T* __restrict__ A, const T* __restrict__ B,
                                                           T* __restrict__ Y, int M, int K, int N, int ks,
-                                                          bool trans_b, bool vec_ok) {
+                                                          bool trans_b, bool vec_ok, int a_stride, bool swiglu) {
   constexpr int VEC = 16 / sizeof(T), TN = kGranules * VEC;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* bs = reinterpret_cast<T*>(smem_raw);  // [min(ks, kSliceRows)][TN]
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) matmul_kernel(const T* __restrict__ 
       for (int c = 0; c < VEC; ++c) acc[r][c] = 0.0f;
     const T* a_rows[RPT];
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) a_rows[r] = A + static_cast<size_t>(min(m0 + r, M - 1)) * K;  // rows >= M: discarded
+    for (int r = 0; r < RPT; ++r) a_rows[r] = A + static_cast<size_t>(min(m0 + r, M - 1)) * a_stride;  // rows >= M: discarded
 
     for (int sub = 0; sub < nsub; ++sub) {
       const int s0 = k_begin + sub * kSliceRows, slen = min(kSliceRows, k_end - s0);
@@ -131,7 +132,8 @@ __global__ void __launch_bounds__(kThreads) matmul_kernel(const T* __restrict__ 
         for (int c = 0; c < VEC; ++c) b[c] = to_f(bv[c]);
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
-          const float a = to_f(__ldg(a_rows[r] + s0 + kk));
+          const float a = swiglu ? to_f(swiglu_value(__ldg(a_rows[r] + s0 + kk), __ldg(a_rows[r] + K + s0 + kk)))
+                                 : to_f(__ldg(a_rows[r] + s0 + kk));
 #pragma unroll
           for (int c = 0; c < VEC; ++c) acc[r][c] = fmaf(a, b[c], acc[r][c]);
         }
@@ -185,7 +187,7 @@ Plan plan_for(int K, int N) {
 }
 
 template <typename T, int RPT>
-int launch(const T* A, const T* B, T* Y, int M, int K, int N, bool trans_b, cudaStream_t stream) {
+int launch(const T* A, const T* B, T* Y, int M, int K, int N, bool trans_b, bool swiglu, cudaStream_t stream) {
   const Plan p = plan_for<T>(K, N);
   auto kernel = matmul_kernel<T, RPT>;
   // Not a stream operation: allowed while a graph is being captured.
@@ -196,7 +198,7 @@ int launch(const T* A, const T* B, T* Y, int M, int K, int N, bool trans_b, cuda
   const bool aligned = reinterpret_cast<uintptr_t>(B) % 16 == 0;
   const bool vec_ok = aligned && (trans_b ? K % VEC == 0 : N % VEC == 0);
   return static_cast<int>(launch_kernel(kernel, dim3(p.cs, p.tiles, 1), dim3(kThreads, 1, 1), p.smem, stream, p.cs, A, B,
-                                        Y, M, K, N, p.ks, trans_b, vec_ok));
+                                        Y, M, K, N, p.ks, trans_b, vec_ok, swiglu ? 2 * K : K, swiglu));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -277,6 +279,7 @@ struct MmaArgs {
   const uint16_t* B;
   void* Y;
   int M, K, N, cpw, chunks;
+  int a_stride;       // elements per row of A: K, or 2K with SwiGLU (A = [gate | up])
   bool b_vec, a_vec;  // 16-byte weight loads / aligned activation loads allowed
 };
 
@@ -291,9 +294,31 @@ __device__ __forceinline__ bool chunk_full(const MmaArgs& p, int chunk, int n0) 
   return p.b_vec && p.a_vec && chunk * kChunkK + kChunkK <= p.K && n0 + kMmaTN <= p.N;
 }
 
+// Eight SwiGLU values from eight gate and eight up elements.
+template <typename T>
+__device__ __forceinline__ uint4 swiglu8(uint4 gate, uint4 up) {
+  const T* g = reinterpret_cast<const T*>(&gate);
+  const T* u = reinterpret_cast<const T*>(&up);
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = swiglu_value(g[e], u[e]);
+  return out;
+}
+
+// Eight activations A[row][k .. k + 8] (count < 8: zero-filled), through SwiGLU when SW (a
+// template parameter: the plain kernel keeps its registers).
+template <typename T, bool SW>
+__device__ __forceinline__ uint4 load_a8(const MmaArgs& p, const uint16_t* src, bool vec, int count) {
+  const uint4 a = vec ? __ldg(reinterpret_cast<const uint4*>(src)) : load8_partial(src, count);
+  if (!SW) return a;
+  return swiglu8<T>(a, vec ? __ldg(reinterpret_cast<const uint4*>(src + p.K)) : load8_partial(src + p.K, count));
+}
+
 // Lane (g, t)'s activations A[row][k .. k + 8] for rows g and g + 8 of each 16-row tile (one
-// 16-byte load each); rows >= M and columns >= K are zeros. `full`: aligned and inside K.
-template <int MT>
+// 16-byte load each, two with swiglu); rows >= M and columns >= K are zeros. `full`: aligned and
+// inside K.
+template <typename T, bool SW, int MT>
 __device__ __forceinline__ void load_a_rows(ChunkRegs<MT>& r, const MmaArgs& p, int k, int g, bool full) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -302,10 +327,9 @@ __device__ __forceinline__ void load_a_rows(ChunkRegs<MT>& r, const MmaArgs& p, 
       const int row = 16 * mt + g + 8 * h;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (row < p.M) {
-        const uint16_t* src = p.A + static_cast<size_t>(row) * p.K + k;
-        if (full) v = __ldg(reinterpret_cast<const uint4*>(src));
-        else if (k < p.K) v = (p.a_vec && k + 8 <= p.K) ? __ldg(reinterpret_cast<const uint4*>(src))
-                                                         : load8_partial(src, min(8, p.K - k));
+        const uint16_t* src = p.A + static_cast<size_t>(row) * p.a_stride + k;
+        if (full) v = load_a8<T, SW>(p, src, true, 8);
+        else if (k < p.K) v = load_a8<T, SW>(p, src, p.a_vec && k + 8 <= p.K, min(8, p.K - k));
       }
       r.a[mt][4 * h + 0] = v.x;
       r.a[mt][4 * h + 1] = v.y;
@@ -333,7 +357,7 @@ __device__ __forceinline__ void load_b_full(ChunkRegs<MT>& r, const MmaArgs& p, 
 
 // Whole chunk in bounds with aligned 16-byte loads: only the row < M predicate is left.
 // Otherwise every element is bounds-checked (zero fill).
-template <bool TB, int MT>
+template <typename T, bool TB, bool SW, int MT>
 __device__ __forceinline__ void load_chunk(ChunkRegs<MT>& r, const MmaArgs& p, int chunk, int n0, int g, int t) {
   const int k0 = chunk * kChunkK;
   const int k = k0 + 8 * t;
@@ -363,7 +387,7 @@ __device__ __forceinline__ void load_chunk(ChunkRegs<MT>& r, const MmaArgs& p, i
       }
     }
   }
-  load_a_rows<MT>(r, p, k, g, full);
+  load_a_rows<T, SW, MT>(r, p, k, g, full);
 }
 
 // Two k16 MMAs per chunk; MMA h takes, for lane (g, t), physical k = k0 + 8t + 4h + {0, 1} as
@@ -390,7 +414,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[MT][8][4], const ChunkReg
     }
 }
 
-template <typename T, bool TB, int MT>
+template <typename T, bool TB, bool SW, int MT>
 __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
   constexpr int ROWS = 16 * MT;
   extern __shared__ __align__(16) float mma_smem[];
@@ -427,9 +451,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
     if (i == 0 && first_full) {
 #pragma unroll
       for (int q = 0; q < 8; ++q) x.b[q] = first.b[q];
-      load_a_rows<MT>(x, p, c_begin * kChunkK + 8 * t, g, true);
+      load_a_rows<T, SW, MT>(x, p, c_begin * kChunkK + 8 * t, g, true);
     } else {
-      load_chunk<TB, MT>(x, p, c_begin + i, n0, g, t);
+      load_chunk<T, TB, SW, MT>(x, p, c_begin + i, n0, g, t);
     }
     mma_chunk<T, TB, MT>(acc, x);
   }
@@ -487,9 +511,9 @@ inline MmaPlan mma_plan(int K, int N) {
   return p;
 }
 
-template <typename T, bool TB, int MT>
+template <typename T, bool TB, bool SW, int MT>
 int mma_launch(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
-  auto kernel = mma_matmul_kernel<T, TB, MT>;
+  auto kernel = mma_matmul_kernel<T, TB, SW, MT>;
   const int smem = (kMmaWarps * kRedStride + kMmaTN) * 16 * MT * static_cast<int>(sizeof(float));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -498,23 +522,27 @@ int mma_launch(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
 }
 
 template <typename T, bool TB>
-int mma_run(const void* A, const void* B, void* Y, int M, int K, int N, cudaStream_t stream) {
+int mma_run(const void* A, const void* B, void* Y, int M, int K, int N, bool swiglu, cudaStream_t stream) {
   const MmaPlan plan = mma_plan(K, N);
   MmaArgs args{};
   args.B = static_cast<const uint16_t*>(B);
   args.K = K;
   args.N = N;
+  args.a_stride = swiglu ? 2 * K : K;
   args.cpw = plan.cpw;
   args.chunks = plan.chunks;
   args.b_vec = reinterpret_cast<uintptr_t>(B) % 16 == 0 && (TB ? K % 8 == 0 : N % 8 == 0);
   for (int m0 = 0; m0 < M; m0 += kMaxRowsPerLaunch) {  // same launch shape for every 32-row group
     const int rows = std::min(kMaxRowsPerLaunch, M - m0);
-    args.A = static_cast<const uint16_t*>(A) + static_cast<size_t>(m0) * K;
+    args.A = static_cast<const uint16_t*>(A) + static_cast<size_t>(m0) * args.a_stride;
     args.Y = static_cast<T*>(Y) + static_cast<size_t>(m0) * N;
     args.M = rows;
     const uintptr_t a_addr = reinterpret_cast<uintptr_t>(args.A);
-    args.a_vec = TB ? (a_addr % 16 == 0 && K % 8 == 0) : (a_addr % 4 == 0 && K % 2 == 0);
-    const int err = rows <= 16 ? mma_launch<T, TB, 1>(args, plan, stream) : mma_launch<T, TB, 2>(args, plan, stream);
+    args.a_vec = a_addr % 16 == 0 && K % 8 == 0;  // every 16-byte granule of A (gate and up) aligned
+    const int err = swiglu ? (rows <= 16 ? mma_launch<T, TB, true, 1>(args, plan, stream)
+                                         : mma_launch<T, TB, true, 2>(args, plan, stream))
+                           : (rows <= 16 ? mma_launch<T, TB, false, 1>(args, plan, stream)
+                                         : mma_launch<T, TB, false, 2>(args, plan, stream));
     if (err != 0) return err;
   }
   return 0;
@@ -522,23 +550,25 @@ int mma_run(const void* A, const void* B, void* Y, int M, int K, int N, cudaStre
 
 template <typename T>
 struct MatMulLauncher {
-  static int run(const void* A, const void* B, void* Y, int64_t M, int64_t K, int64_t N, int trans_b, void* stream) {
+  static int run(const void* A, const void* B, void* Y, int64_t M, int64_t K, int64_t N, int trans_b, int swiglu,
+                 void* stream) {
     if (M <= 0 || N <= 0) return 0;
-    if (K <= 0 || K > (1 << 30) || N > (1 << 30) || M > (1 << 30) || (N + 63) / 64 > 65535)
+    if (K <= 0 || K > (1 << 29) || N > (1 << 30) || M > (1 << 30) || (N + 63) / 64 > 65535)
       return static_cast<int>(cudaErrorInvalidValue);
     auto s = static_cast<cudaStream_t>(stream);
     const int m = static_cast<int>(M), k = static_cast<int>(K), n = static_cast<int>(N);
     if constexpr (!std::is_same<T, float>::value) {
-      return trans_b ? mma_run<T, true>(A, B, Y, m, k, n, s) : mma_run<T, false>(A, B, Y, m, k, n, s);
+      return trans_b ? mma_run<T, true>(A, B, Y, m, k, n, swiglu != 0, s)
+                     : mma_run<T, false>(A, B, Y, m, k, n, swiglu != 0, s);
     } else {
       auto a = static_cast<const T*>(A);
       auto b = static_cast<const T*>(B);
       auto y = static_cast<T*>(Y);
       // Rows per pass: only how many rows share a pass, never how a row is reduced.
-      if (m == 1) return launch<T, 1>(a, b, y, m, k, n, trans_b != 0, s);
-      if (m == 2) return launch<T, 2>(a, b, y, m, k, n, trans_b != 0, s);
-      if (m <= 4) return launch<T, 4>(a, b, y, m, k, n, trans_b != 0, s);
-      return launch<T, 8>(a, b, y, m, k, n, trans_b != 0, s);
+      if (m == 1) return launch<T, 1>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, s);
+      if (m == 2) return launch<T, 2>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, s);
+      if (m <= 4) return launch<T, 4>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, s);
+      return launch<T, 8>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, s);
     }
   }
 };
@@ -548,7 +578,12 @@ struct MatMulLauncher {
 
 LOOPCAST_CUDA_API int loopcast_cuda_matmul(int dtype, const void* A, const void* B, void* Y, int64_t M, int64_t K,
                                            int64_t N, int trans_b, void* stream) {
-  return loopcast_cuda::dispatch<loopcast_cuda::MatMulLauncher>(dtype, A, B, Y, M, K, N, trans_b, stream);
+  return loopcast_cuda::dispatch<loopcast_cuda::MatMulLauncher>(dtype, A, B, Y, M, K, N, trans_b, 0, stream);
+}
+
+LOOPCAST_CUDA_API int loopcast_cuda_swiglu_matmul(int dtype, const void* A, const void* B, void* Y, int64_t M,
+                                                  int64_t K, int64_t N, int trans_b, void* stream) {
+  return loopcast_cuda::dispatch<loopcast_cuda::MatMulLauncher>(dtype, A, B, Y, M, K, N, trans_b, 1, stream);
 }
 
 LOOPCAST_CUDA_API const char* loopcast_cuda_error_string(int code) {

@@ -13,13 +13,16 @@ struct MatMulDims {
 };
 
 // A[..., K] with B[K, N] (or B[N, K] when trans_b) -> Y[..., N]; rows = product of A's leading dims.
-inline MatMulDims matmul_dims(const std::vector<int64_t>& a, const std::vector<int64_t>& b, bool trans_b) {
+// swiglu: A is [..., 2K] = [gate | up] and the product reads T(T(silu(gate))·up) in its place (the
+// MLP's activation applied as the down projection loads its input: no separate kernel).
+inline MatMulDims matmul_dims(const std::vector<int64_t>& a, const std::vector<int64_t>& b, bool trans_b,
+                              bool swiglu = false) {
   MatMulDims d;
   d.K = b.size() == 2 ? b[trans_b ? 1 : 0] : -1;
   d.N = b.size() == 2 ? b[trans_b ? 0 : 1] : -1;
-  if (a.empty() || b.size() != 2 || a.back() != d.K)
-    fail(std::string("BatchInvariantMatMul: expects A[..., K] and ") + (trans_b ? "B[N, K] (trans_b=1)" : "B[K, N]") +
-         ", got A" + shape_str(a) + " and B" + shape_str(b));
+  if (a.empty() || b.size() != 2 || a.back() != (swiglu ? 2 * d.K : d.K))
+    fail(std::string("BatchInvariantMatMul: expects ") + (swiglu ? "A[..., 2K] (swiglu=1: gate | up)" : "A[..., K]") +
+         " and " + (trans_b ? "B[N, K] (trans_b=1)" : "B[K, N]") + ", got A" + shape_str(a) + " and B" + shape_str(b));
   for (size_t i = 0; i + 1 < a.size(); ++i) d.rows *= a[i];
   d.y_shape.assign(a.begin(), a.end() - 1);
   d.y_shape.push_back(d.N);
@@ -28,7 +31,8 @@ inline MatMulDims matmul_dims(const std::vector<int64_t>& a, const std::vector<i
 
 inline const char* provider_name(bool cuda) { return cuda ? "CUDAExecutionProvider" : "CPUExecutionProvider"; }
 
-// BatchInvariantMatMul(A[..., K], B[K, N] or B[N, K] with trans_b=1) -> Y[..., N]
+// BatchInvariantMatMul(A[..., K], B[K, N] or B[N, K] with trans_b=1) -> Y[..., N]; with swiglu=1
+// A is [..., 2K] and the op computes SwiGLU(A)·B.
 template <typename Kernel, typename T, bool Cuda>
 struct MatMulOp : Ort::CustomOpBase<MatMulOp<Kernel, T, Cuda>, Kernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Kernel(api, info); }

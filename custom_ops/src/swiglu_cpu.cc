@@ -24,11 +24,7 @@ struct SwiGLUCpuKernel {
       const T* gate = in + r * 2 * I;
       const T* up = gate + I;
       T* o = out + r * I;
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = to_float(gate[i]);
-        const float silu = to_float(from_float<T>(g / (1.0f + std::exp(-g))));
-        o[i] = from_float<T>(silu * to_float(up[i]));
-      }
+      for (int64_t i = 0; i < I; ++i) o[i] = swiglu_value(gate[i], up[i]);
     }
   }
 };

@@ -22,14 +22,6 @@ template <typename T> struct alignas(16) Granule {
   T v[N];
 };
 
-// Explicit _rn operations: no contraction, the same roundings as the CPU kernel.
-template <typename T>
-__device__ __forceinline__ T swiglu(T gate, T up) {
-  const float g = to_f(gate);
-  const float silu = to_f(from_f<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g)))));
-  return from_f<T>(__fmul_rn(silu, to_f(up)));
-}
-
 // n = rows * I / V granules; granule k is row k / (I/V), columns (k % (I/V)) * V ...
 template <typename T>
 __global__ void __launch_bounds__(kThreads) swiglu_vec_kernel(const T* gate_up, T* out, int64_t n, int64_t I) {
@@ -44,7 +36,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_vec_kernel(const T* gate_up, 
     const Granule<T> uv = *reinterpret_cast<const Granule<T>*>(g + I);
     Granule<T> o;
 #pragma unroll
-    for (int e = 0; e < V; ++e) o.v[e] = swiglu(gv.v[e], uv.v[e]);
+    for (int e = 0; e < V; ++e) o.v[e] = swiglu_value(gv.v[e], uv.v[e]);
     *reinterpret_cast<Granule<T>*>(out + r * I + c) = o;
   }
 }
@@ -55,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const T* gate_up, T* o
   pdl_wait();
   for (int64_t k = blockIdx.x * int64_t(kThreads) + threadIdx.x; k < n; k += int64_t(gridDim.x) * kThreads) {
     const int64_t r = k / I, c = k % I;
-    out[k] = swiglu(gate_up[r * 2 * I + c], gate_up[r * 2 * I + I + c]);
+    out[k] = swiglu_value(gate_up[r * 2 * I + c], gate_up[r * 2 * I + I + c]);
   }
 }
 

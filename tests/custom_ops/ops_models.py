@@ -58,11 +58,13 @@ def session(model: bytes, library: Path | None) -> ort.InferenceSession:
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def matmul_model(K: int | str, N: int | str, dtype: str, trans_b: bool = False) -> bytes:
+def matmul_model(K: int | str, N: int | str, dtype: str, trans_b: bool = False, swiglu: bool = False) -> bytes:
+    """BatchInvariantMatMul; with `swiglu` A is [M, 2K] (gate | up; "A2" when K is symbolic)."""
     t = _io(dtype)
-    attrs = {"trans_b": 1} if trans_b else {}
+    attrs = {**({"trans_b": 1} if trans_b else {}), **({"swiglu": 1} if swiglu else {})}
     node = helper.make_node("BatchInvariantMatMul", ["A", "B"], ["Y"], domain="loopcast", name="/matmul", **attrs)
-    return _wrap([node], [("A", t, ["M", K]), ("B", t, [N, K] if trans_b else [K, N])], [("Y", t, ["M", N])],
+    a_width = (2 * K if isinstance(K, int) else "A2") if swiglu else K
+    return _wrap([node], [("A", t, ["M", a_width]), ("B", t, [N, K] if trans_b else [K, N])], [("Y", t, ["M", N])],
                  dtype, {"A", "B", "Y"})
 
 

@@ -17,13 +17,34 @@ from loopcast.custom_ops.build import build_library, find_nvcc, has_cuda
 from loopcast.errors import LoopcastError
 from loopcast.ort_runtime import load
 from tests.artifacts import artifact
-from tests.custom_ops.ops_models import as_dtype, matmul_model, session
+from tests.custom_ops.ops_models import as_dtype, matmul_model, session, swiglu_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _session(library: Path, K: int, N: int, dtype: str, trans_b: bool = False) -> ort.InferenceSession:
     return session(matmul_model(K, N, dtype, trans_b), library)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_swiglu_attribute_is_the_swiglu_op_then_the_product(library: Path, dtype: str, trans_b: bool) -> None:
+    """swiglu=1 (the MLP's down projection reading [gate | up]) gives the bits of the SwiGLU op
+    followed by the plain product, and its rows do not depend on the number of rows."""
+    rng = np.random.default_rng(4)
+    for K, N in [(64, 48), (7, 3)]:
+        gate_up = as_dtype(2 * rng.standard_normal((6, 2 * K)), dtype)
+        B = as_dtype(rng.standard_normal((N, K) if trans_b else (K, N)) / np.sqrt(K), dtype)
+        act = session(swiglu_model(2 * K, dtype), library).run(None, {"gate_up": gate_up[None]})[0][0]
+        plain = _session(library, K, N, dtype, trans_b).run(None, {"A": act, "B": B})[0]
+        fused = session(matmul_model(K, N, dtype, trans_b, swiglu=True), library)
+        got = fused.run(None, {"A": gate_up, "B": B})[0]
+        assert np.array_equal(got, plain), (K, N)
+        one_by_one = np.concatenate([fused.run(None, {"A": gate_up[i:i + 1], "B": B})[0] for i in range(6)])
+        assert np.array_equal(one_by_one, got)
+    with pytest.raises(Exception, match=r"A\[\.\.\., 2K\] \(swiglu=1: gate \| up\).*got A\[2, 16\]"):
+        session(matmul_model("K", "N", dtype, trans_b, swiglu=True), library).run(
+            None, {"A": as_dtype(np.zeros((2, 16)), dtype), "B": as_dtype(np.zeros((5, 16)), dtype)})
 
 
 @pytest.mark.parametrize("trans_b", [False, True])

@@ -76,14 +76,16 @@ def _check(lib: ctypes.CDLL, code: int) -> None:
     assert code == 0, lib.loopcast_cuda_error_string(code).decode()
 
 
-def cuda_matmul(lib, A, B, dtype: str, trans_b: bool) -> "torch.Tensor":
-    M, K = A.shape
+def cuda_matmul(lib, A, B, dtype: str, trans_b: bool, swiglu: bool = False) -> "torch.Tensor":
+    """A·B; with `swiglu` A is [M, 2K] = [gate | up] and the product is SwiGLU(A)·B."""
+    M, K = A.shape[0], A.shape[1] // (2 if swiglu else 1)
     N = B.shape[0] if trans_b else B.shape[1]
     Y = torch.empty((M, N), dtype=TORCH[dtype], device="cuda")
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    _check(lib, lib.loopcast_cuda_matmul(CODES[dtype], ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(B.data_ptr()),
-                                         ctypes.c_void_p(Y.data_ptr()), ctypes.c_int64(M), ctypes.c_int64(K),
-                                         ctypes.c_int64(N), trans_b, stream))
+    entry = lib.loopcast_cuda_swiglu_matmul if swiglu else lib.loopcast_cuda_matmul
+    _check(lib, entry(CODES[dtype], ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(B.data_ptr()),
+                      ctypes.c_void_p(Y.data_ptr()), ctypes.c_int64(M), ctypes.c_int64(K), ctypes.c_int64(N), trans_b,
+                      stream))
     torch.cuda.synchronize()
     return Y
 
@@ -177,6 +179,22 @@ def test_matmul_matches_reference_and_rows_are_invariant(cuda_library: Path, dty
     single = np.concatenate([_host(cuda_matmul(lib, dA[i:i + 1], dB, dtype, trans_b)) for i in range(40)])
     for m in [*range(1, 33), 40]:
         assert np.array_equal(_host(cuda_matmul(lib, dA[:m], dB, dtype, trans_b)), single[:m]), m
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("K,N", [(5632, 2048), (384, 640), (37, 100)])
+def test_swiglu_matmul_is_swiglu_then_matmul(cuda_library: Path, dtype: str, trans_b: bool, K: int, N: int) -> None:
+    """The down projection reading [gate | up]: the bits of the SwiGLU kernel followed by the plain
+    product, for every row count (1..32 and 40: one and two row tiles, and a second launch)."""
+    lib = _lib(cuda_library)
+    rng = np.random.default_rng(K)
+    gate_up = _dev(as_dtype(2 * rng.standard_normal((40, 2 * K)), dtype), dtype)
+    dB = _dev(as_dtype(rng.standard_normal((N, K) if trans_b else (K, N)) / np.sqrt(K), dtype), dtype)
+    want = _host(cuda_matmul(lib, cuda_swiglu(lib, gate_up), dB, dtype, trans_b))
+    assert np.array_equal(_host(cuda_matmul(lib, gate_up, dB, dtype, trans_b, swiglu=True)), want)
+    for m in (1, 5, 16, 17, 32):
+        assert np.array_equal(_host(cuda_matmul(lib, gate_up[:m], dB, dtype, trans_b, swiglu=True)), want[:m]), m
 
 
 def _rows_one_by_one(lib, feeds: dict, S: int, **kw):

@@ -60,17 +60,21 @@ def test_artifact_stores_weights_once() -> None:
 
 @pytest.mark.parametrize("name", ["ouro-r3", "llama-untied"])
 def test_loopcast_op_layers_are_fused(name: str) -> None:
-    """With the loopcast ops a layer is 9 nodes: qkv, attention, o_proj, ResidualRMSNorm,
-    gate_up, SwiGLU, down, ResidualRMSNorm (the second also carries the loop-norm and the next
-    layer's input norm); the stack's first norm is one more ResidualRMSNorm, with no residual."""
+    """With the loopcast ops a layer is 7 nodes: qkv, attention, o_proj, ResidualRMSNorm,
+    gate_up, down (with swiglu=1: the activation is applied as it loads [gate | up]),
+    ResidualRMSNorm (which also carries the loop-norm and the next layer's input norm); the
+    stack's first norm is one more ResidualRMSNorm, with no residual."""
     cfg = config_of(name)
     path = artifact(name, draft_depth=1 if cfg.num_loops > 1 else None, batch_invariant=True)
     for kind, spec, file in _graphs(path):
-        counts = Counter(n.op_type for n in onnx.load(str(file), load_external_data=False).graph.node)
+        nodes = onnx.load(str(file), load_external_data=False).graph.node
+        counts = Counter(n.op_type for n in nodes)
         layers = ((spec["last_loop"] - spec["first_loop"]) * cfg.num_layers + cfg.num_coda_layers
                   + (cfg.num_prelude_layers if spec["first_loop"] == 0 else 0))
         assert counts["BatchInvariantAttention"] == layers, kind
-        assert counts["ResidualRMSNorm"] == 2 * layers + 1 and counts["SwiGLU"] == layers, kind
+        assert counts["ResidualRMSNorm"] == 2 * layers + 1 and counts["SwiGLU"] == 0, kind
+        gated = [n for n in nodes if any(a.name == "swiglu" and a.i == 1 for a in n.attribute)]
+        assert len(gated) == layers and all(n.name.endswith("/mlp/down_proj") for n in gated), kind
         assert counts["Split"] == (1 if kind == "draft" else 0), kind  # the draft's top-2 gap only
         assert not counts.keys() & {"Add", "Sigmoid", "Mul", "MatMul", "GroupQueryAttention", "RMSNormalization",
                                     "SkipSimplifiedLayerNormalization"}, kind

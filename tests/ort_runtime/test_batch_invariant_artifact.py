@@ -22,7 +22,7 @@ from loopcast.ort_runtime.speculate import SelfDraftProposer
 from tests.artifacts import TINY, artifact, reference
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
-OPS = ["BatchInvariantAttention", "BatchInvariantMatMul", "ResidualRMSNorm", "SwiGLU"]
+OPS = ["BatchInvariantAttention", "BatchInvariantMatMul", "ResidualRMSNorm"]
 
 
 @pytest.fixture(scope="module", autouse=True)
