@@ -122,6 +122,13 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
         if unknown:
             raise RequestError(f"unknown graph kind(s) {', '.join(unknown)}; this artifact has "
                                f"{', '.join(manifest.graphs)}")
+    if device == "cuda" and manifest.dtype == "fp32" and "BatchInvariantAttention" not in manifest.custom_ops:
+        # Measured on an H200 (tests/ort_runtime/test_cuda.py): the first decode step's logits were
+        # off by 7.7 against the CPU run of the same artifact.
+        raise ArtifactError(f"{path}: fp32 stock graphs do not run correctly on CUDA: GroupQueryAttention has "
+                            "no fp32 CUDA kernel, so ONNX Runtime runs it on the CPU between the device-resident "
+                            "KV buffers and the logits come out wrong; export with --batch-invariant (the loopcast "
+                            "attention has fp32 CUDA kernels) or with --dtype fp16/bf16")
     if device == "cuda" and manifest.custom_ops:
         _check_cuda_custom_ops(path, manifest)
     if device == "cuda" and hasattr(ort, "preload_dlls"):
