@@ -15,8 +15,10 @@ custom ops). The result is one JSON document; :func:`format_table` renders it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -112,24 +114,29 @@ def step_ms(model, kind: str, past: int, iters: int) -> tuple[float, dict | None
     return ms, gen.graph_slots().get(kind)
 
 
-def decode_without_pdl(art: Path, device: str, past: int, iters: int) -> float | None:
-    """Captured decode step with the custom-op kernels launched without PDL. The library reads
-    LOOPCAST_PDL at each launch, and a captured graph keeps what it recorded, so the variable
-    only has to be set while this session warms up and captures."""
-    import os
-
-    from loopcast.ort_runtime import load
-
+@contextlib.contextmanager
+def pdl_off():
+    """Launch the custom-op kernels without PDL meanwhile. The library reads LOOPCAST_PDL at
+    each launch, and a captured graph keeps what it recorded."""
     previous = os.environ.get("LOOPCAST_PDL")
     os.environ["LOOPCAST_PDL"] = "0"
     try:
-        model = load(art, device, kinds=(DECODE,))
-        ms, slot = step_ms(model, DECODE, past, iters)
+        yield
     finally:
         if previous is None:
-            del os.environ["LOOPCAST_PDL"]
+            os.environ.pop("LOOPCAST_PDL", None)
         else:
             os.environ["LOOPCAST_PDL"] = previous
+
+
+def decode_without_pdl(art: Path, device: str, past: int, iters: int) -> float | None:
+    """Captured decode step with the custom-op kernels launched without PDL (the variable only
+    has to be set while this session warms up and captures)."""
+    from loopcast.ort_runtime import load
+
+    with pdl_off():
+        model = load(art, device, kinds=(DECODE,))
+        ms, slot = step_ms(model, DECODE, past, iters)
     return _captured(ms, slot)
 
 
@@ -261,7 +268,13 @@ def alternation(model, prompt: list[int], tokens: int, chunk: int = 40) -> dict:
 
 def profile_decode(model, past: int, iters: int = 20) -> dict:
     """GPU time per decode step by kernel family (CUPTI through torch.profiler sees every
-    kernel in the process, ORT's included). Run uncaptured so that each kernel is a record."""
+    kernel in the process, ORT's included). Run uncaptured so that each kernel is a record, and
+    without PDL: a kernel launched early would count its wait for the previous one as its own."""
+    with pdl_off():
+        return _profile_decode(model, past, iters)
+
+
+def _profile_decode(model, past: int, iters: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 

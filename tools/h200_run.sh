@@ -54,4 +54,4 @@ for p in "$@"; do
 done
 echo "== done $(date -u +%T)" >> "$RES/phases.txt"
 tar czf "$OUT/results.tgz" -C "$RES" .
-tail -5 "$RES"/*.txt
+tail -n 5 "$RES"/*.txt
