@@ -1,10 +1,10 @@
 // BatchInvariantAttention, CUDA kernels: the same semantics as attention_cpu.cc.
 //
-//   1. kv_write   grid (S, B): rotate the new rows' k (fp32, rounded to T as stored) and copy v
-//                 into present[b, h, p, :], p = seqlens_k[b] + 1 - S + i.
-//   2. attention  split over positions (flash decoding), below; or, when the static scratch
-//                 cannot hold the partials, the serial kernel (grid (Hq, S, B), one block per row
-//                 and head over the whole cache 0..p).
+//   split      one launch (flash decoding, below) that also writes the new rows' rotated k
+//              (fp32, rounded to T as stored) and v into present[b, h, p, :],
+//              p = seqlens_k[b] + 1 - S + i, taking those rows from qkv while it runs.
+//   serial     when the static scratch cannot hold the partials: kv_write, grid (S, B), then the
+//              serial kernel (grid (Hq, S, B), one block per row and head over the cache 0..p).
 // The launches share one stream, so row i's KV is visible to rows > i of the same call. n is read
 // from seqlens_k in device memory: nothing crosses to the host, so every launch can be captured.
 //
@@ -37,6 +37,18 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
+// Element d of a head vector x at position p after rotate-half rotary (fp32, the expression of
+// kv_write_kernel and of the q rotation, so every path gives the same bits).
+template <typename T>
+__device__ __forceinline__ float rotated(const T* x, int d, int half, int p, const T* cos_cache, const T* sin_cache,
+                                         bool do_rotary) {
+  if (!do_rotary) return to_f(x[d]);
+  const int dd = d < half ? d : d - half;
+  const float x1 = to_f(x[dd]), x2 = to_f(x[dd + half]);
+  const float c = to_f(cos_cache[p * half + dd]), s = to_f(sin_cache[p * half + dd]);
+  return d < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 template <typename T>
 __global__ void kv_write_kernel(const T* __restrict__ qkv, T* __restrict__ pk, T* __restrict__ pv,
                                 const int32_t* __restrict__ seqlens, const T* __restrict__ cos_cache,
@@ -53,18 +65,7 @@ __global__ void kv_write_kernel(const T* __restrict__ qkv, T* __restrict__ pk, T
     const int h = e / D, d = e % D;
     const size_t dst = (static_cast<size_t>(b * Hkv + h) * cap + p) * D + d;
     pv[dst] = row[(Hq + Hkv + h) * D + d];
-    const T* k = row + (Hq + h) * D;
-    if (!do_rotary) {
-      pk[dst] = k[d];
-    } else if (d < half) {
-      const float x1 = to_f(k[d]), x2 = to_f(k[d + half]);
-      const float c = to_f(cos_cache[p * half + d]), s = to_f(sin_cache[p * half + d]);
-      pk[dst] = from_f<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-    } else {
-      const float x1 = to_f(k[d - half]), x2 = to_f(k[d]);
-      const float c = to_f(cos_cache[p * half + d - half]), s = to_f(sin_cache[p * half + d - half]);
-      pk[dst] = from_f<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
-    }
+    pk[dst] = from_f<T>(rotated(row + (Hq + h) * D, d, half, p, cos_cache, sin_cache, do_rotary));
   }
 }
 
@@ -95,16 +96,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const T* __restrict__ 
     return;
   }
   const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D + h * D;
-  for (int d = tid; d < D; d += kThreads) {
-    if (!do_rotary) {
-      q[d] = to_f(row[d]);
-    } else {
-      const int dd = d < half ? d : d - half;
-      const float x1 = to_f(row[dd]), x2 = to_f(row[dd + half]);
-      const float c = to_f(cos_cache[p * half + dd]), s = to_f(sin_cache[p * half + dd]);
-      q[d] = d < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
-    }
-  }
+  for (int d = tid; d < D; d += kThreads) q[d] = rotated(row, d, half, p, cos_cache, sin_cache, do_rotary);
   __syncthreads();
 
   const int grp = tid / TPR, t = tid % TPR;
@@ -245,11 +237,36 @@ __device__ __forceinline__ bool row_valid(int p, int cap, int rotary_len, bool d
   return p >= 0 && p < cap && !(do_rotary && p >= rotary_len);
 }
 
+// K (rotated, rounded to T) and V of new row i (position p) for dims t*VEC .. t*VEC+VEC-1, from
+// qkv: exactly what the cache holds for that position once it is written.
+template <typename T, int D>
+__device__ __forceinline__ void new_kv(const T* __restrict__ qkv, const T* __restrict__ cos_cache,
+                                       const T* __restrict__ sin_cache, int b, int S, int i, int p, int Hq, int Hkv,
+                                       int kvh, int t, bool do_rotary, uint4& k_out, uint4& v_out) {
+  constexpr int VEC = Vec<T>::N;
+  const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D;
+  const T* k = row + (Hq + kvh) * D;
+  const T* v = row + (Hq + Hkv + kvh) * D;
+  T* ko = reinterpret_cast<T*>(&k_out);
+  T* vo = reinterpret_cast<T*>(&v_out);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const int d = t * VEC + e;
+    ko[e] = from_f<T>(rotated(k, d, D / 2, p, cos_cache, sin_cache, do_rotary));
+    vo[e] = v[d];
+  }
+}
+
 // grid (NB, Hq/HB, B*nRG): block x takes chunks x, x+NB, ...; y the q heads y*HB..y*HB+HB-1 (one
 // kv head); z = b*nRG + rg the rows rg*RG..rg*RG+RG-1.
+//
+// The new rows' K/V are written to the cache by this kernel (no separate kv_write launch): the
+// blocks with x == 0 whose q heads start a kv-head group write their rows, and within the launch
+// every block takes positions >= n (the new rows) from qkv instead of the cache, so no block
+// reads an entry that this launch writes.
 template <typename T, int D>
 __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
-    const T* __restrict__ qkv, const T* __restrict__ pk, const T* __restrict__ pv, const int32_t* __restrict__ seqlens,
+    const T* __restrict__ qkv, T* __restrict__ pk, T* __restrict__ pv, const int32_t* __restrict__ seqlens,
     const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, T* __restrict__ out, int S, int Hq, int Hkv,
     int cap, int rotary_len, float scale, bool do_rotary, int nch_cap, int HB, int RG) {
   constexpr int VEC = Vec<T>::N, LPP = D / VEC, PPI = kSplitThreads / LPP, R = kChunk / PPI, half = D / 2;
@@ -293,16 +310,17 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
     const int u = e / D, d = e % D, i = i0 + u / HB, h = hq0 + u % HB, p = n + i;
     if (!row_valid(p, cap, rotary_len, do_rotary)) continue;
     const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D + h * D;
-    float qv;
-    if (!do_rotary) {
-      qv = to_f(row[d]);
-    } else {
-      const int dd = d < half ? d : d - half;
-      const float x1 = to_f(row[dd]), x2 = to_f(row[dd + half]);
-      const float c = to_f(cos_cache[p * half + dd]), s = to_f(sin_cache[p * half + dd]);
-      qv = d < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+    q_s[u][d] = rotated(row, d, half, p, cos_cache, sin_cache, do_rotary);
+  }
+  if (x == 0 && hq0 % (Hq / Hkv) == 0) {  // this block's new rows -> the cache (see above)
+    for (int e = tid; e < (i1 - i0) * D; e += kSplitThreads) {
+      const int i = i0 + e / D, d = e % D, p = n + i;
+      if (!row_valid(p, cap, rotary_len, do_rotary)) continue;
+      const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D;
+      const size_t dst = (static_cast<size_t>(b * Hkv + kvh) * cap + p) * D + d;
+      pk[dst] = from_f<T>(rotated(row + (Hq + kvh) * D, d, half, p, cos_cache, sin_cache, do_rotary));
+      pv[dst] = row[(Hq + Hkv + kvh) * D + d];
     }
-    q_s[u][d] = qv;
   }
   __syncthreads();
 
@@ -317,7 +335,9 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
       const int j = j0 + g + r * PPI;
       kr[r] = make_uint4(0u, 0u, 0u, 0u);
       vr[r] = make_uint4(0u, 0u, 0u, 0u);
-      if (j <= p_hi) {
+      if (j <= p_hi && j >= n) {  // a new row: not in the cache yet within this launch
+        new_kv<T, D>(qkv, cos_cache, sin_cache, b, S, j - n, j, Hq, Hkv, kvh, t, do_rotary, kr[r], vr[r]);
+      } else if (j <= p_hi) {
         kr[r] = __ldg(reinterpret_cast<const uint4*>(kc + static_cast<size_t>(j) * D));
         vr[r] = __ldg(reinterpret_cast<const uint4*>(vc + static_cast<size_t>(j) * D));
       }
@@ -471,7 +491,7 @@ bool split_fits(int B, int S, int Hq, int Hkv, int D, int cap) {
 }
 
 template <typename T, int D>
-int launch_split(const T* qkv, const T* pk, const T* pv, const int32_t* seqlens, const T* cos_cache,
+int launch_split(const T* qkv, T* pk, T* pv, const int32_t* seqlens, const T* cos_cache,
                  const T* sin_cache, T* out, int B, int S, int Hq, int Hkv, int cap, int rotary_len, float scale,
                  bool do_rotary, cudaStream_t stream) {
   const int group = Hq / Hkv;
@@ -519,11 +539,8 @@ struct AttentionLauncher {
       cudaError_t err = cudaMemcpyAsync(present_v, past_v, bytes, cudaMemcpyDeviceToDevice, stream);
       if (err != cudaSuccess) return static_cast<int>(err);
     }
-    cudaError_t err = launch_kernel(kv_write_kernel<T>, dim3(S, B), dim3(kThreads), 0, stream, 0, qkv, pk, pv, seqlens,
-                                    cs, sn, S, Hq, Hkv, D, cap, rotary_len, do_rotary != 0);
-    if (err != cudaSuccess) return static_cast<int>(err);
     const bool rot = do_rotary != 0;
-    if (split_fits(B, S, Hq, Hkv, D, cap)) {
+    if (split_fits(B, S, Hq, Hkv, D, cap)) {  // one launch: the split kernel writes the new K/V itself
       switch (D) {
         case 16: return launch_split<T, 16>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
         case 32: return launch_split<T, 32>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
@@ -532,6 +549,9 @@ struct AttentionLauncher {
         default: return static_cast<int>(cudaErrorInvalidValue);
       }
     }
+    cudaError_t err = launch_kernel(kv_write_kernel<T>, dim3(S, B), dim3(kThreads), 0, stream, 0, qkv, pk, pv, seqlens,
+                                    cs, sn, S, Hq, Hkv, D, cap, rotary_len, rot);
+    if (err != cudaSuccess) return static_cast<int>(err);
     switch (D) {
       case 16: return launch_attend<T, 4>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
       case 32: return launch_attend<T, 8>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
