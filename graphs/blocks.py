@@ -38,7 +38,7 @@ class BlockContext:
     # The loopcast custom ops instead of stock ones: BatchInvariantMatMul and
     # BatchInvariantAttention (a row's result then does not depend on how many rows the step
     # has, so every verify row equals the M=1 decode row bit for bit, DESIGN §6), the fused
-    # ResidualRMSNorm, and the MLP activation inside the down projection: a layer is 8 kernels
+    # ResidualRMSNorm, and the MLP activation inside the down projection: a layer is 7 nodes
     # instead of ~15 (decoder_stack).
     batch_invariant: bool = False
 
