@@ -121,3 +121,16 @@ def test_forced_rejections_keep_exact_tokens(kind: str) -> None:
     spec = model.generate(prompt, 64, stop_ids=(), speculative="self", num_draft_tokens=4,
                           proposer=SelfDraftProposer(perturb))
     assert spec.tokens == plain.tokens
+
+
+def test_cli_target_cuda_selects_the_loopcast_ops(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from loopcast.cli import main
+    from tests.artifacts import checkpoint
+
+    for target, ops in (("cuda", OPS), ("cpu", [])):
+        out = tmp_path / target
+        result = CliRunner().invoke(main, ["export", str(checkpoint("ouro-r3")), "-o", str(out), "--target", target])
+        assert result.exit_code == 0, result.output
+        assert Manifest.read(out).custom_ops == ops, target
