@@ -1,6 +1,7 @@
 // loopcast custom-op library (op domain "loopcast"): the registry.
 //
-//   BatchInvariantMatMul     matmul_cpu.cc, matmul_cuda.cu                rows independent of M
+//   BatchInvariantMatMul     matmul_cpu.cc, matmul_cuda.cu                rows independent of M;
+//                                                                         swiglu=1 reads [gate | up]
 //   BatchInvariantAttention  attention_cpu.cc, attention_cuda.cu          rows independent of S
 //   ResidualRMSNorm          residual_norm_cpu.cc, residual_norm_cuda.cu  residual add + RMSNorms, per row
 //   SwiGLU                   swiglu_cpu.cc, swiglu_cuda.cu                silu(gate) * up, elementwise
