@@ -22,14 +22,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from cuda_timing import graph_time_us, load_library
+
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 POOL_BYTES = 320 << 20
-
-
-def load(path: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(path)
-    lib.loopcast_cuda_error_string.restype = ctypes.c_char_p
-    return lib
 
 
 def call(lib, q, pk, pv, seq, cos, sin, out, Hq: int, Hkv: int, D: int) -> None:
@@ -43,33 +39,6 @@ def call(lib, q, pk, pv, seq, cos, sin, out, Hq: int, Hkv: int, D: int) -> None:
         raise RuntimeError(lib.loopcast_cuda_error_string(code).decode())
 
 
-def graph_time_us(fn_list, reps: int = 5) -> float:
-    """Best mean µs per call of a captured graph that runs every fn in fn_list once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fn_list[:4]:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fn_list:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / len(fn_list))
-    del g
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", action="append", required=True, help="name=path")
@@ -80,7 +49,7 @@ def main() -> None:
     ap.add_argument("--widths", default="1,5,8,32")
     ap.add_argument("--heads", default="16,16,128", help="Hq,Hkv,D")
     args = ap.parse_args()
-    libs = {kv.split("=", 1)[0]: load(kv.split("=", 1)[1]) for kv in args.lib}
+    libs = {kv.split("=", 1)[0]: load_library(kv.split("=", 1)[1]) for kv in args.lib}
     Hq, Hkv, D = (int(x) for x in args.heads.split(","))
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
@@ -124,7 +93,7 @@ def main() -> None:
                     fns = [(lambda K=Ks[i % nbuf], V=Vs[i % nbuf], lib=lib:
                             call(lib, qkv, K, V, seq, cos, sin, out, Hq, Hkv, D)) for i in range(ncalls)]
                     try:
-                        row[name] = graph_time_us(fns)
+                        row[name] = graph_time_us(fns, reps=5)
                         torch.cuda.synchronize()
                         last = (ncalls - 1) % nbuf
                         graph_out = out.clone()
@@ -149,7 +118,7 @@ def main() -> None:
                     o4.copy_(F.scaled_dot_product_attention(q4, K[:, :, :L], V[:, :, :L], enable_gqa=Hq != Hkv))
 
                 row["sdpa"] = graph_time_us([(lambda K=Ks[i % nbuf], V=Vs[i % nbuf]: sdpa(K, V))
-                                             for i in range(ncalls)])
+                                             for i in range(ncalls)], reps=5)
                 results["rows"].append(row)
                 cells = "  ".join(f"{k} {row[k]:7.1f}us" for k in [*libs, "sdpa"])
                 gbps = row["kv_bytes"] / row[next(iter(libs))] / 1e3

@@ -16,24 +16,19 @@ that column is the kernel on its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
 
-import contextlib
-
 import torch
+
+from cuda_timing import graph_time_us, load_library
 
 SHAPES = [(2048, 6144), (2048, 2048), (2048, 11264), (5632, 2048)]
 MS = [1, 2, 5, 8, 16, 32]
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 POOL_BYTES = 512 << 20
-
-
-def load(path: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(path)
-    lib.loopcast_cuda_error_string.restype = ctypes.c_char_p
-    return lib
 
 
 def call(lib, A, B, Y, trans_b: int) -> None:
@@ -45,33 +40,6 @@ def call(lib, A, B, Y, trans_b: int) -> None:
                                     ctypes.c_int64(N), ctypes.c_int(trans_b), stream)
     if code:
         raise RuntimeError(lib.loopcast_cuda_error_string(code).decode())
-
-
-def graph_time_us(fn_list, reps: int = 3) -> float:
-    """Mean µs per call of a captured graph that runs every fn in fn_list once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fn_list[:4]:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fn_list:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / len(fn_list))
-    del g
-    return best
 
 
 @contextlib.contextmanager
@@ -112,7 +80,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--pdl-both", action="store_true", help="also time each library with LOOPCAST_PDL=0")
     args = ap.parse_args()
-    libs = {kv.split("=", 1)[0]: load(kv.split("=", 1)[1]) for kv in args.lib}
+    libs = {kv.split("=", 1)[0]: load_library(kv.split("=", 1)[1]) for kv in args.lib}
     # (column, library, LOOPCAST_PDL during capture)
     columns = [(name, lib, None) for name, lib in libs.items()]
     if args.pdl_both:
