@@ -21,20 +21,18 @@ void check_launch(int code, const char* op) {
 
 template <typename T>
 struct MatMulCudaKernel {
-  bool trans_b, swiglu;
-  MatMulCudaKernel(const OrtApi&, const OrtKernelInfo* info)
-      : trans_b(attr_int(info, "trans_b", 0) != 0), swiglu(attr_int(info, "swiglu", 0) != 0) {}
+  MatMulAttrs attrs;
+  MatMulCudaKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {}
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     Ort::ConstValue a = ctx.GetInput(0), b = ctx.GetInput(1);
-    const MatMulDims dims = matmul_dims(a.GetTensorTypeAndShapeInfo().GetShape(),
-                                        b.GetTensorTypeAndShapeInfo().GetShape(), trans_b, swiglu);
+    const MatMulDims dims = attrs.dims(a, b);
     Ort::UnownedValue y = ctx.GetOutput(0, dims.y_shape);
     if (dims.rows == 0 || dims.N == 0) return;
-    auto launch = swiglu ? loopcast_cuda_swiglu_matmul : loopcast_cuda_matmul;
+    auto launch = attrs.swiglu ? loopcast_cuda_swiglu_matmul : loopcast_cuda_matmul;
     check_launch(launch(static_cast<int>(DTypeOf<T>::value), a.GetTensorRawData(), b.GetTensorRawData(),
-                        y.GetTensorMutableRawData(), dims.rows, dims.K, dims.N, trans_b ? 1 : 0,
+                        y.GetTensorMutableRawData(), dims.rows, dims.K, dims.N, attrs.trans_b ? 1 : 0,
                         ctx.GetGPUComputeStream()),
                  "BatchInvariantMatMul");
   }

@@ -17,20 +17,18 @@ namespace {
 
 template <typename T>
 struct MatMulCpuKernel {
-  bool trans_b, swiglu;
-  MatMulCpuKernel(const OrtApi&, const OrtKernelInfo* info)
-      : trans_b(attr_int(info, "trans_b", 0) != 0), swiglu(attr_int(info, "swiglu", 0) != 0) {}
+  MatMulAttrs attrs;
+  MatMulCpuKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {}
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     Ort::ConstValue a = ctx.GetInput(0), b = ctx.GetInput(1);
-    const MatMulDims dims = matmul_dims(a.GetTensorTypeAndShapeInfo().GetShape(),
-                                        b.GetTensorTypeAndShapeInfo().GetShape(), trans_b, swiglu);
+    const MatMulDims dims = attrs.dims(a, b);
     const int64_t rows = dims.rows, K = dims.K, N = dims.N;
     Ort::UnownedValue y = ctx.GetOutput(0, dims.y_shape);
     const T* A = a.GetTensorData<T>();
     std::vector<T> act;
-    if (swiglu) {
+    if (attrs.swiglu) {
       act.resize(static_cast<size_t>(rows * K));
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t k = 0; k < K; ++k) act[r * K + k] = swiglu_value(A[r * 2 * K + k], A[r * 2 * K + K + k]);
@@ -42,7 +40,7 @@ struct MatMulCpuKernel {
     // output element is still computed by one task in its fixed order, so threads change
     // nothing in the bits.
     Job job{A, B, Y, rows, K, N, {}};
-    if (trans_b) {
+    if (attrs.trans_b) {
       job.a_f.resize(static_cast<size_t>(rows * K));
       for (int64_t i = 0; i < rows * K; ++i) job.a_f[i] = to_float(A[i]);
       ctx.ParallelFor(&trans_task, static_cast<size_t>((N + kTransChunk - 1) / kTransChunk), 0, &job);

@@ -29,6 +29,17 @@ inline MatMulDims matmul_dims(const std::vector<int64_t>& a, const std::vector<i
   return d;
 }
 
+// BatchInvariantMatMul's attributes, read once per kernel, and the shapes of one call (CPU and CUDA).
+struct MatMulAttrs {
+  bool trans_b, swiglu;
+  explicit MatMulAttrs(const OrtKernelInfo* info)
+      : trans_b(attr_int(info, "trans_b", 0) != 0), swiglu(attr_int(info, "swiglu", 0) != 0) {}
+  MatMulDims dims(const Ort::ConstValue& a, const Ort::ConstValue& b) const {
+    return matmul_dims(a.GetTensorTypeAndShapeInfo().GetShape(), b.GetTensorTypeAndShapeInfo().GetShape(), trans_b,
+                       swiglu);
+  }
+};
+
 inline const char* provider_name(bool cuda) { return cuda ? "CUDAExecutionProvider" : "CPUExecutionProvider"; }
 
 // BatchInvariantMatMul(A[..., K], B[K, N] or B[N, K] with trans_b=1) -> Y[..., N]; with swiglu=1
