@@ -115,26 +115,30 @@ def step_ms(model, kind: str, past: int, iters: int) -> tuple[float, dict | None
 
 
 @contextlib.contextmanager
-def pdl_off():
-    """Launch the custom-op kernels without PDL meanwhile. The library reads LOOPCAST_PDL at
-    each launch, and a captured graph keeps what it recorded."""
-    previous = os.environ.get("LOOPCAST_PDL")
-    os.environ["LOOPCAST_PDL"] = "0"
+def kernel_env(name: str, value: str):
+    """Set one of the custom-op library's launch switches (LOOPCAST_PDL) meanwhile. The
+    library reads it at each launch, and a captured graph keeps what it recorded."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop("LOOPCAST_PDL", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["LOOPCAST_PDL"] = previous
+            os.environ[name] = previous
 
 
-def decode_without_pdl(art: Path, device: str, past: int, iters: int) -> float | None:
-    """Captured decode step with the custom-op kernels launched without PDL (the variable only
-    has to be set while this session warms up and captures)."""
+def pdl_off():
+    return kernel_env("LOOPCAST_PDL", "0")
+
+
+def decode_with_env(art: Path, device: str, past: int, iters: int, name: str, value: str) -> float | None:
+    """Captured decode step with one launch switch changed (the variable only has to be set
+    while this session warms up and captures)."""
     from loopcast.ort_runtime import load
 
-    with pdl_off():
+    with kernel_env(name, value):
         model = load(art, device, kinds=(DECODE,))
         ms, slot = step_ms(model, DECODE, past, iters)
     return _captured(ms, slot)
@@ -369,7 +373,7 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
         result.profile_ms, result.top_kernels = profile_decode(eager, past)
     del eager, capt
     if cuda and not result.captured_fixed_position_only:
-        result.decode_without_pdl_ms = decode_without_pdl(art, opts.device, past, opts.iters)
+        result.decode_without_pdl_ms = decode_with_env(art, opts.device, past, opts.iters, "LOOPCAST_PDL", "0")
         log(f"  decode captured without PDL {result.decode_without_pdl_ms} ms")
     for width in widths:
         if width == 5:

@@ -9,8 +9,8 @@ shapes, that rows are bit-identical whatever M (M = 32 and M = 5 against M = 1 r
 
 The calls of one graph run back to back, as a decode step's kernels do, so a library that
 launches with programmatic dependent launch (PDL) overlaps each call's ramp-up with the previous
-call's tail. ``--pdl-both`` also times every library with LOOPCAST_PDL=0 (column ``NAME-nopdl``):
-that column is the kernel on its own.
+call's tail. ``--variant TAG:VAR=VALUE`` also times every library with a launch switch changed
+(column ``NAME-TAG``): ``nopdl:LOOPCAST_PDL=0`` is the kernel on its own.
 """
 
 from __future__ import annotations
@@ -43,18 +43,28 @@ def call(lib, A, B, Y, trans_b: int) -> None:
 
 
 @contextlib.contextmanager
-def pdl_setting(value: str | None):
-    """LOOPCAST_PDL while a graph is captured (the library reads it at each launch)."""
-    previous = os.environ.get("LOOPCAST_PDL")
-    if value is not None:
-        os.environ["LOOPCAST_PDL"] = value
+def env_setting(var: str | None, value: str | None):
+    """A launch switch while a graph is captured (the library reads it at each launch)."""
+    if var is None:
+        yield
+        return
+    previous = os.environ.get(var)
+    os.environ[var] = value
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop("LOOPCAST_PDL", None)
+            os.environ.pop(var, None)
         else:
-            os.environ["LOOPCAST_PDL"] = previous
+            os.environ[var] = previous
+
+
+def parse_variant(text: str) -> tuple[str, str, str]:
+    tag, _, assignment = text.partition(":")
+    var, _, value = assignment.partition("=")
+    if not tag or not var or not value:
+        raise SystemExit(f"--variant wants TAG:VAR=VALUE, got {text!r}")
+    return tag, var, value
 
 
 def copy_bandwidth() -> float:
@@ -78,13 +88,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--calls", type=int, default=120)
     ap.add_argument("--dtypes", default="float16,bfloat16")
-    ap.add_argument("--pdl-both", action="store_true", help="also time each library with LOOPCAST_PDL=0")
+    ap.add_argument("--variant", action="append", default=[], type=parse_variant,
+                    help="TAG:VAR=VALUE: also time each library with that launch switch (repeatable)")
     args = ap.parse_args()
     libs = {kv.split("=", 1)[0]: load_library(kv.split("=", 1)[1]) for kv in args.lib}
-    # (column, library, LOOPCAST_PDL during capture)
-    columns = [(name, lib, None) for name, lib in libs.items()]
-    if args.pdl_both:
-        columns += [(f"{name}-nopdl", lib, "0") for name, lib in libs.items()]
+    # (column, library, switch set during capture)
+    columns = [(name, lib, (None, None)) for name, lib in libs.items()]
+    for tag, var, value in args.variant:
+        columns += [(f"{name}-{tag}", lib, (var, value)) for name, lib in libs.items()]
     torch.manual_seed(0)
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s", flush=True)
@@ -119,10 +130,10 @@ def main() -> None:
                     Y = torch.empty(M, N, dtype=dtype, device="cuda")
                     ncalls = max(args.calls, nbuf)
                     row = dict(dtype=dname, K=K, N=N, trans_b=tb, M=M, bytes=wn * pool.element_size())
-                    for name, lib, pdl in columns:
+                    for name, lib, switch in columns:
                         fns = [(lambda W=Ws[i % nbuf], lib=lib: call(lib, Am, W, Y, tb)) for i in range(ncalls)]
                         try:
-                            with pdl_setting(pdl):
+                            with env_setting(*switch):
                                 row[name] = graph_time_us(fns)
                         except RuntimeError as e:  # keep going: report the failure in the table
                             print(f"!! {name}: {e}", flush=True)

@@ -31,7 +31,7 @@ phase_kernels() {  # ctypes microbenchmarks; needs no onnxruntime-gpu. baseline 
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
   local libs=(--lib "new=$LIB")
   [ -f .lccache/baseline/libloopcast_ops.so ] && libs+=(--lib "baseline=$PWD/.lccache/baseline/libloopcast_ops.so")
-  timeout 100 python3 tools/bench_matmul_cuda.py "${libs[@]}" --pdl-both --calls 96 --out "$RES" > "$RES/bench-matmul.txt" 2>&1
+  timeout 100 python3 tools/bench_matmul_cuda.py "${libs[@]}" --variant nopdl:LOOPCAST_PDL=0 --calls 96 --out "$RES" > "$RES/bench-matmul.txt" 2>&1
   LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
     2>&1 | tail -30 > "$RES/gpu-kernel-tests.txt"
 }

@@ -63,6 +63,8 @@ def parse_args() -> argparse.Namespace:
                         "geometric (∝ 2^r) or R comma-separated weights, e.g. 1,1,2,4")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from this HF checkpoint's weights (fine-tuning); ignored when resuming")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="residual dropout on every branch (attention, MLP) while training only")
     p.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine floor as a fraction of --lr")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-windows", type=int, default=64)
@@ -114,6 +116,17 @@ def evaluate(model: LoopedLM, heldout: np.ndarray, seq: int, windows: int, devic
     return (totals / (len(starts) * seq)).tolist()
 
 
+def add_residual_dropout(model: LoopedLM, rate: float) -> None:
+    """Dropout on each branch just before it joins the residual stream (the outputs of the
+    sandwich norms), active in train() mode only: a regulariser of the trainer, not part of the
+    architecture, so the exported checkpoint is unchanged in form."""
+    if rate <= 0.0:
+        return
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm_2, layer.post_attention_layernorm_2):
+            norm.register_forward_hook(lambda mod, inp, out: F.dropout(out, rate, mod.training))
+
+
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -142,6 +155,7 @@ def main() -> None:
         # Fine-tuning: the starting weights come from a finished run's exported checkpoint.
         model.load_state_dict(load_checkpoint(args.init_from, dtype=torch.float32).state_dict())
         print(f"initialised from {args.init_from}", flush=True)
+    add_residual_dropout(model, args.dropout)
     model.to(device)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
