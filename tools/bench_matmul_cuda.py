@@ -63,7 +63,7 @@ def parse_variant(text: str) -> tuple[str, str, str]:
     tag, _, assignment = text.partition(":")
     var, _, value = assignment.partition("=")
     if not tag or not var or not value:
-        raise SystemExit(f"--variant wants TAG:VAR=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"wants TAG:VAR=VALUE, got {text!r}")
     return tag, var, value
 
 

@@ -1,7 +1,8 @@
 """Measure the demo model card's numbers on the held-out split.
 
 Per loop depth: held-out cross-entropy (nats/token) and bits/byte; top-1 agreement of depth d
-with depth R; exit-probability means; and greedy continuations of a few code prompts.
+with depth R; exit-probability means; and greedy continuations of a few code prompts, each with
+the cycle it ends in (``degenerate``: its second half is one cycle of <= 32 tokens repeated).
 Writes one JSON file (``--out``) that docs/demo-model.md quotes.
 
     python tools/eval_demo_model.py --checkpoint loopcast/demo_model --data .corpus --out eval.json
@@ -31,6 +32,28 @@ CODE_PROMPTS = [
     "    def __repr__(self):\n        return ",
     "for i in range(10):\n",
 ]
+
+
+def tail_cycle(tokens: list[int], max_period: int = 32) -> tuple[int, int]:
+    """(period, covered) of the shortest cycle the continuation ends in: the smallest p <=
+    max_period whose periodic suffix (tokens[i] == tokens[i - p]) covers the most tokens among
+    the periods that repeat at least three times; (0, 0) when none does."""
+    best = (0, 0)
+    for p in range(1, min(max_period, len(tokens) // 3) + 1):
+        run = 0
+        while run < len(tokens) - p and tokens[-1 - run] == tokens[-1 - run - p]:
+            run += 1
+        covered = run + p  # the suffix tokens[-(run + p):] is p-periodic
+        if covered >= 3 * p and covered > best[1]:
+            best = (p, covered)
+    return best
+
+
+def degenerate(tokens: list[int], max_period: int = 32) -> bool:
+    """The demo-model card's bar: a continuation is degenerate when its second half is one
+    cycle of at most ``max_period`` tokens repeated."""
+    period, covered = tail_cycle(tokens, max_period)
+    return period > 0 and covered >= len(tokens) / 2
 
 
 @torch.no_grad()
@@ -80,15 +103,22 @@ def main() -> None:
     for prompt in CODE_PROMPTS:
         ids = tokenizer.encode(prompt).ids
         res = greedy_generate(model, ids, args.new_tokens, stop_ids=(0,), max_length=1024)
+        body = res.tokens[:-1] if res.tokens and res.tokens[-1] == 0 else res.tokens  # a loop, then EOT
+        period, covered = tail_cycle(body)
         samples.append({"prompt": prompt, "completion": tokenizer.decode(res.tokens),
-                        "tokens": res.tokens, "distinct_tokens": len(set(res.tokens))})
+                        "tokens": res.tokens, "distinct_tokens": len(set(res.tokens)),
+                        "tail_cycle_period": period, "tail_cycle_tokens": covered,
+                        "degenerate": degenerate(body)})
     metrics["samples"] = samples
+    metrics["degenerate_continuations"] = sum(s["degenerate"] for s in samples)
     metrics["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     metrics["seconds"] = round(time.time() - t0, 1)
     args.out.write_text(json.dumps(metrics, indent=1))
     print(json.dumps({k: v for k, v in metrics.items() if k != "samples"}, indent=1))
     for s in samples:
-        print("----", repr(s["prompt"]), "->", repr(s["completion"][:200]))
+        print("----", repr(s["prompt"]), "->", repr(s["completion"][:200]),
+              f"(cycle {s['tail_cycle_period']} over {s['tail_cycle_tokens']} tokens"
+              f"{', degenerate' if s['degenerate'] else ''})")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@
 #   bash tools/h200_train.sh BUDGET_S NAME1 "TRAIN FLAGS 1" [NAME2 "TRAIN FLAGS 2" ...]
 # Results: $OUT/train-results.tgz (stdout, log.jsonl, eval.json per run) and the fp16 weights of
 # every run that finished, in parts under 16 MiB ($OUT/NAME.safetensors.partN; `cat` rejoins).
+# Flags are split on blanks (no value may contain one). Reusing a NAME on the same (warm)
+# machine resumes that run from /root/run-NAME, as the trainer does for any existing run dir.
 set -uo pipefail
+shopt -s nullglob
+[ $# -ge 3 ] && [ $(( ($# - 1) % 2 )) -eq 0 ] || { echo "usage: $0 BUDGET_S NAME \"FLAGS\" [NAME \"FLAGS\" ...]" >&2; exit 2; }
 [ -n "${OUT:-}" ] || { echo "tools/h200_train.sh runs on the lent GPU machine (\$OUT unset)" >&2; exit 2; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 for d in exporter graphs ort_runtime custom_ops; do [ -e loopcast/$d ] || ln -s ../$d loopcast/$d; done
@@ -15,11 +19,11 @@ done
 budget=$1; shift
 RES=/root/train; mkdir -p "$RES"; names=()
 while [ $# -ge 2 ]; do
-  name=$1 flags=$2; shift 2; names+=("$name")
+  name=$1; read -r -a flags <<< "$2"; shift 2; names+=("$name")
+  rm -rf "${RES:?}/$name" "/root/out-$name"   # nothing from an earlier call is reported as this one's
   mkdir -p "$RES/$name"
-  # shellcheck disable=SC2086
   python3 tools/train_demo_model.py --data .corpus --run-dir "/root/run-$name" --out "/root/out-$name" \
-    --time-budget-s "$budget" $flags > "$RES/$name/stdout.txt" 2>&1 &
+    --time-budget-s "$budget" "${flags[@]}" > "$RES/$name/stdout.txt" 2>&1 &
 done
 wait
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$RES/device.txt"
