@@ -1,0 +1,35 @@
+"""The demo-model card's degeneracy rule (tools/eval_demo_model.py): which greedy continuations
+count as one short cycle repeated."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from eval_demo_model import degenerate, tail_cycle  # noqa: E402
+
+
+@pytest.mark.parametrize("tokens,expected", [
+    ([], (0, 0)),
+    ([1, 2, 3, 4, 5, 6], (0, 0)),                    # nothing repeats
+    ([7] * 10, (1, 10)),                             # one token: the shortest period wins
+    ([1, 1], (0, 0)),                                # fewer than three copies
+    ([9, 1, 2, 1, 2], (0, 0)),                       # two and a half copies of (1, 2)
+    ([9, 9] + [1, 2, 3] * 3, (3, 9)),                # a prefix, then three copies
+    (list(range(32)) * 3, (32, 96)),                 # the longest period counted
+    (list(range(33)) * 3, (0, 0)),                   # one past it
+    ([5, 1, 2] * 4 + [4], (0, 0)),                   # a cycle that is broken at the end
+])
+def test_tail_cycle(tokens, expected) -> None:
+    assert tail_cycle(tokens) == expected
+
+
+def test_degenerate_needs_the_second_half() -> None:
+    head = list(range(100, 150))
+    assert degenerate(head[:46] + [1, 2] * 25)       # the cycle covers 50 of 96
+    assert not degenerate(head + [1, 2] * 23)        # 46 of 96: under half
+    assert not degenerate(list(range(96)))
+    assert degenerate([3] * 96)
