@@ -123,6 +123,8 @@ def add_residual_dropout(model: LoopedLM, rate: float) -> None:
     if rate <= 0.0:
         return
     for layer in model.model.layers:
+        if not layer.sandwich:
+            raise SystemExit("--dropout hooks the sandwich norms; this config has none")
         for norm in (layer.input_layernorm_2, layer.post_attention_layernorm_2):
             norm.register_forward_hook(lambda mod, inp, out: F.dropout(out, rate, mod.training))
 
