@@ -33,3 +33,21 @@ def test_degenerate_needs_the_second_half() -> None:
     assert not degenerate(head + [1, 2] * 23)        # 46 of 96: under half
     assert not degenerate(list(range(96)))
     assert degenerate([3] * 96)
+
+
+def test_packed_documents_give_back_the_texts_and_their_prompts() -> None:
+    import numpy as np
+
+    from demo_prompts import code_prompts, packed_documents
+    from loopcast.exporter.torch_backend import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(__file__).resolve().parents[1] / "loopcast" / "demo_model")
+    texts = ["x = 1\n", "def f():\n    return 2\n" * 20, "\tdef g(a):\n" + "    pass\n" * 40 + "# é ✓\n"]
+    ids = np.concatenate([np.append(np.asarray(tokenizer.encode(t).ids, np.uint16), np.uint16(0)) for t in texts])
+    docs = packed_documents(ids, tokenizer)
+    assert [text for _, text in docs] == texts
+    prompts = code_prompts(docs, 2)       # the first text has no def line
+    assert prompts[0].startswith("def f():\n") and len(prompts[0]) <= 200 and not prompts[0].endswith("\n")
+    assert prompts[1].startswith("\tdef g(a):\n")
+    with pytest.raises(SystemExit, match="only 2 held-out documents"):
+        code_prompts(docs, 3)

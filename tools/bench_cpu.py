@@ -57,7 +57,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -76,15 +75,17 @@ from loopcast.ort_runtime import load
 
 if __package__:
     from .demo_corpus import read_split_with_paths
+    from .demo_prompts import CODE_CHARS, EDIT_CHARS, EDIT_REPEAT_CHARS, cut_at_line_end, cut_at_word_end
+    from .demo_prompts import select_snippets as _select_snippets
 else:  # run as a script: tools/ is on sys.path
     from demo_corpus import read_split_with_paths
+    from demo_prompts import CODE_CHARS, EDIT_CHARS, EDIT_REPEAT_CHARS, cut_at_line_end, cut_at_word_end
+    from demo_prompts import select_snippets as _select_snippets
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = "docs/perf-cpu.json"
 QUICK_OUT = "/tmp/loopcast-perf-cpu-quick.json"
 MAX_LENGTH = 1024
-CODE_CHARS, EDIT_CHARS, EDIT_REPEAT_CHARS = 200, 300, 40
-DEF_LINE = re.compile(r"^[ \t]*def ", re.MULTILINE)
 
 # Artifacts: name → (verify width, draft depth). "w5d1" has demo_artifact_dir()'s options.
 ARTIFACTS = {"w5d1": (5, 1), "w7d1": (7, 1), "w5d2": (5, 2)}
@@ -134,31 +135,9 @@ class Workload:
 
 
 def select_snippets(count: int) -> list[tuple[str, int, str]]:
-    """``count`` held-out documents evenly spaced among those with a ``def`` line (sorted path
-    order), each as (relpath, offset of its first ``def`` line, document text)."""
-    found = []
-    for relpath, text in read_split_with_paths("heldout"):
-        match = DEF_LINE.search(text)
-        if match and len(text) - match.start() >= EDIT_CHARS:
-            found.append((relpath, match.start(), text))
-    if len(found) < count:
-        raise SystemExit(f"only {len(found)} held-out documents with a def line; asked for {count}")
-    return [found[i * len(found) // count] for i in range(count)]
-
-
-def cut_at_line_end(text: str, limit: int) -> str:
-    """``text[:limit]`` shortened to its last complete line (trailing blank lines and newline
-    dropped), so a prompt does not end inside a token; the first line if that is over ``limit``."""
-    end = text.rfind("\n", 0, limit + 1)
-    if end <= 0:
-        end = text.find("\n") if "\n" in text else len(text)
-    return text[:end].rstrip()
-
-
-def cut_at_word_end(text: str, limit: int) -> str:
-    """``text[:limit]`` shortened to end just before a space or newline that follows a word."""
-    ends = [m.start() for m in re.finditer(r"(?<=\S)\s", text[:limit + 1])]
-    return text[:ends[-1]] if ends else text[:limit]
+    """``count`` held-out documents of this interpreter's stdlib (sorted path order), each as
+    (relpath, offset of its first ``def`` line, document text): demo_prompts.select_snippets."""
+    return _select_snippets(read_split_with_paths("heldout"), count)
 
 
 def make_workloads(count: int) -> dict[str, Workload]:

@@ -1,8 +1,9 @@
 """Measure the demo model card's numbers on the held-out split.
 
 Per loop depth: held-out cross-entropy (nats/token) and bits/byte; top-1 agreement of depth d
-with depth R; exit-probability means; and greedy continuations of a few code prompts, each with
-the cycle it ends in (``degenerate``: its second half is one cycle of <= 32 tokens repeated).
+with depth R; exit-probability means; and greedy continuations of five fixed code prompts and
+of ``--heldout-prompts`` held-out ones (tools/demo_prompts.py), each with the cycle it ends in
+(``degenerate``: its second half is one cycle of <= 32 tokens repeated).
 Writes one JSON file (``--out``) that docs/demo-model.md quotes.
 
     python tools/eval_demo_model.py --checkpoint loopcast/demo_model --data .corpus --out eval.json
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from demo_prompts import code_prompts, packed_documents  # tools/ is on sys.path when run as a script
 from loopcast.exporter.checkpoint import load_checkpoint
 from loopcast.exporter.reference import exit_probabilities
 from loopcast.exporter.reference_generate import greedy_generate
@@ -88,6 +90,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--max-windows", type=int, default=None, help="limit for a quick CPU run")
     p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--heldout-prompts", type=int, default=8,
+                   help="also continue this many held-out code prompts (tools/bench_cpu.py's code workload)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_checkpoint(args.checkpoint, dtype=torch.float32).to(device)
@@ -100,7 +104,10 @@ def main() -> None:
     metrics["tokens_per_byte"] = tokens_per_byte
     tokenizer = load_tokenizer(Path(args.checkpoint))
     samples = []
-    for prompt in CODE_PROMPTS:
+    prompts = list(CODE_PROMPTS)
+    if args.heldout_prompts:
+        prompts += code_prompts(packed_documents(heldout, tokenizer), args.heldout_prompts)
+    for prompt in prompts:
         ids = tokenizer.encode(prompt).ids
         res = greedy_generate(model, ids, args.new_tokens, stop_ids=(0,), max_length=1024)
         body = res.tokens[:-1] if res.tokens and res.tokens[-1] == 0 else res.tokens  # a loop, then EOT
@@ -110,7 +117,7 @@ def main() -> None:
                         "tail_cycle_period": period, "tail_cycle_tokens": covered,
                         "degenerate": degenerate(body)})
     metrics["samples"] = samples
-    metrics["degenerate_continuations"] = sum(s["degenerate"] for s in samples)
+    metrics["degenerate_continuations"] = sum(s["degenerate"] for s in samples)  # of len(samples)
     metrics["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     metrics["seconds"] = round(time.time() - t0, 1)
     args.out.write_text(json.dumps(metrics, indent=1))
