@@ -72,6 +72,21 @@ def _host(x: "torch.Tensor") -> np.ndarray:
     return x.float().cpu().numpy()
 
 
+def _capture(call, repeats: int = 1) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``repeats`` calls, after one warm-up call on a side stream (lazy setup
+    stays out of the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            call()
+    return graph
+
+
 def _check(lib: ctypes.CDLL, code: int) -> None:
     assert code == 0, lib.loopcast_cuda_error_string(code).decode()
 
@@ -322,15 +337,7 @@ def test_attention_in_cuda_graph_replays(cuda_library: Path) -> None:
         _check(lib, lib.loopcast_cuda_attention(1, p(q), p(pk), p(pv), p(pk), p(pv), p(seq), p(cos), p(sin), p(out),
                                                 1, S, Hq, Hkv, D, T, T, ctypes.c_float(1.0 / np.sqrt(D)), 1, stream))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(3):
-            call()
+    g = _capture(call, repeats=3)
     for _ in range(20):
         out.zero_()
         g.replay()
@@ -463,14 +470,7 @@ def test_residual_norm_in_cuda_graph_replays(cuda_library: Path) -> None:
             2, _ptr(branch), _ptr(residual), *(_ptr(w[k]) for k in NORM_WEIGHTS), _ptr(out), _ptr(normed),
             ctypes.c_int64(3), ctypes.c_int64(2048), ctypes.c_float(1e-6), stream))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
+    g = _capture(call)
     out.zero_()
     normed.zero_()
     g.replay()
