@@ -11,9 +11,15 @@ Ouro paper also studies non-uniform priors; the default here, π_r ∝ 2^r, lean
 loops. The default is the uniform prior (Ouro's objective); docs/demo-model.md records what
 each prior gave.
 
+Optional, for a fine-tune: ``--unlikelihood ALPHA`` adds Welleck et al.'s sequence-level
+unlikelihood term every ``--ul-every`` steps (tools/demo_unlikelihood.py): greedy continuations
+of train-split prefixes by the model itself, with every token of an n-gram the continuation
+already produced made less likely. It is what stops the greedy loops (docs/demo-model.md).
+
 Resumable: the state (model, optimiser, step, data RNG) is saved under --run-dir every
 --save-every steps and when --time-budget-s runs out; running the same command again resumes.
-The best held-out checkpoint (by depth-R loss) is exported in Hugging Face format (fp16).
+The best held-out checkpoint (by depth-R loss), or with ``--export final`` the last one, is
+exported in Hugging Face format (fp16).
 
     python tools/train_demo_model.py --data .corpus --run-dir runs/demo --out loopcast/demo_model
 """
@@ -31,6 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from demo_unlikelihood import greedy_continue, repeated_ngram_mask, unlikelihood_loss  # tools/ on sys.path
+from eval_demo_model import degenerate
 from loopcast.config import ModelConfig
 from loopcast.exporter.checkpoint import load_checkpoint, save_checkpoint
 from loopcast.exporter.reference import LoopedLM, exit_probabilities, init_weights
@@ -65,6 +73,17 @@ def parse_args() -> argparse.Namespace:
                    help="start from this HF checkpoint's weights (fine-tuning); ignored when resuming")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="residual dropout on every branch (attention, MLP) while training only")
+    p.add_argument("--unlikelihood", type=float, default=0.0, metavar="ALPHA",
+                   help="weight of the sequence-level unlikelihood term (tools/demo_unlikelihood.py)")
+    p.add_argument("--ul-every", type=int, default=2, help="add the unlikelihood term every K steps")
+    p.add_argument("--ul-batch", type=int, default=32, help="prefixes continued per unlikelihood step")
+    p.add_argument("--ul-prefix", type=int, default=48, help="prefix tokens (from the train split)")
+    p.add_argument("--ul-new", type=int, default=96, help="greedy tokens generated per prefix")
+    p.add_argument("--ul-ngram", type=int, default=4, help="n of the repeated n-grams penalised")
+    p.add_argument("--ul-depth-weights", choices=("prior", "uniform"), default="prior",
+                   help="weights of the per-depth unlikelihood terms: the exit prior, or equal")
+    p.add_argument("--export", choices=("best", "final"), default="best",
+                   help="export the best held-out (depth-R loss) weights or the final ones")
     p.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine floor as a fraction of --lr")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-windows", type=int, default=64)
@@ -129,6 +148,20 @@ def add_residual_dropout(model: LoopedLM, rate: float) -> None:
             norm.register_forward_hook(lambda mod, inp, out: F.dropout(out, rate, mod.training))
 
 
+def unlikelihood_step(model, forward, train: np.ndarray, rng, args, weights, device):
+    """Greedy continuations of fresh train-split prefixes and their unlikelihood loss, plus
+    (repeated-token fraction, degenerate fraction) of those continuations for the log."""
+    starts = rng.integers(0, len(train) - args.ul_prefix, size=args.ul_batch)
+    prefix = torch.from_numpy(np.stack([train[s:s + args.ul_prefix] for s in starts]).astype(np.int64))
+    seq = greedy_continue(model, prefix.to(device), args.ul_new)
+    cont = seq[:, args.ul_prefix:].cpu().numpy()
+    mask = repeated_ngram_mask(cont, args.ul_ngram)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        ul, per_depth = unlikelihood_loss(forward, seq, args.ul_prefix, torch.from_numpy(mask).to(device), weights)
+    stats = f"rep {mask.mean():.3f} degenerate {np.mean([degenerate(row.tolist()) for row in cont]):.2f}"
+    return ul, per_depth, stats
+
+
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -142,6 +175,7 @@ def main() -> None:
     if args.smoke:
         args.steps, args.batch, args.seq, args.eval_every, args.eval_windows = 20, 4, 128, 10, 8
         args.save_every, args.warmup = 10, 5
+        args.ul_batch, args.ul_prefix, args.ul_new = 2, 8, 16
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     train = np.load(args.data / "train.npy", mmap_mode="r")
@@ -183,6 +217,8 @@ def main() -> None:
 
     params = sum(p.numel() for p in model.parameters())
     print(f"params {params:,}  device {device}  train tokens {len(train):,}", flush=True)
+    ul_weights = prior if args.ul_depth_weights == "prior" else torch.full_like(prior, 1 / len(prior))
+    ul_note = ""
     t0 = time.time()
     model.train()
     while step < args.steps:
@@ -192,6 +228,10 @@ def main() -> None:
         ids = torch.from_numpy(np.stack([train[s:s + args.seq + 1] for s in starts]).astype(np.int64)).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             objective, ce, probs = ouro_loss(forward, ids, args.beta, prior)
+        if args.unlikelihood > 0 and step % args.ul_every == 0:
+            ul, ul_depth, ul_stats = unlikelihood_step(model, forward, train, rng, args, ul_weights, device)
+            objective = objective + args.unlikelihood * ul
+            ul_note = f" ul/depth {[round(u, 3) for u in ul_depth.tolist()]} {ul_stats}"
         opt.zero_grad(set_to_none=True)
         objective.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -199,7 +239,7 @@ def main() -> None:
         step += 1
         if step % 50 == 0 or step == 1:
             print(f"step {step} obj {objective.item():.4f} ce/depth {[round(c, 3) for c in ce.tolist()]} "
-                  f"p_exit {[round(p, 3) for p in probs.tolist()]} {time.time() - t0:.0f}s", flush=True)
+                  f"p_exit {[round(p, 3) for p in probs.tolist()]}{ul_note} {time.time() - t0:.0f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             losses = evaluate(model, heldout, args.seq, args.eval_windows, device)
             record = {"step": step, "elapsed_s": round(time.time() - t0, 1), "train_ce": ce.tolist(),
@@ -216,8 +256,10 @@ def main() -> None:
             print(f"time budget reached at step {step}; rerun the same command to resume", flush=True)
             break
     save_state()
-    if args.out is not None and (args.run_dir / "best.pt").is_file():
-        export_best(args)
+    if args.export == "final":
+        torch.save(model.state_dict(), args.run_dir / "final.pt")
+    if args.out is not None and (args.run_dir / f"{args.export}.pt").is_file():
+        export_weights(args)
 
 
 def model_config(args) -> ModelConfig:
@@ -226,10 +268,10 @@ def model_config(args) -> ModelConfig:
                                intermediate_size=args.intermediate, num_heads=heads, num_kv_heads=heads)
 
 
-def export_best(args) -> None:
-    """Write the best held-out weights as an HF checkpoint (fp16) with the tokenizer files."""
+def export_weights(args) -> None:
+    """Write the best held-out (or the final) weights as an HF checkpoint (fp16) with the tokenizer files."""
     model = LoopedLM(model_config(args))
-    model.load_state_dict(torch.load(args.run_dir / "best.pt", map_location="cpu"))
+    model.load_state_dict(torch.load(args.run_dir / f"{args.export}.pt", map_location="cpu"))
     staging = args.run_dir / "export"
     if staging.exists():
         shutil.rmtree(staging)
@@ -241,7 +283,7 @@ def export_best(args) -> None:
         src = args.tokenizer_dir / name
         if src.is_file() and src.resolve() != (args.out / name).resolve():
             shutil.copy(src, args.out / name)
-    print(f"exported best checkpoint to {args.out}", flush=True)
+    print(f"exported the {args.export} checkpoint to {args.out}", flush=True)
 
 
 if __name__ == "__main__":
