@@ -36,7 +36,7 @@ phase_kernels() {  # ctypes microbenchmarks; needs no onnxruntime-gpu. baseline 
     2>&1 | tail -30 > "$RES/gpu-kernel-tests.txt"
 }
 phase_parity() {
-  timeout 80 python3 tools/gpu_parity.py --new-tokens 48 --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1
+  timeout 150 python3 tools/gpu_parity.py --new-tokens 48 --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1
 }
 phase_bench_demo() {
   timeout 110 python3 -m loopcast.cli bench demo --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \

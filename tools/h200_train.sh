@@ -10,6 +10,10 @@ set -uo pipefail
 shopt -s nullglob
 [ $# -ge 3 ] && [ $(( ($# - 1) % 2 )) -eq 0 ] || { echo "usage: $0 BUDGET_S NAME \"FLAGS\" [NAME \"FLAGS\" ...]" >&2; exit 2; }
 [ -n "${OUT:-}" ] || { echo "tools/h200_train.sh runs on the lent GPU machine (\$OUT unset)" >&2; exit 2; }
+# A device call ends at 600 s: training, export (~10 s) and one evaluation per run (~25 s on the
+# H200) must fit, or the results of the runs evaluated last are lost.
+need=$(( $1 + 20 + 30 * ($# - 1) / 2 ))
+[ "$need" -le 590 ] || { echo "budget $1 s + $(( ($# - 1) / 2 )) evaluations need ~$need s; one call has 600" >&2; exit 2; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 for d in exporter graphs ort_runtime custom_ops; do [ -e loopcast/$d ] || ln -s ../$d loopcast/$d; done
 for w in .ortgpu/wheels/*.whl; do  # the pure-Python / abi3 wheels the machine lacks
