@@ -7,8 +7,10 @@ decoding of a maximum-likelihood model feeds on its own repetitions (the loop ge
 each time round); this term penalises exactly the loops the model makes, on the model's own
 text, while the Ouro objective on real text keeps the repetitions that code does have.
 
-The loss at depth r is ``-mean_{masked t} log(1 - p_r(x_t | x_<t))``; depths are weighted by
-the trainer's exit prior π (the same weights the objective leans on).
+The loss at depth r is ``-mean_{masked t} log(1 - p_r(x_t | x_<t))``. The trainer weights the
+depths by its exit prior π or equally (``--ul-depth-weights``). Equal weights keep the held-out
+loss decreasing with depth; with π, depth 4 takes most of the push and falls behind depth 3
+(docs/demo-model.md, runs 12–18).
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def greedy_continue(model: LoopedLM, prefix_BP: torch.Tensor, new_tokens: int) -
 
 
 def unlikelihood_loss(model, seq_BT: torch.Tensor, prefix_len: int, mask_BL: torch.Tensor,
-                      prior: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ_r π_r·UL_r, per-depth UL [R]) over the masked continuation tokens of ``seq_BT``."""
+                      depth_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_r w_r·UL_r, per-depth UL [R]) over the masked continuation tokens of ``seq_BT``."""
     out = model(seq_BT[:, :-1], all_depths=True)
     target_BL = seq_BT[:, prefix_len:]
     weight = mask_BL.float()
@@ -71,4 +73,4 @@ def unlikelihood_loss(model, seq_BT: torch.Tensor, prefix_len: int, mask_BL: tor
         one_minus = (-torch.expm1(logp_BL)).clamp_min(1e-5)
         per_depth.append(-(torch.log(one_minus) * weight).sum() / count)
     per_depth_t = torch.stack(per_depth)
-    return (per_depth_t * prior).sum(), per_depth_t.detach()
+    return (per_depth_t * depth_weights).sum(), per_depth_t.detach()
