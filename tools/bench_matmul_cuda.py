@@ -24,6 +24,7 @@ import os
 import torch
 
 from cuda_timing import graph_time_us, load_library
+from loopcast.bench import kernel_env
 
 SHAPES = [(2048, 6144), (2048, 2048), (2048, 11264), (5632, 2048)]
 MS = [1, 2, 5, 8, 16, 32]
@@ -40,23 +41,6 @@ def call(lib, A, B, Y, trans_b: int) -> None:
                                     ctypes.c_int64(N), ctypes.c_int(trans_b), stream)
     if code:
         raise RuntimeError(lib.loopcast_cuda_error_string(code).decode())
-
-
-@contextlib.contextmanager
-def env_setting(var: str | None, value: str | None):
-    """A launch switch while a graph is captured (the library reads it at each launch)."""
-    if var is None:
-        yield
-        return
-    previous = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = previous
 
 
 def parse_variant(text: str) -> tuple[str, str, str]:
@@ -133,7 +117,7 @@ def main() -> None:
                     for name, lib, switch in columns:
                         fns = [(lambda W=Ws[i % nbuf], lib=lib: call(lib, Am, W, Y, tb)) for i in range(ncalls)]
                         try:
-                            with env_setting(*switch):
+                            with kernel_env(*switch) if switch[0] else contextlib.nullcontext():
                                 row[name] = graph_time_us(fns)
                         except RuntimeError as e:  # keep going: report the failure in the table
                             print(f"!! {name}: {e}", flush=True)

@@ -7,9 +7,9 @@ distribution from collapsing onto the loops that learn fastest:
     L = mean_tokens( Σ_r p_r·CE_r + β·KL(p ‖ π) )
 
 With a uniform prior π this is Ouro's entropy regulariser (−β·H(p) up to a constant). The
-Ouro paper also studies non-uniform priors; the default here, π_r ∝ 2^r, leans on the last
-loops. The default is the uniform prior (Ouro's objective); docs/demo-model.md records what
-each prior gave.
+Ouro paper also studies non-uniform priors: ``--exit-prior geometric`` (π_r ∝ 2^r) or explicit
+weights such as ``1,1,2,8`` lean on the last loops. The default is the uniform prior (Ouro's
+objective); docs/demo-model.md records what each prior gave.
 
 Optional, for a fine-tune: ``--unlikelihood ALPHA`` adds Welleck et al.'s sequence-level
 unlikelihood term every ``--ul-every`` steps (tools/demo_unlikelihood.py): greedy continuations
