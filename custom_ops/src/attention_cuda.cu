@@ -28,6 +28,7 @@
 // kernel is used depends on B, Hq, D and the capacity only (sized for S = 32), never on S <= 32.
 #include <cfloat>
 
+#include "attention_common.cuh"
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
 
@@ -36,18 +37,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-
-// Element d of a head vector x at position p after rotate-half rotary (fp32, the expression of
-// kv_write_kernel and of the q rotation, so every path gives the same bits).
-template <typename T>
-__device__ __forceinline__ float rotated(const T* x, int d, int half, int p, const T* cos_cache, const T* sin_cache,
-                                         bool do_rotary) {
-  if (!do_rotary) return to_f(x[d]);
-  const int dd = d < half ? d : d - half;
-  const float x1 = to_f(x[dd]), x2 = to_f(x[dd + half]);
-  const float c = to_f(cos_cache[p * half + dd]), s = to_f(sin_cache[p * half + dd]);
-  return d < half ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
-}
 
 template <typename T>
 __global__ void kv_write_kernel(const T* __restrict__ qkv, T* __restrict__ pk, T* __restrict__ pv,
@@ -201,41 +190,6 @@ constexpr int kMaxUnits = 1 << 16;
 
 __device__ float g_attn_scratch[kScratchFloats];       // [B*S*Hq][nch][2 + D]: m, l, a[D]
 __device__ unsigned int g_attn_counters[kMaxUnits];    // zero between launches
-
-template <typename T> struct Vec;
-template <> struct Vec<float> {
-  static constexpr int N = 4;
-  __device__ static void cvt(const uint4& u, float* f) {
-    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
-    f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
-  }
-};
-template <> struct Vec<__half> {
-  static constexpr int N = 8;
-  __device__ static void cvt(const uint4& u, float* f) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      f[2 * k] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[k] & 0xffffu)));
-      f[2 * k + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[k] >> 16)));
-    }
-  }
-};
-template <> struct Vec<__nv_bfloat16> {
-  static constexpr int N = 8;
-  __device__ static void cvt(const uint4& u, float* f) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      f[2 * k] = __uint_as_float(w[k] << 16);
-      f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-  }
-};
-
-__device__ __forceinline__ bool row_valid(int p, int cap, int rotary_len, bool do_rotary) {
-  return p >= 0 && p < cap && !(do_rotary && p >= rotary_len);
-}
 
 // K (rotated, rounded to T) and V of new row i (position p) for dims t*VEC .. t*VEC+VEC-1, from
 // qkv: exactly what the cache holds for that position once it is written.

@@ -29,6 +29,18 @@ __device__ __forceinline__ T swiglu_value(T gate, T up) {
   return from_f<T>(__fmul_rn(silu, to_f(up)));
 }
 
+// Eight SwiGLU values from eight gate and eight up elements.
+template <typename T>
+__device__ __forceinline__ uint4 swiglu8(uint4 gate, uint4 up) {
+  const T* g = reinterpret_cast<const T*>(&gate);
+  const T* u = reinterpret_cast<const T*>(&up);
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = swiglu_value(g[e], u[e]);
+  return out;
+}
+
 // Programmatic dependent launch (PDL, sm_90). Kernels launched through launch_kernel() may start
 // while the previous kernel on the stream is still finishing, so a decode step's ~1 000 short
 // kernels overlap their launch and ramp-up instead of paying them back to back. Rules for every

@@ -22,6 +22,7 @@
 
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
+#include "mma_common.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -234,36 +235,6 @@ constexpr int kMmaMaxCluster = 4;   // measured on an H200: clusters of 8 cost 2
 constexpr int kRedStride = kMmaTN + 1;
 constexpr int kMaxRowsPerLaunch = 32;
 
-template <typename T> struct MmaTraits;
-template <> struct MmaTraits<__half> {
-  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-};
-template <> struct MmaTraits<__nv_bfloat16> {
-  static __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-};
-
-__device__ __forceinline__ uint4 ld_stream16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
 // `count` (0..8) consecutive 16-bit elements from p, zero-filled to 8.
 __device__ __forceinline__ uint4 load8_partial(const uint16_t* p, int count) {
   uint32_t w[4];
@@ -283,27 +254,9 @@ struct MmaArgs {
   bool b_vec, a_vec;  // 16-byte weight loads / aligned activation loads allowed
 };
 
-template <int MT>
-struct ChunkRegs {
-  uint4 b[8];
-  uint32_t a[MT][8];
-};
-
 // Aligned 16-byte loads, entirely inside K and the tile's columns: no bounds checks needed.
 __device__ __forceinline__ bool chunk_full(const MmaArgs& p, int chunk, int n0) {
   return p.b_vec && p.a_vec && chunk * kChunkK + kChunkK <= p.K && n0 + kMmaTN <= p.N;
-}
-
-// Eight SwiGLU values from eight gate and eight up elements.
-template <typename T>
-__device__ __forceinline__ uint4 swiglu8(uint4 gate, uint4 up) {
-  const T* g = reinterpret_cast<const T*>(&gate);
-  const T* u = reinterpret_cast<const T*>(&up);
-  uint4 out;
-  T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) o[e] = swiglu_value(g[e], u[e]);
-  return out;
 }
 
 // Eight activations A[row][k .. k + 8] (count < 8: zero-filled), through SwiGLU when SW (a
@@ -388,30 +341,6 @@ __device__ __forceinline__ void load_chunk(ChunkRegs<MT>& r, const MmaArgs& p, i
     }
   }
   load_a_rows<T, SW, MT>(r, p, k, g, full);
-}
-
-// Two k16 MMAs per chunk; MMA h takes, for lane (g, t), physical k = k0 + 8t + 4h + {0, 1} as
-// k-slots {2t, 2t+1} and k0 + 8t + 4h + {2, 3} as k-slots {2t+8, 2t+9}, for A and B alike.
-template <typename T, bool TB, int MT>
-__device__ __forceinline__ void mma_chunk(float (&acc)[MT][8][4], const ChunkRegs<MT>& r) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      uint32_t b0, b1;
-      if (!TB) {  // pair rows (k, k+1) of column 8g + j: byte permutes of two 16-byte row loads
-        const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
-        b0 = __byte_perm(word(r.b[4 * h + 0], j >> 1), word(r.b[4 * h + 1], j >> 1), sel);
-        b1 = __byte_perm(word(r.b[4 * h + 2], j >> 1), word(r.b[4 * h + 3], j >> 1), sel);
-      } else {
-        b0 = word(r.b[j], 2 * h);
-        b1 = word(r.b[j], 2 * h + 1);
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        MmaTraits<T>::mma(acc[mt][j], r.a[mt][2 * h], r.a[mt][4 + 2 * h], r.a[mt][2 * h + 1], r.a[mt][5 + 2 * h],
-                          b0, b1);
-    }
 }
 
 template <typename T, bool TB, bool SW, int MT>

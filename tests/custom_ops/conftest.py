@@ -23,3 +23,17 @@ def require_c_toolchain() -> None:
 def library(tmp_path_factory) -> Path:
     require_c_toolchain()
     return build_library(tmp_path_factory.mktemp("ops"))
+
+
+@pytest.fixture(scope="module")
+def cuda_library(tmp_path_factory) -> Path:
+    """The library with CUDA kernels, for the ctypes GPU tests: $LOOPCAST_OPS_LIB when set (a GPU
+    machine without the editable install), else built here (skipped without nvcc)."""
+    if os.environ.get("LOOPCAST_OPS_LIB"):
+        return Path(os.environ["LOOPCAST_OPS_LIB"])
+    from loopcast.custom_ops.build import find_nvcc
+
+    require_c_toolchain()
+    if find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    return build_library(tmp_path_factory.mktemp("cuda_ops"), cuda=True)

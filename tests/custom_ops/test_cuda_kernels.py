@@ -38,19 +38,6 @@ OUTPUTS = ["output", "present_key", "present_value"]
 CHUNK = 64  # kChunk of attention_cuda.cu: positions per split-attention chunk
 
 
-@pytest.fixture(scope="module")
-def cuda_library(tmp_path_factory) -> Path:
-    if os.environ.get("LOOPCAST_OPS_LIB"):
-        return Path(os.environ["LOOPCAST_OPS_LIB"])
-    from loopcast.custom_ops.build import build_library, find_nvcc
-    from tests.custom_ops.conftest import require_c_toolchain
-
-    require_c_toolchain()
-    if find_nvcc() is None:
-        pytest.skip("nvcc not found")
-    return build_library(tmp_path_factory.mktemp("cuda_ops"), cuda=True)
-
-
 def _lib(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     assert lib.loopcast_ops_has_cuda()

@@ -1,0 +1,761 @@
+// FusedDecoderLayer, CUDA: one persistent kernel per decoder-layer application for M <= 8 rows
+// (decode and verify), instead of seven dependent kernels (norm, qkv, attention, o_proj, norm,
+// gate/up, down). Semantics (the chain of the separate ops, cuda_launch.h):
+//
+//   x   = ResidualRMSNorm sum (branch, residual, branch_norm, loop_norm)        -> sum_out
+//   h   = n_in(x);  qkv = h·Wqkv;  a = attention(qkv, cache, rotary) · Wo       (cache rows written)
+//   x1  = x + (attn_norm ? n_a(a) : a)                                         -> mid_out
+//   m   = SwiGLU(n_post(x1)·Wgu) · Wdown                                        -> mlp_out
+//
+// Why one kernel: at M = 1 every dependent kernel costs ~4.5 µs of ramp and drain on an H200
+// whatever its size (docs/perf.md), half of a decode step. Here the weights never stop flowing:
+//
+//   grid 128 blocks (all resident: one per SM), 9 warps each.
+//   warp 8 (producer) streams this block's weight tiles for all four projections, in order,
+//     through a 3-stage shared-memory ring with TMA (box 256 k x 64 columns = 32 KiB); it needs
+//     no activations, so it runs ahead across the phases and the grid barriers below.
+//   warps 0-7 (consumers) run the phases, separated by grid barriers (a global ticket counter):
+//     P0 norms -> qkv | P1 attention | P2 o_proj | P3 norms -> gate/up | P4 SwiGLU -> down.
+//     A norm or SwiGLU prologue is computed by every block for every row (cheap, L2-resident),
+//     into a shared-memory activation buffer; block 0 alone writes sum_out / mid_out.
+//
+// Matmul phase, B[K, N] ([K, N] row-major, the graphs' weight_T): units (tile of 64 columns,
+// 256-row k-stage), tile-major; block b takes units [b·U/128, (b+1)·U/128). Warp w of a unit
+// takes k rows 32w..32w+31 as one mma_chunk (mma_common.cuh). Output (m, n) is
+//   serial MMA chain over the block's k-stages of the tile (ascending), per warp
+//   -> serial sum over the 8 warps -> serial sum over the tile's blocks (ascending; the last
+//   block to finish the tile, found with an atomic counter, does it and rounds to T).
+// The split depends on (K, N) only. An MMA row never sees another row, so a row's bits do not
+// depend on M: every verify row equals the M = 1 row.
+//
+// Attention phase: items (kv head, 64-position chunk) strided over the blocks; per (row, q head)
+// the chunk's max, sum of exponentials and weighted V sum in a fixed order (attention_cuda.cu's
+// split layout), merged by the last block of the kv head in ascending chunk order. New rows' K/V
+// are taken from qkv while attending and written to the cache by the item owning the position.
+//
+// Scratch (intermediates, partials, counters) is process-wide static device memory: calls on one
+// device must not run concurrently (a session runs its steps one at a time). Launched with PDL:
+// the producer starts streaming the first weights while the previous kernel finishes.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <type_traits>
+
+#include "attention_common.cuh"
+#include "cuda_common.cuh"
+#include "cuda_launch.h"
+#include "mma_common.cuh"
+
+namespace loopcast_cuda {
+namespace {
+
+constexpr int kConsumerWarps = 8;
+constexpr int kConsumers = kConsumerWarps * 32;
+constexpr int kLayerThreads = kConsumers + 32;
+constexpr int kLayerBlocks = 128;  // a constant (part of the numerics), a power of two (barrier)
+constexpr int kTileN = 64;
+constexpr int kStageK = 256;
+constexpr int kMaxStages = 8;  // the ring takes what shared memory the activations leave (3..6 stages)
+constexpr int kStageElems = kTileN * kStageK;
+constexpr int kStageBytes = kStageElems * 2;
+constexpr int kRows = kLoopcastLayerMaxRows;
+constexpr int kRedStride = kTileN + 1;
+constexpr int kAttnChunk = 64;
+constexpr int kMaxUnits = 4096;  // (tile, k-stage) units per projection
+constexpr int kMaxHidden = 8192, kMaxQkv = 16384, kMaxInter = 16384;
+constexpr int kMaxQHeads = 32, kMaxAttnUnits = 64;
+constexpr int kMaxChunks = kLoopcastLayerMaxCapacity / kAttnChunk;
+
+__device__ __align__(16) float g_partials[kMaxUnits * kRows * kTileN];
+__device__ unsigned g_tile_ctr[kMaxUnits];
+__device__ unsigned g_barrier;  // tickets; a multiple of kLayerBlocks between launches
+__device__ __align__(16) uint16_t g_qkv[kRows * kMaxQkv];
+__device__ __align__(16) uint16_t g_attn[kRows * kMaxHidden];
+__device__ __align__(16) uint16_t g_oproj[kRows * kMaxHidden];
+__device__ __align__(16) uint16_t g_gate_up[kRows * 2 * kMaxInter];
+__device__ float g_attn_part[static_cast<size_t>(kRows) * kMaxQHeads * kMaxChunks * (128 + 2)];
+// Per block, globaltimer (ns) at the phase marks of the last launch (loopcast_cuda_decoder_layer_timeline).
+__device__ unsigned long long g_timeline[kLayerBlocks][kLoopcastLayerTimelineMarks];
+
+struct LayerMaps {
+  CUtensorMap qkv, o, gate_up, down;
+};
+
+struct LayerParams {
+  const void *branch, *residual, *branch_norm, *loop_norm, *input_norm;
+  void *key_cache, *value_cache;
+  const int32_t* seqlens_k;
+  const void *cos_cache, *sin_cache, *attn_norm, *post_attn_norm;
+  void *sum_out, *mid_out, *mlp_out;
+  int M, H, Hq, Hkv, D, I, cap, rotary_len;
+  float eps, scale;
+  bool rotary;
+  int stages;  // weight ring depth
+};
+
+// One projection's split (from K and N only) and this block's unit range.
+struct Phase {
+  int K, N, kst, units, u0, u1;
+};
+__device__ __forceinline__ Phase phase_of(int K, int N) {
+  Phase s;
+  s.K = K;
+  s.N = N;
+  s.kst = (K + kStageK - 1) / kStageK;
+  s.units = s.kst * ((N + kTileN - 1) / kTileN);
+  if (s.units >= kLayerBlocks) {  // every block gets at least one unit, so a tile's blocks are consecutive
+    s.u0 = static_cast<int>(static_cast<long long>(blockIdx.x) * s.units / kLayerBlocks);
+    s.u1 = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * s.units / kLayerBlocks);
+  } else {  // one unit per block, blocks >= units idle
+    s.u0 = min(static_cast<int>(blockIdx.x), s.units);
+    s.u1 = min(static_cast<int>(blockIdx.x) + 1, s.units);
+  }
+  return s;
+}
+// The block whose range holds unit u (the largest b with b·U/128 <= u, or u itself).
+__device__ __forceinline__ int unit_owner(const Phase& s, int u) {
+  if (s.units < kLayerBlocks) return u;
+  return static_cast<int>((static_cast<long long>(u + 1) * kLayerBlocks - 1) / s.units);
+}
+
+// ---- shared memory, mbarriers, TMA ----------------------------------------------------------
+struct Smem {
+  uint64_t* full;   // [stages]
+  uint64_t* empty;  // [stages]
+  int* flag;
+  float* red;       // [8 warps][kRows][65]; attention: [2][8][D] and [4][8]; combine: [2][kMaxChunks]
+  uint16_t* ring;   // [stages][256][64]
+  uint16_t* act;    // activations [rows][stride]; attention: rotated q [units][D] fp32
+  int stages;
+};
+constexpr int kFlagOffset = 2 * kMaxStages * 8;
+constexpr int kRedOffset = kFlagOffset + 16;
+constexpr int kRedBytes = kConsumerWarps * kRows * kRedStride * 4;
+constexpr int kRingOffset = (kRedOffset + kRedBytes + 1023) / 1024 * 1024;
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_tile(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int row) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::
+          "r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(col), "r"(row)
+      : "memory");
+}
+// The eight consumer warps only (the producer warp never joins).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
+// Every consumer of every block arrives; tickets keep counting across barriers and launches.
+__device__ void grid_barrier() {
+  consumer_sync();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned ticket = atomicAdd(&g_barrier, 1u);
+    const unsigned target = ticket - ticket % kLayerBlocks + kLayerBlocks;
+    unsigned v;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(&g_barrier) : "memory");
+    } while (static_cast<int>(v - target) < 0);
+  }
+  consumer_sync();
+}
+
+template <typename T> __device__ __forceinline__ float rt(float v) { return to_f(from_f<T>(v)); }
+
+// ---- prologues --------------------------------------------------------------------------------
+template <typename T> __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = from_f<T>(f[e]);
+  return out;
+}
+// Granule j of this consumer thread: elements (tid + 256j)·8 .. +8 (H % 8 == 0: never straddles H).
+__device__ __forceinline__ int granule_k(int j) { return (threadIdx.x + j * kConsumers) * 8; }
+
+template <int NV, bool CONST>
+__device__ __forceinline__ void load_granules(uint4 (&g)[NV], const void* src, int H) {
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int k = granule_k(j);
+    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(src) + k);
+    g[j] = src != nullptr && k < H ? (CONST ? __ldg(q) : __ldcg(q)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// x <- T(w · T(x / sqrt(mean(x²) + eps))): the sum of squares in the order of residual_norm_cuda.cu
+// (serial fmaf over the thread's granules and elements, xor butterfly, serial over the warps), so
+// the norms carry the bits of ResidualRMSNorm.
+template <typename T, int NV>
+__device__ void norm_in_place(float (&x)[NV][8], const uint4 (&w)[NV], int H, float eps, float* red8) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(x[j][e], x[j][e], acc);
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
+  if ((threadIdx.x & 31) == 0) red8[threadIdx.x >> 5] = acc;
+  consumer_sync();
+  float ss = red8[0];
+#pragma unroll
+  for (int q = 1; q < kConsumerWarps; ++q) ss = __fadd_rn(ss, red8[q]);
+  consumer_sync();  // red8 is reused by the next reduction
+  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(H)), eps)));
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    float wf[8];
+    Vec<T>::cvt(w[j], wf);  // zeros past H
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[j][e] = rt<T>(__fmul_rn(wf[e], rt<T>(__fmul_rn(x[j][e], inv))));
+  }
+}
+
+// act[m] = n_out(s), s = [n_loop](residual + [n_b](branch)), for every row; block 0 writes s.
+// Every load of a row is issued before the first reduction: one L2 round trip, not five.
+template <typename T, int NV>
+__device__ void norm_rows(const void* branch, const void* residual, const void* bw, const void* lw, const void* ow,
+                          void* sum_out, uint16_t* act, int stride, int kpad, int M, int H, float eps, float* red8) {
+  uint4 wb[NV], wl[NV], wo[NV];
+  load_granules<NV, true>(wb, bw, H);
+  load_granules<NV, true>(wl, lw, H);
+  load_granules<NV, true>(wo, ow, H);
+  for (int m = 0; m < M; ++m) {
+    uint4 xb[NV], xr[NV];
+    load_granules<NV, false>(xb, static_cast<const uint16_t*>(branch) + static_cast<size_t>(m) * H, H);
+    load_granules<NV, false>(xr, residual ? static_cast<const uint16_t*>(residual) + static_cast<size_t>(m) * H
+                                          : nullptr, H);
+    float x[NV][8];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) Vec<T>::cvt(xb[j], x[j]);
+    if (bw) norm_in_place<T, NV>(x, wb, H, eps, red8);  // null checks are uniform over the block
+    if (residual) {
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        float r[8];
+        Vec<T>::cvt(xr[j], r);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[j][e] = rt<T>(__fadd_rn(r[e], x[j][e]));
+      }
+    }
+    if (lw) norm_in_place<T, NV>(x, wl, H, eps, red8);
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+      if (blockIdx.x == 0 && granule_k(j) < H)
+        *reinterpret_cast<uint4*>(static_cast<uint16_t*>(sum_out) + static_cast<size_t>(m) * H + granule_k(j)) =
+            pack8<T>(x[j]);
+    norm_in_place<T, NV>(x, wo, H, eps, red8);
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+      if (granule_k(j) < kpad) *reinterpret_cast<uint4*>(act + m * stride + granule_k(j)) = pack8<T>(x[j]);
+  }
+  for (int k = NV * kConsumers * 8 + threadIdx.x * 8; k < kpad; k += kConsumers * 8)
+    for (int m = 0; m < M; ++m) *reinterpret_cast<uint4*>(act + m * stride + k) = make_uint4(0u, 0u, 0u, 0u);
+}
+
+// act[m][k] = src[m][k] (SW: SwiGLU(src[m][k], src[m][K + k])) for k < K, zeros up to kpad; four
+// 16-byte loads in flight per thread.
+template <typename T, bool SW>
+__device__ void stage_rows(const uint16_t* src, int src_stride, int K, int M, uint16_t* act, int stride, int kpad) {
+  const int gpr = kpad / 8, total = M * gpr;
+  for (int base = threadIdx.x; base < total; base += 4 * kConsumers) {
+    uint4 v[4], u[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int gi = base + j * kConsumers, m = gi / gpr, k = gi % gpr * 8;
+      v[j] = u[j] = make_uint4(0u, 0u, 0u, 0u);
+      if (gi < total && k < K) {
+        const uint16_t* row = src + static_cast<size_t>(m) * src_stride;
+        v[j] = __ldcg(reinterpret_cast<const uint4*>(row + k));
+        if (SW) u[j] = __ldcg(reinterpret_cast<const uint4*>(row + K + k));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int gi = base + j * kConsumers, m = gi / gpr, k = gi % gpr * 8;
+      if (gi < total) *reinterpret_cast<uint4*>(act + m * stride + k) = SW && k < K ? swiglu8<T>(v[j], u[j]) : v[j];
+    }
+  }
+}
+
+// ---- matmul phase -----------------------------------------------------------------------------
+// The block's partial of one tile -> g_partials; the tile's last block sums them and stores Y.
+template <typename T>
+__device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int M, T* Y, const Smem& sm) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  if (g < M) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) sm.red[(warp * kRows + g) * kRedStride + 8 * (2 * t + e) + j] = acc[0][j][e];
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.0f;
+  consumer_sync();
+  const int first = unit_owner(s, tile * s.kst), nseg = unit_owner(s, (tile + 1) * s.kst - 1) - first + 1;
+  float* part = g_partials + static_cast<size_t>(tile) * s.kst * kRows * kTileN;
+  for (int e = tid; e < M * kTileN; e += kConsumers) {
+    const int row = e / kTileN, col = e % kTileN;
+    float v = sm.red[row * kRedStride + col];
+#pragma unroll
+    for (int q = 1; q < kConsumerWarps; ++q) v = __fadd_rn(v, sm.red[(q * kRows + row) * kRedStride + col]);
+    __stcg(part + (blockIdx.x - first) * kRows * kTileN + e, v);
+  }
+  __threadfence();
+  consumer_sync();
+  if (tid == 0) {
+    const bool last = atomicAdd(&g_tile_ctr[tile], 1u) == static_cast<unsigned>(nseg - 1);
+    if (last) atomicExch(&g_tile_ctr[tile], 0u);
+    *sm.flag = last;
+  }
+  consumer_sync();
+  if (*sm.flag) {
+    __threadfence();
+    for (int e = tid; e < M * kTileN; e += kConsumers) {
+      float v = __ldcg(part + e);
+      for (int q = 1; q < nseg; ++q) v = __fadd_rn(v, __ldcg(part + q * kRows * kTileN + e));
+      const int col = tile * kTileN + e % kTileN;
+      if (col < s.N) Y[static_cast<size_t>(e / kTileN) * s.N + col] = from_f<T>(v);
+    }
+  }
+}
+
+template <typename T>
+__device__ void matmul_phase(const Phase& s, int M, T* Y, const Smem& sm, int& it) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int stride = s.kst * kStageK + 8;  // +16 bytes: rows of A fall on different banks
+  float acc[1][8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.0f;
+  int cur = -1;
+  for (int u = s.u0; u < s.u1; ++u, ++it) {
+    const int tile = u / s.kst, ks = u % s.kst;
+    if (tile != cur) {
+      if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, sm);
+      cur = tile;
+    }
+    const int stage = it % sm.stages;
+    mbar_wait(sm.full + stage, (it / sm.stages) & 1);
+    const int row0 = 32 * warp + 8 * t;
+    const uint16_t* bs = sm.ring + stage * kStageElems + row0 * kTileN + 8 * g;
+    ChunkRegs<1> r;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.b[i] = *reinterpret_cast<const uint4*>(bs + i * kTileN);
+    uint4 a = make_uint4(0u, 0u, 0u, 0u);
+    if (g < M) a = *reinterpret_cast<const uint4*>(sm.act + g * stride + ks * kStageK + row0);
+    r.a[0][0] = a.x;
+    r.a[0][1] = a.y;
+    r.a[0][2] = a.z;
+    r.a[0][3] = a.w;
+#pragma unroll
+    for (int q = 4; q < 8; ++q) r.a[0][q] = 0u;  // rows 8..15 of the MMA tile
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.empty + stage);  // the slot is in registers: the producer may refill it
+    mma_chunk<T, false, 1>(acc, r);
+  }
+  if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, sm);
+}
+
+// ---- attention phase --------------------------------------------------------------------------
+template <typename T, int D>
+__device__ void attention_phase(const LayerParams& p, const Smem& sm) {
+  constexpr int VEC = 8, LPP = D / VEC, PPI = kConsumers / LPP, R = kAttnChunk / PPI, half = D / 2, P = D + 2;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, t = tid % LPP, grp = tid / LPP;
+  const int M = p.M, GQ = p.Hq / p.Hkv, Q = (p.Hq + 2 * p.Hkv) * D;
+  const T* qkv = reinterpret_cast<const T*>(g_qkv);
+  const T* cs = static_cast<const T*>(p.cos_cache);
+  const T* sn = static_cast<const T*>(p.sin_cache);
+  T* kc = static_cast<T*>(p.key_cache);
+  T* vc = static_cast<T*>(p.value_cache);
+  const int n = p.seqlens_k[0] + 1 - M;
+  int i_lo = M, i_hi = 0;  // valid rows: one interval (the combine writes zeros for the others)
+  for (int i = 0; i < M; ++i)
+    if (row_valid(n + i, p.cap, p.rotary_len, p.rotary)) i_lo = min(i_lo, i), i_hi = i + 1;
+  if (i_lo >= i_hi) return;
+  const int p_hi = n + i_hi - 1, nch = p_hi / kAttnChunk + 1;
+  float* q_s = reinterpret_cast<float*>(sm.act);
+  float* red_s = sm.red;                        // [2][8][D]
+  float* mx_s = sm.red + 2 * kConsumerWarps * D;  // [2][8]
+  float* l_s = mx_s + 2 * kConsumerWarps;         // [2][8]
+  int buf = 0;
+  for (int item = blockIdx.x; item < p.Hkv * nch; item += kLayerBlocks) {
+    const int kvh = item % p.Hkv, c = item / p.Hkv, j0 = c * kAttnChunk;
+    const int first_i = max(i_lo, j0 - n), nunits = (i_hi - first_i) * GQ;
+    for (int e = tid; e < nunits * D; e += kConsumers) {
+      const int u = e / D, d = e % D, i = first_i + u / GQ, hq = kvh * GQ + u % GQ;
+      q_s[u * D + d] = rotated(qkv + static_cast<size_t>(i) * Q + hq * D, d, half, n + i, cs, sn, p.rotary);
+    }
+    // New rows in this chunk -> the cache (nobody reads them from the cache in this launch).
+    const int jn0 = max(j0, n + i_lo), jn1 = min(j0 + kAttnChunk, p_hi + 1);
+    for (int e = tid; e < max(0, jn1 - jn0) * D; e += kConsumers) {
+      const int j = jn0 + e / D, d = e % D;
+      const T* row = qkv + static_cast<size_t>(j - n) * Q;
+      const size_t dst = (static_cast<size_t>(kvh) * p.cap + j) * D + d;
+      kc[dst] = from_f<T>(rotated(row + (p.Hq + kvh) * D, d, half, j, cs, sn, p.rotary));
+      vc[dst] = row[(p.Hq + p.Hkv + kvh) * D + d];
+    }
+    uint4 kr[R], vr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int j = j0 + grp + r * PPI;
+      kr[r] = vr[r] = make_uint4(0u, 0u, 0u, 0u);
+      if (j <= p_hi && j >= n) {  // a new row: from qkv, rotated as the cache will hold it
+        const T* row = qkv + static_cast<size_t>(j - n) * Q;
+        T* ko = reinterpret_cast<T*>(&kr[r]);
+        T* vo = reinterpret_cast<T*>(&vr[r]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          ko[e] = from_f<T>(rotated(row + (p.Hq + kvh) * D, t * VEC + e, half, j, cs, sn, p.rotary));
+          vo[e] = row[(p.Hq + p.Hkv + kvh) * D + t * VEC + e];
+        }
+      } else if (j <= p_hi) {
+        const size_t off = (static_cast<size_t>(kvh) * p.cap + j) * D + t * VEC;
+        kr[r] = __ldg(reinterpret_cast<const uint4*>(kc + off));
+        vr[r] = __ldg(reinterpret_cast<const uint4*>(vc + off));
+      }
+    }
+    consumer_sync();  // q_s complete
+    for (int u = 0; u < nunits; ++u) {
+      const int i = first_i + u / GQ, hq = kvh * GQ + u % GQ, pos = n + i;
+      float qr[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) qr[e] = q_s[u * D + t * VEC + e];
+      float s[R], mloc = -FLT_MAX;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float kf[VEC];
+        Vec<T>::cvt(kr[r], kf);
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dot = fmaf(qr[e], kf[e], dot);
+#pragma unroll
+        for (int off = LPP / 2; off >= 1; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        s[r] = __fmul_rn(dot, p.scale);
+        if (j0 + grp + r * PPI <= pos) mloc = fmaxf(mloc, s[r]);
+      }
+#pragma unroll
+      for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+      if (lane == 0) mx_s[buf * kConsumerWarps + warp] = mloc;
+      consumer_sync();
+      float mx = mx_s[buf * kConsumerWarps];
+#pragma unroll
+      for (int q = 1; q < kConsumerWarps; ++q) mx = fmaxf(mx, mx_s[buf * kConsumerWarps + q]);
+      float lsum = 0.0f, acc[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (j0 + grp + r * PPI <= pos) {
+          const float ex = expf(__fsub_rn(s[r], mx));
+          lsum += ex;
+          float vf[VEC];
+          Vec<T>::cvt(vr[r], vf);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[e] = fmaf(ex, vf[e], acc[e]);
+        }
+      }
+#pragma unroll
+      for (int off = LPP; off < 32; off *= 2) {
+        lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+      }
+      if (lane < LPP)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) red_s[(buf * kConsumerWarps + warp) * D + t * VEC + e] = acc[e];
+      if (lane == 0) l_s[buf * kConsumerWarps + warp] = lsum;
+      consumer_sync();
+      float* part = g_attn_part + ((static_cast<size_t>(i) * kMaxQHeads + hq) * kMaxChunks + c) * P;
+      if (tid < D) {
+        float v = red_s[buf * kConsumerWarps * D + tid];
+#pragma unroll
+        for (int q = 1; q < kConsumerWarps; ++q) v += red_s[(buf * kConsumerWarps + q) * D + tid];
+        __stcg(part + 2 + tid, v);
+      }
+      if (tid == 0) {
+        float l = l_s[buf * kConsumerWarps];
+#pragma unroll
+        for (int q = 1; q < kConsumerWarps; ++q) l += l_s[buf * kConsumerWarps + q];
+        __stcg(part, mx);
+        __stcg(part + 1, l);
+      }
+      buf ^= 1;  // double-buffered reductions: no third barrier per unit
+    }
+    consumer_sync();  // q_s is reused by the next item
+  }
+}
+
+// Merge the chunks of each (row, q head) in ascending order (units strided over the blocks):
+// M = max m_c, w_c = exp(m_c - M), out = (sum w_c a_c) / (sum w_c l_c). Invalid rows: zeros.
+template <typename T, int D>
+__device__ void attention_combine(const LayerParams& p, const Smem& sm) {
+  constexpr int P = D + 2;
+  const int tid = threadIdx.x, n = p.seqlens_k[0] + 1 - p.M;
+  float* m_s = sm.red;
+  float* l_s = m_s + kMaxChunks;
+  float* w_s = l_s + kMaxChunks;
+  for (int unit = blockIdx.x; unit < p.M * p.Hq; unit += kLayerBlocks) {
+    const int i = unit / p.Hq, hq = unit % p.Hq, pos = n + i;
+    T* o = reinterpret_cast<T*>(g_attn) + static_cast<size_t>(i) * p.Hq * D + hq * D;
+    if (!row_valid(pos, p.cap, p.rotary_len, p.rotary)) {  // uniform
+      for (int d = tid; d < D; d += kConsumers) o[d] = from_f<T>(0.0f);
+      continue;
+    }
+    const int nc = pos / kAttnChunk + 1;
+    const float* part = g_attn_part + (static_cast<size_t>(i) * kMaxQHeads + hq) * kMaxChunks * P;
+    for (int c = tid; c < nc; c += kConsumers) {
+      m_s[c] = __ldcg(part + c * P);
+      l_s[c] = __ldcg(part + c * P + 1);
+    }
+    consumer_sync();
+    float mx = m_s[0];
+    for (int c = 1; c < nc; ++c) mx = fmaxf(mx, m_s[c]);
+    for (int c = tid; c < nc; c += kConsumers) w_s[c] = expf(__fsub_rn(m_s[c], mx));
+    consumer_sync();
+    if (tid < D) {
+      float L = 0.0f, O = 0.0f;
+#pragma unroll 8
+      for (int c = 0; c < nc; ++c) {
+        const float w = w_s[c];
+        L = fmaf(w, l_s[c], L);
+        O = fmaf(w, __ldcg(part + c * P + 2 + tid), O);
+      }
+      o[tid] = from_f<T>(O / L);
+    }
+    consumer_sync();  // m_s, l_s, w_s reuse
+  }
+}
+
+// ---- the kernel -------------------------------------------------------------------------------
+template <typename T, int D, int NV>
+__global__ void __launch_bounds__(kLayerThreads, 1)
+    decoder_layer_kernel(const __grid_constant__ LayerMaps maps, const LayerParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  Smem sm;
+  sm.full = reinterpret_cast<uint64_t*>(smem);
+  sm.empty = sm.full + kMaxStages;
+  sm.flag = reinterpret_cast<int*>(smem + kFlagOffset);
+  sm.red = reinterpret_cast<float*>(smem + kRedOffset);
+  sm.ring = reinterpret_cast<uint16_t*>(smem + kRingOffset);
+  sm.act = reinterpret_cast<uint16_t*>(smem + kRingOffset + p.stages * kStageBytes);
+  sm.stages = p.stages;
+  const int tid = threadIdx.x, warp = tid >> 5;
+  if (tid == 0) {
+    for (int s = 0; s < sm.stages; ++s) {
+      mbar_init(sm.full + s, 1);
+      mbar_init(sm.empty + s, kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  pdl_trigger();
+  const int A = p.Hq * D;
+  const Phase ph[4] = {phase_of(p.H, (p.Hq + 2 * p.Hkv) * D), phase_of(A, p.H), phase_of(p.H, 2 * p.I),
+                       phase_of(p.I, p.H)};
+
+  if (warp == kConsumerWarps) {  // producer: weights only, so no wait for the previous kernel
+    if ((tid & 31) == 0) {
+      const CUtensorMap* map[4] = {&maps.qkv, &maps.o, &maps.gate_up, &maps.down};
+      int it = 0;
+      for (int f = 0; f < 4; ++f)
+        for (int u = ph[f].u0; u < ph[f].u1; ++u, ++it) {
+          const int stage = it % sm.stages;
+          if (it >= sm.stages) mbar_wait(sm.empty + stage, ((it / sm.stages) - 1) & 1);
+          mbar_expect_tx(sm.full + stage, kStageBytes);
+          tma_load_tile(sm.ring + stage * kStageElems, map[f], sm.full + stage, (u / ph[f].kst) * kTileN,
+                        (u % ph[f].kst) * kStageK);
+        }
+    }
+    return;
+  }
+
+  int mark = 0;
+  auto stamp = [&] {
+    if (tid == 0) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+      g_timeline[blockIdx.x][mark] = t;
+    }
+    ++mark;
+  };
+  stamp();
+  pdl_wait();  // branch, residual, seqlens and the scratch belong to earlier kernels until here
+  stamp();
+  int it = 0;
+  // P0: the opening norms, then qkv.
+  norm_rows<T, NV>(p.branch, p.residual, p.branch_norm, p.loop_norm, p.input_norm, p.sum_out, sm.act,
+                   ph[0].kst * kStageK + 8, ph[0].kst * kStageK, p.M, p.H, p.eps, sm.red);
+  consumer_sync();
+  stamp();
+  matmul_phase<T>(ph[0], p.M, reinterpret_cast<T*>(g_qkv), sm, it);
+  stamp();
+  grid_barrier();
+  stamp();
+  // P1: attention over the cache: chunk partials, then their merge.
+  attention_phase<T, D>(p, sm);
+  stamp();
+  grid_barrier();
+  stamp();
+  attention_combine<T, D>(p, sm);
+  grid_barrier();
+  stamp();
+  // P2: o_proj over the attention rows.
+  stage_rows<T, false>(g_attn, A, A, p.M, sm.act, ph[1].kst * kStageK + 8, ph[1].kst * kStageK);
+  consumer_sync();
+  matmul_phase<T>(ph[1], p.M, reinterpret_cast<T*>(g_oproj), sm, it);
+  stamp();
+  grid_barrier();
+  stamp();
+  // P3: residual add with the sandwich norm, the post-attention norm, then gate/up.
+  norm_rows<T, NV>(g_oproj, p.sum_out, p.attn_norm, nullptr, p.post_attn_norm, p.mid_out, sm.act,
+                   ph[2].kst * kStageK + 8, ph[2].kst * kStageK, p.M, p.H, p.eps, sm.red);
+  consumer_sync();
+  matmul_phase<T>(ph[2], p.M, reinterpret_cast<T*>(g_gate_up), sm, it);
+  stamp();
+  grid_barrier();
+  stamp();
+  // P4: SwiGLU of [gate | up], then down.
+  stage_rows<T, true>(g_gate_up, 2 * p.I, p.I, p.M, sm.act, ph[3].kst * kStageK + 8, ph[3].kst * kStageK);
+  consumer_sync();
+  matmul_phase<T>(ph[3], p.M, static_cast<T*>(p.mlp_out), sm, it);
+  stamp();
+}
+
+// ---- host -------------------------------------------------------------------------------------
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A [K, N] weight as 2-D tiles of 256 rows x 64 columns (out of range: zeros).
+bool weight_map(CUtensorMap* map, const void* w, int K, int N, bool bf16) {
+  auto encode = encode_fn();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(K)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(N) * 2};
+  const cuuint32_t box[2] = {kTileN, kStageK};
+  const cuuint32_t estr[2] = {1, 1};
+  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                const_cast<void*>(w), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+int units_of(int K, int N) { return ((K + kStageK - 1) / kStageK) * ((N + kTileN - 1) / kTileN); }
+int kpad_of(int K) { return (K + kStageK - 1) / kStageK * kStageK; }
+
+template <typename T, int D, int NV>
+int launch_layer(const LayerMaps& maps, LayerParams p, cudaStream_t stream) {
+  auto kernel = decoder_layer_kernel<T, D, NV>;
+  // Activations take M rows; the weight ring takes the rest (deeper for fewer rows).
+  const int kmax = std::max(std::max(kpad_of(p.H), kpad_of(p.Hq * D)), kpad_of(p.I));
+  const int act_bytes = std::max(p.M * (kmax + 8) * 2, p.M * (p.Hq / p.Hkv) * D * 4);
+  int dev = 0, sms = 0, optin = 0, per_sm = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  p.stages = std::min(kMaxStages, (optin - kRingOffset - act_bytes) / kStageBytes);
+  if (p.stages < 2) return static_cast<int>(cudaErrorInvalidValue);
+  const int smem = kRingOffset + p.stages * kStageBytes + act_bytes;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLayerThreads, smem);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  // Grid barriers need every block resident at once.
+  if (static_cast<long long>(sms) * per_sm < kLayerBlocks) return static_cast<int>(cudaErrorNotSupported);
+  return static_cast<int>(launch_kernel(kernel, dim3(kLayerBlocks), dim3(kLayerThreads), smem, stream, 0, maps, p));
+}
+
+template <typename T>
+struct LayerLauncher {
+  static int run(const LoopcastLayerArgs* a, void* stream) {
+    const int M = a->rows, H = a->hidden, Hq = a->num_heads, Hkv = a->kv_num_heads, D = a->head_dim,
+              I = a->intermediate;
+    const bool ok_shape = M >= 1 && M <= kRows && (D == 64 || D == 128) && Hkv >= 1 && Hq % Hkv == 0 &&
+                          Hq <= kMaxQHeads && (Hq / Hkv) * M <= kMaxAttnUnits && H >= 8 && H % 8 == 0 &&
+                          H <= kMaxHidden && Hq * D <= kMaxHidden && (Hq + 2 * Hkv) * D <= kMaxQkv && I >= 8 &&
+                          I % 8 == 0 && I <= kMaxInter && a->capacity >= 1 &&
+                          a->capacity <= kLoopcastLayerMaxCapacity && units_of(H, (Hq + 2 * Hkv) * D) <= kMaxUnits &&
+                          units_of(H, 2 * I) <= kMaxUnits && units_of(I, H) <= kMaxUnits &&
+                          units_of(Hq * D, H) <= kMaxUnits;
+    if (!ok_shape || a->branch == nullptr || a->input_norm == nullptr || a->post_attn_norm == nullptr ||
+        a->sum_out == nullptr || a->mid_out == nullptr || a->mlp_out == nullptr || a->seqlens_k == nullptr ||
+        (a->do_rotary && (a->cos_cache == nullptr || a->sin_cache == nullptr)))
+      return static_cast<int>(cudaErrorInvalidValue);
+    for (const void* w : {a->qkv_weight, a->o_weight, a->gate_up_weight, a->down_weight})
+      if (w == nullptr || reinterpret_cast<uintptr_t>(w) % 16 != 0) return static_cast<int>(cudaErrorInvalidValue);
+    const bool bf16 = std::is_same<T, __nv_bfloat16>::value;
+    LayerMaps maps;
+    if (!weight_map(&maps.qkv, a->qkv_weight, H, (Hq + 2 * Hkv) * D, bf16) ||
+        !weight_map(&maps.o, a->o_weight, Hq * D, H, bf16) ||
+        !weight_map(&maps.gate_up, a->gate_up_weight, H, 2 * I, bf16) ||
+        !weight_map(&maps.down, a->down_weight, I, H, bf16))
+      return static_cast<int>(cudaErrorInvalidValue);
+    LayerParams p{a->branch, a->residual, a->branch_norm, a->loop_norm, a->input_norm, a->key_cache,
+                  a->value_cache, a->seqlens_k, a->cos_cache, a->sin_cache, a->attn_norm, a->post_attn_norm,
+                  a->sum_out, a->mid_out, a->mlp_out, M, H, Hq, Hkv, D, I, a->capacity,
+                  a->do_rotary ? a->rotary_len : a->capacity, a->epsilon, a->scale, a->do_rotary != 0, 0};
+    const void* acts[] = {a->branch, a->residual, a->branch_norm, a->loop_norm, a->input_norm, a->attn_norm,
+                          a->post_attn_norm, a->sum_out, a->mid_out, a->mlp_out};
+    for (const void* q : acts)
+      if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return static_cast<int>(cudaErrorInvalidValue);
+    auto s = static_cast<cudaStream_t>(stream);
+    const int nv = (H / 8 + kConsumers - 1) / kConsumers;  // granules per consumer thread, from H only
+    if (D == 64) {
+      return nv <= 1 ? launch_layer<T, 64, 1>(maps, p, s) : nv <= 2 ? launch_layer<T, 64, 2>(maps, p, s)
+                                                                     : launch_layer<T, 64, 4>(maps, p, s);
+    }
+    return nv <= 1 ? launch_layer<T, 128, 1>(maps, p, s) : nv <= 2 ? launch_layer<T, 128, 2>(maps, p, s)
+                                                                    : launch_layer<T, 128, 4>(maps, p, s);
+  }
+};
+
+template <>
+struct LayerLauncher<float> {
+  static int run(const LoopcastLayerArgs*, void*) { return static_cast<int>(cudaErrorNotSupported); }
+};
+
+}  // namespace
+}  // namespace loopcast_cuda
+
+LOOPCAST_CUDA_API int loopcast_cuda_decoder_layer(int dtype, const LoopcastLayerArgs* args, void* stream) {
+  if (args == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  return loopcast_cuda::dispatch<loopcast_cuda::LayerLauncher>(dtype, args, stream);
+}
+
+LOOPCAST_CUDA_API int loopcast_cuda_decoder_layer_timeline(unsigned long long* out) {
+  return static_cast<int>(cudaMemcpyFromSymbol(out, loopcast_cuda::g_timeline, sizeof(loopcast_cuda::g_timeline)));
+}
