@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_matmul_cuda import call as matmul_call  # noqa: E402
 from bench_matmul_cuda import copy_bandwidth  # noqa: E402
 from cuda_timing import graph_time_us, load_library  # noqa: E402
+from loopcast.bench import kernel_env  # noqa: E402
 from tests.custom_ops.layer_cuda import (Shape, chain_layer_call, fused_layer_call, new_io,  # noqa: E402
                                          random_layer, rotary_tables)
 
@@ -77,6 +78,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,5")
     ap.add_argument("--past", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=OURO["layers"])
+    ap.add_argument("--inflight", default="2,1,4",
+                    help="weight tiles the producer keeps in flight (LOOPCAST_LAYER_INFLIGHT); the first is the "
+                         "headline, the others are timed too")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lib = load_library(args.lib)
@@ -97,23 +101,24 @@ def main() -> None:
             ios, fused, chain = stack(lib, shape, layers, rows, dtype, args.past, OURO["loops"], gen)
             kv = 2 * shape.kv_heads * (args.past + rows) * shape.head_dim * dtype.itemsize
             floor_ms = len(fused) * (per_layer + kv) / bw / 1e6
-            env = os.environ.get("LOOPCAST_PDL")
-            t_fused = graph_time_us(fused) * len(fused) / 1e3
-            phases = timeline(lib)  # the stack's last layer, in the last replay
-            out_fused = ios[-1].mlp_out.float().clone()
+            inflight = [int(v) for v in args.inflight.split(",")]
+            t_inflight = {}
+            for v in inflight:
+                with kernel_env("LOOPCAST_LAYER_INFLIGHT", str(v)):
+                    t_inflight[v] = graph_time_us(fused) * len(fused) / 1e3
+                    if v == inflight[0]:
+                        phases = timeline(lib)  # the stack's last layer, in the last replay
+                        out_fused = ios[-1].mlp_out.float().clone()
+            t_fused = t_inflight[inflight[0]]
             t_chain = graph_time_us(chain) * len(chain) / 1e3
             out_chain = ios[-1].mlp_out.float().clone()
-            os.environ["LOOPCAST_PDL"] = "0"
-            t_fused_nopdl = graph_time_us(fused) * len(fused) / 1e3
-            if env is None:
-                del os.environ["LOOPCAST_PDL"]
-            else:
-                os.environ["LOOPCAST_PDL"] = env
+            with kernel_env("LOOPCAST_PDL", "0"):
+                t_fused_nopdl = graph_time_us(fused) * len(fused) / 1e3
             x = torch.randn(rows, shape.hidden, generator=gen, device="cuda").to(dtype)
             logits = torch.empty(rows, OURO["vocab"], dtype=dtype, device="cuda")
             t_head = graph_time_us([lambda: matmul_call(lib, x, head, logits, 0)] * 8) / 1e3
             rel = ((out_fused - out_chain).abs().max() / out_chain.abs().max()).item()
-            row = {"fused_ms": t_fused, "chain_ms": t_chain, "fused_nopdl_ms": t_fused_nopdl,
+            row = {"fused_ms": t_fused, "fused_ms_by_inflight": t_inflight, "chain_ms": t_chain, "fused_nopdl_ms": t_fused_nopdl,
                    "chain_over_fused": t_chain / t_fused, "floor_ms": floor_ms, "head_ms": t_head,
                    "step_estimate_ms": t_fused + t_head, "fused_bandwidth_pct": 100 * floor_ms / t_fused,
                    "stack_out_rel_diff": rel, "last_layer_timeline": phases}
@@ -122,6 +127,7 @@ def main() -> None:
                   f"chain/fused {t_chain / t_fused:.2f}x; floor {floor_ms:.3f} ms ({row['fused_bandwidth_pct']:.0f}% "
                   f"of bandwidth); head {t_head:.3f} ms -> step ~{t_fused + t_head:.3f} ms; "
                   f"fused vs chain after {len(fused)} layers: max rel diff {rel:.2e}", flush=True)
+            print("  fused by tiles in flight: " + ", ".join(f"{k}: {v:.3f} ms" for k, v in t_inflight.items()))
             print("  last layer, µs (median / max over blocks): " + ", ".join(
                 f"{k} {v['median_us']:.1f}/{v['max_us']:.1f}" for k, v in phases.items() if isinstance(v, dict))
                 + f"; kernel span {phases['kernel_span_us']:.1f}", flush=True)

@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
 #include <cstdint>
 #include <type_traits>
 
@@ -69,13 +70,11 @@ constexpr int kMaxHidden = 8192, kMaxQkv = 16384, kMaxInter = 16384;
 constexpr int kMaxQHeads = 32, kMaxAttnUnits = 64;
 constexpr int kMaxChunks = kLoopcastLayerMaxCapacity / kAttnChunk;
 
-__device__ __align__(16) float g_partials[kMaxUnits * kRows * kTileN];
+__device__ __align__(16) float g_partials[4][kMaxUnits * kRows * kTileN];  // per projection
 __device__ unsigned g_tile_ctr[kMaxUnits];
 __device__ unsigned g_barrier;  // tickets; a multiple of kLayerBlocks between launches
 __device__ __align__(16) uint16_t g_qkv[kRows * kMaxQkv];
 __device__ __align__(16) uint16_t g_attn[kRows * kMaxHidden];
-__device__ __align__(16) uint16_t g_oproj[kRows * kMaxHidden];
-__device__ __align__(16) uint16_t g_gate_up[kRows * 2 * kMaxInter];
 __device__ float g_attn_part[static_cast<size_t>(kRows) * kMaxQHeads * kMaxChunks * (128 + 2)];
 // Per block, globaltimer (ns) at the phase marks of the last launch (loopcast_cuda_decoder_layer_timeline).
 __device__ unsigned long long g_timeline[kLayerBlocks][kLoopcastLayerTimelineMarks];
@@ -93,7 +92,8 @@ struct LayerParams {
   int M, H, Hq, Hkv, D, I, cap, rotary_len;
   float eps, scale;
   bool rotary;
-  int stages;  // weight ring depth
+  int stages;    // weight ring depth
+  int inflight;  // weight stages the producer keeps in flight (the rest of the ring fills behind them)
 };
 
 // One projection's split (from K and N only) and this block's unit range.
@@ -184,6 +184,28 @@ __device__ void grid_barrier() {
 
 template <typename T> __device__ __forceinline__ float rt(float v) { return to_f(from_f<T>(v)); }
 
+// Output granule (m, n .. n + 8) of a deferred projection: its blocks' partials summed in block
+// order and rounded to T, exactly what flush_tile's last block would have stored.
+template <typename T>
+__device__ __forceinline__ void partial_granule(float (&out)[8], const Phase& s, const float* region, int m, int n) {
+  const int tile = n / kTileN;
+  const int nseg = unit_owner(s, (tile + 1) * s.kst - 1) - unit_owner(s, tile * s.kst) + 1;
+  const float* q = region + (static_cast<size_t>(tile) * s.kst * kRows + m) * kTileN + n % kTileN;
+  float4 a = __ldcg(reinterpret_cast<const float4*>(q)), b = __ldcg(reinterpret_cast<const float4*>(q + 4));
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+#pragma unroll 4
+  for (int seg = 1; seg < nseg; ++seg) {
+    q += kRows * kTileN;
+    a = __ldcg(reinterpret_cast<const float4*>(q));
+    b = __ldcg(reinterpret_cast<const float4*>(q + 4));
+    out[0] = __fadd_rn(out[0], a.x), out[1] = __fadd_rn(out[1], a.y), out[2] = __fadd_rn(out[2], a.z);
+    out[3] = __fadd_rn(out[3], a.w), out[4] = __fadd_rn(out[4], b.x), out[5] = __fadd_rn(out[5], b.y);
+    out[6] = __fadd_rn(out[6], b.z), out[7] = __fadd_rn(out[7], b.w);
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = rt<T>(out[e]);
+}
+
 // ---- prologues --------------------------------------------------------------------------------
 template <typename T> __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   uint4 out;
@@ -236,21 +258,37 @@ __device__ void norm_in_place(float (&x)[NV][8], const uint4 (&w)[NV], int H, fl
 // act[m] = n_out(s), s = [n_loop](residual + [n_b](branch)), for every row; block 0 writes s.
 // Every load of a row is issued before the first reduction: one L2 round trip, not five.
 template <typename T, int NV>
-__device__ void norm_rows(const void* branch, const void* residual, const void* bw, const void* lw, const void* ow,
-                          void* sum_out, uint16_t* act, int stride, int kpad, int M, int H, float eps, float* red8) {
-  uint4 wb[NV], wl[NV], wo[NV];
-  load_granules<NV, true>(wb, bw, H);
-  load_granules<NV, true>(wl, lw, H);
-  load_granules<NV, true>(wo, ow, H);
+struct NormWeights {  // this thread's granules of a norm's weights (zeros when absent)
+  uint4 w[NV];
+  bool present;
+  __device__ void load(const void* src, int H) {
+    present = src != nullptr;
+    load_granules<NV, true>(w, src, H);
+  }
+};
+
+template <typename T, int NV>
+__device__ void norm_rows(const void* branch, const void* residual, const NormWeights<T, NV>& bw,
+                          const NormWeights<T, NV>& lw, const NormWeights<T, NV>& ow, void* sum_out, uint16_t* act,
+                          int stride, int kpad, int M, int H, float eps, float* red8, const Phase* deferred = nullptr) {
   for (int m = 0; m < M; ++m) {
     uint4 xb[NV], xr[NV];
-    load_granules<NV, false>(xb, static_cast<const uint16_t*>(branch) + static_cast<size_t>(m) * H, H);
+    load_granules<NV, false>(xb, deferred ? nullptr : static_cast<const uint16_t*>(branch) + static_cast<size_t>(m) * H, H);
     load_granules<NV, false>(xr, residual ? static_cast<const uint16_t*>(residual) + static_cast<size_t>(m) * H
                                           : nullptr, H);
     float x[NV][8];
 #pragma unroll
-    for (int j = 0; j < NV; ++j) Vec<T>::cvt(xb[j], x[j]);
-    if (bw) norm_in_place<T, NV>(x, wb, H, eps, red8);  // null checks are uniform over the block
+    for (int j = 0; j < NV; ++j) {
+      if (deferred == nullptr) {
+        Vec<T>::cvt(xb[j], x[j]);
+      } else if (granule_k(j) < H) {  // branch = the partials of a deferred projection
+        partial_granule<T>(x[j], *deferred, static_cast<const float*>(branch), m, granule_k(j));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[j][e] = 0.0f;
+      }
+    }
+    if (bw.present) norm_in_place<T, NV>(x, bw.w, H, eps, red8);  // uniform over the block
     if (residual) {
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
@@ -260,13 +298,13 @@ __device__ void norm_rows(const void* branch, const void* residual, const void* 
         for (int e = 0; e < 8; ++e) x[j][e] = rt<T>(__fadd_rn(r[e], x[j][e]));
       }
     }
-    if (lw) norm_in_place<T, NV>(x, wl, H, eps, red8);
+    if (lw.present) norm_in_place<T, NV>(x, lw.w, H, eps, red8);
 #pragma unroll
     for (int j = 0; j < NV; ++j)
       if (blockIdx.x == 0 && granule_k(j) < H)
         *reinterpret_cast<uint4*>(static_cast<uint16_t*>(sum_out) + static_cast<size_t>(m) * H + granule_k(j)) =
             pack8<T>(x[j]);
-    norm_in_place<T, NV>(x, wo, H, eps, red8);
+    norm_in_place<T, NV>(x, ow.w, H, eps, red8);
 #pragma unroll
     for (int j = 0; j < NV; ++j)
       if (granule_k(j) < kpad) *reinterpret_cast<uint4*>(act + m * stride + granule_k(j)) = pack8<T>(x[j]);
@@ -275,35 +313,50 @@ __device__ void norm_rows(const void* branch, const void* residual, const void* 
     for (int m = 0; m < M; ++m) *reinterpret_cast<uint4*>(act + m * stride + k) = make_uint4(0u, 0u, 0u, 0u);
 }
 
-// act[m][k] = src[m][k] (SW: SwiGLU(src[m][k], src[m][K + k])) for k < K, zeros up to kpad; four
-// 16-byte loads in flight per thread.
-template <typename T, bool SW>
-__device__ void stage_rows(const uint16_t* src, int src_stride, int K, int M, uint16_t* act, int stride, int kpad) {
+// act[m][k] = src[m][k] for k < K, zeros up to kpad; four 16-byte loads in flight per thread.
+__device__ void stage_rows(const uint16_t* src, int K, int M, uint16_t* act, int stride, int kpad) {
   const int gpr = kpad / 8, total = M * gpr;
   for (int base = threadIdx.x; base < total; base += 4 * kConsumers) {
-    uint4 v[4], u[4];
+    uint4 v[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int gi = base + j * kConsumers, m = gi / gpr, k = gi % gpr * 8;
-      v[j] = u[j] = make_uint4(0u, 0u, 0u, 0u);
-      if (gi < total && k < K) {
-        const uint16_t* row = src + static_cast<size_t>(m) * src_stride;
-        v[j] = __ldcg(reinterpret_cast<const uint4*>(row + k));
-        if (SW) u[j] = __ldcg(reinterpret_cast<const uint4*>(row + K + k));
-      }
+      v[j] = gi < total && k < K ? __ldcg(reinterpret_cast<const uint4*>(src + static_cast<size_t>(m) * K + k))
+                                 : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int gi = base + j * kConsumers, m = gi / gpr, k = gi % gpr * 8;
-      if (gi < total) *reinterpret_cast<uint4*>(act + m * stride + k) = SW && k < K ? swiglu8<T>(v[j], u[j]) : v[j];
+      const int gi = base + j * kConsumers;
+      if (gi < total) *reinterpret_cast<uint4*>(act + gi / gpr * stride + gi % gpr * 8) = v[j];
     }
   }
 }
 
-// ---- matmul phase -----------------------------------------------------------------------------
-// The block's partial of one tile -> g_partials; the tile's last block sums them and stores Y.
+// act[m][k] = SwiGLU(gate, up) from the deferred gate/up projection's partials, zeros up to kpad.
 template <typename T>
-__device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int M, T* Y, const Smem& sm) {
+__device__ void stage_swiglu(const Phase& gu, const float* region, int I, int M, uint16_t* act, int stride, int kpad) {
+  const int gpr = kpad / 8;
+  for (int gi = threadIdx.x; gi < M * gpr; gi += kConsumers) {
+    const int m = gi / gpr, k = gi % gpr * 8;
+    uint4 out = make_uint4(0u, 0u, 0u, 0u);
+    if (k < I) {
+      float g[8], u[8];
+      partial_granule<T>(g, gu, region, m, k);
+      partial_granule<T>(u, gu, region, m, I + k);
+      T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = swiglu_value(from_f<T>(g[e]), from_f<T>(u[e]));
+    }
+    *reinterpret_cast<uint4*>(act + m * stride + k) = out;
+  }
+}
+
+// ---- matmul phase -----------------------------------------------------------------------------
+// The block's partial of one tile -> region; unless deferred (the next phase sums the partials as it
+// loads them, partial_granule), the tile's last block sums them and stores Y.
+template <typename T>
+__device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int M, T* Y, float* region, bool defer,
+                           const Smem& sm) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   if (g < M) {
 #pragma unroll
@@ -317,7 +370,7 @@ __device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int 
     for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.0f;
   consumer_sync();
   const int first = unit_owner(s, tile * s.kst), nseg = unit_owner(s, (tile + 1) * s.kst - 1) - first + 1;
-  float* part = g_partials + static_cast<size_t>(tile) * s.kst * kRows * kTileN;
+  float* part = region + static_cast<size_t>(tile) * s.kst * kRows * kTileN;
   for (int e = tid; e < M * kTileN; e += kConsumers) {
     const int row = e / kTileN, col = e % kTileN;
     float v = sm.red[row * kRedStride + col];
@@ -325,9 +378,10 @@ __device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int 
     for (int q = 1; q < kConsumerWarps; ++q) v = __fadd_rn(v, sm.red[(q * kRows + row) * kRedStride + col]);
     __stcg(part + (blockIdx.x - first) * kRows * kTileN + e, v);
   }
-  __threadfence();
   consumer_sync();
+  if (defer) return;  // published by the grid barrier that follows the phase
   if (tid == 0) {
+    __threadfence();  // after the block barrier: orders every thread's partial before the count
     const bool last = atomicAdd(&g_tile_ctr[tile], 1u) == static_cast<unsigned>(nseg - 1);
     if (last) atomicExch(&g_tile_ctr[tile], 0u);
     *sm.flag = last;
@@ -345,7 +399,7 @@ __device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int 
 }
 
 template <typename T>
-__device__ void matmul_phase(const Phase& s, int M, T* Y, const Smem& sm, int& it) {
+__device__ void matmul_phase(const Phase& s, int M, T* Y, float* region, bool defer, const Smem& sm, int& it) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int stride = s.kst * kStageK + 8;  // +16 bytes: rows of A fall on different banks
   float acc[1][8][4];
@@ -357,7 +411,7 @@ __device__ void matmul_phase(const Phase& s, int M, T* Y, const Smem& sm, int& i
   for (int u = s.u0; u < s.u1; ++u, ++it) {
     const int tile = u / s.kst, ks = u % s.kst;
     if (tile != cur) {
-      if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, sm);
+      if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, region, defer, sm);
       cur = tile;
     }
     const int stage = it % sm.stages;
@@ -379,7 +433,7 @@ __device__ void matmul_phase(const Phase& s, int M, T* Y, const Smem& sm, int& i
     if (lane == 0) mbar_arrive(sm.empty + stage);  // the slot is in registers: the producer may refill it
     mma_chunk<T, false, 1>(acc, r);
   }
-  if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, sm);
+  if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, region, defer, sm);
 }
 
 // ---- attention phase --------------------------------------------------------------------------
@@ -566,6 +620,16 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   sm.act = reinterpret_cast<uint16_t*>(smem + kRingOffset + p.stages * kStageBytes);
   sm.stages = p.stages;
   const int tid = threadIdx.x, warp = tid >> 5;
+  // The norm weights (constants) are requested before the producer's first weight tiles, so they do
+  // not queue behind megabytes of TMA traffic.
+  NormWeights<T, NV> w_branch, w_loop, w_in, w_attn, w_post;
+  if (warp < kConsumerWarps) {
+    w_branch.load(p.branch_norm, p.H);
+    w_loop.load(p.loop_norm, p.H);
+    w_in.load(p.input_norm, p.H);
+    w_attn.load(p.attn_norm, p.H);
+    w_post.load(p.post_attn_norm, p.H);
+  }
   if (tid == 0) {
     for (int s = 0; s < sm.stages; ++s) {
       mbar_init(sm.full + s, 1);
@@ -587,6 +651,9 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
         for (int u = ph[f].u0; u < ph[f].u1; ++u, ++it) {
           const int stage = it % sm.stages;
           if (it >= sm.stages) mbar_wait(sm.empty + stage, ((it / sm.stages) - 1) & 1);
+          // At most `inflight` tiles outstanding: deeper queues only add latency to everyone's loads.
+          if (it >= p.inflight)
+            mbar_wait(sm.full + (it - p.inflight) % sm.stages, ((it - p.inflight) / sm.stages) & 1);
           mbar_expect_tx(sm.full + stage, kStageBytes);
           tma_load_tile(sm.ring + stage * kStageElems, map[f], sm.full + stage, (u / ph[f].kst) * kTileN,
                         (u % ph[f].kst) * kStageK);
@@ -609,11 +676,11 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   stamp();
   int it = 0;
   // P0: the opening norms, then qkv.
-  norm_rows<T, NV>(p.branch, p.residual, p.branch_norm, p.loop_norm, p.input_norm, p.sum_out, sm.act,
+  norm_rows<T, NV>(p.branch, p.residual, w_branch, w_loop, w_in, p.sum_out, sm.act,
                    ph[0].kst * kStageK + 8, ph[0].kst * kStageK, p.M, p.H, p.eps, sm.red);
   consumer_sync();
   stamp();
-  matmul_phase<T>(ph[0], p.M, reinterpret_cast<T*>(g_qkv), sm, it);
+  matmul_phase<T>(ph[0], p.M, reinterpret_cast<T*>(g_qkv), g_partials[0], false, sm, it);
   stamp();
   grid_barrier();
   stamp();
@@ -626,24 +693,25 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   grid_barrier();
   stamp();
   // P2: o_proj over the attention rows.
-  stage_rows<T, false>(g_attn, A, A, p.M, sm.act, ph[1].kst * kStageK + 8, ph[1].kst * kStageK);
+  stage_rows(g_attn, A, p.M, sm.act, ph[1].kst * kStageK + 8, ph[1].kst * kStageK);
   consumer_sync();
-  matmul_phase<T>(ph[1], p.M, reinterpret_cast<T*>(g_oproj), sm, it);
+  matmul_phase<T>(ph[1], p.M, nullptr, g_partials[1], true, sm, it);
   stamp();
   grid_barrier();
   stamp();
   // P3: residual add with the sandwich norm, the post-attention norm, then gate/up.
-  norm_rows<T, NV>(g_oproj, p.sum_out, p.attn_norm, nullptr, p.post_attn_norm, p.mid_out, sm.act,
-                   ph[2].kst * kStageK + 8, ph[2].kst * kStageK, p.M, p.H, p.eps, sm.red);
+  w_loop.present = false;
+  norm_rows<T, NV>(g_partials[1], p.sum_out, w_attn, w_loop, w_post, p.mid_out, sm.act,
+                   ph[2].kst * kStageK + 8, ph[2].kst * kStageK, p.M, p.H, p.eps, sm.red, &ph[1]);
   consumer_sync();
-  matmul_phase<T>(ph[2], p.M, reinterpret_cast<T*>(g_gate_up), sm, it);
+  matmul_phase<T>(ph[2], p.M, nullptr, g_partials[2], true, sm, it);
   stamp();
   grid_barrier();
   stamp();
   // P4: SwiGLU of [gate | up], then down.
-  stage_rows<T, true>(g_gate_up, 2 * p.I, p.I, p.M, sm.act, ph[3].kst * kStageK + 8, ph[3].kst * kStageK);
+  stage_swiglu<T>(ph[2], g_partials[2], p.I, p.M, sm.act, ph[3].kst * kStageK + 8, ph[3].kst * kStageK);
   consumer_sync();
-  matmul_phase<T>(ph[3], p.M, static_cast<T*>(p.mlp_out), sm, it);
+  matmul_phase<T>(ph[3], p.M, static_cast<T*>(p.mlp_out), g_partials[3], false, sm, it);
   stamp();
 }
 
@@ -690,6 +758,8 @@ int launch_layer(const LayerMaps& maps, LayerParams p, cudaStream_t stream) {
   if (err != cudaSuccess) return static_cast<int>(err);
   p.stages = std::min(kMaxStages, (optin - kRingOffset - act_bytes) / kStageBytes);
   if (p.stages < 2) return static_cast<int>(cudaErrorInvalidValue);
+  const char* env = std::getenv("LOOPCAST_LAYER_INFLIGHT");  // an experiment switch, read per launch
+  p.inflight = std::max(1, std::min(p.stages, env != nullptr ? std::atoi(env) : 2));
   const int smem = kRingOffset + p.stages * kStageBytes + act_bytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLayerThreads, smem);
@@ -727,7 +797,7 @@ struct LayerLauncher {
     LayerParams p{a->branch, a->residual, a->branch_norm, a->loop_norm, a->input_norm, a->key_cache,
                   a->value_cache, a->seqlens_k, a->cos_cache, a->sin_cache, a->attn_norm, a->post_attn_norm,
                   a->sum_out, a->mid_out, a->mlp_out, M, H, Hq, Hkv, D, I, a->capacity,
-                  a->do_rotary ? a->rotary_len : a->capacity, a->epsilon, a->scale, a->do_rotary != 0, 0};
+                  a->do_rotary ? a->rotary_len : a->capacity, a->epsilon, a->scale, a->do_rotary != 0, 0, 0};
     const void* acts[] = {a->branch, a->residual, a->branch_norm, a->loop_norm, a->input_norm, a->attn_norm,
                           a->post_attn_norm, a->sum_out, a->mid_out, a->mlp_out};
     for (const void* q : acts)
