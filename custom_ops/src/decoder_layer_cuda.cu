@@ -8,30 +8,32 @@
 //   m   = SwiGLU(n_post(x1)·Wgu) · Wdown                                        -> mlp_out
 //
 // Why one kernel: at M = 1 every dependent kernel costs ~4.5 µs of ramp and drain on an H200
-// whatever its size (docs/perf.md), half of a decode step. Here the weights never stop flowing:
+// whatever its size (docs/perf.md), half of a decode step; here the weights could keep flowing.
+// Status: correct and row-invariant (tests/custom_ops/test_cuda_decoder_layer.py), but it measures
+// SLOWER than the seven-kernel chain (6.84 vs 5.48 ms for 96 layers, fp16 M = 1, H200,
+// tools/bench_decoder_layer_cuda.py; docs/perf.md has the per-phase timeline), so no graph uses
+// it yet: an experiment kept with its tests and benchmark.
 //
 //   grid 128 blocks (all resident: one per SM), 9 warps each.
 //   warp 8 (producer) streams this block's weight tiles for all four projections, in order,
-//     through a 3-stage shared-memory ring with TMA (box 256 k x 64 columns = 32 KiB); it needs
-//     no activations, so it runs ahead across the phases and the grid barriers below.
+//     through a shared-memory ring with TMA (box 256 k x 64 columns = 32 KiB; 3..6 stages, what
+//     the activations leave, at most `inflight` of them outstanding); it needs no activations,
+//     so it runs ahead across the phases and the grid barriers below.
 //   warps 0-7 (consumers) run the phases, separated by grid barriers (a global ticket counter):
-//     P0 norms -> qkv | P1 attention | P2 o_proj | P3 norms -> gate/up | P4 SwiGLU -> down.
-//     A norm or SwiGLU prologue is computed by every block for every row (cheap, L2-resident),
-//     into a shared-memory activation buffer; block 0 alone writes sum_out / mid_out.
+//     P0 norms -> qkv | P1 attention partials | merge | P2 o_proj | P3 norms -> gate/up |
+//     P4 SwiGLU -> down. A norm or SwiGLU prologue is computed by every block for every row
+//     (L2-resident) into a shared-memory activation buffer; block 0 alone writes sum_out / mid_out.
 //
 // Matmul phase, B[K, N] ([K, N] row-major, the graphs' weight_T): units (tile of 64 columns,
-// 256-row k-stage), tile-major; block b takes units [b·U/128, (b+1)·U/128). Warp w of a unit
-// takes k rows 32w..32w+31 as one mma_chunk (mma_common.cuh). Output (m, n) is
+// 256-row k-stage), tile-major; block b takes units [b·U/128, (b+1)·U/128) (one unit per block
+// when U < 128). Warp w of a unit takes k rows 32w..32w+31 as one mma_chunk (mma_common.cuh).
+// Output (m, n) is
 //   serial MMA chain over the block's k-stages of the tile (ascending), per warp
-//   -> serial sum over the 8 warps -> serial sum over the tile's blocks (ascending; the last
-//   block to finish the tile, found with an atomic counter, does it and rounds to T).
+//   -> serial sum over the 8 warps -> serial sum over the tile's blocks (ascending), rounded to T
+// by the tile's last block (atomic counter: qkv, down) or by every reader of the output after
+// the next grid barrier (o_proj and gate/up: partial_granule), the same bits either way.
 // The split depends on (K, N) only. An MMA row never sees another row, so a row's bits do not
-// depend on M: every verify row equals the M = 1 row.
-//
-// Attention phase: items (kv head, 64-position chunk) strided over the blocks; per (row, q head)
-// the chunk's max, sum of exponentials and weighted V sum in a fixed order (attention_cuda.cu's
-// split layout), merged by the last block of the kv head in ascending chunk order. New rows' K/V
-// are taken from qkv while attending and written to the cache by the item owning the position.
+// depend on M: every verify row equals the M = 1 row. Attention: decoder_layer_attention.cuh.
 //
 // Scratch (intermediates, partials, counters) is process-wide static device memory: calls on one
 // device must not run concurrently (a session runs its steps one at a time). Launched with PDL:
@@ -40,35 +42,21 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <cfloat>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "attention_common.cuh"
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
+#include "decoder_layer.cuh"
+#include "decoder_layer_attention.cuh"
 #include "mma_common.cuh"
 
 namespace loopcast_cuda {
 namespace {
 
-constexpr int kConsumerWarps = 8;
-constexpr int kConsumers = kConsumerWarps * 32;
-constexpr int kLayerThreads = kConsumers + 32;
-constexpr int kLayerBlocks = 128;  // a constant (part of the numerics), a power of two (barrier)
-constexpr int kTileN = 64;
-constexpr int kStageK = 256;
-constexpr int kMaxStages = 8;  // the ring takes what shared memory the activations leave (3..6 stages)
-constexpr int kStageElems = kTileN * kStageK;
-constexpr int kStageBytes = kStageElems * 2;
-constexpr int kRows = kLoopcastLayerMaxRows;
-constexpr int kRedStride = kTileN + 1;
-constexpr int kAttnChunk = 64;
-constexpr int kMaxUnits = 4096;  // (tile, k-stage) units per projection
-constexpr int kMaxHidden = 8192, kMaxQkv = 16384, kMaxInter = 16384;
-constexpr int kMaxQHeads = 32, kMaxAttnUnits = 64;
-constexpr int kMaxChunks = kLoopcastLayerMaxCapacity / kAttnChunk;
+using namespace layer;  // NOLINT: the kernel's own header
 
 __device__ __align__(16) float g_partials[4][kMaxUnits * kRows * kTileN];  // per projection
 __device__ unsigned g_tile_ctr[kMaxUnits];
@@ -79,110 +67,6 @@ __device__ float g_attn_part[static_cast<size_t>(kRows) * kMaxQHeads * kMaxChunk
 // Per block, globaltimer (ns) at the phase marks of the last launch (loopcast_cuda_decoder_layer_timeline).
 __device__ unsigned long long g_timeline[kLayerBlocks][kLoopcastLayerTimelineMarks];
 
-struct LayerMaps {
-  CUtensorMap qkv, o, gate_up, down;
-};
-
-struct LayerParams {
-  const void *branch, *residual, *branch_norm, *loop_norm, *input_norm;
-  void *key_cache, *value_cache;
-  const int32_t* seqlens_k;
-  const void *cos_cache, *sin_cache, *attn_norm, *post_attn_norm;
-  void *sum_out, *mid_out, *mlp_out;
-  int M, H, Hq, Hkv, D, I, cap, rotary_len;
-  float eps, scale;
-  bool rotary;
-  int stages;    // weight ring depth
-  int inflight;  // weight stages the producer keeps in flight (the rest of the ring fills behind them)
-};
-
-// One projection's split (from K and N only) and this block's unit range.
-struct Phase {
-  int K, N, kst, units, u0, u1;
-};
-__device__ __forceinline__ Phase phase_of(int K, int N) {
-  Phase s;
-  s.K = K;
-  s.N = N;
-  s.kst = (K + kStageK - 1) / kStageK;
-  s.units = s.kst * ((N + kTileN - 1) / kTileN);
-  if (s.units >= kLayerBlocks) {  // every block gets at least one unit, so a tile's blocks are consecutive
-    s.u0 = static_cast<int>(static_cast<long long>(blockIdx.x) * s.units / kLayerBlocks);
-    s.u1 = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * s.units / kLayerBlocks);
-  } else {  // one unit per block, blocks >= units idle
-    s.u0 = min(static_cast<int>(blockIdx.x), s.units);
-    s.u1 = min(static_cast<int>(blockIdx.x) + 1, s.units);
-  }
-  return s;
-}
-// The block whose range holds unit u (the largest b with b·U/128 <= u, or u itself).
-__device__ __forceinline__ int unit_owner(const Phase& s, int u) {
-  if (s.units < kLayerBlocks) return u;
-  return static_cast<int>((static_cast<long long>(u + 1) * kLayerBlocks - 1) / s.units);
-}
-
-// ---- shared memory, mbarriers, TMA ----------------------------------------------------------
-struct Smem {
-  uint64_t* full;   // [stages]
-  uint64_t* empty;  // [stages]
-  int* flag;
-  float* red;       // [8 warps][kRows][65]; attention: [2][8][D] and [4][8]; combine: [2][kMaxChunks]
-  uint16_t* ring;   // [stages][256][64]
-  uint16_t* act;    // activations [rows][stride]; attention: rotated q [units][D] fp32
-  int stages;
-};
-constexpr int kFlagOffset = 2 * kMaxStages * 8;
-constexpr int kRedOffset = kFlagOffset + 16;
-constexpr int kRedBytes = kConsumerWarps * kRows * kRedStride * 4;
-constexpr int kRingOffset = (kRedOffset + kRedBytes + 1023) / 1024 * 1024;
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_tile(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int row) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::
-          "r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(col), "r"(row)
-      : "memory");
-}
-// The eight consumer warps only (the producer warp never joins).
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
-
-// Every consumer of every block arrives; tickets keep counting across barriers and launches.
-__device__ void grid_barrier() {
-  consumer_sync();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned ticket = atomicAdd(&g_barrier, 1u);
-    const unsigned target = ticket - ticket % kLayerBlocks + kLayerBlocks;
-    unsigned v;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(&g_barrier) : "memory");
-    } while (static_cast<int>(v - target) < 0);
-  }
-  consumer_sync();
-}
-
-template <typename T> __device__ __forceinline__ float rt(float v) { return to_f(from_f<T>(v)); }
 
 // Output granule (m, n .. n + 8) of a deferred projection: its blocks' partials summed in block
 // order and rounded to T, exactly what flush_tile's last block would have stored.
@@ -356,7 +240,7 @@ __device__ void stage_swiglu(const Phase& gu, const float* region, int I, int M,
 // loads them, partial_granule), the tile's last block sums them and stores Y.
 template <typename T>
 __device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int M, T* Y, float* region, bool defer,
-                           const Smem& sm) {
+                           unsigned* tile_ctr, const Smem& sm) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   if (g < M) {
 #pragma unroll
@@ -382,8 +266,8 @@ __device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int 
   if (defer) return;  // published by the grid barrier that follows the phase
   if (tid == 0) {
     __threadfence();  // after the block barrier: orders every thread's partial before the count
-    const bool last = atomicAdd(&g_tile_ctr[tile], 1u) == static_cast<unsigned>(nseg - 1);
-    if (last) atomicExch(&g_tile_ctr[tile], 0u);
+    const bool last = atomicAdd(&tile_ctr[tile], 1u) == static_cast<unsigned>(nseg - 1);
+    if (last) atomicExch(&tile_ctr[tile], 0u);
     *sm.flag = last;
   }
   consumer_sync();
@@ -399,7 +283,8 @@ __device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int 
 }
 
 template <typename T>
-__device__ void matmul_phase(const Phase& s, int M, T* Y, float* region, bool defer, const Smem& sm, int& it) {
+__device__ void matmul_phase(const Phase& s, int M, T* Y, float* region, bool defer, const Scratch& sc,
+                             const Smem& sm, int& it) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int stride = s.kst * kStageK + 8;  // +16 bytes: rows of A fall on different banks
   float acc[1][8][4];
@@ -411,7 +296,7 @@ __device__ void matmul_phase(const Phase& s, int M, T* Y, float* region, bool de
   for (int u = s.u0; u < s.u1; ++u, ++it) {
     const int tile = u / s.kst, ks = u % s.kst;
     if (tile != cur) {
-      if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, region, defer, sm);
+      if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, region, defer, sc.tile_ctr, sm);
       cur = tile;
     }
     const int stage = it % sm.stages;
@@ -433,178 +318,9 @@ __device__ void matmul_phase(const Phase& s, int M, T* Y, float* region, bool de
     if (lane == 0) mbar_arrive(sm.empty + stage);  // the slot is in registers: the producer may refill it
     mma_chunk<T, false, 1>(acc, r);
   }
-  if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, region, defer, sm);
+  if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, region, defer, sc.tile_ctr, sm);
 }
 
-// ---- attention phase --------------------------------------------------------------------------
-template <typename T, int D>
-__device__ void attention_phase(const LayerParams& p, const Smem& sm) {
-  constexpr int VEC = 8, LPP = D / VEC, PPI = kConsumers / LPP, R = kAttnChunk / PPI, half = D / 2, P = D + 2;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, t = tid % LPP, grp = tid / LPP;
-  const int M = p.M, GQ = p.Hq / p.Hkv, Q = (p.Hq + 2 * p.Hkv) * D;
-  const T* qkv = reinterpret_cast<const T*>(g_qkv);
-  const T* cs = static_cast<const T*>(p.cos_cache);
-  const T* sn = static_cast<const T*>(p.sin_cache);
-  T* kc = static_cast<T*>(p.key_cache);
-  T* vc = static_cast<T*>(p.value_cache);
-  const int n = p.seqlens_k[0] + 1 - M;
-  int i_lo = M, i_hi = 0;  // valid rows: one interval (the combine writes zeros for the others)
-  for (int i = 0; i < M; ++i)
-    if (row_valid(n + i, p.cap, p.rotary_len, p.rotary)) i_lo = min(i_lo, i), i_hi = i + 1;
-  if (i_lo >= i_hi) return;
-  const int p_hi = n + i_hi - 1, nch = p_hi / kAttnChunk + 1;
-  float* q_s = reinterpret_cast<float*>(sm.act);
-  float* red_s = sm.red;                        // [2][8][D]
-  float* mx_s = sm.red + 2 * kConsumerWarps * D;  // [2][8]
-  float* l_s = mx_s + 2 * kConsumerWarps;         // [2][8]
-  int buf = 0;
-  for (int item = blockIdx.x; item < p.Hkv * nch; item += kLayerBlocks) {
-    const int kvh = item % p.Hkv, c = item / p.Hkv, j0 = c * kAttnChunk;
-    const int first_i = max(i_lo, j0 - n), nunits = (i_hi - first_i) * GQ;
-    for (int e = tid; e < nunits * D; e += kConsumers) {
-      const int u = e / D, d = e % D, i = first_i + u / GQ, hq = kvh * GQ + u % GQ;
-      q_s[u * D + d] = rotated(qkv + static_cast<size_t>(i) * Q + hq * D, d, half, n + i, cs, sn, p.rotary);
-    }
-    // New rows in this chunk -> the cache (nobody reads them from the cache in this launch).
-    const int jn0 = max(j0, n + i_lo), jn1 = min(j0 + kAttnChunk, p_hi + 1);
-    for (int e = tid; e < max(0, jn1 - jn0) * D; e += kConsumers) {
-      const int j = jn0 + e / D, d = e % D;
-      const T* row = qkv + static_cast<size_t>(j - n) * Q;
-      const size_t dst = (static_cast<size_t>(kvh) * p.cap + j) * D + d;
-      kc[dst] = from_f<T>(rotated(row + (p.Hq + kvh) * D, d, half, j, cs, sn, p.rotary));
-      vc[dst] = row[(p.Hq + p.Hkv + kvh) * D + d];
-    }
-    uint4 kr[R], vr[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int j = j0 + grp + r * PPI;
-      kr[r] = vr[r] = make_uint4(0u, 0u, 0u, 0u);
-      if (j <= p_hi && j >= n) {  // a new row: from qkv, rotated as the cache will hold it
-        const T* row = qkv + static_cast<size_t>(j - n) * Q;
-        T* ko = reinterpret_cast<T*>(&kr[r]);
-        T* vo = reinterpret_cast<T*>(&vr[r]);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          ko[e] = from_f<T>(rotated(row + (p.Hq + kvh) * D, t * VEC + e, half, j, cs, sn, p.rotary));
-          vo[e] = row[(p.Hq + p.Hkv + kvh) * D + t * VEC + e];
-        }
-      } else if (j <= p_hi) {
-        const size_t off = (static_cast<size_t>(kvh) * p.cap + j) * D + t * VEC;
-        kr[r] = __ldg(reinterpret_cast<const uint4*>(kc + off));
-        vr[r] = __ldg(reinterpret_cast<const uint4*>(vc + off));
-      }
-    }
-    consumer_sync();  // q_s complete
-    for (int u = 0; u < nunits; ++u) {
-      const int i = first_i + u / GQ, hq = kvh * GQ + u % GQ, pos = n + i;
-      float qr[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) qr[e] = q_s[u * D + t * VEC + e];
-      float s[R], mloc = -FLT_MAX;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float kf[VEC];
-        Vec<T>::cvt(kr[r], kf);
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) dot = fmaf(qr[e], kf[e], dot);
-#pragma unroll
-        for (int off = LPP / 2; off >= 1; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        s[r] = __fmul_rn(dot, p.scale);
-        if (j0 + grp + r * PPI <= pos) mloc = fmaxf(mloc, s[r]);
-      }
-#pragma unroll
-      for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
-      if (lane == 0) mx_s[buf * kConsumerWarps + warp] = mloc;
-      consumer_sync();
-      float mx = mx_s[buf * kConsumerWarps];
-#pragma unroll
-      for (int q = 1; q < kConsumerWarps; ++q) mx = fmaxf(mx, mx_s[buf * kConsumerWarps + q]);
-      float lsum = 0.0f, acc[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (j0 + grp + r * PPI <= pos) {
-          const float ex = expf(__fsub_rn(s[r], mx));
-          lsum += ex;
-          float vf[VEC];
-          Vec<T>::cvt(vr[r], vf);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[e] = fmaf(ex, vf[e], acc[e]);
-        }
-      }
-#pragma unroll
-      for (int off = LPP; off < 32; off *= 2) {
-        lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
-      }
-      if (lane < LPP)
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) red_s[(buf * kConsumerWarps + warp) * D + t * VEC + e] = acc[e];
-      if (lane == 0) l_s[buf * kConsumerWarps + warp] = lsum;
-      consumer_sync();
-      float* part = g_attn_part + ((static_cast<size_t>(i) * kMaxQHeads + hq) * kMaxChunks + c) * P;
-      if (tid < D) {
-        float v = red_s[buf * kConsumerWarps * D + tid];
-#pragma unroll
-        for (int q = 1; q < kConsumerWarps; ++q) v += red_s[(buf * kConsumerWarps + q) * D + tid];
-        __stcg(part + 2 + tid, v);
-      }
-      if (tid == 0) {
-        float l = l_s[buf * kConsumerWarps];
-#pragma unroll
-        for (int q = 1; q < kConsumerWarps; ++q) l += l_s[buf * kConsumerWarps + q];
-        __stcg(part, mx);
-        __stcg(part + 1, l);
-      }
-      buf ^= 1;  // double-buffered reductions: no third barrier per unit
-    }
-    consumer_sync();  // q_s is reused by the next item
-  }
-}
-
-// Merge the chunks of each (row, q head) in ascending order (units strided over the blocks):
-// M = max m_c, w_c = exp(m_c - M), out = (sum w_c a_c) / (sum w_c l_c). Invalid rows: zeros.
-template <typename T, int D>
-__device__ void attention_combine(const LayerParams& p, const Smem& sm) {
-  constexpr int P = D + 2;
-  const int tid = threadIdx.x, n = p.seqlens_k[0] + 1 - p.M;
-  float* m_s = sm.red;
-  float* l_s = m_s + kMaxChunks;
-  float* w_s = l_s + kMaxChunks;
-  for (int unit = blockIdx.x; unit < p.M * p.Hq; unit += kLayerBlocks) {
-    const int i = unit / p.Hq, hq = unit % p.Hq, pos = n + i;
-    T* o = reinterpret_cast<T*>(g_attn) + static_cast<size_t>(i) * p.Hq * D + hq * D;
-    if (!row_valid(pos, p.cap, p.rotary_len, p.rotary)) {  // uniform
-      for (int d = tid; d < D; d += kConsumers) o[d] = from_f<T>(0.0f);
-      continue;
-    }
-    const int nc = pos / kAttnChunk + 1;
-    const float* part = g_attn_part + (static_cast<size_t>(i) * kMaxQHeads + hq) * kMaxChunks * P;
-    for (int c = tid; c < nc; c += kConsumers) {
-      m_s[c] = __ldcg(part + c * P);
-      l_s[c] = __ldcg(part + c * P + 1);
-    }
-    consumer_sync();
-    float mx = m_s[0];
-    for (int c = 1; c < nc; ++c) mx = fmaxf(mx, m_s[c]);
-    for (int c = tid; c < nc; c += kConsumers) w_s[c] = expf(__fsub_rn(m_s[c], mx));
-    consumer_sync();
-    if (tid < D) {
-      float L = 0.0f, O = 0.0f;
-#pragma unroll 8
-      for (int c = 0; c < nc; ++c) {
-        const float w = w_s[c];
-        L = fmaf(w, l_s[c], L);
-        O = fmaf(w, __ldcg(part + c * P + 2 + tid), O);
-      }
-      o[tid] = from_f<T>(O / L);
-    }
-    consumer_sync();  // m_s, l_s, w_s reuse
-  }
-}
 
 // ---- the kernel -------------------------------------------------------------------------------
 template <typename T, int D, int NV>
@@ -620,6 +336,8 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   sm.act = reinterpret_cast<uint16_t*>(smem + kRingOffset + p.stages * kStageBytes);
   sm.stages = p.stages;
   const int tid = threadIdx.x, warp = tid >> 5;
+  const Scratch sc{{g_partials[0], g_partials[1], g_partials[2], g_partials[3]}, g_tile_ctr, &g_barrier, g_qkv, g_attn,
+                   g_attn_part};
   // The norm weights (constants) are requested before the producer's first weight tiles, so they do
   // not queue behind megabytes of TMA traffic.
   NormWeights<T, NV> w_branch, w_loop, w_in, w_attn, w_post;
@@ -680,38 +398,38 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
                    ph[0].kst * kStageK + 8, ph[0].kst * kStageK, p.M, p.H, p.eps, sm.red);
   consumer_sync();
   stamp();
-  matmul_phase<T>(ph[0], p.M, reinterpret_cast<T*>(g_qkv), g_partials[0], false, sm, it);
+  matmul_phase<T>(ph[0], p.M, reinterpret_cast<T*>(sc.qkv), sc.partials[0], false, sc, sm, it);
   stamp();
-  grid_barrier();
+  grid_barrier(sc.tickets);
   stamp();
   // P1: attention over the cache: chunk partials, then their merge.
-  attention_phase<T, D>(p, sm);
+  attention_phase<T, D>(p, sm, sc);
   stamp();
-  grid_barrier();
+  grid_barrier(sc.tickets);
   stamp();
-  attention_combine<T, D>(p, sm);
-  grid_barrier();
+  attention_combine<T, D>(p, sm, sc);
+  grid_barrier(sc.tickets);
   stamp();
   // P2: o_proj over the attention rows.
-  stage_rows(g_attn, A, p.M, sm.act, ph[1].kst * kStageK + 8, ph[1].kst * kStageK);
+  stage_rows(sc.attn, A, p.M, sm.act, ph[1].kst * kStageK + 8, ph[1].kst * kStageK);
   consumer_sync();
-  matmul_phase<T>(ph[1], p.M, nullptr, g_partials[1], true, sm, it);
+  matmul_phase<T>(ph[1], p.M, nullptr, sc.partials[1], true, sc, sm, it);
   stamp();
-  grid_barrier();
+  grid_barrier(sc.tickets);
   stamp();
   // P3: residual add with the sandwich norm, the post-attention norm, then gate/up.
   w_loop.present = false;
-  norm_rows<T, NV>(g_partials[1], p.sum_out, w_attn, w_loop, w_post, p.mid_out, sm.act,
+  norm_rows<T, NV>(sc.partials[1], p.sum_out, w_attn, w_loop, w_post, p.mid_out, sm.act,
                    ph[2].kst * kStageK + 8, ph[2].kst * kStageK, p.M, p.H, p.eps, sm.red, &ph[1]);
   consumer_sync();
-  matmul_phase<T>(ph[2], p.M, nullptr, g_partials[2], true, sm, it);
+  matmul_phase<T>(ph[2], p.M, nullptr, sc.partials[2], true, sc, sm, it);
   stamp();
-  grid_barrier();
+  grid_barrier(sc.tickets);
   stamp();
   // P4: SwiGLU of [gate | up], then down.
-  stage_swiglu<T>(ph[2], g_partials[2], p.I, p.M, sm.act, ph[3].kst * kStageK + 8, ph[3].kst * kStageK);
+  stage_swiglu<T>(ph[2], sc.partials[2], p.I, p.M, sm.act, ph[3].kst * kStageK + 8, ph[3].kst * kStageK);
   consumer_sync();
-  matmul_phase<T>(ph[3], p.M, static_cast<T*>(p.mlp_out), g_partials[3], false, sm, it);
+  matmul_phase<T>(ph[3], p.M, static_cast<T*>(p.mlp_out), sc.partials[3], false, sc, sm, it);
   stamp();
 }
 
@@ -829,3 +547,4 @@ LOOPCAST_CUDA_API int loopcast_cuda_decoder_layer(int dtype, const LoopcastLayer
 LOOPCAST_CUDA_API int loopcast_cuda_decoder_layer_timeline(unsigned long long* out) {
   return static_cast<int>(cudaMemcpyFromSymbol(out, loopcast_cuda::g_timeline, sizeof(loopcast_cuda::g_timeline)));
 }
+
