@@ -45,6 +45,7 @@ struct LayerParams {
   bool rotary;
   int stages;    // weight ring depth
   int inflight;  // weight stages the producer keeps in flight (the rest of the ring fills behind them)
+  int l2_ahead;  // tiles past the ring the producer may pull into L2 while the consumers stall
 };
 
 // One projection's split (from K and N only) and this block's unit range.
@@ -76,9 +77,7 @@ __device__ __forceinline__ int unit_owner(const Phase& s, int u) {
 // The static device scratch of decoder_layer_cuda.cu, as the phases see it.
 struct Scratch {
   float* partials[4];  // per projection: [tile * kst + segment][kRows][64] block partials
-  unsigned* tile_ctr;  // per tile: blocks counted in (flush_tile)
   unsigned* tickets;   // grid_barrier
-  uint16_t* qkv;       // [kRows][Q]
   uint16_t* attn;      // [kRows][Hq * D]
   float* attn_part;    // [kRows][kMaxQHeads][kMaxChunks][D + 2]: m, l, a[D] per chunk
 };
@@ -125,6 +124,23 @@ __device__ __forceinline__ void tma_load_tile(void* dst, const CUtensorMap* map,
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(col), "r"(row)
       : "memory");
 }
+// Non-blocking probe of an mbarrier phase (the producer prefetches while a slot is busy).
+__device__ __forceinline__ bool mbar_ready(uint64_t* bar, unsigned parity) {
+  unsigned ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// A weight tile into L2 only (no shared memory, no completion to wait for).
+__device__ __forceinline__ void tma_prefetch_tile(const CUtensorMap* map, int col, int row) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(col), "r"(row)
+               : "memory");
+}
 // The eight consumer warps only (the producer warp never joins).
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
@@ -144,6 +160,35 @@ __device__ void grid_barrier(unsigned* tickets) {
 }
 
 template <typename T> __device__ __forceinline__ float rt(float v) { return to_f(from_f<T>(v)); }
+
+template <typename T> __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = from_f<T>(f[e]);
+  return out;
+}
+// Output granule (m, n .. n + 8) of a projection: its blocks' partials (flush_tile) summed in
+// block order and rounded to T. Every reader computes the same bits.
+template <typename T>
+__device__ __forceinline__ void partial_granule(float (&out)[8], const Phase& s, const float* region, int m, int n) {
+  const int tile = n / kTileN;
+  const int nseg = unit_owner(s, (tile + 1) * s.kst - 1) - unit_owner(s, tile * s.kst) + 1;
+  const float* q = region + (static_cast<size_t>(tile) * s.kst * kRows + m) * kTileN + n % kTileN;
+  float4 a = __ldcg(reinterpret_cast<const float4*>(q)), b = __ldcg(reinterpret_cast<const float4*>(q + 4));
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+#pragma unroll 4
+  for (int seg = 1; seg < nseg; ++seg) {
+    q += kRows * kTileN;
+    a = __ldcg(reinterpret_cast<const float4*>(q));
+    b = __ldcg(reinterpret_cast<const float4*>(q + 4));
+    out[0] = __fadd_rn(out[0], a.x), out[1] = __fadd_rn(out[1], a.y), out[2] = __fadd_rn(out[2], a.z);
+    out[3] = __fadd_rn(out[3], a.w), out[4] = __fadd_rn(out[4], b.x), out[5] = __fadd_rn(out[5], b.y);
+    out[6] = __fadd_rn(out[6], b.z), out[7] = __fadd_rn(out[7], b.w);
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out[e] = rt<T>(out[e]);
+}
 
 }  // namespace layer
 }  // namespace loopcast_cuda

@@ -17,11 +17,10 @@ namespace loopcast_cuda {
 namespace layer {
 
 template <typename T, int D>
-__device__ void attention_phase(const LayerParams& p, const Smem& sm, const Scratch& sc) {
+__device__ void attention_phase(const LayerParams& p, const Phase& qkv_phase, const Smem& sm, const Scratch& sc) {
   constexpr int VEC = 8, LPP = D / VEC, PPI = kConsumers / LPP, R = kAttnChunk / PPI, half = D / 2, P = D + 2;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, t = tid % LPP, grp = tid / LPP;
-  const int M = p.M, GQ = p.Hq / p.Hkv, Q = (p.Hq + 2 * p.Hkv) * D;
-  const T* qkv = reinterpret_cast<const T*>(sc.qkv);
+  const int M = p.M, GQ = p.Hq / p.Hkv, QS = (GQ + 2) * D;
   const T* cs = static_cast<const T*>(p.cos_cache);
   const T* sn = static_cast<const T*>(p.sin_cache);
   T* kc = static_cast<T*>(p.key_cache);
@@ -32,7 +31,8 @@ __device__ void attention_phase(const LayerParams& p, const Smem& sm, const Scra
     if (row_valid(n + i, p.cap, p.rotary_len, p.rotary)) i_lo = min(i_lo, i), i_hi = i + 1;
   if (i_lo >= i_hi) return;
   const int p_hi = n + i_hi - 1, nch = p_hi / kAttnChunk + 1;
-  float* q_s = reinterpret_cast<float*>(sm.act);
+  float* q_s = reinterpret_cast<float*>(sm.act);  // [units][D]
+  T* qkv_s = reinterpret_cast<T*>(sm.act + M * GQ * D * 2);  // [rows][GQ q heads | k | v of the item's kv head]
   float* red_s = sm.red;                        // [2][8][D]
   float* mx_s = sm.red + 2 * kConsumerWarps * D;  // [2][8]
   float* l_s = mx_s + 2 * kConsumerWarps;         // [2][8]
@@ -40,18 +40,27 @@ __device__ void attention_phase(const LayerParams& p, const Smem& sm, const Scra
   for (int item = blockIdx.x; item < p.Hkv * nch; item += kLayerBlocks) {
     const int kvh = item % p.Hkv, c = item / p.Hkv, j0 = c * kAttnChunk;
     const int first_i = max(i_lo, j0 - n), nunits = (i_hi - first_i) * GQ;
+    // This kv head's slice of qkv for the valid rows, from the projection's partials.
+    for (int gi = tid; gi < (i_hi - i_lo) * (QS / 8); gi += kConsumers) {
+      const int i = i_lo + gi / (QS / 8), c8 = gi % (QS / 8) * 8, slot = c8 / D, d = c8 % D;
+      const int col = (slot < GQ ? kvh * GQ + slot : slot == GQ ? p.Hq + kvh : p.Hq + p.Hkv + kvh) * D + d;
+      float f[8];
+      partial_granule<T>(f, qkv_phase, sc.partials[0], i, col);
+      *reinterpret_cast<uint4*>(qkv_s + i * QS + c8) = pack8<T>(f);
+    }
+    consumer_sync();
     for (int e = tid; e < nunits * D; e += kConsumers) {
-      const int u = e / D, d = e % D, i = first_i + u / GQ, hq = kvh * GQ + u % GQ;
-      q_s[u * D + d] = rotated(qkv + static_cast<size_t>(i) * Q + hq * D, d, half, n + i, cs, sn, p.rotary);
+      const int u = e / D, d = e % D, i = first_i + u / GQ;
+      q_s[u * D + d] = rotated(qkv_s + i * QS + (u % GQ) * D, d, half, n + i, cs, sn, p.rotary);
     }
     // New rows in this chunk -> the cache (nobody reads them from the cache in this launch).
     const int jn0 = max(j0, n + i_lo), jn1 = min(j0 + kAttnChunk, p_hi + 1);
     for (int e = tid; e < max(0, jn1 - jn0) * D; e += kConsumers) {
       const int j = jn0 + e / D, d = e % D;
-      const T* row = qkv + static_cast<size_t>(j - n) * Q;
+      const T* row = qkv_s + (j - n) * QS;
       const size_t dst = (static_cast<size_t>(kvh) * p.cap + j) * D + d;
-      kc[dst] = from_f<T>(rotated(row + (p.Hq + kvh) * D, d, half, j, cs, sn, p.rotary));
-      vc[dst] = row[(p.Hq + p.Hkv + kvh) * D + d];
+      kc[dst] = from_f<T>(rotated(row + GQ * D, d, half, j, cs, sn, p.rotary));
+      vc[dst] = row[(GQ + 1) * D + d];
     }
     uint4 kr[R], vr[R];
 #pragma unroll
@@ -59,13 +68,13 @@ __device__ void attention_phase(const LayerParams& p, const Smem& sm, const Scra
       const int j = j0 + grp + r * PPI;
       kr[r] = vr[r] = make_uint4(0u, 0u, 0u, 0u);
       if (j <= p_hi && j >= n) {  // a new row: from qkv, rotated as the cache will hold it
-        const T* row = qkv + static_cast<size_t>(j - n) * Q;
+        const T* row = qkv_s + (j - n) * QS;
         T* ko = reinterpret_cast<T*>(&kr[r]);
         T* vo = reinterpret_cast<T*>(&vr[r]);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          ko[e] = from_f<T>(rotated(row + (p.Hq + kvh) * D, t * VEC + e, half, j, cs, sn, p.rotary));
-          vo[e] = row[(p.Hq + p.Hkv + kvh) * D + t * VEC + e];
+          ko[e] = from_f<T>(rotated(row + GQ * D, t * VEC + e, half, j, cs, sn, p.rotary));
+          vo[e] = row[(GQ + 1) * D + t * VEC + e];
         }
       } else if (j <= p_hi) {
         const size_t off = (static_cast<size_t>(kvh) * p.cap + j) * D + t * VEC;

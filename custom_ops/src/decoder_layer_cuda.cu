@@ -21,7 +21,7 @@
 //     so it runs ahead across the phases and the grid barriers below.
 //   warps 0-7 (consumers) run the phases, separated by grid barriers (a global ticket counter):
 //     P0 norms -> qkv | P1 attention partials | merge | P2 o_proj | P3 norms -> gate/up |
-//     P4 SwiGLU -> down. A norm or SwiGLU prologue is computed by every block for every row
+//     P4 SwiGLU -> down | mlp_out. A norm or SwiGLU prologue is computed by every block for every row
 //     (L2-resident) into a shared-memory activation buffer; block 0 alone writes sum_out / mid_out.
 //
 // Matmul phase, B[K, N] ([K, N] row-major, the graphs' weight_T): units (tile of 64 columns,
@@ -30,8 +30,8 @@
 // Output (m, n) is
 //   serial MMA chain over the block's k-stages of the tile (ascending), per warp
 //   -> serial sum over the 8 warps -> serial sum over the tile's blocks (ascending), rounded to T
-// by the tile's last block (atomic counter: qkv, down) or by every reader of the output after
-// the next grid barrier (o_proj and gate/up: partial_granule), the same bits either way.
+// by whoever reads the output after the next grid barrier (partial_granule: the attention phase
+// for qkv, the norms for o_proj, the SwiGLU staging for gate/up, a last phase for mlp_out).
 // The split depends on (K, N) only. An MMA row never sees another row, so a row's bits do not
 // depend on M: every verify row equals the M = 1 row. Attention: decoder_layer_attention.cuh.
 //
@@ -59,45 +59,14 @@ namespace {
 using namespace layer;  // NOLINT: the kernel's own header
 
 __device__ __align__(16) float g_partials[4][kMaxUnits * kRows * kTileN];  // per projection
-__device__ unsigned g_tile_ctr[kMaxUnits];
 __device__ unsigned g_barrier;  // tickets; a multiple of kLayerBlocks between launches
-__device__ __align__(16) uint16_t g_qkv[kRows * kMaxQkv];
 __device__ __align__(16) uint16_t g_attn[kRows * kMaxHidden];
 __device__ float g_attn_part[static_cast<size_t>(kRows) * kMaxQHeads * kMaxChunks * (128 + 2)];
 // Per block, globaltimer (ns) at the phase marks of the last launch (loopcast_cuda_decoder_layer_timeline).
 __device__ unsigned long long g_timeline[kLayerBlocks][kLoopcastLayerTimelineMarks];
 
 
-// Output granule (m, n .. n + 8) of a deferred projection: its blocks' partials summed in block
-// order and rounded to T, exactly what flush_tile's last block would have stored.
-template <typename T>
-__device__ __forceinline__ void partial_granule(float (&out)[8], const Phase& s, const float* region, int m, int n) {
-  const int tile = n / kTileN;
-  const int nseg = unit_owner(s, (tile + 1) * s.kst - 1) - unit_owner(s, tile * s.kst) + 1;
-  const float* q = region + (static_cast<size_t>(tile) * s.kst * kRows + m) * kTileN + n % kTileN;
-  float4 a = __ldcg(reinterpret_cast<const float4*>(q)), b = __ldcg(reinterpret_cast<const float4*>(q + 4));
-  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
-#pragma unroll 4
-  for (int seg = 1; seg < nseg; ++seg) {
-    q += kRows * kTileN;
-    a = __ldcg(reinterpret_cast<const float4*>(q));
-    b = __ldcg(reinterpret_cast<const float4*>(q + 4));
-    out[0] = __fadd_rn(out[0], a.x), out[1] = __fadd_rn(out[1], a.y), out[2] = __fadd_rn(out[2], a.z);
-    out[3] = __fadd_rn(out[3], a.w), out[4] = __fadd_rn(out[4], b.x), out[5] = __fadd_rn(out[5], b.y);
-    out[6] = __fadd_rn(out[6], b.z), out[7] = __fadd_rn(out[7], b.w);
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) out[e] = rt<T>(out[e]);
-}
-
 // ---- prologues --------------------------------------------------------------------------------
-template <typename T> __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 out;
-  T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) o[e] = from_f<T>(f[e]);
-  return out;
-}
 // Granule j of this consumer thread: elements (tid + 256j)·8 .. +8 (H % 8 == 0: never straddles H).
 __device__ __forceinline__ int granule_k(int j) { return (threadIdx.x + j * kConsumers) * 8; }
 
@@ -236,11 +205,9 @@ __device__ void stage_swiglu(const Phase& gu, const float* region, int I, int M,
 }
 
 // ---- matmul phase -----------------------------------------------------------------------------
-// The block's partial of one tile -> region; unless deferred (the next phase sums the partials as it
-// loads them, partial_granule), the tile's last block sums them and stores Y.
-template <typename T>
-__device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int M, T* Y, float* region, bool defer,
-                           unsigned* tile_ctr, const Smem& sm) {
+// The block's partial of one tile -> region (read back after the next grid barrier with
+// partial_granule: no atomics, no per-tile fences on the critical path).
+__device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int M, float* region, const Smem& sm) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   if (g < M) {
 #pragma unroll
@@ -253,38 +220,19 @@ __device__ void flush_tile(const Phase& s, int tile, float (&acc)[1][8][4], int 
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.0f;
   consumer_sync();
-  const int first = unit_owner(s, tile * s.kst), nseg = unit_owner(s, (tile + 1) * s.kst - 1) - first + 1;
-  float* part = region + static_cast<size_t>(tile) * s.kst * kRows * kTileN;
+  float* part = region + (static_cast<size_t>(tile) * s.kst + blockIdx.x - unit_owner(s, tile * s.kst)) * kRows * kTileN;
   for (int e = tid; e < M * kTileN; e += kConsumers) {
     const int row = e / kTileN, col = e % kTileN;
     float v = sm.red[row * kRedStride + col];
 #pragma unroll
     for (int q = 1; q < kConsumerWarps; ++q) v = __fadd_rn(v, sm.red[(q * kRows + row) * kRedStride + col]);
-    __stcg(part + (blockIdx.x - first) * kRows * kTileN + e, v);
+    __stcg(part + e, v);
   }
-  consumer_sync();
-  if (defer) return;  // published by the grid barrier that follows the phase
-  if (tid == 0) {
-    __threadfence();  // after the block barrier: orders every thread's partial before the count
-    const bool last = atomicAdd(&tile_ctr[tile], 1u) == static_cast<unsigned>(nseg - 1);
-    if (last) atomicExch(&tile_ctr[tile], 0u);
-    *sm.flag = last;
-  }
-  consumer_sync();
-  if (*sm.flag) {
-    __threadfence();
-    for (int e = tid; e < M * kTileN; e += kConsumers) {
-      float v = __ldcg(part + e);
-      for (int q = 1; q < nseg; ++q) v = __fadd_rn(v, __ldcg(part + q * kRows * kTileN + e));
-      const int col = tile * kTileN + e % kTileN;
-      if (col < s.N) Y[static_cast<size_t>(e / kTileN) * s.N + col] = from_f<T>(v);
-    }
-  }
+  consumer_sync();  // red is reused; the grid barrier after the phase publishes the partials
 }
 
 template <typename T>
-__device__ void matmul_phase(const Phase& s, int M, T* Y, float* region, bool defer, const Scratch& sc,
-                             const Smem& sm, int& it) {
+__device__ void matmul_phase(const Phase& s, int M, float* region, const Smem& sm, int& it) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int stride = s.kst * kStageK + 8;  // +16 bytes: rows of A fall on different banks
   float acc[1][8][4];
@@ -296,7 +244,7 @@ __device__ void matmul_phase(const Phase& s, int M, T* Y, float* region, bool de
   for (int u = s.u0; u < s.u1; ++u, ++it) {
     const int tile = u / s.kst, ks = u % s.kst;
     if (tile != cur) {
-      if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, region, defer, sc.tile_ctr, sm);
+      if (cur >= 0) flush_tile(s, cur, acc, M, region, sm);
       cur = tile;
     }
     const int stage = it % sm.stages;
@@ -318,7 +266,7 @@ __device__ void matmul_phase(const Phase& s, int M, T* Y, float* region, bool de
     if (lane == 0) mbar_arrive(sm.empty + stage);  // the slot is in registers: the producer may refill it
     mma_chunk<T, false, 1>(acc, r);
   }
-  if (cur >= 0) flush_tile<T>(s, cur, acc, M, Y, region, defer, sc.tile_ctr, sm);
+  if (cur >= 0) flush_tile(s, cur, acc, M, region, sm);
 }
 
 
@@ -336,8 +284,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   sm.act = reinterpret_cast<uint16_t*>(smem + kRingOffset + p.stages * kStageBytes);
   sm.stages = p.stages;
   const int tid = threadIdx.x, warp = tid >> 5;
-  const Scratch sc{{g_partials[0], g_partials[1], g_partials[2], g_partials[3]}, g_tile_ctr, &g_barrier, g_qkv, g_attn,
-                   g_attn_part};
+  const Scratch sc{{g_partials[0], g_partials[1], g_partials[2], g_partials[3]}, &g_barrier, g_attn, g_attn_part};
   // The norm weights (constants) are requested before the producer's first weight tiles, so they do
   // not queue behind megabytes of TMA traffic.
   NormWeights<T, NV> w_branch, w_loop, w_in, w_attn, w_post;
@@ -364,18 +311,40 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   if (warp == kConsumerWarps) {  // producer: weights only, so no wait for the previous kernel
     if ((tid & 31) == 0) {
       const CUtensorMap* map[4] = {&maps.qkv, &maps.o, &maps.gate_up, &maps.down};
-      int it = 0;
-      for (int f = 0; f < 4; ++f)
-        for (int u = ph[f].u0; u < ph[f].u1; ++u, ++it) {
-          const int stage = it % sm.stages;
-          if (it >= sm.stages) mbar_wait(sm.empty + stage, ((it / sm.stages) - 1) & 1);
-          // At most `inflight` tiles outstanding: deeper queues only add latency to everyone's loads.
-          if (it >= p.inflight)
-            mbar_wait(sm.full + (it - p.inflight) % sm.stages, ((it - p.inflight) / sm.stages) & 1);
-          mbar_expect_tx(sm.full + stage, kStageBytes);
-          tma_load_tile(sm.ring + stage * kStageElems, map[f], sm.full + stage, (u / ph[f].kst) * kTileN,
-                        (u % ph[f].kst) * kStageK);
+      int total = 0;
+      for (int f = 0; f < 4; ++f) total += ph[f].u1 - ph[f].u0;
+      // Tile `idx` of this block's sequence: projection f, unit u -> TMA coordinates.
+      auto tile = [&](int idx, int& f, int& col, int& row) {
+        f = 0;
+        while (idx >= ph[f].u1 - ph[f].u0) idx -= ph[f].u1 - ph[f].u0, ++f;
+        const int u = ph[f].u0 + idx;
+        col = (u / ph[f].kst) * kTileN;
+        row = (u % ph[f].kst) * kStageK;
+      };
+      int pf = 0;  // next tile to pull into L2
+      // While a slot or the in-flight cap holds the ring back, keep HBM busy: prefetch the tiles
+      // the ring will want next into L2 (at most l2_ahead past the ring's next load).
+      auto wait_prefetching = [&](uint64_t* bar, unsigned parity, int it) {
+        while (!mbar_ready(bar, parity)) {
+          if (pf < it) pf = it;
+          if (pf < total && pf < it + p.l2_ahead) {
+            int f, col, row;
+            tile(pf++, f, col, row);
+            tma_prefetch_tile(map[f], col, row);
+          }
         }
+      };
+      for (int it = 0; it < total; ++it) {
+        const int stage = it % sm.stages;
+        if (it >= sm.stages) wait_prefetching(sm.empty + stage, ((it / sm.stages) - 1) & 1, it);
+        // At most `inflight` tiles outstanding: deeper queues only add latency to everyone's loads.
+        if (it >= p.inflight)
+          wait_prefetching(sm.full + (it - p.inflight) % sm.stages, ((it - p.inflight) / sm.stages) & 1, it);
+        int f, col, row;
+        tile(it, f, col, row);
+        mbar_expect_tx(sm.full + stage, kStageBytes);
+        tma_load_tile(sm.ring + stage * kStageElems, map[f], sm.full + stage, col, row);
+      }
     }
     return;
   }
@@ -398,12 +367,12 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
                    ph[0].kst * kStageK + 8, ph[0].kst * kStageK, p.M, p.H, p.eps, sm.red);
   consumer_sync();
   stamp();
-  matmul_phase<T>(ph[0], p.M, reinterpret_cast<T*>(sc.qkv), sc.partials[0], false, sc, sm, it);
+  matmul_phase<T>(ph[0], p.M, sc.partials[0], sm, it);
   stamp();
   grid_barrier(sc.tickets);
   stamp();
   // P1: attention over the cache: chunk partials, then their merge.
-  attention_phase<T, D>(p, sm, sc);
+  attention_phase<T, D>(p, ph[0], sm, sc);
   stamp();
   grid_barrier(sc.tickets);
   stamp();
@@ -413,7 +382,7 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   // P2: o_proj over the attention rows.
   stage_rows(sc.attn, A, p.M, sm.act, ph[1].kst * kStageK + 8, ph[1].kst * kStageK);
   consumer_sync();
-  matmul_phase<T>(ph[1], p.M, nullptr, sc.partials[1], true, sc, sm, it);
+  matmul_phase<T>(ph[1], p.M, sc.partials[1], sm, it);
   stamp();
   grid_barrier(sc.tickets);
   stamp();
@@ -422,14 +391,23 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   norm_rows<T, NV>(sc.partials[1], p.sum_out, w_attn, w_loop, w_post, p.mid_out, sm.act,
                    ph[2].kst * kStageK + 8, ph[2].kst * kStageK, p.M, p.H, p.eps, sm.red, &ph[1]);
   consumer_sync();
-  matmul_phase<T>(ph[2], p.M, nullptr, sc.partials[2], true, sc, sm, it);
+  matmul_phase<T>(ph[2], p.M, sc.partials[2], sm, it);
   stamp();
   grid_barrier(sc.tickets);
   stamp();
   // P4: SwiGLU of [gate | up], then down.
   stage_swiglu<T>(ph[2], sc.partials[2], p.I, p.M, sm.act, ph[3].kst * kStageK + 8, ph[3].kst * kStageK);
   consumer_sync();
-  matmul_phase<T>(ph[3], p.M, static_cast<T*>(p.mlp_out), sc.partials[3], false, sc, sm, it);
+  matmul_phase<T>(ph[3], p.M, sc.partials[3], sm, it);
+  stamp();
+  grid_barrier(sc.tickets);
+  // mlp_out from the down partials, its granules spread over every consumer thread of the grid.
+  for (int gi = blockIdx.x * kConsumers + tid; gi < p.M * (p.H / 8); gi += kLayerBlocks * kConsumers) {
+    const int m = gi / (p.H / 8), k = gi % (p.H / 8) * 8;
+    float f[8];
+    partial_granule<T>(f, ph[3], sc.partials[3], m, k);
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.mlp_out) + static_cast<size_t>(m) * p.H + k) = pack8<T>(f);
+  }
   stamp();
 }
 
@@ -468,7 +446,8 @@ int launch_layer(const LayerMaps& maps, LayerParams p, cudaStream_t stream) {
   auto kernel = decoder_layer_kernel<T, D, NV>;
   // Activations take M rows; the weight ring takes the rest (deeper for fewer rows).
   const int kmax = std::max(std::max(kpad_of(p.H), kpad_of(p.Hq * D)), kpad_of(p.I));
-  const int act_bytes = std::max(p.M * (kmax + 8) * 2, p.M * (p.Hq / p.Hkv) * D * 4);
+  const int group = p.Hq / p.Hkv;  // attention: rotated q (fp32) and one kv head's qkv rows (T)
+  const int act_bytes = std::max(p.M * (kmax + 8) * 2, p.M * group * D * 4 + p.M * (group + 2) * D * 2);
   int dev = 0, sms = 0, optin = 0, per_sm = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -478,6 +457,8 @@ int launch_layer(const LayerMaps& maps, LayerParams p, cudaStream_t stream) {
   if (p.stages < 2) return static_cast<int>(cudaErrorInvalidValue);
   const char* env = std::getenv("LOOPCAST_LAYER_INFLIGHT");  // an experiment switch, read per launch
   p.inflight = std::max(1, std::min(p.stages, env != nullptr ? std::atoi(env) : 2));
+  const char* ahead = std::getenv("LOOPCAST_LAYER_L2_AHEAD");  // an experiment switch too
+  p.l2_ahead = std::max(0, ahead != nullptr ? std::atoi(ahead) : 8);
   const int smem = kRingOffset + p.stages * kStageBytes + act_bytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLayerThreads, smem);
@@ -515,7 +496,7 @@ struct LayerLauncher {
     LayerParams p{a->branch, a->residual, a->branch_norm, a->loop_norm, a->input_norm, a->key_cache,
                   a->value_cache, a->seqlens_k, a->cos_cache, a->sin_cache, a->attn_norm, a->post_attn_norm,
                   a->sum_out, a->mid_out, a->mlp_out, M, H, Hq, Hkv, D, I, a->capacity,
-                  a->do_rotary ? a->rotary_len : a->capacity, a->epsilon, a->scale, a->do_rotary != 0, 0, 0};
+                  a->do_rotary ? a->rotary_len : a->capacity, a->epsilon, a->scale, a->do_rotary != 0, 0, 0, 0};
     const void* acts[] = {a->branch, a->residual, a->branch_norm, a->loop_norm, a->input_norm, a->attn_norm,
                           a->post_attn_norm, a->sum_out, a->mid_out, a->mlp_out};
     for (const void* q : acts)
