@@ -81,8 +81,6 @@ def main() -> None:
     ap.add_argument("--inflight", default="2,1,4",
                     help="weight tiles the producer keeps in flight (LOOPCAST_LAYER_INFLIGHT); the first is the "
                          "headline, the others are timed too")
-    ap.add_argument("--l2-ahead", default="0,4,16",
-                    help="also time these LOOPCAST_LAYER_L2_AHEAD values (tiles prefetched into L2; default 8)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     lib = load_library(args.lib)
@@ -116,15 +114,11 @@ def main() -> None:
             out_chain = ios[-1].mlp_out.float().clone()
             with kernel_env("LOOPCAST_PDL", "0"):
                 t_fused_nopdl = graph_time_us(fused) * len(fused) / 1e3
-            t_l2 = {}
-            for v in [int(x) for x in args.l2_ahead.split(",") if x]:
-                with kernel_env("LOOPCAST_LAYER_L2_AHEAD", str(v)):
-                    t_l2[v] = graph_time_us(fused) * len(fused) / 1e3
             x = torch.randn(rows, shape.hidden, generator=gen, device="cuda").to(dtype)
             logits = torch.empty(rows, OURO["vocab"], dtype=dtype, device="cuda")
             t_head = graph_time_us([lambda: matmul_call(lib, x, head, logits, 0)] * 8) / 1e3
             rel = ((out_fused - out_chain).abs().max() / out_chain.abs().max()).item()
-            row = {"fused_ms": t_fused, "fused_ms_by_inflight": t_inflight, "fused_ms_by_l2_ahead": t_l2, "chain_ms": t_chain, "fused_nopdl_ms": t_fused_nopdl,
+            row = {"fused_ms": t_fused, "fused_ms_by_inflight": t_inflight,  "chain_ms": t_chain, "fused_nopdl_ms": t_fused_nopdl,
                    "chain_over_fused": t_chain / t_fused, "floor_ms": floor_ms, "head_ms": t_head,
                    "step_estimate_ms": t_fused + t_head, "fused_bandwidth_pct": 100 * floor_ms / t_fused,
                    "stack_out_rel_diff": rel, "last_layer_timeline": phases}
@@ -133,8 +127,7 @@ def main() -> None:
                   f"chain/fused {t_chain / t_fused:.2f}x; floor {floor_ms:.3f} ms ({row['fused_bandwidth_pct']:.0f}% "
                   f"of bandwidth); head {t_head:.3f} ms -> step ~{t_fused + t_head:.3f} ms; "
                   f"fused vs chain after {len(fused)} layers: max rel diff {rel:.2e}", flush=True)
-            print("  fused by tiles in flight: " + ", ".join(f"{k}: {v:.3f} ms" for k, v in t_inflight.items())
-                  + "; by tiles prefetched into L2: " + ", ".join(f"{k}: {v:.3f} ms" for k, v in t_l2.items()))
+            print("  fused by tiles in flight: " + ", ".join(f"{k}: {v:.3f} ms" for k, v in t_inflight.items()))
             print("  last layer, µs (median / max over blocks): " + ", ".join(
                 f"{k} {v['median_us']:.1f}/{v['max_us']:.1f}" for k, v in phases.items() if isinstance(v, dict))
                 + f"; kernel span {phases['kernel_span_us']:.1f}", flush=True)

@@ -45,7 +45,6 @@ struct LayerParams {
   bool rotary;
   int stages;    // weight ring depth
   int inflight;  // weight stages the producer keeps in flight (the rest of the ring fills behind them)
-  int l2_ahead;  // tiles past the ring the producer may pull into L2 while the consumers stall
 };
 
 // One projection's split (from K and N only) and this block's unit range.
@@ -123,23 +122,6 @@ __device__ __forceinline__ void tma_load_tile(void* dst, const CUtensorMap* map,
           "r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(col), "r"(row)
       : "memory");
-}
-// Non-blocking probe of an mbarrier phase (the producer prefetches while a slot is busy).
-__device__ __forceinline__ bool mbar_ready(uint64_t* bar, unsigned parity) {
-  unsigned ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-// A weight tile into L2 only (no shared memory, no completion to wait for).
-__device__ __forceinline__ void tma_prefetch_tile(const CUtensorMap* map, int col, int row) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(col), "r"(row)
-               : "memory");
 }
 // The eight consumer warps only (the producer warp never joins).
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }

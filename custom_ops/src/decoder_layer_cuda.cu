@@ -311,40 +311,19 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   if (warp == kConsumerWarps) {  // producer: weights only, so no wait for the previous kernel
     if ((tid & 31) == 0) {
       const CUtensorMap* map[4] = {&maps.qkv, &maps.o, &maps.gate_up, &maps.down};
-      int total = 0;
-      for (int f = 0; f < 4; ++f) total += ph[f].u1 - ph[f].u0;
-      // Tile `idx` of this block's sequence: projection f, unit u -> TMA coordinates.
-      auto tile = [&](int idx, int& f, int& col, int& row) {
-        f = 0;
-        while (idx >= ph[f].u1 - ph[f].u0) idx -= ph[f].u1 - ph[f].u0, ++f;
-        const int u = ph[f].u0 + idx;
-        col = (u / ph[f].kst) * kTileN;
-        row = (u % ph[f].kst) * kStageK;
-      };
-      int pf = 0;  // next tile to pull into L2
-      // While a slot or the in-flight cap holds the ring back, keep HBM busy: prefetch the tiles
-      // the ring will want next into L2 (at most l2_ahead past the ring's next load).
-      auto wait_prefetching = [&](uint64_t* bar, unsigned parity, int it) {
-        while (!mbar_ready(bar, parity)) {
-          if (pf < it) pf = it;
-          if (pf < total && pf < it + p.l2_ahead) {
-            int f, col, row;
-            tile(pf++, f, col, row);
-            tma_prefetch_tile(map[f], col, row);
-          }
+      int it = 0;
+      for (int f = 0; f < 4; ++f)
+        for (int u = ph[f].u0; u < ph[f].u1; ++u, ++it) {
+          const int stage = it % sm.stages;
+          if (it >= sm.stages) mbar_wait(sm.empty + stage, ((it / sm.stages) - 1) & 1);
+          // At most `inflight` tiles outstanding: deeper queues only add latency to everyone's
+          // loads (so does pulling later tiles into L2 meanwhile: measured slower, docs/perf.md).
+          if (it >= p.inflight)
+            mbar_wait(sm.full + (it - p.inflight) % sm.stages, ((it - p.inflight) / sm.stages) & 1);
+          mbar_expect_tx(sm.full + stage, kStageBytes);
+          tma_load_tile(sm.ring + stage * kStageElems, map[f], sm.full + stage, (u / ph[f].kst) * kTileN,
+                        (u % ph[f].kst) * kStageK);
         }
-      };
-      for (int it = 0; it < total; ++it) {
-        const int stage = it % sm.stages;
-        if (it >= sm.stages) wait_prefetching(sm.empty + stage, ((it / sm.stages) - 1) & 1, it);
-        // At most `inflight` tiles outstanding: deeper queues only add latency to everyone's loads.
-        if (it >= p.inflight)
-          wait_prefetching(sm.full + (it - p.inflight) % sm.stages, ((it - p.inflight) / sm.stages) & 1, it);
-        int f, col, row;
-        tile(it, f, col, row);
-        mbar_expect_tx(sm.full + stage, kStageBytes);
-        tma_load_tile(sm.ring + stage * kStageElems, map[f], sm.full + stage, col, row);
-      }
     }
     return;
   }
@@ -457,8 +436,6 @@ int launch_layer(const LayerMaps& maps, LayerParams p, cudaStream_t stream) {
   if (p.stages < 2) return static_cast<int>(cudaErrorInvalidValue);
   const char* env = std::getenv("LOOPCAST_LAYER_INFLIGHT");  // an experiment switch, read per launch
   p.inflight = std::max(1, std::min(p.stages, env != nullptr ? std::atoi(env) : 2));
-  const char* ahead = std::getenv("LOOPCAST_LAYER_L2_AHEAD");  // an experiment switch too
-  p.l2_ahead = std::max(0, ahead != nullptr ? std::atoi(ahead) : 8);
   const int smem = kRingOffset + p.stages * kStageBytes + act_bytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLayerThreads, smem);
@@ -496,7 +473,7 @@ struct LayerLauncher {
     LayerParams p{a->branch, a->residual, a->branch_norm, a->loop_norm, a->input_norm, a->key_cache,
                   a->value_cache, a->seqlens_k, a->cos_cache, a->sin_cache, a->attn_norm, a->post_attn_norm,
                   a->sum_out, a->mid_out, a->mlp_out, M, H, Hq, Hkv, D, I, a->capacity,
-                  a->do_rotary ? a->rotary_len : a->capacity, a->epsilon, a->scale, a->do_rotary != 0, 0, 0, 0};
+                  a->do_rotary ? a->rotary_len : a->capacity, a->epsilon, a->scale, a->do_rotary != 0, 0, 0};
     const void* acts[] = {a->branch, a->residual, a->branch_norm, a->loop_norm, a->input_norm, a->attn_norm,
                           a->post_attn_norm, a->sum_out, a->mid_out, a->mlp_out};
     for (const void* q : acts)
