@@ -84,14 +84,12 @@ struct Scratch {
 struct Smem {
   uint64_t* full;   // [stages]
   uint64_t* empty;  // [stages]
-  int* flag;
-  float* red;       // [8 warps][kRows][65]; attention: [2][8][D] and [4][8]; combine: [2][kMaxChunks]
+  float* red;       // [8 warps][kRows][65]; attention: [2][8][D] and [4][8]; merge: [3][kMaxChunks]
   uint16_t* ring;   // [stages][256][64]
-  uint16_t* act;    // activations [rows][stride]; attention: rotated q [units][D] fp32
+  uint16_t* act;    // activations [rows][stride]; attention: rotated q [units][D] fp32, then qkv rows
   int stages;
 };
-constexpr int kFlagOffset = 2 * kMaxStages * 8;
-constexpr int kRedOffset = kFlagOffset + 16;
+constexpr int kRedOffset = 2 * kMaxStages * 8;
 constexpr int kRedBytes = kConsumerWarps * kRows * kRedStride * 4;
 constexpr int kRingOffset = (kRedOffset + kRedBytes + 1023) / 1024 * 1024;
 

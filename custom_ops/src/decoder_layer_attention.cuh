@@ -1,5 +1,6 @@
 // The attention phases of the fused decoder layer (decoder_layer_cuda.cu): chunk partials over the
-// KV cache (new rows taken from qkv and written to the cache), then their merge.
+// KV cache, then their merge. Each item first sums its kv head's slice of the qkv projection's
+// partials into shared memory; the new rows' K/V come from there and are written to the cache.
 //
 // Items (kv head, 64-position chunk) are strided over the 128 blocks; per (row, q head) an item
 // computes the chunk's max, sum of exponentials and weighted V sum in the fixed order of

@@ -65,7 +65,6 @@ __device__ float g_attn_part[static_cast<size_t>(kRows) * kMaxQHeads * kMaxChunk
 // Per block, globaltimer (ns) at the phase marks of the last launch (loopcast_cuda_decoder_layer_timeline).
 __device__ unsigned long long g_timeline[kLayerBlocks][kLoopcastLayerTimelineMarks];
 
-
 // ---- prologues --------------------------------------------------------------------------------
 // Granule j of this consumer thread: elements (tid + 256j)·8 .. +8 (H % 8 == 0: never straddles H).
 __device__ __forceinline__ int granule_k(int j) { return (threadIdx.x + j * kConsumers) * 8; }
@@ -108,8 +107,6 @@ __device__ void norm_in_place(float (&x)[NV][8], const uint4 (&w)[NV], int H, fl
   }
 }
 
-// act[m] = n_out(s), s = [n_loop](residual + [n_b](branch)), for every row; block 0 writes s.
-// Every load of a row is issued before the first reduction: one L2 round trip, not five.
 template <typename T, int NV>
 struct NormWeights {  // this thread's granules of a norm's weights (zeros when absent)
   uint4 w[NV];
@@ -120,6 +117,9 @@ struct NormWeights {  // this thread's granules of a norm's weights (zeros when 
   }
 };
 
+// act[m] = n_out(s), s = [n_loop](residual + [n_b](branch)), for every row; block 0 writes s. The
+// branch is a T tensor, or (`deferred`) the partials of a projection. Every load of a row is
+// issued before the first reduction: one L2 round trip, not five.
 template <typename T, int NV>
 __device__ void norm_rows(const void* branch, const void* residual, const NormWeights<T, NV>& bw,
                           const NormWeights<T, NV>& lw, const NormWeights<T, NV>& ow, void* sum_out, uint16_t* act,
@@ -269,7 +269,6 @@ __device__ void matmul_phase(const Phase& s, int M, float* region, const Smem& s
   if (cur >= 0) flush_tile(s, cur, acc, M, region, sm);
 }
 
-
 // ---- the kernel -------------------------------------------------------------------------------
 template <typename T, int D, int NV>
 __global__ void __launch_bounds__(kLayerThreads, 1)
@@ -278,7 +277,6 @@ __global__ void __launch_bounds__(kLayerThreads, 1)
   Smem sm;
   sm.full = reinterpret_cast<uint64_t*>(smem);
   sm.empty = sm.full + kMaxStages;
-  sm.flag = reinterpret_cast<int*>(smem + kFlagOffset);
   sm.red = reinterpret_cast<float*>(smem + kRedOffset);
   sm.ring = reinterpret_cast<uint16_t*>(smem + kRingOffset);
   sm.act = reinterpret_cast<uint16_t*>(smem + kRingOffset + p.stages * kStageBytes);
