@@ -10,7 +10,7 @@
 // Why one kernel: at M = 1 every dependent kernel costs ~4.5 µs of ramp and drain on an H200
 // whatever its size (docs/perf.md), half of a decode step; here the weights could keep flowing.
 // Status: correct and row-invariant (tests/custom_ops/test_cuda_decoder_layer.py), but it measures
-// SLOWER than the seven-kernel chain (6.66 vs 5.56 ms for 96 layers, fp16 M = 1, H200,
+// SLOWER than the seven-kernel chain (6.68 vs 5.60 ms for 96 layers, fp16 M = 1, H200,
 // tools/bench_decoder_layer_cuda.py; docs/perf.md has the per-phase timeline), so no graph uses
 // it yet: an experiment kept with its tests and benchmark.
 //
