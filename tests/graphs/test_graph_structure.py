@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from tests.artifacts import artifact, config_of
+from tests.custom_ops.conftest import require_c_toolchain
 
 
 def _graphs(path):
@@ -64,6 +65,7 @@ def test_loopcast_op_layers_are_fused(name: str) -> None:
     gate_up, down (with swiglu=1: the activation is applied as it loads [gate | up]),
     ResidualRMSNorm (which also carries the loop-norm and the next layer's input norm); the
     stack's first norm is one more ResidualRMSNorm, with no residual."""
+    require_c_toolchain()  # the export builds the custom-op library
     cfg = config_of(name)
     path = artifact(name, draft_depth=1 if cfg.num_loops > 1 else None, batch_invariant=True)
     for kind, spec, file in _graphs(path):
