@@ -53,7 +53,9 @@ LOOPCAST_CUDA_API int loopcast_cuda_swiglu(int dtype, const void* gate_up, void*
 //   mlp_out = SwiGLU(n(x1, post_attn_norm) · gate_up_weight) · down_weight
 // Weights are [K, N] (16-byte aligned, N % 8 == 0); caches [1, kv_num_heads, capacity, head_dim],
 // written in place at seqlens_k[0] + 1 - rows ..; residual, branch_norm, loop_norm, attn_norm may be
-// null. fp16 / bf16, head_dim 64 or 128; needs 128 co-resident blocks (one per SM, sm_90).
+// null. Unlike ResidualRMSNorm, no output may overlap an input: other blocks still read the inputs
+// while block 0 writes sum_out. fp16 / bf16, head_dim 64 or 128; needs 128 co-resident blocks (one
+// per SM, sm_90).
 typedef struct LoopcastLayerArgs {
   const void* branch;
   const void* residual;

@@ -12,7 +12,6 @@ library (then nothing from loopcast is imported)."""
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import numpy as np
