@@ -78,9 +78,11 @@ class VariantResult:
     rows_identical: dict = field(default_factory=dict)
     end_to_end: dict = field(default_factory=dict)
     alternation: dict = field(default_factory=dict)
-    # Captured decode of the same artifact with the custom ops launched without programmatic
-    # dependent launch (LOOPCAST_PDL=0): what PDL buys, measured in the same run.
+    # Captured decode of the same artifact with one of the custom-op library's launch switches
+    # off, measured in the same run: LOOPCAST_PDL=0 (no programmatic dependent launch: what PDL
+    # buys) and LOOPCAST_SWIGLU_STAGE=0 (SwiGLU per chunk in the down projection, not staged).
     decode_without_pdl_ms: float | None = None
+    decode_without_swiglu_stage_ms: float | None = None
     profile_ms: dict = field(default_factory=dict)
     top_kernels: list = field(default_factory=list)
     graph_fallbacks: dict = field(default_factory=dict)
@@ -375,6 +377,9 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     if cuda and not result.captured_fixed_position_only:
         result.decode_without_pdl_ms = decode_with_env(art, opts.device, past, opts.iters, "LOOPCAST_PDL", "0")
         log(f"  decode captured without PDL {result.decode_without_pdl_ms} ms")
+        result.decode_without_swiglu_stage_ms = decode_with_env(art, opts.device, past, opts.iters,
+                                                                "LOOPCAST_SWIGLU_STAGE", "0")
+        log(f"  decode captured without SwiGLU staging {result.decode_without_swiglu_stage_ms} ms")
     for width in widths:
         if width == 5:
             continue
@@ -499,9 +504,10 @@ def format_table(report: dict) -> str:
             eager = f"{s['uncaptured_ms']:.3f}" if s["uncaptured_ms"] else "-"
             lines.append(f"  {s['kind'] + '(' + str(s['rows']) + ')':<16}{cap:>12}{eager:>15}"
                          f"{mine / ref if ref else float('nan'):>10.2f}")
-        if run.get("decode_without_pdl_ms"):
-            lines.append(f"  decode captured without PDL {run['decode_without_pdl_ms']:.3f} ms "
-                         f"(with: {decode['captured_ms']:.3f} ms)")
+        for key, what in (("decode_without_pdl_ms", "PDL"), ("decode_without_swiglu_stage_ms", "SwiGLU staging")):
+            if run.get(key) and decode and decode["captured_ms"]:
+                lines.append(f"  decode captured without {what} {run[key]:.3f} ms "
+                             f"(with: {decode['captured_ms']:.3f} ms, {run[key] / decode['captured_ms']:.2f}x)")
         if decode and base.get("floor_ms"):
             best = decode["captured_ms"] or decode["uncaptured_ms"]
             lines.append(f"  floor {base['floor_ms']:.3f} ms ({base['bandwidth_gbs']:.0f} GB/s): decode at "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
-# setup | kernels | layer | tests | parity | bench-demo | bench-1p4b (kernels and layer need no setup). Results go to /root/res and are packed into
+# setup | kernels | layer | layer-tests | tests | parity | bench-demo | bench-1p4b (kernels and layer* need no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
@@ -31,14 +31,20 @@ phase_kernels() {  # ctypes microbenchmarks; needs no onnxruntime-gpu. baseline 
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
   local libs=(--lib "new=$LIB")
   [ -f .lccache/baseline/libloopcast_ops.so ] && libs+=(--lib "baseline=$PWD/.lccache/baseline/libloopcast_ops.so")
-  timeout 100 python3 tools/bench_matmul_cuda.py "${libs[@]}" --variant nopdl:LOOPCAST_PDL=0 --calls 96 --out "$RES" > "$RES/bench-matmul.txt" 2>&1
+  timeout 150 python3 tools/bench_matmul_cuda.py "${libs[@]}" --ms 1,5,16 --variant nopdl:LOOPCAST_PDL=0 \
+    --variant nostage:LOOPCAST_SWIGLU_STAGE=0 --calls 96 --out "$RES" > "$RES/bench-matmul.txt" 2>&1
   LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
     2>&1 | tail -30 > "$RES/gpu-kernel-tests.txt"
 }
-phase_layer() {  # the fused decoder layer: ctypes tests and the 96-layer stack benchmark; needs no onnxruntime-gpu
+phase_layer_tests() {  # the fused decoder layer's ctypes tests; needs no onnxruntime-gpu
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
   LOOPCAST_OPS_LIB=$LIB timeout 150 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_decoder_layer.py \
-    tests/custom_ops/test_cuda_kernels.py 2>&1 | tail -40 > "$RES/gpu-layer-tests.txt"
+    2>&1 | tail -40 > "$RES/gpu-layer-tests.txt"
+}
+phase_layer() {  # those tests, the kernel tests and the 96-layer stack benchmark
+  phase_layer_tests
+  LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
+    2>&1 | tail -30 > "$RES/gpu-kernel-tests.txt"
   timeout 240 python3 tools/bench_decoder_layer_cuda.py --lib "$LIB" --out "$RES" > "$RES/bench-layer.txt" 2>&1
 }
 phase_parity() {
@@ -49,7 +55,7 @@ phase_bench_demo() {
     --past 1000 --widths 2,5,8 --work-dir /root/bw --out "$RES/bench-demo.json" > "$RES/bench-demo.txt" 2>&1
 }
 phase_bench_1p4b() {
-  timeout 300 python3 -m loopcast.cli bench preset:ouro-1.4b --dtype fp16 --dtype bf16 --iters 20 \
+  timeout 360 python3 -m loopcast.cli bench preset:ouro-1.4b --dtype fp16 --dtype bf16 --iters 20 \
     --past 1024 --widths 5 --no-end-to-end --alternate-tokens 0 --work-dir /root/bw14 \
     --out "$RES/bench-1p4b.json" > "$RES/bench-1p4b.txt" 2>&1
 }

@@ -1,7 +1,10 @@
 // Pieces shared by the attention kernels (attention_cuda.cu) and the fused decoder layer's
-// attention phase (decoder_layer_cuda.cu): the rotary expression, the row-validity rule and the
-// 16-byte to fp32 conversions, so a key rotated by either kernel carries the same bits.
+// attention phase (decoder_layer_cuda.cu): the rotary expression, the row-validity rule, the
+// 16-byte to fp32 conversions and a chunk's scores and weighted values, so a key rotated or a
+// chunk partial computed by either kernel carries the same bits.
 #pragma once
+
+#include <cfloat>
 
 #include "cuda_common.cuh"
 
@@ -52,6 +55,62 @@ template <> struct Vec<__nv_bfloat16> {
 
 __device__ __forceinline__ bool row_valid(int p, int cap, int rotary_len, bool do_rotary) {
   return p >= 0 && p < cap && !(do_rotary && p >= rotary_len);
+}
+
+// One chunk of positions for one query row, per warp. A lane holds key/value rows
+// j_first + r·PPI (r < R) and elements t·VEC .. +VEC of each; LPP lanes share a row. Positions
+// past `pos` are masked. chunk_scores: the scaled scores s[r] and the warp's max over the valid
+// ones. chunk_values: after the caller has reduced that max over its warps (its own barrier),
+// the exponentials' sum and the weighted V sum over the warp's rows, warp-reduced. Both kernels
+// (split_attend_kernel, the fused layer's attention phase) call these, so a chunk partial carries
+// the same bits in both.
+template <typename T, int LPP, int R, int PPI>
+__device__ __forceinline__ float chunk_scores(float (&s)[R], const float (&qr)[Vec<T>::N], const uint4 (&kr)[R],
+                                              float scale, int j_first, int pos) {
+  constexpr int VEC = Vec<T>::N;
+  float mloc = -FLT_MAX;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float kf[VEC];
+    Vec<T>::cvt(kr[r], kf);
+    float dot = 0.0f;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) dot = fmaf(qr[e], kf[e], dot);
+#pragma unroll
+    for (int off = LPP / 2; off >= 1; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    s[r] = __fmul_rn(dot, scale);
+    if (j_first + r * PPI <= pos) mloc = fmaxf(mloc, s[r]);
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+  return mloc;
+}
+
+template <typename T, int LPP, int R, int PPI>
+__device__ __forceinline__ float chunk_values(float (&acc)[Vec<T>::N], const float (&s)[R], const uint4 (&vr)[R],
+                                              float mx, int j_first, int pos) {
+  constexpr int VEC = Vec<T>::N;
+  float lsum = 0.0f;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (j_first + r * PPI <= pos) {
+      const float ex = expf(__fsub_rn(s[r], mx));
+      lsum += ex;
+      float vf[VEC];
+      Vec<T>::cvt(vr[r], vf);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] = fmaf(ex, vf[e], acc[e]);
+    }
+  }
+#pragma unroll
+  for (int off = LPP; off < 32; off *= 2) {
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+  }
+  return lsum;
 }
 
 }  // namespace loopcast_cuda

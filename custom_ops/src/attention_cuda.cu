@@ -303,47 +303,14 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
 #pragma unroll
       for (int e = 0; e < VEC; ++e) qr[e] = q_s[u][t * VEC + e];
       float s[R];
-      float mloc = -FLT_MAX;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float kf[VEC];
-        Vec<T>::cvt(kr[r], kf);
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) dot = fmaf(qr[e], kf[e], dot);
-#pragma unroll
-        for (int off = LPP / 2; off >= 1; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        s[r] = __fmul_rn(dot, scale);
-        if (j0 + g + r * PPI <= p) mloc = fmaxf(mloc, s[r]);
-      }
-#pragma unroll
-      for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+      const float mloc = chunk_scores<T, LPP, R, PPI>(s, qr, kr, scale, j0 + g, p);
       if (lane == 0) mx_s[buf][warp] = mloc;
       __syncthreads();
       float m = mx_s[buf][0];
 #pragma unroll
       for (int w = 1; w < kSplitWarps; ++w) m = fmaxf(m, mx_s[buf][w]);
-
-      float lsum = 0.0f, acc[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (j0 + g + r * PPI <= p) {
-          const float ex = expf(__fsub_rn(s[r], m));
-          lsum += ex;
-          float vf[VEC];
-          Vec<T>::cvt(vr[r], vf);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[e] = fmaf(ex, vf[e], acc[e]);
-        }
-      }
-#pragma unroll
-      for (int off = LPP; off < 32; off *= 2) {
-        lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
-      }
+      float acc[VEC];
+      const float lsum = chunk_values<T, LPP, R, PPI>(acc, s, vr, m, j0 + g, p);
       if (lane < LPP) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) red_s[buf][warp][t * VEC + e] = acc[e];

@@ -29,6 +29,29 @@ __device__ __forceinline__ T swiglu_value(T gate, T up) {
   return from_f<T>(__fmul_rn(silu, to_f(up)));
 }
 
+// 1 / sqrt(mean(x²) + eps) of a row spread over the 8 warps of a 256-thread group (thread
+// threadIdx.x holds x[j][e]; zeros past H add nothing), in one order fixed by the layout:
+// serial fmaf over the thread's elements (j, then e) -> xor butterfly over the warp -> serial sum
+// over the 8 warps (every thread does it, so all hold the same bits). `sync` is the group's
+// barrier; red8 holds the 8 warp sums. ResidualRMSNorm and the fused decoder layer's norms both
+// reduce here, so they carry the same bits.
+template <int NV, int V, typename Sync>
+__device__ __forceinline__ float rms_inverse(const float (&x)[NV][V], int H, float eps, float* red8, Sync sync) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc = fmaf(x[j][e], x[j][e], acc);
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
+  if ((threadIdx.x & 31) == 0) red8[threadIdx.x >> 5] = acc;
+  sync();
+  float ss = red8[0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) ss = __fadd_rn(ss, red8[w]);
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(H)), eps)));
+}
+
 // Eight SwiGLU values from eight gate and eight up elements.
 template <typename T>
 __device__ __forceinline__ uint4 swiglu8(uint4 gate, uint4 up) {

@@ -89,46 +89,15 @@ __device__ void attention_phase(const LayerParams& p, const Phase& qkv_phase, co
       float qr[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) qr[e] = q_s[u * D + t * VEC + e];
-      float s[R], mloc = -FLT_MAX;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float kf[VEC];
-        Vec<T>::cvt(kr[r], kf);
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) dot = fmaf(qr[e], kf[e], dot);
-#pragma unroll
-        for (int off = LPP / 2; off >= 1; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        s[r] = __fmul_rn(dot, p.scale);
-        if (j0 + grp + r * PPI <= pos) mloc = fmaxf(mloc, s[r]);
-      }
-#pragma unroll
-      for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+      float s[R];
+      const float mloc = chunk_scores<T, LPP, R, PPI>(s, qr, kr, p.scale, j0 + grp, pos);
       if (lane == 0) mx_s[buf * kConsumerWarps + warp] = mloc;
       consumer_sync();
       float mx = mx_s[buf * kConsumerWarps];
 #pragma unroll
       for (int q = 1; q < kConsumerWarps; ++q) mx = fmaxf(mx, mx_s[buf * kConsumerWarps + q]);
-      float lsum = 0.0f, acc[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (j0 + grp + r * PPI <= pos) {
-          const float ex = expf(__fsub_rn(s[r], mx));
-          lsum += ex;
-          float vf[VEC];
-          Vec<T>::cvt(vr[r], vf);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[e] = fmaf(ex, vf[e], acc[e]);
-        }
-      }
-#pragma unroll
-      for (int off = LPP; off < 32; off *= 2) {
-        lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
-      }
+      float acc[VEC];
+      const float lsum = chunk_values<T, LPP, R, PPI>(acc, s, vr, mx, j0 + grp, pos);
       if (lane < LPP)
 #pragma unroll
         for (int e = 0; e < VEC; ++e) red_s[(buf * kConsumerWarps + warp) * D + t * VEC + e] = acc[e];

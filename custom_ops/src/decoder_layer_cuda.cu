@@ -79,25 +79,12 @@ __device__ __forceinline__ void load_granules(uint4 (&g)[NV], const void* src, i
   }
 }
 
-// x <- T(w · T(x / sqrt(mean(x²) + eps))): the sum of squares in the order of residual_norm_cuda.cu
-// (serial fmaf over the thread's granules and elements, xor butterfly, serial over the warps), so
-// the norms carry the bits of ResidualRMSNorm.
+// x <- T(w · T(x / sqrt(mean(x²) + eps))), reduced by rms_inverse (cuda_common.cuh) as
+// ResidualRMSNorm is, so the norms carry its bits.
 template <typename T, int NV>
 __device__ void norm_in_place(float (&x)[NV][8], const uint4 (&w)[NV], int H, float eps, float* red8) {
-  float acc = 0.0f;
-#pragma unroll
-  for (int j = 0; j < NV; ++j)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc = fmaf(x[j][e], x[j][e], acc);
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
-  if ((threadIdx.x & 31) == 0) red8[threadIdx.x >> 5] = acc;
-  consumer_sync();
-  float ss = red8[0];
-#pragma unroll
-  for (int q = 1; q < kConsumerWarps; ++q) ss = __fadd_rn(ss, red8[q]);
+  const float inv = rms_inverse<NV, 8>(x, H, eps, red8, [] { consumer_sync(); });
   consumer_sync();  // red8 is reused by the next reduction
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(H)), eps)));
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     float wf[8];

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "cuda_common.cuh"
@@ -308,43 +309,88 @@ __device__ __forceinline__ void load_b_full(ChunkRegs<MT>& r, const MmaArgs& p, 
   }
 }
 
+// The weight part of chunk `chunk`: aligned 16-byte loads when `full` (chunk_full), otherwise
+// every element bounds-checked (zero fill).
+template <bool TB, int MT>
+__device__ __forceinline__ void load_b(ChunkRegs<MT>& r, const MmaArgs& p, int chunk, int n0, int g, int t, bool full) {
+  if (full) {
+    load_b_full<TB, MT>(r, p, chunk, n0, g, t);
+    return;
+  }
+  const int k = chunk * kChunkK + 8 * t;
+  const int kcount = min(8, p.K - k);
+  if (!TB) {
+    const int col = n0 + 8 * g;
+    const int ncount = min(8, p.N - col);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t* src = p.B + static_cast<size_t>(k + i) * p.N + col;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (i < kcount && ncount > 0) v = (p.b_vec && ncount == 8) ? ld_stream16(src) : load8_partial(src, ncount);
+      r.b[i] = v;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int n = n0 + 8 * j + g;
+      const uint16_t* src = p.B + static_cast<size_t>(n) * p.K + k;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (n < p.N && kcount > 0) v = (p.b_vec && kcount == 8) ? ld_stream16(src) : load8_partial(src, kcount);
+      r.b[j] = v;
+    }
+  }
+}
+
 // Whole chunk in bounds with aligned 16-byte loads: only the row < M predicate is left.
 // Otherwise every element is bounds-checked (zero fill).
 template <typename T, bool TB, bool SW, int MT>
 __device__ __forceinline__ void load_chunk(ChunkRegs<MT>& r, const MmaArgs& p, int chunk, int n0, int g, int t) {
-  const int k0 = chunk * kChunkK;
-  const int k = k0 + 8 * t;
   const bool full = chunk_full(p, chunk, n0);
-  if (full) {
-    load_b_full<TB, MT>(r, p, chunk, n0, g, t);
-  } else {
-    const int kcount = min(8, p.K - k);
-    if (!TB) {
-      const int col = n0 + 8 * g;
-      const int ncount = min(8, p.N - col);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint16_t* src = p.B + static_cast<size_t>(k + i) * p.N + col;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (i < kcount && ncount > 0) v = (p.b_vec && ncount == 8) ? ld_stream16(src) : load8_partial(src, ncount);
-        r.b[i] = v;
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int n = n0 + 8 * j + g;
-        const uint16_t* src = p.B + static_cast<size_t>(n) * p.K + k;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (n < p.N && kcount > 0) v = (p.b_vec && kcount == 8) ? ld_stream16(src) : load8_partial(src, kcount);
-        r.b[j] = v;
-      }
-    }
-  }
-  load_a_rows<T, SW, MT>(r, p, k, g, full);
+  load_b<TB, MT>(r, p, chunk, n0, g, t, full);
+  load_a_rows<T, SW, MT>(r, p, chunk * kChunkK + 8 * t, g, full);
 }
 
-template <typename T, bool TB, bool SW, int MT>
+// SwiGLU staging (swiglu, one 16-row tile): the warp's activations SwiGLU(A)[row][kb .. kb + span)
+// for rows < M, computed once after the PDL wait by all 32 lanes into shared memory
+// act[row][span + 8] (zeros past K), instead of per chunk by the 4 lanes that hold row 0 while
+// the other 28 wait. Same swiglu8 on the same elements: the bits do not change.
+__host__ __device__ __forceinline__ int stage_stride(int cpw) { return cpw * kChunkK + 8; }  // +16 B: rows on other banks
+
+template <typename T>
+__device__ __forceinline__ void stage_swiglu_rows(uint16_t* act, const MmaArgs& p, int kb, int nchunks, int lane) {
+  const int stride = stage_stride(p.cpw), per_row = nchunks * (kChunkK / 8);
+  for (int gi = lane; gi < p.M * per_row; gi += 32) {
+    const int row = gi / per_row, kk = gi % per_row * 8, k = kb + kk;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (k < p.K) {
+      const uint16_t* src = p.A + static_cast<size_t>(row) * p.a_stride + k;
+      v = load_a8<T, true>(p, src, p.a_vec && k + 8 <= p.K, min(8, p.K - k));
+    }
+    *reinterpret_cast<uint4*>(act + row * stride + kk) = v;
+  }
+  __syncwarp();
+}
+
+// Lane (g, t)'s activation fragment of chunk i (0-based within the warp's range) from the staging.
+template <int MT>  // instantiated with MT = 1 only
+__device__ __forceinline__ void staged_a_rows(ChunkRegs<MT>& r, const MmaArgs& p, const uint16_t* act, int i, int g,
+                                              int t) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = g + 8 * h;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < p.M) v = *reinterpret_cast<const uint4*>(act + row * stage_stride(p.cpw) + i * kChunkK + 8 * t);
+    r.a[0][4 * h + 0] = v.x;
+    r.a[0][4 * h + 1] = v.y;
+    r.a[0][4 * h + 2] = v.z;
+    r.a[0][4 * h + 3] = v.w;
+  }
+}
+
+// ST: SwiGLU staged in shared memory (stage_swiglu_rows; SW and MT = 1 only).
+template <typename T, bool TB, bool SW, int MT, bool ST>
 __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
+  static_assert(!ST || (SW && MT == 1), "staging is for the SwiGLU kernel with one row tile");
   constexpr int ROWS = 16 * MT;
   extern __shared__ __align__(16) float mma_smem[];
   float* red = mma_smem;                                 // [warps][ROWS][65] (padded: fewer bank conflicts)
@@ -375,12 +421,18 @@ __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
   const bool first_full = MT == 1 && n > 0 && chunk_full(p, c_begin, n0);
   if (first_full) load_b_full<TB, MT>(first, p, c_begin, n0, g, t);
   pdl_wait();
+  uint16_t* act = reinterpret_cast<uint16_t*>(part + ROWS * kMmaTN) + warp * p.M * stage_stride(p.cpw);
+  if (ST) stage_swiglu_rows<T>(act, p, c_begin * kChunkK, n, lane);
   for (int i = 0; i < n; ++i) {
     ChunkRegs<MT> x;
     if (i == 0 && first_full) {
 #pragma unroll
       for (int q = 0; q < 8; ++q) x.b[q] = first.b[q];
-      load_a_rows<T, SW, MT>(x, p, c_begin * kChunkK + 8 * t, g, true);
+      if (ST) staged_a_rows(x, p, act, 0, g, t);
+      else load_a_rows<T, SW, MT>(x, p, c_begin * kChunkK + 8 * t, g, true);
+    } else if (ST) {
+      load_b<TB, MT>(x, p, c_begin + i, n0, g, t, chunk_full(p, c_begin + i, n0));
+      staged_a_rows(x, p, act, i, g, t);
     } else {
       load_chunk<T, TB, SW, MT>(x, p, c_begin + i, n0, g, t);
     }
@@ -440,10 +492,25 @@ inline MmaPlan mma_plan(int K, int N) {
   return p;
 }
 
-template <typename T, bool TB, bool SW, int MT>
+// SwiGLU staging: at most this much shared memory per block, so two blocks still fit on an SM.
+constexpr int kMaxStageBytes = 64 << 10;
+
+// LOOPCAST_SWIGLU_STAGE=0 computes SwiGLU per chunk instead (read at every launch, like
+// LOOPCAST_PDL, so a benchmark can time both; the bits are the same).
+inline bool swiglu_stage_enabled() {
+  const char* v = std::getenv("LOOPCAST_SWIGLU_STAGE");
+  return !(v != nullptr && v[0] == '0' && v[1] == '\0');
+}
+
+template <typename T, bool TB, bool SW, int MT, bool ST = false>
 int mma_launch(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
-  auto kernel = mma_matmul_kernel<T, TB, SW, MT>;
-  const int smem = (kMmaWarps * kRedStride + kMmaTN) * 16 * MT * static_cast<int>(sizeof(float));
+  if constexpr (SW && MT == 1 && !ST) {  // stage SwiGLU when it fits (the same bits either way)
+    if (kMmaWarps * args.M * stage_stride(plan.cpw) * 2 <= kMaxStageBytes && swiglu_stage_enabled())
+      return mma_launch<T, TB, true, 1, true>(args, plan, stream);
+  }
+  auto kernel = mma_matmul_kernel<T, TB, SW, MT, ST>;
+  int smem = (kMmaWarps * kRedStride + kMmaTN) * 16 * MT * static_cast<int>(sizeof(float));
+  if (ST) smem += kMmaWarps * args.M * stage_stride(plan.cpw) * 2;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(launch_kernel(kernel, dim3(plan.cs, plan.tiles, 1), dim3(kMmaThreads, 1, 1), smem, stream,

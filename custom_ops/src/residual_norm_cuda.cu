@@ -24,7 +24,7 @@
 namespace loopcast_cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;  // rms_inverse: 8 warps
 constexpr int kWarps = kThreads / 32;
 
 template <typename T> struct alignas(16) Granule {
@@ -85,19 +85,7 @@ template <typename T, int NV>
 __device__ __forceinline__ void rms_norm(float (&x)[NV][Granule<T>::N], const T* __restrict__ g, int H, float eps,
                                          bool vec, float* red) {
   constexpr int V = Granule<T>::N;
-  float acc = 0.0f;
-#pragma unroll
-  for (int j = 0; j < NV; ++j)
-#pragma unroll
-    for (int e = 0; e < V; ++e) acc = fmaf(x[j][e], x[j][e], acc);  // zeros past H add nothing
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = acc;
-  __syncthreads();
-  float ss = red[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) ss = __fadd_rn(ss, red[w]);
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(H)), eps)));
+  const float inv = rms_inverse<NV, V>(x, H, eps, red, [] { __syncthreads(); });
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     float w[V];

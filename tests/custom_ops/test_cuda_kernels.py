@@ -198,6 +198,28 @@ def test_swiglu_matmul_is_swiglu_then_matmul(cuda_library: Path, dtype: str, tra
         assert np.array_equal(_host(cuda_matmul(lib, gate_up[:m], dB, dtype, trans_b, swiglu=True)), want[:m]), m
 
 
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_swiglu_staging_keeps_the_bits(cuda_library: Path, dtype: str, trans_b: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to 16 rows the SwiGLU matmul stages SwiGLU(A) once per warp in shared memory; per chunk
+    (LOOPCAST_SWIGLU_STAGE=0, and any launch whose staging would not fit, as 16 rows at K = 16384)
+    it computes the same values, so the bits are the same."""
+    lib = _lib(cuda_library)
+    for K, N in ((5632, 2048), (16384, 1024)):
+        rng = np.random.default_rng(K)
+        gate_up = _dev(as_dtype(2 * rng.standard_normal((16, 2 * K)), dtype), dtype)
+        dB = _dev(as_dtype(rng.standard_normal((N, K) if trans_b else (K, N)) / np.sqrt(K), dtype), dtype)
+        want = _host(cuda_matmul(lib, cuda_swiglu(lib, gate_up), dB, dtype, trans_b))
+        for m in (1, 5, 16):
+            staged = _host(cuda_matmul(lib, gate_up[:m], dB, dtype, trans_b, swiglu=True))
+            with monkeypatch.context() as env:
+                env.setenv("LOOPCAST_SWIGLU_STAGE", "0")
+                per_chunk = _host(cuda_matmul(lib, gate_up[:m], dB, dtype, trans_b, swiglu=True))
+            assert np.array_equal(staged, want[:m]), (K, m)
+            assert np.array_equal(per_chunk, want[:m]), (K, m)
+
+
 def _rows_one_by_one(lib, feeds: dict, S: int, **kw):
     """The S rows of `feeds` as S one-row calls, each after the previous rows were committed."""
     pk, pv, rows = feeds["past_key"], feeds["past_value"], []
