@@ -220,6 +220,8 @@ int launch(const T* A, const T* B, T* Y, int M, int K, int N, bool trans_b, bool
 //     trans_b = 1 (B[N, K]): lane (g, t) loads B[8j + g][k0 + 8t .. +8] for n-tiles j = 0..7.
 //   Both use the same k-slot permutation for A and B (so it is still the dot product): MMA h of a
 //   chunk takes k0 + 8t + 4h + {0, 1, 2, 3} as k-slots {2t, 2t+1, 2t+8, 2t+9}.
+//   With SwiGLU (the down projection reading [gate | up]) and M <= 5, each warp first computes
+//   SwiGLU of its whole k range into shared memory (stage_swiglu_rows) and reads A from there.
 //
 // M-invariance: output (m, n) is the serial chain of MMAs over the warp's chunks (ascending) ->
 // serial sum over the 8 warps -> serial sum over the CS cluster ranks. CS, cpw and the tiling
@@ -350,10 +352,10 @@ __device__ __forceinline__ void load_chunk(ChunkRegs<MT>& r, const MmaArgs& p, i
   load_a_rows<T, SW, MT>(r, p, chunk * kChunkK + 8 * t, g, full);
 }
 
-// SwiGLU staging (swiglu, one 16-row tile): the warp's activations SwiGLU(A)[row][kb .. kb + span)
+// SwiGLU staging (swiglu, M <= kMaxStageRows): the warp's activations SwiGLU(A)[row][kb .. kb + span)
 // for rows < M, computed once after the PDL wait by all 32 lanes into shared memory
-// act[row][span + 8] (zeros past K), instead of per chunk by the 4 lanes that hold row 0 while
-// the other 28 wait. Same swiglu8 on the same elements: the bits do not change.
+// act[row][span + 8] (zeros past K), instead of per chunk by the lanes that hold rows < M while
+// the others wait. Same swiglu8 on the same elements: the bits do not change.
 __host__ __device__ __forceinline__ int stage_stride(int cpw) { return cpw * kChunkK + 8; }  // +16 B: rows on other banks
 
 template <typename T>
@@ -492,8 +494,12 @@ inline MmaPlan mma_plan(int K, int N) {
   return p;
 }
 
-// SwiGLU staging: at most this much shared memory per block, so two blocks still fit on an SM.
+// SwiGLU staging: at most this much shared memory per block, so two blocks still fit on an SM,
+// and only for few rows: staging moves the SwiGLU work ahead of the first MMA, where it no longer
+// overlaps the weight loads. H200, [5632, 2048] fp16, µs staged / per chunk: M = 1 11.0 / 13.8,
+// M = 5 14.2 / 14.4, M = 16 23.1 / 20.1 (tools/bench_matmul_cuda.py, docs/perf.md).
 constexpr int kMaxStageBytes = 64 << 10;
+constexpr int kMaxStageRows = 5;
 
 // LOOPCAST_SWIGLU_STAGE=0 computes SwiGLU per chunk instead (read at every launch, like
 // LOOPCAST_PDL, so a benchmark can time both; the bits are the same).
@@ -505,7 +511,8 @@ inline bool swiglu_stage_enabled() {
 template <typename T, bool TB, bool SW, int MT, bool ST = false>
 int mma_launch(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
   if constexpr (SW && MT == 1 && !ST) {  // stage SwiGLU when it fits (the same bits either way)
-    if (kMmaWarps * args.M * stage_stride(plan.cpw) * 2 <= kMaxStageBytes && swiglu_stage_enabled())
+    if (args.M <= kMaxStageRows && kMmaWarps * args.M * stage_stride(plan.cpw) * 2 <= kMaxStageBytes &&
+        swiglu_stage_enabled())
       return mma_launch<T, TB, true, 1, true>(args, plan, stream);
   }
   auto kernel = mma_matmul_kernel<T, TB, SW, MT, ST>;
