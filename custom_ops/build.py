@@ -26,8 +26,7 @@ from loopcast.errors import LoopcastError
 LIBRARY_NAME = "libloopcast_ops.so"
 SOURCES = ("loopcast_ops.cc", "matmul_cpu.cc", "attention_cpu.cc", "residual_norm_cpu.cc", "swiglu_cpu.cc")
 CUDA_SOURCES = ("cuda_ops.cc",)             # host glue, compiled by the C++ compiler
-CUDA_KERNELS = ("matmul_cuda.cu", "attention_cuda.cu", "residual_norm_cuda.cu", "swiglu_cuda.cu",
-                "decoder_layer_cuda.cu")
+CUDA_KERNELS = ("matmul_cuda.cu", "attention_cuda.cu", "residual_norm_cuda.cu", "swiglu_cuda.cu")
 _HERE = Path(__file__).resolve().parent
 _CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-Wall", "-Werror"]
 _NVCCFLAGS = ["-O3", "-std=c++17", "-gencode", "arch=compute_90,code=[sm_90,compute_90]",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
-# setup | kernels | layer | layer-tests | tests | parity | bench-demo | bench-1p4b (kernels and layer* need no setup). Results go to /root/res and are packed into
+# setup | kernels | tests | parity | bench-demo | bench-1p4b (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
@@ -35,17 +35,6 @@ phase_kernels() {  # ctypes microbenchmarks; needs no onnxruntime-gpu. baseline 
     --variant nostage:LOOPCAST_SWIGLU_STAGE=0 --calls 96 --out "$RES" > "$RES/bench-matmul.txt" 2>&1
   LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
     2>&1 | tail -30 > "$RES/gpu-kernel-tests.txt"
-}
-phase_layer_tests() {  # the fused decoder layer's ctypes tests; needs no onnxruntime-gpu
-  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  LOOPCAST_OPS_LIB=$LIB timeout 150 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_decoder_layer.py \
-    2>&1 | tail -40 > "$RES/gpu-layer-tests.txt"
-}
-phase_layer() {  # those tests, the kernel tests and the 96-layer stack benchmark
-  phase_layer_tests
-  LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
-    2>&1 | tail -30 > "$RES/gpu-kernel-tests.txt"
-  timeout 240 python3 tools/bench_decoder_layer_cuda.py --lib "$LIB" --out "$RES" > "$RES/bench-layer.txt" 2>&1
 }
 phase_parity() {
   timeout 150 python3 tools/gpu_parity.py --new-tokens 48 --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1

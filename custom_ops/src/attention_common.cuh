@@ -1,7 +1,6 @@
-// Pieces shared by the attention kernels (attention_cuda.cu) and the fused decoder layer's
-// attention phase (decoder_layer_cuda.cu): the rotary expression, the row-validity rule, the
-// 16-byte to fp32 conversions and a chunk's scores and weighted values, so a key rotated or a
-// chunk partial computed by either kernel carries the same bits.
+// Pieces of the attention kernels (attention_cuda.cu): the rotary expression, the row-validity
+// rule, the 16-byte to fp32 conversions and a chunk's scores and weighted values, so a key
+// rotated or a chunk partial computed by any of its kernels carries the same bits.
 #pragma once
 
 #include <cfloat>

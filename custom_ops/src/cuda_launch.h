@@ -45,48 +45,6 @@ LOOPCAST_CUDA_API int loopcast_cuda_residual_rms_norm(int dtype, const void* bra
 LOOPCAST_CUDA_API int loopcast_cuda_swiglu(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,
                                            void* stream);
 
-// FusedDecoderLayer (decoder_layer_cuda.cu): one decoder-layer application for 1..8 rows of batch 1
-// in one persistent kernel, the chain of the ops above:
-//   sum_out = ResidualRMSNorm sum of (branch, residual, branch_norm, loop_norm)   [x]
-//   a = BatchInvariantAttention(n(x, input_norm) · qkv_weight) · o_weight          (cache rows written)
-//   mid_out = x + (attn_norm ? n(a, attn_norm) : a)                                [x1]
-//   mlp_out = SwiGLU(n(x1, post_attn_norm) · gate_up_weight) · down_weight
-// Weights are [K, N] (16-byte aligned, N % 8 == 0); caches [1, kv_num_heads, capacity, head_dim],
-// written in place at seqlens_k[0] + 1 - rows ..; residual, branch_norm, loop_norm, attn_norm may be
-// null. Unlike ResidualRMSNorm, no output may overlap an input: other blocks still read the inputs
-// while block 0 writes sum_out. fp16 / bf16, head_dim 64 or 128; needs 128 co-resident blocks (one
-// per SM, sm_90).
-typedef struct LoopcastLayerArgs {
-  const void* branch;
-  const void* residual;
-  const void* branch_norm;
-  const void* loop_norm;
-  const void* input_norm;
-  const void* qkv_weight;
-  void* key_cache;
-  void* value_cache;
-  const int32_t* seqlens_k;
-  const void* cos_cache;
-  const void* sin_cache;
-  const void* o_weight;
-  const void* attn_norm;
-  const void* post_attn_norm;
-  const void* gate_up_weight;
-  const void* down_weight;
-  void* sum_out;
-  void* mid_out;
-  void* mlp_out;
-  int32_t rows, hidden, num_heads, kv_num_heads, head_dim, intermediate, capacity, rotary_len, do_rotary;
-  float epsilon, scale;
-} LoopcastLayerArgs;
-LOOPCAST_CUDA_API int loopcast_cuda_decoder_layer(int dtype, const LoopcastLayerArgs* args, void* stream);
-// Profiling: per block (128) the globaltimer (ns) at kLoopcastLayerTimelineMarks phase marks of the
-// last launch (decoder_layer_cuda.cu, the stamp() calls). Synchronous: not for captured work.
-LOOPCAST_CUDA_API int loopcast_cuda_decoder_layer_timeline(unsigned long long* out);
-constexpr int kLoopcastLayerTimelineMarks = 16;
-constexpr int kLoopcastLayerMaxRows = 8;
-constexpr int kLoopcastLayerMaxCapacity = 8192;
-
 LOOPCAST_CUDA_API const char* loopcast_cuda_error_string(int code);
 
 // Largest cache capacity (positions) the attention kernel takes: its scores live in shared memory.

@@ -1,6 +1,6 @@
-// The tensor-core pieces shared by the skinny matmul (matmul_cuda.cu) and the fused decoder
-// layer (decoder_layer_cuda.cu): one m16n8k16 MMA (fp32 accumulation) per dtype, and a warp's
-// 32-k chunk, so both kernels reduce a chunk in the same order.
+// The tensor-core pieces of the skinny matmul (matmul_cuda.cu): one m16n8k16 MMA (fp32
+// accumulation) per dtype, and a warp's 32-k chunk, so every kernel variant reduces a chunk in
+// the same order.
 #pragma once
 
 #include <cstdint>
