@@ -8,6 +8,7 @@ looks like an artifact.
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from loopcast.exporter.checkpoint import DTYPES, resolve_checkpoint, validate_ch
 from loopcast.exporter.weights import artifact_tensors, checkpoint_reader, write_weights
 from loopcast.graphs.builder import GraphBuilder, WeightRef
 from loopcast.graphs.kinds import build_kind, plan_kinds
-from loopcast.manifest import MANIFEST_FILE, SCHEMA_VERSION, WEIGHTS_FILE, Manifest
+from loopcast.manifest import MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, WEIGHTS_FILE, Manifest
 
 IR_DTYPES = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -36,7 +37,14 @@ class ExportOptions:
     max_length: int | None = None      # default: min(config max positions, 4096)
     verify_width: int = 5
     draft_depth: int | None = None     # default: 1 when R > 1
-    batch_invariant: bool = False      # loopcast custom ops: verify rows == decode rows bit for bit
+    batch_invariant: bool = False      # shorthand for ops="loopcast"
+    # auto: "loopcast-attention" for fp32 (exact on the CPU at stock speed) when the custom-op
+    # library can be had, else "stock"; fp16/bf16 stay "stock" unless asked (--target cuda).
+    ops: str = "auto"
+
+    @property
+    def op_set(self) -> str:
+        return "loopcast" if self.batch_invariant else self.ops
 
     def resolved(self, config: ModelConfig) -> ExportOptions:
         if self.dtype not in IR_DTYPES:
@@ -58,14 +66,16 @@ class ExportOptions:
             if not 1 <= depth < config.num_loops:
                 raise ExportError(f"--draft-depth must be in 1..{config.num_loops - 1} (R={config.num_loops}), "
                                   f"got {depth}")
-        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant)
+        if self.op_set not in ("auto", *OP_SETS):
+            raise ExportError(f"--ops must be one of auto, {', '.join(OP_SETS)}, got {self.ops!r}")
+        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant, self.ops)
 
 
-def check_supported(config: ModelConfig, batch_invariant: bool = False) -> None:
+def check_supported(config: ModelConfig, op_set: str = "stock") -> None:
     """Limits of the ORT ops the graphs use, beyond what the config itself validates."""
     if config.head_dim % 2:
         raise ExportError(f"head_dim {config.head_dim} is not supported: rotary needs an even head_dim")
-    if config.head_dim % 16 and not batch_invariant:
+    if config.head_dim % 16 and op_set == "stock":
         raise ExportError(f"head_dim {config.head_dim} is not supported: GroupQueryAttention's rotary "
                           "needs a multiple of 16 (--batch-invariant graphs take any even head_dim on the "
                           "CPU; their CUDA kernel takes 16, 32, 64 or 128)")
@@ -100,8 +110,24 @@ def custom_op_library() -> Path:
         try:
             build.build_library(out)
         except Exception as exc:
-            raise ExportError(f"--batch-invariant needs the custom-op library: {exc}") from None
+            raise ExportError(f"the loopcast ops need the custom-op library: {exc}") from None
     return library
+
+
+def _resolve_op_set(opts: ExportOptions, log) -> tuple[str, Path | None]:
+    """The op set to build and the library it needs (built or found in the cache first, so a
+    missing toolchain fails before minutes of writing)."""
+    op_set = opts.op_set
+    if op_set == "auto":
+        if opts.dtype != "fp32":
+            return "stock", None
+        try:
+            return "loopcast-attention", custom_op_library()
+        except ExportError as exc:
+            log(f"note: exporting stock graphs: {exc}. Speculation on them is not exact and is refused "
+                "unless allowed (--allow-inexact)")
+            return "stock", None
+    return op_set, custom_op_library() if op_set != "stock" else None
 
 
 def _check_output_dir(out: Path) -> None:
@@ -120,8 +146,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: Expo
                       *, progress: bool = False, overwrite: bool = False) -> Manifest:
     checkpoint_dir = resolve_checkpoint(checkpoint)
     config = load_config(checkpoint_dir)
-    check_supported(config, options.batch_invariant)
     opts = options.resolved(config)
+    check_supported(config, "stock" if opts.op_set == "auto" and opts.dtype != "fp32" else opts.op_set)
     out = Path(out_dir)
     _check_output_dir(out)
     if (out / MANIFEST_FILE).is_file() and not overwrite:
@@ -163,8 +189,7 @@ def _swap_into_place(staging: Path, out: Path) -> None:
 def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,
                     show_progress: bool) -> Manifest:
     dtype = DTYPES[opts.dtype]
-    # Built (or found in the cache) first: a missing toolchain fails before minutes of writing.
-    built_library = custom_op_library() if opts.batch_invariant else None
+    op_set, built_library = _resolve_op_set(opts, lambda line: print(line, file=sys.stderr) if show_progress else None)
     plans = plan_kinds(config, opts.verify_width, opts.draft_depth)
     read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
     n_tensors = len(artifact_tensors(config, opts.max_length, read))
@@ -179,8 +204,7 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     graphs, custom_ops, library = {}, set(), None
     for plan in plans:
         builder = GraphBuilder(refs, WEIGHTS_FILE, staging)
-        model, spec = build_kind(plan, config, IR_DTYPES[opts.dtype], opts.max_length, builder,
-                                 batch_invariant=opts.batch_invariant)
+        model, spec = build_kind(plan, config, IR_DTYPES[opts.dtype], opts.max_length, builder, op_set=op_set)
         ir.save(model, staging / spec.file)
         graphs[plan.kind] = spec
         custom_ops.update(builder.custom_ops())
@@ -216,9 +240,21 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         custom_op_library=library,
         tokenizer_files=tokenizer_files,
         eos_token_ids=[config.eos_token_id] if config.eos_token_id is not None else [],
+        op_set=op_set,
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json())
+    manifest = Manifest(**{**manifest.__dict__, "exact_verify": _exactness(staging, opts.dtype, op_set)})
+    (staging / MANIFEST_FILE).write_text(manifest.to_json())
     return manifest
+
+
+def _exactness(staging: Path, dtype: str, op_set: str) -> dict[str, bool]:
+    """Per device: are verify rows the decode rows bit for bit? Measured on the CPU (fp32 only:
+    the CPU runs nothing else); on CUDA only the loopcast kernels are row-invariant (tested on
+    the GPU: tests/ort_runtime/test_cuda.py), cuBLAS and GroupQueryAttention are not."""
+    from loopcast.ort_runtime.exactness import rows_match_on_cpu
+
+    return {"cpu": dtype == "fp32" and rows_match_on_cpu(staging), "cuda": op_set == "loopcast"}
 
 
 def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int, *,
@@ -263,8 +299,7 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
         graphs = {}
         for plan in plan_kinds(config, width, manifest.draft_depth):
             builder = GraphBuilder(refs, manifest.weights_file, staging)
-            model, spec = build_kind(plan, config, dtype, manifest.max_length, builder,
-                                     batch_invariant=bool(manifest.custom_ops))
+            model, spec = build_kind(plan, config, dtype, manifest.max_length, builder, op_set=manifest.op_set)
             ir.save(model, staging / spec.file)
             graphs[plan.kind] = spec
         derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width})

@@ -41,6 +41,9 @@ class BlockContext:
     # ResidualRMSNorm, and the MLP activation inside the down projection: a layer is 7 nodes
     # instead of ~15 (decoder_stack).
     batch_invariant: bool = False
+    # Only the attention op from the loopcast library (op set "loopcast-attention"): rows are
+    # then exact on the CPU, whose stock MatMul is already row-invariant (docs/architecture.md).
+    loopcast_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,7 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int, ctx: Bloc
     # past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache; trailing optional
     # inputs 9.. (position_ids, attention_bias, head_sink) are not used. The batch-invariant op
     # takes the same inputs and attributes.
-    op_type, domain = (("BatchInvariantAttention", LOOPCAST_DOMAIN) if ctx.batch_invariant
+    op_type, domain = (("BatchInvariantAttention", LOOPCAST_DOMAIN) if ctx.batch_invariant or ctx.loopcast_attention
                        else ("GroupQueryAttention", MS_DOMAIN))
     attn, present_key, present_value = b.op_multi(
         op_type,

@@ -38,7 +38,7 @@ def plan_kinds(config: ModelConfig, verify_width: int, draft_depth: int | None) 
 
 
 def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_length: int,
-               b: GraphBuilder, *, batch_invariant: bool = False) -> tuple[ir.Model, GraphSpec]:
+               b: GraphBuilder, *, op_set: str = "stock") -> tuple[ir.Model, GraphSpec]:
     rows: int | str = plan.rows if plan.rows is not None else "num_rows"
     if plan.first_loop == 0:
         token_ids = b.input("input_ids_BS", ir.DataType.INT64, [1, rows])
@@ -50,7 +50,9 @@ def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_leng
         cos_cache=b.weight("rotary.cos_SD2"),
         sin_cache=b.weight("rotary.sin_SD2"),
     )
-    ctx = blocks.BlockContext(config, dtype, max_length, step, batch_invariant)
+    batch_invariant = op_set == "loopcast"
+    ctx = blocks.BlockContext(config, dtype, max_length, step, batch_invariant,
+                              loopcast_attention=op_set == "loopcast-attention")
     x = blocks.embed(b, token_ids) if plan.first_loop == 0 else hidden_in
     if batch_invariant:
         sites = blocks.layer_sites(config, plan.first_loop, plan.last_loop, prelude=plan.first_loop == 0)

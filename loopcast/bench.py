@@ -360,7 +360,7 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     result.graph_fallbacks = dict(full.loaded.graph_fallbacks)
     # Stock graphs are not captured for generation (GroupQueryAttention's host-side length would
     # be frozen); their captured time is measured at one fixed position, for comparison only.
-    result.captured_fixed_position_only = cuda and "BatchInvariantAttention" not in full.loaded.manifest.custom_ops
+    result.captured_fixed_position_only = cuda and not full.loaded.manifest.device_lengths
     capt = load(art, opts.device, cuda_graphs="always", kinds=hot) if result.captured_fixed_position_only else full
     for kind in hot:
         if not full.loaded.has(kind):

@@ -84,24 +84,28 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
 @click.option("--max-length", type=int, default=None, help="KV capacity S_max (default: min(max positions, 4096)).")
 @click.option("--verify-width", type=int, default=5, show_default=True, help="Rows W of verify/verify_tail.")
 @click.option("--draft-depth", type=int, default=None, help="Loops of the draft graph (default 1 when R > 1).")
-@click.option("--batch-invariant", is_flag=True,
-              help="Use the loopcast custom ops (built and copied into the artifact) so that every "
-                   "verify row equals the M=1 decode row bit for bit.")
+@click.option("--ops", type=click.Choice(["auto", "stock", "loopcast-attention", "loopcast"]), default="auto",
+              show_default=True,
+              help="Op set of the graphs. auto: for fp32, loopcast-attention (the loopcast attention op with "
+                   "stock MatMul: verify rows equal decode rows bit for bit on the CPU at stock speed) when "
+                   "the custom-op library can be built, else stock; loopcast: every hot op from the library.")
+@click.option("--batch-invariant", is_flag=True, help="Same as --ops loopcast.")
 @click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Device the artifact is for. cuda implies --batch-invariant: on a GPU the loopcast ops are "
-                   "faster than the stock ones, and only their graphs can be captured (docs/perf.md).")
+              help="Device the artifact is for. cuda implies --ops loopcast: on a GPU the loopcast ops are "
+                   "faster than the stock ones, exact, and only their graphs can be captured (docs/perf.md).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
 @_friendly_errors
 def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, verify_width: int,
-           draft_depth: int | None, batch_invariant: bool, target: str, overwrite: bool) -> None:
+           draft_depth: int | None, ops: str, batch_invariant: bool, target: str, overwrite: bool) -> None:
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
 
-    # On the CPU the stock ops stay the default: MLAS beats the custom kernels there.
-    options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda")
+    options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda", ops)
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(f"{k}({v.rows or 'M'})" for k, v in manifest.graphs.items())
-    click.echo(f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}")
+    exact = ", ".join(d for d, ok in manifest.exact_verify.items() if ok) or "no device"
+    click.echo(f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}, "
+               f"ops {manifest.op_set}, exact speculation on {exact}")
 
 
 @main.command()
@@ -116,13 +120,18 @@ def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, v
               show_default=True)
 @click.option("--num-draft-tokens", type=int, default=None, help="K drafts per round.")
 @click.option("--draft-depth", type=int, default=None, help="Loops the self-draft runs (< R).")
-@click.option("--gate", type=click.Choice(["none", "hit-density", "cost"]), default="none", show_default=True)
+@click.option("--gate", type=click.Choice(["auto", "none", "hit-density", "cost"]), default="auto", show_default=True,
+              help="When to speculate. auto: the cost gate calibrated on this device (stands down where "
+                   "speculation does not pay); none: every step.")
+@click.option("--allow-inexact", is_flag=True,
+              help="Speculate even on an artifact whose verify rows are not bit-identical to its decode rows "
+                   "on this device (tokens may then differ from plain greedy).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are committed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tokens, text, stats).")
 @_friendly_errors
 def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None, max_new_tokens: int,
              device: str, speculative: str, num_draft_tokens: int | None, draft_depth: int | None,
-             gate: str, stream: bool, as_json: bool) -> None:
+             gate: str, allow_inexact: bool, stream: bool, as_json: bool) -> None:
     """Greedy generation from a prompt."""
     from loopcast.errors import RequestError
 
@@ -140,7 +149,7 @@ def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None
         from loopcast.ort_runtime.cli_generate import generate_with_ort
         result = generate_with_ort(path, prompt, ids, max_new_tokens, device=device,
                                    speculative=speculative, num_draft_tokens=num_draft_tokens,
-                                   draft_depth=draft_depth, gate=gate,
+                                   draft_depth=draft_depth, gate=gate, allow_inexact=allow_inexact,
                                    on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None)
     if as_json:
         click.echo(json.dumps(result))
@@ -225,20 +234,24 @@ def demo(prompt: str | None, max_new_tokens: int, speculative: str) -> None:
     artifact = demo_artifact_dir(progress=True)
     model = load(artifact)
     prompt = prompt or DEMO_PROMPT
-    modes = {"auto": [("prompt-lookup", "hit-density"), ("self", "cost")], "none": [],
-             "prompt-lookup": [("prompt-lookup", "hit-density")], "self": [("self", "cost")]}[speculative]
+    modes = {"auto": ["prompt-lookup", "self"], "none": [], "prompt-lookup": ["prompt-lookup"],
+             "self": ["self"]}[speculative]
+    if modes and not model.loaded.exact_verify:
+        click.echo("note: this demo artifact was exported with stock ops (the custom-op library could not be "
+                   "built here), so speculation would not be exact and is skipped; see docs/architecture.md")
+        modes = []
     # Warm-up: every graph kind's first run (allocations, thread start) stays out of the timings.
     model.generate(prompt, 8)
-    for mode, gate in modes:
-        model.generate(prompt, 8, speculative=mode, gate=gate)
+    for mode in modes:
+        model.generate(prompt, 8, speculative=mode)
     plain = model.generate(prompt, max_new_tokens)
     best, best_label = plain, "plain greedy"
     rows = [("plain greedy", plain)]
-    for mode, gate in modes:
-        result = model.generate(prompt, max_new_tokens, speculative=mode, gate=gate)
+    for mode in modes:
+        result = model.generate(prompt, max_new_tokens, speculative=mode)
         if result.tokens != plain.tokens:
             raise AssertionError(f"{mode} diverged from plain greedy")  # a bug, not bad input
-        label = f"{mode} (gate {gate})"
+        label = f"{mode} (gate auto)"
         rows.append((label, result))
         if result.stats.tokens_per_second > best.stats.tokens_per_second:
             best, best_label = result, label
@@ -251,7 +264,10 @@ def demo(prompt: str | None, max_new_tokens: int, speculative: str) -> None:
                  if result.stats.rounds else "")
         click.echo(f"{label:<32} {result.stats.tokens_per_second:8.1f} tok/s  "
                    f"x{result.stats.tokens_per_second / base:.2f} vs plain{extra}")
-    click.echo(f"best: {best_label}; {len(best.tokens)} tokens, identical to plain greedy")
+        if result.stats.gate_report:
+            click.echo(f"{'':<32} gate: {result.stats.gate_report['reason']}")
+    click.echo(f"best: {best_label}; {len(best.tokens)} tokens, identical to plain greedy "
+               "(single runs on a shared CPU vary by 10-20%; `loopcast bench demo --device cpu` measures)")
 
 
 if __name__ == "__main__":  # pragma: no cover

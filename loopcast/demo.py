@@ -23,11 +23,12 @@ def demo_artifact_dir(cache_dir: Path | None = None, *, progress: bool = False) 
     import os
 
     from loopcast import __version__
+    from loopcast.manifest import SCHEMA_VERSION
 
     checkpoint = demo_checkpoint_dir()
     digest = hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest()[:12]
     root = cache_dir or Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
-    artifact = Path(root) / f"demo-{__version__}-{digest}"
+    artifact = Path(root) / f"demo-{__version__}-s{SCHEMA_VERSION}-{digest}"
     if not (artifact / "manifest.json").is_file():
         from loopcast.exporter.export import ExportOptions, export_checkpoint
         export_checkpoint(checkpoint, artifact, ExportOptions(dtype="fp32", max_length=1024, verify_width=5,

@@ -13,9 +13,16 @@ from typing import Any
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: op_set and exact_verify declared
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
+
+# Op sets a graph can be built with (docs/architecture.md, "Op sets and exactness"):
+#   stock               ONNX + com.microsoft ops only (GroupQueryAttention, MatMul)
+#   loopcast-attention  the loopcast attention op (row-invariant, lengths read on the device), stock
+#                       MatMul and norms: exact on the CPU at stock MatMul speed
+#   loopcast            every hot op from the loopcast library (batch-invariant on CPU and CUDA)
+OP_SETS = ("stock", "loopcast-attention", "loopcast")
 
 # Graph kinds (DESIGN §3).
 PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL = "prefill", "decode", "verify", "draft", "verify_tail"
@@ -56,6 +63,16 @@ class Manifest:
     custom_op_library: str | None = None
     tokenizer_files: list[str] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
+    # Per device ("cpu", "cuda"): are verify rows bit-identical to the M=1 decode rows there?
+    # Speculation returns plain greedy's tokens by construction only where this is true.
+    exact_verify: dict[str, bool] = field(default_factory=dict)
+    op_set: str = "stock"
+
+    @property
+    def device_lengths(self) -> bool:
+        """The attention op reads both lengths on the device, so a step can be captured and
+        replayed at any position (GroupQueryAttention reads total_sequence_length on the host)."""
+        return self.op_set != "stock"
 
     @property
     def config(self) -> ModelConfig:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from loopcast.errors import RequestError
 from loopcast.ort_runtime.artifact import LoadedModel, open_artifact
-from loopcast.ort_runtime.decoding import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.accept import TieGuard
 from loopcast.ort_runtime.generator import Generator
-from loopcast.ort_runtime.speculate import TieGuard
+from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
 
 
 @dataclass(frozen=True)
@@ -62,17 +62,18 @@ class LoopcastModel:
     def decode(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
 
-    def _spec(self, speculative: str, num_draft_tokens, gate: str, tie_guard: TieGuard | None,
-              proposer=None) -> SpeculationConfig:
-        return SpeculationConfig(speculative, num_draft_tokens, gate, tie_guard=tie_guard or TieGuard(),
-                                 proposer=proposer)
-
     def stream_ids(self, prompt: str | list[int], max_new_tokens: int = 64, *, stop_ids=None,
-                   speculative: str = "none", num_draft_tokens: int | None = None, gate: str = "none",
-                   tie_guard: TieGuard | None = None, proposer=None, generator: Generator | None = None,
-                   stats: GenerationStats | None = None) -> Iterator[int]:
+                   speculative: str = "none", num_draft_tokens: int | None = None, gate: str = "auto",
+                   tie_guard: TieGuard | None = None, proposer=None, allow_inexact: bool = False,
+                   generator: Generator | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
-        (then the prompt continues after its committed prefix)."""
+        (then the prompt continues after its committed prefix).
+
+        ``speculative``: "none", "prompt-lookup", "self", or a ``proposer`` of your own
+        (``ort_runtime/proposers.py``); ``gate``: "auto" (calibrated on this device), "cost",
+        "hit-density" or "none" (always speculate). Speculation is refused on an artifact whose
+        verify rows are not bit-identical to its decode rows on this device unless
+        ``allow_inexact=True``."""
         ids = self.encode(prompt)
         if generator is None:
             if self._default is None:
@@ -80,7 +81,8 @@ class LoopcastModel:
             generator = self._default
             generator.rewind(0)
         stops = tuple(self.loaded.eos_token_ids if stop_ids is None else stop_ids)
-        spec = self._spec(speculative, num_draft_tokens, gate, tie_guard, proposer)
+        spec = SpeculationConfig(speculative, num_draft_tokens, gate, tie_guard=tie_guard or TieGuard(),
+                                 proposer=proposer, allow_inexact=allow_inexact)
         return stream(generator, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 64, **kwargs) -> Iterator[StreamPiece]:

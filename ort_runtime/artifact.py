@@ -64,6 +64,12 @@ class LoadedModel:
     def eos_token_ids(self) -> tuple[int, ...]:
         return tuple(self.manifest.eos_token_ids)
 
+    @property
+    def exact_verify(self) -> bool:
+        """Whether this artifact's verify rows equal its decode rows bit for bit on this device
+        (declared by the exporter in the manifest; missing means no)."""
+        return bool(self.manifest.exact_verify.get(self.device, False))
+
     def has(self, kind: str) -> bool:
         return kind in self.sessions
 
@@ -122,7 +128,7 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
         if unknown:
             raise RequestError(f"unknown graph kind(s) {', '.join(unknown)}; this artifact has "
                                f"{', '.join(manifest.graphs)}")
-    if device == "cuda" and manifest.dtype == "fp32" and "BatchInvariantAttention" not in manifest.custom_ops:
+    if device == "cuda" and manifest.dtype == "fp32" and manifest.op_set == "stock":
         # Measured on an H200 (tests/ort_runtime/test_cuda.py): the first decode step's logits were
         # off by 7.7 against the CPU run of the same artifact.
         raise ArtifactError(f"{path}: fp32 stock graphs do not run correctly on CUDA: GroupQueryAttention has "
@@ -151,7 +157,7 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
 
     if cuda_graphs not in (True, False, "always"):
         raise RequestError(f"cuda_graphs must be True, False or 'always', got {cuda_graphs!r}")
-    host_lengths = "BatchInvariantAttention" not in manifest.custom_ops
+    host_lengths = not manifest.device_lengths
     sessions, graph_kinds, fallbacks = {}, set(), {}
     for kind, spec in manifest.graphs.items():
         if kinds is not None and kind not in kinds:
@@ -193,7 +199,7 @@ def _check_cuda_custom_ops(path: Path, manifest: Manifest) -> None:
         raise ArtifactError(f"{library}: built without CUDA kernels (no nvcc at export time); "
                             "re-export with nvcc on the PATH to run on cuda")
     cfg = manifest.config
-    if "BatchInvariantAttention" in manifest.custom_ops and (
+    if manifest.op_set != "stock" and (
             cfg.head_dim not in (16, 32, 64, 128) or manifest.max_length > 49152):
         raise ArtifactError(f"{path}: the CUDA BatchInvariantAttention kernel takes head_dim 16/32/64/128 "
                             f"and max length <= 49152 (this artifact: {cfg.head_dim}, {manifest.max_length})")

@@ -8,15 +8,16 @@ from loopcast.ort_runtime.api import load
 
 def generate_with_ort(path: str, prompt: str | None, prompt_ids: list[int] | None, max_new_tokens: int, *,
                       device: str = "cpu", speculative: str = "none", num_draft_tokens: int | None = None,
-                      draft_depth: int | None = None, gate: str = "none", on_text=None) -> dict:
+                      draft_depth: int | None = None, gate: str = "auto", allow_inexact: bool = False,
+                      on_text=None) -> dict:
     model = load(path, device)
     if draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
         raise RequestError(f"--draft-depth {draft_depth}: this artifact's draft graph runs "
                            f"{model.loaded.manifest.draft_depth} loops (re-export with --draft-depth {draft_depth})")
     source = prompt if prompt is not None else prompt_ids
-    kwargs = dict(speculative=speculative, num_draft_tokens=num_draft_tokens, gate=gate)
+    kwargs = dict(speculative=speculative, num_draft_tokens=num_draft_tokens, gate=gate, allow_inexact=allow_inexact)
     if on_text is not None:
-        from loopcast.ort_runtime.decoding import GenerationStats
+        from loopcast.ort_runtime.speculate import GenerationStats
         stats = GenerationStats()
         tokens = []
         for piece in model.stream(source, max_new_tokens, stats=stats, **kwargs):

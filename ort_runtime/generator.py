@@ -111,7 +111,7 @@ class _KindBinding:
         # GroupQueryAttention reads seqlens_k on the device and total_sequence_length on the
         # host; the loopcast attention op reads both on the device (nothing host-side to freeze
         # into a captured graph).
-        custom_attention = "BatchInvariantAttention" in model.manifest.custom_ops
+        custom_attention = model.manifest.device_lengths
         self.seqlens = _Buffer((1,), np.int32, device)
         self.total = _Buffer((), np.int32, device if custom_attention else "cpu")
         self.next_ids = _Buffer((1, out_rows), np.int64, device)

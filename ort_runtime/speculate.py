@@ -1,234 +1,283 @@
-"""Speculation pieces: the pure ``greedy_accept``, the TieGuard, proposers and gates.
+"""The speculation engine: one round loop for plain decoding and every proposer.
 
-One round (driven by ``ort_runtime/decoding.py``): a proposer offers up to K draft tokens; the
-verifier scores the pending token and the drafts in one step; ``greedy_accept`` returns the
-accepted prefix and the verifier's own next token (correction or bonus); the generator
-commits the pending token plus the accepted drafts and the rest is forgotten by moving ``n``.
+A round (gpt-fast's loop; ORT-GenAI's Propose / Advance / Reset):
+
+    gate.engage ─▶ k drafts?  ── no ──▶ PlainDecode (the degenerate round: no drafts)
+                      │ yes
+                proposer.propose(context, k) ─▶ Proposal (tokens [+ depth-d states])
+                      ▼
+                strategy.verify ─▶ the verifier's argmax per row (pending + drafts)
+                      ▼
+                greedy_accept ─▶ a accepted drafts + the correction / bonus token
+                      ▼
+                commit pending + a drafts (n += a + 1), proposer.advance, gate.observe, stats
+
+The KV invariant (docs/architecture.md, "Speculation"): a round writes KV at positions
+n..n+W-1 and commits only n..n+a. Rows past the accepted prefix hold stale KV of rejected
+tokens at positions >= the new ``n``; every row attends only to positions <= its own, and the
+next round's rows start at the new ``n`` and rewrite each position before a later row reads
+it, so no surviving row ever reads KV of a rejected token. For self-speculation (draft depth
+d) the draft rows write depth<d KV at n..n+K and verify_tail writes depth>=d KV at the same
+positions; both are covered by the same argument.
+
+Exactness: every mode returns plain greedy's tokens when the artifact's verify rows are
+bit-identical to its decode rows on this device (manifest ``exact_verify``). Speculation on
+an artifact without that property is refused unless the caller opts in (``allow_inexact``);
+then ``stats.exact_greedy`` is false.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-import numpy as np
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 
 from loopcast.errors import RequestError
+from loopcast.ort_runtime.accept import TieGuard, greedy_accept
+from loopcast.ort_runtime.gates import GATES, StepCosts, make_gate
+from loopcast.ort_runtime.generator import Generator
+from loopcast.ort_runtime.proposers import PromptLookupProposer, Proposal, SelfDraftProposer, UserProposer
+from loopcast.ort_runtime.verifiers import DraftTail, PlainDecode, VerifyRows
+
+# The built-in modes: each names a proposer; the strategy follows from what the proposer
+# declares (drafts_hidden -> draft+verify_tail, tokens only -> verify-W).
+MODES = ("none", "prompt-lookup", "self", "custom")
 
 
 @dataclass(frozen=True)
-class AcceptResult:
-    accepted: int                 # drafts accepted (a prefix of the proposal)
-    next_token: int               # the verifier's token after the accepted prefix
-    near_tie_rejections: int      # 1 if the first rejected draft was within ε of the row max
-    tolerant_accepts: int = 0     # drafts accepted only because of the tolerant mode
+class SpeculationConfig:
+    mode: str = "none"
+    num_draft_tokens: int | None = None   # K; default W-1
+    gate: str = "auto"
+    min_ngram: int = 1
+    max_ngram: int = 3
+    tie_guard: TieGuard = TieGuard()
+    proposer: object | None = None        # a user's proposer (ort_runtime/proposers.py protocol)
+    costs: object | None = None           # step costs (.decode(), .mean(kind), .draft_share); default measured
+    allow_inexact: bool = False           # speculate even where verify rows are not decode rows bit for bit
 
 
-def greedy_accept(drafts: Sequence[int], target_ids: Sequence[int], target_logits: np.ndarray | None = None,
-                  *, epsilon: float = 0.0, tolerant: bool = False) -> AcceptResult:
-    """Accept the longest prefix of ``drafts`` that greedy decoding would have produced.
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    finish_reason: str = ""
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    speculative: str = "none"
+    strategy: str = "decode"
+    gate: str = "none"
+    gate_report: dict = field(default_factory=dict)
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    tokens_per_round: float = 0.0
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    near_tie_rejections: int = 0
+    tolerant_accepts: int = 0
+    exact_verify: bool = True             # the artifact's verify rows are decode rows on this device
+    exact_greedy: bool = True             # the tokens are plain greedy's by construction
+    gate_transitions: int = 0
+    steps: dict[str, int] = field(default_factory=dict)
+    step_seconds: dict[str, float] = field(default_factory=dict)
 
-    ``target_ids[i]`` is the verifier's argmax after the pending token and ``drafts[:i]``, so
-    ``len(target_ids) == len(drafts) + 1``. Strict (default): draft i is accepted iff it equals
-    ``target_ids[i]``; the committed tokens are then exactly greedy's. With ``target_logits``
-    a rejected draft whose logit is within ``epsilon`` of its row's max counts as a near tie;
-    ``tolerant=True`` accepts such drafts — that output is *not* identical to greedy.
-    """
-    if len(target_ids) != len(drafts) + 1:
-        raise ValueError(f"need {len(drafts) + 1} verifier rows for {len(drafts)} drafts, got {len(target_ids)}")
-    accepted = tolerated = ties = 0
-    for i, draft in enumerate(drafts):
-        if draft == target_ids[i]:
-            accepted += 1
-            continue
-        near = target_logits is not None and target_logits[i].max() - target_logits[i][draft] <= epsilon
-        if near and tolerant:
-            accepted += 1
-            tolerated += 1
-            continue
-        ties = int(near)
-        break
-    # The verifier's rows condition on the drafts themselves, so its token after the accepted
-    # prefix is consistent with what is committed, tolerated drafts included.
-    return AcceptResult(accepted, int(target_ids[accepted]), ties, tolerated)
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["step_seconds"] = {k: round(v, 6) for k, v in out["step_seconds"].items()}
+        return out
 
 
 @dataclass(frozen=True)
-class TieGuard:
-    """Counts near-tie rejections; ``tolerant`` mode trades exactness for acceptance."""
+class _Plan:
+    """What a generation speculates with: decided once, before the prompt runs."""
 
-    epsilon: float = 1e-3
-    tolerant: bool = False
-
-
-# -- proposers -------------------------------------------------------------------------------
-
-class PromptLookupProposer:
-    """Drafts by n-gram match: find the latest earlier occurrence of the last n tokens
-    (n from ``max_ngram`` down to ``min_ngram``) and propose what followed it."""
-
-    name = "prompt-lookup"
-
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise RequestError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
-
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
-        seq = list(context)
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            tail = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == tail:
-                    return seq[start + n:start + n + k]
-        return []
+    proposer: object
+    strategy: object
+    k_max: int
+    width: int                 # positions a round writes (the verify graph's fixed rows)
 
 
-class SelfDraftProposer:
-    """Shallow-loop self-speculation: drafts come from the draft graph at depth d (the
-    decoding loop runs it, since its rows also write depth<d KV).
+def _plan(gen: Generator, spec: SpeculationConfig) -> _Plan | None:
+    if spec.mode not in MODES:
+        raise RequestError(f"unknown speculative mode {spec.mode!r}; choose from {', '.join(MODES[:3])}")
+    if spec.gate not in GATES:
+        raise RequestError(f"unknown gate {spec.gate!r}; choose from {', '.join(GATES)}")
+    if spec.mode == "none" and spec.proposer is None:
+        return None
+    vocab = gen.model.config.vocab_size
+    if spec.proposer is not None:
+        proposer = spec.proposer if isinstance(spec.proposer, (PromptLookupProposer, SelfDraftProposer)) \
+            else UserProposer(spec.proposer, vocab)
+        if spec.mode == "self" and not proposer.drafts_hidden:
+            raise RequestError("speculative mode 'self' takes a proposer that drafts depth-d states "
+                               "(drafts_hidden), such as SelfDraftProposer")
+        if spec.mode == "prompt-lookup" and proposer.drafts_hidden:
+            raise RequestError("speculative mode 'prompt-lookup' takes a token proposer, not a depth-d drafter")
+    elif spec.mode == "self":
+        proposer = SelfDraftProposer()
+    elif spec.mode == "prompt-lookup":
+        proposer = PromptLookupProposer(spec.min_ngram, spec.max_ngram)
+    else:
+        raise RequestError("speculative mode 'custom' needs a proposer")
+    strategy = DraftTail() if proposer.drafts_hidden else VerifyRows()
+    missing = [k for k in strategy.kinds if not gen.has_kind(k)]
+    if missing:
+        raise RequestError(f"speculative mode {spec.mode!r} needs the {' and '.join(strategy.kinds)} graphs; "
+                           f"this artifact lacks {', '.join(missing)}"
+                           + (" (self-speculation needs a looped model, R > 1)" if proposer.drafts_hidden else ""))
+    exact = gen.model.exact_verify
+    if not exact and not spec.allow_inexact:
+        raise RequestError(
+            f"speculation is not exact on this artifact on {gen.model.device}: its verify rows are not "
+            "bit-identical to its decode rows (manifest exact_verify), so speculative tokens could differ "
+            "from plain greedy; re-export with --batch-invariant (or --target cuda), or pass "
+            "--allow-inexact / allow_inexact=True to accept that")
+    k_max = strategy.max_drafts(gen)
+    k = spec.num_draft_tokens if spec.num_draft_tokens is not None else k_max
+    if not 1 <= k <= k_max:
+        raise RequestError(f"--num-draft-tokens must be in 1..{k_max} (verify width {k_max + 1}), got {k}")
+    return _Plan(proposer, strategy, k, k_max + 1)
 
-    ``perturb(position, token) -> token`` may replace a drafted token before it is fed to the
-    next draft row — the adversarial tests use it to force rejections mid-chain.
+
+def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tuple[int, ...] = (),
+           spec: SpeculationConfig = SpeculationConfig(), stats: GenerationStats | None = None) -> Iterator[int]:
+    """Feed ``ids`` after the committed prefix and yield greedy tokens as they are committed.
+
+    Finish reasons: "eos" (a stop id, yielded), "length" (max_new_tokens, or the KV capacity).
+    On finish ``n`` equals what plain greedy would leave: the prefix, the input, and every
+    yielded token but the last (which is pending: its KV is not written).
     """
+    stats = stats if stats is not None else GenerationStats()
+    if max_new_tokens < 0:
+        raise RequestError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not ids:
+        raise RequestError("prompt is empty: give at least one token")
+    gen.validate_ids(ids)
+    plan = _plan(gen, spec)
+    stats.prompt_tokens, stats.speculative = len(ids), "none" if plan is None else (
+        spec.mode if spec.mode != "none" else "custom")
+    stats.exact_verify = gen.model.exact_verify
+    stats.exact_greedy = plan is None or stats.exact_verify
+    base = gen.n
+    start = time.perf_counter()
+    counts0, secs0 = dict(gen.step_counts), dict(gen.step_seconds)
 
-    name = "self"
+    def finish(reason: str, emitted: int = 0) -> None:
+        stats.finish_reason = reason
+        gen.rewind(min(gen.n, base + len(ids) + emitted - 1))
+        stats.seconds = time.perf_counter() - start
+        stats.new_tokens = emitted
+        stats.tokens_per_second = emitted / stats.seconds if stats.seconds > 0 else 0.0
+        stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
+        stats.steps = {k: gen.step_counts[k] - counts0.get(k, 0) for k in gen.step_counts}
+        stats.step_seconds = {k: gen.step_seconds[k] - secs0.get(k, 0.0) for k in gen.step_seconds}
 
-    def __init__(self, perturb=None) -> None:
-        self.perturb = perturb
-
-    def adjust(self, position: int, token: int) -> int:
-        return int(self.perturb(position, token)) if self.perturb is not None else token
-
-
-# -- gates -------------------------------------------------------------------------------------
-
-class AlwaysGate:
-    """Speculate on every step the proposer has drafts for."""
-
-    name = "none"
-    transitions = 0
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-
-    def engage(self, step: int) -> int | None:
-        """Number of drafts to take this step (None: run plain decode)."""
-        return self.k
-
-    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
-        pass
-
-
-class HitDensityGate:
-    """Engage while the fraction of recent steps whose proposal would have hit is high.
-
-    Steps run as plain decode still count: the proposer's first draft is compared with the
-    token decode produced (``would_hit``), which costs nothing for prompt lookup.
-    """
-
-    name = "hit-density"
-
-    def __init__(self, k: int, window: int = 16, threshold: float = 0.35, probe_every: int = 16) -> None:
-        self.k, self.threshold, self.probe_every = k, threshold, probe_every
-        self.hits: deque[bool] = deque(maxlen=window)
-        self.engaged = False
-        self.transitions = 0
-        self._last_info = 0
-        self._base_probe, self._probing = probe_every, False
-
-    def engage(self, step: int) -> int | None:
-        density = sum(self.hits) / len(self.hits) if self.hits else 1.0
-        now = density >= self.threshold
-        if now != self.engaged:
-            self.transitions += 1
-            self.engaged = now
-        if not now and step - self._last_info >= self.probe_every:
-            # Proposers without a free would-hit signal (self-drafts) learn only from rounds;
-            # the interval doubles while probes keep missing.
-            self._last_info = step
-            self._probing = True
-            return self.k
-        return self.k if now else None
-
-    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
-        if would_hit is not None:
-            self.hits.append(would_hit)
-            self._last_info = step
-        elif proposed:
-            self.hits.append(accepted > 0)
-            self._last_info = step
-            if self._probing:
-                self.probe_every = self._base_probe if accepted > 0 else min(2 * self.probe_every, 256)
-        self._probing = False
+    if max_new_tokens == 0:
+        finish("length")
+        return
+    try:
+        yield from _Engine(gen, spec, plan, stats).run(ids, max_new_tokens, stop_ids, finish)
+    finally:
+        # A consumer that stops early (close(), break) or an error mid-round must not leave
+        # ``n`` past the yielded tokens: rounds commit drafts before yielding them.
+        if not stats.finish_reason:
+            emitted = stats.new_tokens
+            gen.rewind(min(gen.n, base + len(ids) + emitted - 1) if emitted else base)
 
 
-class CostGate:
-    """Choose per step between plain decode and a speculative round of k drafts.
+class _Engine:
+    """The round loop of one generation."""
 
-    With per-draft acceptance α (running estimate), a round of k drafts commits on average
-    E(k) = 1 + α + … + α^k tokens. Its cost is ``draft_cost(k) + verify_cost`` (measured on this
-    machine by the generator's step timers). Engage with the k that maximises E(k)/cost when
-    that beats 1/decode_cost by ``margin``; otherwise decode, and re-probe with a single round
-    every ``probe_every`` steps (doubling while probes keep failing) so a workload that turns
-    predictable is noticed.
-    """
+    def __init__(self, gen: Generator, spec: SpeculationConfig, plan: _Plan | None, stats: GenerationStats) -> None:
+        self.gen, self.spec, self.plan, self.stats = gen, spec, plan, stats
+        self.plain = PlainDecode()
+        self.gate = None
+        if plan is not None:
+            plan.proposer.reset(gen)
+            cfg = gen.model.config
+            costs = spec.costs or StepCosts(gen, (gen.model.manifest.draft_depth or 1) / cfg.num_loops)
+            self.gate = make_gate(spec.gate, plan.k_max, costs, plan.strategy,
+                                  free_guess=getattr(plan.proposer, "free_guess", False))
+            stats.strategy, stats.gate = plan.strategy.name, spec.gate
 
-    name = "cost"
+    def run(self, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], finish) -> Iterator[int]:
+        gen, stats = self.gen, self.stats
+        pending = gen.prefill(ids)
+        new_tokens, emitted, step = [pending], 0, 0
+        while True:
+            for token in new_tokens:
+                emitted += 1
+                stats.new_tokens = emitted
+                yield token
+                if token in stop_ids:
+                    self._close()
+                    finish("eos", emitted)
+                    return
+                if emitted >= max_new_tokens:
+                    self._close()
+                    finish("length", emitted)
+                    return
+            if gen.n >= gen.max_length:  # no room for the pending token's KV
+                self._close()
+                finish("length", emitted)
+                return
+            step += 1
+            new_tokens = self._round(pending, step, max_new_tokens - emitted)
+            pending = new_tokens[-1]
 
-    def __init__(self, k_max: int, costs, *, margin: float = 0.05, prior_alpha: float = 0.8,
-                 probe_every: int = 8) -> None:
-        self.k_max, self.costs, self.margin = k_max, costs, margin
-        # α = accepted / (accepted + rejections), as decayed counts: a ratio of sums, not a
-        # mean of per-round ratios (which undercounts long accepted runs).
-        self._accepted, self._trials = 2.0 * prior_alpha, 2.0
-        self.probe_every, self._next_probe = probe_every, 0
-        self.engaged = False
-        self.transitions = 0
+    def _round(self, pending: int, step: int, remaining: int) -> list[int]:
+        gen, plan, gate = self.gen, self.plan, self.gate
+        if plan is None:  # plain greedy: the degenerate round, with nothing to decide
+            token = int(self.plain.verify(gen, pending, Proposal([])).target_ids[0])
+            gen.commit([pending])
+            return [token]
+        context = None
+        proposal, strategy = Proposal([]), self.plain
+        # A round writes plan.width positions (the verify graph's fixed rows): no room, no round.
+        k = gate.engage(step) if gen.n + plan.width <= gen.max_length else None
+        if k:
+            context = gen.tokens + [pending]
+            proposal = plan.proposer.propose(context, min(k, plan.k_max, remaining))
+            if not isinstance(proposal, Proposal):
+                proposal = Proposal(list(proposal))
+            if proposal.tokens:
+                strategy = plan.strategy
+        guess = None
+        if strategy is self.plain and plan.proposer.free_guess:
+            # Free evidence for the gate: would the proposer's first draft have been right?
+            guess = plan.proposer.propose(context or gen.tokens + [pending], 1)
+            guess = guess.tokens if isinstance(guess, Proposal) else guess
+        guard = self.spec.tie_guard
+        verified = strategy.verify(gen, pending, proposal)
+        result = greedy_accept(proposal.tokens, verified.target_ids, verified.logits,
+                               epsilon=guard.epsilon, tolerant=guard.tolerant)
+        committed = [pending] + proposal.tokens[:result.accepted]
+        gen.commit(committed)
+        plan.proposer.advance(committed)
+        if proposal.tokens:
+            self._count(proposal.tokens, result)
+            gate.observe(len(proposal.tokens), result.accepted, step=step)
+        elif guess is not None:
+            gate.observe(0, 0, would_hit=bool(guess) and guess[0] == result.next_token, step=step)
+        return proposal.tokens[:result.accepted] + [result.next_token]
 
-    @property
-    def alpha(self) -> float:
-        return self._accepted / self._trials
+    def _count(self, drafts: list[int], result) -> None:
+        stats = self.stats
+        stats.rounds += 1
+        stats.proposed += len(drafts)
+        stats.accepted += result.accepted
+        stats.near_tie_rejections += result.near_tie_rejections
+        stats.tolerant_accepts += result.tolerant_accepts
+        stats.exact_greedy = stats.exact_greedy and result.tolerant_accepts == 0
+        for i in range(len(drafts)):
+            if len(stats.proposed_by_position) <= i:
+                stats.proposed_by_position.append(0)
+                stats.accepted_by_position.append(0)
+            stats.proposed_by_position[i] += 1
+            stats.accepted_by_position[i] += int(i < result.accepted)
 
-    def best_k(self) -> tuple[int, float]:
-        """The k with the best expected tokens/s, 0 if plain decode is better.
-
-        Hysteresis: engaging needs a ``margin`` gain over decode, staying engaged only needs
-        to lose less than ``margin``, so one unlucky round does not flip the gate.
-        """
-        plain = 1.0 / self.costs.decode()
-        need = plain * (1 - self.margin if self.engaged else 1 + self.margin)
-        best_k, best_rate = 0, need
-        for k in range(1, self.k_max + 1):
-            expected = sum(self.alpha ** i for i in range(k + 1))
-            rate = expected / self.costs.round(k)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k, max(best_rate, plain)
-
-    def engage(self, step: int) -> int | None:
-        k, _ = self.best_k()
-        now = k > 0
-        if not now and step >= self._next_probe:
-            self._next_probe = step + self.probe_every
-            self.probe_every = min(self.probe_every * 2, 256)
-            k = self.k_max  # a full-length probe: one round tells how far drafts stay right
-        if now != self.engaged:
-            self.transitions += 1
-            self.engaged = now
-        return k or None
-
-    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
-        decay = 0.8
-        if proposed:
-            self._accepted = decay * self._accepted + accepted
-            self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
-            if accepted > 0:
-                self.probe_every = 8
-        elif would_hit is not None:
-            # Free evidence from a plain step (prompt lookup): one draft, hit or miss. It
-            # replaces the probe, which would only measure the same thing at a cost.
-            self._accepted = decay * self._accepted + float(would_hit)
-            self._trials = decay * self._trials + 1.0
-            self._next_probe = step + self.probe_every
+    def _close(self) -> None:
+        if self.gate is not None:
+            self.stats.gate_report = self.gate.report()
+            self.stats.gate_transitions = self.gate.transitions

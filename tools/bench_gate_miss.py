@@ -16,7 +16,7 @@ import time
 
 from loopcast.demo import demo_artifact_dir
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.speculate import SelfDraftProposer
+from loopcast.ort_runtime.proposers import SelfDraftProposer
 
 PROMPTS = ["def parse(text):\n    ", "class Node:\n    def __init__(self, value):\n",
            "import os\n\n\ndef walk(path):\n", "    for key, value in sorted(items):\n"]

@@ -2,8 +2,9 @@
 // packed-QKV GroupQueryAttention form our graphs use.
 //
 // Row invariance: all new rows' K/V are rotated, rounded to T and stored first; then each row
-// attends over positions 0..p reading only the stored cache and its own q. Every reduction
-// (q·k over d, max, sum, weighted sum over positions) runs serially in ascending order, so row i
+// attends over positions 0..p reading only the stored cache and its own q (one task per head on
+// ORT's thread pool; a task's rows share key and value loads, never a partial sum). Every reduction has a fixed order (q·k in eight fixed
+// lanes over d, then max, sum and the weighted sum over positions in ascending order), so row i
 // of an S-row call is bit-identical to the same row computed alone after rows < i were committed.
 #include <algorithm>
 #include <cmath>
@@ -60,8 +61,7 @@ struct AttentionCpuKernel {
     if (pv != past_v) std::memcpy(pv, past_v, cache_bytes);
 
     const int64_t half = D / 2;
-    std::vector<float> buf(static_cast<size_t>(D)), q(static_cast<size_t>(D)), acc(static_cast<size_t>(D));
-    std::vector<float> scores(static_cast<size_t>(T_cap));
+    std::vector<float> buf(static_cast<size_t>(D));
     for (int64_t b = 0; b < B; ++b) {
       const int64_t n = static_cast<int64_t>(seqlens[b]) + 1 - S;
       if (n < 0 || n + S > T_cap || (attrs.do_rotary && n + S > max_pos))
@@ -83,35 +83,76 @@ struct AttentionCpuKernel {
           for (int64_t d = 0; d < D; ++d) vdst[d] = vsrc[d];
         }
       }
-      // 2. Each row attends over the stored cache at positions 0..p.
+    }
+    // 2. Each (batch, head) is its own task on ORT's intra-op pool: its rows attend over the
+    // stored cache at positions 0..p. Tasks share nothing but the read-only cache, so how they
+    // are scheduled cannot change a bit; the rows of a task share only the loads of each key and
+    // value, never a partial sum.
+    Heads heads{this, s, qkv, cos, sin, pk, pv, out, seqlens, width, group, half};
+    ctx.ParallelFor(&Heads::run, static_cast<size_t>(B * Hq), 0, &heads);
+  }
+
+  struct Heads {
+    const AttentionCpuKernel* self;
+    AttentionShapes s;
+    const T *qkv, *cos, *sin, *pk, *pv;
+    T* out;
+    const int32_t* seqlens;
+    int64_t width, group, half;
+
+    static void run(void* raw, size_t task) {
+      const Heads& r = *static_cast<const Heads*>(raw);
+      const AttentionAttrs& attrs = r.self->attrs;
+      const int64_t S = r.s.S, D = r.s.D, T_cap = r.s.T, Hq = attrs.num_heads, Hkv = attrs.kv_num_heads;
+      const int64_t h = static_cast<int64_t>(task) % Hq, b = static_cast<int64_t>(task) / Hq;
+      const int64_t n = static_cast<int64_t>(r.seqlens[b]) + 1 - S, last = n + S - 1;
+      thread_local std::vector<float> q, acc, scores, mx, sum;
+      q.resize(static_cast<size_t>(S * D));
+      acc.assign(static_cast<size_t>(S * D), 0.0f);
+      scores.resize(static_cast<size_t>(S * (last + 1)));
+      mx.assign(static_cast<size_t>(S), -std::numeric_limits<float>::infinity());
+      sum.assign(static_cast<size_t>(S), 0.0f);
       for (int64_t i = 0; i < S; ++i) {
         const int64_t p = n + i;
-        const T* row = qkv + (b * S + i) * width;
-        for (int64_t h = 0; h < Hq; ++h) {
-          rotate(row + h * D, cos ? cos + p * half : nullptr, sin ? sin + p * half : nullptr, D, attrs.do_rotary,
-                 q.data());
-          const T* kc = pk + cache_b + static_cast<size_t>(h / group * T_cap * D);
-          const T* vc = pv + cache_b + static_cast<size_t>(h / group * T_cap * D);
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j <= p; ++j) {
-            float dot = 0.0f;
-            for (int64_t d = 0; d < D; ++d) dot += q[d] * to_float(kc[j * D + d]);
-            scores[j] = dot * s.scale;
-            mx = std::max(mx, scores[j]);
-          }
-          float sum = 0.0f;
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          for (int64_t j = 0; j <= p; ++j) {
-            const float e = std::exp(scores[j] - mx);
-            sum += e;
-            for (int64_t d = 0; d < D; ++d) acc[d] += e * to_float(vc[j * D + d]);
-          }
-          T* o = out + (b * S + i) * Hq * D + h * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(acc[d] / sum);
+        rotate(r.qkv + (b * S + i) * r.width + h * D, r.cos ? r.cos + p * r.half : nullptr,
+               r.sin ? r.sin + p * r.half : nullptr, D, attrs.do_rotary, q.data() + i * D);
+      }
+      const size_t cache = static_cast<size_t>((b * Hkv + h / r.group) * T_cap * D);
+      const T* kc = r.pk + cache;
+      const T* vc = r.pv + cache;
+      // Row i (position n+i) sees keys 0..n+i; key j is visible to rows max(0, j-n)..S-1.
+      for (int64_t j = 0; j <= last; ++j) {
+        const T* k = kc + j * D;
+        for (int64_t i = std::max<int64_t>(0, j - n); i < S; ++i) {
+          // Eight fixed lanes over d, summed in a fixed order: vectorisable, and the same
+          // arithmetic for a row whatever else the call holds.
+          const float* qi = q.data() + i * D;
+          float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          int64_t d = 0;
+          for (; d + 8 <= D; d += 8)
+            for (int l = 0; l < 8; ++l) lane[l] += qi[d + l] * to_float(k[d + l]);
+          for (; d < D; ++d) lane[d % 8] += qi[d] * to_float(k[d]);
+          const float dot = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+          const float score = dot * r.s.scale;
+          scores[static_cast<size_t>(i * (last + 1) + j)] = score;
+          mx[i] = std::max(mx[i], score);
         }
       }
+      for (int64_t j = 0; j <= last; ++j) {
+        const T* v = vc + j * D;
+        for (int64_t i = std::max<int64_t>(0, j - n); i < S; ++i) {
+          const float e = std::exp(scores[static_cast<size_t>(i * (last + 1) + j)] - mx[i]);
+          sum[i] += e;
+          float* ai = acc.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) ai[d] += e * to_float(v[d]);
+        }
+      }
+      for (int64_t i = 0; i < S; ++i) {
+        T* o = r.out + (b * S + i) * Hq * D + h * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(acc[i * D + d] / sum[i]);
+      }
     }
-  }
+  };
 };
 
 AttentionOp<AttentionCpuKernel<float>, float, false> g_f32;

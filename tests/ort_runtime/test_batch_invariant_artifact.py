@@ -18,7 +18,7 @@ from loopcast.bench import decode_rows
 from loopcast.custom_ops.build import find_ort_include
 from loopcast.manifest import DRAFT, VERIFY, VERIFY_TAIL, Manifest
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.speculate import SelfDraftProposer
+from loopcast.ort_runtime.proposers import SelfDraftProposer
 from tests.artifacts import TINY, artifact, reference
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 

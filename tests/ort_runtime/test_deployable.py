@@ -11,7 +11,7 @@ def test_runtime_imports_neither_torch_nor_the_exporter() -> None:
         "import sys\n"
         "from loopcast.ort_runtime import load\n"
         f"m = load({str(artifact('demo'))!r})\n"
-        "r = m.generate('def f(x):', 16, speculative='self', gate='cost')\n"
+        "r = m.generate('def f(x):', 16, speculative='self', gate='cost', allow_inexact=True)\n"
         "assert len(r.tokens) == 16\n"
         "bad = sorted(n for n in sys.modules if n == 'torch' or n.startswith(('torch.', 'loopcast.exporter', 'safetensors')))\n"
         "print('LOADED', bad)\n"

@@ -7,7 +7,7 @@ import pytest
 
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.decoding import stream
+from loopcast.ort_runtime.speculate import stream
 from tests.artifacts import TINY, artifact, reference
 
 DEMO_PROMPTS = [

@@ -57,7 +57,8 @@ def demo():
 def test_counters_follow_warmup_capture_replay(demo) -> None:
     model = _as_captured(demo)
     gen = model.new_generator()
-    out = model.generate(PROMPT, 40, stop_ids=(), speculative="self", generator=gen)
+    out = model.generate(PROMPT, 40, stop_ids=(), speculative="self", generator=gen, gate="none",
+                         allow_inexact=True)
     slots = gen.graph_slots()
     assert set(slots) == set(HOT)
     for kind, slot in slots.items():
@@ -77,10 +78,11 @@ def test_each_generator_gets_its_own_graph_id_per_kind(demo) -> None:
 
 @pytest.mark.parametrize("mode", ["none", "self", "prompt-lookup"])
 def test_failed_capture_falls_back_to_eager_with_the_same_tokens(demo, mode: str) -> None:
-    plain = demo.generate(PROMPT, 48, stop_ids=(), speculative=mode)
+    plain = demo.generate(PROMPT, 48, stop_ids=(), speculative=mode, gate="none", allow_inexact=True)
     model = _as_captured(demo, failing=frozenset({DECODE, VERIFY_TAIL, VERIFY}))
     gen = model.new_generator()
-    out = model.generate(PROMPT, 48, stop_ids=(), speculative=mode, generator=gen)
+    out = model.generate(PROMPT, 48, stop_ids=(), speculative=mode, generator=gen, gate="none",
+                         allow_inexact=True)
     assert out.tokens == plain.tokens
     slots = gen.graph_slots()
     for kind in (DECODE, VERIFY_TAIL, VERIFY):

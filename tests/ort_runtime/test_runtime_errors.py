@@ -12,7 +12,7 @@ import pytest
 
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.ort_runtime import load
-from tests.artifacts import artifact
+from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 
 def _copy(tmp_path: Path, name: str = "ouro-r3") -> Path:
@@ -130,6 +130,7 @@ def test_cli_generate_errors_are_one_line(args, needle) -> None:
 
 
 def test_cli_generate_json_and_stream() -> None:
+    require_exact_cpu_artifacts()
     path = str(artifact("demo"))
     proc = _cli("generate", path, "--prompt", "def add(a, b):\n", "--max-new-tokens", "12", "--json",
                 "--speculative", "prompt-lookup", "--gate", "cost")

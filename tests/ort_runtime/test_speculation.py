@@ -7,13 +7,18 @@ import pytest
 
 from loopcast.errors import RequestError
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.decoding import GenerationStats, SpeculationConfig, stream
-from loopcast.ort_runtime.speculate import SelfDraftProposer
-from tests.artifacts import TINY, artifact
+from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.proposers import SelfDraftProposer
+from tests.artifacts import TINY, artifact, require_exact_cpu_artifacts
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
 MODES = [("prompt-lookup", "none"), ("prompt-lookup", "hit-density"), ("prompt-lookup", "cost"),
          ("self", "none"), ("self", "hit-density"), ("self", "cost")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _exact_artifacts():
+    require_exact_cpu_artifacts()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +101,8 @@ def test_adversarial_token_proposers(demo, kind: str, k: int) -> None:
     prompt = demo.encode("class Queue:\n    def __init__(self):\n")
     plain = demo.generate(prompt, 80, stop_ids=())
     oracle = Oracle(prompt, plain.tokens, WRONG[kind])
-    spec = demo.generate(prompt, 80, stop_ids=(), speculative="prompt-lookup", proposer=oracle, num_draft_tokens=k)
+    spec = demo.generate(prompt, 80, stop_ids=(), speculative="prompt-lookup", proposer=oracle, num_draft_tokens=k,
+                         gate="none")
     assert spec.tokens == plain.tokens
     if kind == "always-right":
         assert spec.stats.accepted == spec.stats.proposed
@@ -115,7 +121,7 @@ def test_self_drafts_with_forced_rejections(demo, kind: str) -> None:
                "first-wrong": lambda i, t: (t + 3) % vocab if i == 0 else t,
                "last-wrong": lambda i, t: (t + 3) % vocab if i == 3 else t}[kind]
     spec = demo.generate(prompt, 80, stop_ids=(), speculative="self", num_draft_tokens=4,
-                         proposer=SelfDraftProposer(perturb))
+                         proposer=SelfDraftProposer(perturb), gate="none")
     assert spec.tokens == plain.tokens
     assert spec.stats.rounds >= 16
 
@@ -126,7 +132,7 @@ def test_draft_crossing_eos(demo) -> None:
     eos = plain.tokens[5]  # pretend the 6th token is the end of text
     expected = plain.tokens[:6]
     oracle = Oracle(prompt, plain.tokens)
-    spec = demo.generate(prompt, 30, stop_ids=(eos,), speculative="prompt-lookup", proposer=oracle)
+    spec = demo.generate(prompt, 30, stop_ids=(eos,), speculative="prompt-lookup", proposer=oracle, gate="none")
     want = demo.generate(prompt, 30, stop_ids=(eos,))
     assert spec.tokens == want.tokens == expected[:want.tokens.__len__()]
     assert spec.finish_reason == want.finish_reason == "eos"
@@ -138,9 +144,10 @@ def test_draft_crossing_eos(demo) -> None:
 def test_draft_crossing_max_new_tokens(demo, limit: int) -> None:
     prompt = demo.encode("import json\n")
     plain = demo.generate(prompt, 40, stop_ids=())
-    spec = demo.generate(prompt, limit, stop_ids=(), speculative="prompt-lookup", proposer=Oracle(prompt, plain.tokens))
+    spec = demo.generate(prompt, limit, stop_ids=(), speculative="prompt-lookup", proposer=Oracle(prompt, plain.tokens),
+                         gate="none")
     assert spec.tokens == plain.tokens[:limit]
-    spec = demo.generate(prompt, limit, stop_ids=(), speculative="self")
+    spec = demo.generate(prompt, limit, stop_ids=(), speculative="self", gate="none")
     assert spec.tokens == plain.tokens[:limit]
 
 
@@ -151,7 +158,7 @@ def test_draft_crossing_kv_capacity(mode: str) -> None:
     plain = model.generate(ids, 100, stop_ids=())
     assert len(plain.tokens) == 23 - len(ids) + 1
     proposer = Oracle(ids, plain.tokens + [1] * 10) if mode == "prompt-lookup" else None
-    spec = model.generate(ids, 100, stop_ids=(), speculative=mode, proposer=proposer)
+    spec = model.generate(ids, 100, stop_ids=(), speculative=mode, proposer=proposer, gate="none")
     assert spec.tokens == plain.tokens and spec.finish_reason == "length"
 
 
@@ -159,11 +166,16 @@ class FixedCosts:
     """Step costs as measured on CPU for the demo (verify W=5 ≈ 1.25× decode), fixed so the
     gate's decisions do not depend on this machine's timing noise."""
 
+    draft_share = 0.25
+
     def decode(self) -> float:
         return 1.0
 
-    def round(self, k: int) -> float:
-        return 1.25
+    def mean(self, kind: str) -> float:
+        return {"decode": 1.0, "verify": 1.25}.get(kind)
+
+    def snapshot_ms(self) -> dict:
+        return {}
 
 
 @pytest.mark.parametrize("gate,max_rounds", [("cost", 16), ("hit-density", 20)])

@@ -1,0 +1,68 @@
+"""Measure whether an artifact's verify rows are its decode rows, bit for bit, on the CPU.
+
+The exporter runs this on every fp32 artifact it writes and records the answer in the
+manifest (``exact_verify["cpu"]``), so the runtime knows, rather than hopes, that speculation
+returns plain greedy's tokens there. For CUDA the answer is declared by the op set (the
+loopcast kernels are row-invariant by construction and tested on the GPU; cuBLAS and
+GroupQueryAttention are not).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from loopcast.manifest import DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL
+
+
+def _decode_rows(gen, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
+    """Plain M=1 decode: the fed tokens and each step's logits row."""
+    pending = gen.prefill(prompt)
+    fed, rows = [], []
+    for _ in range(steps):
+        out = gen.run(DECODE, gen.n, tokens=[pending])
+        fed.append(pending)
+        rows.append(out.logits[0].copy())
+        gen.commit([pending])
+        pending = int(out.next_ids[0])
+    return fed, rows
+
+
+def rows_match_on_cpu(artifact_dir: str | Path, *, prompt_lengths: tuple[int, ...] = (1, 11), seed: int = 0) -> bool:
+    """Run ``verify`` (and ``draft`` + ``verify_tail``) over tokens that plain decode fed, and
+    compare every row's logits with decode's bit for bit, on random prompts of a few lengths."""
+    from loopcast.ort_runtime.artifact import open_artifact
+    from loopcast.ort_runtime.generator import Generator
+
+    model = open_artifact(artifact_dir, "cpu", kinds=tuple(k for k in (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL)
+                                                          if k in _kinds(artifact_dir)))
+    if VERIFY not in model.sessions:
+        return True  # nothing to verify with: speculation is not offered
+    width = model.manifest.graphs[VERIFY].rows
+    rng = np.random.default_rng(seed)
+    for length in prompt_lengths:
+        if length + width + 1 > model.manifest.max_length:
+            continue
+        prompt = rng.integers(0, model.config.vocab_size, length).tolist()
+        fed, rows = _decode_rows(Generator(model), prompt, width)
+        gen = Generator(model)
+        gen.prefill(prompt)
+        out = gen.run(VERIFY, gen.n, tokens=fed)
+        if any(not np.array_equal(out.logits[i], rows[i]) for i in range(width)):
+            return False
+        if DRAFT in model.sessions and VERIFY_TAIL in model.sessions:
+            tail_rows = model.manifest.graphs[VERIFY_TAIL].rows
+            gen = Generator(model)
+            gen.prefill(prompt)
+            hidden = [gen.run(DRAFT, gen.n + i, tokens=[t], want_logits=False).hidden[0]
+                      for i, t in enumerate(fed[:tail_rows])]
+            out = gen.run(VERIFY_TAIL, gen.n, hidden=np.stack(hidden))
+            if any(not np.array_equal(out.logits[i], rows[i]) for i in range(len(hidden))):
+                return False
+    return True
+
+
+def _kinds(artifact_dir: str | Path) -> set[str]:
+    from loopcast.manifest import Manifest
+    return set(Manifest.read(Path(artifact_dir)).graphs)

@@ -1,0 +1,223 @@
+"""Gates: per step, run a speculative round (and with how many drafts) or plain decode.
+
+- ``none``: speculate on every step the proposer has drafts for (for measurements).
+- ``hit-density``: engage while the recent fraction of steps whose first draft was right is high.
+- ``cost``: price a round with the step costs measured on this machine and the running
+  acceptance α; engage with the k that maximises expected tokens per second when that beats
+  plain decode by a margin.
+- ``auto`` (the default): the cost gate, calibrated for this artifact and device — the costs
+  are the generator's own steady step timers (captured replays on CUDA, warm-up and capture
+  excluded), updated every step; its probes are priced so that a workload where speculation
+  never pays spends at most ``probe_budget`` of its time finding that out.
+
+Every gate reports what it did (``report()``): rounds on, steps off, probes, the measured
+costs and the reason it engaged or stood down; ``GenerationStats.gate_report`` carries it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from loopcast.errors import RequestError
+from loopcast.manifest import DECODE
+
+GATES = ("auto", "none", "hit-density", "cost")
+
+
+class StepCosts:
+    """Mean steady step time per graph kind on this generator (seconds). A CUDA slot's first
+    run (warm-up + capture) costs many steps and is not counted."""
+
+    def __init__(self, gen, draft_share: float) -> None:
+        self.gen, self.draft_share = gen, draft_share
+
+    def mean(self, kind: str) -> float | None:
+        count = self.gen.timed_counts.get(kind, 0)
+        return self.gen.timed_seconds[kind] / count if count else None
+
+    def decode(self) -> float:
+        return self.mean(DECODE) or 1e-3
+
+    def snapshot_ms(self) -> dict[str, float]:
+        return {k: round(1e3 * self.gen.timed_seconds[k] / c, 4) for k, c in self.gen.timed_counts.items() if c}
+
+
+class _Counters:
+    """What every gate reports."""
+
+    def __init__(self, name: str, chosen_by: str) -> None:
+        self.name, self.chosen_by = name, chosen_by
+        self.rounds_on = self.steps_off = self.probes = self.transitions = 0
+        self.engaged = False
+        self.reason = "no step yet"
+
+    def _switch(self, now: bool) -> None:
+        if now != self.engaged:
+            self.transitions += 1
+            self.engaged = now
+
+    def _count(self, k: int | None, probe: bool = False) -> int | None:
+        if k:
+            self.rounds_on += 1
+            self.probes += int(probe)
+        else:
+            self.steps_off += 1
+        return k or None
+
+    def report(self) -> dict:
+        return {"name": self.name, "chosen_by": self.chosen_by, "rounds_on": self.rounds_on,
+                "steps_off": self.steps_off, "probes": self.probes, "transitions": self.transitions,
+                "reason": self.reason}
+
+
+class AlwaysGate(_Counters):
+    """Speculate on every step the proposer has drafts for."""
+
+    def __init__(self, k: int, chosen_by: str = "caller") -> None:
+        super().__init__("none", chosen_by)
+        self.k = k
+        self.reason = "gate off: every step speculates"
+
+    def engage(self, step: int) -> int | None:
+        self._switch(True)
+        return self._count(self.k)
+
+    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+        pass
+
+
+class HitDensityGate(_Counters):
+    """Engage while the fraction of recent steps whose proposal would have hit is high.
+
+    Steps run as plain decode still count: the proposer's first draft is compared with the
+    token decode produced (``would_hit``), which costs nothing for prompt lookup.
+    """
+
+    def __init__(self, k: int, window: int = 16, threshold: float = 0.35, probe_every: int = 16,
+                 chosen_by: str = "caller") -> None:
+        super().__init__("hit-density", chosen_by)
+        self.k, self.threshold, self.probe_every = k, threshold, probe_every
+        self.hits: deque[bool] = deque(maxlen=window)
+        self._last_info = 0
+        self._base_probe, self._probing = probe_every, False
+
+    def engage(self, step: int) -> int | None:
+        density = sum(self.hits) / len(self.hits) if self.hits else 1.0
+        now = density >= self.threshold
+        self._switch(now)
+        self.reason = f"hit density {density:.2f} {'>=' if now else '<'} {self.threshold}"
+        if not now and step - self._last_info >= self.probe_every:
+            # Proposers without a free would-hit signal (self-drafts) learn only from rounds;
+            # the interval doubles while probes keep missing.
+            self._last_info = step
+            self._probing = True
+            return self._count(self.k, probe=True)
+        return self._count(self.k if now else None)
+
+    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+        if would_hit is not None:
+            self.hits.append(would_hit)
+            self._last_info = step
+        elif proposed:
+            self.hits.append(accepted > 0)
+            self._last_info = step
+            if self._probing:
+                self.probe_every = self._base_probe if accepted > 0 else min(2 * self.probe_every, 256)
+        self._probing = False
+
+
+class CostGate(_Counters):
+    """Choose per step between plain decode and a speculative round of k drafts.
+
+    With per-draft acceptance α (running estimate), a round of k drafts commits on average
+    E(k) = 1 + α + … + α^k tokens at ``strategy.round_cost(costs, k)``. Engage with the k that
+    maximises E(k)/cost when that beats 1/decode by ``margin`` (hysteresis: staying engaged
+    only needs to lose less than ``margin``, so one unlucky round does not flip the gate).
+
+    Disengaged, the gate still learns: from the free one-token guess of proposers that declare
+    ``free_guess`` (prompt lookup), otherwise from probe rounds of one draft, the cheapest
+    round that measures α. A failed probe wastes ``round_cost(1) - decode``; the next probe
+    waits until that waste is at most ``probe_budget`` of the decode time spent since, and the
+    wait doubles while probes keep failing, so a workload where speculation never pays loses at
+    most about ``probe_budget`` to probing.
+    """
+
+    def __init__(self, k_max: int, costs: StepCosts, strategy, *, free_guess: bool = False, margin: float = 0.05,
+                 prior_alpha: float = 0.6, probe_budget: float = 0.02, name: str = "cost",
+                 chosen_by: str = "caller") -> None:
+        super().__init__(name, chosen_by)
+        self.k_max, self.costs, self.strategy, self.margin = k_max, costs, strategy, margin
+        self.free_guess, self.probe_budget = free_guess, probe_budget
+        # α = accepted / (accepted + rejections), as decayed counts: a ratio of sums, not a
+        # mean of per-round ratios (which undercounts long accepted runs).
+        self._accepted, self._trials = 2.0 * prior_alpha, 2.0
+        self._next_probe, self._backoff = 0, 1
+        self._probing = False
+        self.last_rate_ratio = None
+
+    @property
+    def alpha(self) -> float:
+        return self._accepted / self._trials
+
+    def best_k(self) -> tuple[int, float]:
+        """The k with the best expected tokens/s (0: plain decode) and its rate over decode's."""
+        plain = 1.0 / self.costs.decode()
+        need = plain * (1 - self.margin if self.engaged else 1 + self.margin)
+        best_k, best_rate = 0, need
+        for k in range(1, self.k_max + 1):
+            expected = sum(self.alpha ** i for i in range(k + 1))
+            rate = expected / self.strategy.round_cost(self.costs, k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, max(best_rate, plain) / plain
+
+    def engage(self, step: int) -> int | None:
+        k, ratio = self.best_k()
+        self.last_rate_ratio = ratio
+        now = k > 0
+        self._switch(now)
+        if now:
+            self.reason = f"engaged: α={self.alpha:.2f}, k={k} expected at {ratio:.2f}x plain decode"
+            return self._count(k)
+        self.reason = f"stood down: α={self.alpha:.2f}, no k beats plain decode by {self.margin:.0%}"
+        if not self.free_guess and step >= self._next_probe:
+            self._probing = True
+            return self._count(1, probe=True)
+        return self._count(None)
+
+    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+        decay = 0.8
+        if proposed:
+            self._accepted = decay * self._accepted + accepted
+            self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
+            if self._probing:
+                if accepted:
+                    self._backoff = 1
+                else:
+                    waste = max(self.strategy.round_cost(self.costs, 1) / self.costs.decode() - 1.0, 0.05)
+                    self._next_probe = step + int(self._backoff * waste / self.probe_budget)
+                    self._backoff = min(self._backoff * 2, 16)
+        elif would_hit is not None:
+            # Free evidence from a plain step (prompt lookup): one draft, hit or miss.
+            self._accepted = decay * self._accepted + float(would_hit)
+            self._trials = decay * self._trials + 1.0
+        self._probing = False
+
+    def report(self) -> dict:
+        out = super().report()
+        out.update(alpha=round(self.alpha, 4), costs_ms=self.costs.snapshot_ms(),
+                   expected_ratio=None if self.last_rate_ratio is None else round(self.last_rate_ratio, 4))
+        return out
+
+
+def make_gate(name: str, k_max: int, costs: StepCosts, strategy, *, free_guess: bool):
+    """The gate called ``name``; ``auto`` is the calibrated cost gate (see the module doc)."""
+    if name == "auto":
+        return CostGate(k_max, costs, strategy, free_guess=free_guess, name="cost", chosen_by="auto")
+    if name == "cost":
+        return CostGate(k_max, costs, strategy, free_guess=free_guess)
+    if name == "hit-density":
+        return HitDensityGate(k_max)
+    if name == "none":
+        return AlwaysGate(k_max)
+    raise RequestError(f"unknown gate {name!r}; choose from {', '.join(GATES)}")

@@ -1,0 +1,155 @@
+"""Proposers: where draft tokens come from (like ORT-GenAI's Propose / Advance / Reset).
+
+The protocol a user's own proposer implements (only ``propose`` is required)::
+
+    class MyProposer:
+        name = "mine"
+        def propose(self, context: list[int], k: int) -> list[int] | Proposal: ...
+        def advance(self, committed: list[int]) -> None: ...      # tokens the engine committed
+        def reset(self, generator) -> None: ...                   # a new generation starts
+
+``context`` is the committed sequence plus the pending token (whose KV is not written yet); a
+proposal is up to ``k`` token ids that continue it. Capabilities are declared, never sniffed:
+``free_guess = True`` says that a one-token proposal costs nothing, so the engine may compare
+it with the token a plain step produced (evidence for the gate at no cost); ``drafts_hidden``
+says the proposal carries depth-d hidden states that the draft+verify_tail strategy continues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from loopcast.errors import RequestError
+from loopcast.manifest import DRAFT
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]                    # up to k drafts continuing the context
+    hidden: np.ndarray | None = None     # [len(tokens) + 1, H]: depth-d states of pending + drafts
+
+
+class PromptLookupProposer:
+    """Drafts by n-gram match: find the latest earlier occurrence of the last n tokens
+    (n from ``max_ngram`` down to ``min_ngram``) and propose what followed it."""
+
+    name = "prompt-lookup"
+    free_guess = True
+    drafts_hidden = False
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise RequestError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.reset(None)
+
+    def reset(self, generator) -> None:
+        self._seq: list[int] = []
+        # n -> {n-gram: latest start followed by at least one token}; a proposal is then a dict
+        # lookup per n instead of a scan of the whole context on every step.
+        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+
+    def _sync(self, context: Sequence[int]) -> None:
+        seq = self._seq
+        if len(context) < len(seq) or list(context[:len(seq)]) != seq:
+            self.reset(None)  # a rewound or different sequence: index it afresh
+            seq = self._seq
+        for i in range(len(seq), len(context)):
+            seq.append(int(context[i]))
+            for n, index in self._index.items():
+                if i - n >= 0:
+                    index[tuple(seq[i - n:i])] = i - n
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        self._sync(context)
+        seq = self._seq
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            start = self._index[n].get(tuple(seq[-n:]))
+            if start is not None:
+                return seq[start + n:start + n + k]
+        return []
+
+    def advance(self, committed: Sequence[int]) -> None:
+        pass
+
+
+class SelfDraftProposer:
+    """Shallow-loop self-speculation: the draft graph runs loops 0..d-1 for the pending token
+    and then each draft, one row at a time at positions n, n+1, …, writing their depth<d KV
+    and keeping each row's depth-d state for verify_tail (``ort_runtime/verifiers.py``).
+
+    ``perturb(position, token) -> token`` may replace a drafted token before it is fed to the
+    next draft row — the adversarial tests use it to force rejections mid-chain.
+    """
+
+    name = "self"
+    free_guess = False
+    drafts_hidden = True
+
+    def __init__(self, perturb=None) -> None:
+        self.perturb = perturb
+        self._gen = None
+
+    def reset(self, generator) -> None:
+        if not generator.has_kind(DRAFT):
+            raise RequestError("self-speculation needs the draft graph, which this artifact lacks "
+                               "(it needs a looped model, R > 1)")
+        self._gen = generator
+
+    def advance(self, committed: Sequence[int]) -> None:
+        pass
+
+    def propose(self, context: Sequence[int], k: int) -> Proposal:
+        gen = self._gen
+        n = gen.n
+        if len(context) != n + 1:
+            raise RequestError(f"self-drafts continue the generator's sequence: context of {len(context)} "
+                               f"tokens for {n} committed")
+        vocab = gen.model.config.vocab_size
+        rows_in, hidden = [int(context[-1])], []
+        for i in range(k + 1):
+            out = gen.run(DRAFT, n + i, tokens=[rows_in[i]], want_logits=False)
+            hidden.append(out.hidden[0])
+            if i < k:
+                token = int(out.next_ids[0])
+                if self.perturb is not None:
+                    token = int(self.perturb(i, token))
+                if not 0 <= token < vocab:
+                    raise RequestError(f"self-draft token {token} is outside the vocabulary [0, {vocab})")
+                rows_in.append(token)
+        return Proposal(rows_in[1:], np.stack(hidden))
+
+
+class UserProposer:
+    """Adapts a user's object that has only ``propose`` (and maybe ``advance``/``reset``) and
+    validates what it offers at the boundary."""
+
+    def __init__(self, inner, vocab_size: int) -> None:
+        if not callable(getattr(inner, "propose", None)):
+            raise RequestError(f"proposer {inner!r} has no propose(context, k) method")
+        self.inner, self.vocab_size = inner, vocab_size
+        self.name = str(getattr(inner, "name", type(inner).__name__))
+        self.free_guess = bool(getattr(inner, "free_guess", False))
+        self.drafts_hidden = bool(getattr(inner, "drafts_hidden", False))
+
+    def propose(self, context: Sequence[int], k: int) -> Proposal:
+        raw = self.inner.propose(list(context), k)
+        proposal = raw if isinstance(raw, Proposal) else Proposal([int(t) for t in (raw or [])])
+        tokens = proposal.tokens[:k]
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            raise RequestError(f"proposer {self.name!r} offered a token outside the vocabulary [0, {self.vocab_size})")
+        if self.drafts_hidden and (proposal.hidden is None or len(proposal.hidden) < len(tokens) + 1):
+            raise RequestError(f"proposer {self.name!r} declares drafts_hidden but gave no hidden state per row")
+        hidden = proposal.hidden[:len(tokens) + 1] if proposal.hidden is not None else None
+        return Proposal(tokens, hidden)
+
+    def advance(self, committed: Sequence[int]) -> None:
+        if hasattr(self.inner, "advance"):
+            self.inner.advance(list(committed))
+
+    def reset(self, generator) -> None:
+        if hasattr(self.inner, "reset"):
+            self.inner.reset(generator)

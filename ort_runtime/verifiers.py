@@ -1,0 +1,83 @@
+"""Verify strategies: how one round scores the pending token and a proposal's drafts.
+
+Each strategy runs the graphs it names and returns, per row, the verifier's argmax after the
+pending token and ``drafts[:i]`` (``len(drafts) + 1`` rows), plus the logits when asked for.
+It writes KV at positions n..n+len(drafts) and never moves ``n``: the engine commits.
+
+- ``PlainDecode``: the degenerate round, no drafts, one decode row.
+- ``VerifyRows``: the ``verify`` graph (all depths, W rows) over pending + drafts, for
+  proposers that only give tokens (prompt lookup, a user's own).
+- ``DraftTail``: self-speculation. The proposer's draft rows already wrote depth<d KV and
+  carry their depth-d states; ``verify_tail`` runs those states through depths d..R-1.
+
+A strategy also prices a round of k drafts from the measured step costs, which is what the
+cost gate compares with plain decode (``ort_runtime/gates.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from loopcast.errors import RequestError
+from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
+from loopcast.ort_runtime.proposers import Proposal
+
+
+@dataclass(frozen=True)
+class Verified:
+    target_ids: np.ndarray            # [len(drafts) + 1] int64
+    logits: np.ndarray | None         # [len(drafts) + 1, V] float32, or None when not pulled
+
+
+class PlainDecode:
+    name = "decode"
+    kinds = (DECODE,)
+
+    def max_drafts(self, gen) -> int:
+        return 0
+
+    def verify(self, gen, pending: int, proposal: Proposal, *, want_logits: bool = False) -> Verified:
+        out = gen.run(DECODE, gen.n, tokens=[pending], want_logits=want_logits)
+        return Verified(out.next_ids[:1], out.logits)
+
+    def round_cost(self, costs, k: int) -> float:
+        return costs.decode()
+
+
+class VerifyRows:
+    name = "verify"
+    kinds = (VERIFY,)
+
+    def max_drafts(self, gen) -> int:
+        return gen.rows(VERIFY) - 1
+
+    def verify(self, gen, pending: int, proposal: Proposal, *, want_logits: bool = True) -> Verified:
+        rows = [pending] + proposal.tokens
+        out = gen.run(VERIFY, gen.n, tokens=rows, want_logits=want_logits)
+        return Verified(out.next_ids[:len(rows)], out.logits[:len(rows)] if out.logits is not None else None)
+
+    def round_cost(self, costs, k: int) -> float:
+        return costs.mean(VERIFY) or costs.decode() * 1.2
+
+
+class DraftTail:
+    name = "draft+verify_tail"
+    kinds = (DRAFT, VERIFY_TAIL)
+
+    def max_drafts(self, gen) -> int:
+        return gen.rows(VERIFY_TAIL) - 1
+
+    def verify(self, gen, pending: int, proposal: Proposal, *, want_logits: bool = True) -> Verified:
+        if proposal.hidden is None or len(proposal.hidden) != len(proposal.tokens) + 1:
+            raise RequestError("draft+verify_tail needs one depth-d hidden state per row (pending + drafts)")
+        out = gen.run(VERIFY_TAIL, gen.n, hidden=proposal.hidden, want_logits=want_logits)
+        rows = len(proposal.tokens) + 1
+        return Verified(out.next_ids[:rows], out.logits[:rows] if out.logits is not None else None)
+
+    def round_cost(self, costs, k: int) -> float:
+        decode = costs.decode()
+        draft = costs.mean(DRAFT) or decode * costs.draft_share
+        tail = costs.mean(VERIFY_TAIL) or decode * (1 - costs.draft_share) * 1.2
+        return (k + 1) * draft + tail
