@@ -196,14 +196,20 @@ def _first_divergence(model, prompt: list[int], plain: list[int], other: list[in
 
 
 def end_to_end(model, prompts: list[list[int]], new_tokens: int) -> dict:
-    """tokens/s of plain greedy, prompt lookup and self-speculation; tokens vs plain greedy."""
+    """tokens/s of plain greedy and of each speculative mode with the default gate (auto) and
+    ungated (gate none); tokens vs plain greedy. Stock artifacts are not exact, so their modes
+    run with allow_inexact and the divergent prompts are counted."""
     result, plain_tokens = {}, {}
-    modes = [("plain", {}), ("prompt-lookup", {"speculative": "prompt-lookup", "num_draft_tokens": 4}),
-             ("self", {"speculative": "self", "num_draft_tokens": 4})]
-    for name, kwargs in modes:
-        if name == "self" and not model.loaded.has(DRAFT):
+    exact = model.loaded.exact_verify
+    modes = [("plain", {})]
+    for mode in ("prompt-lookup", "self"):
+        if mode == "self" and not model.loaded.has(DRAFT):
             continue
-        tokens, seconds, divergent, firsts, accepted, proposed = 0, 0.0, 0, [], 0, 0
+        base = {"speculative": mode, "num_draft_tokens": 4, "allow_inexact": not exact}
+        modes += [(mode, {**base, "gate": "auto"}), (f"{mode} (gate none)", {**base, "gate": "none"})]
+    for name, kwargs in modes:
+        tokens, seconds, divergent, firsts, accepted, proposed, rounds = 0, 0.0, 0, [], 0, 0, 0
+        reasons = []
         for i, prompt in enumerate(prompts):
             model.generate(prompt, 8, stop_ids=(), **kwargs)  # warm the slots this mode uses
             t0 = time.perf_counter()
@@ -212,14 +218,18 @@ def end_to_end(model, prompts: list[list[int]], new_tokens: int) -> dict:
             tokens += len(out.tokens)
             accepted += out.stats.accepted
             proposed += out.stats.proposed
+            rounds += out.stats.rounds
+            if out.stats.gate_report:
+                reasons.append(out.stats.gate_report.get("reason"))
             if name == "plain":
                 plain_tokens[i] = out.tokens
             elif out.tokens != plain_tokens[i]:
                 divergent += 1
                 firsts.append(_first_divergence(model, prompt, plain_tokens[i], out.tokens))
         result[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-                        "divergent_prompts": divergent, "first_divergences": firsts,
-                        "acceptance": accepted / proposed if proposed else None}
+                        "divergent_prompts": divergent, "first_divergences": firsts, "rounds": rounds,
+                        "acceptance": accepted / proposed if proposed else None,
+                        "gate": kwargs.get("gate"), "gate_reasons": reasons, "exact_verify": exact}
     base = result["plain"]["tokens_per_s"]
     for entry in result.values():
         entry["speedup"] = entry["tokens_per_s"] / base
@@ -233,8 +243,10 @@ def alternation(model, prompt: list[int], tokens: int, chunk: int = 40) -> dict:
     fills up the generator rewinds to the prompt and goes on (``restarts``), so the run reaches
     ``tokens`` on any context length."""
     gen = model.new_generator()
-    modes = [{"speculative": "self", "num_draft_tokens": 4},
-             {"speculative": "prompt-lookup", "num_draft_tokens": 4}, {}]
+    # Ungated, so every chunk really runs its kinds; allow_inexact only matters on stock graphs.
+    inexact = not model.loaded.exact_verify
+    modes = [{"speculative": "self", "num_draft_tokens": 4, "gate": "none", "allow_inexact": inexact},
+             {"speculative": "prompt-lookup", "num_draft_tokens": 4, "gate": "none", "allow_inexact": inexact}, {}]
     ids = list(prompt)
     if len(prompt) + 4 * (chunk + 8) > gen.max_length:
         raise ValueError(f"alternation needs room for 4 chunks of {chunk} tokens after the prompt; "
@@ -519,8 +531,9 @@ def format_table(report: dict) -> str:
             lines.append(f"  verify rows bit-identical to decode: {r['bit_identical_rows']}/{r['rows']} "
                          f"(max |diff| {r['max_abs_diff']:.3g})")
         for name, e in run["end_to_end"].items():
-            lines.append(f"  {name:<14}{e['tokens_per_s']:>9.1f} tok/s  x{e['speedup']:.2f}  divergent "
-                         f"prompts {e['divergent_prompts']}")
+            gate = f"  gate {e['gate']}: {e['gate_reasons'][-1]}" if e.get("gate_reasons") else ""
+            lines.append(f"  {name:<24}{e['tokens_per_s']:>9.1f} tok/s  x{e['speedup']:.2f}  divergent "
+                         f"prompts {e['divergent_prompts']}{gate}")
         if run["alternation"]:
             a = run["alternation"]
             lines.append(f"  alternation {a['tokens']} tokens: mean ms per step {a['mean_step_ms']}, "

@@ -1,0 +1,178 @@
+"""The speculation engine's contracts: one round loop for every proposer, exactness known and
+enforced, gates on by default (ort_runtime/speculate.py, proposers.py, gates.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from loopcast.errors import RequestError
+from loopcast.manifest import Manifest
+from loopcast.ort_runtime import load
+from loopcast.ort_runtime.proposers import PromptLookupProposer, SelfDraftProposer
+from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
+from tests.artifacts import artifact, require_exact_cpu_artifacts
+
+
+class RecordingProposer:
+    """A user's proposer through the public protocol: knows the continuation, spoils every
+    third draft, and records what the engine tells it."""
+
+    name = "recording"
+
+    def __init__(self, sequence: list[int]) -> None:
+        self.sequence = sequence
+        self.resets, self.advanced = [], []
+
+    def reset(self, generator) -> None:
+        self.resets.append(generator)
+        self.advanced = []
+
+    def advance(self, committed: list[int]) -> None:
+        self.advanced += committed
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        truth = self.sequence[len(context):len(context) + k]
+        return [t if (len(context) + i) % 3 else (t + 1) % 50 for i, t in enumerate(truth)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    require_exact_cpu_artifacts()
+    return load(artifact("ouro-r3"))
+
+
+def test_user_proposer_through_the_public_api(tiny) -> None:
+    prompt = [5, 9, 2, 7]
+    plain = tiny.generate(prompt, 40, stop_ids=())
+    proposer = RecordingProposer(prompt + plain.tokens)
+    gen = tiny.new_generator()
+    out = tiny.generate(prompt, 40, stop_ids=(), speculative="custom", proposer=proposer, gate="none",
+                        generator=gen)
+    assert out.tokens == plain.tokens and out.stats.exact_greedy
+    assert out.stats.speculative == "custom" and out.stats.strategy == "verify"
+    assert 0 < out.stats.accepted < out.stats.proposed  # some drafts spoiled, some right
+    assert proposer.resets == [gen]
+    # advance hears exactly the committed tokens, in order (pending + accepted drafts per round)
+    assert proposer.advanced[:len(out.tokens) - 1] == out.tokens[:-1]
+
+
+def test_custom_mode_needs_a_proposer_and_a_proposer_must_propose(tiny) -> None:
+    with pytest.raises(RequestError, match="'custom' needs a proposer"):
+        tiny.generate([1, 2], 4, speculative="custom")
+    with pytest.raises(RequestError, match="no propose"):
+        tiny.generate([1, 2], 4, speculative="custom", proposer=object())
+    with pytest.raises(RequestError, match="takes a proposer that drafts depth-d states"):
+        tiny.generate([1, 2], 4, speculative="self", proposer=PromptLookupProposer())
+    assert tiny.generate([1, 2], 4).tokens  # still usable
+
+
+def test_speculation_on_an_inexact_artifact_is_refused_unless_allowed() -> None:
+    model = load(artifact("ouro-r3", ops="stock"))
+    assert model.loaded.manifest.exact_verify == {"cpu": False, "cuda": False}
+    with pytest.raises(RequestError, match=r"not exact.*--batch-invariant.*--allow-inexact"):
+        model.generate([3, 4, 5], 8, speculative="self")
+    plain = model.generate([3, 4, 5], 8)
+    assert plain.stats.exact_greedy  # plain decoding needs no exactness
+    loose = model.generate([3, 4, 5], 8, speculative="prompt-lookup", allow_inexact=True)
+    assert not loose.stats.exact_verify and not loose.stats.exact_greedy
+
+
+@pytest.mark.parametrize("ops,expected", [("loopcast-attention", {"cpu": True, "cuda": False}),
+                                          ("loopcast", {"cpu": True, "cuda": True})])
+def test_exactness_is_measured_and_declared(ops: str, expected: dict) -> None:
+    require_exact_cpu_artifacts()
+    manifest = Manifest.read(artifact("ouro-r2-gqa", ops=ops))
+    assert manifest.op_set == ops and manifest.exact_verify == expected
+
+
+def test_default_fp32_export_is_exact_on_the_cpu() -> None:
+    require_exact_cpu_artifacts()
+    manifest = Manifest.read(artifact("ouro-r3"))
+    assert manifest.op_set == "loopcast-attention" and manifest.exact_verify["cpu"]
+
+
+class Costs:
+    """Fixed step costs (decode 1, draft 0.3, verify_tail 0.9): the gate's decisions then do not
+    depend on this machine's timing noise."""
+
+    draft_share = 0.3
+
+    def decode(self) -> float:
+        return 1.0
+
+    def mean(self, kind: str) -> float | None:
+        return {"decode": 1.0, "draft": 0.3, "verify_tail": 0.9, "verify": 1.2}.get(kind)
+
+    def snapshot_ms(self) -> dict:
+        return {}
+
+
+def test_auto_gate_stands_down_and_bounds_its_probes_when_drafts_always_miss(tiny) -> None:
+    prompt = [7, 1, 8, 2]
+    plain = tiny.generate(prompt, 200, stop_ids=()).tokens
+    vocab = tiny.config.vocab_size
+    spec = SpeculationConfig("self", proposer=SelfDraftProposer(lambda i, t: (t + 1) % vocab), costs=Costs())
+    stats = GenerationStats()
+    gen = tiny.new_generator()
+    tokens = list(stream(gen, prompt, len(plain), spec=spec, stats=stats))
+    assert tokens == plain
+    report = stats.gate_report
+    assert stats.gate == "auto" and report["name"] == "cost" and report["chosen_by"] == "auto"
+    assert "stood down" in report["reason"]
+    # A failed probe of one draft wastes round_cost(1) - decode = 0.5 decode steps; the probes
+    # are spaced so that at most ~2% of the decode time goes to them (plus the first rounds).
+    assert report["probes"] <= 6 and stats.rounds <= 10, report
+    assert stats.steps["decode"] >= len(plain) - 20
+
+
+def test_auto_gate_engages_when_drafts_are_right(tiny) -> None:
+    prompt = [4, 4, 6]
+    plain = tiny.generate(prompt, 60, stop_ids=()).tokens
+    oracle = RecordingProposer(prompt + plain)
+    oracle.propose = lambda context, k: (prompt + plain)[len(context):len(context) + k]
+    spec = SpeculationConfig("custom", proposer=oracle, costs=Costs())
+    stats = GenerationStats()
+    assert list(stream(tiny.new_generator(), prompt, 60, spec=spec, stats=stats)) == plain
+    assert stats.accepted == stats.proposed and stats.tokens_per_round > 3
+    assert stats.gate_report["reason"].startswith("engaged")
+
+
+def test_prompt_lookup_index_matches_a_plain_scan() -> None:
+    def scan(seq, k, lo, hi):  # the definition: latest earlier occurrence of the last n tokens
+        for n in range(min(hi, len(seq) - 1), lo - 1, -1):
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == seq[-n:]:
+                    return seq[start + n:start + n + k]
+        return []
+
+    rng = np.random.default_rng(3)
+    proposer = PromptLookupProposer(1, 3)
+    for trial in range(30):
+        seq = rng.integers(0, 6, int(rng.integers(1, 60))).tolist()
+        for end in range(1, len(seq) + 1):  # growing context, then a rewound/different one
+            assert proposer.propose(seq[:end], 4) == scan(seq[:end], 4, 1, 3), (trial, end)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loopcast.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_reports_the_default_gate_and_refuses_inexact_speculation() -> None:
+    require_exact_cpu_artifacts()
+    proc = _cli("generate", str(artifact("ouro-r3")), "--prompt-ids", "3,4,5", "--max-new-tokens", "12",
+                "--speculative", "self", "--json")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)["stats"]
+    assert stats["gate"] == "auto" and stats["gate_report"]["name"] == "cost" and stats["exact_greedy"]
+    stock = str(artifact("ouro-r3", ops="stock"))
+    proc = _cli("generate", stock, "--prompt-ids", "3,4,5", "--max-new-tokens", "4", "--speculative", "self")
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "--allow-inexact" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    proc = _cli("generate", stock, "--prompt-ids", "3,4,5", "--max-new-tokens", "4", "--speculative", "self",
+                "--allow-inexact", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["stats"]["exact_greedy"] is False
