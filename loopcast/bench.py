@@ -358,8 +358,10 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     past = max_length - max(widths) - 1
     art = opts.work_dir / f"art-{Path(str(checkpoint)).name}-{dtype}-{variant}"
     t0 = time.perf_counter()
+    # variants: stock ops, every loopcast op, or the exporter's default op set for this dtype
+    ops = {"stock": "stock", "batch-invariant": "loopcast", "default": "auto"}[variant]
     export_checkpoint(checkpoint, art, ExportOptions(dtype, max_length, 5, 1 if config.num_loops > 1 else None,
-                                                     variant == "batch-invariant"), overwrite=True)
+                                                     ops=ops), overwrite=True)
     result = VariantResult(dtype, variant, past, time.perf_counter() - t0)
     log(f"[{dtype}/{variant}] exported in {result.export_s:.1f}s; past {past}")
     cuda = opts.device == "cuda"

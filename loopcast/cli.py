@@ -165,8 +165,9 @@ def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
 @click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["fp32", "fp16", "bf16"]),
               help="Repeatable (default: fp16 and bf16 on cuda, fp32 on cpu).")
-@click.option("--variant", "variants", multiple=True, type=click.Choice(["stock", "batch-invariant"]),
-              help="Graph variants to compare (default: both).")
+@click.option("--variant", "variants", multiple=True, type=click.Choice(["stock", "batch-invariant", "default"]),
+              help="Graph variants to compare: stock ops, every loopcast op, or the exporter's default op set "
+                   "(default: stock and batch-invariant).")
 @click.option("--past", type=int, default=1024, show_default=True, help="KV length the steps attend over.")
 @click.option("--widths", default="2,5,8", show_default=True, help="Verify widths W (comma-separated).")
 @click.option("--iters", type=int, default=50, show_default=True, help="Timed runs per step kind.")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
-# setup | kernels | tests | parity | bench-demo | bench-1p4b (kernels needs no setup). Results go to /root/res and are packed into
+# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
@@ -40,11 +40,16 @@ phase_parity() {
   timeout 150 python3 tools/gpu_parity.py --new-tokens 48 --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1
 }
 phase_bench_demo() {
-  timeout 110 python3 -m loopcast.cli bench demo --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \
+  timeout 150 python3 -m loopcast.cli bench demo --device cuda --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \
     --past 1000 --widths 2,5,8 --work-dir /root/bw --out "$RES/bench-demo.json" > "$RES/bench-demo.txt" 2>&1
 }
+phase_gate_1p4b() {  # the speculation gate table on random Ouro-1.4B weights (end to end, loopcast ops)
+  timeout 420 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --dtype bf16 \
+    --variant batch-invariant --iters 10 --past 400 --widths 5 --new-tokens 64 --alternate-tokens 0 --no-profile \
+    --no-torch --work-dir /root/bw14 --out "$RES/gate-1p4b.json" > "$RES/gate-1p4b.txt" 2>&1
+}
 phase_bench_1p4b() {
-  timeout 360 python3 -m loopcast.cli bench preset:ouro-1.4b --dtype fp16 --dtype bf16 --iters 20 \
+  timeout 360 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --dtype bf16 --iters 20 \
     --past 1024 --widths 5 --no-end-to-end --alternate-tokens 0 --work-dir /root/bw14 \
     --out "$RES/bench-1p4b.json" > "$RES/bench-1p4b.txt" 2>&1
 }
