@@ -144,7 +144,7 @@ class CostGate(_Counters):
 
     def __init__(self, k_max: int, costs: StepCosts, strategy, *, free_guess: bool = False, margin: float = 0.05,
                  prior_alpha: float = 0.6, probe_budget: float = 0.02, name: str = "cost",
-                 chosen_by: str = "caller") -> None:
+                 chosen_by: str = "caller", memory: dict | None = None) -> None:
         super().__init__(name, chosen_by)
         self.k_max, self.costs, self.strategy, self.margin = k_max, costs, strategy, margin
         self.free_guess, self.probe_budget = free_guess, probe_budget
@@ -152,7 +152,14 @@ class CostGate(_Counters):
         # mean of per-round ratios (which undercounts long accepted runs).
         self._accepted, self._trials = 2.0 * prior_alpha, 2.0
         self._next_probe, self._backoff = 0, 1
+        # What earlier generations on this generator learned (α, the probe schedule): a new
+        # request should not pay again to find out what the last one measured.
+        self.memory = memory if memory is not None else {}
+        if self.memory:
+            self._accepted, self._trials = self.memory["accepted"], self.memory["trials"]
+            self._next_probe, self._backoff = self.memory["probe_in"], self.memory["backoff"]
         self._probing = False
+        self._step = 0
         self.last_rate_ratio = None
 
     @property
@@ -172,6 +179,12 @@ class CostGate(_Counters):
         return best_k, max(best_rate, plain) / plain
 
     def engage(self, step: int) -> int | None:
+        self._step = step
+        if any(self.costs.mean(kind) is None for kind in self.strategy.kinds):
+            # Unmeasured kinds: price nothing on guesses; the cheapest round measures them.
+            self.reason = "measuring: the first round of one draft times the speculative kinds"
+            self._probing = True
+            return self._count(1, probe=True)
         k, ratio = self.best_k()
         self.last_rate_ratio = ratio
         now = k > 0
@@ -209,13 +222,19 @@ class CostGate(_Counters):
                    expected_ratio=None if self.last_rate_ratio is None else round(self.last_rate_ratio, 4))
         return out
 
+    def remember(self) -> None:
+        """Keep what this generation learned for the next one on the same generator."""
+        self.memory.update(accepted=self._accepted, trials=self._trials, backoff=self._backoff,
+                           probe_in=max(self._next_probe - self._step, 0))
 
-def make_gate(name: str, k_max: int, costs: StepCosts, strategy, *, free_guess: bool):
-    """The gate called ``name``; ``auto`` is the calibrated cost gate (see the module doc)."""
+
+def make_gate(name: str, k_max: int, costs: StepCosts, strategy, *, free_guess: bool, memory: dict | None = None):
+    """The gate called ``name``; ``auto`` is the calibrated cost gate (see the module doc).
+    ``memory``: the state earlier generations of this generator left (cost gates only)."""
     if name == "auto":
-        return CostGate(k_max, costs, strategy, free_guess=free_guess, name="cost", chosen_by="auto")
+        return CostGate(k_max, costs, strategy, free_guess=free_guess, name="cost", chosen_by="auto", memory=memory)
     if name == "cost":
-        return CostGate(k_max, costs, strategy, free_guess=free_guess)
+        return CostGate(k_max, costs, strategy, free_guess=free_guess, memory=memory)
     if name == "hit-density":
         return HitDensityGate(k_max)
     if name == "none":

@@ -214,6 +214,9 @@ class Generator:
         # Steady runs only (no warm-up/capture, no fallback set-up): what the cost gate averages.
         self.timed_counts: dict[str, int] = defaultdict(int)
         self.timed_seconds: dict[str, float] = defaultdict(float)
+        # What the speculation gates learned on this generator ((gate, proposer, strategy) -> state),
+        # carried from one generation to the next like the step timers.
+        self.gate_memory: dict[tuple[str, str, str], dict] = {}
 
     # -- state -------------------------------------------------------------------------------
     @property

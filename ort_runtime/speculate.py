@@ -197,8 +197,9 @@ class _Engine:
             plan.proposer.reset(gen)
             cfg = gen.model.config
             costs = spec.costs or StepCosts(gen, (gen.model.manifest.draft_depth or 1) / cfg.num_loops)
+            memory = gen.gate_memory.setdefault((spec.gate, plan.proposer.name, plan.strategy.name), {})
             self.gate = make_gate(spec.gate, plan.k_max, costs, plan.strategy,
-                                  free_guess=getattr(plan.proposer, "free_guess", False))
+                                  free_guess=getattr(plan.proposer, "free_guess", False), memory=memory)
             stats.strategy, stats.gate = plan.strategy.name, spec.gate
 
     def run(self, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], finish) -> Iterator[int]:
@@ -281,3 +282,5 @@ class _Engine:
         if self.gate is not None:
             self.stats.gate_report = self.gate.report()
             self.stats.gate_transitions = self.gate.transitions
+            if hasattr(self.gate, "remember"):
+                self.gate.remember()
