@@ -160,6 +160,7 @@ class CostGate(_Counters):
             self._next_probe, self._backoff = self.memory["probe_in"], self.memory["backoff"]
         self._probing = False
         self._step = 0
+        self._decision, self._decided_at, self.refresh_every = None, 0, 16
         self.last_rate_ratio = None
 
     @property
@@ -180,27 +181,37 @@ class CostGate(_Counters):
 
     def engage(self, step: int) -> int | None:
         self._step = step
-        if any(self.costs.mean(kind) is None for kind in self.strategy.kinds):
-            # Unmeasured kinds: price nothing on guesses; the cheapest round measures them.
-            self.reason = "measuring: the first round of one draft times the speculative kinds"
-            self._probing = True
-            return self._count(1, probe=True)
-        k, ratio = self.best_k()
-        self.last_rate_ratio = ratio
+        if self._decision is None or step >= self._decided_at + self.refresh_every:
+            # Re-priced when α moved (observe) or every refresh_every steps (the costs drift
+            # slowly): a standing decision costs the host almost nothing per token, which
+            # matters when a step takes half a millisecond.
+            self._decision, self._decided_at = self._decide(), step
+        k, why = self._decision
         now = k > 0
         self._switch(now)
+        self.reason = why
         if now:
-            self.reason = f"engaged: α={self.alpha:.2f}, k={k} expected at {ratio:.2f}x plain decode"
             return self._count(k)
-        self.reason = f"stood down: α={self.alpha:.2f}, no k beats plain decode by {self.margin:.0%}"
         if not self.free_guess and step >= self._next_probe:
             self._probing = True
             return self._count(1, probe=True)
         return self._count(None)
 
+    def _decide(self) -> tuple[int, str]:
+        if any(self.costs.mean(kind) is None for kind in self.strategy.kinds):
+            # Unmeasured kinds: price nothing on guesses; probe rounds of one draft measure them.
+            self._next_probe = min(self._next_probe, self._step)
+            return 0, "measuring: rounds of one draft time the speculative kinds first"
+        k, ratio = self.best_k()
+        self.last_rate_ratio = ratio
+        if k:
+            return k, f"engaged: α={self.alpha:.2f}, k={k} expected at {ratio:.2f}x plain decode"
+        return 0, f"stood down: α={self.alpha:.2f}, no k beats plain decode by {self.margin:.0%}"
+
     def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
         decay = 0.8
-        if proposed:
+        if proposed:  # a round moved α (and timed its kinds): re-price on the next step
+            self._decision = None
             self._accepted = decay * self._accepted + accepted
             self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
             if self._probing:

@@ -53,9 +53,12 @@ class PromptLookupProposer:
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
 
     def _sync(self, context: Sequence[int]) -> None:
+        # Within a generation the context only grows (reset() starts the next one), so a check
+        # of the length and the last indexed token catches a rewound or different sequence
+        # without comparing the whole context on every step.
         seq = self._seq
-        if len(context) < len(seq) or list(context[:len(seq)]) != seq:
-            self.reset(None)  # a rewound or different sequence: index it afresh
+        if len(context) < len(seq) or (seq and context[len(seq) - 1] != seq[-1]):
+            self.reset(None)
             seq = self._seq
         for i in range(len(seq), len(context)):
             seq.append(int(context[i]))

@@ -205,6 +205,9 @@ class _Engine:
     def run(self, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], finish) -> Iterator[int]:
         gen, stats = self.gen, self.stats
         pending = gen.prefill(ids)
+        # The committed sequence, kept here and extended on commit, so a proposer's context
+        # costs no copy of the whole sequence per step (proposers must not keep it).
+        self.context = gen.tokens
         new_tokens, emitted, step = [pending], 0, 0
         while True:
             for token in new_tokens:
@@ -233,12 +236,12 @@ class _Engine:
             token = int(self.plain.verify(gen, pending, Proposal([])).target_ids[0])
             gen.commit([pending])
             return [token]
-        context = None
+        context = self.context
+        context.append(pending)
         proposal, strategy = Proposal([]), self.plain
         # A round writes plan.width positions (the verify graph's fixed rows): no room, no round.
         k = gate.engage(step) if gen.n + plan.width <= gen.max_length else None
         if k:
-            context = gen.tokens + [pending]
             proposal = plan.proposer.propose(context, min(k, plan.k_max, remaining))
             if not isinstance(proposal, Proposal):
                 proposal = Proposal(list(proposal))
@@ -247,14 +250,16 @@ class _Engine:
         guess = None
         if strategy is self.plain and plan.proposer.free_guess:
             # Free evidence for the gate: would the proposer's first draft have been right?
-            guess = plan.proposer.propose(context or gen.tokens + [pending], 1)
+            guess = proposal.tokens if k else plan.proposer.propose(context, 1)
             guess = guess.tokens if isinstance(guess, Proposal) else guess
+        context.pop()
         guard = self.spec.tie_guard
         verified = strategy.verify(gen, pending, proposal)
         result = greedy_accept(proposal.tokens, verified.target_ids, verified.logits,
                                epsilon=guard.epsilon, tolerant=guard.tolerant)
         committed = [pending] + proposal.tokens[:result.accepted]
         gen.commit(committed)
+        self.context.extend(committed)
         plan.proposer.advance(committed)
         if proposal.tokens:
             self._count(proposal.tokens, result)
