@@ -73,6 +73,9 @@ class _Counters:
 class AlwaysGate(_Counters):
     """Speculate on every step the proposer has drafts for."""
 
+    def wants_evidence(self, step: int) -> bool:
+        return True
+
     def __init__(self, k: int, chosen_by: str = "caller") -> None:
         super().__init__("none", chosen_by)
         self.k = k
@@ -92,6 +95,9 @@ class HitDensityGate(_Counters):
     Steps run as plain decode still count: the proposer's first draft is compared with the
     token decode produced (``would_hit``), which costs nothing for prompt lookup.
     """
+
+    def wants_evidence(self, step: int) -> bool:
+        return True
 
     def __init__(self, k: int, window: int = 16, threshold: float = 0.35, probe_every: int = 16,
                  chosen_by: str = "caller") -> None:
@@ -161,6 +167,7 @@ class CostGate(_Counters):
         self._probing = False
         self._step = 0
         self._decision, self._decided_at, self.refresh_every = None, 0, 16
+        self._measuring, self.evidence_every = False, 4
         self.last_rate_ratio = None
 
     @property
@@ -182,23 +189,29 @@ class CostGate(_Counters):
     def engage(self, step: int) -> int | None:
         self._step = step
         if self._decision is None or step >= self._decided_at + self.refresh_every:
-            # Re-priced when α moved (observe) or every refresh_every steps (the costs drift
+            # Re-priced when a round moved α or every refresh_every steps (the costs drift
             # slowly): a standing decision costs the host almost nothing per token, which
             # matters when a step takes half a millisecond.
             self._decision, self._decided_at = self._decide(), step
-        k, why = self._decision
-        now = k > 0
-        self._switch(now)
-        self.reason = why
-        if now:
+            self.reason = self._decision[1]
+        k = self._decision[0]
+        self._switch(k > 0)
+        if k:
             return self._count(k)
-        if not self.free_guess and step >= self._next_probe:
+        if (self._measuring or not self.free_guess) and step >= self._next_probe:
             self._probing = True
             return self._count(1, probe=True)
         return self._count(None)
 
+    def wants_evidence(self, step: int) -> bool:
+        """Whether a plain step should take the proposer's free one-token guess: every step
+        while engaged, every ``evidence_every`` steps while stood down (enough to notice a
+        workload turning predictable, at a quarter of the host work)."""
+        return self.engaged or step % self.evidence_every == 0
+
     def _decide(self) -> tuple[int, str]:
-        if any(self.costs.mean(kind) is None for kind in self.strategy.kinds):
+        self._measuring = any(self.costs.mean(kind) is None for kind in self.strategy.kinds)
+        if self._measuring:
             # Unmeasured kinds: price nothing on guesses; probe rounds of one draft measure them.
             self._next_probe = min(self._next_probe, self._step)
             return 0, "measuring: rounds of one draft time the speculative kinds first"

@@ -232,40 +232,48 @@ class _Engine:
 
     def _round(self, pending: int, step: int, remaining: int) -> list[int]:
         gen, plan, gate = self.gen, self.plan, self.gate
-        if plan is None:  # plain greedy: the degenerate round, with nothing to decide
-            token = int(self.plain.verify(gen, pending, Proposal([])).target_ids[0])
-            gen.commit([pending])
-            return [token]
+        if plan is None:  # plain greedy: the degenerate round, nothing to decide
+            return [self.plain.step(gen, pending)]
         context = self.context
-        context.append(pending)
-        proposal, strategy = Proposal([]), self.plain
         # A round writes plan.width positions (the verify graph's fixed rows): no room, no round.
         k = gate.engage(step) if gen.n + plan.width <= gen.max_length else None
         if k:
+            context.append(pending)
             proposal = plan.proposer.propose(context, min(k, plan.k_max, remaining))
+            context.pop()
             if not isinstance(proposal, Proposal):
                 proposal = Proposal(list(proposal))
             if proposal.tokens:
-                strategy = plan.strategy
-        guess = None
-        if strategy is self.plain and plan.proposer.free_guess:
+                return self._speculate(pending, proposal, step)
+            guess = proposal.tokens
+        elif plan.proposer.free_guess and gate.wants_evidence(step):
             # Free evidence for the gate: would the proposer's first draft have been right?
-            guess = proposal.tokens if k else plan.proposer.propose(context, 1)
+            context.append(pending)
+            guess = plan.proposer.propose(context, 1)
+            context.pop()
             guess = guess.tokens if isinstance(guess, Proposal) else guess
-        context.pop()
+        else:
+            guess = None
+        token = self.plain.step(gen, pending)
+        context.append(pending)
+        plan.proposer.advance([pending])
+        if guess is not None:
+            gate.observe(0, 0, would_hit=bool(guess) and guess[0] == token, step=step)
+        return [token]
+
+    def _speculate(self, pending: int, proposal: Proposal, step: int) -> list[int]:
+        """One round with drafts: verify, accept, commit pending + the accepted prefix."""
+        gen, plan = self.gen, self.plan
         guard = self.spec.tie_guard
-        verified = strategy.verify(gen, pending, proposal)
+        verified = plan.strategy.verify(gen, pending, proposal)
         result = greedy_accept(proposal.tokens, verified.target_ids, verified.logits,
                                epsilon=guard.epsilon, tolerant=guard.tolerant)
         committed = [pending] + proposal.tokens[:result.accepted]
         gen.commit(committed)
         self.context.extend(committed)
         plan.proposer.advance(committed)
-        if proposal.tokens:
-            self._count(proposal.tokens, result)
-            gate.observe(len(proposal.tokens), result.accepted, step=step)
-        elif guess is not None:
-            gate.observe(0, 0, would_hit=bool(guess) and guess[0] == result.next_token, step=step)
+        self._count(proposal.tokens, result)
+        self.gate.observe(len(proposal.tokens), result.accepted, step=step)
         return proposal.tokens[:result.accepted] + [result.next_token]
 
     def _count(self, drafts: list[int], result) -> None:

@@ -38,6 +38,13 @@ class PlainDecode:
     def max_drafts(self, gen) -> int:
         return 0
 
+    def step(self, gen, pending: int) -> int:
+        """The degenerate round in full: decode the pending token, commit it, return the next.
+        The engine's hot path when no drafts run (no proposal, nothing to accept)."""
+        out = gen.run(DECODE, gen.n, tokens=[pending], want_logits=False)
+        gen.commit([pending])
+        return int(out.next_ids[0])
+
     def verify(self, gen, pending: int, proposal: Proposal, *, want_logits: bool = False) -> Verified:
         out = gen.run(DECODE, gen.n, tokens=[pending], want_logits=want_logits)
         return Verified(out.next_ids[:1], out.logits)
