@@ -228,12 +228,10 @@ class CostGate(_Counters):
             self._accepted = decay * self._accepted + accepted
             self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
             if self._probing:
-                if accepted:
-                    self._backoff = 1
-                else:
-                    waste = max(self.strategy.round_cost(self.costs, 1) / self.costs.decode() - 1.0, 0.05)
-                    self._next_probe = step + int(self._backoff * waste / self.probe_budget)
-                    self._backoff = min(self._backoff * 2, 16)
+                # Every probe schedules the next one; failures stretch the wait (doubling).
+                self._backoff = 1 if accepted else min(self._backoff * 2, 16)
+                waste = max(self.strategy.round_cost(self.costs, 1) / self.costs.decode() - 1.0, 0.05)
+                self._next_probe = step + int(self._backoff * waste / self.probe_budget)
         elif would_hit is not None:
             # Free evidence from a plain step (prompt lookup): one draft, hit or miss.
             self._accepted = decay * self._accepted + float(would_hit)
