@@ -58,12 +58,15 @@ class KVCache:
 
 
 def rotary_cos_sin(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin ``[S, D]`` for the half-split (rotate_half) convention, computed in fp32."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d))
-    freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1).float()
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    """cos/sin ``[S, D]`` for the half-split (rotate_half) convention, computed in fp32.
+
+    The scaled frequencies (rope types, yarn's attention factor) come from ``loopcast.rope``,
+    the same tables the exporter writes into the artifact.
+    """
+    cos, sin = config.rope_cos_sin(positions.cpu().numpy())
+    cos = torch.from_numpy(cos).to(positions.device)
+    sin = torch.from_numpy(sin).to(positions.device)
+    return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
 
 
 def apply_rotary(x_BHSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
@@ -87,10 +90,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
 
     def forward(self, x_BSH: torch.Tensor, ctx: StepContext, slot: int) -> torch.Tensor:
         b, s, _ = x_BSH.shape
@@ -122,9 +125,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -191,6 +194,10 @@ class LoopedLM(nn.Module):
 
     # -- entry points (one per architectural part) -------------------------------------------
     def context(self, start: int, num_rows: int, cache: KVCache | None, device=None) -> StepContext:
+        window = self.config.sliding_window
+        if window is not None and start + num_rows > window:
+            # Below the window, windowed and full attention agree; beyond it they do not.
+            raise ValueError(f"positions up to {start + num_rows} exceed the sliding window {window}")
         positions = torch.arange(start, start + num_rows, device=device)
         cos, sin = rotary_cos_sin(self.config, positions, self.model.embed_tokens.weight.dtype)
         return StepContext(start, cos, sin, cache)
