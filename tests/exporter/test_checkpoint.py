@@ -227,3 +227,15 @@ def test_missing_shard_is_named(tmp_path):
     shard = sorted(path.glob("model-*.safetensors"))[1]
     shard.unlink()
     _fails(path, CheckpointError, shard.name, "is missing")
+
+
+@pytest.mark.parametrize("config", [
+    PRESETS["tiny-ouro"], PRESETS["tiny-llama"], PRESETS["tiny-qwen2"],
+    PRESETS["tiny-llama"].replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=False),
+    PRESETS["tiny-ouro"].replace(num_prelude_layers=1, num_coda_layers=2),
+], ids=["ouro", "llama", "qwen2", "llama-biases", "ouro-prelude-coda"])
+def test_expected_shapes_are_the_reference_state_dict(config):
+    """The torch-free shape table (what export validates against) is the reference's layout."""
+    with torch.device("meta"):
+        model = LoopedLM(config)
+    assert expected_shapes(config) == {n: tuple(p.shape) for n, p in sorted(model.state_dict().items())}
