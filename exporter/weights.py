@@ -12,6 +12,7 @@ import json
 import math
 import struct
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,18 +130,28 @@ def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: str, 
     specs = artifact_tensors(config, max_length, read)
     header, header_bytes = _layout(specs, dtype)
     base = 8 + len(header_bytes)
+
+    def convert(spec) -> np.ndarray:
+        name, shape, produce = spec
+        tensor = produce()
+        if tuple(tensor.shape) != shape:
+            raise AssertionError(f"{name}: produced {tuple(tensor.shape)}, expected {shape}")
+        return np.ascontiguousarray(tensor, dtype=np_dtype)
+
     stored: dict[str, StoredTensor] = {}
-    with open(path, "wb") as f:
+    # The next tensor is converted on a second thread while this one is written (numpy copies
+    # and file writes release the GIL): at most two converted tensors are alive at a time.
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool:
         f.write(struct.pack("<Q", len(header_bytes)))
         f.write(header_bytes)
-        for name, shape, produce in specs:
+        pending = pool.submit(convert, specs[0]) if specs else None
+        for i, (name, shape, _) in enumerate(specs):
+            data = pending.result()
+            pending = pool.submit(convert, specs[i + 1]) if i + 1 < len(specs) else None
             start, stop = header[name]["data_offsets"]
-            tensor = produce()
-            if tuple(tensor.shape) != shape:
-                raise AssertionError(f"{name}: produced {tuple(tensor.shape)}, expected {shape}")
-            data = np.ascontiguousarray(tensor, dtype=np_dtype)
             f.seek(base + start)
             f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
+            del data
             stored[name] = StoredTensor(name, dtype, shape, base + start, stop - start)
             if progress:
                 progress(stop - start)
