@@ -32,13 +32,14 @@ _INERT = frozenset({
     "attention_dropout", "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict",
     "id2label", "label2id", "problem_type", "is_encoder_decoder", "chunk_size_feed_forward",
     "tokenizer_class", "auto_map", "max_window_layers", "use_return_dict", "tie_encoder_decoder",
-    "early_exit_threshold", "torchscript", "mlp_only_layers",
+    "early_exit_threshold", "torchscript", "is_llama_config", "transformers.js_config",
 })
 # Fields that change the math and are implemented (or checked and refused when unsupported).
 _MATH_COMMON = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
     "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "rope_interleaved", "use_mrope",
 })
 KNOWN_FIELDS: dict[str, frozenset[str]] = {
     "llama": _INERT | _MATH_COMMON | {"attention_bias", "mlp_bias"},
@@ -277,6 +278,10 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
     layer_types = raw.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ConfigError("sliding-window attention layers (layer_types) are not supported")
+    # Upstream SmolLM2 / Qwen2 configs spell out the defaults; anything else changes the rotary math.
+    for name in ("rope_interleaved", "use_mrope"):
+        if raw.get(name):
+            raise ConfigError(f"{name}={raw[name]!r} is not supported (only the half-split rotary of Llama)")
     if raw.get("model_type") == "ouro" and raw.get("attention_bias"):
         raise ConfigError("attention_bias is not supported for Ouro models")
 

@@ -75,6 +75,8 @@ REFUSED = [
     ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "both rope_parameters and rope_scaling"),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+    ("llama", {"rope_interleaved": True}, "rope_interleaved=True"),
+    ("qwen2", {"use_mrope": True}, "use_mrope=True"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window=8"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("ouro", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window=8"),
@@ -105,6 +107,13 @@ def test_round_trip_stays_inside_the_table(model_type):
     written = config.to_hf_dict()
     assert set(written) <= KNOWN_FIELDS[model_type]
     assert ModelConfig.from_hf_dict(written) == config
+
+
+def test_upstream_default_spellings_are_accepted():
+    """SmolLM2's config spells out the defaults (and carries metadata for transformers.js)."""
+    assert parse("llama", rope_interleaved=False, is_llama_config=True,
+                 **{"transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16"}}}) == parse("llama")
+    assert parse("qwen2", use_mrope=False) == parse("qwen2")
 
 
 def test_generation_config_adds_stop_ids(tmp_path):
