@@ -50,8 +50,22 @@ def layer_prefixes(config: ModelConfig) -> list[tuple[str, str]]:
 
 
 def _cat_t(read: Read, names: list[str]) -> Callable[[], np.ndarray]:
-    """[N_i, K] weights stacked on N and transposed to [K, sum N_i] for ``x @ W``."""
-    return lambda: np.concatenate([read(n) for n in names], axis=0).T
+    """[N_i, K] weights stacked on N and transposed to [K, sum N_i] for ``x @ W``.
+
+    A single weight comes back as a transposed view (the writer's conversion is its one copy);
+    several are transposed straight into their columns of one buffer, not concatenated first.
+    """
+    def produce() -> np.ndarray:
+        parts = [read(n) for n in names]
+        if len(parts) == 1:
+            return parts[0].T
+        out = np.empty((parts[0].shape[1], sum(p.shape[0] for p in parts)), dtype=parts[0].dtype)
+        column = 0
+        for part in parts:
+            out[:, column:column + part.shape[0]] = part.T
+            column += part.shape[0]
+        return out
+    return produce
 
 
 def artifact_tensors(config: ModelConfig, max_length: int,
