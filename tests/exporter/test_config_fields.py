@@ -128,3 +128,14 @@ def test_dynamic_rope_is_default_below_max_positions():
     dynamic = parse("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0})
     plain = parse("llama")
     assert (dynamic.rope_inv_freq() == plain.rope_inv_freq()).all()
+
+
+def test_default_max_length_follows_generation_config_and_window():
+    from loopcast.exporter.export import ExportOptions
+    llama = parse("llama", max_position_embeddings=256)
+    assert ExportOptions().resolved(llama).max_length == 256
+    assert ExportOptions().resolved(llama, generation_length=77).max_length == 77
+    assert ExportOptions().resolved(llama, generation_length=10_000).max_length == 256
+    windowed = parse("mistral", max_position_embeddings=256, sliding_window=64)
+    assert ExportOptions().resolved(windowed).max_length == 64
+    assert ExportOptions(max_length=64).resolved(windowed).max_length == 64
