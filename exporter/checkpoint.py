@@ -1,8 +1,10 @@
 """Read and write Hugging Face checkpoint directories (config.json + safetensors).
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) layouts,
-upstream tensor names, fp32/fp16/bf16. Every tensor is checked by name and shape before the
-model is built, so a bad checkpoint fails with the tensor named.
+upstream tensor names, fp32/fp16/bf16. Every tensor is checked by name, shape and dtype from
+the safetensors headers before anything is built, so a bad checkpoint fails with the tensor
+named. Reading and validating need no torch (export uses them); building the torch reference
+(``load_checkpoint``) and writing checkpoints import torch when called (the ``[torch]`` extra).
 """
 
 from __future__ import annotations

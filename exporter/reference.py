@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,16 +58,16 @@ class KVCache:
         return self.key[slot, :, :, :stop], self.value[slot, :, :, :stop]
 
 
-def rotary_cos_sin(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin ``[S, D]`` for the half-split (rotate_half) convention, computed in fp32.
+def rotary_cos_sin(config: ModelConfig, start: int, num_rows: int, dtype: torch.dtype, device=None):
+    """cos/sin ``[S, D]`` at positions start.. for the half-split (rotate_half) convention.
 
     The scaled frequencies (rope types, yarn's attention factor) come from ``loopcast.rope``,
-    the same tables the exporter writes into the artifact.
+    the same fp32 tables the exporter writes into the artifact. Positions are host integers,
+    so building the tables never waits on the device.
     """
-    cos, sin = config.rope_cos_sin(positions.cpu().numpy())
-    cos = torch.from_numpy(cos).to(positions.device)
-    sin = torch.from_numpy(sin).to(positions.device)
-    return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
+    cos, sin = (torch.from_numpy(t) for t in config.rope_cos_sin(np.arange(start, start + num_rows)))
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def apply_rotary(x_BHSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
@@ -198,8 +199,7 @@ class LoopedLM(nn.Module):
         if window is not None and start + num_rows > window:
             # Below the window, windowed and full attention agree; beyond it they do not.
             raise ValueError(f"positions up to {start + num_rows} exceed the sliding window {window}")
-        positions = torch.arange(start, start + num_rows, device=device)
-        cos, sin = rotary_cos_sin(self.config, positions, self.model.embed_tokens.weight.dtype)
+        cos, sin = rotary_cos_sin(self.config, start, num_rows, self.model.embed_tokens.weight.dtype, device)
         return StepContext(start, cos, sin, cache)
 
     def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 It is a valid safetensors file (readable by the `safetensors` library and mmap-able by numpy)
 whose tensors every ONNX graph references as external data by byte offset, so the weights are
 stored once however many graph kinds an artifact has. It is written tensor by tensor from
-the checkpoint, which bounds the export's peak memory to about one copy of the weights.
+the memory-mapped checkpoint with numpy (no torch), which bounds the export's working memory
+to about two converted tensors besides the page cache.
 """
 
 from __future__ import annotations
