@@ -32,7 +32,7 @@ _INERT = frozenset({
     "attention_dropout", "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict",
     "id2label", "label2id", "problem_type", "is_encoder_decoder", "chunk_size_feed_forward",
     "tokenizer_class", "auto_map", "max_window_layers", "use_return_dict", "tie_encoder_decoder",
-    "early_exit_threshold", "torchscript", "is_llama_config", "transformers.js_config",
+    "torchscript", "is_llama_config", "transformers.js_config",
 })
 # Fields that change the math and are implemented (or checked and refused when unsupported).
 _MATH_COMMON = frozenset({
@@ -46,8 +46,8 @@ KNOWN_FIELDS: dict[str, frozenset[str]] = {
     # Qwen2 attention always has q/k/v biases and no o_proj bias; the window fields are checked.
     "qwen2": _INERT | _MATH_COMMON | {"use_sliding_window", "sliding_window", "layer_types"},
     "mistral": _INERT | _MATH_COMMON | {"sliding_window"},
-    "ouro": _INERT | _MATH_COMMON | {"attention_bias", "total_ut_steps", "use_sliding_window",
-                                      "sliding_window", "layer_types", "num_prelude_layers",
+    "ouro": _INERT | _MATH_COMMON | {"attention_bias", "total_ut_steps", "early_exit_threshold",
+                                      "use_sliding_window", "sliding_window", "layer_types", "num_prelude_layers",
                                       "num_coda_layers"},
 }
 
@@ -282,6 +282,10 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
     for name in ("rope_interleaved", "use_mrope"):
         if raw.get(name):
             raise ConfigError(f"{name}={raw[name]!r} is not supported (only the half-split rotary of Llama)")
+    # loopcast runs every loop (full depth); Ouro's threshold 1.0 means the same thing.
+    threshold = raw.get("early_exit_threshold")
+    if threshold is not None and float(threshold) != 1.0:
+        raise ConfigError(f"early_exit_threshold {threshold} is not supported (loopcast runs all loops: 1.0)")
     if raw.get("model_type") == "ouro" and raw.get("attention_bias"):
         raise ConfigError("attention_bias is not supported for Ouro models")
 

@@ -59,6 +59,7 @@ def test_math_field_is_read(model_type, field, value):
     ("llama", "dtype", "bfloat16", lambda c: c.torch_dtype == "bfloat16"),
     ("llama", "torch_dtype", "float16", lambda c: c.torch_dtype == "float16"),
     ("ouro", "total_ut_steps", 4, lambda c: c.num_loops == 4),
+    ("ouro", "early_exit_threshold", 1.0, lambda c: c.num_loops == 3),
 ])
 def test_field_sets_the_config(model_type, field, value, check):
     assert check(parse(model_type, **{field: value}))
@@ -81,6 +82,8 @@ REFUSED = [
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("ouro", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window=8"),
     ("ouro", {"attention_bias": True}, "attention_bias"),
+    ("ouro", {"early_exit_threshold": 0.9}, "early_exit_threshold 0.9"),
+    ("llama", {"early_exit_threshold": 1.0}, "'early_exit_threshold' is not understood"),
     ("qwen2", {"attention_bias": True}, "'attention_bias' is not understood"),
     ("mistral", {"mlp_bias": True}, "'mlp_bias' is not understood"),
     ("llama", {"quantization_config": {"quant_method": "gptq"}}, "'quantization_config' is not understood"),
