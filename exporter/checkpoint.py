@@ -1,8 +1,10 @@
 """Read and write Hugging Face checkpoint directories (config.json + safetensors).
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``) layouts,
-upstream tensor names, fp32/fp16/bf16. Every tensor is checked by name and shape before the
-model is built, so a bad checkpoint fails with the tensor named.
+upstream tensor names, fp32/fp16/bf16. Every tensor is checked by name, shape and dtype from
+the safetensors headers before anything is built, so a bad checkpoint fails with the tensor
+named. Reading and validating need no torch (export uses them); building the torch reference
+(``load_checkpoint``) and writing checkpoints import torch when called (the ``[torch]`` extra).
 """
 
 from __future__ import annotations
@@ -12,39 +14,90 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING, Any
 
 from loopcast.config import ModelConfig, load_config
 from loopcast.errors import CheckpointError
-from loopcast.exporter.reference import LoopedLM
+from loopcast.exporter.hub_cache import looks_like_hub_id, resolve_hub_id
+from loopcast.exporter.safetensors_file import (
+    FLOAT_DTYPES, NAME_OF_CODE, SafetensorsFormatError, TensorEntry, read_header,
+)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-          "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:  # torch is needed only by the reference-model helpers below (the [torch] extra)
+    import torch
+
+    from loopcast.exporter.reference import LoopedLM
+
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
+               "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Upstream checkpoints may carry derived buffers we recompute.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def __getattr__(name: str) -> Any:
+    # ``DTYPES`` (option name → torch dtype) for torch-side callers, built only when asked for.
+    if name == "DTYPES":
+        from loopcast.torch_extra import require_torch
+        torch = require_torch("torch dtypes")
+        return {k: getattr(torch, v) for k, v in DTYPE_NAMES.items()}
+    raise AttributeError(name)
+
+
 def resolve_checkpoint(path_or_name: str | os.PathLike) -> Path:
-    """``demo`` names the shipped demo model; anything else is a directory path."""
+    """``demo`` names the shipped demo model; an existing directory is used as is; an
+    ``org/name`` id is looked up in the local Hugging Face cache (offline)."""
     if str(path_or_name) == "demo":
         from loopcast.demo import demo_checkpoint_dir
         return demo_checkpoint_dir()
     path = Path(path_or_name)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
-    return path
+    if path.is_dir():
+        return path
+    if looks_like_hub_id(str(path_or_name)):
+        return resolve_hub_id(str(path_or_name))
+    raise CheckpointError(f"{path}: checkpoint directory not found")
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this config must hold, with its shape."""
-    with torch.device("meta"):
-        model = LoopedLM(config)
-    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    """Every tensor a checkpoint of this config must hold, with its shape (upstream names).
+
+    Written out from the architecture so that reading a checkpoint needs no torch; a test
+    checks it against the reference model's ``state_dict()``.
+    """
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    layer: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }
+    if config.qkv_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if config.o_bias:
+        layer["self_attn.o_proj.bias"] = (h,)
+    if config.mlp_bias:
+        layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)}
+    if config.sandwich_norm:
+        layer |= {"input_layernorm_2.weight": (h,), "post_attention_layernorm_2.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    for stack, count in (("layers", config.num_layers), ("prelude_layers", config.num_prelude_layers),
+                         ("coda_layers", config.num_coda_layers)):
+        for i in range(count):
+            shapes |= {f"model.{stack}.{i}.{name}": shape for name, shape in layer.items()}
+    if config.has_exit_gate:
+        shapes |= {"model.early_exit_gate.weight": (1, h), "model.early_exit_gate.bias": (1,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return dict(sorted(shapes.items()))
+
+
+def _header(path: Path) -> dict[str, TensorEntry]:
+    try:
+        return read_header(path)
+    except (OSError, SafetensorsFormatError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 def _weight_files(checkpoint_dir: Path) -> dict[str, Path]:
@@ -62,16 +115,12 @@ def _weight_files(checkpoint_dir: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{fname}: shard named in {INDEX_FILE} is missing")
         return files
     if single.is_file():
-        try:
-            with safe_open(single, framework="pt") as f:
-                return {name: single for name in f.keys()}
-        except Exception as exc:  # safetensors raises several types for corrupt headers
-            raise CheckpointError(f"{single}: not a readable safetensors file ({exc})") from None
+        return {name: single for name in _header(single)}
     raise CheckpointError(f"{checkpoint_dir}: no weights ({SINGLE_FILE} or {INDEX_FILE}) found")
 
 
 def validate_checkpoint(checkpoint_dir: Path, config: ModelConfig) -> dict[str, Path]:
-    """Check every tensor's presence, name and shape (headers only); return name → file."""
+    """Check every tensor's presence, name, shape and dtype (headers only); return name → file."""
     files = _weight_files(checkpoint_dir)
     files = {n: f for n, f in files.items() if not n.endswith(IGNORED_SUFFIXES)}
     shapes = expected_shapes(config)
@@ -84,12 +133,17 @@ def validate_checkpoint(checkpoint_dir: Path, config: ModelConfig) -> dict[str, 
         raise CheckpointError(f"{checkpoint_dir}: unexpected tensor {unexpected[0]} for a "
                               f"{config.model_type} config")
     for fname, names in _by_file(files).items():
-        with safe_open(fname, framework="pt") as f:
-            for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != shapes[name]:
-                    raise CheckpointError(f"{fname.name}: tensor {name} has shape {list(shape)}, "
-                                          f"expected {list(shapes[name])}")
+        header = _header(fname)
+        for name in names:
+            if name not in header:
+                raise CheckpointError(f"{fname.name}: tensor {name} (named in {INDEX_FILE}) is not in the file")
+            entry = header[name]
+            if entry.shape != shapes[name]:
+                raise CheckpointError(f"{fname.name}: tensor {name} has shape {list(entry.shape)}, "
+                                      f"expected {list(shapes[name])}")
+            if entry.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"{fname.name}: tensor {name} has dtype {entry.dtype}, "
+                                      "expected a floating-point dtype")
     return files
 
 
@@ -100,26 +154,24 @@ def _by_file(files: dict[str, Path]) -> dict[Path, list[str]]:
     return dict(sorted(by_file.items()))
 
 
+def checkpoint_dtype(checkpoint_dir: Path) -> str:
+    """The dtype the weights are stored in (of the first tensor): float32, float16 or bfloat16."""
+    files = _weight_files(checkpoint_dir)
+    name, fname = sorted(files.items())[0]
+    code = _header(fname)[name].dtype
+    return NAME_OF_CODE.get(code, code)
+
+
 def iter_checkpoint_tensors(checkpoint_dir: Path, config: ModelConfig,
                             dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` one at a time after validating names and shapes."""
+    """Yield ``(name, tensor)`` (torch) one at a time after validating names, shapes and dtypes."""
+    from safetensors import safe_open
     files = validate_checkpoint(checkpoint_dir, config)
     for fname, names in _by_file(files).items():
         with safe_open(fname, framework="pt") as f:
             for name in names:
                 tensor = f.get_tensor(name)
-                if not tensor.is_floating_point():
-                    raise CheckpointError(f"{fname.name}: tensor {name} has dtype {tensor.dtype}, "
-                                          "expected a floating-point dtype")
                 yield name, tensor if dtype is None else tensor.to(dtype)
-
-
-def checkpoint_dtype(checkpoint_dir: Path) -> torch.dtype:
-    """The dtype the weights are stored in (of the first tensor)."""
-    files = _weight_files(checkpoint_dir)
-    name, fname = sorted(files.items())[0]
-    with safe_open(fname, framework="pt") as f:
-        return f.get_tensor(name).dtype
 
 
 def load_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None = None) -> LoopedLM:
@@ -128,6 +180,10 @@ def load_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None =
     ``dtype`` defaults to the stored dtype. The model is created on the meta device and
     filled tensor by tensor, so only one copy of the weights is ever held.
     """
+    from loopcast.torch_extra import require_torch
+    torch = require_torch("the torch reference model")
+    from loopcast.exporter.reference import LoopedLM
+
     checkpoint_dir = resolve_checkpoint(path_or_name)
     config = load_config(checkpoint_dir)
     with torch.device("meta"):
@@ -152,6 +208,8 @@ def write_checkpoint(config: ModelConfig, tensors: Callable[[], Iterator[tuple[s
     The directory is written next to its destination and renamed into place, so a failed
     write leaves nothing that looks like a checkpoint.
     """
+    from safetensors.torch import save_file
+
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: output path exists and is not an empty directory")
@@ -191,6 +249,8 @@ def write_checkpoint(config: ModelConfig, tensors: Callable[[], Iterator[tuple[s
 
 
 def _flush_shard(staging: Path, index: int, shard: dict[str, torch.Tensor], weight_map: dict) -> Path:
+    from safetensors.torch import save_file
+
     path = staging / f"shard-{index}.tmp"
     save_file(shard, path, metadata={"format": "pt"})
     for name in shard:

@@ -14,14 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx_ir as ir
-import torch
 from tqdm import tqdm
 
 from loopcast import __version__
-from loopcast.config import ModelConfig, load_config
+from loopcast.config import ModelConfig, generation_max_length, load_config
 from loopcast.errors import ExportError
-from loopcast.exporter.checkpoint import DTYPES, resolve_checkpoint, validate_checkpoint
-from loopcast.exporter.weights import artifact_tensors, checkpoint_reader, write_weights
+from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
+from loopcast.exporter.weights import checkpoint_reader, weights_nbytes, write_weights
 from loopcast.graphs.builder import GraphBuilder, WeightRef
 from loopcast.graphs.kinds import build_kind, plan_kinds
 from loopcast.manifest import MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, WEIGHTS_FILE, Manifest
@@ -46,13 +45,24 @@ class ExportOptions:
     def op_set(self) -> str:
         return "loopcast" if self.batch_invariant else self.ops
 
-    def resolved(self, config: ModelConfig) -> ExportOptions:
+    def resolved(self, config: ModelConfig, generation_length: int | None = None) -> ExportOptions:
+        """Defaults filled in and checked; ``generation_length`` is generation_config.json's
+        max_length, which (capped by the model) replaces the default of 4096."""
         if self.dtype not in IR_DTYPES:
             raise ExportError(f"--dtype must be one of fp32, fp16, bf16, got {self.dtype!r}")
-        max_length = self.max_length if self.max_length is not None else min(config.max_position_embeddings, 4096)
+        default = min(config.max_position_embeddings, generation_length or 4096)
+        if config.sliding_window is not None:
+            default = min(default, config.sliding_window)
+        max_length = self.max_length if self.max_length is not None else default
+        # Beyond max_position_embeddings, dynamic-NTK rope would change its frequencies with the
+        # length (loopcast.rope); below it every supported rope type is static.
         if not 1 <= max_length <= config.max_position_embeddings:
             raise ExportError(f"--max-length {max_length} is outside 1..{config.max_position_embeddings} "
                               "(the model's max_position_embeddings)")
+        if config.sliding_window is not None and max_length > config.sliding_window:
+            raise ExportError(f"--max-length {max_length} exceeds the model's sliding_window "
+                              f"{config.sliding_window}: sliding-window attention is not supported, and only "
+                              "below the window does full attention compute the same thing")
         if not 2 <= self.verify_width <= MAX_VERIFY_WIDTH:
             raise ExportError(f"--verify-width must be in 2..{MAX_VERIFY_WIDTH}, got {self.verify_width}")
         if self.verify_width > max_length:
@@ -75,6 +85,10 @@ def check_supported(config: ModelConfig, op_set: str = "stock") -> None:
     """Limits of the ORT ops the graphs use, beyond what the config itself validates."""
     if config.head_dim % 2:
         raise ExportError(f"head_dim {config.head_dim} is not supported: rotary needs an even head_dim")
+    if op_set == "loopcast" and config.has_biases:
+        # The loopcast MatMul op has no bias input; an Add after it would break the fused layer.
+        raise ExportError("--batch-invariant / --ops loopcast (and --target cuda) do not support projection "
+                          "biases (attention_bias, mlp_bias, Qwen2 q/k/v bias) yet; export without it")
     if config.head_dim % 16 and op_set == "stock":
         raise ExportError(f"head_dim {config.head_dim} is not supported: GroupQueryAttention's rotary "
                           "needs a multiple of 16 (--batch-invariant graphs take any even head_dim on the "
@@ -146,7 +160,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: Expo
                       *, progress: bool = False, overwrite: bool = False) -> Manifest:
     checkpoint_dir = resolve_checkpoint(checkpoint)
     config = load_config(checkpoint_dir)
-    opts = options.resolved(config)
+    opts = options.resolved(config, generation_max_length(checkpoint_dir))
     check_supported(config, "stock" if opts.op_set == "auto" and opts.dtype != "fp32" else opts.op_set)
     out = Path(out_dir)
     _check_output_dir(out)
@@ -188,17 +202,19 @@ def _swap_into_place(staging: Path, out: Path) -> None:
 
 def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,
                     show_progress: bool) -> Manifest:
-    dtype = DTYPES[opts.dtype]
     op_set, built_library = _resolve_op_set(opts, lambda line: print(line, file=sys.stderr) if show_progress else None)
     plans = plan_kinds(config, opts.verify_width, opts.draft_depth)
     read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
-    n_tensors = len(artifact_tensors(config, opts.max_length, read))
-    bar = tqdm(total=n_tensors + len(plans), desc="export", unit="step", disable=not show_progress)
+    total = weights_nbytes(config, opts.max_length, opts.dtype, read)
+    bar = tqdm(total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024,
+               disable=not show_progress)
     try:
-        stored = write_weights(staging / WEIGHTS_FILE, config, opts.max_length, dtype, _checked(read),
+        stored = write_weights(staging / WEIGHTS_FILE, config, opts.max_length, opts.dtype, read,
                                progress=bar.update)
     finally:
         close()
+        bar.close()
+    bar = tqdm(total=len(plans), desc="graphs", unit="graph", disable=not show_progress)
     refs = {name: WeightRef(name, IR_DTYPES[opts.dtype], t.shape, t.offset, t.length)
             for name, t in stored.items()}
     graphs, custom_ops, library = {}, set(), None
@@ -239,7 +255,7 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         custom_ops=sorted(custom_ops),
         custom_op_library=library,
         tokenizer_files=tokenizer_files,
-        eos_token_ids=[config.eos_token_id] if config.eos_token_id is not None else [],
+        eos_token_ids=list(config.eos_token_ids),
         op_set=op_set,
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json())
@@ -309,14 +325,3 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return derived
-
-
-def _checked(read):
-    """Wrap the checkpoint reader so that shape errors name the tensor."""
-    def read_checked(name: str) -> torch.Tensor:
-        tensor = read(name)
-        if not tensor.is_floating_point():
-            raise ExportError(f"checkpoint tensor {name} has dtype {tensor.dtype}, expected floating point")
-        return tensor.float()
-    return read_checked
-

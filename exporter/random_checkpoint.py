@@ -18,11 +18,12 @@ from loopcast.exporter.checkpoint import expected_shapes, write_checkpoint
 
 def random_tensors(config: ModelConfig, seed: int, std: float = 0.02,
                    dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Deterministic per-tensor init: normal(0, std) matrices, unit norms, zero biases."""
+    """Deterministic per-tensor init: normal(0, std) matrices and projection biases (so that a
+    bias the export dropped would show), unit norms, zero exit-gate bias."""
     for index, (name, shape) in enumerate(sorted(expected_shapes(config).items())):
         if "norm" in name:
             tensor = torch.ones(shape)
-        elif name.endswith("bias"):
+        elif name.endswith("early_exit_gate.bias"):
             tensor = torch.zeros(shape)
         else:
             generator = torch.Generator().manual_seed(seed * 100_003 + index)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,13 +58,16 @@ class KVCache:
         return self.key[slot, :, :, :stop], self.value[slot, :, :, :stop]
 
 
-def rotary_cos_sin(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin ``[S, D]`` for the half-split (rotate_half) convention, computed in fp32."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d))
-    freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1).float()
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+def rotary_cos_sin(config: ModelConfig, start: int, num_rows: int, dtype: torch.dtype, device=None):
+    """cos/sin ``[S, D]`` at positions start.. for the half-split (rotate_half) convention.
+
+    The scaled frequencies (rope types, yarn's attention factor) come from ``loopcast.rope``,
+    the same fp32 tables the exporter writes into the artifact. Positions are host integers,
+    so building the tables never waits on the device.
+    """
+    cos, sin = (torch.from_numpy(t) for t in config.rope_cos_sin(np.arange(start, start + num_rows)))
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def apply_rotary(x_BHSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
@@ -87,10 +91,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
 
     def forward(self, x_BSH: torch.Tensor, ctx: StepContext, slot: int) -> torch.Tensor:
         b, s, _ = x_BSH.shape
@@ -122,9 +126,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -191,8 +195,11 @@ class LoopedLM(nn.Module):
 
     # -- entry points (one per architectural part) -------------------------------------------
     def context(self, start: int, num_rows: int, cache: KVCache | None, device=None) -> StepContext:
-        positions = torch.arange(start, start + num_rows, device=device)
-        cos, sin = rotary_cos_sin(self.config, positions, self.model.embed_tokens.weight.dtype)
+        window = self.config.sliding_window
+        if window is not None and start + num_rows > window:
+            # Below the window, windowed and full attention agree; beyond it they do not.
+            raise ValueError(f"positions up to {start + num_rows} exceed the sliding window {window}")
+        cos, sin = rotary_cos_sin(self.config, start, num_rows, self.model.embed_tokens.weight.dtype, device)
         return StepContext(start, cos, sin, cache)
 
     def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
         prompt_ids = tokenizer.encode(prompt).ids
     import torch
     model = load_checkpoint(checkpoint_dir, dtype=torch.float32)
-    stop = (model.config.eos_token_id,) if model.config.eos_token_id is not None else ()
+    stop = model.config.eos_token_ids
     start = time.perf_counter()
     result = greedy_generate(model, prompt_ids, max_new_tokens, stop_ids=stop)
     seconds = time.perf_counter() - start

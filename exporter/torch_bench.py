@@ -169,7 +169,9 @@ def _layer_params(config: ModelConfig) -> int:
     attention = h * config.num_heads * d * 2 + h * config.num_kv_heads * d * 2  # q, o; k, v
     mlp = 3 * h * inter                                                        # gate, up, down
     norms = (4 if config.sandwich_norm else 2) * h
-    return attention + mlp + norms
+    biases = ((config.num_heads + 2 * config.num_kv_heads) * d if config.qkv_bias else 0) \
+        + (h if config.o_bias else 0) + (2 * inter + h if config.mlp_bias else 0)
+    return attention + mlp + norms + biases
 
 
 def bytes_per_decode_step(config: ModelConfig, dtype_bytes: int, past: int) -> dict[str, int]:

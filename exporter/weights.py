@@ -3,7 +3,8 @@
 It is a valid safetensors file (readable by the `safetensors` library and mmap-able by numpy)
 whose tensors every ONNX graph references as external data by byte offset, so the weights are
 stored once however many graph kinds an artifact has. It is written tensor by tensor from
-the checkpoint, which bounds the export's peak memory to about one copy of the weights.
+the memory-mapped checkpoint with numpy (no torch), which bounds the export's working memory
+to about two converted tensors besides the page cache.
 """
 
 from __future__ import annotations
@@ -12,23 +13,30 @@ import json
 import math
 import struct
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
+import ml_dtypes
+import numpy as np
 
 from loopcast.config import ModelConfig
-from loopcast.exporter.reference import rotary_cos_sin
+from loopcast.exporter.safetensors_file import MappedFile
 
-_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# Artifact dtype name → (numpy dtype, safetensors code). Conversions round to nearest even,
+# as torch's ``.to()`` does, so an export is bit-identical to one made through torch.
+NUMPY_DTYPES = {"fp32": (np.dtype(np.float32), "F32"), "fp16": (np.dtype(np.float16), "F16"),
+                "bf16": (np.dtype(ml_dtypes.bfloat16), "BF16")}
+_DTYPE_OF_CODE = {code: name for name, (_, code) in NUMPY_DTYPES.items()}
 _ALIGN = 64  # keeps every tensor's data aligned for vectorised loads after mmap
+
+Read = Callable[[str], np.ndarray]
 
 
 @dataclass(frozen=True)
 class StoredTensor:
     name: str
-    dtype: torch.dtype
+    dtype: str           # fp32, fp16 or bf16
     shape: tuple[int, ...]
     offset: int          # absolute byte offset in the file
     length: int
@@ -42,103 +50,153 @@ def layer_prefixes(config: ModelConfig) -> list[tuple[str, str]]:
     return out
 
 
+def _cat_t(read: Read, names: list[str]) -> Callable[[], np.ndarray]:
+    """[N_i, K] weights stacked on N and transposed to [K, sum N_i] for ``x @ W``.
+
+    A single weight comes back as a transposed view (the writer's conversion is its one copy);
+    several are transposed straight into their columns of one buffer, not concatenated first.
+    """
+    def produce() -> np.ndarray:
+        parts = [read(n) for n in names]
+        if len(parts) == 1:
+            return parts[0].T
+        out = np.empty((parts[0].shape[1], sum(p.shape[0] for p in parts)), dtype=parts[0].dtype)
+        column = 0
+        for part in parts:
+            out[:, column:column + part.shape[0]] = part.T
+            column += part.shape[0]
+        return out
+    return produce
+
+
 def artifact_tensors(config: ModelConfig, max_length: int,
-                     read: Callable[[str], torch.Tensor]) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+                     read: Read) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
     """Names, shapes and producers of every tensor the graphs use, in file order."""
-    h, d = config.hidden_size, config.head_dim
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     qkv = (config.num_heads + 2 * config.num_kv_heads) * d
-    specs: list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]] = [
+    specs: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = [
         ("embed_tokens.weight", (config.vocab_size, h), lambda: read("model.embed_tokens.weight")),
     ]
     norms = ["input_layernorm", "post_attention_layernorm"]
     if config.sandwich_norm:
         norms += ["input_layernorm_2", "post_attention_layernorm_2"]
     for ours, theirs in layer_prefixes(config):
+        attn, mlp = f"{theirs}.self_attn", f"{theirs}.mlp"
         for norm in norms:
             specs.append((f"{ours}.{norm}.weight", (h,), lambda t=theirs, n=norm: read(f"{t}.{n}.weight")))
-        specs += [
-            # [H, Q+K+V]: one MatMul produces the packed QKV that GroupQueryAttention takes.
-            (f"{ours}.qkv_proj.weight_T", (h, qkv), lambda t=theirs: torch.cat(
-                [read(f"{t}.self_attn.{p}_proj.weight") for p in "qkv"], dim=0).T),
-            (f"{ours}.o_proj.weight_T", (config.num_heads * d, h),
-             lambda t=theirs: read(f"{t}.self_attn.o_proj.weight").T),
-            (f"{ours}.gate_up_proj.weight_T", (h, 2 * config.intermediate_size), lambda t=theirs: torch.cat(
-                [read(f"{t}.mlp.gate_proj.weight"), read(f"{t}.mlp.up_proj.weight")], dim=0).T),
-            (f"{ours}.down_proj.weight_T", (config.intermediate_size, h),
-             lambda t=theirs: read(f"{t}.mlp.down_proj.weight").T),
-        ]
+        # [H, Q+K+V]: one MatMul produces the packed QKV that GroupQueryAttention takes.
+        specs.append((f"{ours}.qkv_proj.weight_T", (h, qkv), _cat_t(read, [f"{attn}.{p}_proj.weight" for p in "qkv"])))
+        if config.qkv_bias:
+            specs.append((f"{ours}.qkv_proj.bias", (qkv,), lambda a=attn: np.concatenate(
+                [read(f"{a}.{p}_proj.bias") for p in "qkv"])))
+        specs.append((f"{ours}.o_proj.weight_T", (config.num_heads * d, h), _cat_t(read, [f"{attn}.o_proj.weight"])))
+        if config.o_bias:
+            specs.append((f"{ours}.o_proj.bias", (h,), lambda a=attn: read(f"{a}.o_proj.bias")))
+        specs.append((f"{ours}.gate_up_proj.weight_T", (h, 2 * inter),
+                      _cat_t(read, [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"])))
+        if config.mlp_bias:
+            specs.append((f"{ours}.gate_up_proj.bias", (2 * inter,), lambda m=mlp: np.concatenate(
+                [read(f"{m}.gate_proj.bias"), read(f"{m}.up_proj.bias")])))
+        specs.append((f"{ours}.down_proj.weight_T", (inter, h), _cat_t(read, [f"{mlp}.down_proj.weight"])))
+        if config.mlp_bias:
+            specs.append((f"{ours}.down_proj.bias", (h,), lambda m=mlp: read(f"{m}.down_proj.bias")))
     specs.append(("norm.weight", (h,), lambda: read("model.norm.weight")))
     if not config.tie_word_embeddings:
-        specs.append(("lm_head.weight_T", (h, config.vocab_size), lambda: read("lm_head.weight").T))
-    positions = torch.arange(max_length)
+        specs.append(("lm_head.weight_T", (h, config.vocab_size), _cat_t(read, ["lm_head.weight"])))
+    # Rotary tables with the config's rope scaling, computed here once (loopcast.rope).
+    positions = np.arange(max_length)
     specs += [
-        ("rotary.cos_SD2", (max_length, d // 2), lambda: rotary_cos_sin(config, positions, torch.float32)[0][:, : d // 2]),
-        ("rotary.sin_SD2", (max_length, d // 2), lambda: rotary_cos_sin(config, positions, torch.float32)[1][:, : d // 2]),
+        ("rotary.cos_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[0]),
+        ("rotary.sin_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[1]),
     ]
     return specs
 
 
-def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: torch.dtype,
-                  read: Callable[[str], torch.Tensor], progress: Callable[[int], None] | None = None
-                  ) -> dict[str, StoredTensor]:
-    """Stream the artifact tensors into a safetensors file; return where each one lives."""
-    specs = artifact_tensors(config, max_length, read)
-    itemsize = torch.tensor([], dtype=dtype).element_size()
+def _layout(specs, dtype: str) -> tuple[dict[str, dict], bytes]:
+    """The safetensors header (aligned offsets) for ``specs`` stored as ``dtype``."""
+    np_dtype, code = NUMPY_DTYPES[dtype]
     header: dict[str, dict] = {}
     cursor = 0
     for name, shape, _ in specs:
         cursor = -(-cursor // _ALIGN) * _ALIGN
-        nbytes = math.prod(shape) * itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape),
-                        "data_offsets": [cursor, cursor + nbytes]}
+        nbytes = math.prod(shape) * np_dtype.itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
         cursor += nbytes
     header["__metadata__"] = {"format": "loopcast-artifact"}
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-(8 + len(header_bytes)) % _ALIGN)  # data section starts aligned
+    return header, header_bytes
+
+
+def weights_nbytes(config: ModelConfig, max_length: int, dtype: str, read: Read) -> int:
+    """Bytes of tensor data ``write_weights`` will write (for a progress bar in bytes)."""
+    header, _ = _layout(artifact_tensors(config, max_length, read), dtype)
+    return max(h["data_offsets"][1] for n, h in header.items() if n != "__metadata__")
+
+
+def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: str, read: Read,
+                  progress: Callable[[int], None] | None = None) -> dict[str, StoredTensor]:
+    """Stream the artifact tensors into a safetensors file; return where each one lives.
+
+    Each tensor is read from the memory-mapped checkpoint, fused/transposed and converted on
+    its own, so peak memory is about one (fused) tensor; ``progress`` gets bytes written.
+    """
+    np_dtype, _ = NUMPY_DTYPES[dtype]
+    specs = artifact_tensors(config, max_length, read)
+    header, header_bytes = _layout(specs, dtype)
     base = 8 + len(header_bytes)
+
+    def convert(spec) -> np.ndarray:
+        name, shape, produce = spec
+        tensor = produce()
+        if tuple(tensor.shape) != shape:
+            raise AssertionError(f"{name}: produced {tuple(tensor.shape)}, expected {shape}")
+        return np.ascontiguousarray(tensor, dtype=np_dtype)
+
     stored: dict[str, StoredTensor] = {}
-    with open(path, "wb") as f:
+    # The next tensor is converted on a second thread while this one is written (numpy copies
+    # and file writes release the GIL): at most two converted tensors are alive at a time.
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool:
         f.write(struct.pack("<Q", len(header_bytes)))
         f.write(header_bytes)
-        for name, shape, produce in specs:
+        pending = pool.submit(convert, specs[0]) if specs else None
+        for i, (name, shape, _) in enumerate(specs):
+            data = pending.result()
+            pending = pool.submit(convert, specs[i + 1]) if i + 1 < len(specs) else None
             start, stop = header[name]["data_offsets"]
-            tensor = produce().to(dtype).contiguous()
-            if tuple(tensor.shape) != shape:
-                raise AssertionError(f"{name}: produced {tuple(tensor.shape)}, expected {shape}")
             f.seek(base + start)
-            f.write(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
+            del data
             stored[name] = StoredTensor(name, dtype, shape, base + start, stop - start)
             if progress:
-                progress(1)
+                progress(stop - start)
     return stored
 
 
-def checkpoint_reader(files: dict[str, Path]) -> tuple[Callable[[str], torch.Tensor], Callable[[], None]]:
-    """A ``read(name)`` over open safetensors shards (mmap'd) and a ``close()``."""
-    handles: dict[Path, object] = {}
+def checkpoint_reader(files: dict[str, Path]) -> tuple[Read, Callable[[], None]]:
+    """A ``read(name)`` of zero-copy views into the memory-mapped shards, and a ``close()``."""
+    handles: dict[Path, MappedFile] = {}
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str) -> np.ndarray:
         path = files[name]
         if path not in handles:
-            handles[path] = safe_open(path, framework="pt").__enter__()
-        return handles[path].get_tensor(name)
+            handles[path] = MappedFile(path)
+        return handles[path].tensor(name)
 
     def close() -> None:
         for handle in handles.values():
-            handle.__exit__(None, None, None)
+            handle.close()
         handles.clear()
 
     return read, close
 
 
-
 def read_stored(path: Path) -> dict[str, StoredTensor]:
     """Where each tensor of an artifact's weights file lives (from its safetensors header)."""
-    inverse = {v: k for k, v in _SAFETENSORS_DTYPE.items()}
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
     base = 8 + size
-    return {name: StoredTensor(name, inverse[h["dtype"]], tuple(h["shape"]), base + h["data_offsets"][0],
+    return {name: StoredTensor(name, _DTYPE_OF_CODE[h["dtype"]], tuple(h["shape"]), base + h["data_offsets"][0],
                                h["data_offsets"][1] - h["data_offsets"][0])
             for name, h in header.items() if name != "__metadata__"}

@@ -72,10 +72,17 @@ def layer_sites(config: ModelConfig, first_loop: int, last_loop: int, *, prelude
 
 
 def linear(b: GraphBuilder, x: ir.Value, weight: str, ctx: BlockContext, *, path: str, out: str,
-           trans_b: bool = False, swiglu: bool = False) -> ir.Value:
+           trans_b: bool = False, swiglu: bool = False, bias: str | None = None) -> ir.Value:
     """``x @ W`` (``W`` stored [K, N]), or ``x @ Wᵀ`` for a [N, K] weight read in place; with
-    ``swiglu`` x is [gate | up] and the loopcast op multiplies silu(gate)·up, formed as it loads x."""
+    ``swiglu`` x is [gate | up] and the loopcast op multiplies silu(gate)·up, formed as it loads x.
+    ``bias`` ([N]) is added after the MatMul (stock graphs only: export refuses biases with the
+    loopcast ops, whose MatMul has no bias input)."""
     w = b.weight(weight)
+    if bias is not None:
+        if ctx.batch_invariant:
+            raise ValueError("biases are not supported by the loopcast ops (export refuses them)")
+        y = b.op("MatMul", [x, w], path=path, out=f"{out}_nobias")
+        return b.op("Add", [y, b.weight(bias)], path=f"{path}/bias", out=out)
     if ctx.batch_invariant:
         attrs = {**({"trans_b": 1} if trans_b else {}), **({"swiglu": 1} if swiglu else {})}
         return b.op("BatchInvariantMatMul", [x, w], path=path, out=out, domain=LOOPCAST_DOMAIN, **attrs)
@@ -165,7 +172,9 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int, ctx: Bloc
     kv_shape = [1, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
     past_key = b.input(f"past_key.{slot}", ctx.dtype, kv_shape)
     past_value = b.input(f"past_value.{slot}", ctx.dtype, kv_shape)
-    qkv = linear(b, h_BSH, f"{layer}.qkv_proj.weight_T", ctx, path=f"{path}/qkv_proj", out=f"{prefix}.qkv_BSQ")
+    # A q/k/v bias is added before GroupQueryAttention applies rotary, as upstream models do.
+    qkv = linear(b, h_BSH, f"{layer}.qkv_proj.weight_T", ctx, path=f"{path}/qkv_proj", out=f"{prefix}.qkv_BSQ",
+                 bias=f"{layer}.qkv_proj.bias" if cfg.qkv_bias else None)
     # Inputs in schema order: query (packed q|k|v), key, value (empty: packed), past_key,
     # past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache; trailing optional
     # inputs 9.. (position_ids, attention_bias, head_sink) are not used. The batch-invariant op
@@ -181,7 +190,8 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int, ctx: Bloc
         do_rotary=1, rotary_interleaved=0, scale=cfg.head_dim ** -0.5)
     b.output(present_key, ctx.dtype, kv_shape)
     b.output(present_value, ctx.dtype, kv_shape)
-    return linear(b, attn, f"{layer}.o_proj.weight_T", ctx, path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH")
+    return linear(b, attn, f"{layer}.o_proj.weight_T", ctx, path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH",
+                  bias=f"{layer}.o_proj.bias" if cfg.o_bias else None)
 
 
 def swiglu_mlp(b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, *,
@@ -191,8 +201,9 @@ def swiglu_mlp(b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, 
         h ─ gate_up_proj ─▶ [gate | up] ─ Split ─▶ gate ─ Sigmoid ─ Mul(gate) ─ Mul(up) ─ down_proj ─▶
     """
     inter = ctx.config.intermediate_size
+    mlp_bias = ctx.config.mlp_bias
     gate_up = linear(b, h_BSH, f"{layer}.gate_up_proj.weight_T", ctx, path=f"{path}/gate_up_proj",
-                     out=f"{prefix}.gate_up_BS2I")
+                     out=f"{prefix}.gate_up_BS2I", bias=f"{layer}.gate_up_proj.bias" if mlp_bias else None)
     if ctx.batch_invariant:  # split, silu and gating happen as down_proj loads its input
         return linear(b, gate_up, f"{layer}.down_proj.weight_T", ctx, path=f"{path}/down_proj",
                       out=f"{prefix}.mlp_out_BSH", swiglu=True)
@@ -201,7 +212,8 @@ def swiglu_mlp(b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, 
     sig = b.op("Sigmoid", [gate], path=f"{path}/sigmoid", out=f"{prefix}.sigmoid_BSI")
     silu = b.op("Mul", [gate, sig], path=f"{path}/silu", out=f"{prefix}.silu_BSI")
     act = b.op("Mul", [silu, up], path=f"{path}/gated", out=f"{prefix}.act_BSI")
-    return linear(b, act, f"{layer}.down_proj.weight_T", ctx, path=f"{path}/down_proj", out=f"{prefix}.mlp_out_BSH")
+    return linear(b, act, f"{layer}.down_proj.weight_T", ctx, path=f"{path}/down_proj", out=f"{prefix}.mlp_out_BSH",
+                  bias=f"{layer}.down_proj.bias" if mlp_bias else None)
 
 
 def decoder_layer(b: GraphBuilder, x_BSH: ir.Value, layer: str, slot: int, ctx: BlockContext, *,

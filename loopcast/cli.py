@@ -56,7 +56,7 @@ def inspect(path: str) -> None:
 @main.command("random-checkpoint")
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--preset", default="tiny-ouro", show_default=True,
-              help="Shape preset: tiny-ouro, tiny-llama or ouro-1.4b.")
+              help="Shape preset: tiny-ouro, tiny-llama, tiny-qwen2, smollm-135m or ouro-1.4b.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--max-shard-mb", type=int, default=None, help="Shard the weights above this size.")
@@ -65,6 +65,9 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
     """Write a random-weight Hugging Face checkpoint of a preset shape."""
     from loopcast.config import PRESETS
     from loopcast.errors import ConfigError
+    from loopcast.torch_extra import require_torch
+
+    require_torch("random-checkpoint")
     from loopcast.exporter.checkpoint import DTYPES
     from loopcast.exporter.random_checkpoint import write_random_checkpoint
 
@@ -143,6 +146,8 @@ def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None
     if backend == "torch":
         if speculative != "none" or device != "cpu":
             raise RequestError("--backend torch runs plain greedy on the CPU only")
+        from loopcast.torch_extra import require_torch
+        require_torch("--backend torch")
         from loopcast.exporter.torch_backend import generate_with_reference
         result = generate_with_reference(path, prompt, ids, max_new_tokens)
     else:

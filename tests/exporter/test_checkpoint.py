@@ -43,7 +43,7 @@ def test_save_load_round_trip_is_bit_exact(tiny_config, dtype, tmp_path):
 
     loaded = load_checkpoint(path)
     assert loaded.config == tiny_config.replace(torch_dtype=str(dtype).removeprefix("torch."))
-    assert checkpoint_dtype(path) == dtype
+    assert checkpoint_dtype(path) == str(dtype).removeprefix("torch.")
     expected = {n: t.detach().to(dtype) for n, t in model.state_dict().items()}
     assert_same_tensors(loaded.state_dict(), expected)
     assert set(expected) == set(expected_shapes(tiny_config))
@@ -190,8 +190,8 @@ def test_unknown_model_type(broken):
 
 
 def test_unsupported_feature(broken):
-    _edit_config(broken, rope_scaling={"type": "linear", "factor": 2.0})
-    _fails(broken, ConfigError, "rope_scaling")
+    _edit_config(broken, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0})
+    _fails(broken, ConfigError, "rope type 'longrope' is not supported")
 
 
 def test_missing_tensor_is_named(broken):
@@ -214,7 +214,7 @@ def test_unexpected_tensor_is_named(broken):
 def test_integer_tensor_is_named(broken):
     name = "model.norm.weight"
     _rewrite_weights(broken, lambda t: t.__setitem__(name, torch.ones(64, dtype=torch.int32)))
-    _fails(broken, CheckpointError, f"tensor {name} has dtype torch.int32")
+    _fails(broken, CheckpointError, f"tensor {name} has dtype I32", "floating-point")
 
 
 def test_corrupt_weights_file(broken):
@@ -227,3 +227,15 @@ def test_missing_shard_is_named(tmp_path):
     shard = sorted(path.glob("model-*.safetensors"))[1]
     shard.unlink()
     _fails(path, CheckpointError, shard.name, "is missing")
+
+
+@pytest.mark.parametrize("config", [
+    PRESETS["tiny-ouro"], PRESETS["tiny-llama"], PRESETS["tiny-qwen2"],
+    PRESETS["tiny-llama"].replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=False),
+    PRESETS["tiny-ouro"].replace(num_prelude_layers=1, num_coda_layers=2),
+], ids=["ouro", "llama", "qwen2", "llama-biases", "ouro-prelude-coda"])
+def test_expected_shapes_are_the_reference_state_dict(config):
+    """The torch-free shape table (what export validates against) is the reference's layout."""
+    with torch.device("meta"):
+        model = LoopedLM(config)
+    assert expected_shapes(config) == {n: tuple(p.shape) for n, p in sorted(model.state_dict().items())}

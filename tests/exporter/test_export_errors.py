@@ -29,8 +29,9 @@ def _edited_checkpoint(tmp_path: Path, **changes) -> Path:
 @pytest.mark.parametrize("changes,match", [
     ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"model_type": "mistral"}, "model_type"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope type 'longrope'"),
+    ({"model_type": "gpt2"}, "model_type"),
+    ({"model_type": "mistral"}, "is not understood for model_type 'mistral'"),
 ])
 def test_unsupported_configs(tmp_path: Path, changes, match) -> None:
     ckpt = _edited_checkpoint(tmp_path, **changes)
@@ -43,6 +44,13 @@ def test_head_dim_not_multiple_of_16(tmp_path: Path) -> None:
     ckpt = _edited_checkpoint(tmp_path)
     raw = json.loads((ckpt / "config.json").read_text())
     assert raw["head_dim"] == 16
+
+
+def test_batch_invariant_refuses_biases(tmp_path: Path, make_checkpoint) -> None:
+    from loopcast.config import PRESETS
+    with pytest.raises(ExportError, match="--batch-invariant .* biases"):
+        export_checkpoint(make_checkpoint(PRESETS["tiny-qwen2"]), tmp_path / "out", ExportOptions(batch_invariant=True))
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("options,match", [
