@@ -20,6 +20,7 @@ from loopcast import __version__
 from loopcast.config import ModelConfig, load_config
 from loopcast.errors import ExportError
 from loopcast.exporter.checkpoint import DTYPES, resolve_checkpoint, validate_checkpoint
+from loopcast.exporter.genai import write_genai
 from loopcast.exporter.weights import artifact_tensors, checkpoint_reader, write_weights
 from loopcast.graphs.builder import GraphBuilder, WeightRef
 from loopcast.graphs.kinds import build_kind, plan_kinds
@@ -37,6 +38,7 @@ class ExportOptions:
     verify_width: int = 5
     draft_depth: int | None = None     # default: 1 when R > 1
     batch_invariant: bool = False      # loopcast custom ops: verify rows == decode rows bit for bit
+    genai: bool = False                # also write the ONNX Runtime GenAI graph + genai_config.json
 
     def resolved(self, config: ModelConfig) -> ExportOptions:
         if self.dtype not in IR_DTYPES:
@@ -58,7 +60,7 @@ class ExportOptions:
             if not 1 <= depth < config.num_loops:
                 raise ExportError(f"--draft-depth must be in 1..{config.num_loops - 1} (R={config.num_loops}), "
                                   f"got {depth}")
-        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant)
+        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant, self.genai)
 
 
 def check_supported(config: ModelConfig, batch_invariant: bool = False) -> None:
@@ -185,6 +187,8 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         graphs[plan.kind] = spec
         custom_ops.update(builder.custom_ops())
         bar.update(1)
+    genai_files = write_genai(staging, config, IR_DTYPES[opts.dtype], opts.max_length, refs,
+                              WEIGHTS_FILE) if opts.genai else []
     bar.close()
     if custom_ops:
         # The artifact carries its own copy so that C programs and other machines need nothing else.
@@ -216,6 +220,7 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         custom_op_library=library,
         tokenizer_files=tokenizer_files,
         eos_token_ids=[config.eos_token_id] if config.eos_token_id is not None else [],
+        genai_files=genai_files,
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json())
     return manifest
@@ -248,7 +253,7 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
     dtype = IR_DTYPES[manifest.dtype]
     refs = {name: WeightRef(name, dtype, t.shape, t.offset, t.length)
             for name, t in read_stored(src / manifest.weights_file).items()}
-    keep = [manifest.weights_file, *manifest.tokenizer_files]
+    keep = [manifest.weights_file, *manifest.tokenizer_files, *manifest.genai_files]
     if manifest.custom_op_library:
         keep.append(manifest.custom_op_library)
     out.parent.mkdir(parents=True, exist_ok=True)

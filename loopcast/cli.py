@@ -90,18 +90,22 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
 @click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Device the artifact is for. cuda implies --batch-invariant: on a GPU the loopcast ops are "
                    "faster than the stock ones, and only their graphs can be captured (docs/perf.md).")
+@click.option("--genai", is_flag=True,
+              help="Also write genai_decoder.onnx and genai_config.json, so that ONNX Runtime GenAI "
+                   "(og.Model(ART)) runs the artifact; stock ops, sharing weights.safetensors.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
 @_friendly_errors
 def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, verify_width: int,
-           draft_depth: int | None, batch_invariant: bool, target: str, overwrite: bool) -> None:
+           draft_depth: int | None, batch_invariant: bool, target: str, genai: bool, overwrite: bool) -> None:
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
 
     # On the CPU the stock ops stay the default: MLAS beats the custom kernels there.
-    options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda")
+    options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda", genai)
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(f"{k}({v.rows or 'M'})" for k, v in manifest.graphs.items())
-    click.echo(f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}")
+    genai_note = "; ONNX Runtime GenAI model (genai_config.json)" if manifest.genai_files else ""
+    click.echo(f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}{genai_note}")
 
 
 @main.command()

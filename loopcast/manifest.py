@@ -56,6 +56,8 @@ class Manifest:
     custom_op_library: str | None = None
     tokenizer_files: list[str] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
+    # ``export --genai``: the ONNX Runtime GenAI graph and genai_config.json (exporter/genai.py)
+    genai_files: list[str] = field(default_factory=list)
 
     @property
     def config(self) -> ModelConfig:
