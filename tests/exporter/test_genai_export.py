@@ -82,3 +82,14 @@ def test_cli_export_genai_flag(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "GenAI" in proc.stdout
     assert (out / "genai_config.json").is_file() and (out / "genai_decoder.onnx").is_file()
+
+
+def test_genai_reads_the_artifact_tokenizer(tmp_path):
+    """The tokenizer files the export copies are enough for GenAI's own tokenizer."""
+    from tokenizers import Tokenizer
+
+    export_checkpoint("demo", tmp_path / "art", ExportOptions(max_length=64, genai=True))
+    text = "def main():\n    return sorted(items)\n"
+    theirs = og.Tokenizer(og.Model(str(tmp_path / "art"))).encode(text)
+    ours = Tokenizer.from_file(str(tmp_path / "art" / "tokenizer.json")).encode(text).ids
+    assert [int(t) for t in theirs] == ours
