@@ -74,36 +74,15 @@ def check_supported(config: ModelConfig, batch_invariant: bool = False) -> None:
 
 
 def custom_op_library() -> Path:
-    """The built custom-op library, compiled once per source version into the loopcast cache.
+    """A path to the custom-op library file: the prebuilt ``loopcast-ops`` one when it matches
+    these kernel sources, else built once per source version into the loopcast cache
+    (``custom_ops/library.py``)."""
+    from loopcast.custom_ops import library
 
-    Keyed by a hash of the sources and the build switches, so an edited kernel is rebuilt and
-    an unchanged one is reused by every export.
-    """
-    import hashlib
-    import os
-
-    from loopcast.custom_ops import build
-
-    src_dir = Path(build.__file__).resolve().parent / "src"
-    digest = hashlib.sha256()
-    for source in sorted(src_dir.iterdir()):
-        if source.is_file():
-            digest.update(source.name.encode() + source.read_bytes())
-    # The build recipe and whether CUDA kernels can be built are part of the key: a CPU-only
-    # library cached before nvcc was installed must not be reused.
-    digest.update(Path(build.__file__).read_bytes())
-    digest.update(f"nvcc={build.find_nvcc()} cxx={os.environ.get('CXX', '')}".encode())
-    for var in ("LOOPCAST_NO_CUDA", "LOOPCAST_NVCC", "LOOPCAST_ORT_INCLUDE"):
-        digest.update(f"{var}={os.environ.get(var, '')}".encode())
-    root = Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
-    out = root / f"ops-{digest.hexdigest()[:12]}"
-    library = out / build.LIBRARY_NAME
-    if not library.is_file():
-        try:
-            build.build_library(out)
-        except Exception as exc:
-            raise ExportError(f"--batch-invariant needs the custom-op library: {exc}") from None
-    return library
+    try:
+        return library.custom_op_library()
+    except Exception as exc:
+        raise ExportError(f"--batch-invariant needs the custom-op library: {exc}") from None
 
 
 def _check_output_dir(out: Path) -> None:
