@@ -46,6 +46,18 @@ def header_version(include: Path) -> str:
     return f"1.{match.group(1)}" if match else "unknown"
 
 
+def check_loads(library: Path, cuda: bool) -> None:
+    """The library must register in a CPU-only ONNX Runtime session on this GPU-less build
+    machine (cudart is static and initialised lazily), and carry CUDA kernels iff asked to."""
+    import onnxruntime as ort
+
+    from loopcast.custom_ops import build
+
+    ort.SessionOptions().register_custom_ops_library(str(library))
+    if build.has_cuda(library) != cuda:
+        raise SystemExit(f"error: {library} {'lacks' if cuda else 'has'} CUDA kernels")
+
+
 def _record_hash(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
@@ -99,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         except LoopcastError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        check_loads(library, bool(archs))
         data = library.read_bytes()
     seconds = time.perf_counter() - start
     info = {"source_digest": build.source_digest(), "cuda_archs": list(archs), "loopcast_version": __version__,
