@@ -1,7 +1,7 @@
 """The prebuilt library: tools/build_ops_wheel.py makes an installable wheel, exports use its
 library when it matches the kernel sources, and fall back to a local build, announced on
 stderr, when it does not. CPU kernels only (the CUDA wheel is built on release, see
-docs/architecture.md "Custom-op library builds"); each export runs in a fresh interpreter
+docs/install.md); each export runs in a fresh interpreter
 with the wheel installed into its own directory and an empty loopcast cache."""
 
 from __future__ import annotations
