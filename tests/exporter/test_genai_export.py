@@ -93,3 +93,12 @@ def test_genai_reads_the_artifact_tokenizer(tmp_path):
     theirs = og.Tokenizer(og.Model(str(tmp_path / "art"))).encode(text)
     ours = Tokenizer.from_file(str(tmp_path / "art" / "tokenizer.json")).encode(text).ids
     assert [int(t) for t in theirs] == ours
+
+
+def test_sibling_artifact_of_another_verify_width_keeps_the_genai_files(tmp_path):
+    from loopcast.exporter.export import with_verify_width
+
+    export_checkpoint(checkpoint("llama-tied-gqa"), tmp_path / "art", ExportOptions(max_length=64, genai=True))
+    derived = with_verify_width(tmp_path / "art", tmp_path / "w3", 3)
+    assert derived.genai_files == ["genai_decoder.onnx", "genai_config.json"]
+    assert _genai_greedy(tmp_path / "w3", PROMPT, 8) == _genai_greedy(tmp_path / "art", PROMPT, 8)
