@@ -183,7 +183,8 @@ def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants
           widths: str, iters: int, new_tokens: int, alternate_tokens: int, no_end_to_end: bool, no_torch: bool,
           no_profile: bool, work_dir: Path | None, out: Path | None) -> None:
     """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""
-    from loopcast.bench import BenchOptions, default_report_path, format_table, run_bench, write_report
+    from loopcast.bench import BenchOptions, run_bench
+    from loopcast.bench_report import default_report_path, format_table, write_report
     from loopcast.devices import cache_root, check_device, default_device
     from loopcast.errors import RequestError
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from loopcast.bench import bandwidth_line
+from loopcast.bench_report import bandwidth_line
 from loopcast.cli import main
 from loopcast.devices import cuda_available, default_device
 from tests.artifacts import checkpoint
