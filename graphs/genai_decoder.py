@@ -27,6 +27,8 @@ from loopcast.config import ModelConfig
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
 
+# B = 1, as in every loopcast graph (the blocks' KV buffers and tied head are batch-1); GenAI
+# refuses a larger batch_size with an input-shape error (docs/install.md).
 GENAI_FILE = "genai_decoder.onnx"
 INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
 PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
