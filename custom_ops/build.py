@@ -7,18 +7,24 @@ unpacks Debian's libonnxruntime-dev there), then in ``/usr/include/onnxruntime``
 forward compatible, so a library built against older headers loads in a newer runtime.
 
 CUDA: nvcc is ``$LOOPCAST_NVCC`` or the one on PATH; ``LOOPCAST_NO_CUDA=1`` turns it off. The
-kernels target sm_90 (plus compute_90 PTX) and link cudart statically, with its symbols kept
-private, so the library has no libcudart dependency, still loads in a CPU-only runtime on a
-machine without a GPU, and never mixes its runtime with the host process's (torch, ORT).
+kernels target sm_90 by default (``cuda_archs`` / ``$LOOPCAST_CUDA_ARCHS``, e.g. ``90,100``; PTX
+of the lowest is kept so newer GPUs can JIT it; sm_80 is not possible: the kernels use sm_90
+PTX, griddepcontrol and TMA) and link cudart statically, with its symbols kept private, so the
+library has no libcudart dependency, still loads in a CPU-only runtime on a machine without a
+GPU, and never mixes its runtime with the host process's (torch, ORT).
+
+Prebuilt copies (``tools/build_ops_wheel.py``) are found by ``custom_ops/library.py``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from loopcast.errors import LoopcastError
@@ -29,8 +35,38 @@ CUDA_SOURCES = ("cuda_ops.cc",)             # host glue, compiled by the C++ com
 CUDA_KERNELS = ("matmul_cuda.cu", "attention_cuda.cu", "residual_norm_cuda.cu", "swiglu_cuda.cu")
 _HERE = Path(__file__).resolve().parent
 _CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-Wall", "-Werror"]
-_NVCCFLAGS = ["-O3", "-std=c++17", "-gencode", "arch=compute_90,code=[sm_90,compute_90]",
-              "-Xcompiler", "-fPIC,-Wall", "--cudart", "static"]
+_NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC,-Wall", "--cudart", "static"]
+DEFAULT_CUDA_ARCHS = ("90",)
+
+
+def cuda_archs(requested: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """Sorted SM versions to compile: ``requested``, else ``$LOOPCAST_CUDA_ARCHS``, else sm_90."""
+    archs = requested or tuple(a for a in os.environ.get("LOOPCAST_CUDA_ARCHS", "").replace(" ", "").split(",") if a)
+    archs = tuple(sorted(set(archs or DEFAULT_CUDA_ARCHS), key=int)) if all(a.isdigit() for a in archs) else ()
+    if not archs or int(archs[0]) < 90:
+        raise LoopcastError(f"CUDA architectures must be SM numbers >= 90 (e.g. 90,100), got {requested or archs!r}: "
+                            "the kernels use sm_90 features (griddepcontrol, TMA)")
+    return archs
+
+
+def _gencode(archs: tuple[str, ...]) -> list[str]:
+    """SASS for each arch, plus PTX of the lowest so later GPUs can JIT-compile it."""
+    flags = []
+    for arch in archs:
+        code = f"[sm_{arch},compute_{arch}]" if arch == archs[0] else f"sm_{arch}"
+        flags += ["-gencode", f"arch=compute_{arch},code={code}"]
+    return flags
+
+
+def source_digest() -> str:
+    """SHA-256 over the kernel sources and this build recipe: a prebuilt library is used only
+    when it was built from exactly these (an edited kernel is rebuilt, never replaced)."""
+    digest = hashlib.sha256()
+    for source in sorted((_HERE / "src").iterdir()):
+        if source.is_file():
+            digest.update(source.name.encode() + source.read_bytes())
+    digest.update(Path(__file__).read_bytes())
+    return digest.hexdigest()
 
 
 def find_ort_include() -> Path | None:
@@ -65,10 +101,11 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def build_library(out_dir: str | os.PathLike | None = None, ort_include: str | os.PathLike | None = None,
-                  cuda: bool | None = None) -> Path:
+                  cuda: bool | None = None, archs: tuple[str, ...] | None = None, jobs: int | None = None) -> Path:
     """Compile the kernels into ``out_dir/libloopcast_ops.so`` and return its path.
 
     ``cuda``: None builds the CUDA kernels when nvcc is found, True requires them, False skips them.
+    ``archs``: SM versions (default ``cuda_archs()``); ``jobs``: parallel compiles (default: CPUs).
     """
     include = Path(ort_include) if ort_include else find_ort_include()
     if include is None or not (include / "onnxruntime_cxx_api.h").is_file():
@@ -81,6 +118,7 @@ def build_library(out_dir: str | os.PathLike | None = None, ort_include: str | o
     if cuda is True and nvcc is None:
         raise LoopcastError("CUDA kernels requested but nvcc not found (set LOOPCAST_NVCC or put nvcc on PATH; "
                             "LOOPCAST_NO_CUDA=1 disables it)")
+    gencode = _gencode(cuda_archs(archs)) if nvcc is not None else []
     out = Path(out_dir) if out_dir else _HERE / "build"
     out.mkdir(parents=True, exist_ok=True)
     target = out / LIBRARY_NAME
@@ -94,17 +132,14 @@ def build_library(out_dir: str | os.PathLike | None = None, ort_include: str | o
             _run([compiler, *_CXXFLAGS, "-shared", f"-I{include}", *[str(src / s) for s in SOURCES],
                   "-o", str(staging)], "C++")
         else:
-            objs = work
-            objects = []
-            for s in (*SOURCES, *CUDA_SOURCES):
-                obj = objs / f"{s}.o"
-                _run([compiler, *_CXXFLAGS, "-DLOOPCAST_WITH_CUDA", f"-I{include}", "-c", str(src / s),
-                      "-o", str(obj)], s)
-                objects.append(str(obj))
-            for s in CUDA_KERNELS:
-                obj = objs / f"{s}.o"
-                _run([str(nvcc), *_NVCCFLAGS, f"-I{src}", "-c", str(src / s), "-o", str(obj)], s)
-                objects.append(str(obj))
+            compiles = [([compiler, *_CXXFLAGS, "-DLOOPCAST_WITH_CUDA", f"-I{include}", "-c", str(src / s),
+                          "-o", str(work / f"{s}.o")], s) for s in (*SOURCES, *CUDA_SOURCES)]
+            # Kernels first: they take minutes each, the host files seconds.
+            compiles = [([str(nvcc), *_NVCCFLAGS, *gencode, f"-I{src}", "-c", str(src / s), "-o",
+                          str(work / f"{s}.o")], s) for s in CUDA_KERNELS] + compiles
+            with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+                list(pool.map(lambda job: _run(*job), compiles))  # list(): re-raises the first failure
+            objects = [cmd[-1] for cmd, _ in compiles]
             # --exclude-libs keeps the static cudart's symbols private; -Bsymbolic binds our own
             # calls to our copy even when the process has loaded another libcudart.
             _run([str(nvcc), "-shared", "--cudart", "static", "-Xcompiler", "-fPIC",

@@ -20,6 +20,7 @@ from loopcast import __version__
 from loopcast.config import ModelConfig, generation_max_length, load_config
 from loopcast.errors import ExportError
 from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
+from loopcast.exporter.genai import write_genai
 from loopcast.exporter.weights import checkpoint_reader, weights_nbytes, write_weights
 from loopcast.graphs.builder import GraphBuilder, WeightRef
 from loopcast.graphs.kinds import build_kind, plan_kinds
@@ -40,6 +41,7 @@ class ExportOptions:
     # auto: "loopcast-attention" for fp32 (exact on the CPU at stock speed) when the custom-op
     # library can be had, else "stock"; fp16/bf16 stay "stock" unless asked (--target cuda).
     ops: str = "auto"
+    genai: bool = False                # also write the ONNX Runtime GenAI graph + genai_config.json
 
     @property
     def op_set(self) -> str:
@@ -78,7 +80,7 @@ class ExportOptions:
                                   f"got {depth}")
         if self.op_set not in ("auto", *OP_SETS):
             raise ExportError(f"--ops must be one of auto, {', '.join(OP_SETS)}, got {self.ops!r}")
-        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant, self.ops)
+        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant, self.ops, self.genai)
 
 
 def check_supported(config: ModelConfig, op_set: str = "stock") -> None:
@@ -96,36 +98,15 @@ def check_supported(config: ModelConfig, op_set: str = "stock") -> None:
 
 
 def custom_op_library() -> Path:
-    """The built custom-op library, compiled once per source version into the loopcast cache.
+    """A path to the custom-op library file: the prebuilt ``loopcast-ops`` one when it matches
+    these kernel sources, else built once per source version into the loopcast cache
+    (``custom_ops/library.py``)."""
+    from loopcast.custom_ops import library
 
-    Keyed by a hash of the sources and the build switches, so an edited kernel is rebuilt and
-    an unchanged one is reused by every export.
-    """
-    import hashlib
-    import os
-
-    from loopcast.custom_ops import build
-
-    src_dir = Path(build.__file__).resolve().parent / "src"
-    digest = hashlib.sha256()
-    for source in sorted(src_dir.iterdir()):
-        if source.is_file():
-            digest.update(source.name.encode() + source.read_bytes())
-    # The build recipe and whether CUDA kernels can be built are part of the key: a CPU-only
-    # library cached before nvcc was installed must not be reused.
-    digest.update(Path(build.__file__).read_bytes())
-    digest.update(f"nvcc={build.find_nvcc()} cxx={os.environ.get('CXX', '')}".encode())
-    for var in ("LOOPCAST_NO_CUDA", "LOOPCAST_NVCC", "LOOPCAST_ORT_INCLUDE"):
-        digest.update(f"{var}={os.environ.get(var, '')}".encode())
-    root = Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
-    out = root / f"ops-{digest.hexdigest()[:12]}"
-    library = out / build.LIBRARY_NAME
-    if not library.is_file():
-        try:
-            build.build_library(out)
-        except Exception as exc:
-            raise ExportError(f"the loopcast ops need the custom-op library: {exc}") from None
-    return library
+    try:
+        return library.custom_op_library()
+    except Exception as exc:
+        raise ExportError(f"the loopcast ops need the custom-op library: {exc}") from None
 
 
 def _resolve_op_set(opts: ExportOptions, log) -> tuple[str, Path | None]:
@@ -225,6 +206,8 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         graphs[plan.kind] = spec
         custom_ops.update(builder.custom_ops())
         bar.update(1)
+    genai_files = write_genai(staging, config, IR_DTYPES[opts.dtype], opts.max_length, refs,
+                              WEIGHTS_FILE) if opts.genai else []
     bar.close()
     if custom_ops:
         # The artifact carries its own copy so that C programs and other machines need nothing else.
@@ -257,6 +240,7 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         tokenizer_files=tokenizer_files,
         eos_token_ids=list(config.eos_token_ids),
         op_set=op_set,
+        genai_files=genai_files,
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json())
     manifest = Manifest(**{**manifest.__dict__, "exact_verify": _exactness(staging, opts.dtype, op_set)})
@@ -300,7 +284,7 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
     dtype = IR_DTYPES[manifest.dtype]
     refs = {name: WeightRef(name, dtype, t.shape, t.offset, t.length)
             for name, t in read_stored(src / manifest.weights_file).items()}
-    keep = [manifest.weights_file, *manifest.tokenizer_files]
+    keep = [manifest.weights_file, *manifest.tokenizer_files, *manifest.genai_files]
     if manifest.custom_op_library:
         keep.append(manifest.custom_op_library)
     out.parent.mkdir(parents=True, exist_ok=True)

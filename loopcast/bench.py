@@ -10,14 +10,13 @@ measured in the same run, the same model's PyTorch decode step (eager and under 
 and the memory-bandwidth floor (bytes read per step / measured device bandwidth).
 
 Variants: ``stock`` (MatMul / GroupQueryAttention) and ``batch-invariant`` (the loopcast
-custom ops). The result is one JSON document; :func:`format_table` renders it.
+custom ops). The result is one JSON document; ``loopcast/bench_report.py`` renders and writes it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -357,6 +356,7 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     max_length = min(config.max_position_embeddings, opts.past + max(widths) + 1)
     past = max_length - max(widths) - 1
     art = opts.work_dir / f"art-{Path(str(checkpoint)).name}-{dtype}-{variant}"
+    log(f"[{dtype}/{variant}] exporting {checkpoint} into {art} ...")
     t0 = time.perf_counter()
     # variants: stock ops, every loopcast op, or the exporter's default op set for this dtype
     ops = {"stock": "stock", "batch-invariant": "loopcast", "default": "auto"}[variant]
@@ -376,6 +376,7 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     # be frozen); their captured time is measured at one fixed position, for comparison only.
     result.captured_fixed_position_only = cuda and not full.loaded.manifest.device_lengths
     capt = load(art, opts.device, cuda_graphs="always", kinds=hot) if result.captured_fixed_position_only else full
+    log(f"  timing steps at past {past}, {opts.iters} runs each ...")
     for kind in hot:
         if not full.loaded.has(kind):
             continue
@@ -383,8 +384,8 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
         cap, slot = step_ms(capt, kind, past, opts.iters) if cuda else (None, None)
         result.steps.append(StepTimes(kind, rows, _captured(cap, slot) if cuda else None,
                                       step_ms(eager, kind, past, opts.iters)[0], slot))
-        log(f"  {kind}({rows}) captured {cap if cap is None else round(cap, 3)} ms, "
-            f"uncaptured {result.steps[-1].uncaptured_ms:.3f} ms")
+        captured = f"captured {cap:.3f} ms, " if cap is not None else ""
+        log(f"  {kind}({rows}) {captured}uncaptured {result.steps[-1].uncaptured_ms:.3f} ms")
     if opts.profile and cuda:
         result.profile_ms, result.top_kernels = profile_decode(eager, past)
     del eager, capt
@@ -410,17 +411,20 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     else:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, config.vocab_size, 24).tolist() for _ in range(4)]
+    log(f"  comparing verify rows with decode rows on {len(prompts)} prompts ...")
     result.rows_identical = rows_identical(full, prompts)
     log(f"  verify rows bit-identical to decode rows: {result.rows_identical}")
     new_tokens = min(opts.new_tokens, max_length - max(len(p) for p in prompts) - 8)
     if opts.end_to_end and new_tokens < 8:
         log(f"  end-to-end skipped: --past {opts.past} leaves no room after the prompts")
     elif opts.end_to_end:
+        log(f"  end-to-end: {len(prompts)} prompts x {new_tokens} tokens, plain and speculative ...")
         result.end_to_end = end_to_end(full, prompts, new_tokens)
         for name, entry in result.end_to_end.items():
             log(f"  {name}: {entry['tokens_per_s']:.1f} tok/s (x{entry['speedup']:.2f}), "
                 f"divergent prompts {entry['divergent_prompts']}")
     if opts.alternate_tokens and full.loaded.has(DRAFT) and cuda:
+        log(f"  alternating modes for {opts.alternate_tokens} tokens ...")
         result.alternation = alternation(full, prompts[0], opts.alternate_tokens)
         log(f"  alternation: {result.alternation['tokens']} tokens, steady mean ms per kind "
             f"{result.alternation['mean_step_ms']}")
@@ -453,7 +457,9 @@ def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
     import onnxruntime as ort
 
     from loopcast.config import load_config
+    from loopcast.devices import check_device
 
+    check_device(opts.device)  # before anything is exported
     opts.work_dir.mkdir(parents=True, exist_ok=True)
     report = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -468,6 +474,7 @@ def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
         config = load_config(_checkpoint(opts, dtype))
         baseline: dict = {"past": past}
         if opts.torch_baseline:
+            log(f"[{dtype}] PyTorch baseline and memory bandwidth ...")
             try:
                 baseline.update(torch_baseline(opts, dtype, past))
             except Exception as exc:  # the baseline is optional; say why it is missing
@@ -477,7 +484,8 @@ def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
             bandwidth = torch_bench.device_bandwidth_gbs(opts.device)
             nbytes = torch_bench.bytes_per_decode_step(config, 4 if dtype == "fp32" else 2, past)
             baseline.update({"bandwidth_gbs": bandwidth, "bytes_per_step": nbytes,
-                             "floor_ms": torch_bench.floor_ms(nbytes["total"], bandwidth)})
+                             "floor_ms": torch_bench.floor_ms(nbytes["total"], bandwidth),
+                             "cache_bytes": _cache_bytes(opts.device)})
         except ImportError as exc:
             baseline["error"] = f"no torch for the floor: {exc}"
         report["baselines"][dtype] = baseline
@@ -485,6 +493,18 @@ def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
         if on_progress is not None:
             on_progress(report)
     return report
+
+
+def _cache_bytes(device: str) -> int:
+    """Bytes a step can keep in cache between steps: the GPU's L2, or on the CPU the copy size
+    the bandwidth is measured with (chosen past the caches). A step whose bytes fit reads them
+    from cache, faster than the measured memory bandwidth: its floor is no floor."""
+    from loopcast.exporter import torch_bench
+
+    if device == "cuda":
+        import torch
+        return int(torch.cuda.get_device_properties(0).L2_cache_size)
+    return torch_bench._CPU_BANDWIDTH_BYTES
 
 
 def _machine(device: str) -> dict:
@@ -498,81 +518,3 @@ def _machine(device: str) -> dict:
     except ImportError:
         pass
     return info
-
-
-# -- reporting ------------------------------------------------------------------------------
-
-def format_table(report: dict) -> str:
-    lines = [f"loopcast bench — {report['options']['checkpoint']} on {report['machine'].get('gpu', report['options']['device'])}"
-             f", onnxruntime {report['onnxruntime']}, {report['date']}"]
-    for run in report["runs"]:
-        base = report["baselines"].get(run["dtype"], {})
-        decode = next((s for s in run["steps"] if s["kind"] == DECODE), None)
-        note = " — captured = one fixed position, timing only" if run.get("captured_fixed_position_only") else ""
-        lines.append(f"\n{run['dtype']} / {run['variant']} (past {run['past']}){note}")
-        lines.append(f"  {'step':<16}{'captured ms':>12}{'uncaptured ms':>15}{'/ decode':>10}")
-        for s in sorted(run["steps"], key=lambda s: (s["kind"], s["rows"])):
-            ref = decode["captured_ms"] if decode and decode["captured_ms"] else decode["uncaptured_ms"] if decode else None
-            mine = s["captured_ms"] if s["captured_ms"] else s["uncaptured_ms"]
-            cap = f"{s['captured_ms']:.3f}" if s["captured_ms"] else "-"
-            eager = f"{s['uncaptured_ms']:.3f}" if s["uncaptured_ms"] else "-"
-            lines.append(f"  {s['kind'] + '(' + str(s['rows']) + ')':<16}{cap:>12}{eager:>15}"
-                         f"{mine / ref if ref else float('nan'):>10.2f}")
-        for key, what in (("decode_without_pdl_ms", "PDL"), ("decode_without_swiglu_stage_ms", "SwiGLU staging")):
-            if run.get(key) and decode and decode["captured_ms"]:
-                lines.append(f"  decode captured without {what} {run[key]:.3f} ms "
-                             f"(with: {decode['captured_ms']:.3f} ms, {run[key] / decode['captured_ms']:.2f}x)")
-        if decode and base.get("floor_ms"):
-            best = decode["captured_ms"] or decode["uncaptured_ms"]
-            lines.append(f"  floor {base['floor_ms']:.3f} ms ({base['bandwidth_gbs']:.0f} GB/s): decode at "
-                         f"{base['floor_ms'] / best * 100:.0f}% of bandwidth; torch eager "
-                         f"{base.get('eager_ms', float('nan')):.3f} ms, torch CUDA graph "
-                         f"{base.get('cuda_graph_ms', float('nan')):.3f} ms")
-        r = run["rows_identical"]
-        if r:
-            lines.append(f"  verify rows bit-identical to decode: {r['bit_identical_rows']}/{r['rows']} "
-                         f"(max |diff| {r['max_abs_diff']:.3g})")
-        for name, e in run["end_to_end"].items():
-            gate = f"  gate {e['gate']}: {e['gate_reasons'][-1]}" if e.get("gate_reasons") else ""
-            lines.append(f"  {name:<24}{e['tokens_per_s']:>9.1f} tok/s  x{e['speedup']:.2f}  divergent "
-                         f"prompts {e['divergent_prompts']}{gate}")
-        if run["alternation"]:
-            a = run["alternation"]
-            lines.append(f"  alternation {a['tokens']} tokens: mean ms per step {a['mean_step_ms']}, "
-                         f"fallbacks {a['fallbacks']}")
-        if run["profile_ms"]:
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in run["profile_ms"].items())
-            lines.append(f"  decode GPU ms by kernel family: {parts}")
-    return "\n".join(lines)
-
-
-def write_report(report: dict, out: Path, plot: bool = True) -> list[Path]:
-    """JSON always; a PNG of step times when matplotlib is installed (and ``plot``)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(out)
-    written = [out]
-    if not plot:
-        return written
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return written
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    labels, values = [], []
-    for run in report["runs"]:
-        for s in sorted(run["steps"], key=lambda s: (s["kind"], s["rows"])):
-            labels.append(f"{run['dtype']}/{run['variant'][:5]}\n{s['kind']}({s['rows']})")
-            values.append(s["captured_ms"] or s["uncaptured_ms"])
-    ax.bar(range(len(values)), values)
-    ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=6)
-    ax.set_ylabel("ms per step")
-    ax.set_title(f"loopcast bench: {report['options']['checkpoint']}")
-    fig.tight_layout()
-    png = out.with_suffix(".png")
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return written + [png]

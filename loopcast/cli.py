@@ -96,19 +96,25 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
 @click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Device the artifact is for. cuda implies --ops loopcast: on a GPU the loopcast ops are "
                    "faster than the stock ones, exact, and only their graphs can be captured (docs/perf.md).")
+@click.option("--genai", is_flag=True,
+              help="Also write genai_decoder.onnx and genai_config.json, so that ONNX Runtime GenAI "
+                   "(og.Model(ART)) runs the artifact; stock ops, sharing weights.safetensors.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
 @_friendly_errors
 def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, verify_width: int,
-           draft_depth: int | None, ops: str, batch_invariant: bool, target: str, overwrite: bool) -> None:
+           draft_depth: int | None, ops: str, batch_invariant: bool, target: str, genai: bool,
+           overwrite: bool) -> None:
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
 
-    options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda", ops)
+    options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda", ops,
+                            genai)
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(f"{k}({v.rows or 'M'})" for k, v in manifest.graphs.items())
     exact = ", ".join(d for d, ok in manifest.exact_verify.items() if ok) or "no device"
+    genai_note = "; ONNX Runtime GenAI model (genai_config.json)" if manifest.genai_files else ""
     click.echo(f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}, "
-               f"ops {manifest.op_set}, exact speculation on {exact}")
+               f"ops {manifest.op_set}, exact speculation on {exact}{genai_note}")
 
 
 @main.command()
@@ -167,7 +173,8 @@ def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None
 
 @main.command()
 @click.argument("checkpoint", default="demo")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Default: cuda when onnxruntime has the CUDA provider and the driver sees a GPU, else cpu.")
 @click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["fp32", "fp16", "bf16"]),
               help="Repeatable (default: fp16 and bf16 on cuda, fp32 on cpu).")
 @click.option("--variant", "variants", multiple=True, type=click.Choice(["stock", "batch-invariant", "default"]),
@@ -182,17 +189,28 @@ def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None
 @click.option("--no-end-to-end", is_flag=True, help="Skip the end-to-end tokens/s rows.")
 @click.option("--no-torch", is_flag=True, help="Skip the PyTorch baseline.")
 @click.option("--no-profile", is_flag=True, help="Skip the per-kernel-family decode profile (CUDA).")
-@click.option("--work-dir", type=click.Path(path_type=Path), default=Path("bench-work"), show_default=True,
-              help="Where checkpoints and artifacts are exported.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results/bench.json"),
-              show_default=True, help="JSON report (a PNG beside it when matplotlib is installed).")
+@click.option("--work-dir", type=click.Path(path_type=Path), default=None,
+              help="Where checkpoints and artifacts are exported (default: $LOOPCAST_CACHE/bench/work, "
+                   "LOOPCAST_CACHE defaulting to ~/.cache/loopcast).")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="JSON report, a PNG beside it when matplotlib is installed (default: a new timestamped "
+                   "file under $LOOPCAST_CACHE/bench).")
 @_friendly_errors
-def bench(checkpoint: str, device: str, dtypes: tuple[str, ...], variants: tuple[str, ...], past: int, widths: str,
-          iters: int, new_tokens: int, alternate_tokens: int, no_end_to_end: bool, no_torch: bool,
-          no_profile: bool, work_dir: Path, out: Path) -> None:
+def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants: tuple[str, ...], past: int,
+          widths: str, iters: int, new_tokens: int, alternate_tokens: int, no_end_to_end: bool, no_torch: bool,
+          no_profile: bool, work_dir: Path | None, out: Path | None) -> None:
     """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""
-    from loopcast.bench import BenchOptions, format_table, run_bench, write_report
+    from loopcast.bench import BenchOptions, run_bench
+    from loopcast.bench_report import default_report_path, format_table, write_report
+    from loopcast.devices import cache_root, check_device, default_device
     from loopcast.errors import RequestError
+
+    # Checked before anything is exported: a CPU-only install refuses --device cuda at once.
+    device = check_device(device) if device is not None else default_device()
+    work_dir = work_dir if work_dir is not None else cache_root() / "bench" / "work"
+    out = out if out is not None else default_report_path(checkpoint, device)
+    if out.suffix != ".json":
+        raise RequestError(f"--out must name a .json file, got {out}")
 
     try:
         width_list = tuple(int(w) for w in widths.split(",") if w)
@@ -206,6 +224,7 @@ def bench(checkpoint: str, device: str, dtypes: tuple[str, ...], variants: tuple
     opts = BenchOptions(checkpoint, work_dir, device, dtypes or (("fp16", "bf16") if device == "cuda" else ("fp32",)),
                         variants or ("stock", "batch-invariant"), past, width_list, iters, new_tokens,
                         not no_end_to_end, alternate_tokens, not no_torch, not no_profile)
+    click.echo(f"bench on {device}: artifacts in {work_dir}, report {out}", err=True)
     report = run_bench(opts, log=lambda line: click.echo(line, err=True),
                        on_progress=lambda partial: write_report(partial, out, plot=False))
     click.echo(format_table(report))

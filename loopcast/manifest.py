@@ -63,6 +63,8 @@ class Manifest:
     custom_op_library: str | None = None
     tokenizer_files: list[str] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
+    # ``export --genai``: the ONNX Runtime GenAI graph and genai_config.json (exporter/genai.py)
+    genai_files: list[str] = field(default_factory=list)
     # Per device ("cpu", "cuda"): are verify rows bit-identical to the M=1 decode rows there?
     # Speculation returns plain greedy's tokens by construction only where this is true.
     exact_verify: dict[str, bool] = field(default_factory=dict)

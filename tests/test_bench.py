@@ -10,7 +10,8 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from loopcast.bench import BenchOptions, alternation, format_table, kernel_family, run_bench, write_report
+from loopcast.bench import BenchOptions, alternation, kernel_family, run_bench
+from loopcast.bench_report import format_table, write_report
 from loopcast.cli import main
 from loopcast.custom_ops.build import find_ort_include
 from loopcast.ort_runtime import load
