@@ -28,7 +28,9 @@ def test_tiny_report_on_cpu(tmp_path) -> None:
         kinds = {(s["kind"], s["rows"]) for s in run["steps"]}
         assert {("decode", 1), ("verify", 2), ("verify", 5), ("draft", 1), ("verify_tail", 5)} <= kinds
         assert all(s["uncaptured_ms"] > 0 and s["captured_ms"] is None for s in run["steps"])
-        assert set(run["end_to_end"]) == {"plain", "prompt-lookup", "self"}
+        assert set(run["end_to_end"]) == {"plain", "prompt-lookup", "self", "prompt-lookup (gate none)",
+                                          "self (gate none)"}
+        assert run["end_to_end"]["self"]["gate"] == "auto" and run["end_to_end"]["self"]["gate_reasons"]
         assert all(e["divergent_prompts"] == 0 for e in run["end_to_end"].values())
         if run["variant"] == "batch-invariant":
             rows = run["rows_identical"]

@@ -51,7 +51,5 @@ def test_bench_refusal_does_not_import_torch() -> None:
     assert _cli("bench", "demo", "--device", "cuda") == "exit=2 torch=False"
 
 
-@pytest.mark.xfail(strict=True, reason="exporter/checkpoint.py imports torch at module level until the "
-                   "torch-free checkpoint reader (issue 21) lands; then this passes and the mark goes")
 def test_inspect_a_checkpoint_does_not_import_torch() -> None:
     assert _cli("inspect", "demo") == "exit=0 torch=False"
