@@ -62,8 +62,9 @@ class SampledAcceptor:
 def sampled_stream(gen: Generator, ids: list[int], max_new_tokens: int, *, sampling: SamplingParams,
                    stop_ids: tuple[int, ...] = (), mode: str = "none", num_draft_tokens: int | None = None,
                    gate: str = "none", proposer=None, stats: GenerationStats | None = None,
-                   rng: np.random.Generator | None = None) -> Iterator[int]:
-    """Feed ``ids`` after the committed prefix and yield sampled tokens as they are committed."""
+                   acceptor: SampledAcceptor | None = None) -> Iterator[int]:
+    """Feed ``ids`` after the committed prefix and yield sampled tokens as they are committed.
+    ``acceptor`` replaces the default ``SampledAcceptor(sampling)`` (tests inject wrong rules)."""
     stats = stats if stats is not None else GenerationStats()
     if mode not in MODES:
         raise RequestError(f"unknown speculative mode {mode!r}; choose from {', '.join(MODES)}")
@@ -79,7 +80,7 @@ def sampled_stream(gen: Generator, ids: list[int], max_new_tokens: int, *, sampl
     k_max = _check_mode(gen, mode, num_draft_tokens, proposer)
     if mode == "prompt-lookup" and proposer is None:
         proposer = PromptLookupProposer()
-    acceptor = SampledAcceptor(sampling, rng)
+    acceptor = acceptor if acceptor is not None else SampledAcceptor(sampling)
     stats.prompt_tokens, stats.speculative, stats.gate = len(ids), mode, gate
     base, start = gen.n, time.perf_counter()
     counts0, secs0 = dict(gen.step_counts), dict(gen.step_seconds)
