@@ -157,8 +157,8 @@ def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | No
     given = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file),
                                       ("--prompt-ids", prompt_ids), ("--chat", chat or None)) if value is not None]
     if len(given) != 1:
-        raise RequestError("give exactly one of --prompt, --prompt-file, --prompt-ids and --chat"
-                           + (f" (got {', '.join(given)})" if given else ""))
+        raise RequestError("give exactly one of --prompt and --prompt-ids (or --prompt-file, or --chat)"
+                           + (f"; got {', '.join(given)}" if given else ""))
     if system is not None and not chat:
         raise RequestError("--system goes with --chat")
     if max_new_tokens < 0:
