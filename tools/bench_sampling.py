@@ -3,7 +3,7 @@
     python tools/bench_sampling.py            # prints a markdown table (docs/sampling.md)
 
 Times ``probabilities`` + ``sample`` on float32 logits rows of V = 32000, 49152 and 128256 for several
-settings (median of repeats, one thread as in the runtime), and the demo artifact's decode
+settings (median of 200 draws; numpy runs these ops on one thread), and the demo artifact's decode
 step on the same machine for scale.
 """
 
