@@ -136,3 +136,20 @@ def test_skip_special_tokens(demo) -> None:
     assert runner.invoke(main, args + ["--keep-special-tokens"]).output == kept.text + "\n"
     import json
     assert json.loads(runner.invoke(main, args + ["--json"]).output)["tokens"] == kept.tokens
+
+
+def test_eos_ids_from_generation_config(tmp_path) -> None:
+    from loopcast.errors import ArtifactError
+    from loopcast.ort_runtime.stopping import artifact_eos_ids
+
+    assert artifact_eos_ids(tmp_path, [2], 10) == (2,)  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7, 9]}')
+    assert artifact_eos_ids(tmp_path, [2], 10) == (2, 7, 9)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 5}')
+    assert artifact_eos_ids(tmp_path, [2], 10) == (2, 5)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 10]}')
+    with pytest.raises(ArtifactError, match="eos_token_id 10 is not a token id"):
+        artifact_eos_ids(tmp_path, [2], 10)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="generation_config.json: unreadable"):
+        artifact_eos_ids(tmp_path, [2], 10)
