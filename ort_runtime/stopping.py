@@ -21,8 +21,8 @@ class StopStringMatcher:
     """Feed text as it is decoded; get back the text safe to show, and whether a stop string
     ended the output (the returned text then ends just before it)."""
 
-    def __init__(self, stops: Iterable[str]) -> None:
-        self.stops = tuple(stops)
+    def __init__(self, stops: Iterable[str] | str) -> None:
+        self.stops = (stops,) if isinstance(stops, str) else tuple(stops)  # a bare string is one stop
         if any(not isinstance(s, str) or not s for s in self.stops):
             raise RequestError(f"stop strings must be non-empty strings, got {list(self.stops)!r}")
         self._held = ""

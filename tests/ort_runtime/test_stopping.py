@@ -38,6 +38,7 @@ def test_matcher_earliest_match_wins_and_flush_releases() -> None:
     assert not stopped and "".join(out) == "abcxy"
     assert trim_at_stop("a\n\nb", ["\n\n"]) == ("a", "\n\n")
     assert trim_at_stop("abc", ["z"]) == ("abc", None)
+    assert trim_at_stop("a\n\nb", "\n\n") == ("a", "\n\n")  # a bare string is one stop, not two
 
 
 def test_matcher_never_releases_part_of_a_match() -> None:
