@@ -238,3 +238,30 @@ def test_same_seed_same_draws() -> None:
 def test_invalid_params_are_refused(kwargs) -> None:
     with pytest.raises(RequestError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=0.7), dict(temperature=1.3, top_k=7), dict(top_p=0.8), dict(temperature=0.9, min_p=0.1),
+    dict(repetition_penalty=1.4), dict(temperature=0.6, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+])
+def test_probabilities_equal_transformers_processors(kwargs) -> None:
+    """The oracle: transformers' own logits processors, in generate()'s order."""
+    torch = pytest.importorskip("torch")
+    gen = pytest.importorskip("transformers.generation.logits_process")
+    sp = SamplingParams(**kwargs)
+    procs = gen.LogitsProcessorList()
+    if sp.repetition_penalty != 1.0:
+        procs.append(gen.RepetitionPenaltyLogitsProcessor(sp.repetition_penalty))
+    procs.append(gen.TemperatureLogitsWarper(sp.temperature))
+    if sp.top_k:
+        procs.append(gen.TopKLogitsWarper(sp.top_k))
+    if sp.top_p < 1:
+        procs.append(gen.TopPLogitsWarper(sp.top_p))
+    if sp.min_p:
+        procs.append(gen.MinPLogitsWarper(sp.min_p))
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        logits = (rng.standard_normal(300) * 2).astype(np.float32)
+        context = rng.integers(0, 300, 40)
+        ref = torch.softmax(procs(torch.tensor(context[None]), torch.tensor(logits[None]).double()), -1)[0].numpy()
+        np.testing.assert_allclose(probabilities(logits, sp, context), ref, rtol=1e-9, atol=1e-12)
