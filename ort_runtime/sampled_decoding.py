@@ -27,12 +27,13 @@ import numpy as np
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL
-from loopcast.ort_runtime.decoding import GenerationStats
+from loopcast.ort_runtime.decoding import GenerationStats, StepCosts
 from loopcast.ort_runtime.generator import Generator
 from loopcast.ort_runtime.sampling import SamplingParams, make_rng, probabilities, sample, speculative_accept
-from loopcast.ort_runtime.speculate import PromptLookupProposer
+from loopcast.ort_runtime.speculate import AlwaysGate, CostGate, HitDensityGate, PromptLookupProposer
 
 MODES = ("none", "prompt-lookup", "self")
+GATES = ("none", "hit-density", "cost")
 
 
 class SampledAcceptor:
@@ -84,10 +85,13 @@ def sampled_stream(gen: Generator, ids: list[int], max_new_tokens: int, *, sampl
     stats = stats if stats is not None else GenerationStats()
     if mode not in MODES:
         raise RequestError(f"unknown speculative mode {mode!r}; choose from {', '.join(MODES)}")
-    if gate != "none":
-        # The gates' cost model assumes greedy acceptance rates; not wired for sampling yet.
-        raise RequestError(f"--gate {gate} is not implemented with sampling; use --gate none "
-                           "(or --temperature 0 for greedy)")
+    if gate not in GATES:
+        raise RequestError(f"unknown gate {gate!r}; choose from {', '.join(GATES)}")
+    if gate == "cost" and sampling.seed is not None:
+        # Greedy tokens do not depend on which steps speculate; sampled ones do (the modes use
+        # the random stream differently), and the cost gate decides on measured times.
+        raise RequestError("--gate cost decides on measured step times, so seeded sampling would not be "
+                           "reproducible; use --gate hit-density or none with --seed (or drop --seed)")
     if max_new_tokens < 0:
         raise RequestError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not ids:
@@ -115,7 +119,8 @@ def sampled_stream(gen: Generator, ids: list[int], max_new_tokens: int, *, sampl
         finish("length")
         return
     try:
-        yield from _loop(gen, ids, max_new_tokens, stop_ids, mode, k_max, proposer, acceptor, stats, finish)
+        yield from _loop(gen, ids, max_new_tokens, stop_ids, mode, k_max, proposer, acceptor, stats, finish,
+                         _gate(gen, gate, mode, k_max))
     finally:
         if not stats.finish_reason:  # stopped early or failed mid-round: n back to the yielded tokens
             emitted = stats.new_tokens
@@ -138,6 +143,19 @@ def _check_mode(gen: Generator, mode: str, num_draft_tokens: int | None, propose
     return k
 
 
+def _gate(gen: Generator, name: str, mode: str, k_max: int):
+    """The greedy loop's gates, unchanged: whether a step speculates depends only on the past
+    (acceptances, would-hit counts, step costs), so every step keeps plain sampling's
+    distribution whichever way the gate goes. Host sampling time is not in the step costs."""
+    if mode == "none":
+        return None
+    if name == "hit-density":
+        return HitDensityGate(k_max)
+    if name == "cost":
+        return CostGate(k_max, StepCosts(gen, gen.model.manifest.draft_depth, mode))
+    return AlwaysGate(k_max)
+
+
 def _prefill(gen: Generator, ids: list[int]) -> np.ndarray:
     """Generator.prefill, keeping the last row's logits (a copy: the buffer is reused)."""
     out = gen.run(PREFILL, gen.n, tokens=ids, want_logits=True)
@@ -146,9 +164,9 @@ def _prefill(gen: Generator, ids: list[int]) -> np.ndarray:
 
 
 def _loop(gen: Generator, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], mode: str,
-          k_max: int, proposer, acceptor: SampledAcceptor, stats: GenerationStats, finish) -> Iterator[int]:
+          k_max: int, proposer, acceptor: SampledAcceptor, stats: GenerationStats, finish, gate) -> Iterator[int]:
     pending = acceptor.draw(_prefill(gen, ids), gen.tokens)
-    new_tokens, emitted = [pending], 0
+    new_tokens, emitted, step = [pending], 0, 0
     width = gen.rows(VERIFY_TAIL if mode == "self" else VERIFY) if mode != "none" else None
     while True:
         for token in new_tokens:
@@ -164,9 +182,11 @@ def _loop(gen: Generator, ids: list[int], max_new_tokens: int, stop_ids: tuple[i
         if gen.n >= gen.max_length:  # no room for the pending token's KV
             finish("length", emitted)
             return
+        step += 1
         new_tokens = None
-        if mode != "none" and gen.n + width <= gen.max_length:
-            k = min(k_max, max_new_tokens - emitted)
+        k = gate.engage(step) if gate is not None else None
+        if k and gen.n + width <= gen.max_length:
+            k = min(k, width - 1, max_new_tokens - emitted)
             if mode == "self":
                 outcome = self_draft_round(gen, acceptor, pending, k)
             else:
@@ -174,12 +194,17 @@ def _loop(gen: Generator, ids: list[int], max_new_tokens: int, stop_ids: tuple[i
             if outcome is not None:
                 new_tokens, proposed, accepted = outcome
                 _count(stats, proposed, accepted)
+                gate.observe(proposed, accepted, step=step)
         if new_tokens is None:
             context = gen.tokens + [pending]
+            guess = proposer.propose(context, 1) if gate is not None and mode == "prompt-lookup" else None
             out = gen.run(DECODE, gen.n, tokens=[pending], want_logits=True)
             gen.commit([pending])
             new_tokens = [acceptor.draw(out.logits[0], context)]
+            if guess is not None:  # free evidence for the gate, as in the greedy loop
+                gate.observe(0, 0, would_hit=bool(guess) and guess[0] == new_tokens[0], step=step)
         pending = new_tokens[-1]
+        stats.gate_transitions = getattr(gate, "transitions", 0)
 
 
 def prompt_lookup_round(gen: Generator, acceptor: SampledAcceptor, proposer, pending: int,

@@ -50,7 +50,9 @@ def test_sampling_options_are_seeded() -> None:
     (["--prompt", "x", "--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--prompt", "x", "--stop", ""], "stop strings must be non-empty"),
-    (["--prompt", "x", "--seed", "1", "--speculative", "self", "--gate", "cost"], "not implemented with sampling"),
+    (["--prompt", "x", "--seed", "1", "--speculative", "prompt-lookup", "--num-draft-tokens", "9"],
+     "--num-draft-tokens must be in 1..4"),
+    (["--prompt", "x", "--seed", "1", "--speculative", "self", "--gate", "cost"], "gate cost decides on measured"),
 ])
 def test_bad_options_are_one_error_line(args, fragment: str) -> None:
     result = CliRunner().invoke(main, ["generate", str(artifact("demo")), *args])
