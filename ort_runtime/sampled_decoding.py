@@ -102,6 +102,7 @@ def sampled_stream(gen: Generator, ids: list[int], max_new_tokens: int, *, sampl
         proposer = PromptLookupProposer()
     acceptor = acceptor if acceptor is not None else SampledAcceptor(sampling)
     stats.prompt_tokens, stats.speculative, stats.gate = len(ids), mode, gate
+    stats.finish_reason = ""  # a reused stats record must not make an early close skip the rewind
     base, start = gen.n, time.perf_counter()
     counts0, secs0 = dict(gen.step_counts), dict(gen.step_seconds)
 
