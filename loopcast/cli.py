@@ -117,12 +117,26 @@ def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, v
                f"ops {manifest.op_set}, exact speculation on {exact}{genai_note}")
 
 
-@main.command()
+_GENERATE_EPILOG = """\b
+Examples:
+  loopcast generate ART --prompt "def main():" --max-new-tokens 64 --stream
+  loopcast generate ART --chat "Write a haiku about loops" --system "You are terse." \\
+      --temperature 0.7 --top-p 0.9 --seed 0 --stop $'\\n\\n'
+  cat long_prompt.txt | loopcast generate ART --prompt - --json
+"""
+
+
+@main.command(epilog=_GENERATE_EPILOG)
 @click.argument("path")
 @click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", show_default=True,
               help="ort runs an exported artifact; torch runs the reference on a checkpoint dir.")
-@click.option("--prompt", help="Prompt text (needs the tokenizer).")
+@click.option("--prompt", help="Prompt text (needs the tokenizer); `-` reads it from stdin.")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Read the prompt text from this file (UTF-8).")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("--chat", "chat", multiple=True,
+              help="A user message, rendered with the artifact's chat template (repeatable: several user turns).")
+@click.option("--system", help="A system message before the --chat messages.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--speculative", type=click.Choice(["none", "prompt-lookup", "self"]), default="none",
@@ -131,37 +145,64 @@ def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, v
 @click.option("--draft-depth", type=int, default=None, help="Loops the self-draft runs (< R).")
 @click.option("--gate", type=click.Choice(["auto", "none", "hit-density", "cost"]), default="auto", show_default=True,
               help="When to speculate. auto: the cost gate calibrated on this device (stands down where "
-                   "speculation does not pay); none: every step.")
+                   "speculation does not pay; hit-density when sampling with a seed); none: every step.")
 @click.option("--allow-inexact", is_flag=True,
               help="Speculate even on an artifact whose verify rows are not bit-identical to its decode rows "
                    "on this device (tokens may then differ from plain greedy).")
+@click.option("--temperature", type=float, default=None,
+              help="Sample instead of greedy (any sampling option turns sampling on at temperature 1; 0 is greedy).")
+@click.option("--top-k", type=int, default=None, help="Sample from the k most likely tokens.")
+@click.option("--top-p", type=float, default=None, help="Sample from the most likely tokens of mass p.")
+@click.option("--min-p", type=float, default=None, help="Drop tokens below min-p times the top probability.")
+@click.option("--repetition-penalty", type=float, default=None, help="transformers' repetition penalty (> 1 discourages).")
+@click.option("--seed", type=int, default=None, help="Seed of the sampling RNG (same seed, same tokens).")
+@click.option("--stop", "stop", multiple=True, help="Stop when the text contains this string (repeatable); "
+                                                   "the text is cut before it.")
+@click.option("--skip-special-tokens/--keep-special-tokens", default=True, show_default=True,
+              help="Leave special tokens out of the printed text (token ids are never changed).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are committed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tokens, text, stats).")
 @_friendly_errors
-def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None, max_new_tokens: int,
-             device: str, speculative: str, num_draft_tokens: int | None, draft_depth: int | None,
-             gate: str, allow_inexact: bool, stream: bool, as_json: bool) -> None:
-    """Greedy generation from a prompt."""
+def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | None, prompt_ids: str | None,
+             chat: tuple[str, ...], system: str | None, max_new_tokens: int, device: str, speculative: str,
+             num_draft_tokens: int | None, draft_depth: int | None, gate: str, allow_inexact: bool,
+             temperature: float | None,
+             top_k: int | None, top_p: float | None, min_p: float | None, repetition_penalty: float | None,
+             seed: int | None, stop: tuple[str, ...], skip_special_tokens: bool, stream: bool,
+             as_json: bool) -> None:
+    """Generate from a prompt: greedy, or sampled with --temperature/--top-p/... ."""
     from loopcast.errors import RequestError
 
-    if (prompt is None) == (prompt_ids is None):
-        raise RequestError("give exactly one of --prompt and --prompt-ids")
+    given = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file),
+                                      ("--prompt-ids", prompt_ids), ("--chat", chat or None)) if value is not None]
+    if len(given) != 1:
+        raise RequestError("give exactly one of --prompt and --prompt-ids (or --prompt-file, or --chat)"
+                           + (f"; got {', '.join(given)}" if given else ""))
+    if system is not None and not chat:
+        raise RequestError("--system goes with --chat")
     if max_new_tokens < 0:
         raise RequestError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    prompt = _read_prompt(prompt, prompt_file)
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    sampling = _sampling_options(temperature, top_k, top_p, min_p, repetition_penalty, seed)
     if backend == "torch":
         if speculative != "none" or device != "cpu":
             raise RequestError("--backend torch runs plain greedy on the CPU only")
+        if chat or stop or sampling is not None:
+            raise RequestError("--backend torch runs plain greedy only (no --chat, --stop or sampling)")
         from loopcast.torch_extra import require_torch
         require_torch("--backend torch")
         from loopcast.exporter.torch_backend import generate_with_reference
         result = generate_with_reference(path, prompt, ids, max_new_tokens)
     else:
+        from loopcast.ort_runtime.chat import chat_messages
         from loopcast.ort_runtime.cli_generate import generate_with_ort
         result = generate_with_ort(path, prompt, ids, max_new_tokens, device=device,
                                    speculative=speculative, num_draft_tokens=num_draft_tokens,
                                    draft_depth=draft_depth, gate=gate, allow_inexact=allow_inexact,
-                                   on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None)
+                                   on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None,
+                                   messages=chat_messages(chat, system) if chat else None, stop=stop,
+                                   sampling=sampling, skip_special_tokens=skip_special_tokens)
     if as_json:
         click.echo(json.dumps(result))
     elif not stream:
@@ -169,6 +210,32 @@ def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None
                    ",".join(str(t) for t in result["tokens"]))
     else:
         click.echo()
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
+    """--prompt TEXT, --prompt - (stdin) or --prompt-file PATH → the prompt text."""
+    from loopcast.errors import RequestError
+
+    try:
+        if prompt_file is not None:
+            return prompt_file.read_text(encoding="utf-8")
+        if prompt == "-":
+            return sys.stdin.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RequestError(f"--prompt-file {prompt_file}: cannot read it ({exc})" if prompt_file is not None
+                           else f"--prompt -: cannot read stdin ({exc})") from None
+    return prompt
+
+
+def _sampling_options(temperature, top_k, top_p, min_p, repetition_penalty, seed):
+    """SamplingParams when any sampling option is given, else None (greedy)."""
+    values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                  repetition_penalty=repetition_penalty, seed=seed)
+    given = {k: v for k, v in values.items() if v is not None}
+    if not given:
+        return None
+    from loopcast.ort_runtime.sampling import SamplingParams
+    return SamplingParams(**given)
 
 
 @main.command()

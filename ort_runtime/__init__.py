@@ -4,5 +4,6 @@
 """
 
 from loopcast.ort_runtime.api import GenerationResult, LoopcastModel, StreamPiece, load
+from loopcast.ort_runtime.sampling import SamplingParams
 
-__all__ = ["GenerationResult", "LoopcastModel", "StreamPiece", "load"]
+__all__ = ["GenerationResult", "LoopcastModel", "SamplingParams", "StreamPiece", "load"]

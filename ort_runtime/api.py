@@ -5,19 +5,33 @@
     result = model.generate("def main():", max_new_tokens=64, speculative="prompt-lookup")
     for piece in model.stream("def main():", max_new_tokens=64):
         print(piece.text, end="")
+    chat = model.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=64,
+                          sampling=SamplingParams(temperature=0.7, top_p=0.9, seed=0),
+                          stop=["\n\n"], skip_special_tokens=True)
+
+``messages`` goes through the artifact's chat template (ort_runtime/chat.py) with the generation
+prompt added; ``sampling`` (ort_runtime/sampling.py) draws tokens instead of taking the argmax
+(None or temperature 0: greedy, byte-identical to before); ``stop`` strings end the output on
+the decoded text, which is cut before them (finish reason "stop", ort_runtime/stopping.py);
+``skip_special_tokens`` drops special tokens from the text (the token ids are unchanged).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from loopcast.errors import RequestError
 from loopcast.ort_runtime.artifact import LoadedModel, open_artifact
 from loopcast.ort_runtime.accept import TieGuard
+from loopcast.ort_runtime.chat import ChatTemplate, load_chat_template
 from loopcast.ort_runtime.generator import Generator
-from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.sampled_decoding import sampled_stream
+from loopcast.ort_runtime.sampling import SamplingParams
+from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, require_exact, stream
+from loopcast.ort_runtime.stopping import StopStringMatcher, artifact_eos_ids, trim_at_stop
 
 
 @dataclass(frozen=True)
@@ -30,8 +44,9 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class StreamPiece:
-    token: int
-    text: str          # newly decodable text ("" while a multi-byte character is incomplete)
+    token: int | None  # None only for a last piece that releases text held back for stop strings
+    text: str          # newly decodable text ("" while a multi-byte character is incomplete or
+                       # while the text could be the start of a stop string)
 
 
 class LoopcastModel:
@@ -40,6 +55,8 @@ class LoopcastModel:
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self._default: Generator | None = None
+        self._eos: tuple[int, ...] | None = None
+        self._chat: tuple[ChatTemplate | None] | None = None
 
     @property
     def config(self):
@@ -59,13 +76,44 @@ class LoopcastModel:
             return self.tokenizer.encode(prompt).ids
         return [int(t) for t in prompt]
 
-    def decode(self, ids: list[int]) -> str | None:
-        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str | None:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if self.tokenizer is not None else None
 
-    def stream_ids(self, prompt: str | list[int], max_new_tokens: int = 64, *, stop_ids=None,
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every EOS id of the artifact: the manifest's and generation_config.json's."""
+        if self._eos is None:
+            self._eos = artifact_eos_ids(self.loaded.path, self.loaded.eos_token_ids, self.config.vocab_size)
+        return self._eos
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        if self._chat is None:
+            self._chat = (load_chat_template(self.loaded.path),)
+        return self._chat[0]
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered by the artifact's chat template (as transformers'
+        ``apply_chat_template(messages, add_generation_prompt=True)``)."""
+        template = self.chat_template
+        if template is None:
+            raise RequestError(f"{self.loaded.path}: no chat template (tokenizer_config.json has no "
+                               "chat_template and there is no chat_template.jinja); pass a plain prompt")
+        if self.tokenizer is None:
+            raise RequestError(f"{self.loaded.path}: no tokenizer.json; a chat prompt needs the tokenizer")
+        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _prompt_ids(self, prompt, messages) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise RequestError("give exactly one of a prompt and messages")
+        return self.apply_chat_template(messages) if messages is not None else self.encode(prompt)
+
+    def stream_ids(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, *, stop_ids=None,
                    speculative: str = "none", num_draft_tokens: int | None = None, gate: str = "auto",
                    tie_guard: TieGuard | None = None, proposer=None, allow_inexact: bool = False,
-                   generator: Generator | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
+                   generator: Generator | None = None, stats: GenerationStats | None = None,
+                   messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None) -> Iterator[int]:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
         (then the prompt continues after its committed prefix).
 
@@ -74,34 +122,83 @@ class LoopcastModel:
         "hit-density" or "none" (always speculate). Speculation is refused on an artifact whose
         verify rows are not bit-identical to its decode rows on this device unless
         ``allow_inexact=True``."""
-        ids = self.encode(prompt)
+        ids = self._prompt_ids(prompt, messages)
         if generator is None:
             if self._default is None:
                 self._default = self.new_generator()
             generator = self._default
             generator.rewind(0)
-        stops = tuple(self.loaded.eos_token_ids if stop_ids is None else stop_ids)
+        stops = tuple(self.eos_token_ids if stop_ids is None else stop_ids)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise RequestError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        if sampling is not None and not sampling.greedy:
+            if speculative != "none":
+                require_exact(generator, allow_inexact)
+            return sampled_stream(generator, ids, max_new_tokens, sampling=sampling, stop_ids=stops,
+                                  mode=speculative, num_draft_tokens=num_draft_tokens, gate=gate,
+                                  proposer=proposer, stats=stats)
         spec = SpeculationConfig(speculative, num_draft_tokens, gate, tie_guard=tie_guard or TieGuard(),
                                  proposer=proposer, allow_inexact=allow_inexact)
         return stream(generator, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats)
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 64, **kwargs) -> Iterator[StreamPiece]:
-        """Yield each committed token with the text it completes (UTF-8 safe)."""
+    def stream(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, *,
+               stop: Sequence[str] | None = None, skip_special_tokens: bool = False,
+               **kwargs) -> Iterator[StreamPiece]:
+        """Yield each committed token with the text it completes (UTF-8 safe). With ``stop``
+        strings, text that could start one is held back until the next tokens decide, and the
+        stream ends at a match (the text cut before it, finish reason "stop")."""
+        if stop and self.tokenizer is None:
+            raise RequestError(f"{self.loaded.path}: stop strings need the tokenizer (tokenizer.json)")
+        matcher = StopStringMatcher(stop) if stop else None
+        stats = kwargs.pop("stats", None) or GenerationStats()
+        start = time.perf_counter()
+        tokens = self.stream_ids(prompt, max_new_tokens, stats=stats, **kwargs)
         produced: list[int] = []
         shown = ""
-        for token in self.stream_ids(prompt, max_new_tokens, **kwargs):
-            produced.append(token)
-            text = self.decode(produced) or ""
-            if text.endswith("\ufffd"):  # a byte-level token split a character: wait for the rest
-                yield StreamPiece(token, "")
-                continue
-            yield StreamPiece(token, text[len(shown):])
-            shown = text
+        try:
+            for token in tokens:
+                produced.append(token)
+                text = self.decode(produced, skip_special_tokens) or ""
+                if text.endswith("\ufffd"):  # a byte-level token split a character: wait for the rest
+                    yield StreamPiece(token, "")
+                    continue
+                delta, shown = text[len(shown):], text
+                if matcher is None:
+                    yield StreamPiece(token, delta)
+                    continue
+                visible = matcher.feed(delta)
+                if matcher.stopped:
+                    # Closing the token stream rewinds the generator to the yielded tokens.
+                    tokens.close()
+                    _finish_on_stop(stats, start)
+                    yield StreamPiece(token, visible)
+                    return
+                yield StreamPiece(token, visible)
+            if matcher is not None and (rest := matcher.flush()):
+                yield StreamPiece(None, rest)
+        finally:
+            tokens.close()
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 64, **kwargs) -> GenerationResult:
-        stats = GenerationStats()
+    def generate(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, *,
+                 stop: Sequence[str] | None = None, skip_special_tokens: bool = False,
+                 **kwargs) -> GenerationResult:
+        stats = kwargs.pop("stats", None) or GenerationStats()
+        if stop:
+            tokens = [p.token for p in self.stream(prompt, max_new_tokens, stats=stats, stop=stop,
+                                                   skip_special_tokens=skip_special_tokens, **kwargs)
+                      if p.token is not None]
+            text, _ = trim_at_stop(self.decode(tokens, skip_special_tokens), stop)
+            return GenerationResult(tokens, text, stats.finish_reason, stats)
         tokens = list(self.stream_ids(prompt, max_new_tokens, stats=stats, **kwargs))
-        return GenerationResult(tokens, self.decode(tokens), stats.finish_reason, stats)
+        return GenerationResult(tokens, self.decode(tokens, skip_special_tokens), stats.finish_reason, stats)
+
+
+def _finish_on_stop(stats: GenerationStats, start: float) -> None:
+    """Stats of a run that a stop string ended (the decoding loop never saw its end)."""
+    stats.finish_reason = "stop"
+    stats.seconds = time.perf_counter() - start
+    stats.tokens_per_second = stats.new_tokens / stats.seconds if stats.seconds > 0 else 0.0
+    stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
 
 
 def load(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,

@@ -126,18 +126,23 @@ def _plan(gen: Generator, spec: SpeculationConfig) -> _Plan | None:
         raise RequestError(f"speculative mode {spec.mode!r} needs the {' and '.join(strategy.kinds)} graphs; "
                            f"this artifact lacks {', '.join(missing)}"
                            + (" (self-speculation needs a looped model, R > 1)" if proposer.drafts_hidden else ""))
-    exact = gen.model.exact_verify
-    if not exact and not spec.allow_inexact:
-        raise RequestError(
-            f"speculation is not exact on this artifact on {gen.model.device}: its verify rows are not "
-            "bit-identical to its decode rows (manifest exact_verify), so speculative tokens could differ "
-            "from plain greedy; re-export with --batch-invariant (or --target cuda), or pass "
-            "--allow-inexact / allow_inexact=True to accept that")
+    require_exact(gen, spec.allow_inexact)
     k_max = strategy.max_drafts(gen)
     k = spec.num_draft_tokens if spec.num_draft_tokens is not None else k_max
     if not 1 <= k <= k_max:
         raise RequestError(f"--num-draft-tokens must be in 1..{k_max} (verify width {k_max + 1}), got {k}")
     return _Plan(proposer, strategy, k, k_max + 1)
+
+
+def require_exact(gen: Generator, allow_inexact: bool) -> None:
+    """Speculation only where the artifact declares verify rows == decode rows on this device,
+    unless the caller accepts tokens that may differ from plain decoding."""
+    if not gen.model.exact_verify and not allow_inexact:
+        raise RequestError(
+            f"speculation is not exact on this artifact on {gen.model.device}: its verify rows are not "
+            "bit-identical to its decode rows (manifest exact_verify), so speculative tokens could differ "
+            "from plain greedy; re-export with --batch-invariant (or --target cuda), or pass "
+            "--allow-inexact / allow_inexact=True to accept that")
 
 
 def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tuple[int, ...] = (),
