@@ -1,11 +1,12 @@
 """Sampled decoding: plain, and lossless speculative rounds (prompt lookup, self-speculation).
 
-Kept apart from the greedy loop (ort_runtime/decoding.py) so that it can move into the one
-speculation engine as an *acceptor* strategy: ``SampledAcceptor`` replaces ``greedy_accept``
+Kept apart from the greedy engine's loop (ort_runtime/speculate.py), whose gates, proposers,
+verify graphs and exactness rule it uses; the next step folds it into that loop as an *acceptor*
+strategy: ``SampledAcceptor`` replaces ``greedy_accept``
 (it turns logits rows into processed distributions and applies the rejection rule of
 ort_runtime/sampling.py), and the two round functions are the greedy rounds with that acceptor.
 
-Finish semantics are decoding.stream's: "eos" (a stop id, yielded) or "length"; on finish
+Finish semantics are speculate.stream's: "eos" (a stop id, yielded) or "length"; on finish
 ``n`` covers the prefix, the input and every yielded token but the last (pending, no KV); a
 consumer that stops early leaves ``n`` the same way.
 

@@ -12,7 +12,7 @@ import pytest
 from loopcast.errors import RequestError
 from loopcast.manifest import PREFILL
 from loopcast.ort_runtime import SamplingParams, load
-from loopcast.ort_runtime.decoding import GenerationStats
+from loopcast.ort_runtime.speculate import GenerationStats
 from loopcast.ort_runtime.sampled_decoding import SampledAcceptor, sampled_stream
 from loopcast.ort_runtime.sampling import probabilities, sample
 from tests.artifacts import artifact
