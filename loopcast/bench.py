@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
+from loopcast.ort_runtime.exactness import decode_rows
 
 BENCH_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -148,20 +149,6 @@ def decode_with_env(art: Path, device: str, past: int, iters: int, name: str, va
 def _captured(ms: float, slot: dict | None) -> float | None:
     """A time counts as captured only if the slot captured and never fell back."""
     return ms if slot is not None and slot["captures"] and slot["failure"] is None else None
-
-
-def decode_rows(gen, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """Prefill ``prompt`` on ``gen``, then plain M=1 greedy decode for ``steps`` steps: the fed
-    tokens and a copy of each step's logits row (the rows a verify step must reproduce)."""
-    token = gen.prefill(prompt)
-    fed, rows = [], []
-    for _ in range(steps):
-        out = gen.run(DECODE, gen.n, tokens=[token])
-        fed.append(token)
-        rows.append(out.logits[0].copy())
-        gen.commit([token])
-        token = int(out.next_ids[0])
-    return fed, rows
 
 
 def rows_identical(model, prompts: list[list[int]]) -> dict:

@@ -16,8 +16,9 @@ import numpy as np
 from loopcast.manifest import DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL
 
 
-def _decode_rows(gen, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
-    """Plain M=1 decode: the fed tokens and each step's logits row."""
+def decode_rows(gen, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Prefill ``prompt`` on ``gen``, then plain M=1 greedy decode for ``steps`` steps: the fed
+    tokens and a copy of each step's logits row (the rows a verify step must reproduce)."""
     pending = gen.prefill(prompt)
     fed, rows = [], []
     for _ in range(steps):
@@ -45,7 +46,7 @@ def rows_match_on_cpu(artifact_dir: str | Path, *, prompt_lengths: tuple[int, ..
         if length + width + 1 > model.manifest.max_length:
             continue
         prompt = rng.integers(0, model.config.vocab_size, length).tolist()
-        fed, rows = _decode_rows(Generator(model), prompt, width)
+        fed, rows = decode_rows(Generator(model), prompt, width)
         gen = Generator(model)
         gen.prefill(prompt)
         out = gen.run(VERIFY, gen.n, tokens=fed)

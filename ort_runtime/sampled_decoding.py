@@ -21,7 +21,6 @@ round's invariant, unchanged by sampling).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -32,7 +31,7 @@ from loopcast.ort_runtime.gates import GATES, AlwaysGate, CostGate, HitDensityGa
 from loopcast.ort_runtime.generator import Generator
 from loopcast.ort_runtime.proposers import PromptLookupProposer
 from loopcast.ort_runtime.sampling import SamplingParams, make_rng, probabilities, sample, speculative_accept
-from loopcast.ort_runtime.speculate import GenerationStats
+from loopcast.ort_runtime.speculate import Finisher, GenerationStats
 from loopcast.ort_runtime.verifiers import DraftTail, VerifyRows
 
 MODES = ("none", "prompt-lookup", "self")
@@ -104,20 +103,7 @@ def sampled_stream(gen: Generator, ids: list[int], max_new_tokens: int, *, sampl
         proposer = PromptLookupProposer()
     acceptor = acceptor if acceptor is not None else SampledAcceptor(sampling)
     stats.prompt_tokens, stats.speculative, stats.gate = len(ids), mode, gate
-    stats.finish_reason = ""  # a reused stats record must not make an early close skip the rewind
-    base, start = gen.n, time.perf_counter()
-    counts0, secs0 = dict(gen.step_counts), dict(gen.step_seconds)
-
-    def finish(reason: str, emitted: int = 0) -> None:
-        stats.finish_reason = reason
-        gen.rewind(min(gen.n, base + len(ids) + emitted - 1))
-        stats.seconds = time.perf_counter() - start
-        stats.new_tokens = emitted
-        stats.tokens_per_second = emitted / stats.seconds if stats.seconds > 0 else 0.0
-        stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
-        stats.steps = {k: gen.step_counts[k] - counts0.get(k, 0) for k in gen.step_counts}
-        stats.step_seconds = {k: gen.step_seconds[k] - secs0.get(k, 0.0) for k in gen.step_seconds}
-
+    finish = Finisher(gen, stats, len(ids))
     if max_new_tokens == 0:
         finish("length")
         return
@@ -125,9 +111,7 @@ def sampled_stream(gen: Generator, ids: list[int], max_new_tokens: int, *, sampl
         yield from _loop(gen, ids, max_new_tokens, stop_ids, mode, k_max, proposer, acceptor, stats, finish,
                          _gate(gen, gate, mode, k_max))
     finally:
-        if not stats.finish_reason:  # stopped early or failed mid-round: n back to the yielded tokens
-            emitted = stats.new_tokens
-            gen.rewind(min(gen.n, base + len(ids) + emitted - 1) if emitted else base)
+        finish.abandoned()
 
 
 def _check_mode(gen: Generator, mode: str, num_draft_tokens: int | None, proposer) -> int:

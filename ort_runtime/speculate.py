@@ -164,31 +164,44 @@ def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tup
         spec.mode if spec.mode != "none" else "custom")
     stats.exact_verify = gen.model.exact_verify
     stats.exact_greedy = plan is None or stats.exact_verify
-    base = gen.n
-    start = time.perf_counter()
-    counts0, secs0 = dict(gen.step_counts), dict(gen.step_seconds)
-
-    def finish(reason: str, emitted: int = 0) -> None:
-        stats.finish_reason = reason
-        gen.rewind(min(gen.n, base + len(ids) + emitted - 1))
-        stats.seconds = time.perf_counter() - start
-        stats.new_tokens = emitted
-        stats.tokens_per_second = emitted / stats.seconds if stats.seconds > 0 else 0.0
-        stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
-        stats.steps = {k: gen.step_counts[k] - counts0.get(k, 0) for k in gen.step_counts}
-        stats.step_seconds = {k: gen.step_seconds[k] - secs0.get(k, 0.0) for k in gen.step_seconds}
-
+    finish = Finisher(gen, stats, len(ids))
     if max_new_tokens == 0:
         finish("length")
         return
     try:
         yield from _Engine(gen, spec, plan, stats).run(ids, max_new_tokens, stop_ids, finish)
     finally:
-        # A consumer that stops early (close(), break) or an error mid-round must not leave
-        # ``n`` past the yielded tokens: rounds commit drafts before yielding them.
-        if not stats.finish_reason:
-            emitted = stats.new_tokens
-            gen.rewind(min(gen.n, base + len(ids) + emitted - 1) if emitted else base)
+        finish.abandoned()
+
+
+class Finisher:
+    """Ends a generation: sets ``n`` to what plain decoding leaves (the prefix, the input and
+    every yielded token but the last, which is pending) and fills in the stats. Shared by the
+    greedy and the sampled loops."""
+
+    def __init__(self, gen: Generator, stats: GenerationStats, input_len: int) -> None:
+        self.gen, self.stats, self.input_len = gen, stats, input_len
+        self.base, self.start = gen.n, time.perf_counter()
+        self.counts0, self.secs0 = dict(gen.step_counts), dict(gen.step_seconds)
+        stats.finish_reason = ""  # a reused stats record must not make an early close skip the rewind
+
+    def __call__(self, reason: str, emitted: int = 0) -> None:
+        gen, stats = self.gen, self.stats
+        stats.finish_reason = reason
+        gen.rewind(min(gen.n, self.base + self.input_len + emitted - 1))
+        stats.seconds = time.perf_counter() - self.start
+        stats.new_tokens = emitted
+        stats.tokens_per_second = emitted / stats.seconds if stats.seconds > 0 else 0.0
+        stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
+        stats.steps = {k: gen.step_counts[k] - self.counts0.get(k, 0) for k in gen.step_counts}
+        stats.step_seconds = {k: gen.step_seconds[k] - self.secs0.get(k, 0.0) for k in gen.step_seconds}
+
+    def abandoned(self) -> None:
+        """A consumer that stops early (close(), break) or an error mid-round must not leave
+        ``n`` past the yielded tokens: rounds commit drafts before yielding them."""
+        if not self.stats.finish_reason:
+            emitted = self.stats.new_tokens
+            self.gen.rewind(min(self.gen.n, self.base + self.input_len + emitted - 1) if emitted else self.base)
 
 
 class _Engine:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from loopcast.bench import decode_rows
+from loopcast.ort_runtime.exactness import decode_rows
 from loopcast.custom_ops.build import find_ort_include
 from loopcast.manifest import DRAFT, VERIFY, VERIFY_TAIL, Manifest
 from loopcast.ort_runtime import load

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from loopcast.bench import decode_rows
+from loopcast.ort_runtime.exactness import decode_rows
 from loopcast.errors import ArtifactError
 from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
 from loopcast.ort_runtime import load
