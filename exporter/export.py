@@ -101,6 +101,11 @@ def custom_op_library() -> Path:
             build.build_library(out)
         except Exception as exc:
             raise ExportError(f"--batch-invariant needs the custom-op library: {exc}") from None
+    else:
+        # Built before hashes were recorded (or the registry was deleted): it is still this
+        # user's own build, so artifacts carrying it load without --trust-ops (docs/trust.md).
+        from loopcast.ops_trust import record_local_build
+        record_local_build(library)
     return library
 
 
@@ -135,7 +140,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: Expo
         raise ExportError(f"{out}: cannot create the output directory ({exc.strerror})") from None
     staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
     try:
-        manifest = _write_artifact(checkpoint_dir, config, opts, staging, progress)
+        manifest = _with_file_records(_write_artifact(checkpoint_dir, config, opts, staging, progress), staging)
         _swap_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -267,13 +272,30 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
                                      batch_invariant=bool(manifest.custom_ops))
             ir.save(model, staging / spec.file)
             graphs[plan.kind] = spec
-        derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width})
-        (staging / MANIFEST_FILE).write_text(derived.to_json())
+        derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width, "files": {}})
+        derived = _with_file_records(derived, staging)
         _swap_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return derived
+
+
+def _with_file_records(manifest: Manifest, staging: Path) -> Manifest:
+    """Record size and SHA-256 of every file the manifest names and (re)write manifest.json:
+    loading checks the sizes, ``inspect --verify`` the hashes, and the runtime loads the op
+    library only if its hash matches (docs/trust.md)."""
+    import dataclasses
+
+    from loopcast.manifest import FileRecord, sha256_file
+
+    names = [spec.file for spec in manifest.graphs.values()] + [manifest.weights_file, *manifest.tokenizer_files]
+    if manifest.custom_op_library:
+        names.append(manifest.custom_op_library)
+    files = {name: FileRecord((staging / name).stat().st_size, sha256_file(staging / name)) for name in names}
+    recorded = dataclasses.replace(manifest, files=files)
+    (staging / MANIFEST_FILE).write_text(recorded.to_json())
+    return recorded
 
 
 def _checked(read):

@@ -42,13 +42,17 @@ def main() -> None:
 
 @main.command()
 @click.argument("path")
+@click.option("--verify", is_flag=True, help="Artifact: also check the SHA-256 of every file the manifest records.")
 @_friendly_errors
-def inspect(path: str) -> None:
+def inspect(path: str, verify: bool) -> None:
     """Explain a checkpoint directory (or `demo`) or an exported artifact."""
     if (Path(path) / "manifest.json").is_file():
         from loopcast.ort_runtime.artifact import describe_artifact
-        click.echo(describe_artifact(Path(path)))
+        click.echo(describe_artifact(Path(path), verify=verify))
         return
+    if verify:
+        from loopcast.errors import RequestError
+        raise RequestError(f"{path}: --verify checks an exported artifact; this is not one (no manifest.json)")
     from loopcast.exporter.inspect_checkpoint import describe_checkpoint
     click.echo(describe_checkpoint(path))
 
