@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,12 +35,44 @@ class StreamPiece:
     text: str          # newly decodable text ("" while a multi-byte character is incomplete)
 
 
+class _GeneratorPool:
+    """Idle generators for the convenience methods. A call checks one out (making a new one when
+    none is idle) and gives it back when its stream ends, fails or is closed, so no two calls
+    ever share KV buffers or IO bindings. At most ``keep`` idle ones are kept: a generator owns
+    KV buffers of the full max length, so a burst of threads must not pin them all forever."""
+
+    def __init__(self, factory, keep: int = 2) -> None:
+        self._factory, self._keep = factory, keep
+        self._idle: list[Generator] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> Generator:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._factory()  # outside the lock: allocating KV buffers can take a while
+
+    def give(self, generator: Generator) -> None:
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(generator)
+
+
 class LoopcastModel:
-    """A loaded artifact plus a default generator; make more with :meth:`new_generator`."""
+    """A loaded artifact; make generators with :meth:`new_generator`.
+
+    Concurrency: ``generate``, ``stream`` and ``stream_ids`` without ``generator=`` may be
+    called from several threads at once and their streams may be interleaved: each call takes
+    its own generator from a small pool and returns it when the stream is exhausted or closed
+    (an abandoned stream keeps its generator until it is garbage-collected). A generator passed
+    as ``generator=`` (or from :meth:`new_generator`) is one sequence's state: use it from one
+    thread and one stream at a time. A ``tie_guard`` or ``proposer`` object passed in is the
+    caller's and is shared if the caller shares it.
+    """
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
-        self._default: Generator | None = None
+        self._pool = _GeneratorPool(self.new_generator)
 
     @property
     def config(self):
@@ -74,14 +107,24 @@ class LoopcastModel:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
         (then the prompt continues after its committed prefix)."""
         ids = self.encode(prompt)
-        if generator is None:
-            if self._default is None:
-                self._default = self.new_generator()
-            generator = self._default
-            generator.rewind(0)
         stops = tuple(self.loaded.eos_token_ids if stop_ids is None else stop_ids)
         spec = self._spec(speculative, num_draft_tokens, gate, tie_guard, proposer)
-        return stream(generator, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats)
+        if generator is not None:
+            return stream(generator, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats)
+        pooled = self._pool.take()
+        try:
+            pooled.rewind(0)
+            tokens = stream(pooled, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats)
+        except BaseException:
+            self._pool.give(pooled)  # a rejected request leaves the generator as it found it
+            raise
+        return self._returning(tokens, pooled)
+
+    def _returning(self, tokens: Iterator[int], pooled: Generator) -> Iterator[int]:
+        try:
+            yield from tokens
+        finally:
+            self._pool.give(pooled)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 64, **kwargs) -> Iterator[StreamPiece]:
         """Yield each committed token with the text it completes (UTF-8 safe)."""

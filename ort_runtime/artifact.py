@@ -29,6 +29,7 @@ at one fixed position only.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,9 @@ class LoadedModel:
     _graph_ids: dict[str, int] = field(default_factory=dict, repr=False)
     _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
     _session_factory: object = field(default=None, repr=False)
+    # Generators may be made from several threads (LoopcastModel's pool): ids and lazily made
+    # eager sessions are handed out under this lock. ORT sessions themselves are thread-safe.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def config(self):
@@ -70,16 +74,18 @@ class LoadedModel:
 
     def allocate_graph_id(self, kind: str) -> int:
         """A fresh ``gpu_graph_id`` of ``kind``'s session (ids start at 1; -1 means uncaptured)."""
-        self._graph_ids[kind] = self._graph_ids.get(kind, 0) + 1
-        return self._graph_ids[kind]
+        with self._lock:
+            self._graph_ids[kind] = self._graph_ids.get(kind, 0) + 1
+            return self._graph_ids[kind]
 
     def eager_session(self, kind: str) -> ort.InferenceSession:
         """An uncaptured session of ``kind``, for slots whose capture failed (made on first use)."""
         if kind not in self.graph_kinds:
             return self.sessions[kind]
-        if kind not in self._eager:
-            self._eager[kind] = self._session_factory(kind, False)
-        return self._eager[kind]
+        with self._lock:
+            if kind not in self._eager:
+                self._eager[kind] = self._session_factory(kind, False)
+            return self._eager[kind]
 
 
 def _session_options(library: Path | None, threads: int | None, share_weights: bool) -> ort.SessionOptions:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -62,8 +63,12 @@ def test_missing_graph_file(tmp_path: Path) -> None:
 
 def test_corrupt_graph_file(tmp_path: Path) -> None:
     path = _copy(tmp_path)
-    (path / "verify.onnx").write_bytes(b"\x00garbage")
+    size = (path / "verify.onnx").stat().st_size
+    (path / "verify.onnx").write_bytes(b"\x00garbage".ljust(size, b"\xff"))  # same size: past the size check
     with pytest.raises(ArtifactError, match="could not load the 'verify' graph"):
+        load(path)
+    (path / "verify.onnx").write_bytes(b"\x00garbage")
+    with pytest.raises(ArtifactError, match="verify.onnx.*has 8 bytes, the manifest records"):
         load(path)
 
 
@@ -77,9 +82,19 @@ def test_missing_weights(tmp_path: Path) -> None:
 def test_custom_op_library_that_cannot_load(tmp_path: Path) -> None:
     path = _copy(tmp_path)
     (path / "libbroken.so").write_bytes(b"not an ELF file")
-    _edit_manifest(path, custom_op_library="libbroken.so", custom_ops=["BatchInvariantMatMul"])
+    raw = json.loads((path / "manifest.json").read_text())
+    files = {**raw["files"], "libbroken.so": {"size": 15, "sha256": hashlib.sha256(b"not an ELF file").hexdigest()}}
+    _edit_manifest(path, custom_op_library="libbroken.so", custom_ops=["BatchInvariantMatMul"], files=files)
+    # The stock graphs use no loopcast-domain node, so the library is not needed and not loaded.
+    load(path)
     with pytest.raises(ArtifactError, match="custom-op library could not be loaded"):
-        load(path)
+        _load_library(path, "libbroken.so")
+
+
+def _load_library(path: Path, name: str) -> None:
+    """Register a library the way a session would, past the trust rule (trust_ops)."""
+    from loopcast.ort_runtime.artifact import _session_options
+    _session_options(path / name, None, False)
 
 
 @pytest.fixture(scope="module")
