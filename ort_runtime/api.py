@@ -147,11 +147,13 @@ class LoopcastModel:
 
 def load(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
          share_weights: bool = False, cuda_graphs: bool | str = True,
-         kinds: tuple[str, ...] | None = None) -> LoopcastModel:
+         kinds: tuple[str, ...] | None = None, trust_ops: bool = False) -> LoopcastModel:
     """Open an artifact. ``share_weights`` keeps one resident copy of the weights for all
     graph kinds at the cost of slower multi-row steps (see ort_runtime/artifact.py).
     On CUDA the fixed-width kinds of ``--batch-invariant`` artifacts run as captured CUDA graphs
     unless ``cuda_graphs=False`` (stock graphs run eagerly: see ort_runtime/artifact.py);
-    ``kinds`` opens only those graph kinds (prefill is always needed to generate)."""
+    ``kinds`` opens only those graph kinds (prefill is always needed to generate).
+    ``trust_ops=True`` lets the artifact's custom-op library load even when it is not one you
+    built (loading native code runs it: docs/trust.md)."""
     return LoopcastModel(open_artifact(artifact_dir, device, threads=threads, share_weights=share_weights,
-                                       cuda_graphs=cuda_graphs, kinds=kinds))
+                                       cuda_graphs=cuda_graphs, kinds=kinds, trust_ops=trust_ops))
