@@ -27,14 +27,40 @@ def _friendly_errors(func):
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        from loopcast.errors import RequestError
-        raise RequestError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    """Token ids separated by commas ("1,2,3", "1, 2, 3") or by whitespace ("1 2 3"). A piece
+    that is not one integer (e.g. "1 2,3": is it 1,2,3 or 12,3?) is refused, never guessed."""
+    import re
+
+    from loopcast.errors import RequestError
+
+    pieces = [p.strip() for p in text.split(",")] if "," in text else text.split()
+    if text.strip() and not all(re.fullmatch(r"-?[0-9]+", p) for p in pieces):
+        raise RequestError(f"--prompt-ids must be integers separated by commas or by spaces (not both, "
+                           f"no empty entries), got {text!r}")
+    return [int(p) for p in pieces if p]
 
 
-@click.group()
+class _OneLineErrors(click.Group):
+    """Click's own usage errors (unknown option, bad value, missing argument) become the same one
+    ``error:`` line and exit status 2 as the LoopcastError family, instead of a usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            click.echo(f"error: {exc.format_message()}{where}", err=True)
+            sys.exit(2)
+        except click.exceptions.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLineErrors)
 @click.version_option(package_name="loopcast")
 def main() -> None:
     """Export looped transformers to ONNX and run them with ONNX Runtime."""
@@ -75,8 +101,15 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     config = PRESETS[preset]
-    path = write_random_checkpoint(config, out_dir, seed=seed, dtype=DTYPES[dtype],
-                                   max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+    if max_shard_mb is not None and max_shard_mb < 1:
+        raise ConfigError(f"--max-shard-mb must be >= 1, got {max_shard_mb}")
+    try:
+        path = write_random_checkpoint(config, out_dir, seed=seed, dtype=DTYPES[dtype],
+                                       max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+    except OSError as exc:  # an unwritable or full destination is the user's input, not a bug
+        from loopcast.errors import CheckpointError
+        raise CheckpointError(f"{exc.filename or out_dir}: cannot write the checkpoint "
+                              f"({exc.strerror or exc})") from None
     click.echo(f"wrote {path}")
 
 
@@ -113,7 +146,7 @@ def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, v
 @click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", show_default=True,
               help="ort runs an exported artifact; torch runs the reference on a checkpoint dir.")
 @click.option("--prompt", help="Prompt text (needs the tokenizer).")
-@click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("--prompt-ids", help="Prompt as token ids separated by commas or spaces: 1,2,3 or \"1 2 3\".")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--speculative", type=click.Choice(["none", "prompt-lookup", "self"]), default="none",
@@ -123,10 +156,13 @@ def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, v
 @click.option("--gate", type=click.Choice(["none", "hit-density", "cost"]), default="none", show_default=True)
 @click.option("--stream", is_flag=True, help="Print text as tokens are committed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tokens, text, stats).")
+@click.option("--trust-ops", is_flag=True,
+              help="Load the artifact's native custom-op library even if you did not build it (runs its code; "
+                   "docs/trust.md).")
 @_friendly_errors
 def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None, max_new_tokens: int,
              device: str, speculative: str, num_draft_tokens: int | None, draft_depth: int | None,
-             gate: str, stream: bool, as_json: bool) -> None:
+             gate: str, stream: bool, as_json: bool, trust_ops: bool) -> None:
     """Greedy generation from a prompt."""
     from loopcast.errors import RequestError
 
@@ -144,7 +180,7 @@ def generate(path: str, backend: str, prompt: str | None, prompt_ids: str | None
         from loopcast.ort_runtime.cli_generate import generate_with_ort
         result = generate_with_ort(path, prompt, ids, max_new_tokens, device=device,
                                    speculative=speculative, num_draft_tokens=num_draft_tokens,
-                                   draft_depth=draft_depth, gate=gate,
+                                   draft_depth=draft_depth, gate=gate, trust_ops=trust_ops,
                                    on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None)
     if as_json:
         click.echo(json.dumps(result))
@@ -181,8 +217,12 @@ def bench(checkpoint: str, device: str, dtypes: tuple[str, ...], variants: tuple
           no_profile: bool, work_dir: Path, out: Path) -> None:
     """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""
     from loopcast.bench import BenchOptions, format_table, run_bench, write_report
+    from loopcast.config import PRESETS
     from loopcast.errors import RequestError
 
+    if checkpoint.startswith("preset:") and checkpoint.split(":", 1)[1] not in PRESETS:
+        raise RequestError(f"unknown preset {checkpoint!r}; choose from "
+                           f"{', '.join('preset:' + name for name in PRESETS)}")
     try:
         width_list = tuple(int(w) for w in widths.split(",") if w)
     except ValueError:
@@ -224,8 +264,11 @@ def build_ops(out_dir: Path | None, ort_include: Path | None) -> None:
 def demo(prompt: str | None, max_new_tokens: int, speculative: str) -> None:
     """Export the shipped demo model (once, into the cache) and generate on the CPU."""
     from loopcast.demo import DEMO_PROMPT, demo_artifact_dir
+    from loopcast.errors import RequestError
     from loopcast.ort_runtime import load
 
+    if max_new_tokens < 1:  # the demo compares tokens/s: nothing generated, nothing to compare
+        raise RequestError(f"--max-new-tokens must be >= 1 for the demo, got {max_new_tokens}")
     artifact = demo_artifact_dir(progress=True)
     model = load(artifact)
     prompt = prompt or DEMO_PROMPT

@@ -8,8 +8,9 @@ from loopcast.ort_runtime.api import load
 
 def generate_with_ort(path: str, prompt: str | None, prompt_ids: list[int] | None, max_new_tokens: int, *,
                       device: str = "cpu", speculative: str = "none", num_draft_tokens: int | None = None,
-                      draft_depth: int | None = None, gate: str = "none", on_text=None) -> dict:
-    model = load(path, device)
+                      draft_depth: int | None = None, gate: str = "none", on_text=None,
+                      trust_ops: bool = False) -> dict:
+    model = load(path, device, trust_ops=trust_ops)
     if draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
         raise RequestError(f"--draft-depth {draft_depth}: this artifact's draft graph runs "
                            f"{model.loaded.manifest.draft_depth} loops (re-export with --draft-depth {draft_depth})")
