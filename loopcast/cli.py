@@ -47,6 +47,9 @@ class _OneLineErrors(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except getattr(click.exceptions, "NoArgsIsHelpError", ()) as exc:  # bare `loopcast`: the help
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
         except click.ClickException as exc:
             ctx = getattr(exc, "ctx", None)
             where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
@@ -72,6 +75,9 @@ def main() -> None:
 @_friendly_errors
 def inspect(path: str, verify: bool) -> None:
     """Explain a checkpoint directory (or `demo`) or an exported artifact."""
+    if not Path(path).exists():
+        from loopcast.swap import recover
+        recover(Path(path), clean=False)  # an export killed mid-swap: put the artifact back
     if (Path(path) / "manifest.json").is_file():
         from loopcast.ort_runtime.artifact import describe_artifact
         click.echo(describe_artifact(Path(path), verify=verify))

@@ -87,6 +87,9 @@ class Manifest:
         from loopcast.manifest_schema import check_files, parse_manifest
 
         path = Path(artifact_dir) / MANIFEST_FILE
+        if not Path(artifact_dir).exists():
+            from loopcast.swap import recover
+            recover(Path(artifact_dir), clean=False)  # an export killed mid-swap left a backup
         if not Path(artifact_dir).is_dir():
             raise ArtifactError(f"{artifact_dir}: artifact directory not found")
         if not path.is_file():
