@@ -154,14 +154,20 @@ def _os_errors(out: Path):
     busy mount point) is the environment's, not a bug: one ExportError line naming the file."""
     try:
         yield
+        return
     except OSError as exc:
-        where = exc.filename or out
         reason = exc.strerror or str(exc)
         hint = {errno.ENOSPC: "; free some space", errno.EDQUOT: "; over the disk quota",
-                errno.EROFS: "; the file system is read-only", errno.EACCES: "; no permission",
-                errno.EPERM: "; no permission", errno.EBUSY: "; is it a mount point or in use?"}.get(exc.errno, "")
-        raise ExportError(f"{where}: cannot write the artifact {out} ({reason}{hint}); nothing was "
-                          "replaced") from None
+                errno.EFBIG: "; over the file-size limit", errno.EROFS: "; the file system is read-only",
+                errno.EACCES: "; no permission", errno.EPERM: "; no permission",
+                errno.EBUSY: "; is it a mount point or in use?"}.get(exc.errno, "")
+        where = f"{exc.filename}: " if exc.filename and Path(exc.filename) != out else ""
+        message = f"{out}: cannot write the artifact ({where}{reason}{hint}); nothing was replaced"
+    # A progress bar left open by the failed write would redraw itself at exit, after the error
+    # line; finish it now so the error stays the last line.
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    raise ExportError(message)
 
 
 def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,
