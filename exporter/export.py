@@ -292,12 +292,13 @@ def _with_file_records(manifest: Manifest, staging: Path) -> Manifest:
     library only if its hash matches (docs/trust.md)."""
     import dataclasses
 
-    from loopcast.manifest import FileRecord, sha256_file
+    from loopcast.manifest import FileRecord, sampled_sha256, sha256_file
 
     names = [spec.file for spec in manifest.graphs.values()] + [manifest.weights_file, *manifest.tokenizer_files]
     if manifest.custom_op_library:
         names.append(manifest.custom_op_library)
-    files = {name: FileRecord((staging / name).stat().st_size, sha256_file(staging / name)) for name in names}
+    files = {name: FileRecord((staging / name).stat().st_size, sha256_file(staging / name),
+                              sampled_sha256(staging / name)) for name in names}
     recorded = dataclasses.replace(manifest, files=files)
     (staging / MANIFEST_FILE).write_text(recorded.to_json())
     return recorded

@@ -35,7 +35,7 @@ def _parse_ids(text: str) -> list[int]:
 
     pieces = [p.strip() for p in text.split(",")] if "," in text else text.split()
     if text.strip() and not all(re.fullmatch(r"-?[0-9]+", p) for p in pieces):
-        raise RequestError(f"--prompt-ids must be integers separated by commas or by spaces (not both, "
+        raise RequestError(f"--prompt-ids must be comma-separated or space-separated integers (not both, "
                            f"no empty entries), got {text!r}")
     return [int(p) for p in pieces if p]
 

@@ -4,7 +4,8 @@
 (model config vs graph loops and KV slots, verify width vs verify rows, KV shape vs max
 length), and that each graph kind lists exactly the inputs and outputs its kind must have.
 ``check_files`` confines every named file to the artifact directory and compares recorded
-sizes (a stat, never a hash, so start-up stays cheap on gigabyte weights). The runtime then
+sizes and sampled hashes (at most 1 MiB read per file, so start-up stays cheap on gigabyte
+weights; the full hashes are ``inspect --verify``'s job). The runtime then
 compares each ONNX session's real inputs and outputs with the spec (ort_runtime/artifact.py).
 
 Everything raises ArtifactError naming the manifest and the field; nothing here lets a
@@ -20,7 +21,7 @@ from typing import Any
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
 from loopcast.manifest import (DECODE, DRAFT, GRAPH_KINDS, PREFILL, VERIFY, VERIFY_TAIL, FileRecord,
-                               GraphSpec, Manifest, resolve_inside)
+                               GraphSpec, Manifest, resolve_inside, sampled_sha256)
 
 DTYPES = ("fp32", "fp16", "bf16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -159,9 +160,11 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         entry = _Fields(record, f"files[{name!r:.60}]", path)
         size = entry.int_in("size", 0, 2**62)
         digest = entry.get("sha256", str)
-        if not _SHA256.fullmatch(digest):
-            entry.fail("must be 64 lowercase hex digits", "sha256")
-        files[name] = FileRecord(size, digest)
+        sampled = entry.get("sampled_sha256", str, optional=True)
+        for label, value in (("sha256", digest), ("sampled_sha256", sampled)):
+            if value is not None and not _SHA256.fullmatch(value):
+                entry.fail("must be 64 lowercase hex digits", label)
+        files[name] = FileRecord(size, digest, sampled)
     exact = top.get("exact_verify", dict, optional=True, default={})
     if not all(isinstance(k, str) and isinstance(v, bool) for k, v in exact.items()):
         top.fail("must map device names to true/false", "exact_verify")
@@ -216,6 +219,9 @@ def check_files(manifest: Manifest, artifact_dir: Path) -> None:
         if record is not None and target.stat().st_size != record.size:
             raise ArtifactError(f"{target}: {what} has {target.stat().st_size} bytes, the manifest records "
                                 f"{record.size} (truncated or replaced; re-export the artifact)")
+        if record is not None and record.sampled_sha256 is not None and sampled_sha256(target) != record.sampled_sha256:
+            raise ArtifactError(f"{target}: {what} does not match the manifest (sampled SHA-256 differs: corrupted, "
+                                "zeroed or replaced; loopcast inspect --verify checks every byte)")
     check_weights_header(artifact_dir / manifest.weights_file)
 
 

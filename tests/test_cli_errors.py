@@ -3,6 +3,7 @@ commands that used to end in tracebacks. Each is one `error:` line and exit stat
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -94,15 +95,22 @@ def test_generate_trust_ops_flag_and_inspect_verify(tmp_path) -> None:
     assert_cli_error(invoke("inspect", tmp_path, "--verify"), "not")
 
 
-def test_inspect_verify_catches_zeroed_weights(tmp_path) -> None:
+def test_zeroed_weights_are_caught(tmp_path) -> None:
     import shutil
     path = tmp_path / "art"
     shutil.copytree(artifact("ouro-r3"), path)
     weights = path / "weights.safetensors"
     data = bytearray(weights.read_bytes())
-    data[-4096:] = bytes(4096)                        # same size: only the hash can tell
+    data[-4096:] = bytes(4096)                        # same size
     weights.write_bytes(bytes(data))
-    assert invoke("inspect", path).exit_code == 0    # cheap checks pass
+    # Every load (and inspect) compares a sampled hash: small files are hashed whole.
+    assert_cli_error(invoke("inspect", path), "weights.safetensors", "sampled SHA-256")
+    assert_cli_error(invoke("generate", path, "--prompt-ids", "5", "--max-new-tokens", "2"), "sampled SHA-256")
+    # Without the sampled hash only --verify can tell.
+    raw = json.loads((path / "manifest.json").read_text())
+    del raw["files"]["weights.safetensors"]["sampled_sha256"]
+    (path / "manifest.json").write_text(json.dumps(raw))
+    assert invoke("inspect", path).exit_code == 0
     assert_cli_error(invoke("inspect", path, "--verify"), "weights.safetensors", "SHA-256")
     weights.write_bytes(bytes(data[:1000]))
     assert_cli_error(invoke("inspect", path), "weights.safetensors", "1000 bytes")
