@@ -179,7 +179,7 @@ def test_c_op_library_trust(program: Path, bi_artifact: Path, tmp_path: Path) ->
     assert not marker.exists()
     # Hash mismatch: refused even with trust.
     (path / name).unlink()
-    (path / name).write_bytes(data[:-1] + b"\x00")
+    (path / name).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     proc = _run(program, "--trust-ops", str(path), "6", "5,6,7")
     assert proc.returncode == 2 and "SHA-256 does not match" in proc.stderr
     assert not marker.exists()
