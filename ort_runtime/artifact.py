@@ -242,6 +242,18 @@ def _check_cuda_custom_ops(path: Path, manifest: Manifest, library: Path) -> Non
                             f"and max length <= 49152 (this artifact: {cfg.head_dim}, {manifest.max_length})")
 
 
+def _library_status(path: Path, manifest: Manifest) -> str:
+    """Whether the op library would load without --trust-ops (docs/trust.md); nothing is loaded."""
+    from loopcast.manifest import sha256_file
+    from loopcast.ops_trust import locally_built_hashes
+
+    if not manifest.custom_op_library:
+        return ""
+    digest = sha256_file(resolve_inside(path, manifest.custom_op_library, "custom-op library").resolve())
+    built = "built here" if digest in locally_built_hashes() else "not built here: loading needs --trust-ops"
+    return f" (library {manifest.custom_op_library}, {built})"
+
+
 def describe_artifact(path: Path, verify: bool = False) -> str:
     """What ``loopcast inspect`` prints. The manifest is validated and recorded sizes checked;
     each graph file must parse as an ONNX model; ``verify`` also hashes every recorded file."""
@@ -262,7 +274,7 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         f"max length      {manifest.max_length} (KV slots: {manifest.kv_layout['slots']}, "
         f"each {manifest.kv_layout['shape']})",
         f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB (artifact total {total / 2**20:.1f} MiB)",
-        f"custom ops      {', '.join(manifest.custom_ops) or 'none'}",
+        f"custom ops      {', '.join(manifest.custom_ops) or 'none'}{_library_status(Path(path), manifest)}",
         "graphs:",
     ]
     for kind, spec in manifest.graphs.items():

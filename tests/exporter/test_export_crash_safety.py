@@ -112,3 +112,16 @@ def test_cleanup_spares_a_live_export(tmp_path) -> None:
     assert live.path.is_dir() and not dead.exists()
     live.discard()
     assert _hidden(tmp_path) == []
+
+
+def test_with_verify_width_records_hashes_and_leaves_nothing(old, tmp_path) -> None:
+    from loopcast.exporter.export import with_verify_width
+    from loopcast.manifest import Manifest
+    from loopcast.manifest_schema import verify_hashes
+
+    _, src = old
+    out = tmp_path / "w3"
+    with_verify_width(src, out, 3)
+    with_verify_width(src, out, 3, overwrite=True)
+    assert Manifest.read(out).verify_width == 3 and _hidden(tmp_path) == []
+    assert len(verify_hashes(Manifest.read(out), out)) == len(Manifest.read(out).files)

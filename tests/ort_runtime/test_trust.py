@@ -20,6 +20,7 @@ import pytest
 from loopcast.custom_ops.build import find_ort_include
 from loopcast.errors import ArtifactError
 from loopcast.ort_runtime import load
+from loopcast.ort_runtime.artifact import describe_artifact
 from tests.artifacts import artifact
 
 MARKER_SOURCE = r"""
@@ -158,10 +159,12 @@ def test_locally_built_library_is_trusted_by_hash_and_only_by_hash(batch_invaria
     # Exported here: the library is this user's own build, recorded in the cache, so no flag is needed.
     ids = [5, 6, 7]
     tokens = load(batch_invariant).generate(ids, 6).tokens
+    assert "libloopcast_ops.so, built here" in describe_artifact(batch_invariant)
     # With another cache (another user's registry) the same artifact needs trust.
     monkeypatch.setenv("LOOPCAST_CACHE", str(tmp_path / "other-cache"))
     with pytest.raises(ArtifactError, match="not one you built"):
         load(batch_invariant)
+    assert "not built here: loading needs --trust-ops" in describe_artifact(batch_invariant)
     assert load(batch_invariant, trust_ops=True).generate(ids, 6).tokens == tokens
 
 
