@@ -184,9 +184,10 @@ def _parse_graph(kind: str, raw: Any, plan: tuple, config: ModelConfig, path: Pa
     got_rows = g.get("rows", int, optional=True)
     if got_rows != rows:
         g.fail(f"must be {rows if rows is not None else 'null (dynamic)'} for this kind, got {got_rows!r}", "rows")
-    if g.get("first_loop", int) != first or g.get("last_loop", int) != last:
-        g.fail(f"loops must be {first}..{last} (R={config.num_loops}), got "
-               f"{raw['first_loop']}..{raw['last_loop']}", "first_loop/last_loop")
+    got_first, got_last = g.get("first_loop", int), g.get("last_loop", int)
+    if (got_first, got_last) != (first, last):
+        g.fail(f"loops must be {first}..{last} (R={config.num_loops}), got {got_first}..{got_last}",
+               "first_loop/last_loop")
     slots = g.int_list("kv_slots", 0, config.num_kv_slots - 1)
     if sorted(slots) != expected_slots(config, first, last) or len(set(slots)) != len(slots):
         g.fail(f"must be {expected_slots(config, first, last)} for loops {first}..{last - 1}, got {slots!r:.120}",

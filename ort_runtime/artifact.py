@@ -135,6 +135,10 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
     logits = outputs["logits_BSV"].shape
     if not logits or logits[-1] != cfg.vocab_size:
         raise ArtifactError(f"{file}: logits_BSV has shape {logits}, the manifest's vocabulary is {cfg.vocab_size}")
+    for name, value in (("hidden_BSH", inputs.get("hidden_BSH")), ("hidden_BSH_out", outputs.get("hidden_BSH_out"))):
+        if value is not None and (not value.shape or value.shape[-1] != cfg.hidden_size):
+            raise ArtifactError(f"{file}: {name} has shape {value.shape}, the manifest's hidden size is "
+                                f"{cfg.hidden_size}")
 
 
 def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,

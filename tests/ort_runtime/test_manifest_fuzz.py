@@ -51,10 +51,16 @@ FIELD_CASES = [
     ("slots-str", "graphs.decode.kv_slots", ["0"]), ("slots-dup", "graphs.decode.kv_slots", [0, 0, 1, 2, 3, 4]),
     ("no-decode", "graphs.decode", _MISSING), ("no-prefill", "graphs.prefill", _MISSING),
     ("graphs-list", "graphs", []), ("graph-str", "graphs.decode", "x"), ("unknown-kind", "graphs.tree", {}),
-    ("kind-mislabel", "graphs.decode.kind", "verify"), ("inputs-dropped", "graphs.decode.inputs", ["input_ids_BS"]),
+    ("kind-mislabel", "graphs.decode.kind", "verify"), ("first-loop", "graphs.verify_tail.first_loop", 0),
+    ("last-loop-missing", "graphs.draft.last_loop", _MISSING), ("first-loop-str", "graphs.decode.first_loop", "0"),
+    ("draft-depth-str", "draft_depth", "1"), ("draft-depth-null", "draft_depth", None),
+    ("verify-width-null", "verify_width", None), ("model-null", "model", None), ("graphs-null", "graphs", None), ("inputs-dropped", "graphs.decode.inputs", ["input_ids_BS"]),
     ("vocab-other", "model.vocab_size", 50), ("vocab-str", "model.vocab_size", "97"),
     ("loops-other", "model.total_ut_steps", 4), ("layers-other", "model.num_hidden_layers", 3),
-    ("model-type", "model.model_type", "gpt2"), ("model-list", "model", [1]),
+    ("model-type", "model.model_type", "gpt2"), ("hidden-other", "model.hidden_size", 65),
+    ("heads-other", "model.num_attention_heads", 8), ("kv-heads-other", "model.num_key_value_heads", 2),
+    ("head-dim-other", "model.head_dim", 32), ("eps-other", "model.rms_norm_eps", 1.0),
+    ("max-positions-small", "model.max_position_embeddings", 16), ("model-list", "model", [1]),
     ("draft-depth-0", "draft_depth", 0), ("draft-depth-big", "draft_depth", 5),
     ("verify-width-other", "verify_width", 3), ("verify-width-1", "verify_width", 1),
     ("kv-layout-empty", "kv_layout", {}), ("kv-shape", "kv_layout.shape", [1, 4, 64, 16]),
@@ -161,4 +167,40 @@ def test_graph_swap(base, tmp_path, case) -> None:
 def test_manifest_text(base, tmp_path, text) -> None:
     path = _copy(base[0], tmp_path)
     (path / "manifest.json").write_bytes(text.encode("latin-1"))
+    _run(path, base[2])
+
+
+def _leaves(node, prefix=()):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, (*prefix, key))
+    elif isinstance(node, list) and node:
+        for i, value in enumerate(node):
+            yield from _leaves(value, (*prefix, i))
+    else:
+        yield prefix
+
+
+RANDOM_VALUES = [None, "x", "", -1, 0, 1, 2, 3, 64, 2**40, 1.5, True, [], {}, [1], "../x", "/etc/passwd"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_leaf(base, tmp_path, seed) -> None:
+    """One leaf anywhere in the manifest replaced by one value from a pool of troublemakers."""
+    import random
+
+    rng = random.Random(seed)
+    path = _copy(base[0], tmp_path)
+    raw = json.loads((path / "manifest.json").read_text())
+    # Group leaves by their first two keys (graphs.decode, model.vocab_size, ...) so the long
+    # IO-name lists do not crowd out the scalar fields.
+    groups: dict[tuple, list] = {}
+    for leaf in _leaves(raw):
+        groups.setdefault(leaf[:2], []).append(leaf)
+    where = rng.choice(groups[rng.choice(sorted(groups, key=repr))])
+    node = raw
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = rng.choice(RANDOM_VALUES)
+    (path / "manifest.json").write_text(json.dumps(raw))
     _run(path, base[2])
