@@ -148,4 +148,7 @@ def build_library(out_dir: str | os.PathLike | None = None, ort_include: str | o
         staging.replace(target)  # never leave a half-written library under the real name
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    # A library this user compiled is trusted by hash when an artifact carries it (docs/trust.md).
+    from loopcast.ops_trust import record_local_build
+    record_local_build(target)
     return target

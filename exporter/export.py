@@ -1,15 +1,17 @@
 """``loopcast export``: checkpoint directory → artifact directory (DESIGN §3, §4).
 
-The artifact is assembled in a staging directory beside the destination and renamed into
+The artifact is assembled in a staging directory beside the destination and swapped into
 place only when every file is written and checked, so a failed export leaves nothing that
-looks like an artifact.
+looks like an artifact, and a killed one leaves the old artifact (or restores it on the next
+export or load): loopcast/swap.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from loopcast.exporter.weights import checkpoint_reader, weights_nbytes, write_w
 from loopcast.graphs.builder import GraphBuilder, WeightRef
 from loopcast.graphs.kinds import build_kind, plan_kinds
 from loopcast.manifest import MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, WEIGHTS_FILE, Manifest
+from loopcast.swap import Staging, output_path, recover
 
 IR_DTYPES = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -104,10 +107,16 @@ def custom_op_library() -> Path:
     (``custom_ops/library.py``)."""
     from loopcast.custom_ops import library
 
+    from loopcast.ops_trust import record_local_build
+
     try:
-        return library.custom_op_library()
+        path = library.custom_op_library()
     except Exception as exc:
         raise ExportError(f"the loopcast ops need the custom-op library: {exc}") from None
+    # This user's own build (or the prebuilt wheel they installed): artifacts carrying it load
+    # without --trust-ops (docs/trust.md). Idempotent.
+    record_local_build(path)
+    return path
 
 
 def _resolve_op_set(opts: ExportOptions, log) -> tuple[str, Path | None]:
@@ -144,42 +153,44 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: Expo
     config = load_config(checkpoint_dir)
     opts = options.resolved(config, generation_max_length(checkpoint_dir))
     check_supported(config, "stock" if opts.op_set == "auto" and opts.dtype != "fp32" else opts.op_set)
-    out = Path(out_dir)
+    out = output_path(out_dir)
+    recover(out)  # a killed earlier export: restore the artifact, remove its leftovers
     _check_output_dir(out)
     if (out / MANIFEST_FILE).is_file() and not overwrite:
         raise ExportError(f"{out}: an artifact is already there (pass --overwrite to replace it)")
     validate_checkpoint(checkpoint_dir, config)
-
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging.", dir=out.parent))
-    except OSError as exc:
-        raise ExportError(f"{out}: cannot create the output directory ({exc.strerror})") from None
-    staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
-    try:
-        manifest = _write_artifact(checkpoint_dir, config, opts, staging, progress)
-        _swap_into_place(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with _os_errors(out):
+        staging = Staging(out)
+        try:
+            manifest = _with_file_records(_write_artifact(checkpoint_dir, config, opts, staging.path, progress),
+                                          staging.path)
+            staging.install()
+        except BaseException:
+            staging.discard()
+            raise
     return manifest
 
 
-def _swap_into_place(staging: Path, out: Path) -> None:
-    """Rename the finished artifact into place; an old one is moved aside first and removed
-    only after the new one is there, so no moment leaves ``out`` missing or half-deleted."""
-    if not out.exists():
-        staging.rename(out)
-        return
-    backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-    backup.rmdir()
-    out.rename(backup)
+@contextlib.contextmanager
+def _os_errors(out: Path):
+    """An OS error while staging or swapping (full disk, permissions, read-only file system, a
+    busy mount point) is the environment's, not a bug: one ExportError line naming the file."""
     try:
-        staging.rename(out)
-    except BaseException:
-        backup.rename(out)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
+        yield
+        return
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        hint = {errno.ENOSPC: "; free some space", errno.EDQUOT: "; over the disk quota",
+                errno.EFBIG: "; over the file-size limit", errno.EROFS: "; the file system is read-only",
+                errno.EACCES: "; no permission", errno.EPERM: "; no permission",
+                errno.EBUSY: "; is it a mount point or in use?"}.get(exc.errno, "")
+        where = f"{exc.filename}: " if exc.filename and Path(exc.filename) != out else ""
+        message = f"{out}: cannot write the artifact ({where}{reason}{hint}); nothing was replaced"
+    # A progress bar left open by the failed write would redraw itself at exit, after the error
+    # line; finish it now so the error stays the last line.
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    raise ExportError(message)
 
 
 def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,
@@ -272,7 +283,8 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
 
     from loopcast.exporter.weights import read_stored
 
-    src, out = Path(artifact_dir), Path(out_dir)
+    src, out = Path(artifact_dir), output_path(out_dir)
+    recover(out)
     manifest = Manifest.read(src)
     config = manifest.config
     if not 2 <= width <= min(MAX_VERIFY_WIDTH, manifest.max_length):
@@ -288,25 +300,44 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
     keep = [manifest.weights_file, *manifest.tokenizer_files, *manifest.genai_files]
     if manifest.custom_op_library:
         keep.append(manifest.custom_op_library)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging.", dir=out.parent))
-    staging.chmod(0o755)
-    try:
-        for name in keep:
-            try:
-                os.link(src / name, staging / name)
-            except OSError:
-                shutil.copy(src / name, staging / name)
-        graphs = {}
-        for plan in plan_kinds(config, width, manifest.draft_depth):
-            builder = GraphBuilder(refs, manifest.weights_file, staging)
-            model, spec = build_kind(plan, config, dtype, manifest.max_length, builder, op_set=manifest.op_set)
-            ir.save(model, staging / spec.file)
-            graphs[plan.kind] = spec
-        derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width})
-        (staging / MANIFEST_FILE).write_text(derived.to_json())
-        _swap_into_place(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with _os_errors(out):
+        staging = Staging(out)
+        try:
+            for name in keep:
+                try:
+                    os.link(src / name, staging.path / name)
+                except OSError:
+                    shutil.copy(src / name, staging.path / name)
+            graphs = {}
+            for plan in plan_kinds(config, width, manifest.draft_depth):
+                builder = GraphBuilder(refs, manifest.weights_file, staging.path)
+                model, spec = build_kind(plan, config, dtype, manifest.max_length, builder,
+                                         op_set=manifest.op_set)
+                ir.save(model, staging.path / spec.file)
+                graphs[plan.kind] = spec
+            derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width, "files": {}})
+            derived = _with_file_records(derived, staging.path)
+            staging.install()
+        except BaseException:
+            staging.discard()
+            raise
     return derived
+
+
+def _with_file_records(manifest: Manifest, staging: Path) -> Manifest:
+    """Record size and SHA-256 of every file the manifest names and (re)write manifest.json:
+    loading checks the sizes, ``inspect --verify`` the hashes, and the runtime loads the op
+    library only if its hash matches (docs/trust.md)."""
+    import dataclasses
+
+    from loopcast.manifest import FileRecord, sampled_sha256, sha256_file
+
+    names = [spec.file for spec in manifest.graphs.values()] + [manifest.weights_file, *manifest.tokenizer_files,
+                                                                  *manifest.genai_files]
+    if manifest.custom_op_library:
+        names.append(manifest.custom_op_library)
+    files = {name: FileRecord((staging / name).stat().st_size, sha256_file(staging / name),
+                              sampled_sha256(staging / name)) for name in names}
+    recorded = dataclasses.replace(manifest, files=files)
+    (staging / MANIFEST_FILE).write_text(recorded.to_json())
+    return recorded

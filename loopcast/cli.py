@@ -27,14 +27,43 @@ def _friendly_errors(func):
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        from loopcast.errors import RequestError
-        raise RequestError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    """Token ids separated by commas ("1,2,3", "1, 2, 3") or by whitespace ("1 2 3"). A piece
+    that is not one integer (e.g. "1 2,3": is it 1,2,3 or 12,3?) is refused, never guessed."""
+    import re
+
+    from loopcast.errors import RequestError
+
+    pieces = [p.strip() for p in text.split(",")] if "," in text else text.split()
+    if text.strip() and not all(re.fullmatch(r"-?[0-9]+", p) for p in pieces):
+        raise RequestError(f"--prompt-ids must be comma-separated or space-separated integers (not both, "
+                           f"no empty entries), got {text!r}")
+    return [int(p) for p in pieces if p]
 
 
-@click.group()
+class _OneLineErrors(click.Group):
+    """Click's own usage errors (unknown option, bad value, missing argument) become the same one
+    ``error:`` line and exit status 2 as the LoopcastError family, instead of a usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except getattr(click.exceptions, "NoArgsIsHelpError", ()) as exc:  # bare `loopcast`: the help
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
+        except click.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            click.echo(f"error: {exc.format_message()}{where}", err=True)
+            sys.exit(2)
+        except click.exceptions.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLineErrors)
 @click.version_option(package_name="loopcast")
 def main() -> None:
     """Export looped transformers to ONNX and run them with ONNX Runtime."""
@@ -42,13 +71,20 @@ def main() -> None:
 
 @main.command()
 @click.argument("path")
+@click.option("--verify", is_flag=True, help="Artifact: also check the SHA-256 of every file the manifest records.")
 @_friendly_errors
-def inspect(path: str) -> None:
+def inspect(path: str, verify: bool) -> None:
     """Explain a checkpoint directory (or `demo`) or an exported artifact."""
+    if not Path(path).exists():
+        from loopcast.swap import recover
+        recover(Path(path), clean=False)  # an export killed mid-swap: put the artifact back
     if (Path(path) / "manifest.json").is_file():
         from loopcast.ort_runtime.artifact import describe_artifact
-        click.echo(describe_artifact(Path(path)))
+        click.echo(describe_artifact(Path(path), verify=verify))
         return
+    if verify:
+        from loopcast.errors import RequestError
+        raise RequestError(f"{path}: --verify checks an exported artifact; this is not one (no manifest.json)")
     from loopcast.exporter.inspect_checkpoint import describe_checkpoint
     click.echo(describe_checkpoint(path))
 
@@ -74,8 +110,15 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     config = PRESETS[preset]
-    path = write_random_checkpoint(config, out_dir, seed=seed, dtype=DTYPES[dtype],
-                                   max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+    if max_shard_mb is not None and max_shard_mb < 1:
+        raise ConfigError(f"--max-shard-mb must be >= 1, got {max_shard_mb}")
+    try:
+        path = write_random_checkpoint(config, out_dir, seed=seed, dtype=DTYPES[dtype],
+                                       max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+    except OSError as exc:  # an unwritable or full destination is the user's input, not a bug
+        from loopcast.errors import CheckpointError
+        raise CheckpointError(f"{exc.filename or out_dir}: cannot write the checkpoint "
+                              f"({exc.strerror or exc})") from None
     click.echo(f"wrote {path}")
 
 
@@ -133,7 +176,7 @@ Examples:
 @click.option("--prompt", help="Prompt text (needs the tokenizer); `-` reads it from stdin.")
 @click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Read the prompt text from this file (UTF-8).")
-@click.option("--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@click.option("--prompt-ids", help="Prompt as token ids separated by commas or spaces: 1,2,3 or \"1 2 3\".")
 @click.option("--chat", "chat", multiple=True,
               help="A user message, rendered with the artifact's chat template (repeatable: several user turns).")
 @click.option("--system", help="A system message before the --chat messages.")
@@ -162,6 +205,9 @@ Examples:
               help="Leave special tokens out of the printed text (token ids are never changed).")
 @click.option("--stream", is_flag=True, help="Print text as tokens are committed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tokens, text, stats).")
+@click.option("--trust-ops", is_flag=True,
+              help="Load the artifact's native custom-op library even if you did not build it (runs its code; "
+                   "docs/trust.md).")
 @_friendly_errors
 def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | None, prompt_ids: str | None,
              chat: tuple[str, ...], system: str | None, max_new_tokens: int, device: str, speculative: str,
@@ -169,7 +215,7 @@ def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | No
              temperature: float | None,
              top_k: int | None, top_p: float | None, min_p: float | None, repetition_penalty: float | None,
              seed: int | None, stop: tuple[str, ...], skip_special_tokens: bool, stream: bool,
-             as_json: bool) -> None:
+             as_json: bool, trust_ops: bool) -> None:
     """Generate from a prompt: greedy, or sampled with --temperature/--top-p/... ."""
     from loopcast.errors import RequestError
 
@@ -199,7 +245,7 @@ def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | No
         from loopcast.ort_runtime.cli_generate import generate_with_ort
         result = generate_with_ort(path, prompt, ids, max_new_tokens, device=device,
                                    speculative=speculative, num_draft_tokens=num_draft_tokens,
-                                   draft_depth=draft_depth, gate=gate, allow_inexact=allow_inexact,
+                                   draft_depth=draft_depth, gate=gate, allow_inexact=allow_inexact, trust_ops=trust_ops,
                                    on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None,
                                    messages=chat_messages(chat, system) if chat else None, stop=stop,
                                    sampling=sampling, skip_special_tokens=skip_special_tokens)
@@ -269,9 +315,13 @@ def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants
     """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""
     from loopcast.bench import BenchOptions, run_bench
     from loopcast.bench_report import default_report_path, format_table, write_report
+    from loopcast.config import PRESETS
     from loopcast.devices import cache_root, check_device, default_device
     from loopcast.errors import RequestError
 
+    if checkpoint.startswith("preset:") and checkpoint.split(":", 1)[1] not in PRESETS:
+        raise RequestError(f"unknown preset {checkpoint!r}; choose from "
+                           f"{', '.join('preset:' + name for name in PRESETS)}")
     # Checked before anything is exported: a CPU-only install refuses --device cuda at once.
     device = check_device(device) if device is not None else default_device()
     work_dir = work_dir if work_dir is not None else cache_root() / "bench" / "work"
@@ -321,8 +371,11 @@ def build_ops(out_dir: Path | None, ort_include: Path | None) -> None:
 def demo(prompt: str | None, max_new_tokens: int, speculative: str) -> None:
     """Export the shipped demo model (once, into the cache) and generate on the CPU."""
     from loopcast.demo import DEMO_PROMPT, demo_artifact_dir
+    from loopcast.errors import RequestError
     from loopcast.ort_runtime import load
 
+    if max_new_tokens < 1:  # the demo compares tokens/s: nothing generated, nothing to compare
+        raise RequestError(f"--max-new-tokens must be >= 1 for the demo, got {max_new_tokens}")
     artifact = demo_artifact_dir(progress=True)
     model = load(artifact)
     prompt = prompt or DEMO_PROMPT

@@ -5,9 +5,10 @@ Torch-free: written by the exporter, read and validated by ``ort_runtime`` and t
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from loopcast.config import ModelConfig
@@ -48,6 +49,17 @@ class GraphSpec:
 
 
 @dataclass(frozen=True)
+class FileRecord:
+    """Size and SHA-256 of one artifact file, written by the exporter. Sizes are checked on every
+    load (a stat); hashes by ``loopcast inspect --verify`` and before loading native code."""
+
+    size: int
+    sha256: str
+    sampled_sha256: str | None = None   # see sampled_sha256(): checked on every load
+
+
+
+@dataclass(frozen=True)
 class Manifest:
     schema_version: int
     exporter_version: str
@@ -65,8 +77,11 @@ class Manifest:
     eos_token_ids: list[int] = field(default_factory=list)
     # ``export --genai``: the ONNX Runtime GenAI graph and genai_config.json (exporter/genai.py)
     genai_files: list[str] = field(default_factory=list)
-    # Per device ("cpu", "cuda"): are verify rows bit-identical to the M=1 decode rows there?
-    # Speculation returns plain greedy's tokens by construction only where this is true.
+    # Optional (older artifacts lack them): file name -> size and SHA-256; device -> whether
+    # verify rows are bit-identical to the M=1 decode rows there (declared, never sniffed:
+    # docs/architecture.md §4, §6). Speculation returns plain greedy's tokens by construction
+    # only where exact_verify is true.
+    files: dict[str, FileRecord] = field(default_factory=dict)
     exact_verify: dict[str, bool] = field(default_factory=dict)
     op_set: str = "stock"
 
@@ -86,14 +101,22 @@ class Manifest:
 
     @classmethod
     def read(cls, artifact_dir: Path) -> Manifest:
+        """Read and validate ``manifest.json``: schema (types, ranges, cross-field consistency),
+        every named file confined to the artifact directory and present, and recorded sizes.
+        Anything wrong is an ArtifactError naming the file and field."""
+        from loopcast.manifest_schema import check_files, parse_manifest
+
         path = Path(artifact_dir) / MANIFEST_FILE
+        if not Path(artifact_dir).exists():
+            from loopcast.swap import recover
+            recover(Path(artifact_dir), clean=False)  # an export killed mid-swap left a backup
         if not Path(artifact_dir).is_dir():
             raise ArtifactError(f"{artifact_dir}: artifact directory not found")
         if not path.is_file():
             raise ArtifactError(f"{path}: manifest.json not found (not an exported artifact?)")
         try:
             raw = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ArtifactError(f"{path}: corrupt manifest ({exc})") from None
         if not isinstance(raw, dict):
             raise ArtifactError(f"{path}: corrupt manifest (expected a JSON object)")
@@ -101,23 +124,51 @@ class Manifest:
         if version != SCHEMA_VERSION:
             raise ArtifactError(f"{path}: manifest schema version {version!r}, this loopcast reads "
                                 f"version {SCHEMA_VERSION}; re-export the artifact")
-        try:
-            graphs = {k: GraphSpec.from_dict(v) for k, v in raw["graphs"].items()}
-            fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw and k != "graphs"}
-            manifest = cls(graphs=graphs, **fields)
-            manifest.config  # validates the model config
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ArtifactError(f"{path}: corrupt manifest (bad or missing field {exc})") from None
-        for spec in manifest.graphs.values():
-            if not (Path(artifact_dir) / spec.file).is_file():
-                raise ArtifactError(f"{Path(artifact_dir) / spec.file}: graph file for '{spec.kind}' is missing")
-        if not (Path(artifact_dir) / manifest.weights_file).is_file():
-            raise ArtifactError(f"{Path(artifact_dir) / manifest.weights_file}: weights file is missing")
-        library = manifest.custom_op_library
-        if manifest.custom_ops and not library:
-            raise ArtifactError(f"{path}: the graphs use custom ops {manifest.custom_ops} but the manifest "
-                                "names no custom_op_library")
-        if library and (Path(library).name != library or not (Path(artifact_dir) / library).is_file()):
-            raise ArtifactError(f"{Path(artifact_dir) / library}: custom-op library is missing (it must be a "
-                                "file inside the artifact)")
+        manifest = parse_manifest(raw, path)
+        check_files(manifest, Path(artifact_dir))
         return manifest
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+SAMPLE_CHUNKS, SAMPLE_BYTES = 16, 64 * 1024
+
+
+def sampled_sha256(path: Path) -> str:
+    """SHA-256 of 16 chunks of 64 KiB spread evenly over the file (the whole file when it is at
+    most 1 MiB). Reading 1 MiB at most, every load can tell a zeroed, swapped or partly
+    overwritten file of the right size; ``inspect --verify`` hashes everything."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= SAMPLE_CHUNKS * SAMPLE_BYTES:
+            digest.update(f.read())
+        else:
+            for i in range(SAMPLE_CHUNKS):
+                f.seek(i * (size - SAMPLE_BYTES) // (SAMPLE_CHUNKS - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def resolve_inside(artifact_dir: Path, name: object, what: str) -> Path:
+    """The path of ``name`` inside the artifact, refusing anything that could leave it: a
+    non-string, an absolute path, ``..``, or a symlink (at any level) resolving outside."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        raise ArtifactError(f"{Path(artifact_dir) / MANIFEST_FILE}: {what} must be a file name inside the "
+                            f"artifact, got {name!r}")
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or ".." in rel.parts or any(p in ("", ".") for p in name.split("/")):
+        raise ArtifactError(f"{Path(artifact_dir) / MANIFEST_FILE}: {what} {name!r} must be a relative path "
+                            "inside the artifact (no absolute paths, no '..')")
+    root = Path(artifact_dir).resolve()
+    target = (root / rel).resolve()
+    if not target.is_relative_to(root):
+        raise ArtifactError(f"{Path(artifact_dir) / name}: {what} resolves outside the artifact directory "
+                            f"(to {target}); refusing it")
+    return Path(artifact_dir) / rel

@@ -19,6 +19,7 @@ the decoded text, which is cut before them (finish reason "stop", ort_runtime/st
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -49,12 +50,44 @@ class StreamPiece:
                        # while the text could be the start of a stop string)
 
 
+class _GeneratorPool:
+    """Idle generators for the convenience methods. A call checks one out (making a new one when
+    none is idle) and gives it back when its stream ends, fails or is closed, so no two calls
+    ever share KV buffers or IO bindings. At most ``keep`` idle ones are kept: a generator owns
+    KV buffers of the full max length, so a burst of threads must not pin them all forever."""
+
+    def __init__(self, factory, keep: int = 2) -> None:
+        self._factory, self._keep = factory, keep
+        self._idle: list[Generator] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> Generator:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._factory()  # outside the lock: allocating KV buffers can take a while
+
+    def give(self, generator: Generator) -> None:
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(generator)
+
+
 class LoopcastModel:
-    """A loaded artifact plus a default generator; make more with :meth:`new_generator`."""
+    """A loaded artifact; make generators with :meth:`new_generator`.
+
+    Concurrency: ``generate``, ``stream`` and ``stream_ids`` without ``generator=`` may be
+    called from several threads at once and their streams may be interleaved: each call takes
+    its own generator from a small pool and returns it when the stream is exhausted or closed
+    (an abandoned stream keeps its generator until it is garbage-collected). A generator passed
+    as ``generator=`` (or from :meth:`new_generator`) is one sequence's state: use it from one
+    thread and one stream at a time. A ``tie_guard`` or ``proposer`` object passed in is the
+    caller's and is shared if the caller shares it.
+    """
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
-        self._default: Generator | None = None
+        self._pool = _GeneratorPool(self.new_generator)
         self._eos: tuple[int, ...] | None = None
         self._chat: tuple[ChatTemplate | None] | None = None
 
@@ -115,7 +148,8 @@ class LoopcastModel:
                    generator: Generator | None = None, stats: GenerationStats | None = None,
                    messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None) -> Iterator[int]:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
-        (then the prompt continues after its committed prefix).
+        (then the prompt continues after its committed prefix; otherwise a pooled generator
+        serves the call, so concurrent calls never share one).
 
         ``speculative``: "none", "prompt-lookup", "self", or a ``proposer`` of your own
         (``ort_runtime/proposers.py``); ``gate``: "auto" (calibrated on this device), "cost",
@@ -123,23 +157,38 @@ class LoopcastModel:
         verify rows are not bit-identical to its decode rows on this device unless
         ``allow_inexact=True``."""
         ids = self._prompt_ids(prompt, messages)
-        if generator is None:
-            if self._default is None:
-                self._default = self.new_generator()
-            generator = self._default
-            generator.rewind(0)
         stops = tuple(self.eos_token_ids if stop_ids is None else stop_ids)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RequestError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
-        if sampling is not None and not sampling.greedy:
-            if speculative != "none":
-                require_exact(generator, allow_inexact)
-            return sampled_stream(generator, ids, max_new_tokens, sampling=sampling, stop_ids=stops,
-                                  mode=speculative, num_draft_tokens=num_draft_tokens, gate=gate,
-                                  proposer=proposer, stats=stats)
+        sampled = sampling is not None and not sampling.greedy
         spec = SpeculationConfig(speculative, num_draft_tokens, gate, tie_guard=tie_guard or TieGuard(),
                                  proposer=proposer, allow_inexact=allow_inexact)
-        return stream(generator, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats)
+
+        def run(gen: Generator) -> Iterator[int]:
+            if not sampled:
+                return stream(gen, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats)
+            if speculative != "none":
+                require_exact(gen, allow_inexact)
+            return sampled_stream(gen, ids, max_new_tokens, sampling=sampling, stop_ids=stops,
+                                  mode=speculative, num_draft_tokens=num_draft_tokens, gate=gate,
+                                  proposer=proposer, stats=stats)
+
+        if generator is not None:
+            return run(generator)
+        pooled = self._pool.take()
+        try:
+            pooled.rewind(0)
+            tokens = run(pooled)
+        except BaseException:
+            self._pool.give(pooled)  # a rejected request leaves the generator as it found it
+            raise
+        return self._returning(tokens, pooled)
+
+    def _returning(self, tokens: Iterator[int], pooled: Generator) -> Iterator[int]:
+        try:
+            yield from tokens
+        finally:
+            self._pool.give(pooled)
 
     def stream(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, *,
                stop: Sequence[str] | None = None, skip_special_tokens: bool = False,
@@ -203,11 +252,13 @@ def _finish_on_stop(stats: GenerationStats, start: float) -> None:
 
 def load(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
          share_weights: bool = False, cuda_graphs: bool | str = True,
-         kinds: tuple[str, ...] | None = None) -> LoopcastModel:
+         kinds: tuple[str, ...] | None = None, trust_ops: bool = False) -> LoopcastModel:
     """Open an artifact. ``share_weights`` keeps one resident copy of the weights for all
     graph kinds at the cost of slower multi-row steps (see ort_runtime/artifact.py).
     On CUDA the fixed-width kinds of ``--batch-invariant`` artifacts run as captured CUDA graphs
     unless ``cuda_graphs=False`` (stock graphs run eagerly: see ort_runtime/artifact.py);
-    ``kinds`` opens only those graph kinds (prefill is always needed to generate)."""
+    ``kinds`` opens only those graph kinds (prefill is always needed to generate).
+    ``trust_ops=True`` lets the artifact's custom-op library load even when it is not one you
+    built (loading native code runs it: docs/trust.md)."""
     return LoopcastModel(open_artifact(artifact_dir, device, threads=threads, share_weights=share_weights,
-                                       cuda_graphs=cuda_graphs, kinds=kinds))
+                                       cuda_graphs=cuda_graphs, kinds=kinds, trust_ops=trust_ops))

@@ -29,13 +29,15 @@ at one fixed position only.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import Manifest
+from loopcast.manifest import Manifest, resolve_inside
+from loopcast.ort_runtime.trust import op_library_to_load
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -55,6 +57,9 @@ class LoadedModel:
     _graph_ids: dict[str, int] = field(default_factory=dict, repr=False)
     _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
     _session_factory: object = field(default=None, repr=False)
+    # Generators may be made from several threads (LoopcastModel's pool): ids and lazily made
+    # eager sessions are handed out under this lock. ORT sessions themselves are thread-safe.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def config(self):
@@ -75,20 +80,21 @@ class LoadedModel:
 
     def allocate_graph_id(self, kind: str) -> int:
         """A fresh ``gpu_graph_id`` of ``kind``'s session (ids start at 1; -1 means uncaptured)."""
-        self._graph_ids[kind] = self._graph_ids.get(kind, 0) + 1
-        return self._graph_ids[kind]
+        with self._lock:
+            self._graph_ids[kind] = self._graph_ids.get(kind, 0) + 1
+            return self._graph_ids[kind]
 
     def eager_session(self, kind: str) -> ort.InferenceSession:
         """An uncaptured session of ``kind``, for slots whose capture failed (made on first use)."""
         if kind not in self.graph_kinds:
             return self.sessions[kind]
-        if kind not in self._eager:
-            self._eager[kind] = self._session_factory(kind, False)
-        return self._eager[kind]
+        with self._lock:
+            if kind not in self._eager:
+                self._eager[kind] = self._session_factory(kind, False)
+            return self._eager[kind]
 
 
-def _session_options(manifest: Manifest, artifact_dir: Path, threads: int | None,
-                     share_weights: bool) -> ort.SessionOptions:
+def _session_options(library: Path | None, threads: int | None, share_weights: bool) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
@@ -97,8 +103,7 @@ def _session_options(manifest: Manifest, artifact_dir: Path, threads: int | None
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if share_weights:
         so.add_session_config_entry("session.disable_prepacking", "1")
-    if manifest.custom_op_library:
-        library = artifact_dir / manifest.custom_op_library
+    if library is not None:  # already passed the trust rule (ort_runtime/trust.py)
         try:
             so.register_custom_ops_library(str(library))
         except Exception as exc:  # ORT raises a generic error type
@@ -106,9 +111,47 @@ def _session_options(manifest: Manifest, artifact_dir: Path, threads: int | None
     return so
 
 
+_ORT_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
+
+
+def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, file: Path) -> None:
+    """The ONNX file really is the manifest's graph of that kind: same input/output names, KV
+    buffers of the manifest's shape and dtype, the manifest's rows and vocabulary. Catches a graph
+    swapped for another kind's or for one exported with another max length."""
+    inputs = {v.name: v for v in session.get_inputs()}
+    outputs = {v.name: v for v in session.get_outputs()}
+    for label, got, want in (("inputs", inputs, spec.inputs), ("outputs", outputs, spec.outputs)):
+        if set(got) != set(want):
+            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+            raise ArtifactError(f"{file}: the graph's {label} do not match the manifest's '{spec.kind}' graph "
+                                f"(missing {missing[:4]}, unexpected {extra[:4]}); is it another kind's graph?")
+    cfg = manifest.config
+    kv_shape = [1, cfg.num_kv_heads, manifest.max_length, cfg.head_dim]
+    for slot in spec.kv_slots:
+        for name in (f"past_key.{slot}", f"past_value.{slot}"):
+            if list(inputs[name].shape) != kv_shape or inputs[name].type != _ORT_TYPES[manifest.dtype]:
+                raise ArtifactError(f"{file}: input {name} is {inputs[name].type} {inputs[name].shape}, the manifest "
+                                    f"says {_ORT_TYPES[manifest.dtype]} {kv_shape} (exported with another max "
+                                    "length or dtype?)")
+    first = "input_ids_BS" if spec.first_loop == 0 else "hidden_BSH"
+    rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
+    if (spec.rows is None) != (not isinstance(rows, int)) or (spec.rows is not None and rows != spec.rows):
+        raise ArtifactError(f"{file}: {first} takes {rows} rows, the manifest's '{spec.kind}' graph "
+                            f"takes {spec.rows or 'a dynamic number of'}")
+    logits = outputs["logits_BSV"].shape
+    if not logits or logits[-1] != cfg.vocab_size:
+        raise ArtifactError(f"{file}: logits_BSV has shape {logits}, the manifest's vocabulary is {cfg.vocab_size}")
+    for name, value in (("hidden_BSH", inputs.get("hidden_BSH")), ("hidden_BSH_out", outputs.get("hidden_BSH_out"))):
+        if value is not None and (not value.shape or value.shape[-1] != cfg.hidden_size):
+            raise ArtifactError(f"{file}: {name} has shape {value.shape}, the manifest's hidden size is "
+                                f"{cfg.hidden_size}")
+
+
 def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
                   kinds: tuple[str, ...] | None = None, share_weights: bool = False,
-                  cuda_graphs: bool | str = True) -> LoadedModel:
+                  cuda_graphs: bool | str = True, trust_ops: bool = False) -> LoadedModel:
+    """Validate and open an artifact. ``trust_ops`` allows loading its custom-op library even
+    when it is not one this user built (ort_runtime/trust.py states the whole rule)."""
     import time
 
     start = time.perf_counter()
@@ -135,25 +178,29 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
                             "no fp32 CUDA kernel, so ONNX Runtime runs it on the CPU between the device-resident "
                             "KV buffers and the logits come out wrong; export with --batch-invariant (the loopcast "
                             "attention has fp32 CUDA kernels) or with --dtype fp16/bf16")
-    if device == "cuda" and manifest.custom_ops:
-        _check_cuda_custom_ops(path, manifest)
+    library = op_library_to_load(path, manifest, trust_ops=trust_ops, kinds=kinds)
+    if device == "cuda" and library is not None:
+        _check_cuda_custom_ops(path, manifest, library)
     if device == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
 
     def make_session(kind: str, capture: bool) -> ort.InferenceSession:
         spec = manifest.graphs[kind]
-        options = _session_options(manifest, path, threads, share_weights)
+        options = _session_options(library, threads, share_weights)
         cuda_options = {"enable_cuda_graph": "1"} if capture else {}
         if device == "cuda" and manifest.dtype == "fp32":
             cuda_options["use_tf32"] = "0"  # an fp32 artifact means fp32 math, not TF32 matmuls
         providers = [(provider, cuda_options)] if cuda_options else [provider]
+        file = path / spec.file
         try:
-            return ort.InferenceSession(str(path / spec.file), options, providers=providers)
+            session = ort.InferenceSession(str(file), options, providers=providers)
         except ArtifactError:
             raise
         except Exception as exc:
-            raise ArtifactError(f"{path / spec.file}: ONNX Runtime could not load the '{kind}' graph "
-                                f"({str(exc).splitlines()[0][:300]})") from None
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            raise ArtifactError(f"{file}: ONNX Runtime could not load the '{kind}' graph ({first_line})") from None
+        check_session_io(session, spec, manifest, file)
+        return session
 
     if cuda_graphs not in (True, False, "always"):
         raise RequestError(f"cuda_graphs must be True, False or 'always', got {cuda_graphs!r}")
@@ -174,10 +221,11 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
                 fallbacks[kind] = str(exc)
         sessions[kind] = make_session(kind, False)
     tokenizer = None
-    if (path / "tokenizer.json").is_file():
+    tokenizer_file = resolve_inside(path, "tokenizer.json", "tokenizer") if (path / "tokenizer.json").exists() else None
+    if tokenizer_file is not None:
         from tokenizers import Tokenizer
         try:
-            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:
             raise ArtifactError(f"{path / 'tokenizer.json'}: unreadable tokenizer ({exc})") from None
     return LoadedModel(path, manifest, device, sessions, tokenizer, time.perf_counter() - start,
@@ -185,12 +233,11 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
                        _session_factory=make_session)
 
 
-def _check_cuda_custom_ops(path: Path, manifest: Manifest) -> None:
+def _check_cuda_custom_ops(path: Path, manifest: Manifest, library: Path) -> None:
     """The loopcast ops must have CUDA kernels, and the shapes must be ones they take; otherwise
     ORT would quietly run them on the CPU with copies every step, or fail on the first step."""
     import ctypes
 
-    library = path / manifest.custom_op_library
     try:
         has_cuda = bool(ctypes.CDLL(str(library)).loopcast_ops_has_cuda())
     except (OSError, AttributeError) as exc:
@@ -205,8 +252,26 @@ def _check_cuda_custom_ops(path: Path, manifest: Manifest) -> None:
                             f"and max length <= 49152 (this artifact: {cfg.head_dim}, {manifest.max_length})")
 
 
-def describe_artifact(path: Path) -> str:
+def _library_status(path: Path, manifest: Manifest) -> str:
+    """Whether the op library would load without --trust-ops (docs/trust.md); nothing is loaded."""
+    from loopcast.manifest import sha256_file
+    from loopcast.ops_trust import locally_built_hashes
+
+    if not manifest.custom_op_library:
+        return ""
+    digest = sha256_file(resolve_inside(path, manifest.custom_op_library, "custom-op library").resolve())
+    built = "built here" if digest in locally_built_hashes() else "not built here: loading needs --trust-ops"
+    return f" (library {manifest.custom_op_library}, {built})"
+
+
+def describe_artifact(path: Path, verify: bool = False) -> str:
+    """What ``loopcast inspect`` prints. The manifest is validated and recorded sizes checked;
+    each graph file must parse as an ONNX model; ``verify`` also hashes every recorded file."""
+    from loopcast.ort_runtime.trust import uses_loopcast_domain
+
     manifest = Manifest.read(path)
+    for spec in manifest.graphs.values():
+        uses_loopcast_domain(Path(path) / spec.file)  # raises on a file that is not an ONNX model
     cfg = manifest.config
     total = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
     weights = (Path(path) / manifest.weights_file).stat().st_size
@@ -219,7 +284,7 @@ def describe_artifact(path: Path) -> str:
         f"max length      {manifest.max_length} (KV slots: {manifest.kv_layout['slots']}, "
         f"each {manifest.kv_layout['shape']})",
         f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB (artifact total {total / 2**20:.1f} MiB)",
-        f"custom ops      {', '.join(manifest.custom_ops) or 'none'}",
+        f"custom ops      {', '.join(manifest.custom_ops) or 'none'}{_library_status(Path(path), manifest)}",
         "graphs:",
     ]
     for kind, spec in manifest.graphs.items():
@@ -230,4 +295,10 @@ def describe_artifact(path: Path) -> str:
         outs = [n for n in spec.outputs if not n.startswith("present_")]
         lines.append(f"  {'':<12} inputs {', '.join(others)} + past_key/value.{{slot}}")
         lines.append(f"  {'':<12} outputs {', '.join(outs)} + present_key/value.{{slot}}")
+    if verify:
+        from loopcast.manifest_schema import verify_hashes
+        lines += ["verify (SHA-256 of every recorded file):", *verify_hashes(manifest, Path(path))]
+    elif manifest.files:
+        lines.append(f"files           {len(manifest.files)} recorded with sizes (checked) and SHA-256 "
+                     "(loopcast inspect --verify checks them)")
     return "\n".join(lines)

@@ -14,8 +14,9 @@ def generate_with_ort(path: str, prompt: str | None, prompt_ids: list[int] | Non
                       device: str = "cpu", speculative: str = "none", num_draft_tokens: int | None = None,
                       draft_depth: int | None = None, gate: str = "auto", allow_inexact: bool = False,
                       on_text=None, messages: list[dict] | None = None, stop: tuple[str, ...] = (),
-                      sampling: SamplingParams | None = None, skip_special_tokens: bool = False) -> dict:
-    model = load(path, device)
+                      sampling: SamplingParams | None = None, skip_special_tokens: bool = False,
+                      trust_ops: bool = False) -> dict:
+    model = load(path, device, trust_ops=trust_ops)
     if draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
         raise RequestError(f"--draft-depth {draft_depth}: this artifact's draft graph runs "
                            f"{model.loaded.manifest.draft_depth} loops (re-export with --draft-depth {draft_depth})")

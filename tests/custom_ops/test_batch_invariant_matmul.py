@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -92,11 +93,14 @@ def test_cuda_and_cpu_only_builds_load_in_a_cpu_session(library: Path, tmp_path:
 
 
 def _artifact_with_library(tmp_path: Path, library: Path) -> Path:
+    """A --batch-invariant artifact (its graphs need the library) carrying ``library``, with the
+    size and SHA-256 records the runtime checks before loading native code (docs/trust.md)."""
     path = tmp_path / "art"
-    shutil.copytree(artifact("ouro-r3"), path)
-    shutil.copy(library, path / library.name)
+    shutil.copytree(artifact("ouro-r3", batch_invariant=True), path)
     raw = json.loads((path / "manifest.json").read_text())
-    raw["custom_op_library"], raw["custom_ops"] = library.name, ["BatchInvariantMatMul"]
+    shutil.copy(library, path / raw["custom_op_library"])
+    data = library.read_bytes()
+    raw["files"][raw["custom_op_library"]] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(raw))
     return path
 
@@ -104,6 +108,7 @@ def _artifact_with_library(tmp_path: Path, library: Path) -> Path:
 def test_runtime_registers_the_manifest_library(library: Path, tmp_path: Path) -> None:
     path = _artifact_with_library(tmp_path, library)
     ids = [5, 6, 7]
+    # Built here, so trusted by hash; and the batch-invariant graphs give the stock graphs' tokens.
     assert load(path).generate(ids, 12).tokens == load(artifact("ouro-r3")).generate(ids, 12).tokens
 
 
@@ -120,8 +125,17 @@ def test_c_program_registers_the_library(library: Path, tmp_path: Path) -> None:
     proc = subprocess.run([str(build / "c_generate"), str(path), "12", "5,6,7"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert [int(t) for t in proc.stdout.strip().split(",")] == load(path).generate([5, 6, 7], 12).tokens
-    (path / library.name).write_bytes(b"not a library")
+    # A new file, not an in-place rewrite: this process has the old one mapped (load() above), and
+    # truncating a mapped library crashes the process later with SIGBUS.
+    (path / library.name).unlink()
+    (path / library.name).write_bytes(b"not a library")         # record no longer matches: refused
     proc = subprocess.run([str(build / "c_generate"), str(path), "12", "5,6,7"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and library.name in proc.stderr
+    raw = json.loads((path / "manifest.json").read_text())
+    raw["files"][library.name] = {"size": 13, "sha256": hashlib.sha256(b"not a library").hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(raw))
+    proc = subprocess.run([str(build / "c_generate"), "--trust-ops", str(path), "12", "5,6,7"], capture_output=True,
+                          text=True)                            # trusted, matching, but not a library
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and library.name in proc.stderr
 
 

@@ -1,0 +1,282 @@
+"""Validation of an artifact manifest (DESIGN §4: an artifact is untrusted input).
+
+``parse_manifest`` checks every field's type and range and the fields against each other
+(model config vs graph loops and KV slots, verify width vs verify rows, KV shape vs max
+length), and that each graph kind lists exactly the inputs and outputs its kind must have.
+``check_files`` confines every named file to the artifact directory and compares recorded
+sizes and sampled hashes (at most 1 MiB read per file, so start-up stays cheap on gigabyte
+weights; the full hashes are ``inspect --verify``'s job). The runtime then
+compares each ONNX session's real inputs and outputs with the spec (ort_runtime/artifact.py).
+
+Everything raises ArtifactError naming the manifest and the field; nothing here lets a
+TypeError or KeyError out, because a corrupt manifest is input, not a bug.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from loopcast.config import ModelConfig
+from loopcast.errors import ArtifactError, LoopcastError
+from loopcast.manifest import (DECODE, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL, VERIFY, VERIFY_TAIL, FileRecord,
+                               GraphSpec, Manifest, resolve_inside, sampled_sha256)
+
+DTYPES = ("fp32", "fp16", "bf16")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class _Fields:
+    """Typed access to one JSON object of the manifest; errors name the dotted field path."""
+
+    def __init__(self, raw: Any, where: str, manifest: Path) -> None:
+        self.manifest, self.where = manifest, where
+        if not isinstance(raw, dict):
+            self.fail(f"must be a JSON object, got {type(raw).__name__}")
+        self.raw = raw
+
+    def fail(self, message: str, name: str | None = None):
+        at = f"{self.where}.{name}" if self.where and name else (name or self.where)
+        raise ArtifactError(f"{self.manifest}: corrupt manifest ({at} {message})")
+
+    def get(self, name: str, kind, *, optional: bool = False, default=None):
+        if name not in self.raw:
+            if optional:
+                return default
+            self.fail("is missing", name)
+        value = self.raw[name]
+        if value is None and optional:
+            return default
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            self.fail(f"must be an integer, got {value!r:.80}", name)
+        if kind is not int and not isinstance(value, kind):
+            self.fail(f"must be a {kind.__name__}, got {value!r:.80}", name)
+        return value
+
+    def int_in(self, name: str, lo: int, hi: int, *, optional: bool = False) -> int | None:
+        value = self.get(name, int, optional=optional)
+        if value is not None and not lo <= value <= hi:
+            self.fail(f"must be in {lo}..{hi}, got {value}", name)
+        return value
+
+    def int_list(self, name: str, lo: int, hi: int, *, optional: bool = False) -> list[int]:
+        values = self.get(name, list, optional=optional, default=[])
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                self.fail(f"must hold integers in {lo}..{hi}, got {v!r:.80}", name)
+        return values
+
+    def str_list(self, name: str, *, optional: bool = False) -> list[str]:
+        values = self.get(name, list, optional=optional, default=[])
+        if not all(isinstance(v, str) for v in values):
+            self.fail("must be a list of strings", name)
+        return values
+
+
+def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str], set[str]]:
+    """The input and output names a graph of ``kind`` must have (graphs/kinds.py builds them)."""
+    inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "seqlens_k", "total_sequence_length"}
+    outputs = {"next_token_ids_BS", "logits_BSV"}
+    if kind == DRAFT:
+        outputs |= {"top2_gap_BS", "hidden_BSH_out"}
+    for s in slots:
+        inputs |= {f"past_key.{s}", f"past_value.{s}"}
+        outputs |= {f"present_key.{s}", f"present_value.{s}"}
+    return inputs, outputs
+
+
+def expected_slots(config: ModelConfig, first_loop: int, last_loop: int) -> list[int]:
+    """KV slots a graph running loops first..last-1 binds: those loops' core layers, the prelude
+    when it starts from tokens, and the coda (DESIGN §2 slot numbering)."""
+    slots = {config.core_slot(r, l) for r in range(first_loop, last_loop) for l in range(config.num_layers)}
+    if first_loop == 0:
+        slots |= {config.prelude_slot(l) for l in range(config.num_prelude_layers)}
+    slots |= {config.coda_slot(l) for l in range(config.num_coda_layers)}
+    return sorted(slots)
+
+
+def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
+    top = _Fields(raw, "", path)
+    exporter_version = top.get("exporter_version", str)
+    model = top.get("model", dict)
+    try:
+        config = ModelConfig.from_hf_dict(model)
+    except LoopcastError as exc:
+        raise ArtifactError(f"{path}: corrupt manifest (model: {exc})") from None
+    except Exception as exc:  # any malformed value the config parser did not anticipate
+        raise ArtifactError(f"{path}: corrupt manifest (model: {type(exc).__name__}: {exc})") from None
+    dtype = top.get("dtype", str)
+    if dtype not in DTYPES:
+        top.fail(f"must be one of {', '.join(DTYPES)}, got {dtype!r:.40}", "dtype")
+    R = config.num_loops
+    max_length = top.int_in("max_length", 1, config.max_position_embeddings)
+    verify_width = top.int_in("verify_width", 2, max_length, optional=True)
+    draft_depth = top.int_in("draft_depth", 1, R - 1, optional=True) if R > 1 else None
+    if R == 1 and top.raw.get("draft_depth") is not None:
+        top.fail("must be null for a model of one loop", "draft_depth")
+
+    kv = _Fields(top.get("kv_layout", dict), "kv_layout", path)
+    if kv.get("slots", int) != config.num_kv_slots:
+        kv.fail(f"must be {config.num_kv_slots} (the model's KV slots), got {kv.raw['slots']}", "slots")
+    shape = [1, config.num_kv_heads, max_length, config.head_dim]
+    if kv.get("shape", list) != shape:
+        kv.fail(f"must be {shape} (1, KV heads, max_length, head_dim), got {kv.raw['shape']!r:.80}", "shape")
+
+    graphs_raw = top.get("graphs", dict)
+    unknown = sorted(set(graphs_raw) - set(GRAPH_KINDS))
+    if unknown:
+        top.fail(f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are {', '.join(GRAPH_KINDS)}",
+                 "graphs")
+    # kind -> (rows, first_loop, last_loop), from the model and the manifest's own widths.
+    plan = {PREFILL: (None, 0, R), DECODE: (1, 0, R)}
+    if verify_width is not None:
+        plan[VERIFY] = (verify_width, 0, R)
+    if draft_depth is not None:
+        plan[DRAFT] = (1, 0, draft_depth)
+        if verify_width is not None:
+            plan[VERIFY_TAIL] = (verify_width, draft_depth, R)
+    for kind in (PREFILL, DECODE):
+        if kind not in graphs_raw:
+            top.fail(f"lacks the '{kind}' graph, which every artifact needs", "graphs")
+    graphs = {}
+    for kind, spec_raw in graphs_raw.items():
+        if kind not in plan:
+            top.fail(f"has a '{kind}' graph but verify_width/draft_depth say there is none", "graphs")
+        graphs[kind] = _parse_graph(kind, spec_raw, plan[kind], config, path)
+
+    weights_file = top.get("weights_file", str)
+    custom_ops = top.str_list("custom_ops", optional=True)
+    library = top.get("custom_op_library", str, optional=True)
+    if custom_ops and library is None:
+        raise ArtifactError(f"{path}: the graphs use custom ops {custom_ops} but the manifest "
+                            "names no custom_op_library")
+    if library is not None and ("/" in library or library in ("", ".", "..")):
+        top.fail(f"must be a plain file name inside the artifact, got {library!r:.80}", "custom_op_library")
+    tokenizer_files = top.str_list("tokenizer_files", optional=True)
+    eos = top.int_list("eos_token_ids", 0, config.vocab_size - 1, optional=True)
+    files = {}
+    for name, record in top.get("files", dict, optional=True, default={}).items():
+        entry = _Fields(record, f"files[{name!r:.60}]", path)
+        size = entry.int_in("size", 0, 2**62)
+        digest = entry.get("sha256", str)
+        sampled = entry.get("sampled_sha256", str, optional=True)
+        for label, value in (("sha256", digest), ("sampled_sha256", sampled)):
+            if value is not None and not _SHA256.fullmatch(value):
+                entry.fail("must be 64 lowercase hex digits", label)
+        files[name] = FileRecord(size, digest, sampled)
+    exact = top.get("exact_verify", dict, optional=True, default={})
+    if not all(isinstance(k, str) and isinstance(v, bool) for k, v in exact.items()):
+        top.fail("must map device names to true/false", "exact_verify")
+    op_set = top.get("op_set", str, optional=True, default="stock")
+    if op_set not in OP_SETS:
+        top.fail(f"must be one of {', '.join(OP_SETS)}, got {op_set!r:.40}", "op_set")
+    if (op_set == "stock") != (not custom_ops):
+        top.fail(f"says {op_set!r} but the graphs use custom ops {custom_ops}", "op_set")
+    genai_files = top.str_list("genai_files", optional=True)
+    return Manifest(schema_version=raw["schema_version"], exporter_version=exporter_version, model=model,
+                    dtype=dtype, max_length=max_length, verify_width=verify_width, draft_depth=draft_depth,
+                    kv_layout=kv.raw, graphs=graphs, weights_file=weights_file, custom_ops=custom_ops,
+                    custom_op_library=library, tokenizer_files=tokenizer_files, eos_token_ids=eos,
+                    files=files, exact_verify=exact, op_set=op_set, genai_files=genai_files)
+
+
+def _parse_graph(kind: str, raw: Any, plan: tuple, config: ModelConfig, path: Path) -> GraphSpec:
+    g = _Fields(raw, f"graphs.{kind}", path)
+    rows, first, last = plan
+    if g.get("kind", str) != kind:
+        g.fail(f"must be {kind!r}, got {raw['kind']!r:.40}", "kind")
+    file = g.get("file", str)
+    got_rows = g.get("rows", int, optional=True)
+    if got_rows != rows:
+        g.fail(f"must be {rows if rows is not None else 'null (dynamic)'} for this kind, got {got_rows!r}", "rows")
+    got_first, got_last = g.get("first_loop", int), g.get("last_loop", int)
+    if (got_first, got_last) != (first, last):
+        g.fail(f"loops must be {first}..{last} (R={config.num_loops}), got {got_first}..{got_last}",
+               "first_loop/last_loop")
+    slots = g.int_list("kv_slots", 0, config.num_kv_slots - 1)
+    if sorted(slots) != expected_slots(config, first, last) or len(set(slots)) != len(slots):
+        g.fail(f"must be {expected_slots(config, first, last)} for loops {first}..{last - 1}, got {slots!r:.120}",
+               "kv_slots")
+    inputs, outputs = g.str_list("inputs"), g.str_list("outputs")
+    want_in, want_out = expected_io(kind, first, slots)
+    for label, got, want in (("inputs", inputs, want_in), ("outputs", outputs, want_out)):
+        if set(got) != want or len(got) != len(want):
+            extra, missing = sorted(set(got) - want), sorted(want - set(got))
+            g.fail(f"do not match a {kind} graph (missing {missing[:4]}, unexpected {extra[:4]})", label)
+    return GraphSpec(kind=kind, file=file, rows=got_rows, first_loop=first, last_loop=last,
+                     kv_slots=slots, inputs=inputs, outputs=outputs)
+
+
+def check_files(manifest: Manifest, artifact_dir: Path) -> None:
+    """Every file the manifest names is a regular file inside the artifact, of its recorded size."""
+    named = [(spec.file, f"graph file for '{kind}'") for kind, spec in manifest.graphs.items()]
+    named.append((manifest.weights_file, "weights file"))
+    if manifest.custom_op_library:
+        named.append((manifest.custom_op_library, "custom-op library"))
+    named += [(name, "tokenizer file") for name in manifest.tokenizer_files]
+    named += [(name, "GenAI file") for name in manifest.genai_files]
+    named += [(name, "recorded file") for name in manifest.files]
+    for name, what in named:
+        target = resolve_inside(artifact_dir, name, what)
+        if not target.is_file():
+            missing = "is missing" if not target.exists() else "is not a regular file"
+            raise ArtifactError(f"{target}: {what} {missing}" +
+                                (" (it must be a file inside the artifact)" if what == "custom-op library" else ""))
+        record = manifest.files.get(name)
+        if record is not None and target.stat().st_size != record.size:
+            raise ArtifactError(f"{target}: {what} has {target.stat().st_size} bytes, the manifest records "
+                                f"{record.size} (truncated or replaced; re-export the artifact)")
+        if record is not None and record.sampled_sha256 is not None and sampled_sha256(target) != record.sampled_sha256:
+            raise ArtifactError(f"{target}: {what} does not match the manifest (sampled SHA-256 differs: corrupted, "
+                                "zeroed or replaced; loopcast inspect --verify checks every byte)")
+    check_weights_header(artifact_dir / manifest.weights_file)
+
+
+def check_weights_header(weights: Path) -> None:
+    """A safetensors file at least as long as its own header says: catches a truncated weights
+    file even in an artifact that records no sizes, by reading only the header."""
+    import json
+    import struct
+
+    try:
+        with open(weights, "rb") as f:
+            head = f.read(8)
+            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+            if length is None or length > 100 * 2**20:
+                raise ValueError("no valid header length")
+            header = json.loads(f.read(length))
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        need = 8 + length + max(ends, default=0)
+    except OSError as exc:
+        raise ArtifactError(f"{weights}: weights file unreadable ({exc.strerror})") from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        raise ArtifactError(f"{weights}: weights file is not a safetensors file ({type(exc).__name__}: "
+                            f"{str(exc)[:120]})") from None
+    if weights.stat().st_size < need:
+        raise ArtifactError(f"{weights}: weights file is truncated ({weights.stat().st_size} bytes, its header "
+                            f"needs {need}); re-export the artifact")
+
+
+def verify_hashes(manifest: Manifest, artifact_dir: Path) -> list[str]:
+    """Hash every recorded file (slow on big weights: ``inspect --verify``). Returns the lines of
+    a report; raises ArtifactError on the first mismatch."""
+    from loopcast.manifest import sha256_file
+
+    if not manifest.files:
+        raise ArtifactError(f"{artifact_dir}: the manifest records no hashes (exported by an older loopcast); "
+                            "re-export to verify it")
+    named = [spec.file for spec in manifest.graphs.values()] + [manifest.weights_file]
+    named += [manifest.custom_op_library] if manifest.custom_op_library else []
+    unrecorded = [name for name in named if name not in manifest.files]
+    if unrecorded:
+        raise ArtifactError(f"{artifact_dir}: the manifest records no hash for {', '.join(unrecorded)}")
+    lines = []
+    for name, record in manifest.files.items():
+        target = resolve_inside(artifact_dir, name, "recorded file")
+        digest = sha256_file(target)
+        if digest != record.sha256:
+            raise ArtifactError(f"{target}: SHA-256 {digest[:16]}… does not match the manifest's "
+                                f"{record.sha256[:16]}… (corrupted or replaced; re-export the artifact)")
+        lines.append(f"  ok  {name:<24} {record.size:>12} bytes  sha256 {digest[:16]}…")
+    return lines
