@@ -1,4 +1,4 @@
-"""``loopcast export``: checkpoint directory → artifact directory (DESIGN §3, §4).
+"""``loopcast export``: checkpoint directory → artifact directory (docs/architecture.md §3, §4).
 
 The artifact is assembled in a staging directory beside the destination and swapped into
 place only when every file is written and checked, so a failed export leaves nothing that
@@ -164,6 +164,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: Expo
         try:
             manifest = _with_file_records(_write_artifact(checkpoint_dir, config, opts, staging.path, progress),
                                           staging.path)
+            manifest = _with_exactness(manifest, staging.path)
             staging.install()
         except BaseException:
             staging.discard()
@@ -255,18 +256,23 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         genai_files=genai_files,
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json())
-    manifest = Manifest(**{**manifest.__dict__, "exact_verify": _exactness(staging, opts.dtype, op_set)})
-    (staging / MANIFEST_FILE).write_text(manifest.to_json())
     return manifest
 
 
-def _exactness(staging: Path, dtype: str, op_set: str) -> dict[str, bool]:
-    """Per device: are verify rows the decode rows bit for bit? Measured on the CPU (fp32 only:
-    the CPU runs nothing else); on CUDA only the loopcast kernels are row-invariant (tested on
-    the GPU: tests/ort_runtime/test_cuda.py), cuBLAS and GroupQueryAttention are not."""
+def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
+    """Declare per device whether verify rows are the decode rows bit for bit, and rewrite
+    manifest.json. Measured on the CPU (fp32 only: the CPU runs nothing else) by loading the
+    staged artifact, so after its files are recorded (the trust rule loads the op library only
+    by recorded hash); on CUDA only the loopcast kernels are row-invariant (tested on the GPU:
+    tests/ort_runtime/test_cuda.py), cuBLAS and GroupQueryAttention are not."""
+    import dataclasses
+
     from loopcast.ort_runtime.exactness import rows_match_on_cpu
 
-    return {"cpu": dtype == "fp32" and rows_match_on_cpu(staging), "cuda": op_set == "loopcast"}
+    exact = {"cpu": manifest.dtype == "fp32" and rows_match_on_cpu(staging), "cuda": manifest.op_set == "loopcast"}
+    declared = dataclasses.replace(manifest, exact_verify=exact)
+    (staging / MANIFEST_FILE).write_text(declared.to_json())
+    return declared
 
 
 def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int, *,

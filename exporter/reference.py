@@ -1,4 +1,4 @@
-"""Torch reference model of the looped-transformer family (DESIGN §1): the oracle.
+"""Torch reference model of the looped-transformer family (docs/architecture.md §1): the oracle.
 
 Written from the architecture, not from an upstream implementation. Parameter names follow the
 Hugging Face checkpoints (``model.layers.{i}.self_attn.q_proj.weight``, ...), so
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
 class KVCache:
     """Fixed per-slot KV buffers ``[slots, B, H_kv, S_max, D]`` written by position.
 
-    The cache does not track a length: the caller owns ``n`` (DESIGN §2). Rewind is the
+    The cache does not track a length: the caller owns ``n`` (docs/architecture.md §2). Rewind is the
     caller setting ``n`` back; data past ``n`` is never read before it is rewritten.
     """
 
@@ -273,7 +273,7 @@ class LoopedLM(nn.Module):
 
 
 def exit_probabilities(gate_logits: list[torch.Tensor]) -> torch.Tensor:
-    """Ouro's exit distribution over loops (DESIGN §1), stacked on the last axis.
+    """Ouro's exit distribution over loops (docs/architecture.md §1), stacked on the last axis.
 
     λ_r = σ(gate_r); p_r = λ_r · Π_{s<r}(1-λ_s) for r < R-1; the last loop takes the rest.
     """

@@ -17,7 +17,7 @@ from loopcast.graphs.builder import LOOPCAST_DOMAIN, MS_DOMAIN, GraphBuilder
 
 @dataclass(frozen=True)
 class StepInputs:
-    """Per-step values every attention block reads (DESIGN §2: the host owns n).
+    """Per-step values every attention block reads (docs/architecture.md §2: the host owns n).
 
     For M new rows at positions n..n+M-1: ``seqlens_k = n+M-1`` (int32 [B]) and
     ``total_sequence_length = n+M`` (int32 scalar), GroupQueryAttention's contract.
@@ -37,7 +37,7 @@ class BlockContext:
     step: StepInputs
     # The loopcast custom ops instead of stock ones: BatchInvariantMatMul and
     # BatchInvariantAttention (a row's result then does not depend on how many rows the step
-    # has, so every verify row equals the M=1 decode row bit for bit, DESIGN §6), the fused
+    # has, so every verify row equals the M=1 decode row bit for bit, docs/architecture.md §6), the fused
     # ResidualRMSNorm, and the MLP activation inside the down projection: a layer is 7 nodes
     # instead of ~15 (decoder_stack).
     batch_invariant: bool = False

@@ -6,7 +6,7 @@ GenAI (onnxruntime-genai) drives a decoder-only model through fixed names:
     past_key_values.{i}.key / .value  →  logits [B, S, V], present.{i}.key / .value
 
 With ``past_present_share_buffer`` it allocates each past buffer once at ``search.max_length``
-and binds it as the present too: the static-slot layout of DESIGN §2 that GroupQueryAttention
+and binds it as the present too: the static-slot layout of docs/architecture.md §2 that GroupQueryAttention
 already writes in place, so the layers are the unchanged blocks. Only the step inputs differ:
 GenAI gives a mask where our kinds take ``seqlens_k``/``total_sequence_length``, so the graph
 derives them as GenAI's own builder does:

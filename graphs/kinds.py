@@ -1,4 +1,4 @@
-"""Graph kinds (DESIGN §3) as compositions of the blocks:
+"""Graph kinds (docs/architecture.md §3) as compositions of the blocks:
 
     prefill     = embed → prelude → loops 0..R-1 → coda → last row → head     (dynamic rows)
     decode      = embed → prelude → loops 0..R-1 → coda → head                (1 row)

@@ -1,4 +1,4 @@
-"""Model configuration of the looped-transformer family (DESIGN §1), torch-free.
+"""Model configuration of the looped-transformer family (docs/architecture.md §1), torch-free.
 
 A config is read from a Hugging Face ``config.json`` (``model_type`` ouro, llama, qwen2 or
 mistral, in the formats of transformers 4 and 5) and validated once, here, against a table of
@@ -152,7 +152,7 @@ class ModelConfig:
 
     @property
     def num_kv_slots(self) -> int:
-        """Core slots ``r*L + l`` first, then prelude, then coda slots (DESIGN §2)."""
+        """Core slots ``r*L + l`` first, then prelude, then coda slots (docs/architecture.md §2)."""
         return self.num_loops * self.num_layers + self.num_prelude_layers + self.num_coda_layers
 
     def core_slot(self, loop: int, layer: int) -> int:

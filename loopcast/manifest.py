@@ -1,4 +1,4 @@
-"""The artifact manifest (DESIGN §4): everything a runtime — Python or C — needs to run it.
+"""The artifact manifest (docs/architecture.md §4): everything a runtime — Python or C — needs to run it.
 
 Torch-free: written by the exporter, read and validated by ``ort_runtime`` and the C example.
 """
@@ -25,7 +25,7 @@ WEIGHTS_FILE = "weights.safetensors"
 #   loopcast            every hot op from the loopcast library (batch-invariant on CPU and CUDA)
 OP_SETS = ("stock", "loopcast-attention", "loopcast")
 
-# Graph kinds (DESIGN §3).
+# Graph kinds (docs/architecture.md §3).
 PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL = "prefill", "decode", "verify", "draft", "verify_tail"
 GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL)
 

@@ -1,4 +1,4 @@
-"""Validation of an artifact manifest (DESIGN §4: an artifact is untrusted input).
+"""Validation of an artifact manifest (docs/architecture.md §4: an artifact is untrusted input).
 
 ``parse_manifest`` checks every field's type and range and the fields against each other
 (model config vs graph loops and KV slots, verify width vs verify rows, KV shape vs max
@@ -88,7 +88,7 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
 
 def expected_slots(config: ModelConfig, first_loop: int, last_loop: int) -> list[int]:
     """KV slots a graph running loops first..last-1 binds: those loops' core layers, the prelude
-    when it starts from tokens, and the coda (DESIGN §2 slot numbering)."""
+    when it starts from tokens, and the coda (docs/architecture.md §2 slot numbering)."""
     slots = {config.core_slot(r, l) for r in range(first_loop, last_loop) for l in range(config.num_layers)}
     if first_loop == 0:
         slots |= {config.prelude_slot(l) for l in range(config.num_prelude_layers)}

@@ -11,7 +11,7 @@ one resident copy. Numbers and commands: docs/architecture.md.
 Several sessions alternate on the same cores, so their intra-op threads must not spin after
 a run (spinning threads of one session starve the next session's run).
 
-CUDA graphs (DESIGN §5): every fixed-width kind (decode, verify, draft, verify_tail) gets a
+CUDA graphs (docs/architecture.md §5): every fixed-width kind (decode, verify, draft, verify_tail) gets a
 session with ``enable_cuda_graph``; each generator takes its own ``gpu_graph_id`` per kind
 (a captured graph bakes in the addresses of that generator's buffers). Prefill has dynamic
 rows and runs in an ordinary session. A kind whose graph session cannot be made falls back to

@@ -6,7 +6,7 @@ reads the slot (GroupQueryAttention updates it in place), and per graph kind fix
 output buffers bound once. A step writes its inputs into those buffers and runs; nothing is
 allocated per token. Prefill (dynamic rows) rebinds its token ids per call; it is not hot.
 
-The host owns ``n`` (DESIGN §2): a step over M rows at positions s..s+M-1 writes exactly those
+The host owns ``n`` (docs/architecture.md §2): a step over M rows at positions s..s+M-1 writes exactly those
 positions of the slots it binds. ``rewind(n')`` only moves ``n``; data past ``n`` is never read
 again before it is rewritten, because every row attends only to positions ≤ its own.
 """
@@ -61,7 +61,7 @@ class _Buffer:
 
 @dataclass
 class GraphSlot:
-    """One generator's captured CUDA graph of one kind (DESIGN §5), and what happened to it.
+    """One generator's captured CUDA graph of one kind (docs/architecture.md §5), and what happened to it.
 
     ORT's CUDA provider does the warm-up run and the capture inside a graph id's first
     ``Run`` (it re-runs itself until the graph is captured) and replays from the second call

@@ -1,4 +1,4 @@
-"""The trust rule for an artifact's native code (docs/trust.md, DESIGN §4).
+"""The trust rule for an artifact's native code (docs/trust.md, docs/architecture.md §4).
 
 An artifact's ``custom_op_library`` is loaded only when all of these hold:
 

@@ -1,4 +1,4 @@
-"""Running and inspecting never import torch (DESIGN §5: the runtime is deployable alone; and
+"""Running and inspecting never import torch (docs/architecture.md §5: the runtime is deployable alone; and
 importing torch costs seconds). Each command runs in a fresh interpreter that reports whether
 ``torch`` ended up in ``sys.modules``; torch is installed here, so only laziness keeps it out."""
 

@@ -201,7 +201,7 @@ def test_verify_tail_from_depth_d_equals_full_model(model):
 
 @torch.no_grad()
 def _self_speculation_round(model: LoopedLM, cache: KVCache, start: int, rows: list[int], depth: int):
-    """DESIGN §5: rows run the draft one by one (depth < d KV), then verify_tail runs their
+    """docs/architecture.md §5: rows run the draft one by one (depth < d KV), then verify_tail runs their
     depth-d hidden states through depths d..R-1 (depth >= d KV). Returns (draft, tail) logits."""
     hidden, draft_logits = [], []
     for i, token in enumerate(rows):

@@ -1,4 +1,4 @@
-"""DESIGN §5: the runtime needs onnxruntime, numpy and tokenizers only."""
+"""docs/architecture.md §5: the runtime needs onnxruntime, numpy and tokenizers only."""
 
 import subprocess
 import sys

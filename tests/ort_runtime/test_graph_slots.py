@@ -1,4 +1,4 @@
-"""Graph-slot bookkeeping (DESIGN §5) without a GPU: the counters follow ORT's
+"""Graph-slot bookkeeping (docs/architecture.md §5) without a GPU: the counters follow ORT's
 warm-up / capture / replay rule per graph id, every generator gets its own id per kind, and a
 slot whose capture fails falls back to an eager session with identical tokens.
 
