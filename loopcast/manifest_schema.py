@@ -171,8 +171,6 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     op_set = top.get("op_set", str, optional=True, default="stock")
     if op_set not in OP_SETS:
         top.fail(f"must be one of {', '.join(OP_SETS)}, got {op_set!r:.40}", "op_set")
-    if (op_set == "stock") != (not custom_ops):
-        top.fail(f"says {op_set!r} but the graphs use custom ops {custom_ops}", "op_set")
     genai_files = top.str_list("genai_files", optional=True)
     return Manifest(schema_version=raw["schema_version"], exporter_version=exporter_version, model=model,
                     dtype=dtype, max_length=max_length, verify_width=verify_width, draft_depth=draft_depth,

@@ -68,7 +68,7 @@ def test_c_stops_at_capacity(program: Path) -> None:
 
 def _copy(tmp_path: Path) -> Path:
     dst = tmp_path / "art"
-    shutil.copytree(artifact("ouro-r3"), dst)
+    shutil.copytree(artifact("ouro-r3", ops="stock"), dst)
     return dst
 
 

@@ -75,11 +75,12 @@ def split_stop(demo):
 
 def test_generate_stops_at_a_split_string(demo, split_stop) -> None:
     stop, tokens, text = split_stop
-    result = demo.generate(PROMPT, 40, stop=[stop, "never appears \x00"])
+    gen = demo.new_generator()
+    result = demo.generate(PROMPT, 40, stop=[stop, "never appears \x00"], generator=gen)
     assert (result.tokens, result.text, result.finish_reason) == (tokens, text, "stop")
     assert result.stats.new_tokens == len(tokens)
     # committed: prompt + every yielded token but the last (pending), as for any finish
-    assert demo._default.n == len(demo.encode(PROMPT)) + len(tokens) - 1
+    assert gen.n == len(demo.encode(PROMPT)) + len(tokens) - 1
     assert demo.generate(PROMPT, 40).tokens[:len(tokens)] == tokens  # the generator stays usable
 
 

@@ -100,10 +100,10 @@ def test_needed_library_not_built_here_is_refused_without_trust(hostile, batch_i
 
 def test_library_the_graphs_do_not_need_is_never_loaded(hostile, tmp_path) -> None:
     library, marker = hostile
-    path = _copy(artifact("ouro-r3"), tmp_path)        # stock graphs: no loopcast-domain node
+    path = _copy(artifact("ouro-r3", ops="stock"), tmp_path)        # stock graphs: no loopcast-domain node
     _plant(path, library)
     ids = [5, 6, 7]
-    assert load(path, trust_ops=True).generate(ids, 6).tokens == load(artifact("ouro-r3")).generate(ids, 6).tokens
+    assert load(path, trust_ops=True).generate(ids, 6).tokens == load(artifact("ouro-r3", ops="stock")).generate(ids, 6).tokens
     assert not marker.exists()
 
 
@@ -174,7 +174,7 @@ def test_locally_built_library_is_trusted_by_hash_and_only_by_hash(batch_invaria
     ("tokenizer_files", ["../tokenizer.json"]),
 ])
 def test_manifest_paths_stay_inside(tmp_path, field, value) -> None:
-    path = _copy(artifact("ouro-r3"), tmp_path)
+    path = _copy(artifact("ouro-r3", ops="stock"), tmp_path)
     raw = json.loads((path / "manifest.json").read_text())
     if field == "graph":
         raw["graphs"]["decode"]["file"] = value
@@ -187,7 +187,7 @@ def test_manifest_paths_stay_inside(tmp_path, field, value) -> None:
 
 @pytest.mark.parametrize("what", ["decode.onnx", "weights.safetensors", "tokenizer.json"])
 def test_symlinks_leaving_the_artifact_are_refused(tmp_path, what) -> None:
-    src = artifact("demo")
+    src = artifact("demo", ops="stock")
     path = _copy(src, tmp_path)
     outside = tmp_path / f"outside-{what}"
     shutil.move(path / what, outside)
@@ -197,11 +197,11 @@ def test_symlinks_leaving_the_artifact_are_refused(tmp_path, what) -> None:
 
 
 def test_symlink_inside_the_artifact_is_fine(tmp_path) -> None:
-    path = _copy(artifact("ouro-r3"), tmp_path)
+    path = _copy(artifact("ouro-r3", ops="stock"), tmp_path)
     (path / "sub").mkdir()
     shutil.move(path / "decode.onnx", path / "sub" / "decode.onnx")
     (path / "decode.onnx").symlink_to(Path("sub") / "decode.onnx")
-    assert load(path).generate([5, 6, 7], 4).tokens == load(artifact("ouro-r3")).generate([5, 6, 7], 4).tokens
+    assert load(path).generate([5, 6, 7], 4).tokens == load(artifact("ouro-r3", ops="stock")).generate([5, 6, 7], 4).tokens
 
 
 @pytest.mark.parametrize("location", ["../weights.safetensors", "/etc/hostname", "outside-link"])
@@ -209,7 +209,7 @@ def test_graph_external_data_cannot_leave_the_artifact(tmp_path, location) -> No
     """Graphs reach their weights as ONNX external data; ONNX Runtime refuses locations outside
     the model's directory, including through a symlink, and that surfaces as one ArtifactError."""
     import onnx
-    path = _copy(artifact("ouro-r3"), tmp_path)
+    path = _copy(artifact("ouro-r3", ops="stock"), tmp_path)
     (tmp_path / "weights.safetensors").write_bytes((path / "weights.safetensors").read_bytes())
     (path / "outside-link").symlink_to(tmp_path / "weights.safetensors")
     model = onnx.load(str(path / "decode.onnx"), load_external_data=False)
