@@ -103,13 +103,12 @@ def sampled_stream(gen: Generator, ids: list[int], max_new_tokens: int, *, sampl
         proposer = PromptLookupProposer()
     acceptor = acceptor if acceptor is not None else SampledAcceptor(sampling)
     stats.prompt_tokens, stats.speculative, stats.gate = len(ids), mode, gate
-    finish = Finisher(gen, stats, len(ids))
+    finish = Finisher(gen, stats, len(ids), max_new_tokens, stop_ids)
     if max_new_tokens == 0:
         finish("length")
         return
     try:
-        yield from _loop(gen, ids, max_new_tokens, stop_ids, mode, k_max, proposer, acceptor, stats, finish,
-                         _gate(gen, gate, mode, k_max))
+        yield from _loop(gen, ids, mode, proposer, acceptor, stats, finish, _gate(gen, gate, mode, k_max))
     finally:
         finish.abandoned()
 
@@ -154,30 +153,17 @@ def _prefill(gen: Generator, ids: list[int]) -> np.ndarray:
     return np.array(out.logits[-1], dtype=np.float32)
 
 
-def _loop(gen: Generator, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], mode: str,
-          k_max: int, proposer, acceptor: SampledAcceptor, stats: GenerationStats, finish, gate) -> Iterator[int]:
+def _loop(gen: Generator, ids: list[int], mode: str, proposer, acceptor: SampledAcceptor,
+          stats: GenerationStats, finish: Finisher, gate) -> Iterator[int]:
     pending = acceptor.draw(_prefill(gen, ids), gen.tokens)
-    new_tokens, emitted, step = [pending], 0, 0
+    new_tokens, step = [pending], 0
     width = gen.rows(VERIFY_TAIL if mode == "self" else VERIFY) if mode != "none" else None
-    while True:
-        for token in new_tokens:
-            emitted += 1
-            stats.new_tokens = emitted
-            yield token
-            if token in stop_ids:
-                finish("eos", emitted)
-                return
-            if emitted >= max_new_tokens:
-                finish("length", emitted)
-                return
-        if gen.n >= gen.max_length:  # no room for the pending token's KV
-            finish("length", emitted)
-            return
+    while not (yield from finish.emit(new_tokens)):
         step += 1
         new_tokens = None
         k = gate.engage(step) if gate is not None else None
         if k and gen.n + width <= gen.max_length:
-            k = min(k, width - 1, max_new_tokens - emitted)
+            k = min(k, width - 1, finish.remaining)
             if mode == "self":
                 outcome = self_draft_round(gen, acceptor, pending, k)
             else:

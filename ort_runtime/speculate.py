@@ -164,29 +164,56 @@ def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tup
         spec.mode if spec.mode != "none" else "custom")
     stats.exact_verify = gen.model.exact_verify
     stats.exact_greedy = plan is None or stats.exact_verify
-    finish = Finisher(gen, stats, len(ids))
+    finish = Finisher(gen, stats, len(ids), max_new_tokens, stop_ids)
     if max_new_tokens == 0:
         finish("length")
         return
     try:
-        yield from _Engine(gen, spec, plan, stats).run(ids, max_new_tokens, stop_ids, finish)
+        yield from _Engine(gen, spec, plan, stats).run(ids, finish)
     finally:
         finish.abandoned()
 
 
 class Finisher:
-    """Ends a generation: sets ``n`` to what plain decoding leaves (the prefix, the input and
-    every yielded token but the last, which is pending) and fills in the stats. Shared by the
-    greedy and the sampled loops."""
+    """Hands a generation's tokens out and ends it: stops at a stop id (yielded), at
+    ``max_new_tokens`` or at the KV capacity, sets ``n`` to what plain decoding leaves (the
+    prefix, the input and every yielded token but the last, which is pending) and fills in the
+    stats. Shared by the greedy and the sampled loops; ``on_finish`` runs first (a gate's report)."""
 
-    def __init__(self, gen: Generator, stats: GenerationStats, input_len: int) -> None:
+    def __init__(self, gen: Generator, stats: GenerationStats, input_len: int, max_new_tokens: int,
+                 stop_ids: tuple[int, ...]) -> None:
         self.gen, self.stats, self.input_len = gen, stats, input_len
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+        self.emitted, self.on_finish = 0, None
         self.base, self.start = gen.n, time.perf_counter()
         self.counts0, self.secs0 = dict(gen.step_counts), dict(gen.step_seconds)
         stats.finish_reason = ""  # a reused stats record must not make an early close skip the rewind
 
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - self.emitted
+
+    def emit(self, tokens: list[int]):
+        """Yield ``tokens``; returns True when the generation has finished (``yield from``)."""
+        for token in tokens:
+            self.emitted += 1
+            self.stats.new_tokens = self.emitted
+            yield token
+            if token in self.stop_ids:
+                self("eos", self.emitted)
+                return True
+            if self.emitted >= self.max_new_tokens:
+                self("length", self.emitted)
+                return True
+        if self.gen.n >= self.gen.max_length:  # no room for the pending token's KV
+            self("length", self.emitted)
+            return True
+        return False
+
     def __call__(self, reason: str, emitted: int = 0) -> None:
         gen, stats = self.gen, self.stats
+        if self.on_finish is not None:
+            self.on_finish()
         stats.finish_reason = reason
         gen.rewind(min(gen.n, self.base + self.input_len + emitted - 1))
         stats.seconds = time.perf_counter() - self.start
@@ -220,32 +247,16 @@ class _Engine:
                                   free_guess=getattr(plan.proposer, "free_guess", False), memory=memory)
             stats.strategy, stats.gate = plan.strategy.name, spec.gate
 
-    def run(self, ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...], finish) -> Iterator[int]:
-        gen, stats = self.gen, self.stats
-        pending = gen.prefill(ids)
+    def run(self, ids: list[int], finish: Finisher) -> Iterator[int]:
+        finish.on_finish = self._close
+        pending = self.gen.prefill(ids)
         # The committed sequence, kept here and extended on commit, so a proposer's context
         # costs no copy of the whole sequence per step (proposers must not keep it).
-        self.context = gen.tokens
-        new_tokens, emitted, step = [pending], 0, 0
-        while True:
-            for token in new_tokens:
-                emitted += 1
-                stats.new_tokens = emitted
-                yield token
-                if token in stop_ids:
-                    self._close()
-                    finish("eos", emitted)
-                    return
-                if emitted >= max_new_tokens:
-                    self._close()
-                    finish("length", emitted)
-                    return
-            if gen.n >= gen.max_length:  # no room for the pending token's KV
-                self._close()
-                finish("length", emitted)
-                return
+        self.context = self.gen.tokens
+        new_tokens, step = [pending], 0
+        while not (yield from finish.emit(new_tokens)):
             step += 1
-            new_tokens = self._round(pending, step, max_new_tokens - emitted)
+            new_tokens = self._round(pending, step, finish.remaining)
             pending = new_tokens[-1]
 
     def _round(self, pending: int, step: int, remaining: int) -> list[int]:
