@@ -29,8 +29,23 @@ def demo_artifact_dir(cache_dir: Path | None = None, *, progress: bool = False) 
     digest = hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest()[:12]
     root = cache_dir or Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
     artifact = Path(root) / f"demo-{__version__}-s{SCHEMA_VERSION}-{digest}"
-    if not (artifact / "manifest.json").is_file():
+    if not _usable(artifact):
         from loopcast.exporter.export import ExportOptions, export_checkpoint
         export_checkpoint(checkpoint, artifact, ExportOptions(dtype="fp32", max_length=1024, verify_width=5,
                                                               draft_depth=1), progress=progress, overwrite=True)
     return artifact
+
+
+def _usable(artifact: Path) -> bool:
+    """A cached demo artifact that reads cleanly and records every file it names (an older or
+    damaged cache entry is exported again rather than refused on every run)."""
+    from loopcast.errors import ArtifactError
+    from loopcast.manifest import Manifest
+
+    if not (artifact / "manifest.json").is_file():
+        return False
+    try:
+        manifest = Manifest.read(artifact)
+    except ArtifactError:
+        return False
+    return manifest.custom_op_library is None or manifest.custom_op_library in manifest.files

@@ -228,3 +228,18 @@ def test_python_m_generate_bad_token(make_checkpoint):
     proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "generate", str(path), "--backend", "torch",
                            "--prompt-ids", "1,99999"], capture_output=True, text=True, timeout=120)
     assert_one_error_line(proc.returncode, proc.stdout, proc.stderr, "token id 99999")
+
+
+def test_demo_reports_medians_and_the_gate() -> None:
+    """`loopcast demo` on the default (exact) artifact: every mode with the default gate, the
+    median of three runs with its range, and why the gate engaged or stood down."""
+    from tests.artifacts import require_exact_cpu_artifacts
+
+    require_exact_cpu_artifacts()
+    result = CliRunner().invoke(main, ["demo", "--max-new-tokens", "12"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for label in ("plain greedy", "prompt-lookup (gate auto)", "self (gate auto)"):
+        assert any(line.startswith(label) and "(range " in line for line in lines), result.output
+    assert sum("gate: " in line for line in lines) == 2
+    assert any(line.startswith("best: ") and "identical to plain greedy" in line for line in lines)
