@@ -100,7 +100,7 @@ class _Plan:
 
 def _plan(gen: Generator, spec: SpeculationConfig) -> _Plan | None:
     if spec.mode not in MODES:
-        raise RequestError(f"unknown speculative mode {spec.mode!r}; choose from {', '.join(MODES[:3])}")
+        raise RequestError(f"unknown speculative mode {spec.mode!r}; choose from {', '.join(MODES)} (custom takes a proposer)")
     if spec.gate not in GATES:
         raise RequestError(f"unknown gate {spec.gate!r}; choose from {', '.join(GATES)}")
     if spec.mode == "none" and spec.proposer is None:
