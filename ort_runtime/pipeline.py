@@ -60,7 +60,7 @@ class PipelineStats:
     cycles: int = 0
     discarded_lanes: int = 0
     cold_starts: int = 0
-    trace: list | None = None   # per cycle (positions, argmax per row), when a test asks for it
+    trace: list | None = None   # per cycle (positions, argmax per row, entering token), for tests
 
 
 class PipelineCycles:
@@ -136,7 +136,7 @@ class PipelineCycles:
         ids = gen.run_cycle(entering, positions)
         self.stats.cycles += 1
         if self.stats.trace is not None:
-            self.stats.trace.append((list(positions), [int(t) for t in ids]))
+            self.stats.trace.append((list(positions), [int(t) for t in ids], entering))
         return ids
 
     def _advance(self, gen, ids, limit_position: int, drafts) -> LaneRound | None:

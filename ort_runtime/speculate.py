@@ -87,11 +87,14 @@ class GenerationStats:
     cycles: int = 0                       # pipeline cycles (one pass over the core layers each)
     discarded_lanes: int = 0
     core_calls_per_token: float = 0.0     # passes over the core layers per new token (plain: R)
+    pipeline_trace: list | None = None    # SpeculationConfig(trace=True): each cycle's rows (tests)
     steps: dict[str, int] = field(default_factory=dict)
     step_seconds: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         out = asdict(self)
+        if out["pipeline_trace"] is None:
+            del out["pipeline_trace"]
         out["step_seconds"] = {k: round(v, 6) for k, v in out["step_seconds"].items()}
         return out
 
@@ -338,6 +341,7 @@ class _Engine:
         stats.proposed += done.verified
         stats.accepted += done.accepted
         stats.discarded_lanes = strategy.stats.discarded_lanes
+        stats.pipeline_trace = strategy.stats.trace
         if done.verified:
             self.gate.observe(done.verified, done.accepted, step=step)
         return [done.token]
