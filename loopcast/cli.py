@@ -304,6 +304,9 @@ def _sampling_options(temperature, top_k, top_p, min_p, repetition_penalty, seed
 @click.option("--alternate-tokens", type=int, default=1000, show_default=True,
               help="Length of the decode/draft/verify alternation run (CUDA).")
 @click.option("--no-end-to-end", is_flag=True, help="Skip the end-to-end tokens/s rows.")
+@click.option("--oracle-reject", "oracle_reject", default="0,0.08", show_default=True,
+              help="Pipeline rows with oracle drafts (plain greedy's continuation replayed through the drafts "
+                   "hook) that spoil these fractions of positions (comma-separated; empty: none).")
 @click.option("--no-torch", is_flag=True, help="Skip the PyTorch baseline.")
 @click.option("--no-profile", is_flag=True, help="Skip the per-kernel-family decode profile (CUDA).")
 @click.option("--work-dir", type=click.Path(path_type=Path), default=None,
@@ -314,8 +317,8 @@ def _sampling_options(temperature, top_k, top_p, min_p, repetition_penalty, seed
                    "file under $LOOPCAST_CACHE/bench).")
 @_friendly_errors
 def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants: tuple[str, ...], past: int,
-          widths: str, iters: int, new_tokens: int, alternate_tokens: int, no_end_to_end: bool, no_torch: bool,
-          no_profile: bool, work_dir: Path | None, out: Path | None) -> None:
+          widths: str, iters: int, new_tokens: int, alternate_tokens: int, no_end_to_end: bool, oracle_reject: str,
+          no_torch: bool, no_profile: bool, work_dir: Path | None, out: Path | None) -> None:
     """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""
     from loopcast.bench import BenchOptions, run_bench
     from loopcast.bench_report import default_report_path, format_table, write_report
@@ -342,9 +345,15 @@ def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants
     from loopcast.exporter.export import MAX_VERIFY_WIDTH
     if not width_list or any(not 2 <= w <= MAX_VERIFY_WIDTH for w in width_list):
         raise RequestError(f"--widths must be verify widths in 2..{MAX_VERIFY_WIDTH}, got {widths!r}")
+    try:
+        rejects = tuple(float(f) for f in oracle_reject.split(",") if f)
+    except ValueError:
+        raise RequestError(f"--oracle-reject must be comma-separated fractions, got {oracle_reject!r}") from None
+    if any(not 0 <= f <= 1 for f in rejects):
+        raise RequestError(f"--oracle-reject fractions must be in 0..1, got {oracle_reject!r}")
     opts = BenchOptions(checkpoint, work_dir, device, dtypes or (("fp16", "bf16") if device == "cuda" else ("fp32",)),
                         variants or ("stock", "batch-invariant"), past, width_list, iters, new_tokens,
-                        not no_end_to_end, alternate_tokens, not no_torch, not no_profile)
+                        not no_end_to_end, alternate_tokens, not no_torch, not no_profile, rejects)
     click.echo(f"bench on {device}: artifacts in {work_dir}, report {out}", err=True)
     report = run_bench(opts, log=lambda line: click.echo(line, err=True),
                        on_progress=lambda partial: write_report(partial, out, plot=False))
