@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
-# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b (kernels needs no setup). Results go to /root/res and are packed into
+# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install
+# (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
@@ -52,6 +53,28 @@ phase_bench_1p4b() {
   timeout 360 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --dtype bf16 --iters 20 \
     --past 1024 --widths 5 --no-end-to-end --alternate-tokens 0 --work-dir /root/bw14 \
     --out "$RES/bench-1p4b.json" > "$RES/bench-1p4b.txt" 2>&1
+}
+phase_sampling() {  # seeded sampling reproducible run to run, on the GPU (fp16) and the CPU (fp32)
+  { python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp16 --dtype fp16 --target cuda --overwrite
+    python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp32 --overwrite; } > "$RES/sampling-export.txt" 2>&1
+  timeout 200 python3 tools/sampling_repro.py /root/art-demo-fp16 --device cuda --out "$RES/sampling-cuda.json" > "$RES/sampling.txt" 2>&1
+  timeout 200 python3 tools/sampling_repro.py /root/art-demo-fp32 --device cpu --out "$RES/sampling-cpu.json" >> "$RES/sampling.txt" 2>&1
+}
+phase_fresh_install() {  # a fresh install (loopcast + the prebuilt loopcast-ops wheel) exports --target cuda without nvcc
+  local log="$RES/fresh-install.txt" wheel
+  wheel=$(ls .ortgpu/opswheel/loopcast_ops-*.whl | head -1)
+  rm -rf /tmp/fresh /tmp/fresh-cache /tmp/fresh-art; mkdir -p /tmp/fresh-home
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/fresh . "$wheel" > "$log" 2>&1
+  du -sh /tmp/fresh "$wheel" >> "$log"
+  ( cd /tmp && export HOME=/tmp/fresh-home LOOPCAST_CACHE=/tmp/fresh-cache PYTHONPATH=/tmp/fresh:/tmp/site
+    export PATH=$(echo "$PATH" | tr ':' '\n' | grep -v -i cuda | paste -sd: -)
+    echo "nvcc on PATH: $(command -v nvcc || echo none)"
+    t0=$(date +%s.%N)
+    timeout 120 python3 -m loopcast.cli export /tmp/fresh/loopcast/demo_model -o /tmp/fresh-art --dtype fp16 --target cuda
+    echo "export --target cuda wall: $(echo "$(date +%s.%N) - $t0" | bc) s"
+    ls /tmp/fresh-cache 2>/dev/null | sed 's/^/cache entry: /'
+    timeout 120 python3 -m loopcast.cli generate /tmp/fresh-art --device cuda --prompt "def add(a, b):" \
+      --max-new-tokens 32 --speculative pipeline --json | head -c 600 ) >> "$log" 2>&1
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"

@@ -207,3 +207,19 @@ def test_pipeline_refusals_leave_the_generator_usable(demo) -> None:
     with pytest.raises(RequestError, match="cycle graph"):
         stock.generate([1, 2, 3], 4, speculative="pipeline", allow_inexact=True)
     assert run(gen, prompt, 8)[0] == plain
+
+
+def test_cycle_rows_are_decode_rows_bit_for_bit(demo) -> None:
+    """A lane's full-depth logits row in a cycle equals the decode step's row at that position
+    bit for bit, with the other rows busy (the CUDA twin is in test_cuda.py)."""
+    from loopcast.ort_runtime.exactness import decode_rows
+    R = demo.config.num_loops
+    ids = demo.encode("def fibonacci(n):\n")
+    fed, rows = decode_rows(demo.new_generator(), ids, 2 * R)
+    gen = demo.new_generator()
+    gen.prefill(ids)
+    for c in range(len(fed)):  # the lane of fed[i] enters at cycle i and finishes at cycle i + R - 1
+        positions = [len(ids) + c - r if 0 <= c - r < len(fed) else -1 for r in range(R)]
+        gen.run_cycle(fed[c], positions)
+        if c >= R - 1:
+            assert np.array_equal(gen.cycle.logits.pull()[0, R - 1], rows[c - R + 1]), c
