@@ -46,6 +46,7 @@ def oracle_rows(model, prompts: list[list[int]], plain: dict[int, list[int]], ne
     rows = {}
     for fraction in fractions:
         tokens, seconds, divergent, proposed, accepted, cycles, passes = 0, 0.0, 0, 0, 0, 0, 0.0
+        exec_s = 0.0  # time inside the cycle runs (the session call: replay and sync on CUDA)
         for i, prompt in enumerate(prompts):
             sequence = prompt + plain[i]
 
@@ -58,9 +59,11 @@ def oracle_rows(model, prompts: list[list[int]], plain: dict[int, list[int]], ne
             list(stream(gen, prompt, 8, stop_ids=(), spec=spec))  # warm both cycle halves
             gen.rewind(0)
             stats = GenerationStats()
+            before = gen.step_seconds.get(CYCLE, 0.0)
             t0 = time.perf_counter()
             out = list(stream(gen, prompt, new_tokens, stop_ids=(), spec=spec, stats=stats))
             seconds += time.perf_counter() - t0
+            exec_s += gen.step_seconds.get(CYCLE, 0.0) - before
             tokens += len(out)
             divergent += out != plain[i][:len(out)]
             proposed += stats.proposed
@@ -71,7 +74,11 @@ def oracle_rows(model, prompts: list[list[int]], plain: dict[int, list[int]], ne
             "tokens_per_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens, "tokens": tokens,
             "seconds": seconds, "divergent_prompts": divergent, "rejected_fraction": fraction,
             "acceptance": accepted / proposed if proposed else None, "cycles": cycles,
-            "core_calls_per_token": passes / tokens, "gate": "none", "gate_reasons": []}
+            "core_calls_per_token": passes / tokens, "gate": "none", "gate_reasons": [],
+            # Host work per cycle (input pushes, the id pull, the scheduler) as a share of the
+            # cycle's wall time; prefill is inside ``seconds`` too, so this is an upper bound.
+            "cycle_run_ms": 1e3 * exec_s / cycles if cycles else None,
+            "host_share": 1 - exec_s / seconds if seconds else None}
     return rows
 
 

@@ -3,6 +3,7 @@
 // Inputs stay on the device (seqlens_k too: the kernels read it there), and Compute neither
 // allocates nor syncs, so the ops can run inside captured CUDA graphs.
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -71,9 +72,22 @@ struct AttentionCudaKernel {
   }
 };
 
+constexpr int kCudaErrorNotSupported = 801;  // cudaErrorNotSupported, without CUDA headers here
+
+bool per_row_forced() {
+  static const bool forced = [] {
+    const char* v = std::getenv("LOOPCAST_ROW_ATTENTION");
+    return v != nullptr && std::string(v) == "per-row";
+  }();
+  return forced;
+}
+
 // RowAttention on CUDA: each active row is the one-row BatchInvariantAttention launch at its own
 // position (positions + i is the launch's seqlens_k, read on the device) on its row_buffers pair,
-// so a pipeline row runs the decode row's kernel and numerics exactly. A position of -1 makes the
+// so a pipeline row runs the decode row's kernel and numerics exactly. When the pairs are bound
+// in place and the decode call takes the split kernel, the rows go in one launch instead: the
+// split kernel with row i as batch entry i on its own pair (loopcast_cuda_row_attention), whose
+// arithmetic per (row, head) depends only on the position, not on the batch or the grid. A position of -1 makes the
 // launch write nothing and output zeros. Rows sharing a pair must come in ascending position order
 // (a row's launch sees what earlier rows wrote); the graphs give each row its own pair.
 // sequences and masked_keys are CPU-only for now (batching and tree verify build on them).
@@ -107,6 +121,27 @@ struct RowAttentionCudaKernel {
       past_v.push_back(ctx.GetInput(kRowAttentionFirstKV + 2 * k + 1).GetTensorRawData());
       pk.push_back(ctx.GetOutput(1 + 2 * k, s.past_shape).GetTensorMutableRawData());
       pv.push_back(ctx.GetOutput(2 + 2 * k, s.past_shape).GetTensorMutableRawData());
+    }
+    // One launch for all rows when every pair is bound in place (past == present) and the
+    // one-row decode call takes the split kernel; LOOPCAST_ROW_ATTENTION=per-row forces the
+    // per-row launches (the bench compares them).
+    bool in_place = true;
+    for (int64_t k = 0; k < s.pairs; ++k) in_place = in_place && past_k[k] == pk[k] && past_v[k] == pv[k];
+    if (in_place && !per_row_forced()) {
+      std::vector<void*> keys, values;
+      for (int64_t i = 0; i < s.S; ++i) {
+        keys.push_back(pk[attrs.row_buffers[i]]);
+        values.push_back(pv[attrs.row_buffers[i]]);
+      }
+      const int code = loopcast_cuda_row_attention(
+          static_cast<int>(DTypeOf<T>::value), qkv, keys.data(), values.data(), positions, cos, sin, out,
+          static_cast<int>(s.S), static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(s.D),
+          static_cast<int>(s.T), static_cast<int>(std::min<int64_t>(s.rotary_len, 1 << 30)), s.scale,
+          attrs.do_rotary ? 1 : 0, ctx.GetGPUComputeStream());
+      if (code != kCudaErrorNotSupported) {
+        check_launch(code, "RowAttention");
+        return;
+      }
     }
     for (int64_t i = 0; i < s.S; ++i) {
       const int64_t k = attrs.row_buffers[i];
