@@ -25,8 +25,11 @@ phase_setup() {
 }
 phase_tests() {
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  LOOPCAST_OPS_LIB=$LIB timeout 90 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py \
+  LOOPCAST_OPS_LIB=$LIB timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py \
     2>&1 | tail -30 > "$RES/gpu-tests.txt"   # the kernel tests run in the kernels phase
+  # RowAttention's per-row launches (the fallback of its one-launch path) must give the same bits
+  LOOPCAST_ROW_ATTENTION=per-row LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider \
+    tests/ort_runtime/test_cuda.py -k "pipeline or batch_invariant" 2>&1 | tail -8 >> "$RES/gpu-tests.txt"
 }
 phase_kernels() {  # ctypes microbenchmarks; needs no onnxruntime-gpu. baseline = a build of an earlier commit
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
