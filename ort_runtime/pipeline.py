@@ -30,10 +30,14 @@ boundary is the draft/verify_tail split), so every emitted token is plain greedy
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from loopcast.errors import RequestError
 from loopcast.manifest import CYCLE
+
+# The generator timer of whole pipeline rounds per cycle (the cost gate's price of a cycle).
+ROUND_TIMER = "cycle_round"
 
 
 @dataclass
@@ -97,7 +101,9 @@ class PipelineCycles:
         """Expected tokens per second: a token every ``exit_depth`` cycles while drafts hold, R
         cycles for the token after a rejection (its lane starts at loop 0)."""
         R = self.loops
-        cycle = costs.mean(CYCLE) or costs.decode() / R * 1.2
+        # A cycle's wall time in a round (host scheduling and copies included: on a small model
+        # they are a third of it), else the bare step time, else a guess from decode.
+        cycle = costs.mean(ROUND_TIMER) or costs.mean(CYCLE) or costs.decode() / R * 1.2
         return 1.0 / (cycle * (alpha * self.exit_depth + (1 - alpha) * R))
 
     def round_cost(self, costs, k: int) -> float:
@@ -117,13 +123,16 @@ class PipelineCycles:
             self.stop()
             self.lanes = [Lane(gen.n, pending)]
             self.stats.cold_starts += 1
-        cycles = 0
+        cycles, t0, steady0 = 0, time.perf_counter(), gen.timed_counts[CYCLE]
         while True:
             ids = self._run_cycle(gen)
             cycles += 1
             done = self._advance(gen, ids, limit_position, drafts)
             if done is not None:
                 done.cycles = cycles
+                if gen.timed_counts[CYCLE] - steady0 == cycles:  # no warm-up or capture inside
+                    gen.timed_seconds[ROUND_TIMER] += time.perf_counter() - t0
+                    gen.timed_counts[ROUND_TIMER] += cycles
                 return done
 
     def _run_cycle(self, gen):
