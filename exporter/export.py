@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from loopcast.config import ModelConfig, generation_max_length, load_config
 from loopcast.errors import ExportError
 from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
 from loopcast.exporter.genai import write_genai
-from loopcast.exporter.weights import checkpoint_reader, weights_nbytes, write_weights
+from loopcast.exporter.weights import checkpoint_reader, weight_layout, weights_nbytes, write_weights
 from loopcast.graphs.builder import GraphBuilder, WeightRef
 from loopcast.graphs.kinds import build_kind, plan_kinds
 from loopcast.manifest import MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, WEIGHTS_FILE, Manifest
@@ -162,8 +164,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: Expo
     with _os_errors(out):
         staging = Staging(out)
         try:
-            manifest = _with_file_records(_write_artifact(checkpoint_dir, config, opts, staging.path, progress),
-                                          staging.path)
+            known: dict[str, str] = {}
+            manifest = _with_file_records(_write_artifact(checkpoint_dir, config, opts, staging.path, progress, known),
+                                          staging.path, known)
             manifest = _with_exactness(manifest, staging.path)
             staging.install()
         except BaseException:
@@ -195,33 +198,38 @@ def _os_errors(out: Path):
 
 
 def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,
-                    show_progress: bool) -> Manifest:
+                    show_progress: bool, known_hashes: dict[str, str]) -> Manifest:
+    """Write every file of the artifact into ``staging``; ``known_hashes`` gets the SHA-256 of
+    files hashed while they were written (the weights), so the file records skip a pass."""
     op_set, built_library = _resolve_op_set(opts, lambda line: print(line, file=sys.stderr) if show_progress else None)
     plans = plan_kinds(config, opts.verify_width, opts.draft_depth, op_set=op_set)
     read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
+    layout = weight_layout(config, opts.max_length, opts.dtype, read)
+    refs = {name: WeightRef(name, IR_DTYPES[opts.dtype], t.shape, t.offset, t.length) for name, t in layout.items()}
     total = weights_nbytes(config, opts.max_length, opts.dtype, read)
     bar = tqdm(total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024,
                disable=not show_progress)
-    try:
-        stored = write_weights(staging / WEIGHTS_FILE, config, opts.max_length, opts.dtype, read,
-                               progress=bar.update)
-    finally:
-        close()
-        bar.close()
-    bar = tqdm(total=len(plans), desc="graphs", unit="graph", disable=not show_progress)
-    refs = {name: WeightRef(name, IR_DTYPES[opts.dtype], t.shape, t.offset, t.length)
-            for name, t in stored.items()}
-    graphs, custom_ops, library = {}, set(), None
+    digest = hashlib.sha256()
+    # The graphs need only the weights' offsets, known before the copy: they are built on a
+    # second thread while the weights are written (the copy is mostly numpy, I/O and hashlib,
+    # which release the GIL) and saved once the weights file is complete.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        built = pool.submit(_build_graphs, plans, config, opts, op_set, refs, staging)
+        try:
+            stored = write_weights(staging / WEIGHTS_FILE, config, opts.max_length, opts.dtype, read,
+                                   progress=bar.update, sha256=digest)
+        finally:
+            close()
+            bar.close()
+        models, graphs, custom_ops = built.result()
+    if stored != layout:
+        raise AssertionError("the weights file's layout differs from the one the graphs were built on")
+    known_hashes[WEIGHTS_FILE] = digest.hexdigest()
+    library = None
     for plan in plans:
-        builder = GraphBuilder(refs, WEIGHTS_FILE, staging)
-        model, spec = build_kind(plan, config, IR_DTYPES[opts.dtype], opts.max_length, builder, op_set=op_set)
-        ir.save(model, staging / spec.file)
-        graphs[plan.kind] = spec
-        custom_ops.update(builder.custom_ops())
-        bar.update(1)
+        ir.save(models[plan.kind], staging / graphs[plan.kind].file)
     genai_files = write_genai(staging, config, IR_DTYPES[opts.dtype], opts.max_length, refs,
                               WEIGHTS_FILE) if opts.genai else []
-    bar.close()
     if custom_ops:
         # The artifact carries its own copy so that C programs and other machines need nothing else.
         library = built_library.name
@@ -257,6 +265,18 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json())
     return manifest
+
+
+def _build_graphs(plans, config: ModelConfig, opts: ExportOptions, op_set: str, refs: dict[str, WeightRef],
+                  staging: Path) -> tuple[dict[str, ir.Model], dict, set[str]]:
+    """Every graph kind's model (not yet saved), its spec and the custom ops it uses."""
+    models, graphs, custom_ops = {}, {}, set()
+    for plan in plans:
+        builder = GraphBuilder(refs, WEIGHTS_FILE, staging)
+        models[plan.kind], graphs[plan.kind] = build_kind(plan, config, IR_DTYPES[opts.dtype], opts.max_length,
+                                                          builder, op_set=op_set)
+        custom_ops.update(builder.custom_ops())
+    return models, graphs, custom_ops
 
 
 def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
@@ -330,7 +350,7 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
     return derived
 
 
-def _with_file_records(manifest: Manifest, staging: Path) -> Manifest:
+def _with_file_records(manifest: Manifest, staging: Path, known: dict[str, str] | None = None) -> Manifest:
     """Record size and SHA-256 of every file the manifest names and (re)write manifest.json:
     loading checks the sizes, ``inspect --verify`` the hashes, and the runtime loads the op
     library only if its hash matches (docs/trust.md)."""
@@ -342,7 +362,8 @@ def _with_file_records(manifest: Manifest, staging: Path) -> Manifest:
                                                                   *manifest.genai_files]
     if manifest.custom_op_library:
         names.append(manifest.custom_op_library)
-    files = {name: FileRecord((staging / name).stat().st_size, sha256_file(staging / name),
+    known = known or {}
+    files = {name: FileRecord((staging / name).stat().st_size, known.get(name) or sha256_file(staging / name),
                               sampled_sha256(staging / name)) for name in names}
     recorded = dataclasses.replace(manifest, files=files)
     (staging / MANIFEST_FILE).write_text(recorded.to_json())

@@ -128,6 +128,20 @@ def _layout(specs, dtype: str) -> tuple[dict[str, dict], bytes]:
     return header, header_bytes
 
 
+def weight_layout(config: ModelConfig, max_length: int, dtype: str, read: Read) -> dict[str, StoredTensor]:
+    """Where ``write_weights`` will put every tensor, known before a byte is written (so the
+    graphs, which only need these offsets, can be built while the weights are copied)."""
+    specs = artifact_tensors(config, max_length, read)
+    header, header_bytes = _layout(specs, dtype)
+    return _stored(header, 8 + len(header_bytes), dtype)
+
+
+def _stored(header: dict[str, dict], base: int, dtype: str) -> dict[str, StoredTensor]:
+    return {name: StoredTensor(name, dtype, tuple(h["shape"]), base + h["data_offsets"][0],
+                               h["data_offsets"][1] - h["data_offsets"][0])
+            for name, h in header.items() if name != "__metadata__"}
+
+
 def weights_nbytes(config: ModelConfig, max_length: int, dtype: str, read: Read) -> int:
     """Bytes of tensor data ``write_weights`` will write (for a progress bar in bytes)."""
     header, _ = _layout(artifact_tensors(config, max_length, read), dtype)
@@ -135,11 +149,15 @@ def weights_nbytes(config: ModelConfig, max_length: int, dtype: str, read: Read)
 
 
 def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: str, read: Read,
-                  progress: Callable[[int], None] | None = None) -> dict[str, StoredTensor]:
+                  progress: Callable[[int], None] | None = None, sha256=None) -> dict[str, StoredTensor]:
     """Stream the artifact tensors into a safetensors file; return where each one lives.
 
     Each tensor is read from the memory-mapped checkpoint, fused/transposed and converted on
-    its own, so peak memory is about one (fused) tensor; ``progress`` gets bytes written.
+    its own, so peak memory is about two (fused) tensors; ``progress`` gets bytes written.
+    A tensor that needs no conversion (same dtype, not fused or transposed) is written straight
+    from the mapped checkpoint, without a copy in between. ``sha256`` (a ``hashlib`` object), if
+    given, is fed every byte of the file as it is written, on a thread of its own, so the
+    manifest's file record needs no second pass over the file.
     """
     np_dtype, _ = NUMPY_DTYPES[dtype]
     specs = artifact_tensors(config, max_length, read)
@@ -153,24 +171,39 @@ def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: str, 
             raise AssertionError(f"{name}: produced {tuple(tensor.shape)}, expected {shape}")
         return np.ascontiguousarray(tensor, dtype=np_dtype)
 
-    stored: dict[str, StoredTensor] = {}
-    # The next tensor is converted on a second thread while this one is written (numpy copies
-    # and file writes release the GIL): at most two converted tensors are alive at a time.
-    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
+    def hash_parts(parts) -> None:
+        for part in parts:
+            sha256.update(part)
+
+    # Three stages overlap (numpy copies, file writes and hashlib all release the GIL): the
+    # next tensor is converted on one thread while this one is written here and the previous
+    # one hashed on another; at most two converted tensors and two queued hashes are alive.
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool, \
+            ThreadPoolExecutor(max_workers=1) as hasher:
+        head = [struct.pack("<Q", len(header_bytes)), header_bytes]
+        f.write(b"".join(head))
+        hashed = [hasher.submit(hash_parts, head)] if sha256 is not None else []
+        cursor = base
         pending = pool.submit(convert, specs[0]) if specs else None
         for i, (name, shape, _) in enumerate(specs):
             data = pending.result()
             pending = pool.submit(convert, specs[i + 1]) if i + 1 < len(specs) else None
             start, stop = header[name]["data_offsets"]
-            f.seek(base + start)
-            f.write(memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"")
-            del data
-            stored[name] = StoredTensor(name, dtype, shape, base + start, stop - start)
+            # Alignment padding is written, not skipped with a seek, so the hash sees every byte.
+            parts = [bytes(base + start - cursor), memoryview(data.reshape(-1).view(np.uint8)) if data.size else b""]
+            for part in parts:
+                f.write(part)
+            cursor = base + stop
+            if sha256 is not None:
+                if len(hashed) >= 2:
+                    hashed.pop(0).result()
+                hashed.append(hasher.submit(hash_parts, parts))
+            del data, parts
             if progress:
                 progress(stop - start)
-    return stored
+        for job in hashed:
+            job.result()
+    return _stored(header, base, dtype)
 
 
 def checkpoint_reader(files: dict[str, Path]) -> tuple[Read, Callable[[], None]]:

@@ -1,12 +1,18 @@
 """Open an artifact: validate the manifest, create one ORT session per graph kind.
 
 Weights: every graph references the one ``weights.safetensors`` as external data, which ORT
-memory-maps on the CPU, so the raw weights are resident once however many sessions use them.
-ORT's MatMul weight *prepacking* then gives each session a private packed copy (3 sessions
-over 192 MB: 585 MB private with prepacking, one shared 192 MB mapping without). Prepacking
-is kept by default because without it every M>1 MatMul repacks the weights per call (verify
-W=5 on the demo model: 20.8 ms vs 7.9 ms per step); ``share_weights=True`` turns it off for
-one resident copy. Numbers and commands: docs/architecture.md.
+memory-maps on the CPU. ORT's MatMul weight *prepacking* then gives each session a private
+packed copy, and ORT's Python API offers no way for sessions to share one (the shared
+prepacked-weights container is in the C API only; ``add_initializer`` shares the raw tensor,
+not the packed one). Prepacking is kept because without it an M=1 MatMul takes MLAS's GEMV
+path and an M>1 one repacks per call, so decode rows would no longer be verify rows bit for
+bit and verify runs 2-3x slower. What we can do is run fewer sessions: on the CPU, decode is
+the prefill graph run with one row (prefill slices its last row, which for one row is the
+identity), so both kinds share one session and one packed copy; the rows are bit-identical
+to the decode graph's (tests/ort_runtime/test_weight_sharing.py) at the same speed.
+``share_weights=True`` turns prepacking off for one resident copy in all; the CPU's verify
+rows then differ from decode rows (GEMV vs GEMM), so ``exact_verify`` is false there.
+Numbers and commands: docs/architecture.md (runtime), docs/perf.md.
 
 Several sessions alternate on the same cores, so their intra-op threads must not spin after
 a run (spinning threads of one session starve the next session's run).
@@ -36,7 +42,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import CYCLE, Manifest, resolve_inside
+from loopcast.manifest import CYCLE, DECODE, PREFILL, Manifest, resolve_inside
 from loopcast.ort_runtime.trust import op_library_to_load
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -54,6 +60,9 @@ class LoadedModel:
     load_seconds: float = 0.0
     graph_kinds: frozenset[str] = frozenset()        # kinds whose session captures CUDA graphs
     graph_fallbacks: dict[str, str] = field(default_factory=dict)  # kind -> why it runs eager
+    # kind -> the kind whose session (and packed weights) it runs on, e.g. {"decode": "prefill"}
+    shared_sessions: dict[str, str] = field(default_factory=dict)
+    prepacked: bool = True                           # False under share_weights=True
     _graph_ids: dict[str, int] = field(default_factory=dict, repr=False)
     _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
     _session_factory: object = field(default=None, repr=False)
@@ -72,7 +81,11 @@ class LoadedModel:
     @property
     def exact_verify(self) -> bool:
         """Whether this artifact's verify rows equal its decode rows bit for bit on this device
-        (declared by the exporter in the manifest; missing means no)."""
+        (declared by the exporter in the manifest; missing means no). The CPU declaration was
+        measured with prepacked weights; without prepacking (``share_weights=True``) MLAS runs
+        one-row MatMuls on its GEMV path and the rows differ, so it does not hold there."""
+        if self.device == "cpu" and not self.prepacked:
+            return False
         return bool(self.manifest.exact_verify.get(self.device, False))
 
     def has(self, kind: str) -> bool:
@@ -209,9 +222,13 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     if cuda_graphs not in (True, False, "always"):
         raise RequestError(f"cuda_graphs must be True, False or 'always', got {cuda_graphs!r}")
     host_lengths = not manifest.device_lengths
+    wanted = [kind for kind in manifest.graphs if kinds is None or kind in kinds]
+    shared = _cpu_shared_sessions(manifest, wanted) if device == "cpu" else {}
     sessions, graph_kinds, fallbacks = {}, set(), {}
-    for kind, spec in manifest.graphs.items():
-        if kinds is not None and kind not in kinds:
+    eager = []
+    for kind in wanted:
+        spec = manifest.graphs[kind]
+        if kind in shared:
             continue
         if device == "cuda" and cuda_graphs and spec.rows is not None and host_lengths and cuda_graphs != "always":
             fallbacks[kind] = ("GroupQueryAttention reads total_sequence_length on the host, which a captured "
@@ -223,7 +240,20 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
                 continue
             except ArtifactError as exc:  # e.g. a node left on the CPU: run this kind eagerly
                 fallbacks[kind] = str(exc)
-        sessions[kind] = make_session(kind, False)
+        eager.append(kind)
+    if device == "cpu" and len(eager) > 1:
+        # Session creation is mostly weight prepacking, which ORT does with the GIL released:
+        # one thread per session and core (2 cores: 1.32 s -> 0.72 s for two 513 MiB sessions).
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(len(eager), os.cpu_count() or 1)) as pool:
+            made = dict(zip(eager, pool.map(lambda k: make_session(k, False), eager)))
+    else:
+        made = {kind: make_session(kind, False) for kind in eager}
+    sessions.update(made)
+    for kind, host in shared.items():
+        sessions[kind] = sessions[host]
+    sessions = {kind: sessions[kind] for kind in wanted}
     tokenizer = None
     tokenizer_file = resolve_inside(path, "tokenizer.json", "tokenizer") if (path / "tokenizer.json").exists() else None
     if tokenizer_file is not None:
@@ -234,7 +264,21 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
             raise ArtifactError(f"{path / 'tokenizer.json'}: unreadable tokenizer ({exc})") from None
     return LoadedModel(path, manifest, device, sessions, tokenizer, time.perf_counter() - start,
                        graph_kinds=frozenset(graph_kinds), graph_fallbacks=fallbacks,
-                       _session_factory=make_session)
+                       shared_sessions=shared, prepacked=not share_weights, _session_factory=make_session)
+
+
+def _cpu_shared_sessions(manifest: Manifest, kinds: list[str]) -> dict[str, str]:
+    """Kinds that run on another kind's CPU session: decode on prefill's when the two graphs
+    are the same computation (same loops, KV slots and IO names; prefill's last-row slice is
+    the identity for one row). Every session holds its own prepacked copy of the weights
+    (ORT's Python API cannot share one), so one session fewer is one copy fewer."""
+    if DECODE not in kinds or PREFILL not in kinds:
+        return {}
+    prefill, decode = manifest.graphs[PREFILL], manifest.graphs[DECODE]
+    same = (prefill.rows is None and decode.rows == 1 and prefill.first_loop == decode.first_loop
+            and prefill.last_loop == decode.last_loop and list(prefill.kv_slots) == list(decode.kv_slots)
+            and set(prefill.inputs) == set(decode.inputs) and set(prefill.outputs) == set(decode.outputs))
+    return {DECODE: PREFILL} if same else {}
 
 
 def _check_cuda_custom_ops(path: Path, manifest: Manifest, library: Path) -> None:
