@@ -281,15 +281,17 @@ def _build_graphs(plans, config: ModelConfig, opts: ExportOptions, op_set: str, 
 
 def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
     """Declare per device whether verify rows are the decode rows bit for bit, and rewrite
-    manifest.json. Measured on the CPU (fp32 only: the CPU runs nothing else) by loading the
-    staged artifact, so after its files are recorded (the trust rule loads the op library only
-    by recorded hash); on CUDA only the loopcast kernels are row-invariant (tested on the GPU:
-    tests/ort_runtime/test_cuda.py), cuBLAS and GroupQueryAttention are not."""
+    manifest.json. Measured on the CPU (fp32 only: the CPU runs nothing else) by loading a
+    two-layer twin of the staged artifact on its own weights (exporter/exactness_probe.py: the
+    same kernels at the same shapes for a fraction of the prepacking), after the files are
+    recorded (the trust rule loads the op library only by recorded hash); on CUDA only the
+    loopcast kernels are row-invariant (tested on the GPU: tests/ort_runtime/test_cuda.py),
+    cuBLAS and GroupQueryAttention are not."""
     import dataclasses
 
-    from loopcast.ort_runtime.exactness import rows_match_on_cpu
+    from loopcast.exporter.exactness_probe import rows_match_shallow
 
-    exact = {"cpu": manifest.dtype == "fp32" and rows_match_on_cpu(staging), "cuda": manifest.op_set == "loopcast"}
+    exact = {"cpu": manifest.dtype == "fp32" and rows_match_shallow(staging), "cuda": manifest.op_set == "loopcast"}
     declared = dataclasses.replace(manifest, exact_verify=exact)
     (staging / MANIFEST_FILE).write_text(declared.to_json())
     return declared

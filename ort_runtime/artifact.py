@@ -83,8 +83,9 @@ class LoadedModel:
         """Whether this artifact's verify rows equal its decode rows bit for bit on this device
         (declared by the exporter in the manifest; missing means no). The CPU declaration was
         measured with prepacked weights; without prepacking (``share_weights=True``) MLAS runs
-        one-row MatMuls on its GEMV path and the rows differ, so it does not hold there."""
-        if self.device == "cpu" and not self.prepacked:
+        one-row MatMuls on its GEMV path and the rows differ, so it does not hold there for the
+        op sets that use the stock MatMul (the loopcast MatMul never prepacks)."""
+        if self.device == "cpu" and not self.prepacked and self.manifest.op_set != "loopcast":
             return False
         return bool(self.manifest.exact_verify.get(self.device, False))
 
