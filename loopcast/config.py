@@ -365,6 +365,13 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=128,
         tie_word_embeddings=True, eos_token_id=0, extra_eos_token_ids=(1,), qkv_bias=True,
     ),
+    # Ouro-1.4B's shapes as a plain Llama (R=1, untied head): 1.43B parameters, 2.7 GiB in fp16,
+    # the size the issue timed against ORT-GenAI's builder on the H200 host (tools/h200_run.sh).
+    "llama-1.4b": ModelConfig(
+        model_type="llama", vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_layers=24,
+        num_heads=16, num_kv_heads=16, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, torch_dtype="float16",
+    ),
     # SmolLM-135M shapes (~135M parameters, 514 MiB in fp32): export-speed and memory measurements.
     "smollm-135m": ModelConfig(
         model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

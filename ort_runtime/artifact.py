@@ -167,9 +167,12 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
 
 def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
                   kinds: tuple[str, ...] | None = None, share_weights: bool = False,
-                  cuda_graphs: bool | str = True, trust_ops: bool = False) -> LoadedModel:
+                  cuda_graphs: bool | str = True, trust_ops: bool = False,
+                  share_sessions: bool = True) -> LoadedModel:
     """Validate and open an artifact. ``trust_ops`` allows loading its custom-op library even
-    when it is not one this user built (ort_runtime/trust.py states the whole rule)."""
+    when it is not one this user built (ort_runtime/trust.py states the whole rule).
+    ``share_sessions=False`` gives every kind its own CPU session, as before decode shared
+    prefill's (for measurements: tools/bench_weight_sharing.py)."""
     import time
 
     start = time.perf_counter()
@@ -224,7 +227,7 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
         raise RequestError(f"cuda_graphs must be True, False or 'always', got {cuda_graphs!r}")
     host_lengths = not manifest.device_lengths
     wanted = [kind for kind in manifest.graphs if kinds is None or kind in kinds]
-    shared = _cpu_shared_sessions(manifest, wanted) if device == "cpu" else {}
+    shared = _cpu_shared_sessions(manifest, wanted) if device == "cpu" and share_sessions else {}
     sessions, graph_kinds, fallbacks = {}, set(), {}
     eager = []
     for kind in wanted:

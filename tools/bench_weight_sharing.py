@@ -1,55 +1,117 @@
-"""Resident memory of one loaded artifact with and without ORT weight prepacking.
+"""Memory of one loaded artifact, per way of holding its weights, with step times.
 
-    python tools/bench_weight_sharing.py [ARTIFACT]      (default: the demo artifact)
+    python tools/bench_weight_sharing.py [ARTIFACT ...] [--device cpu|cuda] [--repeats 3] [--json OUT]
+                                          (default: the demo artifact)
 
-Each mode runs in a fresh child process: load all graph kinds, generate 64 tokens with
-prompt lookup (so decode and verify both run), then report VmRSS / private memory (from
-/proc/self/smaps_rollup) and the mean decode and verify step times.
+Each (artifact, mode) runs in a fresh child process, modes interleaved over ``--repeats``
+rounds: open the artifact, prefill a 32-token prompt, 64 decode steps, 16 verify steps on one
+generator; then report peak RSS (VmHWM), RSS, PSS and private memory from /proc (on CUDA: the
+process's device memory from nvidia-smi), the load time, median decode and verify step times,
+and whether verify rows equal decode rows bit for bit.
+
+CPU modes: ``separate`` (one session per graph kind: before decode shared prefill's session),
+``default`` (decode on prefill's session), ``share_weights`` (no prepacking at all).
+CUDA modes: ``default`` and one row per number of kinds opened (``kinds=1``, ``kinds=2``, ...),
+which shows what each further session costs on the device.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import subprocess
 import sys
+import time
 
 CHILD = r"""
-import json, sys
-from loopcast.ort_runtime import load
-m = load(sys.argv[1], share_weights=sys.argv[2] == "1")
-text = "def area(w, h):\n    return w * h\n\n\ndef area("
-for _ in range(2):
-    r = m.generate(text * 2, 64, stop_ids=(), speculative="prompt-lookup")
-mem = {}
-for line in open("/proc/self/smaps_rollup"):
-    key, _, rest = line.partition(":")
-    if key in ("Rss", "Pss", "Private_Clean", "Private_Dirty", "Shared_Clean"):
-        mem[key] = int(rest.split()[0]) // 1024
-s = r.stats
-mem["decode_ms"] = round(1000 * s.step_seconds.get("decode", 0) / max(1, s.steps.get("decode", 0)), 2)
-mem["verify_ms"] = round(1000 * s.step_seconds.get("verify", 0) / max(1, s.steps.get("verify", 0)), 2)
-mem["weights_mb"] = round(__import__("os").path.getsize(sys.argv[1] + "/weights.safetensors") / 2**20, 1)
-print(json.dumps(mem))
+import json, os, subprocess, sys, time
+import numpy as np
+from loopcast.ort_runtime.artifact import open_artifact
+from loopcast.ort_runtime.exactness import decode_rows
+from loopcast.ort_runtime.generator import Generator
+path, device, mode = sys.argv[1:4]
+kw = {"separate": {"share_sessions": False}, "share_weights": {"share_weights": True}}.get(mode, {})
+if mode.startswith("kinds="):
+    from loopcast.manifest import Manifest
+    kw = {"kinds": tuple(Manifest.read(path).graphs)[:int(mode[6:])]}
+t0 = time.perf_counter()
+model = open_artifact(path, device, **kw)
+load_s = time.perf_counter() - t0
+out = {"load_s": round(load_s, 2), "sessions": len({id(s) for s in model.sessions.values()})}
+if "kinds" not in kw or "verify" in model.sessions:
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.config.vocab_size, 32).tolist()
+    gen = Generator(model)
+    fed, rows = decode_rows(gen, prompt, 64)
+    width = model.manifest.graphs["verify"].rows
+    gen.rewind(32)
+    v = [gen.run("verify", gen.n, tokens=fed[:width]) for _ in range(16)][-1]
+    out["exact_rows"] = all(np.array_equal(v.logits[i], rows[i]) for i in range(width))
+    out["decode_ms"] = round(1000 * np.median(gen.step_seconds["decode"] / gen.step_counts["decode"]), 2)
+    out["verify_ms"] = round(1000 * gen.step_seconds["verify"] / gen.step_counts["verify"], 2)
+status = {l.split(":")[0]: int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith(("VmHWM", "VmRSS"))}
+smaps = {l.split(":")[0]: int(l.split()[1]) // 1024 for l in open("/proc/self/smaps_rollup") if ":" in l and l.split()[1].isdigit()}
+out.update(peak_rss_mib=status["VmHWM"], rss_mib=status["VmRSS"], pss_mib=smaps["Pss"],
+           private_mib=smaps["Private_Clean"] + smaps["Private_Dirty"])
+if device == "cuda":
+    q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True).stdout
+    out["device_mib"] = sum(int(l.split(",")[1]) for l in q.splitlines() if l.split(",")[0].strip() == str(os.getpid()))
+weights = os.path.getsize(os.path.join(path, "weights.safetensors"))
+out["weights_mib"] = round(weights / 2**20, 1)
+print(json.dumps(out))
 """
 
 
 def main() -> None:
-    if len(sys.argv) > 1:
-        artifact = sys.argv[1]
-    else:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifacts", nargs="*")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="write every run here")
+    args = p.parse_args()
+    if not args.artifacts:
         from loopcast.demo import demo_artifact_dir
-        artifact = str(demo_artifact_dir())
-    rows = {}
-    for share in ("0", "1"):
-        out = subprocess.run([sys.executable, "-c", CHILD, artifact, share], check=True,
-                             capture_output=True, text=True).stdout
-        rows["share_weights" if share == "1" else "prepacked (default)"] = json.loads(out.strip().splitlines()[-1])
-    print(json.dumps(rows, indent=1))
-    print("| mode | RSS MiB | private MiB | decode ms | verify(W) ms | weights file MiB |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for mode, m in rows.items():
-        print(f"| {mode} | {m['Rss']} | {m['Private_Clean'] + m['Private_Dirty']} | {m['decode_ms']} | "
-              f"{m['verify_ms']} | {m['weights_mb']} |")
+        args.artifacts = [str(demo_artifact_dir())]
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for repeat in range(args.repeats):
+        for artifact in args.artifacts:
+            if args.device == "cpu":
+                modes = ["separate", "default", "share_weights"]
+            else:
+                from loopcast.manifest import Manifest
+                modes = ["default"] + [f"kinds={k}" for k in range(1, len(Manifest.read(artifact).graphs) + 1)]
+            for mode in modes if repeat % 2 == 0 else modes[::-1]:
+                done = subprocess.run([sys.executable, "-c", CHILD, artifact, args.device, mode],
+                                      capture_output=True, text=True)
+                if done.returncode:
+                    print(f"{artifact} {mode}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                runs.setdefault((artifact, mode), []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+    keys = ["sessions", "load_s", "peak_rss_mib", "pss_mib", "private_mib", "decode_ms", "verify_ms", "exact_rows"]
+    if args.device == "cuda":
+        keys.insert(2, "device_mib")
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.device}, medians of {args.repeats} "
+          "interleaved runs (range in brackets)")
+    print("| artifact | mode | weights MiB | " + " | ".join(keys) + " |")
+    print("|---|---|---:|" + "---:|" * len(keys))
+    for (artifact, mode), rs in runs.items():
+        cells = []
+        for k in keys:
+            vals = [r[k] for r in rs if k in r]
+            if not vals:
+                cells.append("—")
+            elif isinstance(vals[0], bool):
+                cells.append(str(all(vals)))
+            else:
+                med = statistics.median(vals)
+                cells.append(f"{med:g}" + (f" [{min(vals):g}–{max(vals):g}]" if len(vals) > 1 and min(vals) != max(vals)
+                                           and k not in ("sessions",) else ""))
+        print(f"| {artifact.rstrip('/').split('/')[-1]} | {mode} | {rs[0]['weights_mib']} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{a}|{m}": rs for (a, m), rs in runs.items()}, f, indent=1)
 
 
 if __name__ == "__main__":

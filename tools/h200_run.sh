@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
-# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install
+# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -78,6 +78,16 @@ phase_fresh_install() {  # a fresh install (loopcast + the prebuilt loopcast-ops
     ls /tmp/fresh-cache 2>/dev/null | sed 's/^/cache entry: /'
     timeout 120 python3 -m loopcast.cli generate /tmp/fresh-art --device cuda --prompt "def add(a, b):" \
       --max-new-tokens 32 --speculative pipeline --json | head -c 600 ) >> "$log" 2>&1
+}
+phase_export_mem() {  # issue 21: a 1.43B fp16 Llama export against cp (and ORT-GenAI's builder when this
+  # Python has onnxruntime-genai), 3 interleaved rounds; then device memory of the loaded artifact per number
+  # of graph kinds opened (each CUDA session holds its own device copy of its initializers).
+  local genai=(); python3 -c "import onnxruntime_genai" 2>/dev/null && genai=(--genai-python python3 --genai-ep cuda)
+  timeout 420 python3 tools/bench_export.py --preset llama-1.4b --dtype fp16 --repeats 3 --work /root/bx \
+    --json "$RES/export-1p4b.json" "${genai[@]}" -- --dtype fp16 > "$RES/export-1p4b.txt" 2>&1
+  nproc >> "$RES/export-1p4b.txt"; df -h /root | tail -1 >> "$RES/export-1p4b.txt"
+  timeout 240 python3 tools/bench_weight_sharing.py /root/bx/artifact --device cuda --repeats 1 \
+    --json "$RES/weight-memory-cuda.json" > "$RES/weight-memory-cuda.txt" 2>&1
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
