@@ -9,8 +9,10 @@ to about two converted tensors besides the page cache.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import os
 import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -176,18 +178,21 @@ def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: str, 
             sha256.update(part)
 
     # Three stages overlap (numpy copies, file writes and hashlib all release the GIL): the
-    # next tensor is converted on one thread while this one is written here and the previous
-    # one hashed on another; at most two converted tensors and two queued hashes are alive.
-    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool, \
+    # next tensors are converted on worker threads (one per two cores, at most four: 1 on the
+    # 2-core VM) while this one is written here and the previous one hashed on another thread;
+    # at most workers+1 converted tensors and two queued hashes are alive.
+    workers = max(1, min(4, (os.cpu_count() or 2) // 2))
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=workers) as pool, \
             ThreadPoolExecutor(max_workers=1) as hasher:
         head = [struct.pack("<Q", len(header_bytes)), header_bytes]
         f.write(b"".join(head))
         hashed = [hasher.submit(hash_parts, head)] if sha256 is not None else []
         cursor = base
-        pending = pool.submit(convert, specs[0]) if specs else None
+        queued = collections.deque(pool.submit(convert, spec) for spec in specs[:workers])
         for i, (name, shape, _) in enumerate(specs):
-            data = pending.result()
-            pending = pool.submit(convert, specs[i + 1]) if i + 1 < len(specs) else None
+            data = queued.popleft().result()
+            if i + workers < len(specs):
+                queued.append(pool.submit(convert, specs[i + workers]))
             start, stop = header[name]["data_offsets"]
             # Alignment padding is written, not skipped with a seek, so the hash sees every byte.
             parts = [bytes(base + start - cursor), memoryview(data.reshape(-1).view(np.uint8)) if data.size else b""]
