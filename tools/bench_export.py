@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-export"))
     p.add_argument("--json", type=Path, help="write the runs and medians here")
     p.add_argument("--genai-python", help="a Python with onnxruntime-genai: also time its model builder")
+    p.add_argument("--baseline-python", help="a Python whose loopcast is another version (e.g. main's): "
+                                             "also time its export, as `baseline`")
     p.add_argument("--genai-ep", default="cpu", help="the builder's execution provider (-e)")
     p.add_argument("export_args", nargs="*", help="extra `loopcast export` options (after --)")
     args = p.parse_args()
@@ -70,7 +72,12 @@ def main() -> None:
         args.export_args[args.export_args.index("--dtype") + 1] if "--dtype" in args.export_args else "fp32"]
     genai = [args.genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o",
              str(args.work / "genai"), "-p", precision, "-e", args.genai_ep, "-c", str(args.work / "genai-cache")]
+    baseline = [args.baseline_python, "-m", "loopcast.cli", "export", str(checkpoint), "-o",
+                str(args.work / "baseline"), "--overwrite", *args.export_args]
     runs: dict[str, list[float]] = {"copy": [], "export": []}
+    if args.baseline_python:
+        runs["baseline"] = []
+        subprocess.run(baseline, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if args.genai_python:
         runs["genai"] = []
     for i in range(args.repeats):
@@ -82,6 +89,8 @@ def main() -> None:
                 runs["copy"].append(timed(["cp", *map(str, files), str(copy_dir)]))
             elif what == "export":
                 runs["export"].append(timed(export))
+            elif what == "baseline":
+                runs["baseline"].append(timed(baseline))
             else:
                 shutil.rmtree(args.work / "genai", ignore_errors=True)
                 runs["genai"].append(timed(genai))
