@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 
-def timed(cmd: list[str]) -> float:
+def timed(cmd: list[str], cwd: Path | None = None) -> float:
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     return time.perf_counter() - t0
 
 
@@ -77,7 +77,8 @@ def main() -> None:
     runs: dict[str, list[float]] = {"copy": [], "export": []}
     if args.baseline_python:
         runs["baseline"] = []
-        subprocess.run(baseline, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Run outside this checkout, or `python -m loopcast.cli` would import this tree's loopcast.
+        subprocess.run(baseline, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=args.work)
     if args.genai_python:
         runs["genai"] = []
     for i in range(args.repeats):
@@ -90,10 +91,10 @@ def main() -> None:
             elif what == "export":
                 runs["export"].append(timed(export))
             elif what == "baseline":
-                runs["baseline"].append(timed(baseline))
+                runs["baseline"].append(timed(baseline, cwd=args.work))
             else:
                 shutil.rmtree(args.work / "genai", ignore_errors=True)
-                runs["genai"].append(timed(genai))
+                runs["genai"].append(timed(genai, cwd=args.work))
         print(f"run {i + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in runs.items()), flush=True)
     shutil.rmtree(copy_dir, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
