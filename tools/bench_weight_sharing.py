@@ -6,7 +6,7 @@
 Each (artifact, mode) runs in a fresh child process, modes interleaved over ``--repeats``
 rounds: open the artifact, prefill a 32-token prompt, 64 decode steps, 16 verify steps on one
 generator; then report peak RSS (VmHWM), RSS, PSS and private memory from /proc (on CUDA: the
-process's device memory from nvidia-smi), the load time, median decode and verify step times,
+GPU's used memory from nvidia-smi less the idle GPU's), the load time, median decode and verify step times,
 and whether verify rows equal decode rows bit for bit.
 
 CPU modes: ``separate`` (one session per graph kind: before decode shared prefill's session),
@@ -55,9 +55,11 @@ smaps = {l.split(":")[0]: int(l.split()[1]) // 1024 for l in open("/proc/self/sm
 out.update(peak_rss_mib=status["VmHWM"], rss_mib=status["VmRSS"], pss_mib=smaps["Pss"],
            private_mib=smaps["Private_Clean"] + smaps["Private_Dirty"])
 if device == "cuda":
-    q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+    # The whole GPU's used memory (nvidia-smi's per-process PIDs are the host's inside a container);
+    # the parent subtracts what the idle GPU used before any child ran.
+    q = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
                        capture_output=True, text=True).stdout
-    out["device_mib"] = sum(int(l.split(",")[1]) for l in q.splitlines() if l.split(",")[0].strip() == str(os.getpid()))
+    out["gpu_used_mib"] = int(q.split()[0])
 weights = os.path.getsize(os.path.join(path, "weights.safetensors"))
 out["weights_mib"] = round(weights / 2**20, 1)
 print(json.dumps(out))
@@ -75,6 +77,10 @@ def main() -> None:
         from loopcast.demo import demo_artifact_dir
         args.artifacts = [str(demo_artifact_dir())]
     runs: dict[tuple[str, str], list[dict]] = {}
+    idle = 0
+    if args.device == "cuda":
+        idle = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                                  capture_output=True, text=True, check=True).stdout.split()[0])
     for repeat in range(args.repeats):
         for artifact in args.artifacts:
             if args.device == "cpu":
@@ -88,7 +94,10 @@ def main() -> None:
                 if done.returncode:
                     print(f"{artifact} {mode}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
                     continue
-                runs.setdefault((artifact, mode), []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+                run = json.loads(done.stdout.strip().splitlines()[-1])
+                if "gpu_used_mib" in run:
+                    run["device_mib"] = run["gpu_used_mib"] - idle
+                runs.setdefault((artifact, mode), []).append(run)
     keys = ["sessions", "load_s", "peak_rss_mib", "pss_mib", "private_mib", "decode_ms", "verify_ms", "exact_rows"]
     if args.device == "cuda":
         keys.insert(2, "device_mib")
