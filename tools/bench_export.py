@@ -45,8 +45,10 @@ def main() -> None:
     p.add_argument("--baseline-python", help="a Python whose loopcast is another version (e.g. main's): "
                                              "also time its export, as `baseline`")
     p.add_argument("--genai-ep", default="cpu", help="the builder's execution provider (-e)")
-    p.add_argument("export_args", nargs="*", help="extra `loopcast export` options (after --)")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    args.export_args = argv[cut + 1:]   # extra `loopcast export` options, after --
     cli = [sys.executable, "-m", "loopcast.cli"]
     args.work.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint
