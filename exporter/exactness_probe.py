@@ -69,7 +69,7 @@ def rows_match_shallow(artifact_dir: str | Path, layers: int = 2) -> bool:
         refs = {name: WeightRef(name, dtype, t.shape, t.offset, t.length)
                 for name, t in read_stored(path / manifest.weights_file).items()}
         graphs = {}
-        for plan in plan_kinds(shallow, manifest.verify_width, manifest.draft_depth):
+        for plan in plan_kinds(shallow, manifest.verify_width, manifest.draft_depth, op_set=manifest.op_set):
             model, spec = build_kind(plan, shallow, dtype, manifest.max_length,
                                      GraphBuilder(refs, manifest.weights_file, probe), op_set=manifest.op_set)
             ir.save(model, probe / spec.file)

@@ -14,7 +14,7 @@ from loopcast.ort_runtime.exactness import rows_match_on_cpu
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 
-@pytest.mark.parametrize("kw", [{}, {"ops": "stock"}, {"draft_depth": 2}])
+@pytest.mark.parametrize("kw", [{}, {"ops": "stock"}, {"draft_depth": 2}, {"batch_invariant": True}])
 def test_shallow_twin_agrees_with_the_full_check(kw) -> None:
     require_exact_cpu_artifacts()
     path = artifact("demo", **kw)
