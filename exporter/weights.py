@@ -52,28 +52,35 @@ def layer_prefixes(config: ModelConfig) -> list[tuple[str, str]]:
     return out
 
 
-def _cat_t(read: Read, names: list[str]) -> Callable[[], np.ndarray]:
-    """[N_i, K] weights stacked on N and transposed to [K, sum N_i] for ``x @ W``.
+_T_ROWS = 16  # source rows per transposed chunk (see _cat_t)
 
-    A single weight comes back as a transposed view (the writer's conversion is its one copy);
-    several are transposed straight into their columns of one buffer, not concatenated first.
+
+def _cat_t(read: Read, names: list[str], dtype: np.dtype | None = None) -> Callable[[], np.ndarray]:
+    """[N_i, K] weights stacked on N and transposed to [K, sum N_i] for ``x @ W``, in ``dtype``.
+
+    Each weight is transposed straight into its columns of one buffer (no concatenation first),
+    16 source rows at a time, converting as it goes: numpy's whole-matrix ``.T`` copy strides
+    across all of memory for every output row, and chunks that stay in cache are 1.2-5x faster
+    (measured: fp16 [5632, 2048] 215 -> 1077 MB/s, fp32 [2048, 2048] 673 -> 2423 MB/s). Casting
+    on assignment rounds as ``astype`` does, so the bytes are the same.
     """
     def produce() -> np.ndarray:
         parts = [read(n) for n in names]
-        if len(parts) == 1:
-            return parts[0].T
-        out = np.empty((parts[0].shape[1], sum(p.shape[0] for p in parts)), dtype=parts[0].dtype)
+        out = np.empty((parts[0].shape[1], sum(p.shape[0] for p in parts)), dtype=dtype or parts[0].dtype)
         column = 0
         for part in parts:
-            out[:, column:column + part.shape[0]] = part.T
+            for row in range(0, part.shape[0], _T_ROWS):
+                stop = min(row + _T_ROWS, part.shape[0])
+                out[:, column + row:column + stop] = part[row:stop].T
             column += part.shape[0]
         return out
     return produce
 
 
-def artifact_tensors(config: ModelConfig, max_length: int,
-                     read: Read) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
-    """Names, shapes and producers of every tensor the graphs use, in file order."""
+def artifact_tensors(config: ModelConfig, max_length: int, read: Read,
+                     dtype: np.dtype | None = None) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """Names, shapes and producers of every tensor the graphs use, in file order (transposed
+    ones already in ``dtype`` when given; the writer converts the rest)."""
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     qkv = (config.num_heads + 2 * config.num_kv_heads) * d
     specs: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = [
@@ -87,24 +94,24 @@ def artifact_tensors(config: ModelConfig, max_length: int,
         for norm in norms:
             specs.append((f"{ours}.{norm}.weight", (h,), lambda t=theirs, n=norm: read(f"{t}.{n}.weight")))
         # [H, Q+K+V]: one MatMul produces the packed QKV that GroupQueryAttention takes.
-        specs.append((f"{ours}.qkv_proj.weight_T", (h, qkv), _cat_t(read, [f"{attn}.{p}_proj.weight" for p in "qkv"])))
+        specs.append((f"{ours}.qkv_proj.weight_T", (h, qkv), _cat_t(read, [f"{attn}.{p}_proj.weight" for p in "qkv"], dtype)))
         if config.qkv_bias:
             specs.append((f"{ours}.qkv_proj.bias", (qkv,), lambda a=attn: np.concatenate(
                 [read(f"{a}.{p}_proj.bias") for p in "qkv"])))
-        specs.append((f"{ours}.o_proj.weight_T", (config.num_heads * d, h), _cat_t(read, [f"{attn}.o_proj.weight"])))
+        specs.append((f"{ours}.o_proj.weight_T", (config.num_heads * d, h), _cat_t(read, [f"{attn}.o_proj.weight"], dtype)))
         if config.o_bias:
             specs.append((f"{ours}.o_proj.bias", (h,), lambda a=attn: read(f"{a}.o_proj.bias")))
         specs.append((f"{ours}.gate_up_proj.weight_T", (h, 2 * inter),
-                      _cat_t(read, [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"])))
+                      _cat_t(read, [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"], dtype)))
         if config.mlp_bias:
             specs.append((f"{ours}.gate_up_proj.bias", (2 * inter,), lambda m=mlp: np.concatenate(
                 [read(f"{m}.gate_proj.bias"), read(f"{m}.up_proj.bias")])))
-        specs.append((f"{ours}.down_proj.weight_T", (inter, h), _cat_t(read, [f"{mlp}.down_proj.weight"])))
+        specs.append((f"{ours}.down_proj.weight_T", (inter, h), _cat_t(read, [f"{mlp}.down_proj.weight"], dtype)))
         if config.mlp_bias:
             specs.append((f"{ours}.down_proj.bias", (h,), lambda m=mlp: read(f"{m}.down_proj.bias")))
     specs.append(("norm.weight", (h,), lambda: read("model.norm.weight")))
     if not config.tie_word_embeddings:
-        specs.append(("lm_head.weight_T", (h, config.vocab_size), _cat_t(read, ["lm_head.weight"])))
+        specs.append(("lm_head.weight_T", (h, config.vocab_size), _cat_t(read, ["lm_head.weight"], dtype)))
     # Rotary tables with the config's rope scaling, computed here once (loopcast.rope).
     positions = np.arange(max_length)
     specs += [
@@ -162,7 +169,7 @@ def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: str, 
     manifest's file record needs no second pass over the file.
     """
     np_dtype, _ = NUMPY_DTYPES[dtype]
-    specs = artifact_tensors(config, max_length, read)
+    specs = artifact_tensors(config, max_length, read, np_dtype)
     header, header_bytes = _layout(specs, dtype)
     base = 8 + len(header_bytes)
 
