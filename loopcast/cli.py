@@ -92,7 +92,7 @@ def inspect(path: str, verify: bool) -> None:
 @main.command("random-checkpoint")
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--preset", default="tiny-ouro", show_default=True,
-              help="Shape preset: tiny-ouro, tiny-llama, tiny-qwen2, smollm-135m or ouro-1.4b.")
+              help="Shape preset: tiny-ouro, tiny-llama, tiny-qwen2, smollm-135m, ouro-1.4b or llama-1.4b.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--max-shard-mb", type=int, default=None, help="Shard the weights above this size.")

@@ -171,11 +171,13 @@ def require_exact(gen: Generator, allow_inexact: bool) -> None:
     """Speculation only where the artifact declares verify rows == decode rows on this device,
     unless the caller accepts tokens that may differ from plain decoding."""
     if not gen.model.exact_verify and not allow_inexact:
+        # Unprepacked CPU sessions (share_weights=True) lose the manifest's exactness, not the artifact.
+        fix = ("open it without share_weights=True" if not getattr(gen.model, "prepacked", True)
+               else "re-export with --batch-invariant (or --target cuda)")
         raise RequestError(
             f"speculation is not exact on this artifact on {gen.model.device}: its verify rows are not "
             "bit-identical to its decode rows (manifest exact_verify), so speculative tokens could differ "
-            "from plain greedy; re-export with --batch-invariant (or --target cuda), or pass "
-            "--allow-inexact / allow_inexact=True to accept that")
+            f"from plain greedy; {fix}, or pass --allow-inexact / allow_inexact=True to accept that")
 
 
 def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tuple[int, ...] = (),
