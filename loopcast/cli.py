@@ -142,18 +142,23 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
 @click.option("--genai", is_flag=True,
               help="Also write genai_decoder.onnx and genai_config.json, so that ONNX Runtime GenAI "
                    "(og.Model(ART)) runs the artifact; stock ops, sharing weights.safetensors.")
+@click.option("--max-batch", type=int, default=None,
+              help="Also write the batched decode graph for up to this many sequences (loopcast serve; "
+                   "docs/serving.md).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
 @_friendly_errors
 def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, verify_width: int,
            draft_depth: int | None, ops: str, batch_invariant: bool, target: str, genai: bool,
-           overwrite: bool) -> None:
+           max_batch: int | None, overwrite: bool) -> None:
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
+    from loopcast.manifest import BATCH_KINDS
 
     options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda", ops,
-                            genai)
+                            genai, max_batch)
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
-    kinds = ", ".join(f"{k}({v.rows or 'M'})" for k, v in manifest.graphs.items())
+    kinds = ", ".join(f"{k}({v.rows or 'M'})" if k not in BATCH_KINDS else f"{k}(B<={manifest.max_batch})"
+                      for k, v in manifest.graphs.items())
     exact = ", ".join(d for d, ok in manifest.exact_verify.items() if ok) or "no device"
     genai_note = "; ONNX Runtime GenAI model (genai_config.json)" if manifest.genai_files else ""
     click.echo(f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}, "

@@ -29,6 +29,13 @@ OP_SETS = ("stock", "loopcast-attention", "loopcast")
 PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL = "prefill", "decode", "verify", "draft", "verify_tail"
 GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL)
 
+# Batched kinds (graphs/batched.py, docs/serving.md): the rows of one call belong to different
+# sequences, one row per sequence, batch entry b reading and writing batch entry b of every KV
+# buffer [B, H_kv, S_max, D]. B is a symbolic dimension up to the manifest's ``max_batch``.
+# Optional: an artifact exported without ``--max-batch`` has none and no ``max_batch``.
+DECODE_BATCH = "decode_batch"
+BATCH_KINDS = (DECODE_BATCH,)
+
 
 @dataclass(frozen=True)
 class GraphSpec:
@@ -84,6 +91,8 @@ class Manifest:
     files: dict[str, FileRecord] = field(default_factory=dict)
     exact_verify: dict[str, bool] = field(default_factory=dict)
     op_set: str = "stock"
+    # ``export --max-batch B``: the batched kinds (BATCH_KINDS) exist and take up to B sequences.
+    max_batch: int | None = None
 
     @property
     def device_lengths(self) -> bool:

@@ -20,8 +20,8 @@ from typing import Any
 
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
-from loopcast.manifest import (DECODE, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL, VERIFY, VERIFY_TAIL, FileRecord,
-                               GraphSpec, Manifest, resolve_inside, sampled_sha256)
+from loopcast.manifest import (BATCH_KINDS, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL, VERIFY,
+                               VERIFY_TAIL, FileRecord, GraphSpec, Manifest, resolve_inside, sampled_sha256)
 
 DTYPES = ("fp32", "fp16", "bf16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -124,10 +124,10 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         kv.fail(f"must be {shape} (1, KV heads, max_length, head_dim), got {kv.raw['shape']!r:.80}", "shape")
 
     graphs_raw = top.get("graphs", dict)
-    unknown = sorted(set(graphs_raw) - set(GRAPH_KINDS))
+    unknown = sorted(set(graphs_raw) - set(GRAPH_KINDS) - set(BATCH_KINDS))
     if unknown:
-        top.fail(f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are {', '.join(GRAPH_KINDS)}",
-                 "graphs")
+        top.fail(f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are "
+                 f"{', '.join(GRAPH_KINDS + BATCH_KINDS)}", "graphs")
     # kind -> (rows, first_loop, last_loop), from the model and the manifest's own widths.
     plan = {PREFILL: (None, 0, R), DECODE: (1, 0, R)}
     if verify_width is not None:
@@ -136,13 +136,15 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         plan[DRAFT] = (1, 0, draft_depth)
         if verify_width is not None:
             plan[VERIFY_TAIL] = (verify_width, draft_depth, R)
-    for kind in (PREFILL, DECODE):
+    max_batch = top.int_in("max_batch", 1, MAX_BATCH, optional=True)
+    plan.update(batch_plan(max_batch, R))
+    for kind in (PREFILL, DECODE, *batch_plan(max_batch, R)):
         if kind not in graphs_raw:
             top.fail(f"lacks the '{kind}' graph, which every artifact needs", "graphs")
     graphs = {}
     for kind, spec_raw in graphs_raw.items():
         if kind not in plan:
-            top.fail(f"has a '{kind}' graph but verify_width/draft_depth say there is none", "graphs")
+            top.fail(f"has a '{kind}' graph but verify_width/draft_depth/max_batch say there is none", "graphs")
         graphs[kind] = _parse_graph(kind, spec_raw, plan[kind], config, path)
 
     weights_file = top.get("weights_file", str)
@@ -176,7 +178,16 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
                     dtype=dtype, max_length=max_length, verify_width=verify_width, draft_depth=draft_depth,
                     kv_layout=kv.raw, graphs=graphs, weights_file=weights_file, custom_ops=custom_ops,
                     custom_op_library=library, tokenizer_files=tokenizer_files, eos_token_ids=eos,
-                    files=files, exact_verify=exact, op_set=op_set, genai_files=genai_files)
+                    files=files, exact_verify=exact, op_set=op_set, genai_files=genai_files, max_batch=max_batch)
+
+
+MAX_BATCH = 1024  # sequences of a batched graph (docs/serving.md); the KV memory is max_batch x one sequence's
+
+
+def batch_plan(max_batch: int | None, num_loops: int) -> dict[str, tuple[int, int, int]]:
+    """The batched kinds an artifact of ``max_batch`` has: kind -> (rows per sequence, first loop,
+    last loop). None (exported without --max-batch): none."""
+    return {} if max_batch is None else {DECODE_BATCH: (1, 0, num_loops)}
 
 
 def _parse_graph(kind: str, raw: Any, plan: tuple, config: ModelConfig, path: Path) -> GraphSpec:

@@ -36,10 +36,11 @@ from pathlib import Path
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import Manifest, resolve_inside
+from loopcast.manifest import BATCH_KINDS, Manifest, resolve_inside
 from loopcast.ort_runtime.trust import op_library_to_load
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
 
 
 @dataclass
@@ -126,7 +127,8 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
             raise ArtifactError(f"{file}: the graph's {label} do not match the manifest's '{spec.kind}' graph "
                                 f"(missing {missing[:4]}, unexpected {extra[:4]}); is it another kind's graph?")
     cfg = manifest.config
-    kv_shape = [1, cfg.num_kv_heads, manifest.max_length, cfg.head_dim]
+    # batched kinds (graphs/batched.py) take a symbolic batch of sequences
+    kv_shape = [BATCH_DIM if spec.kind in BATCH_KINDS else 1, cfg.num_kv_heads, manifest.max_length, cfg.head_dim]
     for slot in spec.kv_slots:
         for name in (f"past_key.{slot}", f"past_value.{slot}"):
             if list(inputs[name].shape) != kv_shape or inputs[name].type != _ORT_TYPES[manifest.dtype]:
@@ -208,6 +210,9 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     sessions, graph_kinds, fallbacks = {}, set(), {}
     for kind, spec in manifest.graphs.items():
         if kinds is not None and kind not in kinds:
+            continue
+        if kind in BATCH_KINDS:  # a symbolic batch: run eagerly (docs/serving.md, "CUDA")
+            sessions[kind] = make_session(kind, False)
             continue
         if device == "cuda" and cuda_graphs and spec.rows is not None and host_lengths and cuda_graphs != "always":
             fallbacks[kind] = ("GroupQueryAttention reads total_sequence_length on the host, which a captured "

@@ -1,0 +1,195 @@
+"""A batch generator: the KV buffers, IO bindings and lengths of up to ``max_batch`` sequences.
+
+KV slot model (docs/serving.md): every per-(loop, layer) K and V buffer is one
+``[max_batch, H_kv, S_max, D]`` array; *sequence slot* b owns batch entry b of every one of them
+and has its own committed length ``n_b`` (docs/architecture.md §2, per entry). Entry b is a
+contiguous ``[1, H_kv, S_max, D]`` block, so
+
+- a joining sequence is prefilled **in place**: the ordinary one-sequence prefill graph runs
+  with its past/present buffers bound to entry b's block (a pointer and a shape; nothing is
+  copied, and the prefill is exactly the one ``loopcast generate`` runs);
+- a decode step runs the ``decode_batch`` graph over the occupied prefix ``0..w-1`` of the
+  slots (w = highest occupied slot + 1; the batch dimension is symbolic), with the buffers bound
+  as ``[w, ...]`` views of the same arrays. One IO binding per width, made on first use and
+  reused: nothing is bound or allocated per token.
+
+A free slot inside the prefix runs a dummy row at position 0 of its own entry (id 0); that
+row writes only the free entry, which the next prefill there rewrites before any row reads it.
+``release(b)`` only sets ``n_b = 0``, as rewind does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from loopcast.errors import ArtifactError, RequestError
+from loopcast.manifest import DECODE_BATCH, PREFILL
+from loopcast.ort_runtime.artifact import LoadedModel
+from loopcast.ort_runtime.generator import _NP_DTYPES, _Buffer
+
+
+@dataclass(frozen=True)
+class BatchStepOutput:
+    next_ids: dict[int, int]                 # slot -> argmax of its row
+    logits: dict[int, np.ndarray] | None     # slot -> [V] float32 row (copies), when asked
+
+
+def _ptr(buf: _Buffer, offset_bytes: int = 0) -> int:
+    base = buf.host.ctypes.data if buf.device == "cpu" else buf.value.data_ptr()
+    return base + offset_bytes
+
+
+class BatchGenerator:
+    """Up to ``max_batch`` sequences stepped together. Not thread-safe: one thread drives it
+    (ort_runtime/batching.py's engine loop)."""
+
+    def __init__(self, model: LoadedModel, max_batch: int | None = None) -> None:
+        manifest = model.manifest
+        if DECODE_BATCH not in model.sessions or PREFILL not in model.sessions:
+            have = "no batched graphs (export with --max-batch B)" if DECODE_BATCH not in manifest.graphs else \
+                "them not opened (kinds=...)"
+            raise ArtifactError(f"{model.path}: batched decoding needs the prefill and decode_batch graphs; "
+                                f"this artifact has {have}")
+        if manifest.dtype == "bf16":
+            raise ArtifactError(f"{model.path}: batched decoding binds KV blocks by address, which ORT's Python "
+                                "binding takes for fp32/fp16 only; export --dtype fp16 or fp32")
+        if manifest.dtype != "fp32" and model.device == "cpu":
+            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device")
+        limit = manifest.max_batch or 1
+        self.max_batch = limit if max_batch is None else max_batch
+        if not 1 <= self.max_batch <= limit:
+            raise RequestError(f"max_batch must be in 1..{limit} (the artifact's --max-batch), got {max_batch}")
+        cfg, device, B = model.config, model.device, self.max_batch
+        self.model, self.max_length, self.vocab = model, manifest.max_length, cfg.vocab_size
+        self._dtype = np.dtype(_NP_DTYPES[manifest.dtype])
+        self._entry_shape = (cfg.num_kv_heads, self.max_length, cfg.head_dim)
+        self._entry_bytes = int(np.prod(self._entry_shape)) * self._dtype.itemsize
+        self._kv = {s: (_Buffer((B, *self._entry_shape), self._dtype.type, device),
+                        _Buffer((B, *self._entry_shape), self._dtype.type, device))
+                    for s in range(cfg.num_kv_slots)}
+        lengths_device = device if manifest.device_lengths else "cpu"
+        # decode_batch inputs/outputs: fixed buffers of max_batch rows, bound as [w, ...] prefixes
+        self._ids = _Buffer((B, 1), np.int64, device)
+        self._seqlens = _Buffer((B,), np.int32, device)
+        self._total = _Buffer((), np.int32, lengths_device)
+        self._next = _Buffer((B, 1), np.int64, device)
+        self._logits = _Buffer((B, 1, self.vocab), np.float32, device)
+        # prefill of one slot: its own small buffers
+        self._p_seqlens = _Buffer((1,), np.int32, device)
+        self._p_total = _Buffer((), np.int32, lengths_device)
+        self._p_next = _Buffer((1, 1), np.int64, device)
+        self._p_logits = _Buffer((1, 1, self.vocab), np.float32, device)
+        self._decode_bindings: dict[int, ort.IOBinding] = {}
+        self.lengths = [0] * B            # n_b: tokens whose KV is committed in slot b
+        self.step_counts = {PREFILL: 0, DECODE_BATCH: 0}
+        self.step_seconds = {PREFILL: 0.0, DECODE_BATCH: 0.0}
+        self.rows_run = 0                 # decode rows computed, occupied or not
+
+    # -- binding helpers -------------------------------------------------------------------
+    def _bind_kv(self, binding: ort.IOBinding, first: int, count: int) -> None:
+        device = self.model.device
+        shape = [count, *self._entry_shape]
+        for slot, (key, value) in self._kv.items():
+            for name, buf in ((f"key.{slot}", key), (f"value.{slot}", value)):
+                ptr = _ptr(buf, first * self._entry_bytes)
+                binding.bind_input(f"past_{name}", device, 0, self._dtype.type, shape, ptr)
+                binding.bind_output(f"present_{name}", device, 0, self._dtype.type, shape, ptr)
+
+    @staticmethod
+    def _bind_prefix(binding: ort.IOBinding, name: str, buf: _Buffer, shape: list[int], output: bool) -> None:
+        bind = binding.bind_output if output else binding.bind_input
+        bind(name, buf.device, 0, buf.host.dtype.type, shape, _ptr(buf))
+
+    def _decode_binding(self, width: int) -> ort.IOBinding:
+        binding = self._decode_bindings.get(width)
+        if binding is None:
+            binding = self.model.sessions[DECODE_BATCH].io_binding()
+            self._bind_prefix(binding, "input_ids_BS", self._ids, [width, 1], False)
+            self._bind_prefix(binding, "seqlens_k", self._seqlens, [width], False)
+            self._bind_prefix(binding, "total_sequence_length", self._total, [], False)
+            self._bind_kv(binding, 0, width)
+            self._bind_prefix(binding, "next_token_ids_BS", self._next, [width, 1], True)
+            self._bind_prefix(binding, "logits_BSV", self._logits, [width, 1, self.vocab], True)
+            self._decode_bindings[width] = binding
+        return binding
+
+    # -- steps -----------------------------------------------------------------------------
+    def prefill(self, slot: int, ids: list[int], *, want_logits: bool = False) -> tuple[int, np.ndarray | None]:
+        """Write ``ids`` at positions 0.. of ``slot`` (a fresh sequence), commit them and return the
+        next token (and its logits row when asked)."""
+        if not 0 <= slot < self.max_batch:
+            raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
+        if not ids:
+            raise RequestError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= int(t) < self.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        if len(ids) > self.max_length:
+            raise RequestError(f"prompt of {len(ids)} tokens is longer than the max length {self.max_length}")
+        binding = self.model.sessions[PREFILL].io_binding()
+        binding.bind_cpu_input("input_ids_BS", np.asarray([ids], dtype=np.int64))
+        self._p_seqlens.host[0] = len(ids) - 1
+        self._p_seqlens.push()
+        self._p_total.host[...] = len(ids)
+        self._p_total.push()
+        self._bind_prefix(binding, "seqlens_k", self._p_seqlens, [1], False)
+        self._bind_prefix(binding, "total_sequence_length", self._p_total, [], False)
+        self._bind_kv(binding, slot, 1)
+        self._bind_prefix(binding, "next_token_ids_BS", self._p_next, [1, 1], True)
+        self._bind_prefix(binding, "logits_BSV", self._p_logits, [1, 1, self.vocab], True)
+        t0 = time.perf_counter()
+        self.model.sessions[PREFILL].run_with_iobinding(binding)
+        self.step_seconds[PREFILL] += time.perf_counter() - t0
+        self.step_counts[PREFILL] += 1
+        self.lengths[slot] = len(ids)
+        logits = self._p_logits.pull()[0, 0].copy() if want_logits else None
+        return int(self._p_next.pull()[0, 0]), logits
+
+    def decode(self, tokens: dict[int, int], *, want_logits: bool = False) -> BatchStepOutput:
+        """One row per slot in ``tokens`` (slot -> its pending token, written at position n_b);
+        commits each and returns each slot's next token."""
+        if not tokens:
+            raise RequestError("decode needs at least one sequence")
+        for slot, token in tokens.items():
+            if not 0 <= slot < self.max_batch:
+                raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
+            if self.lengths[slot] < 1 or self.lengths[slot] >= self.max_length:
+                raise RequestError(f"slot {slot} has {self.lengths[slot]} committed tokens; decode needs a "
+                                   f"prefilled sequence with room left (max length {self.max_length})")
+            if not 0 <= int(token) < self.vocab:
+                raise RequestError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
+        width = max(tokens) + 1
+        ids, seqlens = self._ids.host, self._seqlens.host
+        ids[:width] = 0
+        seqlens[:width] = 0      # free slots in the prefix: a dummy row at position 0 of their own entry
+        for slot, token in tokens.items():
+            ids[slot, 0] = token
+            seqlens[slot] = self.lengths[slot]
+        self._total.host[...] = int(seqlens[:width].max()) + 1
+        for buf in (self._ids, self._seqlens, self._total):
+            buf.push()
+        binding = self._decode_binding(width)
+        t0 = time.perf_counter()
+        self.model.sessions[DECODE_BATCH].run_with_iobinding(binding)
+        self.step_seconds[DECODE_BATCH] += time.perf_counter() - t0
+        self.step_counts[DECODE_BATCH] += 1
+        self.rows_run += width
+        next_ids = self._next.pull()[:width, 0]
+        logits = self._logits.pull() if want_logits else None
+        for slot in tokens:
+            self.lengths[slot] += 1
+        return BatchStepOutput({s: int(next_ids[s]) for s in tokens},
+                               {s: logits[s, 0].copy() for s in tokens} if logits is not None else None)
+
+    def release(self, slot: int) -> None:
+        """Free ``slot``: only its length is reset (its KV is rewritten by the next prefill)."""
+        self.lengths[slot] = 0
+
+    def kv_arrays(self, kv_slot: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of one sequence slot's K and V ``[1, H_kv, S_max, D]`` in one KV slot (checks)."""
+        key, value = self._kv[kv_slot]
+        return key.pull()[slot:slot + 1].copy(), value.pull()[slot:slot + 1].copy()
