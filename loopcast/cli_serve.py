@@ -62,7 +62,7 @@ def serve_ray(artifact: str, options: ServeOptions, ray_options: RayOptions, hos
 
     from loopcast.serve_ray import build_deployment
 
-    ray.init(address=ray_options.address, ignore_reinit_error=True, log_to_driver=False)
+    ray.init(address=ray_options.address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_deployment(artifact, options, ray_options), name="loopcast", route_prefix="/")
     replicas = (f"{ray_options.num_replicas} replica(s)" if ray_options.num_replicas is not None else

@@ -11,6 +11,7 @@ and cancel the request, which frees its slot at the next step boundary. Torch-fr
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -131,7 +132,7 @@ class ServingState:
 
     def health(self) -> dict:
         engine = self.engine
-        return {"status": "ok", "model": self.name, "mode": self.mode,
+        return {"status": "ok", "model": self.name, "mode": self.mode, "pid": os.getpid(),
                 "running": getattr(engine, "running", 0), "waiting": engine.waiting, "steps": engine.steps}
 
     def close(self, timeout: float = 30.0) -> None:
