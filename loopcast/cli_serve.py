@@ -6,6 +6,7 @@ to install (one ``error:`` line, exit 2) instead of a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 
@@ -49,6 +50,50 @@ def serve_uvicorn(artifact: str, options: ServeOptions, host: str, port: int, lo
         uvicorn.Server(config).run()
     finally:
         state.close(5.0)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def background_server(state, port: int | None = None, start_timeout: float = 30.0):
+    """The app over ``state`` on uvicorn in a thread, on 127.0.0.1 only (tests, tools/loadgen.py);
+    yields its URL once /health answers; on exit stops it as SIGTERM would (drain, then close)."""
+    require_extra("fastapi", "uvicorn", "httpx")
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from loopcast.serve_app import create_app
+
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + start_timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise LoopcastError(f"the server on {url} did not start in {start_timeout:.0f} s")
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(start_timeout)
 
 
 def serve_ray(artifact: str, options: ServeOptions, ray_options: RayOptions, host: str, port: int,

@@ -9,8 +9,8 @@ Every refusal is a JSON error in OpenAI's shape, ``{"error": {"message", "type",
 "code"}}``: malformed JSON or fields 400, an unknown model 404, a prompt longer than the KV
 capacity 400 (``context_length_exceeded``), a full queue 503. Unexpected failures are 500 with
 the same shape; nothing a client sends can crash the server. Extensions (vLLM-style): a
-request may ask for ``return_token_ids`` (token ids in each choice) and ``skip_special_tokens``
-(default true, as ``loopcast generate``).
+request may ask for ``return_token_ids`` (token ids in each choice), ``skip_special_tokens``
+(default true, as ``loopcast generate``), ``ignore_eos`` and ``top_k``/``min_p``/``repetition_penalty``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     return_token_ids: bool = False
     skip_special_tokens: bool = True
+    ignore_eos: bool = False                       # extension (vLLM): generate max_tokens whatever comes
 
     def sampling(self) -> SamplingParams | None:
         if self.temperature == 0:
@@ -178,7 +179,8 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool):
         return _error(400, str(exc))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     result = TextResult(len(ids))
-    kwargs = dict(sampling=sampling, stop=stops, skip_special_tokens=body.skip_special_tokens, result=result)
+    kwargs = dict(sampling=sampling, stop=stops, skip_special_tokens=body.skip_special_tokens, result=result,
+                  ignore_eos=body.ignore_eos)
     pieces = state.stream(ids, max_tokens, **kwargs)
     try:
         first = await anext(pieces, None)   # submission errors (a full queue) surface here, before any byte

@@ -79,7 +79,7 @@ class ServingState:
 
     # -- generation ----------------------------------------------------------------------
     async def stream(self, ids: list[int], max_tokens: int, *, sampling: SamplingParams | None,
-                     stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                     stop: Sequence[str] = (), skip_special_tokens: bool = True, ignore_eos: bool = False,
                      result: TextResult | None = None) -> AsyncIterator[TextPiece]:
         """Yield text pieces of the completion of ``ids``; ``result`` is filled in on the way.
         Closing the iterator (a client that went away) cancels the request."""
@@ -95,8 +95,8 @@ class ServingState:
         matcher = StopStringMatcher(stop) if stop else None
         result = result if result is not None else TextResult(len(ids))
         start = time.perf_counter()
-        completion = self.engine.submit(BatchRequest(ids, max_tokens, tuple(self.model.eos_token_ids), sampling),
-                                        on_event)
+        stop_ids = () if ignore_eos else tuple(self.model.eos_token_ids)
+        completion = self.engine.submit(BatchRequest(ids, max_tokens, stop_ids, sampling), on_event)
         shown = ""
         try:
             while True:
