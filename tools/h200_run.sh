@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
-# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b (kernels needs no setup). Results go to /root/res and are packed into
+# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | serve (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
@@ -52,6 +52,14 @@ phase_bench_1p4b() {
   timeout 360 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --dtype bf16 --iters 20 \
     --past 1024 --widths 5 --no-end-to-end --alternate-tokens 0 --work-dir /root/bw14 \
     --out "$RES/bench-1p4b.json" > "$RES/bench-1p4b.txt" 2>&1
+}
+phase_serve() {  # batched vs one-at-a-time serving (tools/loadgen.py, in-process engines; docs/serving.md)
+  # Random Ouro-1.4B and 1.43B-Llama (Ouro's shape, R=1) checkpoints, fp16, --target cuda ops, 64 slots.
+  for m in ouro-1.4b llama-1.43b; do
+    timeout 280 python3 tools/loadgen.py preset:$m --device cuda --dtype fp16 --max-batch 64 --max-length 512 \
+      --concurrency 1,4,16,64 --prompt-len 64 --max-tokens 64 --time-limit 20 --work-dir /root/lg \
+      --out "$RES/serve-$m.json" > "$RES/serve-$m.txt" 2>&1
+  done
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
