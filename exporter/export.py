@@ -225,8 +225,8 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         graphs[plan.kind] = spec
         custom_ops.update(builder.custom_ops())
         bar.update(1)
-    graphs.update(_write_batched(config, IR_DTYPES[opts.dtype], opts.max_length, opts.max_batch, refs, staging,
-                                 op_set, custom_ops))
+    graphs.update(_write_batched(config, IR_DTYPES[opts.dtype], opts.max_length, opts.max_batch, opts.verify_width,
+                                 refs, staging, op_set, custom_ops))
     genai_files = write_genai(staging, config, IR_DTYPES[opts.dtype], opts.max_length, refs,
                               WEIGHTS_FILE) if opts.genai else []
     bar.close()
@@ -330,8 +330,8 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
                                          op_set=manifest.op_set)
                 ir.save(model, staging.path / spec.file)
                 graphs[plan.kind] = spec
-            graphs.update(_write_batched(config, dtype, manifest.max_length, manifest.max_batch, refs, staging.path,
-                                         manifest.op_set, set(), manifest.weights_file))
+            graphs.update(_write_batched(config, dtype, manifest.max_length, manifest.max_batch, width, refs,
+                                         staging.path, manifest.op_set, set(), manifest.weights_file))
             derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width, "files": {}})
             derived = _with_file_records(derived, staging.path)
             staging.install()
@@ -342,13 +342,13 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
 
 
 def _write_batched(config: ModelConfig, dtype: ir.DataType, max_length: int, max_batch: int | None,
-                   refs: dict, staging: Path, op_set: str, custom_ops: set[str],
+                   verify_width: int | None, refs: dict, staging: Path, op_set: str, custom_ops: set[str],
                    weights_file: str = WEIGHTS_FILE) -> dict[str, GraphSpec]:
     """The batched kinds (graphs/batched.py) when ``max_batch`` is set; adds their custom ops."""
     graphs = {}
-    for kind in batch_plan(max_batch, config.num_loops):
+    for kind, (rows, _, _) in batch_plan(max_batch, config.num_loops, verify_width).items():
         builder = GraphBuilder(refs, weights_file, staging)
-        model, spec = build_batched_kind(kind, config, dtype, max_length, builder, op_set=op_set)
+        model, spec = build_batched_kind(kind, config, dtype, max_length, builder, op_set=op_set, rows=rows)
         ir.save(model, staging / spec.file)
         graphs[kind] = spec
         custom_ops.update(builder.custom_ops())

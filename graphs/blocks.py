@@ -47,6 +47,7 @@ class BlockContext:
     # The batch dimension B of every activation and KV buffer: 1 for the single-sequence kinds;
     # the batched kinds (graphs/batched.py) take one row per sequence and a symbolic B.
     batch: int | str = 1
+    batch_rows: int = 1      # rows per sequence in a batched kind (decode_batch 1, verify_batch W)
 
 
 @dataclass(frozen=True)
@@ -282,8 +283,8 @@ def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
                     path="/lm_head/flatten", out="head_in_NH")
         logits = b.op("Gemm", [flat, b.weight("embed_tokens.weight")], path="/lm_head/gemm",
                       out="logits_NV", transB=1)
-        # single sequence: [1, rows, V]; batched kinds: [B, 1, V] (one row per sequence)
-        shape_BSV = [1, -1, cfg.vocab_size] if ctx.batch == 1 else [-1, 1, cfg.vocab_size]
+        # single sequence: [1, rows, V]; batched kinds: [B, rows per sequence, V]
+        shape_BSV = [1, -1, cfg.vocab_size] if ctx.batch == 1 else [-1, ctx.batch_rows, cfg.vocab_size]
         logits = b.op("Reshape", [logits, b.const_i64("shape_BSV", shape_BSV)],
                       path="/lm_head/unflatten", out="logits_raw_BSV")
     else:

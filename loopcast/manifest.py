@@ -30,11 +30,12 @@ PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL = "prefill", "decode", "verify", "dr
 GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL)
 
 # Batched kinds (graphs/batched.py, docs/serving.md): the rows of one call belong to different
-# sequences, one row per sequence, batch entry b reading and writing batch entry b of every KV
-# buffer [B, H_kv, S_max, D]. B is a symbolic dimension up to the manifest's ``max_batch``.
-# Optional: an artifact exported without ``--max-batch`` has none and no ``max_batch``.
-DECODE_BATCH = "decode_batch"
-BATCH_KINDS = (DECODE_BATCH,)
+# sequences (1 row each for decode_batch, verify_width rows each for verify_batch), batch entry b
+# reading and writing batch entry b of every KV buffer [B, H_kv, S_max, D]. B is a symbolic
+# dimension up to the manifest's ``max_batch``. Optional: an artifact exported without
+# ``--max-batch`` has none and no ``max_batch``.
+DECODE_BATCH, VERIFY_BATCH = "decode_batch", "verify_batch"
+BATCH_KINDS = (DECODE_BATCH, VERIFY_BATCH)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from typing import Any
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
 from loopcast.manifest import (BATCH_KINDS, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL, VERIFY,
-                               VERIFY_TAIL, FileRecord, GraphSpec, Manifest, resolve_inside, sampled_sha256)
+                               VERIFY_BATCH, VERIFY_TAIL, FileRecord, GraphSpec, Manifest, resolve_inside,
+                               sampled_sha256)
 
 DTYPES = ("fp32", "fp16", "bf16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -137,8 +138,8 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         if verify_width is not None:
             plan[VERIFY_TAIL] = (verify_width, draft_depth, R)
     max_batch = top.int_in("max_batch", 1, MAX_BATCH, optional=True)
-    plan.update(batch_plan(max_batch, R))
-    for kind in (PREFILL, DECODE, *batch_plan(max_batch, R)):
+    plan.update(batch_plan(max_batch, R, verify_width))
+    for kind in (PREFILL, DECODE, *batch_plan(max_batch, R, verify_width)):
         if kind not in graphs_raw:
             top.fail(f"lacks the '{kind}' graph, which every artifact needs", "graphs")
     graphs = {}
@@ -184,10 +185,15 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
 MAX_BATCH = 1024  # sequences of a batched graph (docs/serving.md); the KV memory is max_batch x one sequence's
 
 
-def batch_plan(max_batch: int | None, num_loops: int) -> dict[str, tuple[int, int, int]]:
+def batch_plan(max_batch: int | None, num_loops: int, verify_width: int | None) -> dict[str, tuple[int, int, int]]:
     """The batched kinds an artifact of ``max_batch`` has: kind -> (rows per sequence, first loop,
     last loop). None (exported without --max-batch): none."""
-    return {} if max_batch is None else {DECODE_BATCH: (1, 0, num_loops)}
+    if max_batch is None:
+        return {}
+    plan = {DECODE_BATCH: (1, 0, num_loops)}
+    if verify_width is not None:
+        plan[VERIFY_BATCH] = (verify_width, 0, num_loops)
+    return plan
 
 
 def _parse_graph(kind: str, raw: Any, plan: tuple, config: ModelConfig, path: Path) -> GraphSpec:

@@ -10,7 +10,9 @@ Every refusal is a JSON error in OpenAI's shape, ``{"error": {"message", "type",
 capacity 400 (``context_length_exceeded``), a full queue 503. Unexpected failures are 500 with
 the same shape; nothing a client sends can crash the server. Extensions (vLLM-style): a
 request may ask for ``return_token_ids`` (token ids in each choice), ``skip_special_tokens``
-(default true, as ``loopcast generate``), ``ignore_eos`` and ``top_k``/``min_p``/``repetition_penalty``.
+(default true, as ``loopcast generate``), ``ignore_eos``, ``top_k``/``min_p``/``repetition_penalty``
+and ``speculative`` ("none" | "prompt-lookup"); a response's ``loopcast`` field says which
+speculation served it (or why none) and its draft counts.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     ignore_eos: bool = False                       # extension (vLLM): generate max_tokens whatever comes
+    speculative: Literal["none", "prompt-lookup"] | None = None   # extension: default the server's --speculative
 
     def sampling(self) -> SamplingParams | None:
         if self.temperature == 0:
@@ -180,7 +183,7 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     result = TextResult(len(ids))
     kwargs = dict(sampling=sampling, stop=stops, skip_special_tokens=body.skip_special_tokens, result=result,
-                  ignore_eos=body.ignore_eos)
+                  ignore_eos=body.ignore_eos, speculative=body.speculative)
     pieces = state.stream(ids, max_tokens, **kwargs)
     try:
         first = await anext(pieces, None)   # submission errors (a full queue) surface here, before any byte
@@ -199,7 +202,14 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool):
         choice["token_ids"] = result.tokens
     usage = {"prompt_tokens": len(ids), "completion_tokens": len(result.tokens),
              "total_tokens": len(ids) + len(result.tokens)}
-    return {**envelope, "choices": [choice], "usage": usage}
+    return {**envelope, "choices": [choice], "usage": usage, "loopcast": _speculation(result)}
+
+
+def _speculation(result: TextResult) -> dict:
+    """Which speculation served the request (or why none), and its draft counts."""
+    c = result.speculative
+    return {"speculative": getattr(c, "speculative", "none"), "proposed": getattr(c, "proposed", 0),
+            "accepted": getattr(c, "accepted", 0)}
 
 
 async def _sse(envelope: dict, first, pieces, result: TextResult, body: _Common, chat: bool):

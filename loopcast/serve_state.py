@@ -33,6 +33,7 @@ class ServeOptions:
     threads: int | None = None
     trust_ops: bool = False
     model_name: str | None = None     # default: the artifact directory's name
+    speculative: str = "none"         # default per request: "none" or "prompt-lookup" (docs/serving.md)
 
 
 @dataclass
@@ -49,11 +50,13 @@ class TextResult:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None     # OpenAI's: "stop" (EOS or a stop string) or "length"
     first_token_s: float | None = None
+    speculative: object | None = None    # the engine's Completion: its speculation mode and counts
 
 
 class ServingState:
-    def __init__(self, model: LoopcastModel, engine, name: str, mode: str) -> None:
+    def __init__(self, model: LoopcastModel, engine, name: str, mode: str, speculative: str = "none") -> None:
         self.model, self.engine, self.name, self.mode = model, engine, name, mode
+        self.speculative = speculative
         self.created = int(time.time())
         self.max_length = model.loaded.manifest.max_length
 
@@ -80,7 +83,7 @@ class ServingState:
     # -- generation ----------------------------------------------------------------------
     async def stream(self, ids: list[int], max_tokens: int, *, sampling: SamplingParams | None,
                      stop: Sequence[str] = (), skip_special_tokens: bool = True, ignore_eos: bool = False,
-                     result: TextResult | None = None) -> AsyncIterator[TextPiece]:
+                     speculative: str | None = None, result: TextResult | None = None) -> AsyncIterator[TextPiece]:
         """Yield text pieces of the completion of ``ids``; ``result`` is filled in on the way.
         Closing the iterator (a client that went away) cancels the request."""
         loop = asyncio.get_running_loop()
@@ -96,7 +99,9 @@ class ServingState:
         result = result if result is not None else TextResult(len(ids))
         start = time.perf_counter()
         stop_ids = () if ignore_eos else tuple(self.model.eos_token_ids)
-        completion = self.engine.submit(BatchRequest(ids, max_tokens, stop_ids, sampling), on_event)
+        mode = self.speculative if speculative is None else speculative
+        completion = self.engine.submit(BatchRequest(ids, max_tokens, stop_ids, sampling, mode), on_event)
+        result.speculative = completion
         shown = ""
         try:
             while True:
@@ -133,7 +138,8 @@ class ServingState:
     def health(self) -> dict:
         engine = self.engine
         return {"status": "ok", "model": self.name, "mode": self.mode, "pid": os.getpid(),
-                "running": getattr(engine, "running", 0), "waiting": engine.waiting, "steps": engine.steps}
+                "running": getattr(engine, "running", 0), "waiting": engine.waiting, "steps": engine.steps,
+                "speculation": getattr(engine, "stats", None)}
 
     def close(self, timeout: float = 30.0) -> None:
         self.engine.shutdown(timeout)
@@ -157,4 +163,4 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
                                "re-export with loopcast export --max-batch B")
         engine = SequentialEngine(model, max_waiting=options.max_waiting)
         mode = "sequential (one request at a time)"
-    return ServingState(model, engine.start(), name, mode)
+    return ServingState(model, engine.start(), name, mode, options.speculative)

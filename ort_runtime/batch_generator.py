@@ -10,8 +10,13 @@ contiguous ``[1, H_kv, S_max, D]`` block, so
   copied, and the prefill is exactly the one ``loopcast generate`` runs);
 - a decode step runs the ``decode_batch`` graph over the occupied prefix ``0..w-1`` of the
   slots (w = highest occupied slot + 1; the batch dimension is symbolic), with the buffers bound
-  as ``[w, ...]`` views of the same arrays. One IO binding per width, made on first use and
-  reused: nothing is bound or allocated per token.
+  as ``[w, ...]`` views of the same arrays. One IO binding per (kind, width), made on first use
+  and reused: nothing is bound or allocated per token.
+- a verify step runs ``verify_batch``: W rows per slot (the pending token and up to W-1 drafts,
+  padded by repeating the last) at positions n_b..n_b+W-1, and does not commit; the caller
+  commits the accepted rows with ``advance``. Rows past the accepted ones hold stale KV that the
+  next step rewrites before any row reads it (the speculation invariant of
+  ort_runtime/speculate.py, per entry).
 
 A free slot inside the prefix runs a dummy row at position 0 of its own entry (id 0); that
 row writes only the free entry, which the next prefill there rewrites before any row reads it.
@@ -27,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import DECODE_BATCH, PREFILL
+from loopcast.manifest import DECODE_BATCH, PREFILL, VERIFY_BATCH
 from loopcast.ort_runtime.artifact import LoadedModel
 from loopcast.ort_runtime.generator import _NP_DTYPES, _Buffer
 
@@ -72,21 +77,22 @@ class BatchGenerator:
                         _Buffer((B, *self._entry_shape), self._dtype.type, device))
                     for s in range(cfg.num_kv_slots)}
         lengths_device = device if manifest.device_lengths else "cpu"
-        # decode_batch inputs/outputs: fixed buffers of max_batch rows, bound as [w, ...] prefixes
-        self._ids = _Buffer((B, 1), np.int64, device)
+        # batched kinds' inputs/outputs: fixed buffers of max_batch entries, bound as [w, ...] prefixes
+        self.verify_width = manifest.graphs[VERIFY_BATCH].rows if VERIFY_BATCH in model.sessions else None
         self._seqlens = _Buffer((B,), np.int32, device)
         self._total = _Buffer((), np.int32, lengths_device)
-        self._next = _Buffer((B, 1), np.int64, device)
-        self._logits = _Buffer((B, 1, self.vocab), np.float32, device)
+        self._io = {kind: (_Buffer((B, rows), np.int64, device), _Buffer((B, rows), np.int64, device),
+                           _Buffer((B, rows, self.vocab), np.float32, device))
+                    for kind, rows in ((DECODE_BATCH, 1), (VERIFY_BATCH, self.verify_width)) if rows}
         # prefill of one slot: its own small buffers
         self._p_seqlens = _Buffer((1,), np.int32, device)
         self._p_total = _Buffer((), np.int32, lengths_device)
         self._p_next = _Buffer((1, 1), np.int64, device)
         self._p_logits = _Buffer((1, 1, self.vocab), np.float32, device)
-        self._decode_bindings: dict[int, ort.IOBinding] = {}
+        self._bindings: dict[tuple[str, int], ort.IOBinding] = {}
         self.lengths = [0] * B            # n_b: tokens whose KV is committed in slot b
-        self.step_counts = {PREFILL: 0, DECODE_BATCH: 0}
-        self.step_seconds = {PREFILL: 0.0, DECODE_BATCH: 0.0}
+        self.step_counts = {PREFILL: 0, DECODE_BATCH: 0, VERIFY_BATCH: 0}
+        self.step_seconds = {PREFILL: 0.0, DECODE_BATCH: 0.0, VERIFY_BATCH: 0.0}
         self.rows_run = 0                 # decode rows computed, occupied or not
 
     # -- binding helpers -------------------------------------------------------------------
@@ -104,17 +110,19 @@ class BatchGenerator:
         bind = binding.bind_output if output else binding.bind_input
         bind(name, buf.device, 0, buf.host.dtype.type, shape, _ptr(buf))
 
-    def _decode_binding(self, width: int) -> ort.IOBinding:
-        binding = self._decode_bindings.get(width)
+    def _binding(self, kind: str, width: int) -> ort.IOBinding:
+        binding = self._bindings.get((kind, width))
         if binding is None:
-            binding = self.model.sessions[DECODE_BATCH].io_binding()
-            self._bind_prefix(binding, "input_ids_BS", self._ids, [width, 1], False)
+            ids, next_ids, logits = self._io[kind]
+            rows = ids.host.shape[1]
+            binding = self.model.sessions[kind].io_binding()
+            self._bind_prefix(binding, "input_ids_BS", ids, [width, rows], False)
             self._bind_prefix(binding, "seqlens_k", self._seqlens, [width], False)
             self._bind_prefix(binding, "total_sequence_length", self._total, [], False)
             self._bind_kv(binding, 0, width)
-            self._bind_prefix(binding, "next_token_ids_BS", self._next, [width, 1], True)
-            self._bind_prefix(binding, "logits_BSV", self._logits, [width, 1, self.vocab], True)
-            self._decode_bindings[width] = binding
+            self._bind_prefix(binding, "next_token_ids_BS", next_ids, [width, rows], True)
+            self._bind_prefix(binding, "logits_BSV", logits, [width, rows, self.vocab], True)
+            self._bindings[(kind, width)] = binding
         return binding
 
     # -- steps -----------------------------------------------------------------------------
@@ -152,38 +160,65 @@ class BatchGenerator:
     def decode(self, tokens: dict[int, int], *, want_logits: bool = False) -> BatchStepOutput:
         """One row per slot in ``tokens`` (slot -> its pending token, written at position n_b);
         commits each and returns each slot's next token."""
-        if not tokens:
-            raise RequestError("decode needs at least one sequence")
-        for slot, token in tokens.items():
-            if not 0 <= slot < self.max_batch:
-                raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
-            if self.lengths[slot] < 1 or self.lengths[slot] >= self.max_length:
-                raise RequestError(f"slot {slot} has {self.lengths[slot]} committed tokens; decode needs a "
-                                   f"prefilled sequence with room left (max length {self.max_length})")
-            if not 0 <= int(token) < self.vocab:
-                raise RequestError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
-        width = max(tokens) + 1
-        ids, seqlens = self._ids.host, self._seqlens.host
-        ids[:width] = 0
-        seqlens[:width] = 0      # free slots in the prefix: a dummy row at position 0 of their own entry
-        for slot, token in tokens.items():
-            ids[slot, 0] = token
-            seqlens[slot] = self.lengths[slot]
-        self._total.host[...] = int(seqlens[:width].max()) + 1
-        for buf in (self._ids, self._seqlens, self._total):
-            buf.push()
-        binding = self._decode_binding(width)
-        t0 = time.perf_counter()
-        self.model.sessions[DECODE_BATCH].run_with_iobinding(binding)
-        self.step_seconds[DECODE_BATCH] += time.perf_counter() - t0
-        self.step_counts[DECODE_BATCH] += 1
-        self.rows_run += width
-        next_ids = self._next.pull()[:width, 0]
-        logits = self._logits.pull() if want_logits else None
+        out, logits = self._step(DECODE_BATCH, {s: [t] for s, t in tokens.items()}, want_logits)
         for slot in tokens:
             self.lengths[slot] += 1
-        return BatchStepOutput({s: int(next_ids[s]) for s in tokens},
-                               {s: logits[s, 0].copy() for s in tokens} if logits is not None else None)
+        return BatchStepOutput({s: ids[0] for s, ids in out.items()},
+                               {s: rows[0] for s, rows in logits.items()} if logits is not None else None)
+
+    def verify(self, rows: dict[int, list[int]], *, want_logits: bool = False
+               ) -> tuple[dict[int, list[int]], dict[int, np.ndarray] | None]:
+        """W rows per slot (slot -> pending token + drafts, 1..W ids) at positions n_b..; returns each
+        slot's argmax per given row (and [rows, V] logits when asked). Commits nothing: ``advance``."""
+        if self.verify_width is None:
+            raise RequestError("this artifact has no verify_batch graph (export with --max-batch and a verify width)")
+        for slot, ids in rows.items():
+            if not 1 <= len(ids) <= self.verify_width:
+                raise RequestError(f"verify takes 1..{self.verify_width} rows per sequence, got {len(ids)}")
+        return self._step(VERIFY_BATCH, rows, want_logits)
+
+    def advance(self, slot: int, count: int) -> None:
+        """Commit the first ``count`` rows of ``slot``'s last verify step."""
+        if not 0 <= count <= (self.verify_width or 1) or self.lengths[slot] + count > self.max_length:
+            raise RequestError(f"cannot commit {count} rows on slot {slot} at length {self.lengths[slot]}")
+        self.lengths[slot] += count
+
+    def _step(self, kind: str, rows: dict[int, list[int]], want_logits: bool):
+        if not rows:
+            raise RequestError("a step needs at least one sequence")
+        ids_buf, next_buf, logits_buf = self._io[kind]
+        width_rows = ids_buf.host.shape[1]
+        for slot, ids in rows.items():
+            if not 0 <= slot < self.max_batch:
+                raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
+            if self.lengths[slot] < 1 or self.lengths[slot] + width_rows > self.max_length:
+                raise RequestError(f"slot {slot} has {self.lengths[slot]} committed tokens; a {kind} step needs a "
+                                   f"prefilled sequence with room for {width_rows} more (max length {self.max_length})")
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        width = max(rows) + 1
+        ids, seqlens = ids_buf.host, self._seqlens.host
+        ids[:width] = 0
+        # free slots in the prefix: dummy rows at positions 0.. of their own entry
+        seqlens[:width] = width_rows - 1
+        for slot, tokens in rows.items():
+            ids[slot, :len(tokens)] = tokens
+            ids[slot, len(tokens):] = tokens[-1]
+            seqlens[slot] = self.lengths[slot] + width_rows - 1
+        self._total.host[...] = int(seqlens[:width].max()) + 1
+        for buf in (ids_buf, self._seqlens, self._total):
+            buf.push()
+        binding = self._binding(kind, width)
+        t0 = time.perf_counter()
+        self.model.sessions[kind].run_with_iobinding(binding)
+        self.step_seconds[kind] += time.perf_counter() - t0
+        self.step_counts[kind] += 1
+        self.rows_run += width * width_rows
+        next_ids = next_buf.pull()[:width]
+        logits = logits_buf.pull() if want_logits else None
+        out = {s: [int(t) for t in next_ids[s, :len(tokens)]] for s, tokens in rows.items()}
+        return out, ({s: logits[s, :len(tokens)].copy() for s, tokens in rows.items()} if logits is not None else None)
 
     def release(self, slot: int) -> None:
         """Free ``slot``: only its length is reset (its KV is rewritten by the next prefill)."""

@@ -148,3 +148,19 @@ def test_serve_without_the_extra_says_which_to_install(demo_batched):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: loopcast serve needs fastapi: install the serve extra (pip install 'loopcast[serve]')"]
+
+
+def test_prompt_lookup_per_request(server, demo_batched):
+    """A request may ask for prompt-lookup speculation: same greedy text, and the response says
+    which speculation served it; a sampled request says why it did not speculate."""
+    url, state = server
+    prompt = "    self.assertEqual(a, b)\n    self.assertEqual(a, b)\n    self.assertEqual("
+    body = {"model": "demo", "prompt": prompt, "max_tokens": NEW, "temperature": 0, "return_token_ids": True,
+            "speculative": "prompt-lookup"}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    assert r["choices"][0]["token_ids"] == _generate_cli(demo_batched, prompt)["tokens"]
+    assert r["loopcast"]["speculative"] == "prompt-lookup"
+    sampled = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0.7, "seed": 1}, timeout=120).json()
+    assert sampled["loopcast"]["speculative"].startswith("none (")
+    bad = httpx.post(f"{url}/v1/completions", json={**body, "speculative": "self"}, timeout=30)
+    assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]

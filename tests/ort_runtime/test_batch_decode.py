@@ -96,6 +96,7 @@ def test_batched_kinds_in_the_manifest(tmp_path):
     path = artifact("ouro-r3", max_batch=4)
     manifest = Manifest.read(path)
     assert manifest.max_batch == 4 and DECODE_BATCH in manifest.graphs
+    assert manifest.graphs["verify_batch"].rows == manifest.verify_width
     # no max_batch but a decode_batch graph, and the other way round: both refused
     for drop in ("max_batch", "graph"):
         broken = tmp_path / drop
@@ -125,3 +126,31 @@ def test_errors():
         bg.decode({0: 1})
     with pytest.raises(RequestError, match="vocabulary"):
         bg.prefill(0, [10**6])
+
+
+@pytest.mark.parametrize("name", ["ouro-r3", "llama-tied-gqa"])
+def test_verify_batch_rows_equal_decode_rows(name):
+    """verify_batch rows (pending + drafts, per slot) are the single-sequence decode rows bit for bit,
+    for full, partial (padded) and draft-less slots in one step; advance commits what is accepted."""
+    model = load(artifact(name, max_batch=4))
+    bg = BatchGenerator(model.loaded)
+    W = bg.verify_width
+    assert W == 5
+    prompts = {0: PROMPTS[0], 2: PROMPTS[2], 3: PROMPTS[4]}
+    greedy = {s: list(model.stream_ids(p, W + 2, stop_ids=())) for s, p in prompts.items()}
+    rows = {0: greedy[0][:W], 2: greedy[2][:3], 3: greedy[3][:1]}
+    for slot, prompt in prompts.items():
+        assert bg.prefill(slot, prompt)[0] == greedy[slot][0]
+    targets, logits = bg.verify(rows, want_logits=True)
+    for slot, ids in rows.items():
+        assert targets[slot] == greedy[slot][1:len(ids) + 1]
+        gen = model.new_generator()
+        gen.prefill(prompts[slot])
+        for i, token in enumerate(ids):
+            single = gen.run("decode", gen.n, tokens=[token]).logits[0]
+            gen.commit([token])
+            assert np.array_equal(single, logits[slot][i]), (name, slot, i)
+    for slot, ids in rows.items():
+        bg.advance(slot, len(ids))
+    step = bg.decode({s: greedy[s][len(rows[s])] for s in rows})
+    assert step.next_ids == {s: greedy[s][len(rows[s]) + 1] for s in rows}

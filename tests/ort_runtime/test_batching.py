@@ -11,7 +11,7 @@ import pytest
 from loopcast.errors import RequestError
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.batch_generator import BatchGenerator
-from loopcast.ort_runtime.batching import BatchingEngine, BatchRequest, CapacityError, SequentialEngine
+from loopcast.ort_runtime.batching import BatchGate, BatchingEngine, BatchRequest, CapacityError, SequentialEngine
 from loopcast.ort_runtime.sampling import SamplingParams
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
@@ -132,3 +132,64 @@ def test_sequential_engine_matches(model):
             [list(model.stream_ids(p, k, stop_ids=())) for p, k in work]
     finally:
         engine.shutdown()
+
+
+class _AlwaysVerify(BatchGate):
+    def engage(self, width: int, running: int, proposing: int) -> bool:
+        return True
+
+
+class _WrongProposer:
+    """Always proposes a token that greedy never produces in this test (forced rejections)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, context, k):
+        return [self.token] * k
+
+
+@pytest.mark.parametrize("proposer", ["prompt-lookup", "always-wrong"])
+def test_speculation_per_request_equals_plain_greedy(model, proposer):
+    """Prompt lookup per request through verify_batch (gate forced on, so every step with a draft
+    verifies): greedy requests get plain greedy's tokens, forced rejections included; a sampled
+    request in the same batch decodes plainly and keeps its seeded tokens; stop ids still stop."""
+    rng = random.Random(3)
+    work = [([rng.randrange(5) for _ in range(rng.randrange(4, 12))], rng.randrange(1, 30)) for _ in range(8)]
+    expected = [list(model.stream_ids(p, k, stop_ids=())) for p, k in work]
+    never = min(set(range(model.config.vocab_size)) - {t for e in expected for t in e} - {1, 2, 3})
+    factory = {"prompt-lookup": None, "always-wrong": lambda: _WrongProposer(never)}[proposer]
+    kwargs = {"proposer_factory": factory} if factory else {}
+    engine = BatchingEngine(BatchGenerator(model.loaded, max_batch=3), gate=_AlwaysVerify(), **kwargs).start()
+    params = SamplingParams(temperature=0.9, seed=11)
+    try:
+        sampled = engine.submit(BatchRequest([1, 2, 3], 12, sampling=params, speculative="prompt-lookup"))
+        done = [engine.submit(BatchRequest(p, k, speculative="prompt-lookup")) for p, k in work]
+        stop = expected[0][min(3, len(expected[0]) - 1)]
+        stopped = engine.submit(BatchRequest(work[0][0], work[0][1], stop_ids=(stop,), speculative="prompt-lookup"))
+        assert [c.result(60) for c in done] == expected
+        assert sampled.result(60) == list(model.stream_ids([1, 2, 3], 12, stop_ids=(), sampling=params))
+        assert stopped.result(60) == expected[0][:expected[0].index(stop) + 1]
+        assert engine.stats["verify_steps"] > 0 and engine.stats["proposed"] > 0
+        if proposer == "always-wrong":
+            assert engine.stats["accepted"] == 0
+        else:
+            assert engine.stats["accepted"] > 0
+        assert done[0].speculative == "prompt-lookup" and sampled.speculative.startswith("none (")
+    finally:
+        engine.shutdown()
+
+
+def test_gate_turns_verify_off_when_it_does_not_pay():
+    gate = BatchGate(probe_every=4)
+    assert not gate.engage(2, 2, 1)                   # no decode cost at this width yet: measure it
+    for seconds in (1.0, 0.01, 0.01):                 # the first run of a binding is left out
+        gate.observe_cost("decode_batch", 2, seconds)
+    assert gate.engage(2, 2, 1)                       # verify cost unknown: try it
+    for seconds in (1.0, 0.05, 0.05):
+        gate.observe_cost("verify_batch", 2, seconds)
+    gate.observe_accept(0.0)
+    for _ in range(20):
+        gate.observe_accept(0.0)
+    decisions = [gate.engage(2, 2, 1) for _ in range(8)]
+    assert decisions.count(True) == 2                 # only the probes every 4 steps
