@@ -164,3 +164,35 @@ def test_prompt_lookup_per_request(server, demo_batched):
     assert sampled["loopcast"]["speculative"].startswith("none (")
     bad = httpx.post(f"{url}/v1/completions", json={**body, "speculative": "self"}, timeout=30)
     assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
+
+
+def test_client_disconnect_cancels(server):
+    """A streaming client that goes away mid-stream frees its slot (the request is cancelled)."""
+    url, state = server
+    body = {"model": "demo", "prompt": "def f():", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    steps = state.engine.steps
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    import time
+    deadline = time.monotonic() + 30
+    while state.engine.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.engine.running == 0 and state.engine.waiting == 0
+    assert state.engine.steps - steps < 300          # cancelled, not run to its 400 tokens
+
+
+def test_sequential_without_batched_graphs():
+    """An artifact without --max-batch is served one request at a time, with the same tokens."""
+    require_exact_cpu_artifacts()
+    path = artifact("ouro-r3")
+    state = open_serving(path, ServeOptions(model_name="tiny"))
+    with running_server(state) as url:
+        assert "sequential" in httpx.get(f"{url}/health", timeout=10).json()["mode"]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 6,
+                                                       "temperature": 0, "return_token_ids": True}, timeout=60)
+    assert r.json()["choices"][0]["token_ids"] == list(state.model.stream_ids([1, 2, 3], 6))
+    with pytest.raises(Exception, match="--max-batch"):
+        open_serving(path, ServeOptions(max_batch=4))
