@@ -148,7 +148,8 @@ def make_engine(model, mode: str, max_batch: int):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", help="an artifact exported with --max-batch, or preset:NAME (ouro-1.4b, llama-1.43b, ...)")
+    ap.add_argument("source", help="an artifact exported with --max-batch, or preset:NAME "
+                                   "(ouro-1.4b, llama-1.43b, ...)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"])
     ap.add_argument("--max-batch", type=int, default=64, help="slots (presets: exported with it)")
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 level["mode"] = mode
                 report["levels"].append(level)
                 print(f"{mode:<10} C={clients:<3} {level['requests']:>4} req {level['tokens_per_s']:8.1f} tok/s  "
-                      f"token p50 {level['token_latency_ms_p50'] or 0:7.1f} ms p99 {level['token_latency_ms_p99'] or 0:7.1f} ms  "
+                      f"token p50 {level['token_latency_ms_p50'] or 0:7.1f} ms "
+                      f"p99 {level['token_latency_ms_p99'] or 0:7.1f} ms  "
                       f"ttft p50 {level['ttft_ms_p50'] or 0:7.1f} ms", flush=True)
         finally:
             if server is not None:
