@@ -43,7 +43,20 @@ class BatchStepOutput:
     logits: dict[int, np.ndarray] | None     # slot -> [V] float32 row (copies), when asked
 
 
-def _ptr(buf: _Buffer, offset_bytes: int = 0) -> int:
+class _DeviceKV:
+    """A KV buffer on the GPU without a host mirror (a generator's ``_Buffer`` keeps one; for
+    max_batch sequences that would be gigabytes of host memory copied once for nothing). Left
+    uninitialised: a row reads only positions its sequence (or its dummy row) has written."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, device: str) -> None:
+        self.device, self.dtype = device, np.dtype(dtype)
+        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype.type, device, 0)
+
+    def pull(self) -> np.ndarray:
+        return self.value.numpy()
+
+
+def _ptr(buf, offset_bytes: int = 0) -> int:
     base = buf.host.ctypes.data if buf.device == "cpu" else buf.value.data_ptr()
     return base + offset_bytes
 
@@ -73,8 +86,9 @@ class BatchGenerator:
         self._dtype = np.dtype(_NP_DTYPES[manifest.dtype])
         self._entry_shape = (cfg.num_kv_heads, self.max_length, cfg.head_dim)
         self._entry_bytes = int(np.prod(self._entry_shape)) * self._dtype.itemsize
-        self._kv = {s: (_Buffer((B, *self._entry_shape), self._dtype.type, device),
-                        _Buffer((B, *self._entry_shape), self._dtype.type, device))
+        kv_buffer = _Buffer if device == "cpu" else _DeviceKV    # on the CPU the array is the buffer
+        self._kv = {s: (kv_buffer((B, *self._entry_shape), self._dtype.type, device),
+                        kv_buffer((B, *self._entry_shape), self._dtype.type, device))
                     for s in range(cfg.num_kv_slots)}
         lengths_device = device if manifest.device_lengths else "cpu"
         # batched kinds' inputs/outputs: fixed buffers of max_batch entries, bound as [w, ...] prefixes
