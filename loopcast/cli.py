@@ -157,7 +157,7 @@ def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, v
     options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda", ops,
                             genai, max_batch)
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
-    kinds = ", ".join(f"{k}({v.rows or 'M'})" if k not in BATCH_KINDS else f"{k}(B<={manifest.max_batch})"
+    kinds = ", ".join(f"{k}({v.rows or 'M'})" if k not in BATCH_KINDS else f"{k}({v.rows} x B<={manifest.max_batch})"
                       for k, v in manifest.graphs.items())
     exact = ", ".join(d for d, ok in manifest.exact_verify.items() if ok) or "no device"
     genai_note = "; ONNX Runtime GenAI model (genai_config.json)" if manifest.genai_files else ""
