@@ -376,6 +376,8 @@ Examples:
 @click.option("--speculative", type=click.Choice(["none", "prompt-lookup"]), default="none", show_default=True,
               help="Default speculation per request (a request's `speculative` field overrides it); greedy "
                    "requests only, with a cost gate per step (docs/serving.md).")
+@click.option("--cuda-graphs", is_flag=True,
+              help="Capture the batched graphs per batch width on CUDA (opt-in; eager otherwise).")
 @click.option("--model-name", default=None, help="Name in the API (default: the artifact directory's name).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--trust-ops", is_flag=True, help="Load the artifact's op library even if not built here.")
@@ -391,8 +393,8 @@ Examples:
 @click.option("--ray-address", default=None, help="Ray: an existing cluster (default: start a local one).")
 @_friendly_errors
 def serve(artifact: str, host: str, port: int, device: str, max_batch: int | None, max_waiting: int,
-          sequential: bool, speculative: str, model_name: str | None, threads: int | None, trust_ops: bool,
-          use_ray: bool,
+          sequential: bool, speculative: str, cuda_graphs: bool, model_name: str | None, threads: int | None,
+          trust_ops: bool, use_ray: bool,
           replicas: int, min_replicas: int, max_replicas: int, target_ongoing_requests: float,
           replica_cpus: float, replica_gpus: float, ray_address: str | None) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
@@ -403,7 +405,8 @@ def serve(artifact: str, host: str, port: int, device: str, max_batch: int | Non
     require_extra("fastapi", "uvicorn", *(["ray"] if use_ray else []))
     if max_waiting < 0 or replicas < 0 or not 1 <= min_replicas <= max_replicas:
         raise RequestError("--max-waiting and --replicas must be >= 0 and 1 <= --min-replicas <= --max-replicas")
-    options = ServeOptions(device, max_batch, max_waiting, sequential, threads, trust_ops, model_name, speculative)
+    options = ServeOptions(device, max_batch, max_waiting, sequential, threads, trust_ops, model_name, speculative,
+                           cuda_graphs)
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     if use_ray:
         serve_ray(artifact, options, RayOptions(replicas or None, min_replicas, max_replicas, target_ongoing_requests,

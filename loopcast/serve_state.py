@@ -34,6 +34,7 @@ class ServeOptions:
     trust_ops: bool = False
     model_name: str | None = None     # default: the artifact directory's name
     speculative: str = "none"         # default per request: "none" or "prompt-lookup" (docs/serving.md)
+    cuda_graphs: bool = False         # capture the batched kinds per width on CUDA (opt-in)
 
 
 @dataclass
@@ -154,7 +155,7 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
     manifest = model.loaded.manifest
     name = options.model_name or Path(artifact).resolve().name
     if DECODE_BATCH in manifest.graphs and not options.sequential:
-        generator = BatchGenerator(model.loaded, options.max_batch)
+        generator = BatchGenerator(model.loaded, options.max_batch, cuda_graphs=options.cuda_graphs)
         engine = BatchingEngine(generator, max_waiting=options.max_waiting)
         mode = f"batched (up to {generator.max_batch} sequences per step)"
     else:

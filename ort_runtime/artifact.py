@@ -57,6 +57,7 @@ class LoadedModel:
     graph_fallbacks: dict[str, str] = field(default_factory=dict)  # kind -> why it runs eager
     _graph_ids: dict[str, int] = field(default_factory=dict, repr=False)
     _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
+    _captured: dict[str, ort.InferenceSession | None] = field(default_factory=dict, repr=False)
     _session_factory: object = field(default=None, repr=False)
     # Generators may be made from several threads (LoopcastModel's pool): ids and lazily made
     # eager sessions are handed out under this lock. ORT sessions themselves are thread-safe.
@@ -84,6 +85,18 @@ class LoadedModel:
         with self._lock:
             self._graph_ids[kind] = self._graph_ids.get(kind, 0) + 1
             return self._graph_ids[kind]
+
+    def capture_session(self, kind: str) -> ort.InferenceSession | None:
+        """A CUDA-graph session of a batched kind (opened eagerly by default, docs/serving.md),
+        made on first use and shared; None where it cannot be made (then run eagerly)."""
+        with self._lock:
+            if kind not in self._captured:
+                try:
+                    self._captured[kind] = self._session_factory(kind, True)
+                except ArtifactError as exc:
+                    self.graph_fallbacks[kind] = str(exc)
+                    self._captured[kind] = None
+            return self._captured[kind]
 
     def eager_session(self, kind: str) -> ort.InferenceSession:
         """An uncaptured session of ``kind``, for slots whose capture failed (made on first use)."""

@@ -18,6 +18,13 @@ contiguous ``[1, H_kv, S_max, D]`` block, so
   next step rewrites before any row reads it (the speculation invariant of
   ort_runtime/speculate.py, per entry).
 
+CUDA graphs (opt-in, ``cuda_graphs=True``; loopcast-op artifacts, whose attention reads every
+length on the device): each (kind, width) binding gets its own ``gpu_graph_id`` on a capture
+session of the kind, so ORT warms up and captures a width's graph on its first run and replays
+it after (the buffers' addresses are fixed per width). If a kind's first captured run fails,
+that kind runs eagerly from then on, with the same kernels and so the same tokens
+(``graph_fallbacks`` says why).
+
 A free slot inside the prefix runs a dummy row at position 0 of its own entry (id 0); that
 row writes only the free entry, which the next prefill there rewrites before any row reads it.
 ``release(b)`` only sets ``n_b = 0``, as rewind does.
@@ -65,7 +72,9 @@ class BatchGenerator:
     """Up to ``max_batch`` sequences stepped together. Not thread-safe: one thread drives it
     (ort_runtime/batching.py's engine loop)."""
 
-    def __init__(self, model: LoadedModel, max_batch: int | None = None) -> None:
+    def __init__(self, model: LoadedModel, max_batch: int | None = None, *, cuda_graphs: bool | str = False) -> None:
+        """``cuda_graphs``: capture the batched kinds per width on CUDA (loopcast-op artifacts);
+        "always" also off CUDA (tests, with stand-in sessions that ignore ``gpu_graph_id``)."""
         manifest = model.manifest
         if DECODE_BATCH not in model.sessions or PREFILL not in model.sessions:
             have = "no batched graphs (export with --max-batch B)" if DECODE_BATCH not in manifest.graphs else \
@@ -103,7 +112,19 @@ class BatchGenerator:
         self._p_total = _Buffer((), np.int32, lengths_device)
         self._p_next = _Buffer((1, 1), np.int64, device)
         self._p_logits = _Buffer((1, 1, self.vocab), np.float32, device)
-        self._bindings: dict[tuple[str, int], ort.IOBinding] = {}
+        self._bindings: dict[tuple[str, int], tuple[ort.IOBinding, ort.RunOptions | None]] = {}
+        self._sessions = {kind: model.sessions[kind] for kind in self._io}
+        self.captured: set[str] = set()          # kinds running as captured CUDA graphs
+        self.graph_fallbacks: dict[str, str] = {}
+        self.graph_runs: dict[tuple[str, int], int] = {}
+        if cuda_graphs == "always" or (cuda_graphs and device == "cuda" and manifest.device_lengths):
+            for kind in self._io:
+                session = model.capture_session(kind)
+                if session is not None:
+                    self._sessions[kind] = session
+                    self.captured.add(kind)
+                else:
+                    self.graph_fallbacks[kind] = model.graph_fallbacks.get(kind, "no capture session")
         self.lengths = [0] * B            # n_b: tokens whose KV is committed in slot b
         self.step_counts = {PREFILL: 0, DECODE_BATCH: 0, VERIFY_BATCH: 0}
         self.step_seconds = {PREFILL: 0.0, DECODE_BATCH: 0.0, VERIFY_BATCH: 0.0}
@@ -124,20 +145,42 @@ class BatchGenerator:
         bind = binding.bind_output if output else binding.bind_input
         bind(name, buf.device, 0, buf.host.dtype.type, shape, _ptr(buf))
 
-    def _binding(self, kind: str, width: int) -> ort.IOBinding:
-        binding = self._bindings.get((kind, width))
-        if binding is None:
+    def _binding(self, kind: str, width: int) -> tuple[ort.IOBinding, ort.RunOptions | None]:
+        bound = self._bindings.get((kind, width))
+        if bound is None:
             ids, next_ids, logits = self._io[kind]
             rows = ids.host.shape[1]
-            binding = self.model.sessions[kind].io_binding()
+            binding = self._sessions[kind].io_binding()
             self._bind_prefix(binding, "input_ids_BS", ids, [width, rows], False)
             self._bind_prefix(binding, "seqlens_k", self._seqlens, [width], False)
             self._bind_prefix(binding, "total_sequence_length", self._total, [], False)
             self._bind_kv(binding, 0, width)
             self._bind_prefix(binding, "next_token_ids_BS", next_ids, [width, rows], True)
             self._bind_prefix(binding, "logits_BSV", logits, [width, rows, self.vocab], True)
-            self._bindings[(kind, width)] = binding
-        return binding
+            options = None
+            if kind in self.captured:   # a captured graph bakes in this width's shapes and addresses
+                options = ort.RunOptions()
+                options.add_run_config_entry("gpu_graph_id", str(self.model.allocate_graph_id(kind)))
+            bound = self._bindings[(kind, width)] = (binding, options)
+        return bound
+
+    def _run(self, kind: str, width: int) -> None:
+        binding, options = self._binding(kind, width)
+        key = (kind, width)
+        try:
+            self._sessions[kind].run_with_iobinding(binding, options)
+        except Exception as exc:
+            if options is None or self.graph_runs.get(key):   # not a capture problem: surface it
+                raise
+            # The first run of a graph id is where ORT captures: fall back to the eager session
+            # (the same kernels, so the same tokens) for every width of this kind.
+            self.graph_fallbacks[kind] = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+            self.captured.discard(kind)
+            self._sessions[kind] = self.model.sessions[kind]
+            self._bindings = {k: v for k, v in self._bindings.items() if k[0] != kind}
+            binding, _ = self._binding(kind, width)
+            self._sessions[kind].run_with_iobinding(binding)
+        self.graph_runs[key] = self.graph_runs.get(key, 0) + 1
 
     # -- steps -----------------------------------------------------------------------------
     def prefill(self, slot: int, ids: list[int], *, want_logits: bool = False) -> tuple[int, np.ndarray | None]:
@@ -223,9 +266,8 @@ class BatchGenerator:
         self._total.host[...] = int(seqlens[:width].max()) + 1
         for buf in (ids_buf, self._seqlens, self._total):
             buf.push()
-        binding = self._binding(kind, width)
         t0 = time.perf_counter()
-        self.model.sessions[kind].run_with_iobinding(binding)
+        self._run(kind, width)
         self.step_seconds[kind] += time.perf_counter() - t0
         self.step_counts[kind] += 1
         self.rows_run += width * width_rows

@@ -54,12 +54,19 @@ phase_bench_1p4b() {
     --out "$RES/bench-1p4b.json" > "$RES/bench-1p4b.txt" 2>&1
 }
 phase_serve() {  # batched vs one-at-a-time serving (tools/loadgen.py, in-process engines; docs/serving.md)
-  # Random Ouro-1.4B and 1.43B-Llama (Ouro's shape, R=1) checkpoints, fp16, --target cuda ops, 64 slots.
-  for m in ouro-1.4b llama-1.43b; do
-    timeout 280 python3 tools/loadgen.py preset:$m --device cuda --dtype fp16 --max-batch 64 --max-length 512 \
-      --concurrency 1,4,16,64 --prompt-len 64 --max-tokens 64 --time-limit 20 --work-dir /root/lg \
-      --out "$RES/serve-$m.json" > "$RES/serve-$m.txt" 2>&1
-  done
+  # Random Ouro-1.4B and 1.43B-Llama (Ouro's shape, R=1) checkpoints, fp16, --target cuda ops, 64 slots;
+  # the batched graphs eager and captured per width (--cuda-graphs).
+  local common=(--device cuda --dtype fp16 --max-batch 64 --max-length 512 --concurrency 1,4,16,64 --prompt-len 64
+                --max-tokens 64 --time-limit 20 --work-dir /root/lg)
+  timeout 280 python3 tools/loadgen.py preset:ouro-1.4b "${common[@]}" --out "$RES/serve-ouro-1.4b.json" \
+    > "$RES/serve-ouro-1.4b.txt" 2>&1
+  timeout 200 python3 tools/loadgen.py preset:ouro-1.4b "${common[@]}" --modes batched --cuda-graphs \
+    --out "$RES/serve-ouro-1.4b-graphs.json" > "$RES/serve-ouro-1.4b-graphs.txt" 2>&1
+  timeout 240 python3 tools/loadgen.py preset:llama-1.43b "${common[@]}" --cuda-graphs \
+    --out "$RES/serve-llama-1.43b.json" > "$RES/serve-llama-1.43b.txt" 2>&1
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  LOOPCAST_OPS_LIB=$LIB timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_batch_cuda.py \
+    2>&1 | tail -20 > "$RES/serve-gpu-tests.txt"
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"

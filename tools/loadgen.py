@@ -137,12 +137,13 @@ def http_submitter(url: str, model: str):
     return submit
 
 
-def make_engine(model, mode: str, max_batch: int):
+def make_engine(model, mode: str, max_batch: int, cuda_graphs: bool = False):
     from loopcast.ort_runtime.batch_generator import BatchGenerator
     from loopcast.ort_runtime.batching import BatchingEngine, SequentialEngine
 
     if mode == "batched":
-        return BatchingEngine(BatchGenerator(model.loaded, max_batch), max_waiting=4096).start()
+        generator = BatchGenerator(model.loaded, max_batch, cuda_graphs=cuda_graphs)
+        return BatchingEngine(generator, max_waiting=4096).start()
     return SequentialEngine(model, max_waiting=4096).start()
 
 
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per level before clients stop sending")
     ap.add_argument("--via", default="engine", choices=["engine", "http"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cuda-graphs", action="store_true", help="capture the batched graphs per width (CUDA)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/loopcast-loadgen"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -177,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"source": args.source, "artifact": str(art), "device": args.device, "dtype": model.loaded.manifest.dtype,
               "op_set": model.loaded.manifest.op_set, "max_batch": max_batch, "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "via": args.via, "host": platform.node(),
+              "cuda_graphs": args.cuda_graphs,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "levels": []}
     outputs: dict[tuple[int, int], dict[str, list[int]]] = {}
     for mode in args.modes.split(","):
-        engine = make_engine(model, mode, max_batch)
+        engine = make_engine(model, mode, max_batch, args.cuda_graphs)
         server = None
         try:
             if args.via == "http":
@@ -199,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                     outputs.setdefault((clients, i), {})[mode] = toks
                 level["mode"] = mode
                 report["levels"].append(level)
+                if mode == "batched":
+                    level["captured"] = sorted(engine.gen.captured)
+                    level["graph_fallbacks"] = dict(engine.gen.graph_fallbacks)
                 print(f"{mode:<10} C={clients:<3} {level['requests']:>4} req {level['tokens_per_s']:8.1f} tok/s  "
                       f"token p50 {level['token_latency_ms_p50'] or 0:7.1f} ms "
                       f"p99 {level['token_latency_ms_p99'] or 0:7.1f} ms  "

@@ -154,3 +154,53 @@ def test_verify_batch_rows_equal_decode_rows(name):
         bg.advance(slot, len(ids))
     step = bg.decode({s: greedy[s][len(rows[s])] for s in rows})
     assert step.next_ids == {s: greedy[s][len(rows[s]) + 1] for s in rows}
+
+
+class _CaptureStandIn:
+    """A CPU session standing in for a capture session: accepts and ignores ``gpu_graph_id``
+    (as tests/ort_runtime/test_graph_slots.py), or fails where ORT would capture."""
+
+    def __init__(self, session, fail: bool) -> None:
+        self._session, self.fail, self.graph_ids = session, fail, []
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def run_with_iobinding(self, binding, run_options=None):
+        if run_options is not None:
+            if self.fail:
+                raise RuntimeError("CUDA failure 901: operation not permitted when stream is capturing")
+            self.graph_ids.append(run_options.get_run_config_entry("gpu_graph_id"))
+        return self._session.run_with_iobinding(binding, run_options)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_graph_ids_per_width_and_fallback(fail):
+    """cuda_graphs: every (kind, width) binding runs under its own graph id; a capture failure on
+    a first run falls back to the eager session for the kind, with the same tokens."""
+    import dataclasses
+
+    model = load(artifact("ouro-r3", max_batch=4))
+    loaded = model.loaded
+    stand_ins = {}
+
+    def factory(kind, capture):
+        stand_ins[kind] = _CaptureStandIn(loaded.sessions[kind], fail)
+        return stand_ins[kind]
+
+    fake = dataclasses.replace(loaded, _session_factory=factory, _captured={}, _graph_ids={}, graph_fallbacks={})
+    bg = BatchGenerator(fake, cuda_graphs="always")
+    assert bg.captured == {DECODE_BATCH, "verify_batch"}
+    got, _ = _run_batched(bg, PROMPTS[:3], 8)                  # 7 decode steps at width 3
+    pending = {0: got[0][-1]}
+    for s in (1, 2):
+        bg.release(s)
+    bg.decode(pending)                                         # width 1: another graph id
+    for i, prompt in enumerate(PROMPTS[:3]):
+        assert got[i] == list(model.stream_ids(prompt, 8, stop_ids=()))
+    if fail:
+        assert DECODE_BATCH not in bg.captured and "901" in bg.graph_fallbacks[DECODE_BATCH]
+        assert stand_ins[DECODE_BATCH].graph_ids == []
+    else:
+        ids = stand_ins[DECODE_BATCH].graph_ids
+        assert len(set(ids)) == 2 and len(ids) == 8            # widths 3 and 1, one id each
