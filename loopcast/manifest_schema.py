@@ -141,7 +141,8 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     plan.update(batch_plan(max_batch, R, verify_width))
     for kind in (PREFILL, DECODE, *batch_plan(max_batch, R, verify_width)):
         if kind not in graphs_raw:
-            top.fail(f"lacks the '{kind}' graph, which every artifact needs", "graphs")
+            why = "every artifact needs" if kind in (PREFILL, DECODE) else f"max_batch {max_batch} declares"
+            top.fail(f"lacks the '{kind}' graph, which {why}", "graphs")
     graphs = {}
     for kind, spec_raw in graphs_raw.items():
         if kind not in plan:
