@@ -203,7 +203,7 @@ def _os_errors(out: Path):
 def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,
                     show_progress: bool) -> Manifest:
     op_set, built_library = _resolve_op_set(opts, lambda line: print(line, file=sys.stderr) if show_progress else None)
-    plans = plan_kinds(config, opts.verify_width, opts.draft_depth)
+    plans = plan_kinds(config, opts.verify_width, opts.draft_depth, op_set=op_set)
     read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
     total = weights_nbytes(config, opts.max_length, opts.dtype, read)
     bar = tqdm(total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024,
@@ -324,7 +324,7 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
                 except OSError:
                     shutil.copy(src / name, staging.path / name)
             graphs = {}
-            for plan in plan_kinds(config, width, manifest.draft_depth):
+            for plan in plan_kinds(config, width, manifest.draft_depth, op_set=manifest.op_set):
                 builder = GraphBuilder(refs, manifest.weights_file, staging.path)
                 model, spec = build_kind(plan, config, dtype, manifest.max_length, builder,
                                          op_set=manifest.op_set)

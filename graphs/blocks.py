@@ -23,8 +23,8 @@ class StepInputs:
     ``total_sequence_length = n+M`` (int32 scalar), GroupQueryAttention's contract.
     """
 
-    seqlens_k: ir.Value
-    total_sequence_length: ir.Value
+    seqlens_k: ir.Value | None            # None in row-addressed graphs (per-row positions)
+    total_sequence_length: ir.Value | None
     cos_cache: ir.Value
     sin_cache: ir.Value
 
@@ -48,6 +48,9 @@ class BlockContext:
     # the batched kinds (graphs/batched.py) take one row per sequence and a symbolic B.
     batch: int | str = 1
     batch_rows: int = 1      # rows per sequence in a batched kind (decode_batch 1, verify_batch W)
+    # Row-addressed graphs (the pipeline cycle): per-row positions [S] int32; the attention
+    # blocks then take one KV slot per row (RowAttention) instead of one slot for all rows.
+    row_positions: ir.Value | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class LayerSite:
     """One application of a decoder layer in the unrolled graph."""
 
     weights: str        # weight prefix, e.g. "layers.3"
-    slot: int           # KV slot
+    slot: int | tuple[int, ...]  # KV slot; row-addressed graphs: one slot per row
     path: str           # node-name path, e.g. "/loop1/layer3"
     prefix: str         # value-name prefix
     loop_norm: bool     # the loop-norm follows (last layer of a core loop)
@@ -165,20 +168,27 @@ def decoder_stack(b: GraphBuilder, x_BSH: ir.Value, sites: list[LayerSite], ctx:
     return x_BSH, depth_state
 
 
-def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int, ctx: BlockContext, *,
+def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int | tuple[int, ...], ctx: BlockContext, *,
               path: str, prefix: str) -> ir.Value:
     """Self-attention over the static KV buffers of ``slot`` (bound as past and present).
 
         h ─ qkv_proj ─▶ qkv_BSQ ─▶ GroupQueryAttention(rotary, KV write at n.., causal) ─ o_proj ─▶
                                           ▲ past_key.{slot}  ▼ present_key.{slot} (same buffer)
+
+    In a row-addressed graph ``slot`` holds one slot per row and RowAttention reads and writes
+    row i's slot at row i's position (docs/architecture.md §3, "Row addressing").
     """
     cfg = ctx.config
-    kv_shape = [ctx.batch, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
-    past_key = b.input(f"past_key.{slot}", ctx.dtype, kv_shape)
-    past_value = b.input(f"past_value.{slot}", ctx.dtype, kv_shape)
     # A q/k/v bias is added before GroupQueryAttention applies rotary, as upstream models do.
     qkv = linear(b, h_BSH, f"{layer}.qkv_proj.weight_T", ctx, path=f"{path}/qkv_proj", out=f"{prefix}.qkv_BSQ",
                  bias=f"{layer}.qkv_proj.bias" if cfg.qkv_bias else None)
+    if isinstance(slot, tuple):
+        attn = _row_attention(b, qkv, slot, ctx, path=path, prefix=prefix)
+        return linear(b, attn, f"{layer}.o_proj.weight_T", ctx, path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH",
+                      bias=f"{layer}.o_proj.bias" if cfg.o_bias else None)
+    kv_shape = [ctx.batch, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
+    past_key = b.input(f"past_key.{slot}", ctx.dtype, kv_shape)
+    past_value = b.input(f"past_value.{slot}", ctx.dtype, kv_shape)
     # Inputs in schema order: query (packed q|k|v), key, value (empty: packed), past_key,
     # past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache; trailing optional
     # inputs 9.. (position_ids, attention_bias, head_sink) are not used. The batch-invariant op
@@ -196,6 +206,27 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int, ctx: Bloc
     b.output(present_value, ctx.dtype, kv_shape)
     return linear(b, attn, f"{layer}.o_proj.weight_T", ctx, path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH",
                   bias=f"{layer}.o_proj.bias" if cfg.o_bias else None)
+
+
+def _row_attention(b: GraphBuilder, qkv_BSQ: ir.Value, slots: tuple[int, ...], ctx: BlockContext, *,
+                   path: str, prefix: str) -> ir.Value:
+    """loopcast.RowAttention: row i writes and reads slot ``slots[i]`` at ``ctx.row_positions[i]``
+    (-1: an inactive row). Each distinct slot is one (key, value) pair of inputs."""
+    cfg = ctx.config
+    kv_shape = [1, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
+    pairs = list(dict.fromkeys(slots))
+    kv_in, kv_out = [], []
+    for s in pairs:
+        kv_in += [b.input(f"past_key.{s}", ctx.dtype, kv_shape), b.input(f"past_value.{s}", ctx.dtype, kv_shape)]
+        kv_out += [f"present_key.{s}", f"present_value.{s}"]
+    values = b.op_multi(
+        "RowAttention", [qkv_BSQ, ctx.row_positions, None, None, ctx.step.cos_cache, ctx.step.sin_cache, *kv_in],
+        path=f"{path}/row_attention", outs=[f"{prefix}.attn_BSHD", *kv_out], domain=LOOPCAST_DOMAIN,
+        num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+        scale=cfg.head_dim ** -0.5, row_buffers=[pairs.index(s) for s in slots])
+    for v in values[1:]:
+        b.output(v, ctx.dtype, kv_shape)
+    return values[0]
 
 
 def swiglu_mlp(b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, *,

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
+from loopcast.bench_pipeline import cycle_ms, oracle_rows
+from loopcast.manifest import CYCLE, DECODE, DRAFT, VERIFY, VERIFY_TAIL
 from loopcast.ort_runtime.exactness import decode_rows
 
 BENCH_PROMPTS = [
@@ -57,6 +58,7 @@ class BenchOptions:
     alternate_tokens: int = 1000
     torch_baseline: bool = True
     profile: bool = True
+    oracle_rejects: tuple[float, ...] = (0.0, 0.08)   # pipeline rows with oracle drafts (rejected fractions)
 
 
 @dataclass
@@ -181,17 +183,19 @@ def _first_divergence(model, prompt: list[int], plain: list[int], other: list[in
     return {"index": j, "margin": float(top[1] - top[0])}
 
 
-def end_to_end(model, prompts: list[list[int]], new_tokens: int) -> dict:
+def end_to_end(model, prompts: list[list[int]], new_tokens: int, oracle_rejects: tuple[float, ...] = ()) -> dict:
     """tokens/s of plain greedy and of each speculative mode with the default gate (auto) and
     ungated (gate none); tokens vs plain greedy. Stock artifacts are not exact, so their modes
-    run with allow_inexact and the divergent prompts are counted."""
+    run with allow_inexact and the divergent prompts are counted. With ``oracle_rejects``, the
+    pipeline also runs on oracle drafts (loopcast/bench_pipeline.py)."""
     result, plain_tokens = {}, {}
     exact = model.loaded.exact_verify
     modes = [("plain", {})]
-    for mode in ("prompt-lookup", "self"):
-        if mode == "self" and not model.loaded.has(DRAFT):
+    for mode in ("prompt-lookup", "self", "pipeline"):
+        if (mode == "self" and not model.loaded.has(DRAFT)) or (mode == "pipeline" and not model.loaded.has(CYCLE)):
             continue
-        base = {"speculative": mode, "num_draft_tokens": 4, "allow_inexact": not exact}
+        base = {"speculative": mode, "num_draft_tokens": None if mode == "pipeline" else 4,
+                "allow_inexact": not exact}
         modes += [(mode, {**base, "gate": "auto"}), (f"{mode} (gate none)", {**base, "gate": "none"})]
     for name, kwargs in modes:
         tokens, seconds, divergent, firsts, accepted, proposed, rounds = 0, 0.0, 0, [], 0, 0, 0
@@ -212,10 +216,13 @@ def end_to_end(model, prompts: list[list[int]], new_tokens: int) -> dict:
             elif out.tokens != plain_tokens[i]:
                 divergent += 1
                 firsts.append(_first_divergence(model, prompt, plain_tokens[i], out.tokens))
-        result[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+        result[name] = {"tokens_per_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
+                        "tokens": tokens, "seconds": seconds,
                         "divergent_prompts": divergent, "first_divergences": firsts, "rounds": rounds,
                         "acceptance": accepted / proposed if proposed else None,
                         "gate": kwargs.get("gate"), "gate_reasons": reasons, "exact_verify": exact}
+    if oracle_rejects and model.loaded.has(CYCLE) and exact:
+        result.update(oracle_rows(model, prompts, plain_tokens, new_tokens, oracle_rejects))
     base = result["plain"]["tokens_per_s"]
     for entry in result.values():
         entry["speedup"] = entry["tokens_per_s"] / base
@@ -352,7 +359,7 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     result = VariantResult(dtype, variant, past, time.perf_counter() - t0)
     log(f"[{dtype}/{variant}] exported in {result.export_s:.1f}s; past {past}")
     cuda = opts.device == "cuda"
-    hot = (DECODE, VERIFY, DRAFT, VERIFY_TAIL)
+    hot = (DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE)
     # One model with every kind (captured where possible) serves the captured steps, the row
     # check and generation; an uncaptured one (hot kinds only) the eager steps and the profile.
     # Sessions are few on purpose: each CUDA session holds its own copy of the weights.
@@ -368,9 +375,10 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
         if not full.loaded.has(kind):
             continue
         rows = full.new_generator().rows(kind)
-        cap, slot = step_ms(capt, kind, past, opts.iters) if cuda else (None, None)
+        timer = cycle_ms if kind == CYCLE else step_ms
+        cap, slot = timer(capt, kind, past, opts.iters) if cuda else (None, None)
         result.steps.append(StepTimes(kind, rows, _captured(cap, slot) if cuda else None,
-                                      step_ms(eager, kind, past, opts.iters)[0], slot))
+                                      timer(eager, kind, past, opts.iters)[0], slot))
         captured = f"captured {cap:.3f} ms, " if cap is not None else ""
         log(f"  {kind}({rows}) {captured}uncaptured {result.steps[-1].uncaptured_ms:.3f} ms")
     if opts.profile and cuda:
@@ -406,7 +414,7 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
         log(f"  end-to-end skipped: --past {opts.past} leaves no room after the prompts")
     elif opts.end_to_end:
         log(f"  end-to-end: {len(prompts)} prompts x {new_tokens} tokens, plain and speculative ...")
-        result.end_to_end = end_to_end(full, prompts, new_tokens)
+        result.end_to_end = end_to_end(full, prompts, new_tokens, opts.oracle_rejects)
         for name, entry in result.end_to_end.items():
             log(f"  {name}: {entry['tokens_per_s']:.1f} tok/s (x{entry['speedup']:.2f}), "
                 f"divergent prompts {entry['divergent_prompts']}")

@@ -187,10 +187,13 @@ Examples:
 @click.option("--system", help="A system message before the --chat messages.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--speculative", type=click.Choice(["none", "prompt-lookup", "self"]), default="none",
-              show_default=True)
+@click.option("--speculative", type=click.Choice(["none", "prompt-lookup", "self", "pipeline"]), default="none",
+              show_default=True, help="pipeline: lanes at every loop depth share one pass over the core layers "
+                                      "(looped models; docs/architecture.md §5).")
 @click.option("--num-draft-tokens", type=int, default=None, help="K drafts per round.")
 @click.option("--draft-depth", type=int, default=None, help="Loops the self-draft runs (< R).")
+@click.option("--pipeline-exit", type=int, default=1, show_default=True,
+              help="pipeline: the loop whose head drafts the next lane's token (1..R-1).")
 @click.option("--gate", type=click.Choice(["auto", "none", "hit-density", "cost"]), default="auto", show_default=True,
               help="When to speculate. auto: the cost gate calibrated on this device (stands down where "
                    "speculation does not pay; hit-density when sampling with a seed); none: every step.")
@@ -216,8 +219,8 @@ Examples:
 @_friendly_errors
 def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | None, prompt_ids: str | None,
              chat: tuple[str, ...], system: str | None, max_new_tokens: int, device: str, speculative: str,
-             num_draft_tokens: int | None, draft_depth: int | None, gate: str, allow_inexact: bool,
-             temperature: float | None,
+             num_draft_tokens: int | None, draft_depth: int | None, pipeline_exit: int, gate: str,
+             allow_inexact: bool, temperature: float | None,
              top_k: int | None, top_p: float | None, min_p: float | None, repetition_penalty: float | None,
              seed: int | None, stop: tuple[str, ...], skip_special_tokens: bool, stream: bool,
              as_json: bool, trust_ops: bool) -> None:
@@ -251,6 +254,7 @@ def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | No
         result = generate_with_ort(path, prompt, ids, max_new_tokens, device=device,
                                    speculative=speculative, num_draft_tokens=num_draft_tokens,
                                    draft_depth=draft_depth, gate=gate, allow_inexact=allow_inexact, trust_ops=trust_ops,
+                                   pipeline_exit=pipeline_exit,
                                    on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None,
                                    messages=chat_messages(chat, system) if chat else None, stop=stop,
                                    sampling=sampling, skip_special_tokens=skip_special_tokens)
@@ -305,6 +309,9 @@ def _sampling_options(temperature, top_k, top_p, min_p, repetition_penalty, seed
 @click.option("--alternate-tokens", type=int, default=1000, show_default=True,
               help="Length of the decode/draft/verify alternation run (CUDA).")
 @click.option("--no-end-to-end", is_flag=True, help="Skip the end-to-end tokens/s rows.")
+@click.option("--oracle-reject", "oracle_reject", default="0,0.08", show_default=True,
+              help="Pipeline rows with oracle drafts (plain greedy's continuation replayed through the drafts "
+                   "hook) that spoil these fractions of positions (comma-separated; empty: none).")
 @click.option("--no-torch", is_flag=True, help="Skip the PyTorch baseline.")
 @click.option("--no-profile", is_flag=True, help="Skip the per-kernel-family decode profile (CUDA).")
 @click.option("--work-dir", type=click.Path(path_type=Path), default=None,
@@ -315,8 +322,8 @@ def _sampling_options(temperature, top_k, top_p, min_p, repetition_penalty, seed
                    "file under $LOOPCAST_CACHE/bench).")
 @_friendly_errors
 def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants: tuple[str, ...], past: int,
-          widths: str, iters: int, new_tokens: int, alternate_tokens: int, no_end_to_end: bool, no_torch: bool,
-          no_profile: bool, work_dir: Path | None, out: Path | None) -> None:
+          widths: str, iters: int, new_tokens: int, alternate_tokens: int, no_end_to_end: bool, oracle_reject: str,
+          no_torch: bool, no_profile: bool, work_dir: Path | None, out: Path | None) -> None:
     """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""
     from loopcast.bench import BenchOptions, run_bench
     from loopcast.bench_report import default_report_path, format_table, write_report
@@ -343,9 +350,15 @@ def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants
     from loopcast.exporter.export import MAX_VERIFY_WIDTH
     if not width_list or any(not 2 <= w <= MAX_VERIFY_WIDTH for w in width_list):
         raise RequestError(f"--widths must be verify widths in 2..{MAX_VERIFY_WIDTH}, got {widths!r}")
+    try:
+        rejects = tuple(float(f) for f in oracle_reject.split(",") if f)
+    except ValueError:
+        raise RequestError(f"--oracle-reject must be comma-separated fractions, got {oracle_reject!r}") from None
+    if any(not 0 <= f <= 1 for f in rejects):
+        raise RequestError(f"--oracle-reject fractions must be in 0..1, got {oracle_reject!r}")
     opts = BenchOptions(checkpoint, work_dir, device, dtypes or (("fp16", "bf16") if device == "cuda" else ("fp32",)),
                         variants or ("stock", "batch-invariant"), past, width_list, iters, new_tokens,
-                        not no_end_to_end, alternate_tokens, not no_torch, not no_profile)
+                        not no_end_to_end, alternate_tokens, not no_torch, not no_profile, rejects)
     click.echo(f"bench on {device}: artifacts in {work_dir}, report {out}", err=True)
     report = run_bench(opts, log=lambda line: click.echo(line, err=True),
                        on_progress=lambda partial: write_report(partial, out, plot=False))
@@ -432,7 +445,7 @@ def build_ops(out_dir: Path | None, ort_include: Path | None) -> None:
 @main.command()
 @click.option("--prompt", default=None, help="Prompt text (default: a built-in code prompt).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--speculative", type=click.Choice(["auto", "none", "prompt-lookup", "self"]), default="auto",
+@click.option("--speculative", type=click.Choice(["auto", "none", "prompt-lookup", "self", "pipeline"]), default="auto",
               show_default=True, help="auto measures each mode against plain decode and keeps the fastest.")
 @_friendly_errors
 def demo(prompt: str | None, max_new_tokens: int, speculative: str) -> None:
@@ -446,8 +459,10 @@ def demo(prompt: str | None, max_new_tokens: int, speculative: str) -> None:
     artifact = demo_artifact_dir(progress=True)
     model = load(artifact)
     prompt = prompt or DEMO_PROMPT
-    modes = {"auto": ["prompt-lookup", "self"], "none": [], "prompt-lookup": ["prompt-lookup"],
-             "self": ["self"]}[speculative]
+    modes = {"auto": ["prompt-lookup", "self", "pipeline"], "none": [], "prompt-lookup": ["prompt-lookup"],
+             "self": ["self"], "pipeline": ["pipeline"]}[speculative]
+    if "pipeline" in modes and not model.loaded.manifest.graphs.get("cycle"):
+        modes.remove("pipeline")  # a stock-op artifact has no cycle graph
     if modes and not model.loaded.exact_verify:
         click.echo("note: this demo artifact was exported with stock ops (the custom-op library could not be "
                    "built here), so speculation would not be exact and is skipped; see docs/architecture.md")

@@ -27,7 +27,15 @@ OP_SETS = ("stock", "loopcast-attention", "loopcast")
 
 # Graph kinds (docs/architecture.md §3).
 PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL = "prefill", "decode", "verify", "draft", "verify_tail"
-GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL)
+CYCLE = "cycle"  # the pipeline: R rows, row r runs loop r (docs/architecture.md §3)
+GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE)
+
+
+def has_cycle(config: ModelConfig, op_set: str) -> bool:
+    """Whether an artifact carries the pipeline's cycle graph: a looped model without prelude or
+    coda (a lane runs one core loop per cycle), built with the row-addressed attention op."""
+    return (config.num_loops > 1 and config.num_prelude_layers == 0 and config.num_coda_layers == 0
+            and op_set != "stock")
 
 # Batched kinds (graphs/batched.py, docs/serving.md): the rows of one call belong to different
 # sequences (1 row each for decode_batch, verify_width rows each for verify_batch), batch entry b

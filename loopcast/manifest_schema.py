@@ -20,9 +20,9 @@ from typing import Any
 
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
-from loopcast.manifest import (BATCH_KINDS, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL, VERIFY,
-                               VERIFY_BATCH, VERIFY_TAIL, FileRecord, GraphSpec, Manifest, resolve_inside,
-                               sampled_sha256)
+from loopcast.manifest import (BATCH_KINDS, CYCLE, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL,
+                               VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord, GraphSpec, Manifest, has_cycle,
+                               resolve_inside, sampled_sha256)
 
 DTYPES = ("fp32", "fp16", "bf16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -79,6 +79,9 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
     """The input and output names a graph of ``kind`` must have (graphs/kinds.py builds them)."""
     inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "seqlens_k", "total_sequence_length"}
     outputs = {"next_token_ids_BS", "logits_BSV"}
+    if kind == CYCLE:
+        inputs = {"input_ids_BS", "carried_BWH", "positions_W"}
+        outputs |= {"carried_BWH_out"}
     if kind == DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
     for s in slots:
@@ -137,6 +140,9 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         plan[DRAFT] = (1, 0, draft_depth)
         if verify_width is not None:
             plan[VERIFY_TAIL] = (verify_width, draft_depth, R)
+    op_set = top.get("op_set", str, optional=True, default="stock")
+    if has_cycle(config, op_set if op_set in OP_SETS else "stock"):
+        plan[CYCLE] = (R, 0, R)
     max_batch = top.int_in("max_batch", 1, MAX_BATCH, optional=True)
     plan.update(batch_plan(max_batch, R, verify_width))
     for kind in (PREFILL, DECODE, *batch_plan(max_batch, R, verify_width)):
@@ -146,7 +152,8 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     graphs = {}
     for kind, spec_raw in graphs_raw.items():
         if kind not in plan:
-            top.fail(f"has a '{kind}' graph but verify_width/draft_depth/max_batch say there is none", "graphs")
+            top.fail(f"has a '{kind}' graph but verify_width/draft_depth/max_batch (or, for cycle, the model and "
+                     "op_set) say there is none", "graphs")
         graphs[kind] = _parse_graph(kind, spec_raw, plan[kind], config, path)
 
     weights_file = top.get("weights_file", str)
@@ -172,7 +179,6 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     exact = top.get("exact_verify", dict, optional=True, default={})
     if not all(isinstance(k, str) and isinstance(v, bool) for k, v in exact.items()):
         top.fail("must map device names to true/false", "exact_verify")
-    op_set = top.get("op_set", str, optional=True, default="stock")
     if op_set not in OP_SETS:
         top.fail(f"must be one of {', '.join(OP_SETS)}, got {op_set!r:.40}", "op_set")
     genai_files = top.str_list("genai_files", optional=True)

@@ -146,13 +146,15 @@ class LoopcastModel:
                    speculative: str = "none", num_draft_tokens: int | None = None, gate: str = "auto",
                    tie_guard: TieGuard | None = None, proposer=None, allow_inexact: bool = False,
                    generator: Generator | None = None, stats: GenerationStats | None = None,
-                   messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None) -> Iterator[int]:
+                   messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
+                   pipeline_exit: int = 1) -> Iterator[int]:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
         (then the prompt continues after its committed prefix; otherwise a pooled generator
         serves the call, so concurrent calls never share one).
 
-        ``speculative``: "none", "prompt-lookup", "self", or a ``proposer`` of your own
-        (``ort_runtime/proposers.py``); ``gate``: "auto" (calibrated on this device), "cost",
+        ``speculative``: "none", "prompt-lookup", "self", "pipeline" (lanes at every depth share
+        one pass over the core layers; ``pipeline_exit`` is the loop whose head drafts), or a
+        ``proposer`` of your own (``ort_runtime/proposers.py``); ``gate``: "auto" (calibrated on this device), "cost",
         "hit-density" or "none" (always speculate). Speculation is refused on an artifact whose
         verify rows are not bit-identical to its decode rows on this device unless
         ``allow_inexact=True``."""
@@ -161,8 +163,11 @@ class LoopcastModel:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RequestError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         sampled = sampling is not None and not sampling.greedy
+        if sampled and speculative == "pipeline":
+            raise RequestError("sampling with --speculative pipeline is not supported yet (its lanes verify "
+                               "greedy drafts); sample with prompt-lookup or self, or decode greedily")
         spec = SpeculationConfig(speculative, num_draft_tokens, gate, tie_guard=tie_guard or TieGuard(),
-                                 proposer=proposer, allow_inexact=allow_inexact)
+                                 proposer=proposer, allow_inexact=allow_inexact, pipeline_exit=pipeline_exit)
 
         def run(gen: Generator) -> Iterator[int]:
             if not sampled:

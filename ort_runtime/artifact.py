@@ -36,7 +36,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import BATCH_KINDS, Manifest, resolve_inside
+from loopcast.manifest import BATCH_KINDS, CYCLE, Manifest, resolve_inside
 from loopcast.ort_runtime.trust import op_library_to_load
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -150,6 +150,9 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
                                     "length or dtype?)")
     first = "input_ids_BS" if spec.first_loop == 0 else "hidden_BSH"
     rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
+    if spec.kind == CYCLE:  # one entering token; the rows are the lanes, one per position
+        first = "positions_W"
+        rows = inputs[first].shape[0] if len(inputs[first].shape) == 1 else None
     if (spec.rows is None) != (not isinstance(rows, int)) or (spec.rows is not None and rows != spec.rows):
         raise ArtifactError(f"{file}: {first} takes {rows} rows, the manifest's '{spec.kind}' graph "
                             f"takes {spec.rows or 'a dynamic number of'}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loopcast.manifest import DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL
+from loopcast.manifest import CYCLE, DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL
 
 
 def decode_rows(gen, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
@@ -36,8 +36,8 @@ def rows_match_on_cpu(artifact_dir: str | Path, *, prompt_lengths: tuple[int, ..
     from loopcast.ort_runtime.artifact import open_artifact
     from loopcast.ort_runtime.generator import Generator
 
-    model = open_artifact(artifact_dir, "cpu", kinds=tuple(k for k in (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL)
-                                                          if k in _kinds(artifact_dir)))
+    model = open_artifact(artifact_dir, "cpu", kinds=tuple(k for k in (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL,
+                                                                       CYCLE) if k in _kinds(artifact_dir)))
     if VERIFY not in model.sessions:
         return True  # nothing to verify with: speculation is not offered
     width = model.manifest.graphs[VERIFY].rows
@@ -61,6 +61,23 @@ def rows_match_on_cpu(artifact_dir: str | Path, *, prompt_lengths: tuple[int, ..
             out = gen.run(VERIFY_TAIL, gen.n, hidden=np.stack(hidden))
             if any(not np.array_equal(out.logits[i], rows[i]) for i in range(len(hidden))):
                 return False
+        if CYCLE in model.sessions and not cycle_rows_match(Generator(model), prompt, fed, rows):
+            return False
+    return True
+
+
+def cycle_rows_match(gen, prompt: list[int], fed: list[int], rows: list[np.ndarray]) -> bool:
+    """Teacher-forced lanes through the cycle graph: the lane of ``fed[i]`` enters at cycle i
+    and finishes loop R at cycle i + R - 1, where its row must be decode's row bit for bit."""
+    R = gen.cycle.rows
+    gen.prefill(prompt)
+    n0 = gen.n
+    for c in range(len(fed) + R - 1):
+        positions = [n0 + c - r if 0 <= c - r < len(fed) else -1 for r in range(R)]
+        gen.run_cycle(fed[c] if c < len(fed) else 0, positions)
+        i = c - R + 1
+        if i >= 0 and not np.array_equal(gen.cycle.logits.pull()[0, R - 1], rows[i]):
+            return False
     return True
 
 

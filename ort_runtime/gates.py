@@ -178,6 +178,9 @@ class CostGate(_Counters):
         """The k with the best expected tokens/s (0: plain decode) and its rate over decode's."""
         plain = 1.0 / self.costs.decode()
         need = plain * (1 - self.margin if self.engaged else 1 + self.margin)
+        if hasattr(self.strategy, "token_rate"):  # a continuous strategy prices itself per token
+            rate = self.strategy.token_rate(self.costs, self.alpha)
+            return (1 if rate > need else 0), max(rate, plain) / plain
         best_k, best_rate = 0, need
         for k in range(1, self.k_max + 1):
             expected = sum(self.alpha ** i for i in range(k + 1))
@@ -222,7 +225,8 @@ class CostGate(_Counters):
         return 0, f"stood down: α={self.alpha:.2f}, no k beats plain decode by {self.margin:.0%}"
 
     def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
-        decay = 0.8
+        # A strategy whose rounds carry one draft each (the pipeline) remembers more rounds.
+        decay = getattr(self.strategy, "alpha_decay", 0.8)
         if proposed:  # a round moved α (and timed its kinds): re-price on the next step
             self._decision = None
             self._accepted = decay * self._accepted + accepted

@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import BATCH_KINDS, DECODE, DRAFT, PREFILL, GraphSpec
+from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, DRAFT, PREFILL, GraphSpec
 from loopcast.ort_runtime.artifact import LoadedModel
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
@@ -97,13 +97,7 @@ class _KindBinding:
     def __init__(self, session: ort.InferenceSession, spec: GraphSpec, kv: dict[int, tuple[_Buffer, _Buffer]],
                  model: LoadedModel, dtype) -> None:
         cfg, device = model.config, model.device
-        self.spec, self.session = spec, session
-        self.binding = session.io_binding()
-        self.slot = GraphSlot(model.allocate_graph_id(spec.kind)) if spec.kind in model.graph_kinds else None
-        self.run_options = None
-        if self.slot is not None:
-            self.run_options = ort.RunOptions()
-            self.run_options.add_run_config_entry("gpu_graph_id", str(self.slot.graph_id))
+        self._open(session, spec, model)
         rows = spec.rows or 1
         out_rows = 1 if spec.kind == PREFILL else rows
         self.ids = _Buffer((1, rows), np.int64, device) if spec.first_loop == 0 else None
@@ -120,6 +114,16 @@ class _KindBinding:
         self.hidden_out = _Buffer((1, 1, cfg.hidden_size), dtype, device) if spec.kind == DRAFT else None
         self._kv = kv
         self._bind(self.binding)
+
+    def _open(self, session: ort.InferenceSession, spec: GraphSpec, model: LoadedModel) -> None:
+        """The session, its IO binding and, when the kind is captured, this binding's graph id."""
+        self.spec, self.session = spec, session
+        self.binding = session.io_binding()
+        self.slot = GraphSlot(model.allocate_graph_id(spec.kind)) if spec.kind in model.graph_kinds else None
+        self.run_options = None
+        if self.slot is not None:
+            self.run_options = ort.RunOptions()
+            self.run_options.add_run_config_entry("gpu_graph_id", str(self.slot.graph_id))
 
     def _bind(self, b: ort.IOBinding) -> None:
         spec, kv = self.spec, self._kv
@@ -189,6 +193,67 @@ class _KindBinding:
         self.slot.fallbacks += 1
 
 
+class _CycleHalf(_KindBinding):
+    """The cycle graph bound one way round: lane states in from ``carried_in``, out to ``carried_out``
+    (its own captured graph on CUDA: a captured graph bakes in its buffers' addresses)."""
+
+    def __init__(self, session, spec: GraphSpec, kv, model: LoadedModel, io: CycleBinding, carried_in: _Buffer,
+                 carried_out: _Buffer) -> None:
+        self._open(session, spec, model)
+        self._kv, self.io, self.carried_in, self.carried_out = kv, io, carried_in, carried_out
+        self._bind(self.binding)
+
+    def _bind(self, b: ort.IOBinding) -> None:
+        io = self.io
+        b.bind_ortvalue_input("input_ids_BS", io.ids.value)
+        b.bind_ortvalue_input("positions_W", io.positions.value)
+        b.bind_ortvalue_input("carried_BWH", self.carried_in.value)
+        for slot in self.spec.kv_slots:
+            key, value = self._kv[slot]
+            b.bind_ortvalue_input(f"past_key.{slot}", key.value)
+            b.bind_ortvalue_input(f"past_value.{slot}", value.value)
+            b.bind_ortvalue_output(f"present_key.{slot}", key.value)
+            b.bind_ortvalue_output(f"present_value.{slot}", value.value)
+        b.bind_ortvalue_output("next_token_ids_BS", io.next_ids.value)
+        b.bind_ortvalue_output("logits_BSV", io.logits.value)
+        b.bind_ortvalue_output("carried_BWH_out", self.carried_out.value)
+
+
+class CycleBinding:
+    """The pipeline cycle's buffers (docs/architecture.md §5): the entering token, the rows'
+    positions, two lane-state buffers that alternate as input and output (the graph shifts row r
+    to row r+1, so the states never cross to the host), argmax and logits per row."""
+
+    def __init__(self, session, spec: GraphSpec, kv, model: LoadedModel, dtype) -> None:
+        cfg, device, R = model.config, model.device, spec.rows
+        self.rows = R
+        self.ids = _Buffer((1, 1), np.int64, device)
+        self.positions = _Buffer((R,), np.int32, device)
+        self.next_ids = _Buffer((1, R), np.int64, device)
+        self.logits = _Buffer((1, R, cfg.vocab_size), np.float32, device)
+        states = (_Buffer((1, R, cfg.hidden_size), dtype, device), _Buffer((1, R, cfg.hidden_size), dtype, device))
+        self.states = states
+        self.halves = (_CycleHalf(session, spec, kv, model, self, states[0], states[1]),
+                       _CycleHalf(session, spec, kv, model, self, states[1], states[0]))
+        self.turn = 0
+
+    def load(self, token: int, positions: list[int]) -> None:
+        self.ids.host[0, 0] = token
+        self.ids.push()
+        self.positions.host[:] = positions
+        self.positions.push()
+
+    def execute(self, model: LoadedModel) -> bool:
+        """Run the half whose input holds the last cycle's states; the next cycle runs the other."""
+        steady = self.halves[self.turn].execute(model)
+        self.turn ^= 1
+        return steady
+
+    def bound_objects(self) -> list[object]:
+        bufs = [self.ids, self.positions, self.next_ids, self.logits, *self.states]
+        return [x for b in bufs for x in (b.host, b.value)] + [h.binding for h in self.halves]
+
+
 class Generator:
     """One sequence's state on a loaded model; several generators share the model's sessions."""
 
@@ -208,7 +273,10 @@ class Generator:
                     for s in range(cfg.num_kv_slots)}
         # The batched kinds belong to a BatchGenerator (ort_runtime/batch_generator.py).
         self._kinds = {kind: _KindBinding(sess, manifest.graphs[kind], self._kv, model, dtype)
-                       for kind, sess in model.sessions.items() if kind not in BATCH_KINDS}
+                       for kind, sess in model.sessions.items() if kind != CYCLE and kind not in BATCH_KINDS}
+        # The pipeline's cycle graph: two bindings that hand the lanes' states to each other.
+        self.cycle = (CycleBinding(model.sessions[CYCLE], manifest.graphs[CYCLE], self._kv, model, dtype)
+                      if CYCLE in model.sessions else None)
         self._tokens: list[int] = []          # ids whose KV is committed; len == n
         self.step_counts: dict[str, int] = defaultdict(int)
         self.step_seconds: dict[str, float] = defaultdict(float)
@@ -241,7 +309,7 @@ class Generator:
         self._tokens.extend(int(t) for t in ids)
 
     def has_kind(self, kind: str) -> bool:
-        return kind in self._kinds
+        return kind in self._kinds or (kind == CYCLE and self.cycle is not None)
 
     def rows(self, kind: str) -> int | None:
         return self.model.manifest.graphs[kind].rows
@@ -253,12 +321,18 @@ class Generator:
 
     def graph_slots(self) -> dict[str, dict]:
         """Per kind: this generator's CUDA-graph counters (empty when nothing is captured)."""
-        return {kind: kb.slot.as_dict() for kind, kb in sorted(self._kinds.items()) if kb.slot is not None}
+        slots = {kind: kb.slot.as_dict() for kind, kb in sorted(self._kinds.items()) if kb.slot is not None}
+        if self.cycle is not None:
+            slots.update({f"{CYCLE}/{i}": h.slot.as_dict() for i, h in enumerate(self.cycle.halves)
+                          if h.slot is not None})
+        return slots
 
     def bound_objects(self) -> list[object]:
         objs = [x for k, v in self._kv.values() for x in (k.host, k.value, v.host, v.value)]
         for kind in sorted(self._kinds):
             objs += self._kinds[kind].bound_objects()
+        if self.cycle is not None:
+            objs += self.cycle.bound_objects()
         return objs
 
     # -- steps (write KV at positions start.., never move n) ---------------------------------
@@ -307,6 +381,24 @@ class Generator:
         if kind == DRAFT:
             return StepOutput(next_ids, logits, kb.hidden_out.pull()[0].copy(), float(kb.gap.pull()[0, 0]))
         return StepOutput(next_ids, logits)
+
+    def run_cycle(self, token: int, positions: list[int]) -> np.ndarray:
+        """One pipeline cycle (docs/architecture.md §5): the lane entering loop 0 reads ``token``;
+        row r runs loop r at ``positions[r]`` (-1: no lane). Returns each row's argmax [R]."""
+        cycle = self.cycle
+        for p in positions:
+            if not -1 <= p < self.max_length:
+                raise RequestError(f"cycle row at position {p} outside the KV capacity {self.max_length}")
+        cycle.load(token, positions)
+        t0 = time.perf_counter()
+        steady = cycle.execute(self.model)
+        elapsed = time.perf_counter() - t0
+        self.step_seconds[CYCLE] += elapsed
+        self.step_counts[CYCLE] += 1
+        if steady:
+            self.timed_seconds[CYCLE] += elapsed
+            self.timed_counts[CYCLE] += 1
+        return cycle.next_ids.pull()[0]
 
     # -- committing steps --------------------------------------------------------------------
     def prefill(self, ids: list[int], chunk: int | None = None) -> int:

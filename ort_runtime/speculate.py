@@ -36,12 +36,14 @@ from loopcast.errors import RequestError
 from loopcast.ort_runtime.accept import TieGuard, greedy_accept
 from loopcast.ort_runtime.gates import GATES, StepCosts, make_gate
 from loopcast.ort_runtime.generator import Generator
+from loopcast.ort_runtime.pipeline import ExitDrafts, PipelineCycles
 from loopcast.ort_runtime.proposers import PromptLookupProposer, Proposal, SelfDraftProposer, UserProposer
 from loopcast.ort_runtime.verifiers import DraftTail, PlainDecode, VerifyRows
 
 # The built-in modes: each names a proposer; the strategy follows from what the proposer
-# declares (drafts_hidden -> draft+verify_tail, tokens only -> verify-W).
-MODES = ("none", "prompt-lookup", "self", "custom")
+# declares (drafts_hidden -> draft+verify_tail, tokens only -> verify-W), except the pipeline,
+# whose drafts come out of its own cycles (a continuous strategy: lanes live across rounds).
+MODES = ("none", "prompt-lookup", "self", "pipeline", "custom")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ class SpeculationConfig:
     proposer: object | None = None        # a user's proposer (ort_runtime/proposers.py protocol)
     costs: object | None = None           # step costs (.decode(), .mean(kind), .draft_share); default measured
     allow_inexact: bool = False           # speculate even where verify rows are not decode rows bit for bit
+    pipeline_exit: int = 1                # pipeline: the loop whose head drafts the next lane's token
+    draft_hook: object | None = None      # pipeline: (position, draft) -> token; tests and oracle benches
+    trace: bool = False                   # pipeline: keep each cycle's rows in stats (tests)
 
 
 @dataclass
@@ -79,11 +84,17 @@ class GenerationStats:
     exact_verify: bool = True             # the artifact's verify rows are decode rows on this device
     exact_greedy: bool = True             # the tokens are plain greedy's by construction
     gate_transitions: int = 0
+    cycles: int = 0                       # pipeline cycles (one pass over the core layers each)
+    discarded_lanes: int = 0
+    core_calls_per_token: float = 0.0     # passes over the core layers per new token (plain: R)
+    pipeline_trace: list | None = None    # SpeculationConfig(trace=True): each cycle's rows (tests)
     steps: dict[str, int] = field(default_factory=dict)
     step_seconds: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         out = asdict(self)
+        if out["pipeline_trace"] is None:
+            del out["pipeline_trace"]
         out["step_seconds"] = {k: round(v, 6) for k, v in out["step_seconds"].items()}
         return out
 
@@ -105,6 +116,8 @@ def _plan(gen: Generator, spec: SpeculationConfig) -> _Plan | None:
         raise RequestError(f"unknown gate {spec.gate!r}; choose from {', '.join(GATES)}")
     if spec.mode == "none" and spec.proposer is None:
         return None
+    if spec.mode == "pipeline":
+        return _plan_pipeline(gen, spec)
     vocab = gen.model.config.vocab_size
     if spec.proposer is not None:
         proposer = spec.proposer if isinstance(spec.proposer, (PromptLookupProposer, SelfDraftProposer)) \
@@ -132,6 +145,18 @@ def _plan(gen: Generator, spec: SpeculationConfig) -> _Plan | None:
     if not 1 <= k <= k_max:
         raise RequestError(f"--num-draft-tokens must be in 1..{k_max} (verify width {k_max + 1}), got {k}")
     return _Plan(proposer, strategy, k, k_max + 1)
+
+
+def _plan_pipeline(gen: Generator, spec: SpeculationConfig) -> _Plan:
+    if spec.proposer is not None:
+        raise RequestError("speculative mode 'pipeline' drafts inside its cycles and takes no proposer")
+    if spec.num_draft_tokens is not None:
+        raise RequestError("--num-draft-tokens does not apply to the pipeline (one lane per loop); "
+                           "use --pipeline-exit to choose the drafting loop")
+    strategy = PipelineCycles(spec.pipeline_exit, trace=spec.trace)
+    strategy.validate(gen)
+    require_exact(gen, spec.allow_inexact)
+    return _Plan(ExitDrafts(spec.draft_hook), strategy, 1, 1)
 
 
 def require_exact(gen: Generator, allow_inexact: bool) -> None:
@@ -220,6 +245,14 @@ class Finisher:
         stats.new_tokens = emitted
         stats.tokens_per_second = emitted / stats.seconds if stats.seconds > 0 else 0.0
         stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
+        # Passes over the core layers: a step of a graph running loops a..b-1 is b-a passes
+        # whatever its rows (prefill excluded); a cycle is one pass.
+        ran = {k: gen.step_counts[k] - self.counts0.get(k, 0) for k in gen.step_counts}
+        graphs = gen.model.manifest.graphs
+        passes = sum(n * (1 if k == "cycle" else graphs[k].last_loop - graphs[k].first_loop)
+                     for k, n in ran.items() if k != "prefill")
+        stats.cycles = ran.get("cycle", 0)
+        stats.core_calls_per_token = round(passes / emitted, 4) if emitted else 0.0
         stats.steps = {k: gen.step_counts[k] - self.counts0.get(k, 0) for k in gen.step_counts}
         stats.step_seconds = {k: gen.step_seconds[k] - self.secs0.get(k, 0.0) for k in gen.step_seconds}
 
@@ -263,6 +296,8 @@ class _Engine:
         gen, plan, gate = self.gen, self.plan, self.gate
         if plan is None:  # plain greedy: the degenerate round, nothing to decide
             return [self.plain.step(gen, pending)]
+        if getattr(plan.strategy, "continuous", False):
+            return self._lane_round(pending, step, remaining)
         context = self.context
         # A round writes plan.width positions (the verify graph's fixed rows): no room, no round.
         k = gate.engage(step) if gen.n + plan.width <= gen.max_length else None
@@ -289,6 +324,27 @@ class _Engine:
         if guess is not None:
             gate.observe(0, 0, would_hit=bool(guess) and guess[0] == token, step=step)
         return [token]
+
+    def _lane_round(self, pending: int, step: int, remaining: int) -> list[int]:
+        """A continuous strategy's round (the pipeline): its lanes run until one finishes; with
+        the gate down, plain decode (lanes in flight are abandoned: their KV lies past ``n``)."""
+        gen, strategy = self.gen, self.plan.strategy
+        if not self.gate.engage(step):
+            strategy.stop()
+            token = self.plain.step(gen, pending)
+            self.context.append(pending)
+            return [token]
+        done = strategy.next_token(gen, pending, gen.n + remaining - 1, self.plan.proposer)
+        self.context.append(done.committed)
+        stats = self.stats
+        stats.rounds += 1
+        stats.proposed += done.verified
+        stats.accepted += done.accepted
+        stats.discarded_lanes = strategy.stats.discarded_lanes
+        stats.pipeline_trace = strategy.stats.trace
+        if done.verified:
+            self.gate.observe(done.verified, done.accepted, step=step)
+        return [done.token]
 
     def _speculate(self, pending: int, proposal: Proposal, step: int) -> list[int]:
         """One round with drafts: verify, accept, commit pending + the accepted prefix."""
@@ -321,6 +377,9 @@ class _Engine:
             stats.accepted_by_position[i] += int(i < result.accepted)
 
     def _close(self) -> None:
+        if self.plan is not None and getattr(self.plan.strategy, "continuous", False):
+            self.plan.strategy.stop()  # lanes still in flight when the generation ends
+            self.stats.discarded_lanes = self.plan.strategy.stats.discarded_lanes
         if self.gate is not None:
             self.stats.gate_report = self.gate.report()
             self.stats.gate_transitions = self.gate.transitions

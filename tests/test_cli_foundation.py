@@ -239,7 +239,7 @@ def test_demo_reports_medians_and_the_gate() -> None:
     result = CliRunner().invoke(main, ["demo", "--max-new-tokens", "12"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    for label in ("plain greedy", "prompt-lookup (gate auto)", "self (gate auto)"):
+    for label in ("plain greedy", "prompt-lookup (gate auto)", "self (gate auto)", "pipeline (gate auto)"):
         assert any(line.startswith(label) and "(range " in line for line in lines), result.output
-    assert sum("gate: " in line for line in lines) == 2
+    assert sum("gate: " in line for line in lines) == 3
     assert any(line.startswith("best: ") and "identical to plain greedy" in line for line in lines)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
-# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | serve (kernels needs no setup). Results go to /root/res and are packed into
+# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | serve
+# (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
 # and the pure-Python wheels the machine lacks under .ortgpu/wheels.
@@ -24,8 +25,11 @@ phase_setup() {
 }
 phase_tests() {
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  LOOPCAST_OPS_LIB=$LIB timeout 90 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py \
+  LOOPCAST_OPS_LIB=$LIB timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py \
     2>&1 | tail -30 > "$RES/gpu-tests.txt"   # the kernel tests run in the kernels phase
+  # RowAttention's per-row launches (the fallback of its one-launch path) must give the same bits
+  LOOPCAST_ROW_ATTENTION=per-row LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider \
+    tests/ort_runtime/test_cuda.py -k "pipeline or batch_invariant" 2>&1 | tail -8 >> "$RES/gpu-tests.txt"
 }
 phase_kernels() {  # ctypes microbenchmarks; needs no onnxruntime-gpu. baseline = a build of an earlier commit
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
@@ -67,6 +71,28 @@ phase_serve() {  # batched vs one-at-a-time serving (tools/loadgen.py, in-proces
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
   LOOPCAST_OPS_LIB=$LIB timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_batch_cuda.py \
     2>&1 | tail -20 > "$RES/serve-gpu-tests.txt"
+}
+phase_sampling() {  # seeded sampling reproducible run to run, on the GPU (fp16) and the CPU (fp32)
+  { python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp16 --dtype fp16 --target cuda --overwrite
+    python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp32 --overwrite; } > "$RES/sampling-export.txt" 2>&1
+  timeout 200 python3 tools/sampling_repro.py /root/art-demo-fp16 --device cuda --out "$RES/sampling-cuda.json" > "$RES/sampling.txt" 2>&1
+  timeout 200 python3 tools/sampling_repro.py /root/art-demo-fp32 --device cpu --out "$RES/sampling-cpu.json" >> "$RES/sampling.txt" 2>&1
+}
+phase_fresh_install() {  # a fresh install (loopcast + the prebuilt loopcast-ops wheel) exports --target cuda without nvcc
+  local log="$RES/fresh-install.txt" wheel
+  wheel=$(ls .ortgpu/opswheel/loopcast_ops-*.whl | head -1)
+  rm -rf /tmp/fresh /tmp/fresh-cache /tmp/fresh-art; mkdir -p /tmp/fresh-home
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/fresh . "$wheel" > "$log" 2>&1
+  du -sh /tmp/fresh "$wheel" >> "$log"
+  ( cd /tmp && export HOME=/tmp/fresh-home LOOPCAST_CACHE=/tmp/fresh-cache PYTHONPATH=/tmp/fresh:/tmp/site
+    export PATH=$(echo "$PATH" | tr ':' '\n' | grep -v -i cuda | paste -sd: -)
+    echo "nvcc on PATH: $(command -v nvcc || echo none)"
+    t0=$(date +%s.%N)
+    timeout 120 python3 -m loopcast.cli export /tmp/fresh/loopcast/demo_model -o /tmp/fresh-art --dtype fp16 --target cuda
+    echo "export --target cuda wall: $(echo "$(date +%s.%N) - $t0" | bc) s"
+    ls /tmp/fresh-cache 2>/dev/null | sed 's/^/cache entry: /'
+    timeout 120 python3 -m loopcast.cli generate /tmp/fresh-art --device cuda --prompt "def add(a, b):" \
+      --max-new-tokens 32 --speculative pipeline --json | head -c 600 ) >> "$log" 2>&1
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"

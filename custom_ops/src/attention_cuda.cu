@@ -188,6 +188,16 @@ constexpr int kSplitRowsBound = 32;        // the scratch is sized for this many
 constexpr size_t kScratchFloats = size_t(12) << 20;  // 48 MiB of partials
 constexpr int kMaxUnits = 1 << 16;
 
+// RowAttention's rows as the kernel's batch entries (S = 1 each), every entry on its own KV
+// buffer pair: entry b's cache is k[b] / v[b] instead of pk / pv + b * Hkv * cap * D. rows = 0:
+// the ordinary contiguous [B, Hkv, cap, D] buffers.
+constexpr int kRowTableMax = 32;
+struct KVTable {
+  void* k[kRowTableMax];
+  void* v[kRowTableMax];
+  int rows;
+};
+
 __device__ float g_attn_scratch[kScratchFloats];       // [B*S*Hq][nch][2 + D]: m, l, a[D]
 __device__ unsigned int g_attn_counters[kMaxUnits];    // zero between launches
 
@@ -222,7 +232,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
     const T* __restrict__ qkv, T* __restrict__ pk, T* __restrict__ pv, const int32_t* __restrict__ seqlens,
     const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, T* __restrict__ out, int S, int Hq, int Hkv,
-    int cap, int rotary_len, float scale, bool do_rotary, int nch_cap, int HB, int RG) {
+    int cap, int rotary_len, float scale, bool do_rotary, int nch_cap, int HB, int RG, const KVTable tab) {
   constexpr int VEC = Vec<T>::N, LPP = D / VEC, PPI = kSplitThreads / LPP, R = kChunk / PPI, half = D / 2;
   static_assert(LPP >= 1 && LPP <= 32 && 32 % LPP == 0 && kChunk % PPI == 0 && D <= kSplitThreads, "layout");
   constexpr int P = D + 2;  // floats per chunk partial
@@ -245,6 +255,8 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
   const int n = seqlens[b] + 1 - S;
   const int NB = gridDim.x, x = blockIdx.x;
   const int nunits = (i1 - i0) * HB;  // unit u: row i0 + u / HB, head hq0 + u % HB
+  T* const kb = tab.rows ? static_cast<T*>(tab.k[b]) : pk + static_cast<size_t>(b) * Hkv * cap * D;
+  T* const vb = tab.rows ? static_cast<T*>(tab.v[b]) : pv + static_cast<size_t>(b) * Hkv * cap * D;
 
   // Rows out of range get zeros (block x == 0); valid rows form one interval of i.
   int p_hi = -1;
@@ -271,15 +283,15 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
       const int i = i0 + e / D, d = e % D, p = n + i;
       if (!row_valid(p, cap, rotary_len, do_rotary)) continue;
       const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D;
-      const size_t dst = (static_cast<size_t>(b * Hkv + kvh) * cap + p) * D + d;
-      pk[dst] = from_f<T>(rotated(row + (Hq + kvh) * D, d, half, p, cos_cache, sin_cache, do_rotary));
-      pv[dst] = row[(Hq + Hkv + kvh) * D + d];
+      const size_t dst = (static_cast<size_t>(kvh) * cap + p) * D + d;
+      kb[dst] = from_f<T>(rotated(row + (Hq + kvh) * D, d, half, p, cos_cache, sin_cache, do_rotary));
+      vb[dst] = row[(Hq + Hkv + kvh) * D + d];
     }
   }
   __syncthreads();
 
-  const T* kc = pk + static_cast<size_t>(b * Hkv + kvh) * cap * D + t * VEC;
-  const T* vc = pv + static_cast<size_t>(b * Hkv + kvh) * cap * D + t * VEC;
+  const T* kc = kb + static_cast<size_t>(kvh) * cap * D + t * VEC;
+  const T* vc = vb + static_cast<size_t>(kvh) * cap * D + t * VEC;
   int buf = 0;
   for (int c = x; c * kChunk <= p_hi; c += NB) {
     const int j0 = c * kChunk;
@@ -414,7 +426,7 @@ bool split_fits(int B, int S, int Hq, int Hkv, int D, int cap) {
 template <typename T, int D>
 int launch_split(const T* qkv, T* pk, T* pv, const int32_t* seqlens, const T* cos_cache,
                  const T* sin_cache, T* out, int B, int S, int Hq, int Hkv, int cap, int rotary_len, float scale,
-                 bool do_rotary, cudaStream_t stream) {
+                 bool do_rotary, cudaStream_t stream, const KVTable& tab = KVTable{}) {
   const int group = Hq / Hkv;
   int HB = group;
   while (HB > kMaxUnitsPerBlock) HB = HB % 2 == 0 ? HB / 2 : 1;
@@ -431,7 +443,7 @@ int launch_split(const T* qkv, T* pk, T* pv, const int32_t* seqlens, const T* co
   if (NB < 1) NB = 1;
   return static_cast<int>(launch_kernel(split_attend_kernel<T, D>, dim3(static_cast<unsigned>(NB), Hq / HB, B * nRG),
                                         dim3(kSplitThreads), 0, stream, 0, qkv, pk, pv, seqlens, cos_cache, sin_cache,
-                                        out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG));
+                                        out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG, tab));
 }
 
 template <typename T>
@@ -483,6 +495,40 @@ struct AttentionLauncher {
   }
 };
 
+// RowAttention in one launch: row i is batch entry i (S = 1) of the split kernel on its own pair.
+// Only where the one-row decode call takes the split kernel too (the same decision, so the same
+// arithmetic per (row, head)); otherwise cudaErrorNotSupported and the caller launches per row.
+template <typename T>
+struct RowAttentionLauncher {
+  static int run(const void* qkv, void* const* keys, void* const* values, const int32_t* positions, const void* cos_,
+                 const void* sin_, void* out, int rows, int Hq, int Hkv, int D, int cap, int rotary_len, float scale,
+                 int do_rotary, void* stream_) {
+    if (rows <= 0) return 0;
+    if (rows > kRowTableMax || !split_fits(1, 1, Hq, Hkv, D, cap) || Hkv <= 0 || Hq % Hkv != 0 ||
+        cap > kLoopcastMaxCudaCapacity)
+      return static_cast<int>(cudaErrorNotSupported);
+    KVTable tab{};
+    for (int i = 0; i < rows; ++i) {
+      tab.k[i] = keys[i];
+      tab.v[i] = values[i];
+    }
+    tab.rows = rows;
+    auto stream = static_cast<cudaStream_t>(stream_);
+    auto q = static_cast<const T*>(qkv);
+    auto cs = static_cast<const T*>(cos_);
+    auto sn = static_cast<const T*>(sin_);
+    auto o = static_cast<T*>(out);
+    const bool rot = do_rotary != 0;
+    switch (D) {
+      case 16: return launch_split<T, 16>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab);
+      case 32: return launch_split<T, 32>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab);
+      case 64: return launch_split<T, 64>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab);
+      case 128: return launch_split<T, 128>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab);
+      default: return static_cast<int>(cudaErrorInvalidValue);
+    }
+  }
+};
+
 }  // namespace
 }  // namespace loopcast_cuda
 
@@ -494,4 +540,14 @@ LOOPCAST_CUDA_API int loopcast_cuda_attention(int dtype, const void* qkv, const 
   return loopcast_cuda::dispatch<loopcast_cuda::AttentionLauncher>(
       dtype, qkv, past_k, past_v, present_k, present_v, seqlens_k, cos_cache, sin_cache, out, B, S, num_heads,
       kv_num_heads, head_dim, capacity, rotary_len, scale, do_rotary, stream);
+}
+
+LOOPCAST_CUDA_API int loopcast_cuda_row_attention(int dtype, const void* qkv, void* const* keys, void* const* values,
+                                                  const int32_t* positions, const void* cos_cache,
+                                                  const void* sin_cache, void* out, int rows, int num_heads,
+                                                  int kv_num_heads, int head_dim, int capacity, int rotary_len,
+                                                  float scale, int do_rotary, void* stream) {
+  return loopcast_cuda::dispatch<loopcast_cuda::RowAttentionLauncher>(
+      dtype, qkv, keys, values, positions, cos_cache, sin_cache, out, rows, num_heads, kv_num_heads, head_dim,
+      capacity, rotary_len, scale, do_rotary, stream);
 }

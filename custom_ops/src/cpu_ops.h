@@ -1,4 +1,4 @@
-// Registration hooks of the CPU kernels (matmul_cpu.cc, attention_cpu.cc, residual_norm_cpu.cc,
+// Registration hooks of the CPU kernels (matmul_cpu.cc, attention_cpu.cc, row_attention_cpu.cc, residual_norm_cpu.cc,
 // swiglu_cpu.cc).
 #pragma once
 
@@ -7,6 +7,7 @@
 namespace loopcast {
 void add_cpu_matmul(Ort::CustomOpDomain& domain);
 void add_cpu_attention(Ort::CustomOpDomain& domain);
+void add_cpu_row_attention(Ort::CustomOpDomain& domain);
 void add_cpu_residual_norm(Ort::CustomOpDomain& domain);
 void add_cpu_swiglu(Ort::CustomOpDomain& domain);
 }  // namespace loopcast

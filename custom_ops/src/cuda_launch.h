@@ -30,6 +30,16 @@ LOOPCAST_CUDA_API int loopcast_cuda_attention(int dtype, const void* qkv, const 
                                               int num_heads, int kv_num_heads, int head_dim, int capacity,
                                               int rotary_len, float scale, int do_rotary, void* stream);
 
+// RowAttention's rows in one launch: row i (S = 1) at positions[i] on the pair keys[i] / values[i]
+// ([1, kv_num_heads, capacity, head_dim] each, written in place). Returns cudaErrorNotSupported
+// (801) when the one-row decode call would not take the split kernel or rows > 32: the caller
+// then runs loopcast_cuda_attention once per row.
+LOOPCAST_CUDA_API int loopcast_cuda_row_attention(int dtype, const void* qkv, void* const* keys, void* const* values,
+                                                  const int32_t* positions, const void* cos_cache,
+                                                  const void* sin_cache, void* out, int rows, int num_heads,
+                                                  int kv_num_heads, int head_dim, int capacity, int rotary_len,
+                                                  float scale, int do_rotary, void* stream);
+
 // Per row of `hidden` elements (see residual_norm_cuda.cu):
 //   b = branch_weight ? norm(branch, branch_weight) : branch;  s = residual ? residual + b : b
 //   sum = loop_weight ? norm(s, loop_weight) : s;  normed = norm(sum, out_weight)

@@ -3,6 +3,7 @@
 // Inputs stay on the device (seqlens_k too: the kernels read it there), and Compute neither
 // allocates nor syncs, so the ops can run inside captured CUDA graphs.
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "cuda_launch.h"
 #include "cuda_ops.h"
 #include "op_schemas.h"
+#include "row_attention.h"
 
 namespace loopcast {
 namespace {
@@ -70,6 +72,93 @@ struct AttentionCudaKernel {
   }
 };
 
+constexpr int kCudaErrorNotSupported = 801;  // cudaErrorNotSupported, without CUDA headers here
+
+bool per_row_forced() {
+  static const bool forced = [] {
+    const char* v = std::getenv("LOOPCAST_ROW_ATTENTION");
+    return v != nullptr && std::string(v) == "per-row";
+  }();
+  return forced;
+}
+
+// RowAttention on CUDA: each active row is the one-row BatchInvariantAttention launch at its own
+// position (positions + i is the launch's seqlens_k, read on the device) on its row_buffers pair,
+// so a pipeline row runs the decode row's kernel and numerics exactly. When the pairs are bound
+// in place and the decode call takes the split kernel, the rows go in one launch instead: the
+// split kernel with row i as batch entry i on its own pair (loopcast_cuda_row_attention), whose
+// arithmetic per (row, head) depends only on the position, not on the batch or the grid. A position of -1 makes the
+// launch write nothing and output zeros. Rows sharing a pair must come in ascending position order
+// (a row's launch sees what earlier rows wrote); the graphs give each row its own pair.
+// sequences and masked_keys are CPU-only for now (batching and tree verify build on them).
+template <typename T>
+struct RowAttentionCudaKernel {
+  RowAttentionAttrs attrs;
+  RowAttentionCudaKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {}
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const RowAttentionShapes s = row_attention_shapes(ctx, attrs);
+    if (s.has_sequences || s.has_masked)
+      fail("RowAttention (CUDA): the sequences and masked_keys inputs are CPU-only in this build");
+    if (s.Bseq != 1) fail("RowAttention (CUDA): KV buffers must hold one sequence, got " + shape_str(s.past_shape));
+    if (s.D != 16 && s.D != 32 && s.D != 64 && s.D != 128)
+      fail("RowAttention (CUDA): head_dim must be 16, 32, 64 or 128, got " + std::to_string(s.D));
+    if (s.T > kLoopcastMaxCudaCapacity)
+      fail("RowAttention (CUDA): cache capacity " + std::to_string(s.T) + " exceeds " +
+           std::to_string(kLoopcastMaxCudaCapacity));
+    const void* cos = attrs.do_rotary ? ctx.GetInput(4).GetTensorRawData() : nullptr;
+    const void* sin = attrs.do_rotary ? ctx.GetInput(5).GetTensorRawData() : nullptr;
+    const int64_t Hq = attrs.num_heads, Hkv = attrs.kv_num_heads;
+    const size_t elem = sizeof(T);
+    const auto* qkv = static_cast<const char*>(ctx.GetInput(0).GetTensorRawData());
+    const int32_t* positions = ctx.GetInput(1).GetTensorData<int32_t>();
+    auto* out = static_cast<char*>(ctx.GetOutput(0, {1, s.S, Hq * s.D}).GetTensorMutableRawData());
+    std::vector<const void*> past_k, past_v;
+    std::vector<void*> pk, pv;
+    for (int64_t k = 0; k < s.pairs; ++k) {
+      past_k.push_back(ctx.GetInput(kRowAttentionFirstKV + 2 * k).GetTensorRawData());
+      past_v.push_back(ctx.GetInput(kRowAttentionFirstKV + 2 * k + 1).GetTensorRawData());
+      pk.push_back(ctx.GetOutput(1 + 2 * k, s.past_shape).GetTensorMutableRawData());
+      pv.push_back(ctx.GetOutput(2 + 2 * k, s.past_shape).GetTensorMutableRawData());
+    }
+    // One launch for all rows when every pair is bound in place (past == present) and the
+    // one-row decode call takes the split kernel; LOOPCAST_ROW_ATTENTION=per-row forces the
+    // per-row launches (the bench compares them).
+    bool in_place = true;
+    for (int64_t k = 0; k < s.pairs; ++k) in_place = in_place && past_k[k] == pk[k] && past_v[k] == pv[k];
+    if (in_place && !per_row_forced()) {
+      std::vector<void*> keys, values;
+      for (int64_t i = 0; i < s.S; ++i) {
+        keys.push_back(pk[attrs.row_buffers[i]]);
+        values.push_back(pv[attrs.row_buffers[i]]);
+      }
+      const int code = loopcast_cuda_row_attention(
+          static_cast<int>(DTypeOf<T>::value), qkv, keys.data(), values.data(), positions, cos, sin, out,
+          static_cast<int>(s.S), static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(s.D),
+          static_cast<int>(s.T), static_cast<int>(std::min<int64_t>(s.rotary_len, 1 << 30)), s.scale,
+          attrs.do_rotary ? 1 : 0, ctx.GetGPUComputeStream());
+      if (code != kCudaErrorNotSupported) {
+        check_launch(code, "RowAttention");
+        return;
+      }
+    }
+    for (int64_t i = 0; i < s.S; ++i) {
+      const int64_t k = attrs.row_buffers[i];
+      // The launch copies past to present when they differ: only for a pair's first row.
+      check_launch(loopcast_cuda_attention(
+                       static_cast<int>(DTypeOf<T>::value), qkv + i * (Hq + 2 * Hkv) * s.D * elem, past_k[k],
+                       past_v[k], pk[k], pv[k], positions + i, cos, sin, out + i * Hq * s.D * elem, 1, 1,
+                       static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(s.D), static_cast<int>(s.T),
+                       static_cast<int>(std::min<int64_t>(s.rotary_len, 1 << 30)), s.scale, attrs.do_rotary ? 1 : 0,
+                       ctx.GetGPUComputeStream()),
+                   "RowAttention");
+      past_k[k] = pk[k];
+      past_v[k] = pv[k];
+    }
+  }
+};
+
 template <typename T>
 struct ResidualNormCudaKernel {
   float epsilon;
@@ -111,6 +200,9 @@ MatMulOp<MatMulCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_mm_bf16;
 AttentionOp<AttentionCudaKernel<float>, float, true> g_at_f32;
 AttentionOp<AttentionCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_at_f16;
 AttentionOp<AttentionCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_at_bf16;
+RowAttentionOp<RowAttentionCudaKernel<float>, float, true> g_ra_f32;
+RowAttentionOp<RowAttentionCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_ra_f16;
+RowAttentionOp<RowAttentionCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_ra_bf16;
 ResidualRMSNormOp<ResidualNormCudaKernel<float>, float, true> g_rn_f32;
 ResidualRMSNormOp<ResidualNormCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_rn_f16;
 ResidualRMSNormOp<ResidualNormCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_rn_bf16;
@@ -122,6 +214,7 @@ SwiGLUOp<SwiGLUCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_sg_bf16;
 
 void add_cuda_ops(Ort::CustomOpDomain& domain) {
   for (OrtCustomOp* op : std::vector<OrtCustomOp*>{&g_mm_f32, &g_mm_f16, &g_mm_bf16, &g_at_f32, &g_at_f16, &g_at_bf16,
+                                                   &g_ra_f32, &g_ra_f16, &g_ra_bf16,
                                                    &g_rn_f32, &g_rn_f16, &g_rn_bf16, &g_sg_f32, &g_sg_f16, &g_sg_bf16})
     domain.Add(op);
 }

@@ -3,6 +3,7 @@
 //   BatchInvariantMatMul     matmul_cpu.cc, matmul_cuda.cu                rows independent of M;
 //                                                                         swiglu=1 reads [gate | up]
 //   BatchInvariantAttention  attention_cpu.cc, attention_cuda.cu          rows independent of S
+//   RowAttention             row_attention_cpu.cc, cuda_ops.cc            per-row (buffer, sequence, position)
 //   ResidualRMSNorm          residual_norm_cpu.cc, residual_norm_cuda.cu  residual add + RMSNorms, per row
 //   SwiGLU                   swiglu_cpu.cc, swiglu_cuda.cu                silu(gate) * up, elementwise
 //
@@ -42,6 +43,7 @@ extern "C" ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOption
       g_domain = new Ort::CustomOpDomain("loopcast");
       loopcast::add_cpu_matmul(*g_domain);
       loopcast::add_cpu_attention(*g_domain);
+      loopcast::add_cpu_row_attention(*g_domain);
       loopcast::add_cpu_residual_norm(*g_domain);
       loopcast::add_cpu_swiglu(*g_domain);
 #ifdef LOOPCAST_WITH_CUDA

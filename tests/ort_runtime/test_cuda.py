@@ -14,7 +14,7 @@ import torch
 
 from loopcast.ort_runtime.exactness import decode_rows
 from loopcast.errors import ArtifactError
-from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
+from loopcast.manifest import CYCLE, DECODE, DRAFT, VERIFY, VERIFY_TAIL
 from loopcast.ort_runtime import load
 from tests.artifacts import artifact, reference
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
@@ -71,9 +71,9 @@ def test_stock_graphs_run_eagerly_and_say_why() -> None:
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_captured_equals_eager_and_slots_capture_once(dtype: str) -> None:
     captured, eager = _demo(dtype, True), _demo(dtype, True, cuda_graphs=False)
-    assert captured.loaded.graph_kinds == frozenset(HOT), captured.loaded.graph_fallbacks
+    assert captured.loaded.graph_kinds == frozenset(HOT) | {CYCLE}, captured.loaded.graph_fallbacks
     gen = captured.new_generator()  # one generator throughout: its slots must capture once
-    for mode in ("none", "prompt-lookup", "self"):
+    for mode in ("none", "prompt-lookup", "self", "pipeline"):
         for prompt in DEMO_PROMPTS[:4]:
             gen.rewind(0)  # generate(..., generator=gen) continues gen's context otherwise
             a = captured.generate(prompt, 64, speculative=mode, generator=gen)
@@ -124,5 +124,28 @@ def test_batch_invariant_rows_and_speculation_are_exact(dtype: str) -> None:
             assert np.array_equal(verify[i], rows[i]), (dtype, prompt, i)
     for prompt in DEMO_PROMPTS:
         plain = model.generate(prompt, 96).tokens
-        for mode in ("prompt-lookup", "self"):
+        for mode in ("prompt-lookup", "self", "pipeline"):
             assert model.generate(prompt, 96, speculative=mode).tokens == plain, (mode, prompt)
+            assert model.generate(prompt, 96, speculative=mode, gate="none").tokens == plain, (mode, prompt)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_pipeline_cycle_rows_are_decode_rows_bit_for_bit(dtype: str) -> None:
+    """A lane's full-depth logits row in a captured cycle equals the decode step's row at that
+    position, bit for bit, with the other rows busy (fp16/bf16, loopcast ops)."""
+    model = _demo(dtype, batch_invariant=True)
+    R = model.config.num_loops
+    for prompt in DEMO_PROMPTS[:3]:
+        ids = model.encode(prompt)
+        fed, rows = decode_rows(model.new_generator(), ids, 2 * R)
+        gen = model.new_generator()
+        gen.prefill(ids)
+        n0 = len(ids)
+        # Teacher-forced lanes: the lane for fed[i] enters at cycle i, so at cycle i row R-1
+        # holds the lane of fed[i - R + 1], which has run every loop.
+        for c in range(len(fed)):
+            positions = [n0 + c - r if 0 <= c - r < len(fed) else -1 for r in range(R)]
+            gen.run_cycle(fed[c] if c < len(fed) else 0, positions)
+            if c >= R - 1:
+                got = gen.cycle.logits.pull()[0, R - 1]
+                assert np.array_equal(got, rows[c - R + 1]), (dtype, prompt, c)

@@ -1,0 +1,182 @@
+// RowAttention, CPU kernel: attention where every row carries its own address (docs/architecture.md
+// §3, "Row addressing"). Row i of an S-row call uses KV buffer pair row_buffers[i] (an attribute:
+// which (loop, layer) slot a row reads is fixed by the graph), batch entry sequences[i] of that
+// pair, and position positions[i]; it writes its rotated K and V there and attends to keys
+// 0..positions[i] of the same (buffer, sequence), except keys in [masked[i][0], masked[i][1]).
+// A row at position -1 is inactive: it writes nothing and its output is zeros.
+//
+// Row invariance: a row's arithmetic is BatchInvariantAttention's for a one-row call at the same
+// position (rotate, eight fixed lanes for q·k, max, then exp, sum and the weighted sum in
+// ascending key order, one division), so a pipeline row equals the decode row bit for bit, and
+// what other rows share the call never changes it. All active rows are written before any row
+// attends; two active rows may not write the same (buffer, sequence, position).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "cpu_ops.h"
+#include "row_attention.h"
+
+namespace loopcast {
+namespace {
+
+template <typename T>
+void rotate_row(const T* x, const T* cos_row, const T* sin_row, int64_t D, bool do_rotary, float* out) {
+  const int64_t h = D / 2;
+  if (!do_rotary) {
+    for (int64_t d = 0; d < D; ++d) out[d] = to_float(x[d]);
+    return;
+  }
+  for (int64_t d = 0; d < h; ++d) {
+    const float x1 = to_float(x[d]), x2 = to_float(x[d + h]);
+    const float c = to_float(cos_row[d]), s = to_float(sin_row[d]);
+    out[d] = x1 * c - x2 * s;
+    out[d + h] = x2 * c + x1 * s;
+  }
+}
+
+template <typename T>
+struct RowAttentionCpuKernel {
+  RowAttentionAttrs attrs;
+  RowAttentionCpuKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {}
+
+  struct Call {
+    const RowAttentionCpuKernel* self;
+    RowAttentionShapes s;
+    const T *qkv, *cos, *sin;
+    std::vector<T*> keys, values;
+    const int32_t *pos, *seq, *masked;
+    T* out;
+    int64_t width, group, half;
+  };
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const RowAttentionShapes s = row_attention_shapes(ctx, attrs);
+    const int64_t S = s.S, D = s.D, T_cap = s.T, Hq = attrs.num_heads, Hkv = attrs.kv_num_heads;
+    Call c{this, s, ctx.GetInput(0).GetTensorData<T>(), nullptr, nullptr, {}, {},
+           ctx.GetInput(1).GetTensorData<int32_t>(), nullptr, nullptr, nullptr, (Hq + 2 * Hkv) * D, Hq / Hkv, D / 2};
+    if (attrs.do_rotary) {
+      c.cos = ctx.GetInput(4).GetTensorData<T>();
+      c.sin = ctx.GetInput(5).GetTensorData<T>();
+    }
+    if (s.has_sequences) c.seq = ctx.GetInput(2).GetTensorData<int32_t>();
+    if (s.has_masked) c.masked = ctx.GetInput(3).GetTensorData<int32_t>();
+    c.out = ctx.GetOutput(0, {1, S, Hq * D}).GetTensorMutableData<T>();
+    const size_t cache_bytes = static_cast<size_t>(s.Bseq * Hkv * T_cap * D) * sizeof(T);
+    for (int64_t k = 0; k < s.pairs; ++k) {
+      const T* past_k = ctx.GetInput(kRowAttentionFirstKV + 2 * k).GetTensorData<T>();
+      const T* past_v = ctx.GetInput(kRowAttentionFirstKV + 2 * k + 1).GetTensorData<T>();
+      T* pk = ctx.GetOutput(1 + 2 * k, s.past_shape).GetTensorMutableData<T>();
+      T* pv = ctx.GetOutput(2 + 2 * k, s.past_shape).GetTensorMutableData<T>();
+      // past and present are usually one buffer (IO binding); copy only when they differ.
+      if (pk != past_k) std::memcpy(pk, past_k, cache_bytes);
+      if (pv != past_v) std::memcpy(pv, past_v, cache_bytes);
+      c.keys.push_back(pk);
+      c.values.push_back(pv);
+    }
+    // Check every address before writing anything: a bad call changes no cache entry.
+    std::set<std::tuple<int64_t, int64_t, int64_t>> written;
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t p = c.pos[i];
+      if (p == -1) continue;
+      const int64_t sq = c.seq ? c.seq[i] : 0;
+      if (p < 0 || p >= T_cap || (attrs.do_rotary && p >= s.rotary_len))
+        fail("RowAttention: positions[" + std::to_string(i) + "]=" + std::to_string(p) + " is outside the cache (" +
+             std::to_string(T_cap) + ") or rotary table (" + std::to_string(s.rotary_len) + "); -1 marks an inactive row");
+      if (sq < 0 || sq >= s.Bseq)
+        fail("RowAttention: sequences[" + std::to_string(i) + "]=" + std::to_string(sq) + " is outside the " +
+             std::to_string(s.Bseq) + " sequences of the KV buffers");
+      const int64_t lo = c.masked ? c.masked[2 * i] : 0, hi = c.masked ? c.masked[2 * i + 1] : 0;
+      if (lo < 0 || hi < lo || (p >= lo && p < hi))
+        fail("RowAttention: masked_keys[" + std::to_string(i) + "]=[" + std::to_string(lo) + ", " + std::to_string(hi) +
+             ") must be an interval that leaves the row's own position " + std::to_string(p) + " visible");
+      if (!written.insert({attrs.row_buffers[i], sq, p}).second)
+        fail("RowAttention: rows share the KV address (buffer " + std::to_string(attrs.row_buffers[i]) +
+             ", sequence " + std::to_string(sq) + ", position " + std::to_string(p) + "); each row needs its own");
+    }
+    // 1. Commit every active row's rotated K (rounded to T, as stored) and V.
+    std::vector<float> buf(static_cast<size_t>(D));
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t p = c.pos[i];
+      if (p < 0) continue;
+      const int64_t k = attrs.row_buffers[i], sq = c.seq ? c.seq[i] : 0;
+      const T* row = c.qkv + i * c.width;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        rotate_row(row + (Hq + h) * D, c.cos ? c.cos + p * c.half : nullptr, c.sin ? c.sin + p * c.half : nullptr, D,
+                   attrs.do_rotary, buf.data());
+        const size_t at = static_cast<size_t>(((sq * Hkv + h) * T_cap + p) * D);
+        const T* vsrc = row + (Hq + Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) c.keys[k][at + d] = from_float<T>(buf[d]);
+        for (int64_t d = 0; d < D; ++d) c.values[k][at + d] = vsrc[d];
+      }
+    }
+    // 2. One task per (row, head) on ORT's intra-op pool, reading only the stored cache.
+    ctx.ParallelFor(&RowAttentionCpuKernel::attend, static_cast<size_t>(S * Hq), 0, &c);
+  }
+
+  static void attend(void* raw, size_t task) {
+    const Call& c = *static_cast<const Call*>(raw);
+    const RowAttentionAttrs& attrs = c.self->attrs;
+    const int64_t D = c.s.D, T_cap = c.s.T, Hq = attrs.num_heads, Hkv = attrs.kv_num_heads;
+    const int64_t i = static_cast<int64_t>(task) / Hq, h = static_cast<int64_t>(task) % Hq;
+    T* o = c.out + i * Hq * D + h * D;
+    const int64_t p = c.pos[i];
+    if (p < 0) {
+      for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(0.0f);
+      return;
+    }
+    const int64_t k = attrs.row_buffers[i], sq = c.seq ? c.seq[i] : 0;
+    const int64_t lo = c.masked ? c.masked[2 * i] : 0, hi = c.masked ? c.masked[2 * i + 1] : 0;
+    thread_local std::vector<float> q, acc, scores;
+    q.resize(static_cast<size_t>(D));
+    acc.assign(static_cast<size_t>(D), 0.0f);
+    scores.resize(static_cast<size_t>(p + 1));
+    rotate_row(c.qkv + i * c.width + h * D, c.cos ? c.cos + p * c.half : nullptr, c.sin ? c.sin + p * c.half : nullptr,
+               D, attrs.do_rotary, q.data());
+    const size_t cache = static_cast<size_t>((sq * Hkv + h / c.group) * T_cap * D);
+    const T* kc = c.keys[k] + cache;
+    const T* vc = c.values[k] + cache;
+    // The same expressions, in the same order, as BatchInvariantAttention's row (attention_cpu.cc).
+    float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+    for (int64_t j = 0; j <= p; ++j) {
+      if (j >= lo && j < hi) continue;
+      const T* kj = kc + j * D;
+      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8)
+        for (int l = 0; l < 8; ++l) lane[l] += q[d + l] * to_float(kj[d + l]);
+      for (; d < D; ++d) lane[d % 8] += q[d] * to_float(kj[d]);
+      const float dot = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+      const float score = dot * c.s.scale;
+      scores[static_cast<size_t>(j)] = score;
+      mx = std::max(mx, score);
+    }
+    for (int64_t j = 0; j <= p; ++j) {
+      if (j >= lo && j < hi) continue;
+      const T* v = vc + j * D;
+      const float e = std::exp(scores[static_cast<size_t>(j)] - mx);
+      sum += e;
+      for (int64_t d = 0; d < D; ++d) acc[d] += e * to_float(v[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(acc[d] / sum);
+  }
+};
+
+RowAttentionOp<RowAttentionCpuKernel<float>, float, false> g_f32;
+RowAttentionOp<RowAttentionCpuKernel<Ort::Float16_t>, Ort::Float16_t, false> g_f16;
+RowAttentionOp<RowAttentionCpuKernel<Ort::BFloat16_t>, Ort::BFloat16_t, false> g_bf16;
+
+}  // namespace
+
+void add_cpu_row_attention(Ort::CustomOpDomain& domain) {
+  domain.Add(&g_f32);
+  domain.Add(&g_f16);
+  domain.Add(&g_bf16);
+}
+
+}  // namespace loopcast

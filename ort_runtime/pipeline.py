@@ -1,0 +1,203 @@
+"""The pipelined mixed-depth strategy: one pass over the shared core layers serves a lane at every depth.
+
+A *lane* is one position on its way through the R loops. Each cycle runs the ``cycle`` graph
+once: the lane in row r runs loop r (row = depth), so R lanes share one read of the weights.
+
+    cycle c:   row 0: lane p+3 (loop 0)   row 1: lane p+2   row 2: lane p+1   row 3: lane p (loop 3)
+                 │ a lane finishing loop k (the exit depth, default 1) drafts the next token
+                 │ and spawns the lane for the next position with it, k loops behind;
+                 └ the lane finishing loop R gives the full-depth token for the next position:
+                   equal to its successor's draft → the successor continues; else the successor
+                   and every younger lane are discarded and the token starts a new lane.
+
+Every finishing lane commits its position and emits one token, so at full acceptance one cycle
+(one pass over the core layers) commits one token, against R passes for plain decoding.
+
+KV invariant (docs/architecture.md §5, "Pipeline cycle"): lane q at depth d reads slot (d, l)
+at positions < q. Those were written by q's ancestors (lanes q-1, q-2, ...) when they ran depth
+d, in earlier cycles, and a lane exists only while all its ancestors survive. A discarded lane
+wrote only positions > the rejecting lane's position p; the new lane p+1 and its successors
+rewrite each of those positions at each depth before any lane reads it (lane q+1 runs depth d
+one cycle after lane q). So no surviving lane ever reads KV written by a discarded lane. The
+rule is enforced where lanes are made: ``_run_cycle`` spawns only from the youngest surviving
+lane, ``_finish`` discards every lane younger than a rejected draft, and rows of one cycle
+never share a (slot, position) address (RowAttention refuses that).
+
+Exactness: a lane's row in a cycle computes exactly what the decode step computes at that
+depth and position (RowAttention rows are the one-row attention call bit for bit; the loop
+boundary is the draft/verify_tail split), so every emitted token is plain greedy's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loopcast.errors import RequestError
+from loopcast.manifest import CYCLE
+
+
+@dataclass
+class Lane:
+    position: int
+    token: int        # the token at ``position``: a draft until the lane before it confirms it
+    depth: int = 0    # loops run so far
+
+
+@dataclass
+class LaneRound:
+    """What one round (cycles until a lane finishes) did."""
+
+    token: int                # the full-depth token for the finished lane's next position
+    committed: int            # the finished lane's token, whose KV is now complete at every depth
+    verified: int = 0         # 1 if a successor's draft was checked against ``token``
+    accepted: int = 0
+    cycles: int = 0
+    discarded: int = 0
+
+
+@dataclass
+class PipelineStats:
+    cycles: int = 0
+    discarded_lanes: int = 0
+    cold_starts: int = 0
+    trace: list | None = None   # per cycle (positions, argmax per row, entering token), for tests
+
+
+class PipelineCycles:
+    """The lane scheduler, an engine strategy (ort_runtime/speculate.py): each round runs cycles
+    until a lane finishes and returns that token. Lanes live across rounds; a round that finds
+    the generator moved on (plain steps in between, a new generation) starts cold from ``pending``."""
+
+    name = "pipeline"
+    kinds = (CYCLE,)
+    continuous = True
+    alpha_decay = 0.95  # one draft per round: the cost gate's α remembers ~20 of them
+
+    def __init__(self, exit_depth: int = 1, *, trace: bool = False) -> None:
+        self.exit_depth, self.loops = exit_depth, 2
+        self.lanes: list[Lane] = []
+        self.stats = PipelineStats(trace=[] if trace else None)
+
+    def validate(self, gen) -> None:
+        """The schedule must fit the model: R rows (one per loop) and an exit depth in 1..R-1."""
+        R = self.loops = gen.model.config.num_loops
+        if gen.cycle is None:
+            raise RequestError("speculative mode 'pipeline' needs the cycle graph; this artifact lacks it "
+                               "(a looped model, R > 1, without prelude/coda, exported with the loopcast ops)")
+        if gen.cycle.rows != R:
+            raise RequestError(f"the cycle graph has {gen.cycle.rows} rows but the model runs {R} loops")
+        if not 1 <= self.exit_depth < R:
+            raise RequestError(f"--pipeline-exit must be in 1..{R - 1} (the model runs {R} loops), "
+                               f"got {self.exit_depth}")
+
+    def max_drafts(self, gen) -> int:
+        return 1
+
+    def token_rate(self, costs, alpha: float) -> float:
+        """Expected tokens per second: a token every ``exit_depth`` cycles while drafts hold, R
+        cycles for the token after a rejection (its lane starts at loop 0)."""
+        R = self.loops
+        cycle = costs.mean(CYCLE) or costs.decode() / R * 1.2
+        return 1.0 / (cycle * (alpha * self.exit_depth + (1 - alpha) * R))
+
+    def round_cost(self, costs, k: int) -> float:
+        """A round from a cold start (a probe): R cycles to the first token."""
+        return self.loops * (costs.mean(CYCLE) or costs.decode() / self.loops * 1.2)
+
+    def stop(self) -> None:
+        """Plain decoding takes over: lanes in flight are abandoned (their KV is past ``n``)."""
+        self.stats.discarded_lanes += len(self.lanes)
+        self.lanes = []
+
+    def next_token(self, gen, pending: int, limit_position: int, drafts) -> LaneRound:
+        """Run cycles until the oldest lane finishes. ``pending`` sits at position ``gen.n``;
+        lanes are spawned only at positions <= ``limit_position`` (the last position whose
+        successor token the generation may still emit) and inside the KV capacity."""
+        if not self.lanes or (self.lanes[0].position, self.lanes[0].token) != (gen.n, pending):
+            self.stop()
+            self.lanes = [Lane(gen.n, pending)]
+            self.stats.cold_starts += 1
+        cycles = 0
+        while True:
+            ids = self._run_cycle(gen)
+            cycles += 1
+            done = self._advance(gen, ids, limit_position, drafts)
+            if done is not None:
+                done.cycles = cycles
+                return done
+
+    def _run_cycle(self, gen):
+        R = gen.cycle.rows
+        positions, entering = [-1] * R, 0
+        for lane in self.lanes:
+            positions[lane.depth] = lane.position
+            if lane.depth == 0:
+                entering = lane.token
+        ids = gen.run_cycle(entering, positions)
+        self.stats.cycles += 1
+        if self.stats.trace is not None:
+            self.stats.trace.append((list(positions), [int(t) for t in ids], entering))
+        return ids
+
+    def _advance(self, gen, ids, limit_position: int, drafts) -> LaneRound | None:
+        R = gen.cycle.rows
+        for lane in self.lanes:
+            lane.depth += 1
+        youngest = self.lanes[-1]
+        # The youngest lane that just finished the exit loop drafts the next position.
+        draft = None
+        if youngest.depth == self.exit_depth:
+            q = youngest.position + 1
+            if q <= limit_position and q < gen.max_length:
+                draft = drafts.draft(q, int(ids[self.exit_depth - 1]))
+        done = None
+        if self.lanes[0].depth == R:
+            done = self._finish(gen, int(ids[R - 1]))
+        if draft is not None and self.lanes and self.lanes[-1] is youngest:
+            self.lanes.append(Lane(youngest.position + 1, draft))
+        return done
+
+    def _finish(self, gen, target: int) -> LaneRound:
+        """The oldest lane ran every loop: its position is committed and ``target`` is the next
+        token. Its successor survives only if its draft is ``target``."""
+        lane = self.lanes.pop(0)
+        if lane.position != gen.n:
+            raise AssertionError(f"pipeline lane at {lane.position} finished with n = {gen.n}")
+        gen.commit([lane.token])
+        done = LaneRound(token=target, committed=lane.token)
+        if self.lanes:
+            done.verified = 1
+            if self.lanes[0].token == target:
+                done.accepted = 1
+            else:
+                done.discarded = len(self.lanes)
+                self.stats.discarded_lanes += len(self.lanes)
+                self.lanes = []
+        return done
+
+
+@dataclass
+class ExitDrafts:
+    """The pipeline's proposer: the argmax of the exit loop's head, as the cycle computed it.
+
+    ``hook(position, draft) -> token`` replaces a draft (tests force rejections with it; the
+    bench's oracle mode replays a known continuation)."""
+
+    hook: object | None = None
+    name: str = "exit"
+    drafts_hidden: bool = True
+    free_guess: bool = False
+    drafted: int = field(default=0)
+
+    def draft(self, position: int, token: int) -> int:
+        self.drafted += 1
+        return int(self.hook(position, token)) if self.hook is not None else token
+
+    def reset(self, gen) -> None:
+        self.drafted = 0
+
+    def advance(self, committed: list[int]) -> None:
+        pass
+
+    def propose(self, context, k):
+        raise RequestError("the pipeline drafts inside its cycles; it takes no proposals")
