@@ -306,7 +306,8 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         f"each {manifest.kv_layout['shape']})",
         f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB (artifact total {total / 2**20:.1f} MiB)",
         f"custom ops      {', '.join(manifest.custom_ops) or 'none'}{_library_status(Path(path), manifest)}",
-        *([f"max batch       {manifest.max_batch} sequences (batched kinds; docs/serving.md)"] if manifest.max_batch else []),
+        *([f"max batch       {manifest.max_batch} sequences (batched kinds; docs/serving.md)"]
+          if manifest.max_batch else []),
         "graphs:",
     ]
     for kind, spec in manifest.graphs.items():
