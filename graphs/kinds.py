@@ -94,8 +94,9 @@ def build_cycle(config: ModelConfig, dtype: ir.DataType, max_length: int, b: Gra
 
     Row 0 enters loop 0 from a token; row r > 0 continues the lane that row r-1 carried out of the
     previous cycle (the shift is in the graph: the host binds one cycle's ``carried_BWH_out`` as
-    the next one's ``carried_BWH``). Row r's layer l reads and writes KV slot (r, l) at
-    ``positions_W[r]`` (-1: no lane at that depth). Every row leaves through the loop-norm and
+    the next one's ``carried_BWH``). ``lanes_W1`` = [entering token, position of row 0, ...,
+    position of row R-1]; row r's layer l reads and writes KV slot (r, l) at its position (-1:
+    no lane at that depth). Every row leaves through the loop-norm and
     the head, so row 0 gives the depth-1 draft and row R-1 the full-depth token.
 
     The loop boundary is where draft and verify_tail already split the decode graph, with the
@@ -104,9 +105,16 @@ def build_cycle(config: ModelConfig, dtype: ir.DataType, max_length: int, b: Gra
     R, L, H = config.num_loops, config.num_layers, config.hidden_size
     if not has_cycle(config, op_set):
         raise ValueError("the cycle graph needs a looped model without prelude or coda and the loopcast attention op")
-    token_ids = b.input("input_ids_BS", ir.DataType.INT64, [1, 1])
+    # The entering token and the rows' positions in one int32 input: one host-to-device copy
+    # per cycle (the host's only per-cycle input; the lanes' states stay on the device).
+    lanes = b.input("lanes_W1", ir.DataType.INT32, [R + 1])
     carried = b.input("carried_BWH", dtype, [1, R, H])
-    positions = b.input("positions_W", ir.DataType.INT32, [R])
+    token = b.op("Slice", [lanes, b.const_i64("token_start", [0]), b.const_i64("token_end", [1])],
+                 path="/cycle/token", out="entering_1")
+    token_ids = b.op("Reshape", [token, b.const_i64("shape_11", [1, 1])], path="/cycle/token_shape",
+                     out="entering_BS")
+    positions = b.op("Slice", [lanes, b.const_i64("positions_start", [1]), b.const_i64("positions_end", [R + 1])],
+                     path="/cycle/positions", out="positions_W")
     step = blocks.StepInputs(seqlens_k=None, total_sequence_length=None,
                              cos_cache=b.weight("rotary.cos_SD2"), sin_cache=b.weight("rotary.sin_SD2"))
     batch_invariant = op_set == "loopcast"

@@ -359,7 +359,8 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     result = VariantResult(dtype, variant, past, time.perf_counter() - t0)
     log(f"[{dtype}/{variant}] exported in {result.export_s:.1f}s; past {past}")
     cuda = opts.device == "cuda"
-    hot = (DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE)
+    from loopcast.manifest import Manifest
+    hot = tuple(k for k in (DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE) if k in Manifest.read(art).graphs)
     # One model with every kind (captured where possible) serves the captured steps, the row
     # check and generation; an uncaptured one (hot kinds only) the eager steps and the profile.
     # Sessions are few on purpose: each CUDA session holds its own copy of the weights.

@@ -80,7 +80,7 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
     inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "seqlens_k", "total_sequence_length"}
     outputs = {"next_token_ids_BS", "logits_BSV"}
     if kind == CYCLE:
-        inputs = {"input_ids_BS", "carried_BWH", "positions_W"}
+        inputs = {"lanes_W1", "carried_BWH"}
         outputs |= {"carried_BWH_out"}
     if kind == DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}

@@ -29,9 +29,8 @@ from loopcast.ort_runtime.artifact import LoadedModel, open_artifact
 from loopcast.ort_runtime.accept import TieGuard
 from loopcast.ort_runtime.chat import ChatTemplate, load_chat_template
 from loopcast.ort_runtime.generator import Generator
-from loopcast.ort_runtime.sampled_decoding import sampled_stream
 from loopcast.ort_runtime.sampling import SamplingParams
-from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, require_exact, stream
+from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
 from loopcast.ort_runtime.stopping import StopStringMatcher, artifact_eos_ids, trim_at_stop
 
 
@@ -163,20 +162,12 @@ class LoopcastModel:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RequestError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         sampled = sampling is not None and not sampling.greedy
-        if sampled and speculative == "pipeline":
-            raise RequestError("sampling with --speculative pipeline is not supported yet (its lanes verify "
-                               "greedy drafts); sample with prompt-lookup or self, or decode greedily")
         spec = SpeculationConfig(speculative, num_draft_tokens, gate, tie_guard=tie_guard or TieGuard(),
                                  proposer=proposer, allow_inexact=allow_inexact, pipeline_exit=pipeline_exit)
 
         def run(gen: Generator) -> Iterator[int]:
-            if not sampled:
-                return stream(gen, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats)
-            if speculative != "none":
-                require_exact(gen, allow_inexact)
-            return sampled_stream(gen, ids, max_new_tokens, sampling=sampling, stop_ids=stops,
-                                  mode=speculative, num_draft_tokens=num_draft_tokens, gate=gate,
-                                  proposer=proposer, stats=stats)
+            return stream(gen, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats,
+                          sampling=sampling if sampled else None)
 
         if generator is not None:
             return run(generator)

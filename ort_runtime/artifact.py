@@ -148,11 +148,12 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
                 raise ArtifactError(f"{file}: input {name} is {inputs[name].type} {inputs[name].shape}, the manifest "
                                     f"says {_ORT_TYPES[manifest.dtype]} {kv_shape} (exported with another max "
                                     "length or dtype?)")
-    first = "input_ids_BS" if spec.first_loop == 0 else "hidden_BSH"
-    rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
-    if spec.kind == CYCLE:  # one entering token; the rows are the lanes, one per position
-        first = "positions_W"
-        rows = inputs[first].shape[0] if len(inputs[first].shape) == 1 else None
+    if spec.kind == CYCLE:  # [entering token, one position per row]
+        first = "lanes_W1"
+        rows = inputs[first].shape[0] - 1 if len(inputs[first].shape) == 1 else None
+    else:
+        first = "input_ids_BS" if spec.first_loop == 0 else "hidden_BSH"
+        rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
     if (spec.rows is None) != (not isinstance(rows, int)) or (spec.rows is not None and rows != spec.rows):
         raise ArtifactError(f"{file}: {first} takes {rows} rows, the manifest's '{spec.kind}' graph "
                             f"takes {spec.rows or 'a dynamic number of'}")

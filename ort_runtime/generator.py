@@ -205,8 +205,7 @@ class _CycleHalf(_KindBinding):
 
     def _bind(self, b: ort.IOBinding) -> None:
         io = self.io
-        b.bind_ortvalue_input("input_ids_BS", io.ids.value)
-        b.bind_ortvalue_input("positions_W", io.positions.value)
+        b.bind_ortvalue_input("lanes_W1", io.lanes.value)
         b.bind_ortvalue_input("carried_BWH", self.carried_in.value)
         for slot in self.spec.kv_slots:
             key, value = self._kv[slot]
@@ -220,15 +219,15 @@ class _CycleHalf(_KindBinding):
 
 
 class CycleBinding:
-    """The pipeline cycle's buffers (docs/architecture.md §5): the entering token, the rows'
-    positions, two lane-state buffers that alternate as input and output (the graph shifts row r
-    to row r+1, so the states never cross to the host), argmax and logits per row."""
+    """The pipeline cycle's buffers (docs/architecture.md §5): the entering token with the rows'
+    positions (one int32 vector, one copy to the device per cycle), two lane-state buffers that
+    alternate as input and output (the graph shifts row r to row r+1, so the states never cross
+    to the host), argmax and logits per row."""
 
     def __init__(self, session, spec: GraphSpec, kv, model: LoadedModel, dtype) -> None:
         cfg, device, R = model.config, model.device, spec.rows
         self.rows = R
-        self.ids = _Buffer((1, 1), np.int64, device)
-        self.positions = _Buffer((R,), np.int32, device)
+        self.lanes = _Buffer((R + 1,), np.int32, device)
         self.next_ids = _Buffer((1, R), np.int64, device)
         self.logits = _Buffer((1, R, cfg.vocab_size), np.float32, device)
         states = (_Buffer((1, R, cfg.hidden_size), dtype, device), _Buffer((1, R, cfg.hidden_size), dtype, device))
@@ -238,10 +237,10 @@ class CycleBinding:
         self.turn = 0
 
     def load(self, token: int, positions: list[int]) -> None:
-        self.ids.host[0, 0] = token
-        self.ids.push()
-        self.positions.host[:] = positions
-        self.positions.push()
+        host = self.lanes.host
+        host[0] = token
+        host[1:] = positions
+        self.lanes.push()
 
     def execute(self, model: LoadedModel) -> bool:
         """Run the half whose input holds the last cycle's states; the next cycle runs the other."""
@@ -250,7 +249,7 @@ class CycleBinding:
         return steady
 
     def bound_objects(self) -> list[object]:
-        bufs = [self.ids, self.positions, self.next_ids, self.logits, *self.states]
+        bufs = [self.lanes, self.next_ids, self.logits, *self.states]
         return [x for b in bufs for x in (b.host, b.value)] + [h.binding for h in self.halves]
 
 
@@ -386,9 +385,8 @@ class Generator:
         """One pipeline cycle (docs/architecture.md §5): the lane entering loop 0 reads ``token``;
         row r runs loop r at ``positions[r]`` (-1: no lane). Returns each row's argmax [R]."""
         cycle = self.cycle
-        for p in positions:
-            if not -1 <= p < self.max_length:
-                raise RequestError(f"cycle row at position {p} outside the KV capacity {self.max_length}")
+        if min(positions) < -1 or max(positions) >= self.max_length:
+            raise RequestError(f"cycle rows at positions {positions} outside the KV capacity {self.max_length}")
         cycle.load(token, positions)
         t0 = time.perf_counter()
         steady = cycle.execute(self.model)

@@ -30,10 +30,14 @@ boundary is the draft/verify_tail split), so every emitted token is plain greedy
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from loopcast.errors import RequestError
 from loopcast.manifest import CYCLE
+
+# The generator timer of whole pipeline rounds per cycle (the cost gate's price of a cycle).
+ROUND_TIMER = "cycle_round"
 
 
 @dataclass
@@ -41,6 +45,7 @@ class Lane:
     position: int
     token: int        # the token at ``position``: a draft until the lane before it confirms it
     depth: int = 0    # loops run so far
+    q: object = None  # sampling: the distribution the draft was drawn from (None: greedy)
 
 
 @dataclass
@@ -97,7 +102,9 @@ class PipelineCycles:
         """Expected tokens per second: a token every ``exit_depth`` cycles while drafts hold, R
         cycles for the token after a rejection (its lane starts at loop 0)."""
         R = self.loops
-        cycle = costs.mean(CYCLE) or costs.decode() / R * 1.2
+        # A cycle's wall time in a round (host scheduling and copies included: on a small model
+        # they are a third of it), else the bare step time, else a guess from decode.
+        cycle = costs.mean(ROUND_TIMER) or costs.mean(CYCLE) or costs.decode() / R * 1.2
         return 1.0 / (cycle * (alpha * self.exit_depth + (1 - alpha) * R))
 
     def round_cost(self, costs, k: int) -> float:
@@ -109,24 +116,29 @@ class PipelineCycles:
         self.stats.discarded_lanes += len(self.lanes)
         self.lanes = []
 
-    def next_token(self, gen, pending: int, limit_position: int, drafts) -> LaneRound:
+    def next_token(self, gen, pending: int, limit_position: int, drafts, acceptor, context: list[int]) -> LaneRound:
         """Run cycles until the oldest lane finishes. ``pending`` sits at position ``gen.n``;
         lanes are spawned only at positions <= ``limit_position`` (the last position whose
-        successor token the generation may still emit) and inside the KV capacity."""
+        successor token the generation may still emit) and inside the KV capacity.
+        ``acceptor`` drafts and checks (greedy: argmax and equality; sampling: draws and the
+        rejection rule per lane); ``context`` is the committed sequence (read, never kept)."""
         if not self.lanes or (self.lanes[0].position, self.lanes[0].token) != (gen.n, pending):
             self.stop()
             self.lanes = [Lane(gen.n, pending)]
             self.stats.cold_starts += 1
-        cycles = 0
+        cycles, t0, steady0 = 0, time.perf_counter(), gen.timed_counts[CYCLE]
         while True:
-            ids = self._run_cycle(gen)
+            ids, logits = self._run_cycle(gen, acceptor.sampled)
             cycles += 1
-            done = self._advance(gen, ids, limit_position, drafts)
+            done = self._advance(gen, ids, logits, limit_position, drafts, acceptor, context)
             if done is not None:
                 done.cycles = cycles
+                if gen.timed_counts[CYCLE] - steady0 == cycles:  # no warm-up or capture inside
+                    gen.timed_seconds[ROUND_TIMER] += time.perf_counter() - t0
+                    gen.timed_counts[ROUND_TIMER] += cycles
                 return done
 
-    def _run_cycle(self, gen):
+    def _run_cycle(self, gen, want_logits: bool):
         R = gen.cycle.rows
         positions, entering = [-1] * R, 0
         for lane in self.lanes:
@@ -137,42 +149,53 @@ class PipelineCycles:
         self.stats.cycles += 1
         if self.stats.trace is not None:
             self.stats.trace.append((list(positions), [int(t) for t in ids], entering))
-        return ids
+        return ids, (gen.cycle.logits.pull()[0] if want_logits else None)
 
-    def _advance(self, gen, ids, limit_position: int, drafts) -> LaneRound | None:
-        R = gen.cycle.rows
+    def _context(self, context: list[int], upto: int) -> list[int]:
+        """The sequence up to position ``upto``: committed tokens, then the lanes' (sampling's
+        repetition penalty reads it)."""
+        return context + [lane.token for lane in self.lanes if lane.position <= upto]
+
+    def _advance(self, gen, ids, logits, limit_position: int, drafts, acceptor, context) -> LaneRound | None:
+        R, e = gen.cycle.rows, self.exit_depth
         for lane in self.lanes:
             lane.depth += 1
         youngest = self.lanes[-1]
         # The youngest lane that just finished the exit loop drafts the next position.
         draft = None
-        if youngest.depth == self.exit_depth:
+        if youngest.depth == e:
             q = youngest.position + 1
             if q <= limit_position and q < gen.max_length:
-                draft = drafts.draft(q, int(ids[self.exit_depth - 1]))
+                ctx = self._context(context, youngest.position) if acceptor.sampled else context
+                token, dist = acceptor.draft(int(ids[e - 1]), logits[e - 1] if logits is not None else None, ctx)
+                draft = Lane(q, drafts.draft(q, token), q=dist)
         done = None
         if self.lanes[0].depth == R:
-            done = self._finish(gen, int(ids[R - 1]))
+            done = self._finish(gen, int(ids[R - 1]), logits[R - 1] if logits is not None else None,
+                                acceptor, context)
         if draft is not None and self.lanes and self.lanes[-1] is youngest:
-            self.lanes.append(Lane(youngest.position + 1, draft))
+            self.lanes.append(draft)
         return done
 
-    def _finish(self, gen, target: int) -> LaneRound:
-        """The oldest lane ran every loop: its position is committed and ``target`` is the next
-        token. Its successor survives only if its draft is ``target``."""
+    def _finish(self, gen, target: int, target_logits, acceptor, context) -> LaneRound:
+        """The oldest lane ran every loop: its position is committed and the next token is the
+        target (greedy: the argmax; sampling: a draw). Its successor survives only if the
+        acceptor keeps its draft."""
         lane = self.lanes.pop(0)
         if lane.position != gen.n:
             raise AssertionError(f"pipeline lane at {lane.position} finished with n = {gen.n}")
         gen.commit([lane.token])
-        done = LaneRound(token=target, committed=lane.token)
-        if self.lanes:
-            done.verified = 1
-            if self.lanes[0].token == target:
-                done.accepted = 1
-            else:
-                done.discarded = len(self.lanes)
-                self.stats.discarded_lanes += len(self.lanes)
-                self.lanes = []
+        ctx = context + [lane.token] if acceptor.sampled else context
+        if not self.lanes:
+            token = acceptor.bonus(target_logits, ctx) if acceptor.sampled else target
+            return LaneRound(token=token, committed=lane.token)
+        succ = self.lanes[0]
+        kept, token = acceptor.check(succ.token, succ.q, target, target_logits, ctx)
+        done = LaneRound(token=token, committed=lane.token, verified=1, accepted=int(kept))
+        if not kept:
+            done.discarded = len(self.lanes)
+            self.stats.discarded_lanes += len(self.lanes)
+            self.lanes = []
         return done
 
 

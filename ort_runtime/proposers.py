@@ -30,6 +30,7 @@ from loopcast.manifest import DRAFT
 class Proposal:
     tokens: list[int]                    # up to k drafts continuing the context
     hidden: np.ndarray | None = None     # [len(tokens) + 1, H]: depth-d states of pending + drafts
+    probs: list[np.ndarray] | None = None  # sampled drafts: the distribution each was drawn from
 
 
 class PromptLookupProposer:
@@ -95,6 +96,7 @@ class SelfDraftProposer:
     def __init__(self, perturb=None) -> None:
         self.perturb = perturb
         self._gen = None
+        self.acceptor = None  # the engine's (ort_runtime/acceptors.py): greedy drafts, or sampled ones
 
     def reset(self, generator) -> None:
         if not generator.has_kind(DRAFT):
@@ -112,18 +114,22 @@ class SelfDraftProposer:
             raise RequestError(f"self-drafts continue the generator's sequence: context of {len(context)} "
                                f"tokens for {n} committed")
         vocab = gen.model.config.vocab_size
-        rows_in, hidden = [int(context[-1])], []
+        sampled = self.acceptor is not None and self.acceptor.sampled
+        rows_in, hidden, probs = [int(context[-1])], [], []
         for i in range(k + 1):
-            out = gen.run(DRAFT, n + i, tokens=[rows_in[i]], want_logits=False)
+            out = gen.run(DRAFT, n + i, tokens=[rows_in[i]], want_logits=sampled and i < k)
             hidden.append(out.hidden[0])
             if i < k:
                 token = int(out.next_ids[0])
+                if sampled:  # x_{i+1} ~ q_i, the processed distribution of the depth-d row
+                    token, q = self.acceptor.draft(token, out.logits[0], list(context) + rows_in[1:])
+                    probs.append(q)
                 if self.perturb is not None:
                     token = int(self.perturb(i, token))
                 if not 0 <= token < vocab:
                     raise RequestError(f"self-draft token {token} is outside the vocabulary [0, {vocab})")
                 rows_in.append(token)
-        return Proposal(rows_in[1:], np.stack(hidden))
+        return Proposal(rows_in[1:], np.stack(hidden), probs if sampled else None)
 
 
 class UserProposer:

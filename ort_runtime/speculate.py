@@ -8,7 +8,8 @@ A round (gpt-fast's loop; ORT-GenAI's Propose / Advance / Reset):
                       ▼
                 strategy.verify ─▶ the verifier's argmax per row (pending + drafts)
                       ▼
-                greedy_accept ─▶ a accepted drafts + the correction / bonus token
+                acceptor.accept ─▶ a accepted drafts + the correction / bonus token
+                      │  (greedy_accept, or the rejection rule when sampling: ort_runtime/acceptors.py)
                       ▼
                 commit pending + a drafts (n += a + 1), proposer.advance, gate.observe, stats
 
@@ -33,12 +34,14 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from loopcast.errors import RequestError
-from loopcast.ort_runtime.accept import TieGuard, greedy_accept
-from loopcast.ort_runtime.gates import GATES, StepCosts, make_gate
+from loopcast.ort_runtime.accept import TieGuard
+from loopcast.ort_runtime.acceptors import GreedyAcceptor, SampledAcceptor
+from loopcast.ort_runtime.gates import GATES, HitDensityGate, StepCosts, make_gate
 from loopcast.ort_runtime.generator import Generator
 from loopcast.ort_runtime.pipeline import ExitDrafts, PipelineCycles
 from loopcast.ort_runtime.proposers import PromptLookupProposer, Proposal, SelfDraftProposer, UserProposer
-from loopcast.ort_runtime.verifiers import DraftTail, PlainDecode, VerifyRows
+from loopcast.ort_runtime.sampling import SamplingParams
+from loopcast.ort_runtime.verifiers import DraftTail, VerifyRows
 
 # The built-in modes: each names a proposer; the strategy follows from what the proposer
 # declares (drafts_hidden -> draft+verify_tail, tokens only -> verify-W), except the pipeline,
@@ -109,7 +112,7 @@ class _Plan:
     width: int                 # positions a round writes (the verify graph's fixed rows)
 
 
-def _plan(gen: Generator, spec: SpeculationConfig) -> _Plan | None:
+def _plan(gen: Generator, spec: SpeculationConfig, sampled: bool = False) -> _Plan | None:
     if spec.mode not in MODES:
         raise RequestError(f"unknown speculative mode {spec.mode!r}; choose from {', '.join(MODES)} (custom takes a proposer)")
     if spec.gate not in GATES:
@@ -117,7 +120,12 @@ def _plan(gen: Generator, spec: SpeculationConfig) -> _Plan | None:
     if spec.mode == "none" and spec.proposer is None:
         return None
     if spec.mode == "pipeline":
+        if sampled and spec.draft_hook is not None:
+            raise RequestError("the pipeline's draft hook replaces sampled drafts, which breaks the rejection rule; "
+                               "use it with greedy decoding only")
         return _plan_pipeline(gen, spec)
+    if sampled and spec.mode == "self" and spec.proposer is not None:
+        raise RequestError("sampled self-speculation drafts from the draft graph; it takes no proposer")
     vocab = gen.model.config.vocab_size
     if spec.proposer is not None:
         proposer = spec.proposer if isinstance(spec.proposer, (PromptLookupProposer, SelfDraftProposer)) \
@@ -171,20 +179,35 @@ def require_exact(gen: Generator, allow_inexact: bool) -> None:
 
 
 def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tuple[int, ...] = (),
-           spec: SpeculationConfig = SpeculationConfig(), stats: GenerationStats | None = None) -> Iterator[int]:
-    """Feed ``ids`` after the committed prefix and yield greedy tokens as they are committed.
+           spec: SpeculationConfig = SpeculationConfig(), stats: GenerationStats | None = None,
+           sampling: SamplingParams | None = None, acceptor=None) -> Iterator[int]:
+    """Feed ``ids`` after the committed prefix and yield tokens as they are committed: greedy,
+    or drawn with ``sampling`` (every speculative mode then keeps plain sampling's
+    distribution; ``acceptor`` replaces the default SampledAcceptor, as tests of the rule do).
 
     Finish reasons: "eos" (a stop id, yielded), "length" (max_new_tokens, or the KV capacity).
-    On finish ``n`` equals what plain greedy would leave: the prefix, the input, and every
+    On finish ``n`` equals what plain decoding would leave: the prefix, the input, and every
     yielded token but the last (which is pending: its KV is not written).
     """
     stats = stats if stats is not None else GenerationStats()
+    sampled = acceptor is not None or (sampling is not None and not sampling.greedy)
+    if sampled:
+        acceptor = acceptor if acceptor is not None else SampledAcceptor(sampling)
+        if spec.gate not in GATES:
+            raise RequestError(f"unknown gate {spec.gate!r}; choose from {', '.join(GATES)}")
+        if spec.gate == "cost" and acceptor.params.seed is not None:
+            # Greedy tokens do not depend on which steps speculate; sampled ones do (the modes use
+            # the random stream differently), and the cost gate decides on measured times.
+            raise RequestError("--gate cost decides on measured step times, so seeded sampling would not be "
+                               "reproducible; use --gate hit-density or none with --seed (or drop --seed)")
+    else:
+        acceptor = GreedyAcceptor(spec.tie_guard)
     if max_new_tokens < 0:
         raise RequestError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not ids:
         raise RequestError("prompt is empty: give at least one token")
     gen.validate_ids(ids)
-    plan = _plan(gen, spec)
+    plan = _plan(gen, spec, sampled)
     stats.prompt_tokens, stats.speculative = len(ids), "none" if plan is None else (
         spec.mode if spec.mode != "none" else "custom")
     stats.exact_verify = gen.model.exact_verify
@@ -194,7 +217,7 @@ def stream(gen: Generator, ids: list[int], max_new_tokens: int, *, stop_ids: tup
         finish("length")
         return
     try:
-        yield from _Engine(gen, spec, plan, stats).run(ids, finish)
+        yield from _Engine(gen, spec, plan, stats, acceptor).run(ids, finish)
     finally:
         finish.abandoned()
 
@@ -267,22 +290,29 @@ class Finisher:
 class _Engine:
     """The round loop of one generation."""
 
-    def __init__(self, gen: Generator, spec: SpeculationConfig, plan: _Plan | None, stats: GenerationStats) -> None:
-        self.gen, self.spec, self.plan, self.stats = gen, spec, plan, stats
-        self.plain = PlainDecode()
+    def __init__(self, gen: Generator, spec: SpeculationConfig, plan: _Plan | None, stats: GenerationStats,
+                 acceptor) -> None:
+        self.gen, self.spec, self.plan, self.stats, self.acceptor = gen, spec, plan, stats, acceptor
         self.gate = None
         if plan is not None:
             plan.proposer.reset(gen)
+            if hasattr(plan.proposer, "acceptor"):  # proposers that draw drafts (self) draw them its way
+                plan.proposer.acceptor = acceptor
             cfg = gen.model.config
             costs = spec.costs or StepCosts(gen, (gen.model.manifest.draft_depth or 1) / cfg.num_loops)
-            memory = gen.gate_memory.setdefault((spec.gate, plan.proposer.name, plan.strategy.name), {})
-            self.gate = make_gate(spec.gate, plan.k_max, costs, plan.strategy,
-                                  free_guess=getattr(plan.proposer, "free_guess", False), memory=memory)
+            if acceptor.sampled and spec.gate == "auto":
+                # Sampled tokens depend on which steps speculate, so the default gate must decide on
+                # the tokens alone (reproducible with a seed), not on measured times.
+                self.gate = HitDensityGate(plan.k_max, chosen_by="auto")
+            else:
+                memory = gen.gate_memory.setdefault((spec.gate, plan.proposer.name, plan.strategy.name), {})
+                self.gate = make_gate(spec.gate, plan.k_max, costs, plan.strategy,
+                                      free_guess=getattr(plan.proposer, "free_guess", False), memory=memory)
             stats.strategy, stats.gate = plan.strategy.name, spec.gate
 
     def run(self, ids: list[int], finish: Finisher) -> Iterator[int]:
         finish.on_finish = self._close
-        pending = self.gen.prefill(ids)
+        pending = self.acceptor.first(self.gen, ids)
         # The committed sequence, kept here and extended on commit, so a proposer's context
         # costs no copy of the whole sequence per step (proposers must not keep it).
         self.context = self.gen.tokens
@@ -294,8 +324,10 @@ class _Engine:
 
     def _round(self, pending: int, step: int, remaining: int) -> list[int]:
         gen, plan, gate = self.gen, self.plan, self.gate
-        if plan is None:  # plain greedy: the degenerate round, nothing to decide
-            return [self.plain.step(gen, pending)]
+        if plan is None:  # plain decoding: the degenerate round, nothing to decide
+            token = self.acceptor.decode(gen, pending, self.context)
+            self.context.append(pending)
+            return [token]
         if getattr(plan.strategy, "continuous", False):
             return self._lane_round(pending, step, remaining)
         context = self.context
@@ -318,7 +350,7 @@ class _Engine:
             guess = guess.tokens if isinstance(guess, Proposal) else guess
         else:
             guess = None
-        token = self.plain.step(gen, pending)
+        token = self.acceptor.decode(gen, pending, context)
         context.append(pending)
         plan.proposer.advance([pending])
         if guess is not None:
@@ -331,10 +363,11 @@ class _Engine:
         gen, strategy = self.gen, self.plan.strategy
         if not self.gate.engage(step):
             strategy.stop()
-            token = self.plain.step(gen, pending)
+            token = self.acceptor.decode(gen, pending, self.context)
             self.context.append(pending)
             return [token]
-        done = strategy.next_token(gen, pending, gen.n + remaining - 1, self.plan.proposer)
+        done = strategy.next_token(gen, pending, gen.n + remaining - 1, self.plan.proposer, self.acceptor,
+                                   self.context)
         self.context.append(done.committed)
         stats = self.stats
         stats.rounds += 1
@@ -349,10 +382,10 @@ class _Engine:
     def _speculate(self, pending: int, proposal: Proposal, step: int) -> list[int]:
         """One round with drafts: verify, accept, commit pending + the accepted prefix."""
         gen, plan = self.gen, self.plan
-        guard = self.spec.tie_guard
         verified = plan.strategy.verify(gen, pending, proposal)
-        result = greedy_accept(proposal.tokens, verified.target_ids, verified.logits,
-                               epsilon=guard.epsilon, tolerant=guard.tolerant)
+        self.context.append(pending)
+        result = self.acceptor.accept(self.context, proposal, verified)
+        self.context.pop()
         committed = [pending] + proposal.tokens[:result.accepted]
         gen.commit(committed)
         self.context.extend(committed)

@@ -28,8 +28,14 @@ def test_tiny_report_on_cpu(tmp_path) -> None:
         kinds = {(s["kind"], s["rows"]) for s in run["steps"]}
         assert {("decode", 1), ("verify", 2), ("verify", 5), ("draft", 1), ("verify_tail", 5)} <= kinds
         assert all(s["uncaptured_ms"] > 0 and s["captured_ms"] is None for s in run["steps"])
-        assert set(run["end_to_end"]) == {"plain", "prompt-lookup", "self", "prompt-lookup (gate none)",
-                                          "self (gate none)"}
+        modes = {"plain", "prompt-lookup", "self", "prompt-lookup (gate none)", "self (gate none)"}
+        if run["variant"] == "batch-invariant":  # the loopcast ops: the cycle graph and oracle rows too
+            modes |= {"pipeline", "pipeline (gate none)", "pipeline oracle 100%", "pipeline oracle 92%"}
+            kinds_cycle = {s["kind"] for s in run["steps"]}
+            assert "cycle" in kinds_cycle
+            oracle = run["end_to_end"]["pipeline oracle 100%"]
+            assert oracle["acceptance"] == 1.0 and oracle["core_calls_per_token"] < 1.5
+        assert set(run["end_to_end"]) == modes
         assert run["end_to_end"]["self"]["gate"] == "auto" and run["end_to_end"]["self"]["gate_reasons"]
         assert all(e["divergent_prompts"] == 0 for e in run["end_to_end"].values())
         if run["variant"] == "batch-invariant":

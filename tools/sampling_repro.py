@@ -3,7 +3,7 @@
 
     python tools/sampling_repro.py ART [--device cpu|cuda] [--runs 3] [--out repro.json]
 
-For every speculative mode the artifact offers (none, prompt-lookup, self), a few prompts are
+For every speculative mode the artifact offers (none, prompt-lookup, self, pipeline), a few prompts are
 sampled ``--runs`` times with each of two seeds (temperature 0.8, top-p 0.95); each run is on a
 fresh pooled generator. Prints one line per (mode, seed) with whether every run gave the same
 tokens, and exits 1 if any did not. (Different modes draw different random numbers, so their
@@ -33,7 +33,8 @@ def main() -> int:
     from loopcast.ort_runtime.sampling import SamplingParams
 
     model = load(args.artifact, args.device)
-    modes = ["none", "prompt-lookup"] + (["self"] if model.loaded.has("draft") else [])
+    modes = (["none", "prompt-lookup"] + (["self"] if model.loaded.has("draft") else [])
+             + (["pipeline"] if model.loaded.has("cycle") else []))
     rows, ok = [], True
     for mode in modes:
         for seed in (0, 1234):
