@@ -27,8 +27,10 @@ from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
 from loopcast.exporter.genai import write_genai
 from loopcast.exporter.weights import checkpoint_reader, weight_layout, weights_nbytes, write_weights
 from loopcast.graphs.builder import GraphBuilder, WeightRef
+from loopcast.graphs.batched import build_batched_kind
 from loopcast.graphs.kinds import build_kind, plan_kinds
-from loopcast.manifest import MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, WEIGHTS_FILE, Manifest
+from loopcast.manifest import MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, WEIGHTS_FILE, GraphSpec, Manifest
+from loopcast.manifest_schema import MAX_BATCH, batch_plan
 from loopcast.swap import Staging, output_path, recover
 
 IR_DTYPES = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
@@ -48,6 +50,7 @@ class ExportOptions:
     # library can be had, else "stock"; fp16/bf16 stay "stock" unless asked (--target cuda).
     ops: str = "auto"
     genai: bool = False                # also write the ONNX Runtime GenAI graph + genai_config.json
+    max_batch: int | None = None       # also write the batched kinds for up to this many sequences
 
     @property
     def op_set(self) -> str:
@@ -86,7 +89,10 @@ class ExportOptions:
                                   f"got {depth}")
         if self.op_set not in ("auto", *OP_SETS):
             raise ExportError(f"--ops must be one of auto, {', '.join(OP_SETS)}, got {self.ops!r}")
-        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant, self.ops, self.genai)
+        if self.max_batch is not None and not 1 <= self.max_batch <= MAX_BATCH:
+            raise ExportError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
+        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant, self.ops, self.genai,
+                             self.max_batch)
 
 
 def check_supported(config: ModelConfig, op_set: str = "stock") -> None:
@@ -228,6 +234,8 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     library = None
     for plan in plans:
         ir.save(models[plan.kind], staging / graphs[plan.kind].file)
+    graphs.update(_write_batched(config, IR_DTYPES[opts.dtype], opts.max_length, opts.max_batch, opts.verify_width,
+                                 refs, staging, op_set, custom_ops))
     genai_files = write_genai(staging, config, IR_DTYPES[opts.dtype], opts.max_length, refs,
                               WEIGHTS_FILE) if opts.genai else []
     if custom_ops:
@@ -262,6 +270,7 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
         eos_token_ids=list(config.eos_token_ids),
         op_set=op_set,
         genai_files=genai_files,
+        max_batch=opts.max_batch,
     )
     (staging / MANIFEST_FILE).write_text(manifest.to_json())
     return manifest
@@ -343,6 +352,8 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
                                          op_set=manifest.op_set)
                 ir.save(model, staging.path / spec.file)
                 graphs[plan.kind] = spec
+            graphs.update(_write_batched(config, dtype, manifest.max_length, manifest.max_batch, width, refs,
+                                         staging.path, manifest.op_set, set(), manifest.weights_file))
             derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width, "files": {}})
             derived = _with_file_records(derived, staging.path)
             staging.install()
@@ -350,6 +361,20 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
             staging.discard()
             raise
     return derived
+
+
+def _write_batched(config: ModelConfig, dtype: ir.DataType, max_length: int, max_batch: int | None,
+                   verify_width: int | None, refs: dict, staging: Path, op_set: str, custom_ops: set[str],
+                   weights_file: str = WEIGHTS_FILE) -> dict[str, GraphSpec]:
+    """The batched kinds (graphs/batched.py) when ``max_batch`` is set; adds their custom ops."""
+    graphs = {}
+    for kind, (rows, _, _) in batch_plan(max_batch, config.num_loops, verify_width).items():
+        builder = GraphBuilder(refs, weights_file, staging)
+        model, spec = build_batched_kind(kind, config, dtype, max_length, builder, op_set=op_set, rows=rows)
+        ir.save(model, staging / spec.file)
+        graphs[kind] = spec
+        custom_ops.update(builder.custom_ops())
+    return graphs
 
 
 def _with_file_records(manifest: Manifest, staging: Path, known: dict[str, str] | None = None) -> Manifest:

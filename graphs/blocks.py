@@ -44,6 +44,10 @@ class BlockContext:
     # Only the attention op from the loopcast library (op set "loopcast-attention"): rows are
     # then exact on the CPU, whose stock MatMul is already row-invariant (docs/architecture.md).
     loopcast_attention: bool = False
+    # The batch dimension B of every activation and KV buffer: 1 for the single-sequence kinds;
+    # the batched kinds (graphs/batched.py) take one row per sequence and a symbolic B.
+    batch: int | str = 1
+    batch_rows: int = 1      # rows per sequence in a batched kind (decode_batch 1, verify_batch W)
     # Row-addressed graphs (the pipeline cycle): per-row positions [S] int32; the attention
     # blocks then take one KV slot per row (RowAttention) instead of one slot for all rows.
     row_positions: ir.Value | None = None
@@ -182,7 +186,7 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int | tuple[in
         attn = _row_attention(b, qkv, slot, ctx, path=path, prefix=prefix)
         return linear(b, attn, f"{layer}.o_proj.weight_T", ctx, path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH",
                       bias=f"{layer}.o_proj.bias" if cfg.o_bias else None)
-    kv_shape = [1, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
+    kv_shape = [ctx.batch, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
     past_key = b.input(f"past_key.{slot}", ctx.dtype, kv_shape)
     past_value = b.input(f"past_value.{slot}", ctx.dtype, kv_shape)
     # Inputs in schema order: query (packed q|k|v), key, value (empty: packed), past_key,
@@ -310,7 +314,9 @@ def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
                     path="/lm_head/flatten", out="head_in_NH")
         logits = b.op("Gemm", [flat, b.weight("embed_tokens.weight")], path="/lm_head/gemm",
                       out="logits_NV", transB=1)
-        logits = b.op("Reshape", [logits, b.const_i64("shape_BSV", [1, -1, cfg.vocab_size])],
+        # single sequence: [1, rows, V]; batched kinds: [B, rows per sequence, V]
+        shape_BSV = [1, -1, cfg.vocab_size] if ctx.batch == 1 else [-1, ctx.batch_rows, cfg.vocab_size]
+        logits = b.op("Reshape", [logits, b.const_i64("shape_BSV", shape_BSV)],
                       path="/lm_head/unflatten", out="logits_raw_BSV")
     else:
         logits = linear(b, x_BSH, "lm_head.weight_T", ctx, path="/lm_head/matmul", out="logits_raw_BSV")
@@ -320,11 +326,11 @@ def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
 
 
 def greedy_outputs(b: GraphBuilder, logits_BSV: ir.Value, rows: int | str, vocab: int, *,
-                   with_gap: bool = False) -> None:
+                   with_gap: bool = False, batch: int | str = 1) -> None:
     """Next-token ids on the device (ArgMax), logits, and optionally the top-1/top-2 gap."""
     ids = b.op("ArgMax", [logits_BSV], path="/sample/argmax", out="next_token_ids_BS", axis=-1, keepdims=0)
-    b.output(ids, ir.DataType.INT64, [1, rows])
-    b.output(logits_BSV, ir.DataType.FLOAT, [1, rows, vocab], "logits_BSV")
+    b.output(ids, ir.DataType.INT64, [batch, rows])
+    b.output(logits_BSV, ir.DataType.FLOAT, [batch, rows, vocab], "logits_BSV")
     if with_gap:
         top_values, _ = b.op_multi("TopK", [logits_BSV, b.const_i64("k2", [2])], path="/sample/top2",
                                    outs=["top2_values_BS2", "top2_indices_BS2"], axis=-1)

@@ -37,6 +37,14 @@ def has_cycle(config: ModelConfig, op_set: str) -> bool:
     return (config.num_loops > 1 and config.num_prelude_layers == 0 and config.num_coda_layers == 0
             and op_set != "stock")
 
+# Batched kinds (graphs/batched.py, docs/serving.md): the rows of one call belong to different
+# sequences (1 row each for decode_batch, verify_width rows each for verify_batch), batch entry b
+# reading and writing batch entry b of every KV buffer [B, H_kv, S_max, D]. B is a symbolic
+# dimension up to the manifest's ``max_batch``. Optional: an artifact exported without
+# ``--max-batch`` has none and no ``max_batch``.
+DECODE_BATCH, VERIFY_BATCH = "decode_batch", "verify_batch"
+BATCH_KINDS = (DECODE_BATCH, VERIFY_BATCH)
+
 
 @dataclass(frozen=True)
 class GraphSpec:
@@ -92,6 +100,8 @@ class Manifest:
     files: dict[str, FileRecord] = field(default_factory=dict)
     exact_verify: dict[str, bool] = field(default_factory=dict)
     op_set: str = "stock"
+    # ``export --max-batch B``: the batched kinds (BATCH_KINDS) exist and take up to B sequences.
+    max_batch: int | None = None
 
     @property
     def device_lengths(self) -> bool:

@@ -20,8 +20,9 @@ from typing import Any
 
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
-from loopcast.manifest import (CYCLE, DECODE, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL, VERIFY, VERIFY_TAIL, FileRecord,
-                               GraphSpec, Manifest, has_cycle, resolve_inside, sampled_sha256)
+from loopcast.manifest import (BATCH_KINDS, CYCLE, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL,
+                               VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord, GraphSpec, Manifest, has_cycle,
+                               resolve_inside, sampled_sha256)
 
 DTYPES = ("fp32", "fp16", "bf16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -127,10 +128,10 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         kv.fail(f"must be {shape} (1, KV heads, max_length, head_dim), got {kv.raw['shape']!r:.80}", "shape")
 
     graphs_raw = top.get("graphs", dict)
-    unknown = sorted(set(graphs_raw) - set(GRAPH_KINDS))
+    unknown = sorted(set(graphs_raw) - set(GRAPH_KINDS) - set(BATCH_KINDS))
     if unknown:
-        top.fail(f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are {', '.join(GRAPH_KINDS)}",
-                 "graphs")
+        top.fail(f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are "
+                 f"{', '.join(GRAPH_KINDS + BATCH_KINDS)}", "graphs")
     # kind -> (rows, first_loop, last_loop), from the model and the manifest's own widths.
     plan = {PREFILL: (None, 0, R), DECODE: (1, 0, R)}
     if verify_width is not None:
@@ -142,14 +143,17 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     op_set = top.get("op_set", str, optional=True, default="stock")
     if has_cycle(config, op_set if op_set in OP_SETS else "stock"):
         plan[CYCLE] = (R, 0, R)
-    for kind in (PREFILL, DECODE):
+    max_batch = top.int_in("max_batch", 1, MAX_BATCH, optional=True)
+    plan.update(batch_plan(max_batch, R, verify_width))
+    for kind in (PREFILL, DECODE, *batch_plan(max_batch, R, verify_width)):
         if kind not in graphs_raw:
-            top.fail(f"lacks the '{kind}' graph, which every artifact needs", "graphs")
+            why = "every artifact needs" if kind in (PREFILL, DECODE) else f"max_batch {max_batch} declares"
+            top.fail(f"lacks the '{kind}' graph, which {why}", "graphs")
     graphs = {}
     for kind, spec_raw in graphs_raw.items():
         if kind not in plan:
-            top.fail(f"has a '{kind}' graph but verify_width/draft_depth (or, for cycle, the model and op_set) "
-                     "say there is none", "graphs")
+            top.fail(f"has a '{kind}' graph but verify_width/draft_depth/max_batch (or, for cycle, the model and "
+                     "op_set) say there is none", "graphs")
         graphs[kind] = _parse_graph(kind, spec_raw, plan[kind], config, path)
 
     weights_file = top.get("weights_file", str)
@@ -182,7 +186,21 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
                     dtype=dtype, max_length=max_length, verify_width=verify_width, draft_depth=draft_depth,
                     kv_layout=kv.raw, graphs=graphs, weights_file=weights_file, custom_ops=custom_ops,
                     custom_op_library=library, tokenizer_files=tokenizer_files, eos_token_ids=eos,
-                    files=files, exact_verify=exact, op_set=op_set, genai_files=genai_files)
+                    files=files, exact_verify=exact, op_set=op_set, genai_files=genai_files, max_batch=max_batch)
+
+
+MAX_BATCH = 1024  # sequences of a batched graph (docs/serving.md); the KV memory is max_batch x one sequence's
+
+
+def batch_plan(max_batch: int | None, num_loops: int, verify_width: int | None) -> dict[str, tuple[int, int, int]]:
+    """The batched kinds an artifact of ``max_batch`` has: kind -> (rows per sequence, first loop,
+    last loop). None (exported without --max-batch): none."""
+    if max_batch is None:
+        return {}
+    plan = {DECODE_BATCH: (1, 0, num_loops)}
+    if verify_width is not None:
+        plan[VERIFY_BATCH] = (verify_width, 0, num_loops)
+    return plan
 
 
 def _parse_graph(kind: str, raw: Any, plan: tuple, config: ModelConfig, path: Path) -> GraphSpec:

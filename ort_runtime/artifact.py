@@ -42,10 +42,11 @@ from pathlib import Path
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import CYCLE, DECODE, PREFILL, Manifest, resolve_inside
+from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, PREFILL, Manifest, resolve_inside
 from loopcast.ort_runtime.trust import op_library_to_load
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
 
 
 @dataclass
@@ -65,6 +66,7 @@ class LoadedModel:
     prepacked: bool = True                           # False under share_weights=True
     _graph_ids: dict[str, int] = field(default_factory=dict, repr=False)
     _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
+    _captured: dict[str, ort.InferenceSession | None] = field(default_factory=dict, repr=False)
     _session_factory: object = field(default=None, repr=False)
     # Generators may be made from several threads (LoopcastModel's pool): ids and lazily made
     # eager sessions are handed out under this lock. ORT sessions themselves are thread-safe.
@@ -97,6 +99,18 @@ class LoadedModel:
         with self._lock:
             self._graph_ids[kind] = self._graph_ids.get(kind, 0) + 1
             return self._graph_ids[kind]
+
+    def capture_session(self, kind: str) -> ort.InferenceSession | None:
+        """A CUDA-graph session of a batched kind (opened eagerly by default, docs/serving.md),
+        made on first use and shared; None where it cannot be made (then run eagerly)."""
+        with self._lock:
+            if kind not in self._captured:
+                try:
+                    self._captured[kind] = self._session_factory(kind, True)
+                except ArtifactError as exc:
+                    self.graph_fallbacks[kind] = str(exc)
+                    self._captured[kind] = None
+            return self._captured[kind]
 
     def eager_session(self, kind: str) -> ort.InferenceSession:
         """An uncaptured session of ``kind``, for slots whose capture failed (made on first use)."""
@@ -140,7 +154,8 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
             raise ArtifactError(f"{file}: the graph's {label} do not match the manifest's '{spec.kind}' graph "
                                 f"(missing {missing[:4]}, unexpected {extra[:4]}); is it another kind's graph?")
     cfg = manifest.config
-    kv_shape = [1, cfg.num_kv_heads, manifest.max_length, cfg.head_dim]
+    # batched kinds (graphs/batched.py) take a symbolic batch of sequences
+    kv_shape = [BATCH_DIM if spec.kind in BATCH_KINDS else 1, cfg.num_kv_heads, manifest.max_length, cfg.head_dim]
     for slot in spec.kv_slots:
         for name in (f"past_key.{slot}", f"past_value.{slot}"):
             if list(inputs[name].shape) != kv_shape or inputs[name].type != _ORT_TYPES[manifest.dtype]:
@@ -233,6 +248,9 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     for kind in wanted:
         spec = manifest.graphs[kind]
         if kind in shared:
+            continue
+        if kind in BATCH_KINDS:  # a symbolic batch: run eagerly (docs/serving.md, "CUDA")
+            sessions[kind] = make_session(kind, False)
             continue
         if device == "cuda" and cuda_graphs and spec.rows is not None and host_lengths and cuda_graphs != "always":
             fallbacks[kind] = ("GroupQueryAttention reads total_sequence_length on the host, which a captured "
@@ -337,6 +355,8 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         f"each {manifest.kv_layout['shape']})",
         f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB (artifact total {total / 2**20:.1f} MiB)",
         f"custom ops      {', '.join(manifest.custom_ops) or 'none'}{_library_status(Path(path), manifest)}",
+        *([f"max batch       {manifest.max_batch} sequences (batched kinds; docs/serving.md)"]
+          if manifest.max_batch else []),
         "graphs:",
     ]
     for kind, spec in manifest.graphs.items():

@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import CYCLE, DECODE, DRAFT, PREFILL, GraphSpec
+from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, DRAFT, PREFILL, GraphSpec
 from loopcast.ort_runtime.artifact import LoadedModel
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
@@ -270,8 +270,9 @@ class Generator:
         shape = (1, cfg.num_kv_heads, self.max_length, cfg.head_dim)
         self._kv = {s: (_Buffer(shape, dtype, model.device), _Buffer(shape, dtype, model.device))
                     for s in range(cfg.num_kv_slots)}
+        # The batched kinds belong to a BatchGenerator (ort_runtime/batch_generator.py).
         self._kinds = {kind: _KindBinding(sess, manifest.graphs[kind], self._kv, model, dtype)
-                       for kind, sess in model.sessions.items() if kind != CYCLE}
+                       for kind, sess in model.sessions.items() if kind != CYCLE and kind not in BATCH_KINDS}
         # The pipeline's cycle graph: two bindings that hand the lanes' states to each other.
         self.cycle = (CycleBinding(model.sessions[CYCLE], manifest.graphs[CYCLE], self._kv, model, dtype)
                       if CYCLE in model.sessions else None)

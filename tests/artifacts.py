@@ -36,17 +36,20 @@ def reference(name: str):
 
 
 def artifact(name: str, dtype: str = "fp32", verify_width: int = 5, draft_depth: int | None = None,
-             max_length: int | None = None, batch_invariant: bool = False, ops: str = "auto") -> Path:
-    return _artifact(name, dtype, verify_width, draft_depth, max_length, batch_invariant, ops)
+             max_length: int | None = None, batch_invariant: bool = False, ops: str = "auto",
+             max_batch: int | None = None) -> Path:
+    return _artifact(name, dtype, verify_width, draft_depth, max_length, batch_invariant, ops, max_batch)
 
 
 @lru_cache(maxsize=None)
 def _artifact(name: str, dtype: str, verify_width: int, draft_depth: int | None, max_length: int | None,
-              batch_invariant: bool, ops: str) -> Path:
+              batch_invariant: bool, ops: str, max_batch: int | None = None) -> Path:
     source = "demo" if name == "demo" else checkpoint(name)
     out = _ROOT / f"art-{name}-{dtype}-{verify_width}-{draft_depth}-{max_length}-{int(batch_invariant)}-{ops}"
+    out = out.with_name(out.name + (f"-b{max_batch}" if max_batch else ""))
     export_checkpoint(source, out, ExportOptions(dtype, max_length or (512 if name == "demo" else None),
-                                                 verify_width, draft_depth, batch_invariant, ops))
+                                                 verify_width, draft_depth, batch_invariant, ops,
+                                                 max_batch=max_batch))
     return out
 
 

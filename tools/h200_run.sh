@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
+# | serve
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -56,6 +57,21 @@ phase_bench_1p4b() {
   timeout 360 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --dtype bf16 --iters 20 \
     --past 1024 --widths 5 --no-end-to-end --alternate-tokens 0 --work-dir /root/bw14 \
     --out "$RES/bench-1p4b.json" > "$RES/bench-1p4b.txt" 2>&1
+}
+phase_serve() {  # batched vs one-at-a-time serving (tools/loadgen.py, in-process engines; docs/serving.md)
+  # Random Ouro-1.4B and 1.43B-Llama (Ouro's shape, R=1) checkpoints, fp16, --target cuda ops, 64 slots;
+  # the batched graphs eager and captured per width (--cuda-graphs).
+  local common=(--device cuda --dtype fp16 --max-batch 64 --max-length 512 --concurrency 1,4,16,64 --prompt-len 64
+                --max-tokens 64 --time-limit 20 --work-dir /root/lg)
+  timeout 280 python3 tools/loadgen.py preset:ouro-1.4b "${common[@]}" --out "$RES/serve-ouro-1.4b.json" \
+    > "$RES/serve-ouro-1.4b.txt" 2>&1
+  timeout 200 python3 tools/loadgen.py preset:ouro-1.4b "${common[@]}" --modes batched --cuda-graphs \
+    --out "$RES/serve-ouro-1.4b-graphs.json" > "$RES/serve-ouro-1.4b-graphs.txt" 2>&1
+  timeout 240 python3 tools/loadgen.py preset:llama-1.43b "${common[@]}" --cuda-graphs \
+    --out "$RES/serve-llama-1.43b.json" > "$RES/serve-llama-1.43b.txt" 2>&1
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  LOOPCAST_OPS_LIB=$LIB timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_batch_cuda.py \
+    2>&1 | tail -20 > "$RES/serve-gpu-tests.txt"
 }
 phase_sampling() {  # seeded sampling reproducible run to run, on the GPU (fp16) and the CPU (fp32)
   { python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp16 --dtype fp16 --target cuda --overwrite

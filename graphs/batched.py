@@ -1,0 +1,62 @@
+"""Batched kinds (docs/serving.md): one call steps several sequences.
+
+    decode_batch = embed → prelude → loops 0..R-1 → coda → head      ([B, 1] rows, B symbolic)
+    verify_batch = embed → prelude → loops 0..R-1 → coda → head      ([B, W] rows: pending + drafts)
+
+Batch entry b is sequence slot b: its row reads and writes batch entry b of every per-(loop,
+layer) KV buffer ``[B, H_kv, S_max, D]`` at its own position ``seqlens_k[b]`` (both attention
+ops take per-entry lengths), so the sequences share the weights' loads and nothing else. A
+row's arithmetic is the single-sequence decode row's: the attention op computes each (entry,
+head) on its own, and the norms, the MatMuls (MLAS on the CPU, measured row-invariant by the
+exporter's exactness check) and the argmax work per row; tests/ort_runtime/test_batch_decode.py
+checks batched greedy against single-sequence greedy token for token. A verify_batch entry is
+the verify graph's W rows of its sequence (positions n_b..n_b+W-1, ``seqlens_k[b] = n_b+W-1``).
+
+B is symbolic so that a runtime can run only the occupied prefix of its slots; the manifest's
+``max_batch`` is the number of slots a runtime allocates.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from loopcast.config import ModelConfig
+from loopcast.graphs import blocks
+from loopcast.graphs.builder import GraphBuilder
+from loopcast.manifest import BATCH_KINDS, GraphSpec
+
+BATCH = "batch"  # the symbolic batch dimension (ort_runtime/artifact.py BATCH_DIM)
+
+
+def build_batched_kind(kind: str, config: ModelConfig, dtype: ir.DataType, max_length: int,
+                       b: GraphBuilder, *, op_set: str = "stock", rows: int = 1) -> tuple[ir.Model, GraphSpec]:
+    if kind not in BATCH_KINDS:
+        raise ValueError(f"unknown batched kind {kind!r}")
+    R = config.num_loops
+    token_ids = b.input("input_ids_BS", ir.DataType.INT64, [BATCH, rows])
+    step = blocks.StepInputs(
+        # per sequence: seqlens_k[b] = n_b + rows - 1 (its rows sit at positions n_b..);
+        # total_sequence_length = max_b n_b + rows (GroupQueryAttention's bound over the batch)
+        seqlens_k=b.input("seqlens_k", ir.DataType.INT32, [BATCH]),
+        total_sequence_length=b.input("total_sequence_length", ir.DataType.INT32, []),
+        cos_cache=b.weight("rotary.cos_SD2"),
+        sin_cache=b.weight("rotary.sin_SD2"),
+    )
+    batch_invariant = op_set == "loopcast"
+    ctx = blocks.BlockContext(config, dtype, max_length, step, batch_invariant,
+                              loopcast_attention=op_set == "loopcast-attention", batch=BATCH, batch_rows=rows)
+    x = blocks.embed(b, token_ids)
+    if batch_invariant:
+        x, _ = blocks.decoder_stack(b, x, blocks.layer_sites(config, 0, R, prelude=True), ctx)
+    else:
+        x = blocks.prelude(b, x, ctx)
+        for loop in range(R):
+            x = blocks.core_loop(b, x, loop, ctx)
+        x = blocks.coda(b, x, ctx)
+    logits = blocks.lm_head(b, x, ctx)
+    blocks.greedy_outputs(b, logits, rows, config.vocab_size, batch=BATCH)
+    model = b.build(kind, __doc__.split("\n\n")[0])
+    slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
+    spec = GraphSpec(kind=kind, file=f"{kind}.onnx", rows=rows, first_loop=0, last_loop=R, kv_slots=slots,
+                     inputs=[v.name for v in b.inputs], outputs=[v.name for v in b.outputs])
+    return model, spec

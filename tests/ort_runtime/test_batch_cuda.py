@@ -1,0 +1,52 @@
+"""Batched decode on CUDA (needs onnxruntime-gpu and a GPU; skipped elsewhere, as in CI; the H200
+phase `tools/h200_run.sh serve` runs it).
+
+Captured per-width graphs give the tokens of eager batched runs (the same kernels); a width-1
+batched step is the single-sequence decode graph's ops, so its greedy tokens equal plain greedy.
+"""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+import pytest
+
+from loopcast.ort_runtime import load
+from loopcast.ort_runtime.batch_generator import BatchGenerator
+from loopcast.ort_runtime.batching import BatchingEngine, BatchRequest
+from tests.artifacts import artifact
+from tests.ort_runtime.test_generator import DEMO_PROMPTS
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                       reason="needs onnxruntime-gpu (CUDAExecutionProvider)"),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load(artifact("demo", "fp16", batch_invariant=True, ops="loopcast", max_batch=8), "cuda")
+
+
+def _serve(model, prompts, max_batch, cuda_graphs):
+    engine = BatchingEngine(BatchGenerator(model.loaded, max_batch, cuda_graphs=cuda_graphs)).start()
+    try:
+        done = [engine.submit(BatchRequest(model.encode(p), 32)) for p in prompts]
+        return [c.result(120) for c in done], engine.gen
+    finally:
+        engine.shutdown()
+
+
+def test_captured_equals_eager_batched(model):
+    prompts = DEMO_PROMPTS[:12]
+    eager, _ = _serve(model, prompts, 8, False)
+    captured, gen = _serve(model, prompts, 8, True)
+    assert gen.captured, gen.graph_fallbacks
+    assert captured == eager
+
+
+def test_width_one_equals_plain_greedy(model):
+    prompts = DEMO_PROMPTS[:4]
+    for cuda_graphs in (False, True):
+        got, _ = _serve(model, prompts, 1, cuda_graphs)
+        assert got == [list(model.stream_ids(p, 32)) for p in prompts]
