@@ -34,10 +34,12 @@ import time
 from dataclasses import dataclass, field
 
 from loopcast.errors import RequestError
-from loopcast.manifest import CYCLE
+from loopcast.manifest import CYCLE, DECODE
 
-# The generator timer of whole pipeline rounds per cycle (the cost gate's price of a cycle).
+# Generator timers of whole rounds (host work included): the pipeline's per cycle, and plain
+# decoding's while the pipeline's gate stands down (the cost gate's prices, on one scale).
 ROUND_TIMER = "cycle_round"
+DECODE_ROUND_TIMER = "decode_round"
 
 
 @dataclass
@@ -105,6 +107,11 @@ class PipelineCycles:
         # A cycle's wall time in a round (host scheduling and copies included: on a small model
         # they are a third of it), else the bare step time, else a guess from decode.
         cycle = costs.mean(ROUND_TIMER) or costs.mean(CYCLE) or costs.decode() / R * 1.2
+        plain_round, plain_step = costs.mean(DECODE_ROUND_TIMER), costs.mean(DECODE)
+        if costs.mean(ROUND_TIMER) and plain_round and plain_step:
+            # The gate compares with decode's step timer: put the round's wall time (host work
+            # in) on that scale, with plain rounds' wall time against their step time.
+            cycle *= plain_step / plain_round
         return 1.0 / (cycle * (alpha * self.exit_depth + (1 - alpha) * R))
 
     def round_cost(self, costs, k: int) -> float:

@@ -38,7 +38,7 @@ from loopcast.ort_runtime.accept import TieGuard
 from loopcast.ort_runtime.acceptors import GreedyAcceptor, SampledAcceptor
 from loopcast.ort_runtime.gates import GATES, HitDensityGate, StepCosts, make_gate
 from loopcast.ort_runtime.generator import Generator
-from loopcast.ort_runtime.pipeline import ExitDrafts, PipelineCycles
+from loopcast.ort_runtime.pipeline import DECODE_ROUND_TIMER, ExitDrafts, PipelineCycles
 from loopcast.ort_runtime.proposers import PromptLookupProposer, Proposal, SelfDraftProposer, UserProposer
 from loopcast.ort_runtime.sampling import SamplingParams
 from loopcast.ort_runtime.verifiers import DraftTail, VerifyRows
@@ -365,7 +365,11 @@ class _Engine:
         gen, strategy = self.gen, self.plan.strategy
         if not self.gate.engage(step):
             strategy.stop()
+            t0, steady0 = time.perf_counter(), gen.timed_counts["decode"]
             token = self.acceptor.decode(gen, pending, self.context)
+            if gen.timed_counts["decode"] > steady0:  # the pipeline's price of a plain round
+                gen.timed_seconds[DECODE_ROUND_TIMER] += time.perf_counter() - t0
+                gen.timed_counts[DECODE_ROUND_TIMER] += 1
             self.context.append(pending)
             return [token]
         done = strategy.next_token(gen, pending, gen.n + remaining - 1, self.plan.proposer, self.acceptor,

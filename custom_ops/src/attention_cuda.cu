@@ -25,7 +25,9 @@
 // the q heads of a kv head, so K/V are loaded once for them) is free: it changes no arithmetic.
 // The scratch and counters are process-wide statics: calls on one device must not run
 // concurrently on different streams (a session runs its steps one at a time). Whether the split
-// kernel is used depends on B, Hq, D and the capacity only (sized for S = 32), never on S <= 32.
+// kernel is used depends on Hq, D and the capacity only (sized for S = 32 rows per batch entry),
+// never on B or on S <= 32: a batch that overflows the scratch runs as several launches.
+#include <algorithm>
 #include <cfloat>
 
 #include "attention_common.cuh"
@@ -473,14 +475,34 @@ struct AttentionLauncher {
       if (err != cudaSuccess) return static_cast<int>(err);
     }
     const bool rot = do_rotary != 0;
-    if (split_fits(B, S, Hq, Hkv, D, cap)) {  // one launch: the split kernel writes the new K/V itself
-      switch (D) {
-        case 16: return launch_split<T, 16>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
-        case 32: return launch_split<T, 32>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
-        case 64: return launch_split<T, 64>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
-        case 128: return launch_split<T, 128>(qkv, pk, pv, seqlens, cs, sn, out, B, S, Hq, Hkv, cap, rotary_len, scale, rot, stream);
-        default: return static_cast<int>(cudaErrorInvalidValue);
+    // Which kernel (and so which arithmetic) serves a row is decided per row, as for a one-row
+    // call: a batch of sequences must give each row the bits of its own decode step (serving
+    // never changes a greedy token). A batch whose partials overflow the static scratch runs as
+    // several launches of batch entries; the split kernel's arithmetic per (row, head) does not
+    // depend on the batch or the grid.
+    const long long units_per_entry = static_cast<long long>(S) * Hq;
+    const long long per_entry = units_per_entry * ((cap + kChunk - 1) / kChunk) * (D + 2);
+    const long long group = split_fits(1, S, Hq, Hkv, D, cap)
+                                ? std::min(static_cast<long long>(kScratchFloats) / per_entry,
+                                           static_cast<long long>(kMaxUnits) / units_per_entry)
+                                : 0;
+    if (group >= 1) {  // the split kernel writes the new K/V itself
+      const size_t width = static_cast<size_t>(Hq + 2 * Hkv) * D, cache = static_cast<size_t>(Hkv) * cap * D;
+      for (int b0 = 0; b0 < B; b0 += static_cast<int>(group)) {
+        const int nb = static_cast<int>(std::min<long long>(group, B - b0));
+        const T* q = qkv + static_cast<size_t>(b0) * S * width;
+        T* o = out + static_cast<size_t>(b0) * S * Hq * D;
+        int code = 0;
+        switch (D) {
+          case 16: code = launch_split<T, 16>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream); break;
+          case 32: code = launch_split<T, 32>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream); break;
+          case 64: code = launch_split<T, 64>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream); break;
+          case 128: code = launch_split<T, 128>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream); break;
+          default: return static_cast<int>(cudaErrorInvalidValue);
+        }
+        if (code != 0) return code;
       }
+      return 0;
     }
     cudaError_t err = launch_kernel(kv_write_kernel<T>, dim3(S, B), dim3(kThreads), 0, stream, 0, qkv, pk, pv, seqlens,
                                     cs, sn, S, Hq, Hkv, D, cap, rotary_len, rot);
