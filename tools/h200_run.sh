@@ -21,6 +21,10 @@ phase_setup() {
     mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z'); mod=${mod/onnx_ir/onnx_ir}
     python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
   done
+  # The prebuilt op library, when staged (.ortgpu/opswheel): no build on this machine.
+  for w in .ortgpu/opswheel/loopcast_ops-*.whl; do
+    [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
+  done
   python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" | tee "$RES/setup.txt"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$RES/setup.txt"
 }
@@ -90,7 +94,7 @@ phase_fresh_install() {  # a fresh install (loopcast + the prebuilt loopcast-ops
     echo "nvcc on PATH: $(command -v nvcc || echo none)"
     t0=$(date +%s.%N)
     timeout 120 python3 -m loopcast.cli export /tmp/fresh/loopcast/demo_model -o /tmp/fresh-art --dtype fp16 --target cuda
-    echo "export --target cuda wall: $(echo "$(date +%s.%N) - $t0" | bc) s"
+    echo "export --target cuda wall: $(python3 -c "import time; print(round(time.time() - $t0, 2))") s"
     ls /tmp/fresh-cache 2>/dev/null | sed 's/^/cache entry: /'
     timeout 120 python3 -m loopcast.cli generate /tmp/fresh-art --device cuda --prompt "def add(a, b):" \
       --max-new-tokens 32 --speculative pipeline --json | head -c 600 ) >> "$log" 2>&1
