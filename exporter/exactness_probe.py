@@ -76,7 +76,8 @@ def rows_match_shallow(artifact_dir: str | Path, layers: int = 2) -> bool:
             graphs[plan.kind] = spec
         twin = dataclasses.replace(
             manifest, model=shallow.to_hf_dict(), graphs=graphs, tokenizer_files=[], genai_files=[],
-            kv_layout={**manifest.kv_layout, "slots": shallow.num_kv_slots}, exact_verify={})
+            kv_layout={**manifest.kv_layout, "slots": shallow.num_kv_slots}, exact_verify={},
+            max_batch=None)  # the batched kinds are not part of what exact_verify declares
         names = [spec.file for spec in graphs.values()] + [manifest.weights_file]
         names += [manifest.custom_op_library] if manifest.custom_op_library else []
         # The weights file is the artifact's own (a hard link): its recorded hash stands.
