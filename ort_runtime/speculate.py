@@ -270,6 +270,8 @@ class Finisher:
         stats.new_tokens = emitted
         stats.tokens_per_second = emitted / stats.seconds if stats.seconds > 0 else 0.0
         stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
+        if gen.step_counts.get("cycle", 0) > self.counts0.get("cycle", 0):
+            stats.tokens_per_round = 1.0 if stats.rounds else 0.0  # a pipeline round ends with one token
         # Passes over the core layers: a step of a graph running loops a..b-1 is b-a passes
         # whatever its rows (prefill excluded); a cycle is one pass.
         ran = {k: gen.step_counts[k] - self.counts0.get(k, 0) for k in gen.step_counts}
