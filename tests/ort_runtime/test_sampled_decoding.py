@@ -174,3 +174,37 @@ def test_enumeration_covers_every_draw(tiny_case) -> None:
     _, exact = tiny_case
     assert all(len(seq) == HORIZON for seq in exact)
     assert set(itertools.chain.from_iterable(exact)) <= set(range(1, 10**6)) | {0}
+
+
+# -- the pipeline's rule with drafts that are accepted: the trained demo model --------------------
+
+@pytest.fixture(scope="module")
+def demo_case(demo):
+    """The demo model's exact plain distribution of 3 tokens after a code prompt (top-3,
+    temperature 1.5): its depth-1 head shares tokens with the full depth, so lanes are kept."""
+    prompt = demo.encode("def add(a, b):\n    return")
+    gen = demo.new_generator()
+
+    def p_after(seq):
+        gen.rewind(0)
+        out = gen.run(PREFILL, 0, tokens=list(seq), want_logits=True)
+        return probabilities(out.logits[-1], PARAMS, seq)
+
+    frontier = {(): 1.0}
+    for _ in range(HORIZON):
+        nxt = {}
+        for suffix, prob in frontier.items():
+            p = p_after(prompt + list(suffix))
+            for t in np.flatnonzero(p):
+                nxt[suffix + (int(t),)] = prob * p[t]
+        frontier = nxt
+    return prompt, frontier
+
+
+def test_pipeline_keeps_the_distribution_when_lanes_are_kept(demo, demo_case) -> None:
+    prompt, exact = demo_case
+    draws, stats = _draws(demo, prompt, "pipeline")
+    assert chi_square(exact, draws) > 1e-3
+    assert 0 < stats.accepted < stats.proposed  # the rule kept some drafts and rejected others
+    wrong, _ = _draws(demo, prompt, "pipeline", AcceptAlways)
+    assert chi_square(exact, wrong) < 1e-6
