@@ -12,28 +12,13 @@
 #include <limits>
 #include <vector>
 
+#include "attention_row_math.h"
 #include "attention_shapes.h"
 #include "cpu_ops.h"
 #include "op_schemas.h"
 
 namespace loopcast {
 namespace {
-
-// Rotate-half (NeoX) rotary in fp32: out = [x1*cos - x2*sin, x2*cos + x1*sin].
-template <typename T>
-void rotate(const T* x, const T* cos_row, const T* sin_row, int64_t D, bool do_rotary, float* out) {
-  const int64_t h = D / 2;
-  if (!do_rotary) {
-    for (int64_t d = 0; d < D; ++d) out[d] = to_float(x[d]);
-    return;
-  }
-  for (int64_t d = 0; d < h; ++d) {
-    const float x1 = to_float(x[d]), x2 = to_float(x[d + h]);
-    const float c = to_float(cos_row[d]), s = to_float(sin_row[d]);
-    out[d] = x1 * c - x2 * s;
-    out[d + h] = x2 * c + x1 * s;
-  }
-}
 
 template <typename T>
 struct AttentionCpuKernel {
@@ -124,16 +109,7 @@ struct AttentionCpuKernel {
       for (int64_t j = 0; j <= last; ++j) {
         const T* k = kc + j * D;
         for (int64_t i = std::max<int64_t>(0, j - n); i < S; ++i) {
-          // Eight fixed lanes over d, summed in a fixed order: vectorisable, and the same
-          // arithmetic for a row whatever else the call holds.
-          const float* qi = q.data() + i * D;
-          float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8)
-            for (int l = 0; l < 8; ++l) lane[l] += qi[d + l] * to_float(k[d + l]);
-          for (; d < D; ++d) lane[d % 8] += qi[d] * to_float(k[d]);
-          const float dot = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-          const float score = dot * r.s.scale;
+          const float score = lane_dot(q.data() + i * D, k, D) * r.s.scale;
           scores[static_cast<size_t>(i * (last + 1) + j)] = score;
           mx[i] = std::max(mx[i], score);
         }

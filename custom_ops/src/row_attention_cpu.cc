@@ -18,26 +18,12 @@
 #include <tuple>
 #include <vector>
 
+#include "attention_row_math.h"
 #include "cpu_ops.h"
 #include "row_attention.h"
 
 namespace loopcast {
 namespace {
-
-template <typename T>
-void rotate_row(const T* x, const T* cos_row, const T* sin_row, int64_t D, bool do_rotary, float* out) {
-  const int64_t h = D / 2;
-  if (!do_rotary) {
-    for (int64_t d = 0; d < D; ++d) out[d] = to_float(x[d]);
-    return;
-  }
-  for (int64_t d = 0; d < h; ++d) {
-    const float x1 = to_float(x[d]), x2 = to_float(x[d + h]);
-    const float c = to_float(cos_row[d]), s = to_float(sin_row[d]);
-    out[d] = x1 * c - x2 * s;
-    out[d + h] = x2 * c + x1 * s;
-  }
-}
 
 template <typename T>
 struct RowAttentionCpuKernel {
@@ -107,7 +93,7 @@ struct RowAttentionCpuKernel {
       const int64_t k = attrs.row_buffers[i], sq = c.seq ? c.seq[i] : 0;
       const T* row = c.qkv + i * c.width;
       for (int64_t h = 0; h < Hkv; ++h) {
-        rotate_row(row + (Hq + h) * D, c.cos ? c.cos + p * c.half : nullptr, c.sin ? c.sin + p * c.half : nullptr, D,
+        rotate(row + (Hq + h) * D, c.cos ? c.cos + p * c.half : nullptr, c.sin ? c.sin + p * c.half : nullptr, D,
                    attrs.do_rotary, buf.data());
         const size_t at = static_cast<size_t>(((sq * Hkv + h) * T_cap + p) * D);
         const T* vsrc = row + (Hq + Hkv + h) * D;
@@ -136,23 +122,16 @@ struct RowAttentionCpuKernel {
     q.resize(static_cast<size_t>(D));
     acc.assign(static_cast<size_t>(D), 0.0f);
     scores.resize(static_cast<size_t>(p + 1));
-    rotate_row(c.qkv + i * c.width + h * D, c.cos ? c.cos + p * c.half : nullptr, c.sin ? c.sin + p * c.half : nullptr,
+    rotate(c.qkv + i * c.width + h * D, c.cos ? c.cos + p * c.half : nullptr, c.sin ? c.sin + p * c.half : nullptr,
                D, attrs.do_rotary, q.data());
     const size_t cache = static_cast<size_t>((sq * Hkv + h / c.group) * T_cap * D);
     const T* kc = c.keys[k] + cache;
     const T* vc = c.values[k] + cache;
-    // The same expressions, in the same order, as BatchInvariantAttention's row (attention_cpu.cc).
+    // BatchInvariantAttention's row arithmetic (attention_row_math.h), then the same softmax order.
     float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
     for (int64_t j = 0; j <= p; ++j) {
       if (j >= lo && j < hi) continue;
-      const T* kj = kc + j * D;
-      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8)
-        for (int l = 0; l < 8; ++l) lane[l] += q[d + l] * to_float(kj[d + l]);
-      for (; d < D; ++d) lane[d % 8] += q[d] * to_float(kj[d]);
-      const float dot = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-      const float score = dot * c.s.scale;
+      const float score = lane_dot(q.data(), kc + j * D, D) * c.s.scale;
       scores[static_cast<size_t>(j)] = score;
       mx = std::max(mx, score);
     }

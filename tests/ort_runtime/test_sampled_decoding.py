@@ -103,14 +103,22 @@ def tiny_case(tiny):
     start = rng.integers(1, tiny.config.vocab_size, 4).tolist()
     # the model's own greedy text: sampled tokens often recur in it, followed by likely drafts
     prompt = start + tiny.generate(start, 40, stop_ids=()).tokens
-    gen = tiny.new_generator()
+    exact = exact_distribution(tiny, prompt)
+    assert abs(sum(exact.values()) - 1) < 1e-9 and len(exact) <= 27
+    return prompt, exact
+
+
+def exact_distribution(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """Plain sampling's exact distribution of the first HORIZON tokens after ``prompt``,
+    enumerated with one prefill per prefix."""
+    gen = model.new_generator()
 
     def p_after(seq):
         gen.rewind(0)
         out = gen.run(PREFILL, 0, tokens=list(seq), want_logits=True)
         return probabilities(out.logits[-1], PARAMS, seq)
 
-    exact, frontier = {}, {(): 1.0}
+    frontier = {(): 1.0}
     for _ in range(HORIZON):
         nxt = {}
         for suffix, prob in frontier.items():
@@ -118,9 +126,7 @@ def tiny_case(tiny):
             for t in np.flatnonzero(p):
                 nxt[suffix + (int(t),)] = prob * p[t]
         frontier = nxt
-    exact = frontier
-    assert abs(sum(exact.values()) - 1) < 1e-9 and len(exact) <= 27
-    return prompt, exact
+    return frontier
 
 
 def _draws(tiny, prompt, mode, acceptor_factory=None, gate="none"):
@@ -183,22 +189,7 @@ def demo_case(demo):
     """The demo model's exact plain distribution of 3 tokens after a code prompt (top-3,
     temperature 1.5): its depth-1 head shares tokens with the full depth, so lanes are kept."""
     prompt = demo.encode("def add(a, b):\n    return")
-    gen = demo.new_generator()
-
-    def p_after(seq):
-        gen.rewind(0)
-        out = gen.run(PREFILL, 0, tokens=list(seq), want_logits=True)
-        return probabilities(out.logits[-1], PARAMS, seq)
-
-    frontier = {(): 1.0}
-    for _ in range(HORIZON):
-        nxt = {}
-        for suffix, prob in frontier.items():
-            p = p_after(prompt + list(suffix))
-            for t in np.flatnonzero(p):
-                nxt[suffix + (int(t),)] = prob * p[t]
-        frontier = nxt
-    return prompt, frontier
+    return prompt, exact_distribution(demo, prompt)
 
 
 def test_pipeline_keeps_the_distribution_when_lanes_are_kept(demo, demo_case) -> None:
