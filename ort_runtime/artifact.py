@@ -42,7 +42,8 @@ from pathlib import Path
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, PREFILL, Manifest, resolve_inside
+from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, LOGIT_ROWS, PREFILL, VERIFY, Manifest, resolve_inside
+from loopcast.ort_runtime.shared_weights import SharedWeights, load_shared_weights
 from loopcast.ort_runtime.trust import op_library_to_load
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -64,6 +65,8 @@ class LoadedModel:
     # kind -> the kind whose session (and packed weights) it runs on, e.g. {"decode": "prefill"}
     shared_sessions: dict[str, str] = field(default_factory=dict)
     prepacked: bool = True                           # False under share_weights=True
+    # the one copy of the weights every session uses (ort_runtime/shared_weights.py); None: each its own
+    shared_weights: SharedWeights | None = None
     _graph_ids: dict[str, int] = field(default_factory=dict, repr=False)
     _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
     _captured: dict[str, ort.InferenceSession | None] = field(default_factory=dict, repr=False)
@@ -183,11 +186,14 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
 def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
                   kinds: tuple[str, ...] | None = None, share_weights: bool = False,
                   cuda_graphs: bool | str = True, trust_ops: bool = False,
-                  share_sessions: bool = True) -> LoadedModel:
+                  share_sessions: bool | tuple[str, ...] = True, shared_initializers: bool | None = None) -> LoadedModel:
     """Validate and open an artifact. ``trust_ops`` allows loading its custom-op library even
     when it is not one this user built (ort_runtime/trust.py states the whole rule).
-    ``share_sessions=False`` gives every kind its own CPU session, as before decode shared
-    prefill's (for measurements: tools/bench_weight_sharing.py)."""
+    ``share_sessions=False`` gives every kind its own CPU session, as before decode and verify
+    shared prefill's (a tuple: only those kinds share it); ``shared_initializers`` (default: wherever no kernel prepacks, see
+    ``uses_shared_initializers``) hands every session the same weight values
+    (ort_runtime/shared_weights.py); False gives each session its own copy (for measurements:
+    tools/bench_weight_sharing.py)."""
     import time
 
     start = time.perf_counter()
@@ -219,10 +225,19 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
         _check_cuda_custom_ops(path, manifest, library)
     if device == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
+    wanted = [kind for kind in manifest.graphs if kinds is None or kind in kinds]
+    if shared_initializers is None:
+        shared_initializers = uses_shared_initializers(manifest, device, share_weights)
+    weights, weight_names = None, {}
+    if shared_initializers:
+        weights, names = load_shared_weights(path, [path / manifest.graphs[k].file for k in wanted], device)
+        weight_names = dict(zip(wanted, names))
 
     def make_session(kind: str, capture: bool) -> ort.InferenceSession:
         spec = manifest.graphs[kind]
         options = _session_options(library, threads, share_weights)
+        if weights is not None:
+            weights.add_to(options, weight_names[kind])
         cuda_options = {"enable_cuda_graph": "1"} if capture else {}
         if device == "cuda" and manifest.dtype == "fp32":
             cuda_options["use_tf32"] = "0"  # an fp32 artifact means fp32 math, not TF32 matmuls
@@ -241,8 +256,9 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     if cuda_graphs not in (True, False, "always"):
         raise RequestError(f"cuda_graphs must be True, False or 'always', got {cuda_graphs!r}")
     host_lengths = not manifest.device_lengths
-    wanted = [kind for kind in manifest.graphs if kinds is None or kind in kinds]
     shared = _cpu_shared_sessions(manifest, wanted) if device == "cpu" and share_sessions else {}
+    if isinstance(share_sessions, tuple):
+        shared = {kind: host for kind, host in shared.items() if kind in share_sessions}
     sessions, graph_kinds, fallbacks = {}, set(), {}
     eager = []
     for kind in wanted:
@@ -273,6 +289,9 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     else:
         made = {kind: make_session(kind, False) for kind in eager}
     sessions.update(made)
+    if VERIFY in shared and LOGIT_ROWS not in {v.name for v in sessions[PREFILL].get_overridable_initializers()}:
+        del shared[VERIFY]  # exported before prefill took logit_rows: verify keeps its own session
+        sessions[VERIFY] = make_session(VERIFY, False)
     for kind, host in shared.items():
         sessions[kind] = sessions[host]
     sessions = {kind: sessions[kind] for kind in wanted}
@@ -286,21 +305,36 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
             raise ArtifactError(f"{path / 'tokenizer.json'}: unreadable tokenizer ({exc})") from None
     return LoadedModel(path, manifest, device, sessions, tokenizer, time.perf_counter() - start,
                        graph_kinds=frozenset(graph_kinds), graph_fallbacks=fallbacks,
-                       shared_sessions=shared, prepacked=not share_weights, _session_factory=make_session)
+                       shared_sessions=shared, prepacked=not share_weights, shared_weights=weights,
+                       _session_factory=make_session)
+
+
+def uses_shared_initializers(manifest: Manifest, device: str, share_weights: bool) -> bool:
+    """Whether sessions get one shared copy of the weights by default: on CUDA (no kernel there
+    prepacks), and on the CPU where nothing prepacks (the loopcast op set, or prepacking turned
+    off); a prepacking CPU MatMul would keep the shared mapping resident besides its own packed
+    copy per session (docs/perf.md, "Run-time memory")."""
+    return device == "cuda" or manifest.op_set == "loopcast" or share_weights
 
 
 def _cpu_shared_sessions(manifest: Manifest, kinds: list[str]) -> dict[str, str]:
-    """Kinds that run on another kind's CPU session: decode on prefill's when the two graphs
-    are the same computation (same loops, KV slots and IO names; prefill's last-row slice is
-    the identity for one row). Every session holds its own prepacked copy of the weights
-    (ORT's Python API cannot share one), so one session fewer is one copy fewer."""
-    if DECODE not in kinds or PREFILL not in kinds:
+    """Kinds that run on another kind's CPU session: decode and verify on prefill's when the
+    graphs are the same computation (same loops, KV slots and IO names; prefill's slice of its
+    last ``logit_rows`` rows is the identity when it is fed the kind's row count). Every session
+    holds its own prepacked copy of the weights (ORT's Python API cannot share one), so one
+    session fewer is one copy fewer."""
+    if PREFILL not in kinds:
         return {}
-    prefill, decode = manifest.graphs[PREFILL], manifest.graphs[DECODE]
-    same = (prefill.rows is None and decode.rows == 1 and prefill.first_loop == decode.first_loop
-            and prefill.last_loop == decode.last_loop and list(prefill.kv_slots) == list(decode.kv_slots)
-            and set(prefill.inputs) == set(decode.inputs) and set(prefill.outputs) == set(decode.outputs))
-    return {DECODE: PREFILL} if same else {}
+    prefill = manifest.graphs[PREFILL]
+
+    def same(kind: str) -> bool:
+        spec = manifest.graphs[kind]
+        return (prefill.rows is None and spec.rows is not None and prefill.first_loop == spec.first_loop
+                and prefill.last_loop == spec.last_loop and list(prefill.kv_slots) == list(spec.kv_slots)
+                and set(prefill.inputs) == set(spec.inputs) and set(prefill.outputs) == set(spec.outputs))
+
+    # verify needs prefill's LOGIT_ROWS input (checked on the session: artifacts exported before it lack it)
+    return {kind: PREFILL for kind in (DECODE, VERIFY) if kind in kinds and same(kind)}
 
 
 def _check_cuda_custom_ops(path: Path, manifest: Manifest, library: Path) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, DRAFT, PREFILL, GraphSpec
+from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, DRAFT, LOGIT_ROWS, PREFILL, GraphSpec
 from loopcast.ort_runtime.artifact import LoadedModel
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
@@ -112,6 +112,10 @@ class _KindBinding:
         self.logits = _Buffer((1, out_rows, cfg.vocab_size), np.float32, device)
         self.gap = _Buffer((1, 1), np.float32, device) if spec.kind == DRAFT else None
         self.hidden_out = _Buffer((1, 1, cfg.hidden_size), dtype, device) if spec.kind == DRAFT else None
+        # on prefill's session (the CPU: ort_runtime/artifact.py), the graph returns logits for
+        # its last ``logit_rows`` rows: all of this kind's
+        self.logit_rows = (ort.OrtValue.ortvalue_from_numpy(np.array([rows], np.int64))
+                           if model.shared_sessions.get(spec.kind) == PREFILL else None)
         self._kv = kv
         self._bind(self.binding)
 
@@ -133,6 +137,8 @@ class _KindBinding:
             b.bind_ortvalue_input("hidden_BSH", self.hidden.value)
         b.bind_ortvalue_input("seqlens_k", self.seqlens.value)
         b.bind_ortvalue_input("total_sequence_length", self.total.value)
+        if self.logit_rows is not None:
+            b.bind_ortvalue_input(LOGIT_ROWS, self.logit_rows)
         for slot in spec.kv_slots:
             key, value = kv[slot]
             b.bind_ortvalue_input(f"past_key.{slot}", key.value)
