@@ -1,18 +1,21 @@
 """Open an artifact: validate the manifest, create one ORT session per graph kind.
 
-Weights: every graph references the one ``weights.safetensors`` as external data, which ORT
-memory-maps on the CPU. ORT's MatMul weight *prepacking* then gives each session a private
-packed copy, and ORT's Python API offers no way for sessions to share one (the shared
-prepacked-weights container is in the C API only; ``add_initializer`` shares the raw tensor,
-not the packed one). Prepacking is kept because without it an M=1 MatMul takes MLAS's GEMV
-path and an M>1 one repacks per call, so decode rows would no longer be verify rows bit for
-bit and verify runs 2-3x slower. What we can do is run fewer sessions: on the CPU, decode is
-the prefill graph run with one row (prefill slices its last row, which for one row is the
-identity), so both kinds share one session and one packed copy; the rows are bit-identical
-to the decode graph's (tests/ort_runtime/test_weight_sharing.py) at the same speed.
-``share_weights=True`` turns prepacking off for one resident copy in all; the CPU's verify
-rows then differ from decode rows (GEMV vs GEMM), so ``exact_verify`` is false there.
-Numbers and commands: docs/architecture.md (runtime), docs/perf.md.
+Weights: every graph references the one ``weights.safetensors`` as external data. Left to
+itself, ORT gives every session its own copy: on CUDA a device copy per session, on the CPU a
+mapping per session plus, for the stock MatMul, a private *prepacked* copy per session (the
+shared prepacked-weights container is in ORT's C API only). Two mechanisms keep one copy:
+- shared initializers (``ort_runtime/shared_weights.py``): one OrtValue per weight, handed to
+  every session with ``add_initializer``: on CUDA always, on the CPU where nothing prepacks
+  (the loopcast op set, or ``share_weights=True``);
+- fewer sessions where prepacking must stay: on the CPU, decode and verify run on prefill's
+  session (prefill returns logits for its last ``logit_rows`` rows, default 1, and fed the
+  kind's row count it is the same computation), so one packed copy serves the three kinds;
+  the rows are bit-identical to the decode and verify graphs' own
+  (tests/ort_runtime/test_weight_sharing.py) at the same speed. Prepacking is kept because
+  without it an M=1 MatMul takes MLAS's GEMV path and an M>1 one repacks per call, so decode
+  rows would no longer be verify rows bit for bit and verify runs 2-3x slower
+  (``share_weights=True`` turns it off: ``exact_verify`` is then false for the stock MatMul).
+Numbers and commands: docs/perf.md ("Run-time memory").
 
 Several sessions alternate on the same cores, so their intra-op threads must not spin after
 a run (spinning threads of one session starve the next session's run).

@@ -6,6 +6,9 @@ on the CPU every session maps the weights file again. ``SessionOptions.add_initi
 a session an OrtValue to use for an initializer instead of the graph's data, and ORT uses that
 value as given (no copy, wherever it lives), so values made once from ``weights.safetensors``
 serve every session: on CUDA one device copy, on the CPU zero-copy views of one mapping.
+ORT uses a supplied value only where it plans that initializer on the value's device, and
+accepts only values whose buffer the caller owns (on CUDA: a DLPack view of an allocation we
+keep alive).
 
 Not used where ORT prepacks: a prepacking kernel (the stock CPU MatMul) packs the shared value
 into a private copy per session anyway, and the raw mapping then stays resident besides (measured:
@@ -19,7 +22,7 @@ value is handed over; a kernel reading a weight of another shape would read outs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +45,7 @@ class SharedWeights:
     device: str
     nbytes: int
     _mapping: MappedFile | None = None  # CPU values are views of this mapping: keep it alive
+    _owners: list[ort.OrtValue] = field(default_factory=list)  # CUDA: the allocations the values view
 
     def add_to(self, options: ort.SessionOptions, names: set[str]) -> None:
         for name in sorted(names):
@@ -94,7 +98,7 @@ def load_shared_weights(artifact: Path, graph_files: list[Path], device: str) ->
             names.add(name)
             wanted[name] = entry
         per_graph.append(names)
-    values, nbytes = {}, 0
+    values, nbytes, owners = {}, 0, []
     for name in sorted(wanted):
         try:
             array = mapping.tensor(name)
@@ -107,9 +111,12 @@ def load_shared_weights(artifact: Path, graph_files: list[Path], device: str) ->
             values[name] = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, _ONNX_BFLOAT16) if bf16
                             else ort.OrtValue.ortvalue_from_numpy(raw))
         else:
-            value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), _ONNX_BFLOAT16 if bf16 else array.dtype,
+            owner = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), _ONNX_BFLOAT16 if bf16 else array.dtype,
                                                               "cuda", 0)
-            value.update_inplace(np.ascontiguousarray(raw))
-            values[name] = value
+            owner.update_inplace(np.ascontiguousarray(raw))
+            # add_initializer takes only values whose buffer the caller owns; a DLPack view of
+            # ORT's allocation is such a value (no copy), and ``owner`` keeps the memory alive.
+            values[name] = ort.OrtValue.from_dlpack(owner)
+            owners.append(owner)
         nbytes += wanted[name].length
-    return SharedWeights(values, device, nbytes, mapping if device == "cpu" else None), per_graph
+    return SharedWeights(values, device, nbytes, mapping if device == "cpu" else None, owners), per_graph

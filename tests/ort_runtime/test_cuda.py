@@ -149,3 +149,25 @@ def test_pipeline_cycle_rows_are_decode_rows_bit_for_bit(dtype: str) -> None:
             if c >= R - 1:
                 got = gen.cycle.logits.pull()[0, R - 1]
                 assert np.array_equal(got, rows[c - R + 1]), (dtype, prompt, c)
+
+
+@pytest.mark.parametrize("dtype,ops", [("fp16", "loopcast"), ("bf16", "loopcast"), ("fp16", "stock")])
+def test_one_device_copy_of_the_weights_gives_the_same_bits(dtype: str, ops: str) -> None:
+    """Every session reads the one device copy (ort_runtime/shared_weights.py): the decode rows
+    (captured graphs) equal those of sessions that each load their own copy, bit for bit."""
+    from loopcast.ort_runtime.artifact import open_artifact
+    from loopcast.ort_runtime.generator import Generator
+
+    path = artifact("demo", dtype, draft_depth=1, batch_invariant=ops == "loopcast", ops=ops)
+    shared = open_artifact(path, "cuda")
+    own = open_artifact(path, "cuda", shared_initializers=False)
+    assert shared.shared_weights is not None and own.shared_weights is None
+    assert shared.shared_weights.device == "cuda"
+    prompt = load(path, "cuda").encode(DEMO_PROMPTS[0])
+    fed_a, rows_a = decode_rows(Generator(shared), prompt, 24)
+    fed_b, rows_b = decode_rows(Generator(own), prompt, 24)
+    assert fed_a == fed_b and all(np.array_equal(a, b) for a, b in zip(rows_a, rows_b, strict=True))
+    if ops == "loopcast":
+        model = load(path, "cuda")
+        plain = model.generate(prompt, 32, stop_ids=(), speculative="none").tokens
+        assert model.generate(prompt, 32, stop_ids=(), speculative="self", gate="none").tokens == plain
