@@ -7,8 +7,8 @@ a session an OrtValue to use for an initializer instead of the graph's data, and
 value as given (no copy, wherever it lives), so values made once from ``weights.safetensors``
 serve every session: on CUDA one device copy, on the CPU zero-copy views of one mapping.
 ORT uses a supplied value only where it plans that initializer on the value's device, and
-accepts only values whose buffer the caller owns (on CUDA: a DLPack view of an allocation we
-keep alive).
+accepts only values whose buffer the caller owns (on CUDA: exact allocations of our own,
+``ort_runtime/device_memory.py``).
 
 Not used where ORT prepacks: a prepacking kernel (the stock CPU MatMul) packs the shared value
 into a private copy per session anyway, and the raw mapping then stays resident besides (measured:
@@ -32,6 +32,7 @@ import onnxruntime as ort
 from loopcast.errors import ArtifactError
 from loopcast.exporter.safetensors_file import MappedFile, SafetensorsFormatError
 from loopcast.manifest import WEIGHTS_FILE
+from loopcast.ort_runtime import device_memory
 
 _ONNX_BFLOAT16 = onnx.TensorProto.BFLOAT16  # ORT's numpy bridge has no bf16: bf16 moves as raw uint16
 _ONNX_TYPE_OF_CODE = {"F32": onnx.TensorProto.FLOAT, "F16": onnx.TensorProto.FLOAT16, "BF16": _ONNX_BFLOAT16}
@@ -104,18 +105,26 @@ def load_shared_weights(artifact: Path, graph_files: list[Path], device: str) ->
             array = mapping.tensor(name)
         except SafetensorsFormatError as exc:
             raise ArtifactError(f"{weights_file}: {exc}") from None
+        if device != "cpu":
+            # read, not mapped: the host then holds one tensor at a time, not the whole file's pages
+            entry = wanted[name]
+            array = np.fromfile(weights_file, np.uint8, entry.length, offset=entry.offset).view(array.dtype)
+            array = array.reshape(entry.shape)
         bf16 = wanted[name].dtype == "BF16"
         raw = array.view(np.uint16) if bf16 else array
         if device == "cpu":
             # A view of the read-only mapping: ORT reads it in place and never writes initializers.
             values[name] = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(raw, _ONNX_BFLOAT16) if bf16
                             else ort.OrtValue.ortvalue_from_numpy(raw))
+        elif device_memory.available():
+            # one exact allocation per weight, ours (add_initializer takes only caller-owned buffers)
+            values[name] = device_memory.device_value(array.shape, _ONNX_TYPE_OF_CODE[wanted[name].dtype], raw)
         else:
             owner = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), _ONNX_BFLOAT16 if bf16 else array.dtype,
                                                               "cuda", 0)
             owner.update_inplace(np.ascontiguousarray(raw))
-            # add_initializer takes only values whose buffer the caller owns; a DLPack view of
-            # ORT's allocation is such a value (no copy), and ``owner`` keeps the memory alive.
+            # without the driver library: a DLPack view of ORT's (arena) allocation, kept alive
+            # by ``owner``
             values[name] = ort.OrtValue.from_dlpack(owner)
             owners.append(owner)
         nbytes += wanted[name].length

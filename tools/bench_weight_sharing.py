@@ -52,7 +52,8 @@ if mode == "baseline":
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     if device == "cuda":
         ort.preload_dlls()
-    s = ort.InferenceSession(helper.make_model(g).SerializeToString(),
+    model = helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
+    s = ort.InferenceSession(model.SerializeToString(),
                              providers=["CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"])
     s.run(None, {"x": np.zeros(1, np.float32)})
 else:

@@ -171,3 +171,21 @@ def test_one_device_copy_of_the_weights_gives_the_same_bits(dtype: str, ops: str
         model = load(path, "cuda")
         plain = model.generate(prompt, 32, stop_ids=(), speculative="none").tokens
         assert model.generate(prompt, 32, stop_ids=(), speculative="self", gate="none").tokens == plain
+
+
+def test_exact_device_allocations_hold_their_bytes() -> None:
+    """ort_runtime/device_memory.py: a DLPack value over one cuMemAlloc reads back what was
+    uploaded (fp32, fp16, bf16 as raw uint16), and add_initializer accepts it (our buffer)."""
+    from loopcast.ort_runtime import device_memory
+
+    assert device_memory.available()
+    rng = np.random.default_rng(0)
+    for onnx_type, host in ((1, rng.standard_normal((3, 5)).astype(np.float32)),
+                            (10, rng.standard_normal((4, 7)).astype(np.float16)),
+                            (16, rng.integers(0, 2**16, (2, 9), dtype=np.uint16))):
+        value = device_memory.device_value(host.shape, onnx_type, host)
+        assert value.device_name().lower() == "cuda" and value.shape() == list(host.shape)
+        back = ort.OrtValue.ortvalue_from_shape_and_type(list(host.shape), onnx_type, "cpu", 0)
+        back.update_inplace(value)
+        assert np.array_equal(back.numpy().view(host.dtype) if onnx_type == 16 else back.numpy(), host)
+        ort.SessionOptions().add_initializer("w", value)

@@ -157,3 +157,34 @@ def test_a_graph_disagreeing_with_the_weights_file_is_refused(tmp_path) -> None:
     (path / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(ArtifactError, match=f"initializer {tensor.name} is FLOAT"):
         open_artifact(path, "cpu")
+
+
+def test_artifacts_from_before_logit_rows_keep_a_verify_session(tmp_path) -> None:
+    """A prefill graph without the overridable ``logit_rows`` (exported before it) cannot serve
+    verify: verify gets its own session, decode still shares prefill's, tokens unchanged."""
+    import hashlib
+    import json
+    import shutil
+
+    import onnx
+
+    from loopcast.manifest import LOGIT_ROWS
+
+    path = tmp_path / "art"
+    shutil.copytree(artifact("demo"), path)
+    model = onnx.load(str(path / "prefill.onnx"), load_external_data=False)
+    inputs = [v for v in model.graph.input if v.name != LOGIT_ROWS]
+    assert len(inputs) == len(model.graph.input) - 1
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    onnx.save(model, str(path / "prefill.onnx"))
+    data = (path / "prefill.onnx").read_bytes()
+    raw = json.loads((path / "manifest.json").read_text())
+    raw["files"]["prefill.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(raw))
+    old = load(path)
+    assert old.loaded.shared_sessions == {DECODE: PREFILL}
+    assert old.loaded.sessions[VERIFY] is not old.loaded.sessions[PREFILL]
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    want = load(artifact("demo")).generate(prompt, 16, stop_ids=(), speculative="none").tokens
+    assert old.generate(prompt, 16, stop_ids=(), speculative="prompt-lookup", gate="none").tokens == want
