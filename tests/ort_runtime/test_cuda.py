@@ -185,7 +185,9 @@ def test_exact_device_allocations_hold_their_bytes() -> None:
                             (16, rng.integers(0, 2**16, (2, 9), dtype=np.uint16))):
         value = device_memory.device_value(host.shape, onnx_type, host)
         assert value.device_name().lower() == "cuda" and value.shape() == list(host.shape)
-        back = ort.OrtValue.ortvalue_from_shape_and_type(list(host.shape), onnx_type, "cpu", 0)
-        back.update_inplace(value)
-        assert np.array_equal(back.numpy().view(host.dtype) if onnx_type == 16 else back.numpy(), host)
+        mirror = np.zeros_like(host)  # the host array a CPU value views (bf16 as raw uint16)
+        back = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(mirror, onnx_type) if onnx_type == 16
+                else ort.OrtValue.ortvalue_from_numpy(mirror))
+        back.update_inplace(value)  # device -> the mirror's memory
+        assert np.array_equal(mirror, host)
         ort.SessionOptions().add_initializer("w", value)
