@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from loopcast.config import ModelConfig, load_config
 from loopcast.errors import CheckpointError
 from loopcast.exporter.hub_cache import looks_like_hub_id, resolve_hub_id
-from loopcast.exporter.safetensors_file import (
+from loopcast.safetensors_file import (
     FLOAT_DTYPES, NAME_OF_CODE, SafetensorsFormatError, TensorEntry, read_header,
 )
 

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from loopcast.config import ModelConfig
-from loopcast.exporter.safetensors_file import MappedFile
+from loopcast.safetensors_file import MappedFile
 
 # Artifact dtype name → (numpy dtype, safetensors code). Conversions round to nearest even,
 # as torch's ``.to()`` does, so an export is bit-identical to one made through torch.

@@ -30,7 +30,7 @@ import onnx
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError
-from loopcast.exporter.safetensors_file import MappedFile, SafetensorsFormatError
+from loopcast.safetensors_file import MappedFile, SafetensorsFormatError
 from loopcast.manifest import WEIGHTS_FILE
 from loopcast.ort_runtime import device_memory
 

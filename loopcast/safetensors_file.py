@@ -2,7 +2,9 @@
 
 The exporter reads checkpoints through this (no torch): a tensor is a view of the mapped file
 until a conversion copies it, so an export holds about one tensor's worth of converted data
-at a time besides the page cache. bf16 comes back as ``ml_dtypes.bfloat16``.
+at a time besides the page cache. The runtime reads an artifact's weights file through it too
+(ort_runtime/shared_weights.py), hence its place outside ``exporter/``. bf16 comes back as
+``ml_dtypes.bfloat16``.
 """
 
 from __future__ import annotations
