@@ -145,17 +145,20 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
 @click.option("--max-batch", type=int, default=None,
               help="Also write the batched decode graph for up to this many sequences (loopcast serve; "
                    "docs/serving.md).")
+@click.option("--tree-verify", is_flag=True,
+              help="Also write the tree kinds (tree_draft, tree_tail) that generate --alternate-gap needs "
+                   "(looped models, loopcast attention op).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
 @_friendly_errors
 def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, verify_width: int,
            draft_depth: int | None, ops: str, batch_invariant: bool, target: str, genai: bool,
-           max_batch: int | None, overwrite: bool) -> None:
+           max_batch: int | None, tree_verify: bool, overwrite: bool) -> None:
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
     from loopcast.manifest import BATCH_KINDS
 
     options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda", ops,
-                            genai, max_batch)
+                            genai, max_batch, tree_verify)
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(f"{k}({v.rows or 'M'})" if k not in BATCH_KINDS else f"{k}({v.rows} x B<={manifest.max_batch})"
                       for k, v in manifest.graphs.items())
