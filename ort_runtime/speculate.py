@@ -163,6 +163,9 @@ def _plan(gen: Generator, spec: SpeculationConfig, sampled: bool = False) -> _Pl
         raise RequestError("speculative mode 'custom' needs a proposer")
     strategy = TreeTail() if alternate else DraftTail() if proposer.drafts_hidden else VerifyRows()
     missing = [k for k in strategy.kinds if not gen.has_kind(k)]
+    if missing and alternate:
+        raise RequestError(f"--alternate-gap needs the {' and '.join(strategy.kinds)} graphs; this artifact lacks "
+                           f"{', '.join(missing)} (re-export it with --tree-verify)")
     if missing:
         raise RequestError(f"speculative mode {spec.mode!r} needs the {' and '.join(strategy.kinds)} graphs; "
                            f"this artifact lacks {', '.join(missing)}"
