@@ -21,7 +21,8 @@ from typing import Any
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
 from loopcast.manifest import (BATCH_KINDS, CYCLE, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL,
-                               TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord, GraphSpec, Manifest, has_cycle,
+                               TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord,
+                               GraphSpec, Manifest, has_cycle,
                                resolve_inside, sampled_sha256)
 
 DTYPES = ("fp32", "fp16", "bf16")

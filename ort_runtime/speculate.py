@@ -131,6 +131,9 @@ def _plan(gen: Generator, spec: SpeculationConfig, sampled: bool = False) -> _Pl
         raise RequestError(f"unknown speculative mode {spec.mode!r}; choose from {', '.join(MODES)} (custom takes a proposer)")
     if spec.gate not in GATES:
         raise RequestError(f"unknown gate {spec.gate!r}; choose from {', '.join(GATES)}")
+    alternate = spec.alternate_gap is not None or isinstance(spec.proposer, AlternateDraftProposer)
+    if alternate:  # before the early returns: an alternate gap is never ignored
+        _check_alternate(gen, spec, sampled)
     if spec.mode == "none" and spec.proposer is None:
         return None
     if spec.mode == "pipeline":
@@ -140,9 +143,6 @@ def _plan(gen: Generator, spec: SpeculationConfig, sampled: bool = False) -> _Pl
         return _plan_pipeline(gen, spec)
     if sampled and spec.mode == "self" and spec.proposer is not None:
         raise RequestError("sampled self-speculation drafts from the draft graph; it takes no proposer")
-    alternate = spec.alternate_gap is not None or isinstance(spec.proposer, AlternateDraftProposer)
-    if alternate:
-        _check_alternate(gen, spec, sampled)
     vocab = gen.model.config.vocab_size
     if spec.alternate_gap is not None and spec.proposer is None:
         proposer = AlternateDraftProposer(spec.alternate_gap)

@@ -267,6 +267,8 @@ def test_bad_requests_name_the_problem_and_leave_the_generator_usable(tree) -> N
             (dict(mode="self", alternate_gap=0.0), r"in \(0, 1\]"),
             (dict(mode="self", alternate_gap=1.5), r"in \(0, 1\]"),
             (dict(mode="prompt-lookup", alternate_gap=0.1), "--speculative self"),
+            (dict(mode="none", alternate_gap=0.1), "--speculative self"),
+            (dict(mode="pipeline", alternate_gap=0.1), "--speculative self"),
             (dict(mode="self", alternate_gap=0.1, proposer=AlternateDraftProposer(0.1)), "not both")):
         with pytest.raises(RequestError, match=fragment):
             run(gen, prompt, 10, **spec)
@@ -303,3 +305,19 @@ def test_tree_verify_export_needs_a_looped_model_and_the_attention_op(tmp_path) 
         export_checkpoint(checkpoint("llama-tied-gqa"), tmp_path / "a", ExportOptions(tree_verify=True))
     with pytest.raises(ExportError, match="loopcast attention op"):
         export_checkpoint(checkpoint("ouro-r3"), tmp_path / "b", ExportOptions(ops="stock", tree_verify=True))
+
+
+def test_manifest_declares_the_tree_kinds_together(tmp_path) -> None:
+    import json
+
+    from loopcast.errors import ArtifactError
+    from loopcast.manifest_schema import parse_manifest
+
+    raw = json.loads((artifact("ouro-r3", tree_verify=True) / "manifest.json").read_text())
+    assert parse_manifest(raw, tmp_path).graphs["tree_tail"].inputs
+    lone = {**raw, "graphs": {k: v for k, v in raw["graphs"].items() if k != "tree_tail"}}
+    with pytest.raises(ArtifactError, match="without the other"):
+        parse_manifest(lone, tmp_path)
+    stock = {**raw, "op_set": "stock", "graphs": {k: v for k, v in raw["graphs"].items() if k != "cycle"}}
+    with pytest.raises(ArtifactError, match="say there is none"):
+        parse_manifest(stock, tmp_path)
