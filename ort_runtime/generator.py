@@ -325,6 +325,7 @@ class Generator:
         self.cycle = (CycleBinding(model.sessions[CYCLE], manifest.graphs[CYCLE], self._kv, model, dtype)
                       if CYCLE in model.sessions else None)
         self._tokens: list[int] = []          # ids whose KV is committed; len == n
+        self._move = None                     # CUDA: the op library's KV position copy (move_kv)
         self.step_counts: dict[str, int] = defaultdict(int)
         self.step_seconds: dict[str, float] = defaultdict(float)
         # Steady runs only (no warm-up/capture, no fallback set-up): what the cost gate averages.
@@ -469,15 +470,43 @@ class Generator:
     def move_kv(self, src: int, dst: int, count: int) -> None:
         """Copy the K and V of positions src..src+count-1 to dst.. in every slot: a surviving
         branch's rows, written at scratch positions, into place (already rotated at their logical
-        positions, so the copy is exact). CPU buffers only: a host memcpy of
-        2 · slots · H_kv · count · D values."""
-        if self.model.device != "cpu":
-            raise RequestError("moving KV between positions is implemented for the CPU only")
-        if min(src, dst) < 0 or max(src, dst) + count > self.max_length:
-            raise RequestError(f"move_kv({src}, {dst}, {count}) outside the KV capacity {self.max_length}")
+        positions, so the copy is exact). 2 · slots · H_kv · count · D values: a host memcpy on the
+        CPU, one device copy per buffer on CUDA (the op library's loopcast_cuda_move_positions)."""
+        if min(src, dst) < 0 or max(src, dst) + count > self.max_length or (src < dst + count and dst < src + count):
+            raise RequestError(f"move_kv({src}, {dst}, {count}): ranges must be disjoint and inside the KV "
+                               f"capacity {self.max_length}")
+        if self.model.device == "cpu":
+            for key, value in self._kv.values():
+                for buf in (key, value):
+                    buf.host[:, :, dst:dst + count] = buf.host[:, :, src:src + count]
+            return
+        move, cfg = self._device_move(), self.model.config
+        row_bytes = cfg.head_dim * np.dtype(_NP_DTYPES[self.model.manifest.dtype]).itemsize
         for key, value in self._kv.values():
             for buf in (key, value):
-                buf.host[:, :, dst:dst + count] = buf.host[:, :, src:src + count].copy()
+                code = move(buf.value.data_ptr(), cfg.num_kv_heads, self.max_length, row_bytes, src, dst, count, None)
+                if code:
+                    raise ArtifactError(f"moving KV positions on {self.model.device} failed (CUDA error {code})")
+
+    def _device_move(self):
+        """The op library's device copy (already loaded by the sessions: the graphs that write
+        branch rows need it, so it passed the trust rule, docs/trust.md)."""
+        if self._move is None:
+            import ctypes
+
+            from loopcast.manifest import resolve_inside
+            manifest = self.model.manifest
+            if not manifest.custom_op_library:
+                raise RequestError("moving KV on the device needs the artifact's custom-op library")
+            path = resolve_inside(self.model.path, manifest.custom_op_library, "custom-op library").resolve()
+            fn = getattr(ctypes.CDLL(str(path)), "loopcast_cuda_move_positions", None)
+            if fn is None:
+                raise RequestError(f"{path}: this op library has no device KV move; re-export the artifact "
+                                   "with this loopcast")
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            self._move = fn
+        return self._move
 
     def run_cycle(self, token: int, positions: list[int]) -> np.ndarray:
         """One pipeline cycle (docs/architecture.md §5): the lane entering loop 0 reads ``token``;

@@ -181,7 +181,7 @@ def _plan(gen: Generator, spec: SpeculationConfig, sampled: bool = False) -> _Pl
 
 
 def _check_alternate(gen: Generator, spec: SpeculationConfig, sampled: bool) -> None:
-    """The alternate suffix's boundary checks: greedy self-speculation on the CPU."""
+    """The alternate suffix's boundary checks: greedy self-speculation."""
     if spec.mode != "self":
         raise RequestError(f"--alternate-gap forks self-drafts; it goes with --speculative self, not {spec.mode!r}")
     if sampled:
@@ -189,9 +189,6 @@ def _check_alternate(gen: Generator, spec: SpeculationConfig, sampled: bool) -> 
                            "keep sampling's distribution; drop it or sample without it")
     if spec.alternate_gap is not None and spec.proposer is not None:
         raise RequestError("give either alternate_gap or an AlternateDraftProposer, not both")
-    if gen.model.device != "cpu":
-        raise RequestError("--alternate-gap runs on the CPU only in this build: the CUDA attention kernel "
-                           "refuses masked key ranges, and moving a branch's KV into place is host-side")
 
 
 def _plan_pipeline(gen: Generator, spec: SpeculationConfig) -> _Plan:

@@ -55,6 +55,14 @@ LOOPCAST_CUDA_API int loopcast_cuda_row_attention(int dtype, const void* qkv, vo
                                                   int num_heads, int kv_num_heads, int head_dim, int capacity,
                                                   int rotary_len, float scale, int do_rotary, void* stream);
 
+// A KV buffer of `planes` rows of `capacity` positions (`position_bytes` each, [1, H_kv, T, D]):
+// positions src..src+count-1 copied to dst.. in every plane (disjoint ranges). The alternate
+// suffix's commit: a winning branch's K/V from its scratch positions into place. stream null:
+// the legacy stream, synchronised before returning (between two ORT runs).
+LOOPCAST_CUDA_API int loopcast_cuda_move_positions(void* buffer, int64_t planes, int64_t capacity,
+                                                   int64_t position_bytes, int64_t src, int64_t dst, int64_t count,
+                                                   void* stream);
+
 // Per row of `hidden` elements (see residual_norm_cuda.cu):
 //   b = branch_weight ? norm(branch, branch_weight) : branch;  s = residual ? residual + b : b
 //   sum = loop_weight ? norm(s, loop_weight) : s;  normed = norm(sum, out_weight)
