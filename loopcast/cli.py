@@ -199,7 +199,7 @@ Examples:
               help="pipeline: the loop whose head drafts the next lane's token (1..R-1).")
 @click.option("--alternate-gap", type=float, default=None,
               help="self: where a draft's top-1/top-2 probability gap is below this, also verify one alternate "
-                   "suffix from the runner-up token (artifacts exported with --tree-verify; greedy, CPU).")
+                   "suffix from the runner-up token (artifacts exported with --tree-verify; greedy only).")
 @click.option("--gate", type=click.Choice(["auto", "none", "hit-density", "cost"]), default="auto", show_default=True,
               help="When to speculate. auto: the cost gate calibrated on this device (stands down where "
                    "speculation does not pay; hit-density when sampling with a seed); none: every step.")

@@ -1,6 +1,7 @@
 """Self-speculation with and without the alternate suffix on the demo model, in one run.
 
     python tools/bench_alternate.py [--tokens 128] [--passes 2] [--threads N] [--json OUT]
+    python tools/bench_alternate.py --device cuda --dtype fp16     # loopcast ops (--target cuda)
 
 Exports the demo model with ``--tree-verify`` (once, into the loopcast cache), then times plain
 greedy, self-speculation without the alternate (k = 4, the default, and k = 3) and with it
@@ -32,14 +33,16 @@ CONFIGS = [("plain", "none", None, None), ("self k=4", "self", 4, None), ("self 
            ("alt 1.0 k=3", "self", 3, 1.0)]
 
 
-def tree_artifact() -> Path:
+def tree_artifact(dtype: str, device: str) -> Path:
     from loopcast.exporter.export import ExportOptions, export_checkpoint
     from loopcast.manifest import TREE_TAIL, Manifest
 
-    art = demo_artifact_dir().with_name(demo_artifact_dir().name + "-tree")
+    cuda = device == "cuda"  # the loopcast ops, as --target cuda
+    art = demo_artifact_dir().with_name(demo_artifact_dir().name + f"-tree-{dtype}" + ("-cuda" if cuda else ""))
     if not (art / "manifest.json").is_file() or TREE_TAIL not in Manifest.read(art).graphs:
-        export_checkpoint(demo_checkpoint_dir(), art, ExportOptions(dtype="fp32", max_length=1024, verify_width=5,
-                                                                    draft_depth=1, tree_verify=True), overwrite=True)
+        export_checkpoint(demo_checkpoint_dir(), art, ExportOptions(dtype=dtype, max_length=1024, verify_width=5,
+                                                                    draft_depth=1, batch_invariant=cuda,
+                                                                    tree_verify=True), overwrite=True)
     return art
 
 
@@ -50,8 +53,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--gates", default="auto,none")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
     args = p.parse_args()
-    model = load(tree_artifact(), threads=args.threads)
+    model = load(tree_artifact(args.dtype, args.device), args.device, threads=args.threads)
     prompts = [model.encode(t) for t in BENCH_PROMPTS]
     plain = [model.generate(ids, args.tokens, stop_ids=()).tokens for ids in prompts]
     runs = [(c, g) for c in CONFIGS for g in (args.gates.split(",") if c[1] != "none" else ["none"])]
@@ -105,6 +110,7 @@ def main() -> None:
             "command": "python tools/bench_alternate.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "json"),
             "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+            "device": args.device, "dtype": args.dtype,
             "prompts": len(prompts), "tokens": args.tokens, "passes": args.passes, "mismatches": mismatches,
             "rows": rows}, indent=1) + "\n")
     if mismatches:
