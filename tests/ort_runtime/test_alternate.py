@@ -321,3 +321,25 @@ def test_manifest_declares_the_tree_kinds_together(tmp_path) -> None:
     stock = {**raw, "op_set": "stock", "graphs": {k: v for k, v in raw["graphs"].items() if k != "cycle"}}
     with pytest.raises(ArtifactError, match="say there is none"):
         parse_manifest(stock, tmp_path)
+
+
+def test_demo_model_near_ties_and_forced_branches() -> None:
+    """The trained demo model: its own near ties fork and sometimes win; forced winning branches
+    leave plain greedy's tokens and KV."""
+    from loopcast.bench import BENCH_PROMPTS
+
+    demo = load(artifact("demo", tree_verify=True))
+    gen, reference = demo.new_generator(), demo.new_generator()
+    selected = 0
+    for text in BENCH_PROMPTS[:3]:
+        prompt = demo.encode(text)
+        plain, _ = run(reference, prompt, 48)
+        got, stats = run(gen, prompt, 48, mode="self", gate="none", alternate_gap=0.3)
+        assert got == plain and stats.forks > 0
+        assert_plain_kv(gen, reference)
+        selected += stats.alternate_selected
+        oracle = Oracle(prompt + plain, demo.config.vocab_size, False, True)
+        got, stats = run(gen, prompt, 48, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2)
+        assert got == plain and stats.alternate_selected == stats.forks > 0
+        assert_plain_kv(gen, reference)
+    assert selected > 0
