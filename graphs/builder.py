@@ -39,6 +39,7 @@ class GraphBuilder:
     inputs: list[ir.Value] = field(default_factory=list)
     outputs: list[ir.Value] = field(default_factory=list)
     _initializers: dict[str, ir.Value] = field(default_factory=dict)
+    _overridable: list[ir.Value] = field(default_factory=list)
 
     # -- values ------------------------------------------------------------------------------
     def input(self, name: str, dtype: ir.DataType, shape: Sequence[int | str]) -> ir.Value:
@@ -66,6 +67,15 @@ class GraphBuilder:
             self._initializers[name] = ir.Value(name=name, type=ir.TensorType(ref.dtype),
                                                 shape=ir.Shape(list(ref.shape)), const_value=tensor)
         return self._initializers[name]
+
+    def overridable_i64(self, name: str, values: Sequence[int]) -> ir.Value:
+        """An int64 input with a default (an initializer listed among the graph inputs): callers
+        that do not feed it get ``values``. ORT lists it under ``get_overridable_initializers``,
+        not ``get_inputs``, so it stays out of the manifest's IO names."""
+        value = self.const_i64(name, values)
+        if value not in self._overridable:
+            self._overridable.append(value)
+        return value
 
     def const_i64(self, name: str, values: Sequence[int]) -> ir.Value:
         """A small int64 constant (shapes, axes), embedded in the graph."""
@@ -95,7 +105,7 @@ class GraphBuilder:
         opsets = {"": OPSET, MS_DOMAIN: 1}
         if any(node.domain == LOOPCAST_DOMAIN for node in self.tape.nodes):
             opsets[LOOPCAST_DOMAIN] = 1
-        graph = ir.Graph(self.inputs, self.outputs, nodes=self.tape.nodes,
+        graph = ir.Graph([*self.inputs, *self._overridable], self.outputs, nodes=self.tape.nodes,
                          initializers=list(self._initializers.values()),
                          opset_imports=opsets, name=name, doc_string=doc)
         return ir.Model(graph, ir_version=IR_VERSION, producer_name="loopcast")

@@ -23,8 +23,8 @@ import onnx_ir as ir
 from loopcast.config import ModelConfig
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
-from loopcast.manifest import (CYCLE, DECODE, DRAFT, PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_TAIL,
-                               GraphSpec, has_cycle)
+from loopcast.manifest import (CYCLE, DECODE, DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY,
+                               VERIFY_TAIL, GraphSpec, has_cycle)
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,17 @@ def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_leng
             x = blocks.core_loop(b, x, loop, ctx)
         depth_state = x
         x = blocks.coda(b, x, ctx)
+    out_rows: int | str = rows
     if plan.kind == PREFILL:
         # Only the last row's next token is needed; slicing first keeps the head at one row.
-        x = b.op("Slice", [x, b.const_i64("last_start", [-1]), b.const_i64("last_end", [2**62]),
-                           b.const_i64("rows_axis", [1])], path="/prefill/last_row", out="last_row_B1H")
+        # ``logit_rows`` (default 1) asks for the last k rows instead: the CPU runs decode and
+        # verify on this graph's session, so one session holds the packed weights
+        # (ort_runtime/artifact.py, "Weights").
+        start = b.op("Neg", [b.overridable_i64(LOGIT_ROWS, [1])], path="/prefill/logit_start", out="logit_start_1")
+        x = b.op("Slice", [x, start, b.const_i64("last_end", [2**62]), b.const_i64("rows_axis", [1])],
+                 path="/prefill/last_rows", out="last_rows_BKH")
+        out_rows = "logit_rows"
     logits = blocks.lm_head(b, x, ctx)
-    out_rows = 1 if plan.kind == PREFILL else rows
     blocks.greedy_outputs(b, logits, out_rows, config.vocab_size, with_gap=plan.kind == DRAFT)
     if plan.kind in (DRAFT, TREE_DRAFT):
         b.output(depth_state, dtype, [1, rows, config.hidden_size], "hidden_BSH_out")

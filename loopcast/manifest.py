@@ -27,6 +27,7 @@ OP_SETS = ("stock", "loopcast-attention", "loopcast")
 
 # Graph kinds (docs/architecture.md §3).
 PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL = "prefill", "decode", "verify", "draft", "verify_tail"
+LOGIT_ROWS = "logit_rows"  # prefill's overridable input: how many last rows get logits (default 1)
 CYCLE = "cycle"  # the pipeline: R rows, row r runs loop r (docs/architecture.md §3)
 # Tree verify (``export --tree-verify``; docs/architecture.md §5 "Alternate suffix"): draft and
 # verify_tail with row-addressed attention, each row at its own cache position with a masked key

@@ -1,18 +1,21 @@
 """Open an artifact: validate the manifest, create one ORT session per graph kind.
 
-Weights: every graph references the one ``weights.safetensors`` as external data, which ORT
-memory-maps on the CPU. ORT's MatMul weight *prepacking* then gives each session a private
-packed copy, and ORT's Python API offers no way for sessions to share one (the shared
-prepacked-weights container is in the C API only; ``add_initializer`` shares the raw tensor,
-not the packed one). Prepacking is kept because without it an M=1 MatMul takes MLAS's GEMV
-path and an M>1 one repacks per call, so decode rows would no longer be verify rows bit for
-bit and verify runs 2-3x slower. What we can do is run fewer sessions: on the CPU, decode is
-the prefill graph run with one row (prefill slices its last row, which for one row is the
-identity), so both kinds share one session and one packed copy; the rows are bit-identical
-to the decode graph's (tests/ort_runtime/test_weight_sharing.py) at the same speed.
-``share_weights=True`` turns prepacking off for one resident copy in all; the CPU's verify
-rows then differ from decode rows (GEMV vs GEMM), so ``exact_verify`` is false there.
-Numbers and commands: docs/architecture.md (runtime), docs/perf.md.
+Weights: every graph references the one ``weights.safetensors`` as external data. Left to
+itself, ORT gives every session its own copy: on CUDA a device copy per session, on the CPU a
+mapping per session plus, for the stock MatMul, a private *prepacked* copy per session (the
+shared prepacked-weights container is in ORT's C API only). Two mechanisms keep one copy:
+- shared initializers (``ort_runtime/shared_weights.py``): one OrtValue per weight, handed to
+  every session with ``add_initializer``: on CUDA always, on the CPU where nothing prepacks
+  (the loopcast op set, or ``share_weights=True``);
+- fewer sessions where prepacking must stay: on the CPU, decode and verify run on prefill's
+  session (prefill returns logits for its last ``logit_rows`` rows, default 1, and fed the
+  kind's row count it is the same computation), so one packed copy serves the three kinds;
+  the rows are bit-identical to the decode and verify graphs' own
+  (tests/ort_runtime/test_weight_sharing.py) at the same speed. Prepacking is kept because
+  without it an M=1 MatMul takes MLAS's GEMV path and an M>1 one repacks per call, so decode
+  rows would no longer be verify rows bit for bit and verify runs 2-3x slower
+  (``share_weights=True`` turns it off: ``exact_verify`` is then false for the stock MatMul).
+Numbers and commands: docs/perf.md ("Run-time memory").
 
 Several sessions alternate on the same cores, so their intra-op threads must not spin after
 a run (spinning threads of one session starve the next session's run).
@@ -42,7 +45,8 @@ from pathlib import Path
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, PREFILL, Manifest, resolve_inside
+from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, LOGIT_ROWS, PREFILL, VERIFY, Manifest, resolve_inside
+from loopcast.ort_runtime.shared_weights import SharedWeights, load_shared_weights
 from loopcast.ort_runtime.trust import op_library_to_load
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -64,6 +68,8 @@ class LoadedModel:
     # kind -> the kind whose session (and packed weights) it runs on, e.g. {"decode": "prefill"}
     shared_sessions: dict[str, str] = field(default_factory=dict)
     prepacked: bool = True                           # False under share_weights=True
+    # the one copy of the weights every session uses (ort_runtime/shared_weights.py); None: each its own
+    shared_weights: SharedWeights | None = None
     _graph_ids: dict[str, int] = field(default_factory=dict, repr=False)
     _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
     _captured: dict[str, ort.InferenceSession | None] = field(default_factory=dict, repr=False)
@@ -183,11 +189,14 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
 def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
                   kinds: tuple[str, ...] | None = None, share_weights: bool = False,
                   cuda_graphs: bool | str = True, trust_ops: bool = False,
-                  share_sessions: bool = True) -> LoadedModel:
+                  share_sessions: bool | tuple[str, ...] = True, shared_initializers: bool | None = None) -> LoadedModel:
     """Validate and open an artifact. ``trust_ops`` allows loading its custom-op library even
     when it is not one this user built (ort_runtime/trust.py states the whole rule).
-    ``share_sessions=False`` gives every kind its own CPU session, as before decode shared
-    prefill's (for measurements: tools/bench_weight_sharing.py)."""
+    ``share_sessions=False`` gives every kind its own CPU session, as before decode and verify
+    shared prefill's (a tuple: only those kinds share it); ``shared_initializers`` (default: wherever no kernel prepacks, see
+    ``uses_shared_initializers``) hands every session the same weight values
+    (ort_runtime/shared_weights.py); False gives each session its own copy (for measurements:
+    tools/bench_weight_sharing.py)."""
     import time
 
     start = time.perf_counter()
@@ -219,10 +228,19 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
         _check_cuda_custom_ops(path, manifest, library)
     if device == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
+    wanted = [kind for kind in manifest.graphs if kinds is None or kind in kinds]
+    if shared_initializers is None:
+        shared_initializers = uses_shared_initializers(manifest, device, share_weights)
+    weights, weight_names = None, {}
+    if shared_initializers:
+        weights, names = load_shared_weights(path, [path / manifest.graphs[k].file for k in wanted], device)
+        weight_names = dict(zip(wanted, names))
 
     def make_session(kind: str, capture: bool) -> ort.InferenceSession:
         spec = manifest.graphs[kind]
         options = _session_options(library, threads, share_weights)
+        if weights is not None:
+            weights.add_to(options, weight_names[kind])
         cuda_options = {"enable_cuda_graph": "1"} if capture else {}
         if device == "cuda" and manifest.dtype == "fp32":
             cuda_options["use_tf32"] = "0"  # an fp32 artifact means fp32 math, not TF32 matmuls
@@ -241,8 +259,9 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     if cuda_graphs not in (True, False, "always"):
         raise RequestError(f"cuda_graphs must be True, False or 'always', got {cuda_graphs!r}")
     host_lengths = not manifest.device_lengths
-    wanted = [kind for kind in manifest.graphs if kinds is None or kind in kinds]
     shared = _cpu_shared_sessions(manifest, wanted) if device == "cpu" and share_sessions else {}
+    if isinstance(share_sessions, tuple):
+        shared = {kind: host for kind, host in shared.items() if kind in share_sessions}
     sessions, graph_kinds, fallbacks = {}, set(), {}
     eager = []
     for kind in wanted:
@@ -273,6 +292,9 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
     else:
         made = {kind: make_session(kind, False) for kind in eager}
     sessions.update(made)
+    if VERIFY in shared and LOGIT_ROWS not in {v.name for v in sessions[PREFILL].get_overridable_initializers()}:
+        del shared[VERIFY]  # exported before prefill took logit_rows: verify keeps its own session
+        sessions[VERIFY] = make_session(VERIFY, False)
     for kind, host in shared.items():
         sessions[kind] = sessions[host]
     sessions = {kind: sessions[kind] for kind in wanted}
@@ -286,21 +308,36 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
             raise ArtifactError(f"{path / 'tokenizer.json'}: unreadable tokenizer ({exc})") from None
     return LoadedModel(path, manifest, device, sessions, tokenizer, time.perf_counter() - start,
                        graph_kinds=frozenset(graph_kinds), graph_fallbacks=fallbacks,
-                       shared_sessions=shared, prepacked=not share_weights, _session_factory=make_session)
+                       shared_sessions=shared, prepacked=not share_weights, shared_weights=weights,
+                       _session_factory=make_session)
+
+
+def uses_shared_initializers(manifest: Manifest, device: str, share_weights: bool) -> bool:
+    """Whether sessions get one shared copy of the weights by default: on CUDA (no kernel there
+    prepacks), and on the CPU where nothing prepacks (the loopcast op set, or prepacking turned
+    off); a prepacking CPU MatMul would keep the shared mapping resident besides its own packed
+    copy per session (docs/perf.md, "Run-time memory")."""
+    return device == "cuda" or manifest.op_set == "loopcast" or share_weights
 
 
 def _cpu_shared_sessions(manifest: Manifest, kinds: list[str]) -> dict[str, str]:
-    """Kinds that run on another kind's CPU session: decode on prefill's when the two graphs
-    are the same computation (same loops, KV slots and IO names; prefill's last-row slice is
-    the identity for one row). Every session holds its own prepacked copy of the weights
-    (ORT's Python API cannot share one), so one session fewer is one copy fewer."""
-    if DECODE not in kinds or PREFILL not in kinds:
+    """Kinds that run on another kind's CPU session: decode and verify on prefill's when the
+    graphs are the same computation (same loops, KV slots and IO names; prefill's slice of its
+    last ``logit_rows`` rows is the identity when it is fed the kind's row count). Every session
+    holds its own prepacked copy of the weights (ORT's Python API cannot share one), so one
+    session fewer is one copy fewer."""
+    if PREFILL not in kinds:
         return {}
-    prefill, decode = manifest.graphs[PREFILL], manifest.graphs[DECODE]
-    same = (prefill.rows is None and decode.rows == 1 and prefill.first_loop == decode.first_loop
-            and prefill.last_loop == decode.last_loop and list(prefill.kv_slots) == list(decode.kv_slots)
-            and set(prefill.inputs) == set(decode.inputs) and set(prefill.outputs) == set(decode.outputs))
-    return {DECODE: PREFILL} if same else {}
+    prefill = manifest.graphs[PREFILL]
+
+    def same(kind: str) -> bool:
+        spec = manifest.graphs[kind]
+        return (prefill.rows is None and spec.rows is not None and prefill.first_loop == spec.first_loop
+                and prefill.last_loop == spec.last_loop and list(prefill.kv_slots) == list(spec.kv_slots)
+                and set(prefill.inputs) == set(spec.inputs) and set(prefill.outputs) == set(spec.outputs))
+
+    # verify needs prefill's LOGIT_ROWS input (checked on the session: artifacts exported before it lack it)
+    return {kind: PREFILL for kind in (DECODE, VERIFY) if kind in kinds and same(kind)}
 
 
 def _check_cuda_custom_ops(path: Path, manifest: Manifest, library: Path) -> None:

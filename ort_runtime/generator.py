@@ -22,11 +22,13 @@ import numpy as np
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, DRAFT, PREFILL, TREE_DRAFT, TREE_KINDS, GraphSpec
+from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, TREE_KINDS, GraphSpec
 from loopcast.ort_runtime.artifact import LoadedModel
+from loopcast.ort_runtime import device_memory
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 _ONNX_BFLOAT16 = 16  # TensorProto.BFLOAT16: ORT's numpy bridge has no bf16, so bf16 moves as raw uint16
+_EXACT_BYTES = 1 << 20  # device buffers from this size on get exact allocations (ort_runtime/device_memory.py)
 
 
 class _Buffer:
@@ -40,6 +42,10 @@ class _Buffer:
         self._mirror = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(self._raw, _ONNX_BFLOAT16) if bf16 else None
         if device == "cpu":
             self.value = self._mirror if bf16 else ort.OrtValue.ortvalue_from_numpy(self.host)
+        elif self.host.nbytes >= _EXACT_BYTES and device_memory.available():
+            # KV buffers: exact allocations (ORT's arena would grow in powers of two)
+            self.value = device_memory.device_value(shape, _ONNX_BFLOAT16 if bf16 else device_memory.onnx_type_of(dtype),
+                                                    self._raw)
         else:
             self.value = ort.OrtValue.ortvalue_from_shape_and_type(
                 shape, _ONNX_BFLOAT16 if bf16 else dtype, "cuda", 0)
@@ -114,6 +120,10 @@ class _KindBinding:
         self.logits = _Buffer((1, out_rows, cfg.vocab_size), np.float32, device)
         self.gap = _Buffer((1, 1), np.float32, device) if spec.kind == DRAFT else None
         self.hidden_out = _Buffer((1, 1, cfg.hidden_size), dtype, device) if spec.kind == DRAFT else None
+        # verify on prefill's session (the CPU: ort_runtime/artifact.py) asks for logits of its
+        # last ``logit_rows`` rows: all of them (decode's one row is the default)
+        self.logit_rows = (ort.OrtValue.ortvalue_from_numpy(np.array([rows], np.int64))
+                           if model.shared_sessions.get(spec.kind) == PREFILL and rows > 1 else None)
         self._kv = kv
         self._bind(self.binding)
 
@@ -135,6 +145,8 @@ class _KindBinding:
             b.bind_ortvalue_input("hidden_BSH", self.hidden.value)
         b.bind_ortvalue_input("seqlens_k", self.seqlens.value)
         b.bind_ortvalue_input("total_sequence_length", self.total.value)
+        if self.logit_rows is not None:
+            b.bind_ortvalue_input(LOGIT_ROWS, self.logit_rows)
         for slot in spec.kv_slots:
             key, value = kv[slot]
             b.bind_ortvalue_input(f"past_key.{slot}", key.value)

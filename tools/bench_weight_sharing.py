@@ -9,10 +9,15 @@ generator; then report peak RSS (VmHWM), RSS, PSS and private memory from /proc 
 GPU's used memory from nvidia-smi less the idle GPU's), the load time, median decode and verify step times,
 and whether verify rows equal decode rows bit for bit.
 
-CPU modes: ``separate`` (one session per graph kind: before decode shared prefill's session),
-``default`` (decode on prefill's session), ``share_weights`` (no prepacking at all).
-CUDA modes: ``default`` and one row per number of kinds opened (``kinds=1``, ``kinds=2``, ...),
-which shows what each further session costs on the device.
+Modes: ``baseline`` (no artifact: the runtime's imports and, on CUDA, a one-node session),
+``default``, ``per_session`` (every session its own copy of the weights: before
+ort_runtime/shared_weights.py), ``kinds=N`` (only the first N kinds opened, ``--kinds-rows``).
+CPU also: ``verify_own`` (verify in its own session: before verify ran on prefill's),
+``separate`` (one session per graph kind: before decode shared prefill's session),
+``share_weights`` (no prepacking at all).
+
+The budget line per artifact: ``1.2 × (weights + KV) + baseline`` against the default's peak
+RSS (CPU) or device memory (CUDA), with the decode step against ``per_session``'s.
 """
 
 from __future__ import annotations
@@ -31,15 +36,36 @@ from loopcast.ort_runtime.artifact import open_artifact
 from loopcast.ort_runtime.exactness import decode_rows
 from loopcast.ort_runtime.generator import Generator
 path, device, mode = sys.argv[1:4]
-kw = {"separate": {"share_sessions": False}, "share_weights": {"share_weights": True}}.get(mode, {})
+kw = {"separate": {"share_sessions": False}, "share_weights": {"share_weights": True},
+      "per_session": {"shared_initializers": False}, "verify_own": {"share_sessions": ("decode",)}}.get(mode, {})
 if mode.startswith("kinds="):
     from loopcast.manifest import Manifest
     kw = {"kinds": tuple(Manifest.read(path).graphs)[:int(mode[6:])]}
-t0 = time.perf_counter()
-model = open_artifact(path, device, **kw)
-load_s = time.perf_counter() - t0
-out = {"load_s": round(load_s, 2), "sessions": len({id(s) for s in model.sessions.values()})}
-if "kinds" not in kw or "verify" in model.sessions:
+out = {}
+if mode == "baseline":
+    # the runtime's own footprint: its imports and, on CUDA, one session of a one-node graph
+    # (CUDA context, the provider's libraries and arena) run once
+    import onnx, onnxruntime as ort
+    from onnx import helper, TensorProto
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    if device == "cuda":
+        ort.preload_dlls()
+    model = helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
+    s = ort.InferenceSession(model.SerializeToString(),
+                             providers=["CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"])
+    s.run(None, {"x": np.zeros(1, np.float32)})
+else:
+    t0 = time.perf_counter()
+    model = open_artifact(path, device, **kw)
+    out = {"load_s": round(time.perf_counter() - t0, 2), "sessions": len({id(s) for s in model.sessions.values()}),
+           "shared_weights": model.shared_weights is not None}
+    m, cfg = model.manifest, model.config
+    slots = len(m.graphs["decode"].kv_slots) if "decode" in m.graphs else 0
+    out["kv_mib"] = round(2 * slots * cfg.num_kv_heads * m.max_length * cfg.head_dim
+                          * {"fp32": 4, "fp16": 2, "bf16": 2}[m.dtype] / 2**20, 1)
+if mode != "baseline" and ("kinds" not in kw or "verify" in model.sessions):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.config.vocab_size, 32).tolist()
     gen = Generator(model)
@@ -72,6 +98,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="write every run here")
+    p.add_argument("--kinds-rows", action="store_true", help="also a row per number of kinds opened")
     args = p.parse_args()
     if not args.artifacts:
         from loopcast.demo import demo_artifact_dir
@@ -83,11 +110,12 @@ def main() -> None:
                                   capture_output=True, text=True, check=True).stdout.split()[0])
     for repeat in range(args.repeats):
         for artifact in args.artifacts:
+            modes = ["baseline", "default", "per_session"]
             if args.device == "cpu":
-                modes = ["separate", "default", "share_weights"]
-            else:
+                modes += ["verify_own", "separate", "share_weights"]
+            if args.kinds_rows:
                 from loopcast.manifest import Manifest
-                modes = ["default"] + [f"kinds={k}" for k in range(1, len(Manifest.read(artifact).graphs) + 1)]
+                modes += [f"kinds={k}" for k in range(1, len(Manifest.read(artifact).graphs) + 1)]
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
                 done = subprocess.run([sys.executable, "-c", CHILD, artifact, args.device, mode],
                                       capture_output=True, text=True)
@@ -98,7 +126,8 @@ def main() -> None:
                 if "gpu_used_mib" in run:
                     run["device_mib"] = run["gpu_used_mib"] - idle
                 runs.setdefault((artifact, mode), []).append(run)
-    keys = ["sessions", "load_s", "peak_rss_mib", "pss_mib", "private_mib", "decode_ms", "verify_ms", "exact_rows"]
+    keys = ["sessions", "shared_weights", "load_s", "peak_rss_mib", "pss_mib", "private_mib", "decode_ms", "verify_ms",
+            "exact_rows"]
     if args.device == "cuda":
         keys.insert(2, "device_mib")
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.device}, medians of {args.repeats} "
@@ -118,6 +147,20 @@ def main() -> None:
                 cells.append(f"{med:g}" + (f" [{min(vals):g}–{max(vals):g}]" if len(vals) > 1 and min(vals) != max(vals)
                                            and k not in ("sessions",) else ""))
         print(f"| {artifact.rstrip('/').split('/')[-1]} | {mode} | {rs[0]['weights_mib']} | " + " | ".join(cells) + " |")
+    med = lambda artifact, mode, key: statistics.median(r[key] for r in runs.get((artifact, mode), [{key: float("nan")}]))
+    for artifact in args.artifacts:
+        if (artifact, "default") not in runs or (artifact, "baseline") not in runs:
+            continue
+        used_key = "device_mib" if args.device == "cuda" else "peak_rss_mib"
+        base = med(artifact, "baseline", used_key)
+        weights_kv = med(artifact, "default", "weights_mib") + med(artifact, "default", "kv_mib")
+        budget = 1.2 * weights_kv + base
+        used = med(artifact, "default", used_key)
+        before = "verify_own" if args.device == "cpu" else "per_session"
+        slower = med(artifact, "default", "decode_ms") / med(artifact, before, "decode_ms") - 1
+        print(f"{artifact.rstrip('/').split('/')[-1]}: {used_key} {used:g} MiB against 1.2 x (weights + KV "
+              f"{weights_kv:g}) + baseline {base:g} = {budget:.0f} MiB: {used / budget:.2f} of the budget "
+              f"({'within' if used <= budget else 'OVER'}); decode {slower:+.1%} against {before}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{a}|{m}": rs for (a, m), rs in runs.items()}, f, indent=1)

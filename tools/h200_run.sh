@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
-# | serve | host-loop
+# | serve | host-loop | weight-mem | export-profile
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -108,6 +108,32 @@ phase_export_mem() {  # issue 21: a 1.43B fp16 Llama export against cp (and ORT-
   nproc >> "$RES/export-1p4b.txt"; df -h /root | tail -1 >> "$RES/export-1p4b.txt"
   timeout 240 python3 tools/bench_weight_sharing.py /root/bx/artifact --device cuda --repeats 1 \
     --json "$RES/weight-memory-cuda.json" > "$RES/weight-memory-cuda.txt" 2>&1
+}
+phase_weight_mem() {  # issue 21: one device copy of the weights for every session (ort_runtime/shared_weights.py)
+  # 1.43B Llama (stock fp16 and --target cuda) and Ouro-1.4B (--target cuda: six kinds), random weights
+  { python3 -m loopcast.cli random-checkpoint /root/llama --preset llama-1.4b --dtype fp16
+    python3 -m loopcast.cli random-checkpoint /root/ouro --preset ouro-1.4b --dtype fp16
+    python3 -m loopcast.cli export /root/llama -o /root/wm-llama-stock --dtype fp16 --max-length 2048 --overwrite
+    python3 -m loopcast.cli export /root/llama -o /root/wm-llama-ops --dtype fp16 --target cuda --max-length 2048 --overwrite
+    python3 -m loopcast.cli export /root/ouro -o /root/wm-ouro-ops --dtype fp16 --target cuda --max-length 2048 \
+      --overwrite; } > "$RES/weight-mem-export.txt" 2>&1
+  timeout 560 python3 tools/bench_weight_sharing.py /root/wm-llama-stock /root/wm-llama-ops /root/wm-ouro-ops \
+    --device cuda --repeats 2 --json "$RES/weight-mem-cuda.json" > "$RES/weight-mem-cuda.txt" 2>&1
+}
+phase_export_profile() {  # issue 21: where a 1.43B fp16 export spends its time on this host (after weight-mem)
+  local log="$RES/export-profile.txt"
+  python3 -c "
+import hashlib, os, time
+b = os.urandom(256 << 20)
+for algo in ('sha256', 'sha1', 'blake2b'):
+    t = time.perf_counter(); hashlib.new(algo, b).digest(); print(algo, round(256 / (time.perf_counter() - t)), 'MiB/s')
+" > "$log" 2>&1
+  grep -o -m1 -w sha_ni /proc/cpuinfo >> "$log"; grep -m1 "model name" /proc/cpuinfo >> "$log"
+  { /usr/bin/time -f "cp %e s" cp /root/llama/model.safetensors /root/cp-test.safetensors; rm -f /root/cp-test.safetensors
+    python3 -m cProfile -o /root/export.prof -m loopcast.cli export /root/llama -o /root/prof-art --dtype fp16 \
+      --overwrite 2>&1 | tail -1
+    python3 -c "import pstats; p = pstats.Stats('/root/export.prof'); p.sort_stats('cumulative').print_stats(30); p.sort_stats('tottime').print_stats(15)"
+  } >> "$log" 2>&1
 }
 phase_host_loop() {  # plain decode end to end: a 1.43B Llama (Ouro-1.4B layer shapes, R=1), 1000-token prompt
   { python3 -m loopcast.cli random-checkpoint /root/llama --preset llama-1.4b --dtype fp16

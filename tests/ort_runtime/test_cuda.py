@@ -151,6 +151,48 @@ def test_pipeline_cycle_rows_are_decode_rows_bit_for_bit(dtype: str) -> None:
                 assert np.array_equal(got, rows[c - R + 1]), (dtype, prompt, c)
 
 
+@pytest.mark.parametrize("dtype,ops", [("fp16", "loopcast"), ("bf16", "loopcast"), ("fp16", "stock")])
+def test_one_device_copy_of_the_weights_gives_the_same_bits(dtype: str, ops: str) -> None:
+    """Every session reads the one device copy (ort_runtime/shared_weights.py): the decode rows
+    (captured graphs) equal those of sessions that each load their own copy, bit for bit."""
+    from loopcast.ort_runtime.artifact import open_artifact
+    from loopcast.ort_runtime.generator import Generator
+
+    path = artifact("demo", dtype, draft_depth=1, batch_invariant=ops == "loopcast", ops=ops)
+    shared = open_artifact(path, "cuda")
+    own = open_artifact(path, "cuda", shared_initializers=False)
+    assert shared.shared_weights is not None and own.shared_weights is None
+    assert shared.shared_weights.device == "cuda"
+    prompt = load(path, "cuda").encode(DEMO_PROMPTS[0])
+    fed_a, rows_a = decode_rows(Generator(shared), prompt, 24)
+    fed_b, rows_b = decode_rows(Generator(own), prompt, 24)
+    assert fed_a == fed_b and all(np.array_equal(a, b) for a, b in zip(rows_a, rows_b, strict=True))
+    if ops == "loopcast":
+        model = load(path, "cuda")
+        plain = model.generate(prompt, 32, stop_ids=(), speculative="none").tokens
+        assert model.generate(prompt, 32, stop_ids=(), speculative="self", gate="none").tokens == plain
+
+
+def test_exact_device_allocations_hold_their_bytes() -> None:
+    """ort_runtime/device_memory.py: a DLPack value over one cuMemAlloc reads back what was
+    uploaded (fp32, fp16, bf16 as raw uint16), and add_initializer accepts it (our buffer)."""
+    from loopcast.ort_runtime import device_memory
+
+    assert device_memory.available()
+    rng = np.random.default_rng(0)
+    for onnx_type, host in ((1, rng.standard_normal((3, 5)).astype(np.float32)),
+                            (10, rng.standard_normal((4, 7)).astype(np.float16)),
+                            (16, rng.integers(0, 2**16, (2, 9), dtype=np.uint16))):
+        value = device_memory.device_value(host.shape, onnx_type, host)
+        assert value.device_name().lower() == "cuda" and value.shape() == list(host.shape)
+        mirror = np.zeros_like(host)  # the host array a CPU value views (bf16 as raw uint16)
+        back = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(mirror, onnx_type) if onnx_type == 16
+                else ort.OrtValue.ortvalue_from_numpy(mirror))
+        back.update_inplace(value)  # device -> the mirror's memory
+        assert np.array_equal(mirror, host)
+        ort.SessionOptions().add_initializer("w", value)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_alternate_suffix_is_exact(dtype: str) -> None:
     """Tree verify on CUDA (fp16/bf16, loopcast ops): branch rows at scratch positions are the

@@ -62,16 +62,17 @@ def test_missing_graph_file(tmp_path: Path) -> None:
 
 
 def test_corrupt_graph_file(tmp_path: Path) -> None:
+    """(draft: on the CPU decode and verify run on prefill's session, ort_runtime/artifact.py)"""
     path = _copy(tmp_path)
-    size = (path / "verify.onnx").stat().st_size
-    (path / "verify.onnx").write_bytes(b"\x00garbage".ljust(size, b"\xff"))  # same size: past the size check
-    with pytest.raises(ArtifactError, match="verify.onnx.*does not match the manifest"):
+    size = (path / "draft.onnx").stat().st_size
+    (path / "draft.onnx").write_bytes(b"\x00garbage".ljust(size, b"\xff"))  # same size: past the size check
+    with pytest.raises(ArtifactError, match="draft.onnx.*does not match the manifest"):
         load(path)
     _edit_manifest(path, files={})                  # an artifact without records: ORT's own error
-    with pytest.raises(ArtifactError, match="could not load the 'verify' graph"):
+    with pytest.raises(ArtifactError, match="could not load the 'draft' graph"):
         load(path)
-    (path / "verify.onnx").write_bytes(b"\x00garbage")
-    with pytest.raises(ArtifactError, match="could not load the 'verify' graph"):
+    (path / "draft.onnx").write_bytes(b"\x00garbage")
+    with pytest.raises(ArtifactError, match="could not load the 'draft' graph"):
         load(path)
 
 

@@ -208,21 +208,21 @@ def test_symlink_inside_the_artifact_is_fine(tmp_path) -> None:
 def test_graph_external_data_cannot_leave_the_artifact(tmp_path, location) -> None:
     """Graphs reach their weights as ONNX external data; ONNX Runtime refuses locations outside
     the model's directory, including through a symlink, and that surfaces as one ArtifactError.
-    (The verify graph is the one tampered with: on the CPU decode runs on prefill's session and
-    decode.onnx is not opened, see ort_runtime/artifact.py.)"""
+    (The prefill graph is the one tampered with: on the CPU decode and verify run on prefill's
+    session and their own files are not opened, see ort_runtime/artifact.py.)"""
     import onnx
     path = _copy(artifact("ouro-r3", ops="stock"), tmp_path)
     (tmp_path / "weights.safetensors").write_bytes((path / "weights.safetensors").read_bytes())
     (path / "outside-link").symlink_to(tmp_path / "weights.safetensors")
-    model = onnx.load(str(path / "verify.onnx"), load_external_data=False)
+    model = onnx.load(str(path / "prefill.onnx"), load_external_data=False)
     for tensor in model.graph.initializer:
         for entry in tensor.external_data:
             if entry.key == "location":
                 entry.value = location
-    onnx.save(model, str(path / "verify.onnx"))
-    data = (path / "verify.onnx").read_bytes()
+    onnx.save(model, str(path / "prefill.onnx"))
+    data = (path / "prefill.onnx").read_bytes()
     raw = json.loads((path / "manifest.json").read_text())
-    raw["files"]["verify.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    raw["files"]["prefill.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(ArtifactError, match="could not load the 'verify' graph"):
+    with pytest.raises(ArtifactError, match="could not load the 'prefill' graph"):
         load(path)

@@ -1,5 +1,5 @@
-"""Fewer copies of the weights on the CPU: decode runs on prefill's session (one prepacked copy
-fewer) with bit-identical rows; ``share_weights=True`` (no prepacking) is declared inexact
+"""Fewer copies of the weights on the CPU: decode and verify run on prefill's session (one
+prepacked copy for the three kinds) with bit-identical rows; ``share_weights=True`` (no prepacking) is declared inexact
 where the stock MatMul's one-row path differs from its multi-row path."""
 
 from __future__ import annotations
@@ -29,17 +29,42 @@ def _decode_logits(model, prompt: list[int], steps: int) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("name,kw", [("demo", {}), ("llama-untied", {}), ("ouro-r3", {"ops": "stock"}),
                                      ("ouro-r2-gqa", {"draft_depth": 1})])
-def test_decode_on_prefill_session_is_bit_identical(name, kw) -> None:
+def test_decode_and_verify_on_prefill_session_are_bit_identical(name, kw) -> None:
     path = artifact(name, **kw)
     shared = open_artifact(path, "cpu")
-    own = open_artifact(path, "cpu", kinds=(DECODE, VERIFY))   # no prefill: decode gets its own session
-    assert shared.shared_sessions == {DECODE: PREFILL}
-    assert shared.sessions[DECODE] is shared.sessions[PREFILL]
-    assert len({id(s) for s in shared.sessions.values()}) == len(shared.sessions) - 1
+    own = open_artifact(path, "cpu", kinds=(DECODE, VERIFY))   # no prefill: each kind its own session
+    assert shared.shared_sessions == {DECODE: PREFILL, VERIFY: PREFILL}
+    assert shared.sessions[DECODE] is shared.sessions[PREFILL] is shared.sessions[VERIFY]
+    assert len({id(s) for s in shared.sessions.values()}) == len(shared.sessions) - 2
     assert own.shared_sessions == {} and own.sessions[DECODE] is not own.sessions[VERIFY]
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    for a, b in zip(_decode_logits(shared, prompt, 12), _decode_logits(own, prompt, 12), strict=True):
+    decoded = _decode_logits(shared, prompt, 12)
+    for a, b in zip(decoded, _decode_logits(own, prompt, 12), strict=True):
         assert np.array_equal(a, b)
+    # verify on prefill's session (prefill fed logit_rows = W) == verify's own graph, and == the
+    # decode rows where the artifact declares exact verify (not the stock attention op)
+    width = shared.manifest.graphs[VERIFY].rows
+    fed = prompt + [int(np.argmax(r)) for r in decoded[len(prompt) - 1:-1]]
+    verified = []
+    for model in (shared, own):
+        gen, rows = Generator(model), []
+        gen.run(DECODE, 0, tokens=[fed[0]])
+        gen.commit([fed[0]])
+        for start in range(1, len(fed) - width + 1, width):
+            out = gen.run(VERIFY, start, tokens=fed[start:start + width])
+            assert out.logits.shape[0] == width
+            rows += [out.logits[i].copy() for i in range(width)]
+            gen.commit(fed[start:start + width])
+        verified.append(rows)
+    assert all(np.array_equal(a, b) for a, b in zip(*verified, strict=True))
+    if shared.exact_verify:
+        assert all(np.array_equal(a, b) for a, b in zip(verified[0], decoded[1:], strict=False))
+
+
+def test_verify_keeps_its_session_on_request() -> None:
+    """``share_sessions=("decode",)`` is the layout before verify moved onto prefill's session."""
+    model = open_artifact(artifact("demo"), "cpu", share_sessions=(DECODE,))
+    assert model.shared_sessions == {DECODE: PREFILL} and model.sessions[VERIFY] is not model.sessions[PREFILL]
 
 
 def test_generation_unchanged_by_shared_decode() -> None:
@@ -58,7 +83,7 @@ def test_cuda_keeps_one_session_per_kind() -> None:
     from loopcast.manifest import Manifest
 
     manifest = Manifest.read(artifact("demo"))
-    assert _cpu_shared_sessions(manifest, list(manifest.graphs)) == {DECODE: PREFILL}
+    assert _cpu_shared_sessions(manifest, list(manifest.graphs)) == {DECODE: PREFILL, VERIFY: PREFILL}
     assert _cpu_shared_sessions(manifest, [DECODE, VERIFY]) == {}
 
 
@@ -86,3 +111,80 @@ def test_share_weights_keeps_loopcast_matmul_exact() -> None:
     require_exact_cpu_artifacts()
     shared = load(artifact("ouro-r3", batch_invariant=True), share_weights=True)
     assert shared.loaded.exact_verify
+
+
+def test_loopcast_ops_share_one_copy_of_the_weights() -> None:
+    """Nothing prepacks in the loopcast op set: every session gets the same weight values
+    (ort_runtime/shared_weights.py), and the rows are those of sessions holding their own."""
+    path = artifact("ouro-r3", batch_invariant=True)
+    shared = open_artifact(path, "cpu")
+    own = open_artifact(path, "cpu", shared_initializers=False)
+    assert shared.shared_weights is not None and own.shared_weights is None
+    assert shared.shared_weights.nbytes > 0.9 * (path / "weights.safetensors").stat().st_size
+    prompt = [3, 1, 4, 1, 5, 9]
+    for a, b in zip(_decode_logits(shared, prompt, 10), _decode_logits(own, prompt, 10), strict=True):
+        assert np.array_equal(a, b)
+    tokens = {mode: load(path).generate(prompt, 16, stop_ids=(), speculative=mode, gate="none").tokens
+              for mode in ("none", "self", "prompt-lookup")}
+    assert tokens["self"] == tokens["none"] == tokens["prompt-lookup"]
+
+
+def test_stock_matmul_keeps_its_prepacked_sessions() -> None:
+    """A prepacking MatMul would keep the shared mapping besides its packed copy: not shared."""
+    assert open_artifact(artifact("demo"), "cpu").shared_weights is None
+
+
+def test_a_graph_disagreeing_with_the_weights_file_is_refused(tmp_path) -> None:
+    """A shared value must be what ORT would have loaded: a graph that declares a stored weight
+    with another shape (a kernel would read outside the value) is refused, naming the weight."""
+    import hashlib
+    import json
+    import shutil
+
+    import onnx
+
+    from loopcast.errors import ArtifactError
+
+    path = tmp_path / "art"
+    shutil.copytree(artifact("ouro-r3", batch_invariant=True), path)
+    model = onnx.load(str(path / "prefill.onnx"), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if len(t.dims) == 2 and t.dims[0] != t.dims[1])
+    tensor.dims[:] = [tensor.dims[1], tensor.dims[0]]
+    onnx.save(model, str(path / "prefill.onnx"))
+    data = (path / "prefill.onnx").read_bytes()
+    raw = json.loads((path / "manifest.json").read_text())
+    raw["files"]["prefill.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError, match=f"initializer {tensor.name} is FLOAT"):
+        open_artifact(path, "cpu")
+
+
+def test_artifacts_from_before_logit_rows_keep_a_verify_session(tmp_path) -> None:
+    """A prefill graph without the overridable ``logit_rows`` (exported before it) cannot serve
+    verify: verify gets its own session, decode still shares prefill's, tokens unchanged."""
+    import hashlib
+    import json
+    import shutil
+
+    import onnx
+
+    from loopcast.manifest import LOGIT_ROWS
+
+    path = tmp_path / "art"
+    shutil.copytree(artifact("demo"), path)
+    model = onnx.load(str(path / "prefill.onnx"), load_external_data=False)
+    inputs = [v for v in model.graph.input if v.name != LOGIT_ROWS]
+    assert len(inputs) == len(model.graph.input) - 1
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    onnx.save(model, str(path / "prefill.onnx"))
+    data = (path / "prefill.onnx").read_bytes()
+    raw = json.loads((path / "manifest.json").read_text())
+    raw["files"]["prefill.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(raw))
+    old = load(path)
+    assert old.loaded.shared_sessions == {DECODE: PREFILL}
+    assert old.loaded.sessions[VERIFY] is not old.loaded.sessions[PREFILL]
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    want = load(artifact("demo")).generate(prompt, 16, stop_ids=(), speculative="none").tokens
+    assert old.generate(prompt, 16, stop_ids=(), speculative="prompt-lookup", gate="none").tokens == want
