@@ -607,19 +607,3 @@ LOOPCAST_CUDA_API int loopcast_cuda_row_attention(int dtype, const void* qkv, vo
       dtype, qkv, keys, values, positions, masked_keys, cos_cache, sin_cache, out, rows, num_heads, kv_num_heads,
       head_dim, capacity, rotary_len, scale, do_rotary, stream);
 }
-
-LOOPCAST_CUDA_API int loopcast_cuda_move_positions(void* buffer, int64_t planes, int64_t capacity,
-                                                   int64_t position_bytes, int64_t src, int64_t dst, int64_t count,
-                                                   void* stream) {
-  if (count <= 0) return 0;
-  if (planes <= 0 || position_bytes <= 0 || src < 0 || dst < 0 || src + count > capacity || dst + count > capacity ||
-      (src < dst + count && dst < src + count))
-    return static_cast<int>(cudaErrorInvalidValue);
-  char* base = static_cast<char*>(buffer);
-  const size_t pitch = static_cast<size_t>(capacity * position_bytes);
-  cudaError_t err = cudaMemcpy2DAsync(base + dst * position_bytes, pitch, base + src * position_bytes, pitch,
-                                      static_cast<size_t>(count * position_bytes), static_cast<size_t>(planes),
-                                      cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
-  if (err != cudaSuccess) return static_cast<int>(err);
-  return stream == nullptr ? static_cast<int>(cudaStreamSynchronize(nullptr)) : 0;
-}

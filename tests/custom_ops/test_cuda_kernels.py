@@ -422,6 +422,22 @@ def test_a_row_inside_its_masked_range_writes_nothing(cuda_library: Path) -> Non
     assert not got.any() and np.array_equal(pk, feeds["past_key"])
 
 
+def test_move_positions_copies_the_branch_into_place(cuda_library: Path) -> None:
+    """loopcast_cuda_move_positions (the alternate suffix's commit on the device): positions
+    src..src+count-1 of every head land at dst.., nothing else changes; overlapping or
+    out-of-range copies are refused."""
+    lib = _lib(cuda_library)
+    lib.loopcast_cuda_move_positions.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p]
+    buf = torch.randn((1, 3, 40, 16), device="cuda").to(torch.float16)
+    want = buf.clone()
+    want[:, :, 21:24] = buf[:, :, 30:33]
+    _check(lib, lib.loopcast_cuda_move_positions(buf.data_ptr(), 3, 40, 16 * 2, 30, 21, 3, None))
+    assert torch.equal(buf, want)
+    for src, dst, count in ((30, 29, 3), (38, 10, 3), (-1, 5, 1)):
+        assert lib.loopcast_cuda_move_positions(buf.data_ptr(), 3, 40, 32, src, dst, count, None) != 0
+    assert torch.equal(buf, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # ResidualRMSNorm and SwiGLU
 
