@@ -29,7 +29,8 @@ from loopcast.exporter.weights import checkpoint_reader, weight_layout, weights_
 from loopcast.graphs.builder import GraphBuilder, WeightRef
 from loopcast.graphs.batched import build_batched_kind
 from loopcast.graphs.kinds import build_kind, plan_kinds
-from loopcast.manifest import MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, WEIGHTS_FILE, GraphSpec, Manifest
+from loopcast.manifest import (MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, TREE_TAIL, WEIGHTS_FILE, GraphSpec, Manifest,
+                               can_tree_verify)
 from loopcast.manifest_schema import MAX_BATCH, batch_plan
 from loopcast.swap import Staging, output_path, recover
 
@@ -51,6 +52,7 @@ class ExportOptions:
     ops: str = "auto"
     genai: bool = False                # also write the ONNX Runtime GenAI graph + genai_config.json
     max_batch: int | None = None       # also write the batched kinds for up to this many sequences
+    tree_verify: bool = False          # also write tree_draft and tree_tail (the alternate suffix)
 
     @property
     def op_set(self) -> str:
@@ -91,8 +93,11 @@ class ExportOptions:
             raise ExportError(f"--ops must be one of auto, {', '.join(OP_SETS)}, got {self.ops!r}")
         if self.max_batch is not None and not 1 <= self.max_batch <= MAX_BATCH:
             raise ExportError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
+        if self.tree_verify and config.num_loops == 1:
+            raise ExportError("--tree-verify needs a looped model (R > 1): its branches are drafted by the "
+                              "shallow loops; this one has R=1")
         return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant, self.ops, self.genai,
-                             self.max_batch)
+                             self.max_batch, self.tree_verify)
 
 
 def check_supported(config: ModelConfig, op_set: str = "stock") -> None:
@@ -208,7 +213,9 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     """Write every file of the artifact into ``staging``; ``known_hashes`` gets the SHA-256 of
     files hashed while they were written (the weights), so the file records skip a pass."""
     op_set, built_library = _resolve_op_set(opts, lambda line: print(line, file=sys.stderr) if show_progress else None)
-    plans = plan_kinds(config, opts.verify_width, opts.draft_depth, op_set=op_set)
+    if opts.tree_verify and can_tree_verify(config, op_set):
+        raise ExportError(f"--tree-verify: {can_tree_verify(config, op_set)}")
+    plans = plan_kinds(config, opts.verify_width, opts.draft_depth, op_set=op_set, tree=opts.tree_verify)
     read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
     layout = weight_layout(config, opts.max_length, opts.dtype, read)
     refs = {name: WeightRef(name, IR_DTYPES[opts.dtype], t.shape, t.offset, t.length) for name, t in layout.items()}
@@ -346,7 +353,8 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
                 except OSError:
                     shutil.copy(src / name, staging.path / name)
             graphs = {}
-            for plan in plan_kinds(config, width, manifest.draft_depth, op_set=manifest.op_set):
+            for plan in plan_kinds(config, width, manifest.draft_depth, op_set=manifest.op_set,
+                                   tree=TREE_TAIL in manifest.graphs):
                 builder = GraphBuilder(refs, manifest.weights_file, staging.path)
                 model, spec = build_kind(plan, config, dtype, manifest.max_length, builder,
                                          op_set=manifest.op_set)

@@ -48,9 +48,13 @@ class BlockContext:
     # the batched kinds (graphs/batched.py) take one row per sequence and a symbolic B.
     batch: int | str = 1
     batch_rows: int = 1      # rows per sequence in a batched kind (decode_batch 1, verify_batch W)
-    # Row-addressed graphs (the pipeline cycle): per-row positions [S] int32; the attention
-    # blocks then take one KV slot per row (RowAttention) instead of one slot for all rows.
+    # Row-addressed graphs (the pipeline cycle, the tree kinds): per-row positions [S] int32; the
+    # attention blocks then take one KV slot per row (RowAttention) instead of one slot for all rows.
     row_positions: ir.Value | None = None
+    # Tree kinds: per-row masked key ranges [S, 2] int32 (RowAttention input 3), and the rows S,
+    # every one at the layer's own slot.
+    row_masked: ir.Value | None = None
+    row_count: int = 1
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,8 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int | tuple[in
     # A q/k/v bias is added before GroupQueryAttention applies rotary, as upstream models do.
     qkv = linear(b, h_BSH, f"{layer}.qkv_proj.weight_T", ctx, path=f"{path}/qkv_proj", out=f"{prefix}.qkv_BSQ",
                  bias=f"{layer}.qkv_proj.bias" if cfg.qkv_bias else None)
+    if ctx.row_positions is not None and isinstance(slot, int):
+        slot = (slot,) * ctx.row_count  # tree kinds: every row reads and writes the layer's slot
     if isinstance(slot, tuple):
         attn = _row_attention(b, qkv, slot, ctx, path=path, prefix=prefix)
         return linear(b, attn, f"{layer}.o_proj.weight_T", ctx, path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH",
@@ -220,7 +226,7 @@ def _row_attention(b: GraphBuilder, qkv_BSQ: ir.Value, slots: tuple[int, ...], c
         kv_in += [b.input(f"past_key.{s}", ctx.dtype, kv_shape), b.input(f"past_value.{s}", ctx.dtype, kv_shape)]
         kv_out += [f"present_key.{s}", f"present_value.{s}"]
     values = b.op_multi(
-        "RowAttention", [qkv_BSQ, ctx.row_positions, None, None, ctx.step.cos_cache, ctx.step.sin_cache, *kv_in],
+        "RowAttention", [qkv_BSQ, ctx.row_positions, None, ctx.row_masked, ctx.step.cos_cache, ctx.step.sin_cache, *kv_in],
         path=f"{path}/row_attention", outs=[f"{prefix}.attn_BSHD", *kv_out], domain=LOOPCAST_DOMAIN,
         num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
         scale=cfg.head_dim ** -0.5, row_buffers=[pairs.index(s) for s in slots])

@@ -145,17 +145,20 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
 @click.option("--max-batch", type=int, default=None,
               help="Also write the batched decode graph for up to this many sequences (loopcast serve; "
                    "docs/serving.md).")
+@click.option("--tree-verify", is_flag=True,
+              help="Also write the tree kinds (tree_draft, tree_tail) that generate --alternate-gap needs "
+                   "(looped models, loopcast attention op).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
 @_friendly_errors
 def export(checkpoint: str, out_dir: Path, dtype: str, max_length: int | None, verify_width: int,
            draft_depth: int | None, ops: str, batch_invariant: bool, target: str, genai: bool,
-           max_batch: int | None, overwrite: bool) -> None:
+           max_batch: int | None, tree_verify: bool, overwrite: bool) -> None:
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
     from loopcast.manifest import BATCH_KINDS
 
     options = ExportOptions(dtype, max_length, verify_width, draft_depth, batch_invariant or target == "cuda", ops,
-                            genai, max_batch)
+                            genai, max_batch, tree_verify)
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(f"{k}({v.rows or 'M'})" if k not in BATCH_KINDS else f"{k}({v.rows} x B<={manifest.max_batch})"
                       for k, v in manifest.graphs.items())
@@ -194,6 +197,9 @@ Examples:
 @click.option("--draft-depth", type=int, default=None, help="Loops the self-draft runs (< R).")
 @click.option("--pipeline-exit", type=int, default=1, show_default=True,
               help="pipeline: the loop whose head drafts the next lane's token (1..R-1).")
+@click.option("--alternate-gap", type=float, default=None,
+              help="self: where a draft's top-1/top-2 probability gap is below this, also verify one alternate "
+                   "suffix from the runner-up token (artifacts exported with --tree-verify; greedy only).")
 @click.option("--gate", type=click.Choice(["auto", "none", "hit-density", "cost"]), default="auto", show_default=True,
               help="When to speculate. auto: the cost gate calibrated on this device (stands down where "
                    "speculation does not pay; hit-density when sampling with a seed); none: every step.")
@@ -219,7 +225,8 @@ Examples:
 @_friendly_errors
 def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | None, prompt_ids: str | None,
              chat: tuple[str, ...], system: str | None, max_new_tokens: int, device: str, speculative: str,
-             num_draft_tokens: int | None, draft_depth: int | None, pipeline_exit: int, gate: str,
+             num_draft_tokens: int | None, draft_depth: int | None, pipeline_exit: int,
+             alternate_gap: float | None, gate: str,
              allow_inexact: bool, temperature: float | None,
              top_k: int | None, top_p: float | None, min_p: float | None, repetition_penalty: float | None,
              seed: int | None, stop: tuple[str, ...], skip_special_tokens: bool, stream: bool,
@@ -240,7 +247,7 @@ def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | No
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     sampling = _sampling_options(temperature, top_k, top_p, min_p, repetition_penalty, seed)
     if backend == "torch":
-        if speculative != "none" or device != "cpu":
+        if speculative != "none" or device != "cpu" or alternate_gap is not None:
             raise RequestError("--backend torch runs plain greedy on the CPU only")
         if chat or stop or sampling is not None:
             raise RequestError("--backend torch runs plain greedy only (no --chat, --stop or sampling)")
@@ -254,7 +261,7 @@ def generate(path: str, backend: str, prompt: str | None, prompt_file: Path | No
         result = generate_with_ort(path, prompt, ids, max_new_tokens, device=device,
                                    speculative=speculative, num_draft_tokens=num_draft_tokens,
                                    draft_depth=draft_depth, gate=gate, allow_inexact=allow_inexact, trust_ops=trust_ops,
-                                   pipeline_exit=pipeline_exit,
+                                   pipeline_exit=pipeline_exit, alternate_gap=alternate_gap,
                                    on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None,
                                    messages=chat_messages(chat, system) if chat else None, stop=stop,
                                    sampling=sampling, skip_special_tokens=skip_special_tokens)

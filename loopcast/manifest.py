@@ -29,7 +29,12 @@ OP_SETS = ("stock", "loopcast-attention", "loopcast")
 PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL = "prefill", "decode", "verify", "draft", "verify_tail"
 LOGIT_ROWS = "logit_rows"  # prefill's overridable input: how many last rows get logits (default 1)
 CYCLE = "cycle"  # the pipeline: R rows, row r runs loop r (docs/architecture.md §3)
-GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE)
+# Tree verify (``export --tree-verify``; docs/architecture.md §5 "Alternate suffix"): draft and
+# verify_tail with row-addressed attention, each row at its own cache position with a masked key
+# range, so a branch's rows can sit at scratch positions past the other branch.
+TREE_DRAFT, TREE_TAIL = "tree_draft", "tree_tail"
+TREE_KINDS = (TREE_DRAFT, TREE_TAIL)
+GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE, *TREE_KINDS)
 
 
 def has_cycle(config: ModelConfig, op_set: str) -> bool:
@@ -37,6 +42,16 @@ def has_cycle(config: ModelConfig, op_set: str) -> bool:
     coda (a lane runs one core loop per cycle), built with the row-addressed attention op."""
     return (config.num_loops > 1 and config.num_prelude_layers == 0 and config.num_coda_layers == 0
             and op_set != "stock")
+
+
+def can_tree_verify(config: ModelConfig, op_set: str) -> str | None:
+    """Why an artifact of ``config`` and ``op_set`` cannot carry the tree kinds (None: it can):
+    they split a looped model's stack at the draft depth, with the row-addressed attention op."""
+    if config.num_loops < 2:
+        return "tree verify needs a looped model (R > 1): its branches are drafted by the shallow loops"
+    if op_set == "stock":
+        return "tree verify needs the loopcast attention op (--ops loopcast-attention or loopcast), not stock graphs"
+    return None
 
 # Batched kinds (graphs/batched.py, docs/serving.md): the rows of one call belong to different
 # sequences (1 row each for decode_batch, verify_width rows each for verify_batch), batch entry b

@@ -21,7 +21,8 @@ from typing import Any
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
 from loopcast.manifest import (BATCH_KINDS, CYCLE, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL,
-                               VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord, GraphSpec, Manifest, has_cycle,
+                               TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord,
+                               GraphSpec, Manifest, has_cycle,
                                resolve_inside, sampled_sha256)
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -84,6 +85,10 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
         outputs |= {"carried_BWH_out"}
     if kind == DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
+    if kind in TREE_KINDS:  # per row: cache position, masked key range [lo, hi)
+        inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "row_address_S3"}
+    if kind == TREE_DRAFT:
+        outputs |= {"hidden_BSH_out", "top2_probs_BS2", "top2_ids_BS2"}
     for s in slots:
         inputs |= {f"past_key.{s}", f"past_value.{s}"}
         outputs |= {f"present_key.{s}", f"present_value.{s}"}
@@ -143,6 +148,10 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     op_set = top.get("op_set", str, optional=True, default="stock")
     if has_cycle(config, op_set if op_set in OP_SETS else "stock"):
         plan[CYCLE] = (R, 0, R)
+    if draft_depth is not None and verify_width is not None and op_set != "stock":
+        plan[TREE_DRAFT], plan[TREE_TAIL] = (1, 0, draft_depth), (verify_width, draft_depth, R)
+        if (TREE_DRAFT in graphs_raw) != (TREE_TAIL in graphs_raw):
+            top.fail(f"has one of the tree kinds ({TREE_DRAFT}, {TREE_TAIL}) without the other", "graphs")
     max_batch = top.int_in("max_batch", 1, MAX_BATCH, optional=True)
     plan.update(batch_plan(max_batch, R, verify_width))
     for kind in (PREFILL, DECODE, *batch_plan(max_batch, R, verify_width)):
@@ -152,8 +161,8 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     graphs = {}
     for kind, spec_raw in graphs_raw.items():
         if kind not in plan:
-            top.fail(f"has a '{kind}' graph but verify_width/draft_depth/max_batch (or, for cycle, the model and "
-                     "op_set) say there is none", "graphs")
+            top.fail(f"has a '{kind}' graph but verify_width/draft_depth/max_batch (or, for cycle and the tree "
+                     "kinds, the model and op_set) say there is none", "graphs")
         graphs[kind] = _parse_graph(kind, spec_raw, plan[kind], config, path)
 
     weights_file = top.get("weights_file", str)

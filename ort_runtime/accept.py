@@ -19,6 +19,8 @@ class AcceptResult:
     next_token: int               # the verifier's token after the accepted prefix
     near_tie_rejections: int      # 1 if the first rejected draft was within ε of the row max
     tolerant_accepts: int = 0     # drafts accepted only because of the tolerant mode
+    branch_accepted: int = 0      # > 0: the alternate suffix won; drafts[:fork] + branch[:this] committed
+    fork_miss: bool = False       # the round reached the fork and neither branch's token was right
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,27 @@ def greedy_accept(drafts: Sequence[int], target_ids: Sequence[int], target_logit
     # The verifier's rows condition on the drafts themselves, so its token after the accepted
     # prefix is consistent with what is committed, tolerated drafts included.
     return AcceptResult(accepted, int(target_ids[accepted]), ties, tolerated)
+
+
+def greedy_accept_tree(drafts: Sequence[int], target_ids: Sequence[int], branch, branch_ids: Sequence[int] | None,
+                       target_logits: np.ndarray | None = None, *, epsilon: float = 0.0,
+                       tolerant: bool = False) -> AcceptResult:
+    """``greedy_accept`` over the primary chain, then the alternate suffix where it takes over.
+
+    The primary prefix is accepted as usual. If its first rejection is at the fork and the
+    verifier's token there is the branch's first token, the branch continues: branch token j+1
+    is accepted iff it equals ``branch_ids[j]`` (the verifier's argmax after branch row j), and
+    the next token is the argmax after the last accepted branch row. Every committed token is
+    then still the verifier's own argmax after its prefix: plain greedy's.
+    """
+    result = greedy_accept(drafts, target_ids, target_logits, epsilon=epsilon, tolerant=tolerant)
+    if branch is None or result.accepted != branch.fork:
+        return result
+    if branch.tokens[0] != result.next_token:
+        return AcceptResult(result.accepted, result.next_token, result.near_tie_rejections,
+                            result.tolerant_accepts, fork_miss=True)
+    taken = 1
+    while taken < len(branch.tokens) and branch.tokens[taken] == branch_ids[taken - 1]:
+        taken += 1
+    return AcceptResult(branch.fork + taken, int(branch_ids[taken - 1]), result.near_tie_rejections,
+                        result.tolerant_accepts, branch_accepted=taken)

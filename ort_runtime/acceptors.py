@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from loopcast.manifest import PREFILL
-from loopcast.ort_runtime.accept import AcceptResult, TieGuard, greedy_accept
+from loopcast.ort_runtime.accept import AcceptResult, TieGuard, greedy_accept, greedy_accept_tree
 from loopcast.ort_runtime.sampling import SamplingParams, make_rng, probabilities, sample, speculative_accept
 from loopcast.ort_runtime.verifiers import PlainDecode
 
@@ -44,6 +44,9 @@ class GreedyAcceptor:
 
     def accept(self, context: Sequence[int], proposal, verified) -> AcceptResult:
         guard = self.tie_guard
+        if getattr(proposal, "branch", None) is not None:
+            return greedy_accept_tree(proposal.tokens, verified.target_ids, proposal.branch, verified.branch_ids,
+                                      verified.logits, epsilon=guard.epsilon, tolerant=guard.tolerant)
         return greedy_accept(proposal.tokens, verified.target_ids, verified.logits,
                              epsilon=guard.epsilon, tolerant=guard.tolerant)
 

@@ -146,14 +146,16 @@ class LoopcastModel:
                    tie_guard: TieGuard | None = None, proposer=None, allow_inexact: bool = False,
                    generator: Generator | None = None, stats: GenerationStats | None = None,
                    messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
-                   pipeline_exit: int = 1) -> Iterator[int]:
+                   pipeline_exit: int = 1, alternate_gap: float | None = None) -> Iterator[int]:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
         (then the prompt continues after its committed prefix; otherwise a pooled generator
         serves the call, so concurrent calls never share one).
 
         ``speculative``: "none", "prompt-lookup", "self", "pipeline" (lanes at every depth share
         one pass over the core layers; ``pipeline_exit`` is the loop whose head drafts), or a
-        ``proposer`` of your own (``ort_runtime/proposers.py``); ``gate``: "auto" (calibrated on this device), "cost",
+        ``proposer`` of your own (``ort_runtime/proposers.py``); ``alternate_gap`` (with "self", on
+        artifacts exported with ``--tree-verify``): also verify one alternate suffix from the
+        runner-up token where the draft's top-1/top-2 probability gap is below it; ``gate``: "auto" (calibrated on this device), "cost",
         "hit-density" or "none" (always speculate). Speculation is refused on an artifact whose
         verify rows are not bit-identical to its decode rows on this device unless
         ``allow_inexact=True``."""
@@ -163,7 +165,8 @@ class LoopcastModel:
             raise RequestError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         sampled = sampling is not None and not sampling.greedy
         spec = SpeculationConfig(speculative, num_draft_tokens, gate, tie_guard=tie_guard or TieGuard(),
-                                 proposer=proposer, allow_inexact=allow_inexact, pipeline_exit=pipeline_exit)
+                                 proposer=proposer, allow_inexact=allow_inexact, pipeline_exit=pipeline_exit,
+                                 alternate_gap=alternate_gap)
 
         def run(gen: Generator) -> Iterator[int]:
             return stream(gen, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats,

@@ -15,14 +15,15 @@ def generate_with_ort(path: str, prompt: str | None, prompt_ids: list[int] | Non
                       draft_depth: int | None = None, gate: str = "auto", allow_inexact: bool = False,
                       on_text=None, messages: list[dict] | None = None, stop: tuple[str, ...] = (),
                       sampling: SamplingParams | None = None, skip_special_tokens: bool = False,
-                      trust_ops: bool = False, pipeline_exit: int = 1) -> dict:
+                      trust_ops: bool = False, pipeline_exit: int = 1, alternate_gap: float | None = None) -> dict:
     model = load(path, device, trust_ops=trust_ops)
     if draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
         raise RequestError(f"--draft-depth {draft_depth}: this artifact's draft graph runs "
                            f"{model.loaded.manifest.draft_depth} loops (re-export with --draft-depth {draft_depth})")
     source = prompt if prompt is not None else prompt_ids
     kwargs = dict(speculative=speculative, num_draft_tokens=num_draft_tokens, gate=gate, messages=messages,
-                  sampling=sampling, allow_inexact=allow_inexact, pipeline_exit=pipeline_exit)
+                  sampling=sampling, allow_inexact=allow_inexact, pipeline_exit=pipeline_exit,
+                  alternate_gap=alternate_gap)
     if messages is not None:
         source = None
     text_kwargs = dict(stop=list(stop), skip_special_tokens=skip_special_tokens)

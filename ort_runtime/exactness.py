@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loopcast.manifest import CYCLE, DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL
+from loopcast.manifest import CYCLE, DECODE, DRAFT, PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_TAIL
 
 
 def decode_rows(gen, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
@@ -37,7 +37,7 @@ def rows_match_on_cpu(artifact_dir: str | Path, *, prompt_lengths: tuple[int, ..
     from loopcast.ort_runtime.generator import Generator
 
     model = open_artifact(artifact_dir, "cpu", kinds=tuple(k for k in (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL,
-                                                                       CYCLE) if k in _kinds(artifact_dir)))
+                                                                       CYCLE, *TREE_KINDS) if k in _kinds(artifact_dir)))
     if VERIFY not in model.sessions:
         return True  # nothing to verify with: speculation is not offered
     width = model.manifest.graphs[VERIFY].rows
@@ -65,7 +65,27 @@ def rows_match_on_cpu(artifact_dir: str | Path, *, prompt_lengths: tuple[int, ..
                 return False
         if CYCLE in model.sessions and not cycle_rows_match(Generator(model), prompt, fed, rows):
             return False
+        if TREE_TAIL in model.sessions and not tree_rows_match(gen, fed, rows):
+            return False
     return True
+
+
+def tree_rows_match(gen, fed: list[int], rows: list[np.ndarray]) -> bool:
+    """Tree verify after the prompt (``gen.n``): a primary chain that agrees with ``fed`` only
+    at its first token, and a branch carrying ``fed[1:]`` at scratch positions past it with the
+    primary's other rows masked. The primary's first row and every branch row must be decode's
+    rows bit for bit (each branch row at its logical position)."""
+    n, width, vocab = gen.n, gen.rows(TREE_TAIL), gen.model.config.vocab_size
+    primary = width // 2 + 1                       # rows n..n+primary-1; the branch takes the rest
+    branch = min(width - primary, primary - 1, len(fed) - 1)
+    tokens = [fed[0]] + [(t + 1) % vocab for t in fed[1:primary]]
+    addresses = [(n + i, 0, 0) for i in range(primary)]
+    addresses += [(n + primary + j, n + 1, n + primary) for j in range(branch)]
+    hidden = [gen.run_rows(TREE_DRAFT, [a], tokens=[t]).hidden[0]
+              for a, t in zip(addresses, tokens + fed[1:1 + branch])]
+    out = gen.run_rows(TREE_TAIL, addresses, hidden=np.stack(hidden), want_logits=True)
+    return np.array_equal(out.logits[0], rows[0]) and all(
+        np.array_equal(out.logits[primary + j], rows[1 + j]) for j in range(branch))
 
 
 def cycle_rows_match(gen, prompt: list[int], fed: list[int], rows: list[np.ndarray]) -> bool:

@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, DRAFT, LOGIT_ROWS, PREFILL, GraphSpec
+from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, TREE_KINDS, GraphSpec
 from loopcast.ort_runtime.artifact import LoadedModel
 from loopcast.ort_runtime import device_memory
 
@@ -95,6 +95,8 @@ class StepOutput:
     logits: np.ndarray | None       # [rows, V] float32, a view of the bound buffer (None: not pulled)
     hidden: np.ndarray | None = None  # draft only: [1, H] state at the draft depth
     top2_gap: float | None = None     # draft only
+    top2_ids: np.ndarray | None = None    # tree_draft only: [2] the two most likely tokens
+    top2_probs: np.ndarray | None = None  # tree_draft only: [2] their softmax probabilities
 
 
 class _KindBinding:
@@ -205,6 +207,51 @@ class _KindBinding:
         self.slot.fallbacks += 1
 
 
+class _RowsBinding(_KindBinding):
+    """A tree kind (docs/architecture.md §5, "Alternate suffix"): rows carry their own address
+    (cache position, masked key range) in one int32 input instead of the step's lengths."""
+
+    def __init__(self, session: ort.InferenceSession, spec: GraphSpec, kv: dict[int, tuple[_Buffer, _Buffer]],
+                 model: LoadedModel, dtype) -> None:
+        cfg, device, rows = model.config, model.device, spec.rows
+        self._open(session, spec, model)
+        self.ids = _Buffer((1, rows), np.int64, device) if spec.first_loop == 0 else None
+        self.hidden = _Buffer((1, rows, cfg.hidden_size), dtype, device) if spec.first_loop > 0 else None
+        self.address = _Buffer((rows, 3), np.int32, device)
+        self.next_ids = _Buffer((1, rows), np.int64, device)
+        self.logits = _Buffer((1, rows, cfg.vocab_size), np.float32, device)
+        drafts = spec.kind == TREE_DRAFT
+        self.hidden_out = _Buffer((1, rows, cfg.hidden_size), dtype, device) if drafts else None
+        self.top2_probs = _Buffer((1, rows, 2), np.float32, device) if drafts else None
+        self.top2_ids = _Buffer((1, rows, 2), np.int64, device) if drafts else None
+        self._kv = kv
+        self._bind(self.binding)
+
+    def _bind(self, b: ort.IOBinding) -> None:
+        if self.ids is not None:
+            b.bind_ortvalue_input("input_ids_BS", self.ids.value)
+        if self.hidden is not None:
+            b.bind_ortvalue_input("hidden_BSH", self.hidden.value)
+        b.bind_ortvalue_input("row_address_S3", self.address.value)
+        for slot in self.spec.kv_slots:
+            key, value = self._kv[slot]
+            b.bind_ortvalue_input(f"past_key.{slot}", key.value)
+            b.bind_ortvalue_input(f"past_value.{slot}", value.value)
+            b.bind_ortvalue_output(f"present_key.{slot}", key.value)
+            b.bind_ortvalue_output(f"present_value.{slot}", value.value)
+        b.bind_ortvalue_output("next_token_ids_BS", self.next_ids.value)
+        b.bind_ortvalue_output("logits_BSV", self.logits.value)
+        if self.hidden_out is not None:
+            b.bind_ortvalue_output("hidden_BSH_out", self.hidden_out.value)
+            b.bind_ortvalue_output("top2_probs_BS2", self.top2_probs.value)
+            b.bind_ortvalue_output("top2_ids_BS2", self.top2_ids.value)
+
+    def bound_objects(self) -> list[object]:
+        bufs = [self.ids, self.hidden, self.address, self.next_ids, self.logits, self.hidden_out, self.top2_probs,
+                self.top2_ids]
+        return [x for b in bufs if b is not None for x in (b.host, b.value)] + [self.binding]
+
+
 class _CycleHalf(_KindBinding):
     """The cycle graph bound one way round: lane states in from ``carried_in``, out to ``carried_out``
     (its own captured graph on CUDA: a captured graph bakes in its buffers' addresses)."""
@@ -283,12 +330,14 @@ class Generator:
         self._kv = {s: (_Buffer(shape, dtype, model.device), _Buffer(shape, dtype, model.device))
                     for s in range(cfg.num_kv_slots)}
         # The batched kinds belong to a BatchGenerator (ort_runtime/batch_generator.py).
-        self._kinds = {kind: _KindBinding(sess, manifest.graphs[kind], self._kv, model, dtype)
+        self._kinds = {kind: (_RowsBinding if kind in TREE_KINDS else _KindBinding)(
+                           sess, manifest.graphs[kind], self._kv, model, dtype)
                        for kind, sess in model.sessions.items() if kind != CYCLE and kind not in BATCH_KINDS}
         # The pipeline's cycle graph: two bindings that hand the lanes' states to each other.
         self.cycle = (CycleBinding(model.sessions[CYCLE], manifest.graphs[CYCLE], self._kv, model, dtype)
                       if CYCLE in model.sessions else None)
         self._tokens: list[int] = []          # ids whose KV is committed; len == n
+        self._move = None                     # CUDA: the op library's KV position copy (move_kv)
         self.step_counts: dict[str, int] = defaultdict(int)
         self.step_seconds: dict[str, float] = defaultdict(float)
         # Steady runs only (no warm-up/capture, no fallback set-up): what the cost gate averages.
@@ -355,6 +404,8 @@ class Generator:
         overwrites (``want_logits=False`` skips the device→host copy on CUDA).
         """
         kb = self._kinds[kind]
+        if kind in TREE_KINDS:
+            raise RequestError(f"{kind} rows carry their own addresses: run it with run_rows()")
         used = len(tokens) if tokens is not None else hidden.shape[0]
         rows = kb.spec.rows or used
         if used < 1 or used > rows:
@@ -378,20 +429,96 @@ class Generator:
         kb.seqlens.push()
         kb.total.host[...] = start + rows
         kb.total.push()
-        t0 = time.perf_counter()
-        steady = kb.execute(self.model)
-        elapsed = time.perf_counter() - t0
-        self.step_seconds[kind] += elapsed
-        self.step_counts[kind] += 1
-        if steady:
-            self.timed_seconds[kind] += elapsed
-            self.timed_counts[kind] += 1
+        self._execute(kind, kb)
         out_rows = 1 if kind == PREFILL else used
         next_ids = kb.next_ids.pull()[0, :out_rows].copy()
         logits = kb.logits.pull()[0, :out_rows] if want_logits or kb.logits.device == "cpu" else None
         if kind == DRAFT:
             return StepOutput(next_ids, logits, kb.hidden_out.pull()[0].copy(), float(kb.gap.pull()[0, 0]))
         return StepOutput(next_ids, logits)
+
+    def _execute(self, kind: str, runner) -> None:
+        t0 = time.perf_counter()
+        steady = runner.execute(self.model)
+        elapsed = time.perf_counter() - t0
+        self.step_seconds[kind] += elapsed
+        self.step_counts[kind] += 1
+        if steady:
+            self.timed_seconds[kind] += elapsed
+            self.timed_counts[kind] += 1
+
+    def run_rows(self, kind: str, addresses: list[tuple[int, int, int]], *, tokens: list[int] | None = None,
+                 hidden: np.ndarray | None = None, want_logits: bool = False) -> StepOutput:
+        """Run a tree kind over rows at their own addresses (cache position, masked lo, masked hi):
+        row i writes its KV at its position and attends to keys 0..position outside [lo, hi),
+        rotated at its position less the masked keys below it (docs/architecture.md §5,
+        "Alternate suffix"). Rows past ``addresses`` are inactive: they write nothing."""
+        kb = self._kinds[kind]
+        used, rows = len(addresses), kb.spec.rows
+        if not 1 <= used <= rows or used != (len(tokens) if tokens is not None else len(hidden)):
+            raise RequestError(f"{kind} takes 1..{rows} rows, one address each; got {used} addresses")
+        for p, lo, hi in addresses:
+            if not 0 <= p < self.max_length:
+                raise RequestError(f"{kind} row at position {p} is outside the KV capacity {self.max_length}")
+        if tokens is not None:
+            kb.ids.host[0, :used] = tokens
+            kb.ids.host[0, used:] = 0
+            kb.ids.push()
+        else:
+            kb.hidden.host[0, :used] = hidden
+            kb.hidden.host[0, used:] = 0
+            kb.hidden.push()
+        kb.address.host[:used] = addresses
+        kb.address.host[used:] = (-1, 0, 0)
+        kb.address.push()
+        self._execute(kind, kb)
+        next_ids = kb.next_ids.pull()[0, :used].copy()
+        logits = kb.logits.pull()[0, :used] if want_logits or kb.logits.device == "cpu" else None
+        if kind != TREE_DRAFT:
+            return StepOutput(next_ids, logits)
+        return StepOutput(next_ids, logits, kb.hidden_out.pull()[0, :used].copy(),
+                          top2_ids=kb.top2_ids.pull()[0, 0].copy(), top2_probs=kb.top2_probs.pull()[0, 0].copy())
+
+    def move_kv(self, src: int, dst: int, count: int) -> None:
+        """Copy the K and V of positions src..src+count-1 to dst.. in every slot: a surviving
+        branch's rows, written at scratch positions, into place (already rotated at their logical
+        positions, so the copy is exact). 2 · slots · H_kv · count · D values: a host memcpy on the
+        CPU, one device copy per buffer on CUDA (the op library's loopcast_cuda_move_positions)."""
+        if min(src, dst) < 0 or max(src, dst) + count > self.max_length or (src < dst + count and dst < src + count):
+            raise RequestError(f"move_kv({src}, {dst}, {count}): ranges must be disjoint and inside the KV "
+                               f"capacity {self.max_length}")
+        if self.model.device == "cpu":
+            for key, value in self._kv.values():
+                for buf in (key, value):
+                    buf.host[:, :, dst:dst + count] = buf.host[:, :, src:src + count]
+            return
+        move, cfg = self._device_move(), self.model.config
+        row_bytes = cfg.head_dim * np.dtype(_NP_DTYPES[self.model.manifest.dtype]).itemsize
+        for key, value in self._kv.values():
+            for buf in (key, value):
+                code = move(buf.value.data_ptr(), cfg.num_kv_heads, self.max_length, row_bytes, src, dst, count, None)
+                if code:
+                    raise ArtifactError(f"moving KV positions on {self.model.device} failed (CUDA error {code})")
+
+    def _device_move(self):
+        """The op library's device copy (already loaded by the sessions: the graphs that write
+        branch rows need it, so it passed the trust rule, docs/trust.md)."""
+        if self._move is None:
+            import ctypes
+
+            from loopcast.manifest import resolve_inside
+            manifest = self.model.manifest
+            if not manifest.custom_op_library:
+                raise RequestError("moving KV on the device needs the artifact's custom-op library")
+            path = resolve_inside(self.model.path, manifest.custom_op_library, "custom-op library").resolve()
+            fn = getattr(ctypes.CDLL(str(path)), "loopcast_cuda_move_positions", None)
+            if fn is None:
+                raise RequestError(f"{path}: this op library has no device KV move; re-export the artifact "
+                                   "with this loopcast")
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            self._move = fn
+        return self._move
 
     def run_cycle(self, token: int, positions: list[int]) -> np.ndarray:
         """One pipeline cycle (docs/architecture.md §5): the lane entering loop 0 reads ``token``;
@@ -400,14 +527,7 @@ class Generator:
         if min(positions) < -1 or max(positions) >= self.max_length:
             raise RequestError(f"cycle rows at positions {positions} outside the KV capacity {self.max_length}")
         cycle.load(token, positions)
-        t0 = time.perf_counter()
-        steady = cycle.execute(self.model)
-        elapsed = time.perf_counter() - t0
-        self.step_seconds[CYCLE] += elapsed
-        self.step_counts[CYCLE] += 1
-        if steady:
-            self.timed_seconds[CYCLE] += elapsed
-            self.timed_counts[CYCLE] += 1
+        self._execute(CYCLE, cycle)
         return cycle.next_ids.pull()[0]
 
     # -- committing steps --------------------------------------------------------------------

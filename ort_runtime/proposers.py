@@ -27,10 +27,22 @@ from loopcast.manifest import DRAFT
 
 
 @dataclass(frozen=True)
+class Branch:
+    """An alternate suffix (docs/architecture.md §5, "Alternate suffix"): ``tokens[0]`` competes
+    with the proposal's draft ``fork`` for the same position, and the rest continue it."""
+
+    fork: int                 # index into Proposal.tokens of the draft that tokens[0] replaces
+    tokens: list[int]         # the branch's drafts (tokens[0]: the runner-up at the fork)
+    hidden: np.ndarray        # [len(tokens), H]: their depth-d states
+
+
+@dataclass(frozen=True)
 class Proposal:
     tokens: list[int]                    # up to k drafts continuing the context
     hidden: np.ndarray | None = None     # [len(tokens) + 1, H]: depth-d states of pending + drafts
     probs: list[np.ndarray] | None = None  # sampled drafts: the distribution each was drawn from
+    branch: Branch | None = None         # at most one alternate suffix (AlternateDraftProposer)
+    fork_skipped: bool = False           # a near tie whose branch did not fit the width or the KV
 
 
 class PromptLookupProposer:
@@ -130,6 +142,107 @@ class SelfDraftProposer:
                     raise RequestError(f"self-draft token {token} is outside the vocabulary [0, {vocab})")
                 rows_in.append(token)
         return Proposal(rows_in[1:], np.stack(hidden), probs if sampled else None)
+
+
+class AlternateDraftProposer:
+    """Self-speculation with one fallback branch per round (docs/architecture.md §5,
+    "Alternate suffix"). The primary chain is drafted as SelfDraftProposer drafts it, row by
+    row through the ``tree_draft`` graph at positions n, n+1, …; at the first draft row whose
+    top-1/top-2 probability gap (full softmax) is below ``gap``, the runner-up token starts a
+    branch that is drafted after the primary chain, its rows at scratch positions past it
+    (n+k+1, …) with the primary's rows after the fork masked, so each branch row computes what
+    the decode row at its logical position computes.
+
+    The branch has at most ``min(k - fork, width - (k+1), capacity left - (k+1))`` rows (it
+    covers no position the primary chain does not, and it shares the verify width); when that is
+    0 the round stays primary-only and says so (``Proposal.fork_skipped``).
+
+    Test hooks, through the same interface: ``fork_hook(position, token, top2_ids, gap)`` replaces
+    the gap rule at each primary draft row (``position`` is the drafted token's) and returns
+    ``(primary, alternate)`` to fork there with those tokens, or None; ``perturb(branch, position,
+    token)`` replaces any other drafted token (``branch``: "primary" or "alternate").
+    """
+
+    name = "self+alternate"
+    free_guess = False
+    drafts_hidden = True
+
+    def __init__(self, gap: float, *, fork_hook=None, perturb=None) -> None:
+        if not 0.0 < gap <= 1.0:
+            raise RequestError(f"--alternate-gap must be a probability gap in (0, 1], got {gap}")
+        self.gap, self.fork_hook, self.perturb = gap, fork_hook, perturb
+        self._gen = None
+
+    def reset(self, generator) -> None:
+        from loopcast.manifest import TREE_KINDS
+        missing = [k for k in TREE_KINDS if not generator.has_kind(k)]
+        if missing:
+            raise RequestError(f"the alternate suffix needs the {' and '.join(TREE_KINDS)} graphs; this artifact "
+                               "lacks them (re-export with --tree-verify)")
+        self._gen = generator
+
+    def advance(self, committed: Sequence[int]) -> None:
+        pass
+
+    def _token(self, token: int, branch: str, position: int) -> int:
+        if self.perturb is not None:
+            token = int(self.perturb(branch, position, token))
+        return self._check(token)
+
+    def _check(self, token: int) -> int:
+        vocab = self._gen.model.config.vocab_size
+        if not 0 <= token < vocab:
+            raise RequestError(f"alternate-suffix draft token {token} is outside the vocabulary [0, {vocab})")
+        return token
+
+    def _fork(self, position: int, token: int, out) -> tuple[int, int] | None:
+        """(primary, alternate) when the draft row at ``position - 1`` is a near tie, else None."""
+        ids, probs = [int(t) for t in out.top2_ids], out.top2_probs
+        gap = float(probs[0] - probs[1])
+        if self.fork_hook is not None:
+            forced = self.fork_hook(position, token, ids, gap)
+            return None if forced is None else (self._check(int(forced[0])), self._check(int(forced[1])))
+        runner_up = ids[1] if ids[0] == token else ids[0]  # TopK and ArgMax may order an exact tie differently
+        return (token, runner_up) if gap < self.gap and runner_up != token else None
+
+    def propose(self, context: Sequence[int], k: int) -> Proposal:
+        from loopcast.manifest import TREE_DRAFT, TREE_TAIL
+        gen = self._gen
+        n = gen.n
+        if len(context) != n + 1:
+            raise RequestError(f"self-drafts continue the generator's sequence: context of {len(context)} "
+                               f"tokens for {n} committed")
+        # Rows the tree verify may use: its width, and no row past the KV capacity.
+        room = min(gen.rows(TREE_TAIL), gen.max_length - n) - (k + 1)
+        rows_in, hidden, fork, skipped = [int(context[-1])], [], None, False
+        for i in range(k + 1):
+            out = gen.run_rows(TREE_DRAFT, [(n + i, 0, 0)], tokens=[rows_in[i]])
+            hidden.append(out.hidden[0])
+            if i == k:
+                break
+            token = self._token(int(out.next_ids[0]), "primary", n + i + 1)
+            if fork is None and not skipped:
+                tie = self._fork(n + i + 1, token, out)
+                if tie is not None:
+                    token = tie[0]
+                    rows = min(room, k - i)
+                    fork, skipped = ((i, tie[1], rows), False) if rows >= 1 else (None, True)
+            rows_in.append(token)
+        branch = self._branch(n, k, *fork) if fork is not None else None
+        return Proposal(rows_in[1:], np.stack(hidden), branch=branch, fork_skipped=skipped)
+
+    def _branch(self, n: int, k: int, fork: int, first: int, rows: int) -> Branch:
+        """Draft the branch at scratch positions n+k+1.. with the primary rows after the fork
+        (positions n+fork+1..n+k) masked: its logical positions are n+fork+1.."""
+        from loopcast.manifest import TREE_DRAFT
+        lo, hi = n + fork + 1, n + k + 1
+        tokens, hidden = [first], []
+        for j in range(rows):
+            out = self._gen.run_rows(TREE_DRAFT, [(hi + j, lo, hi)], tokens=[tokens[j]])
+            hidden.append(out.hidden[0])
+            if j < rows - 1:
+                tokens.append(self._token(int(out.next_ids[0]), "alternate", lo + j + 1))
+        return Branch(fork, tokens, np.stack(hidden))
 
 
 class UserProposer:

@@ -21,6 +21,12 @@ it, so no surviving row ever reads KV of a rejected token. For self-speculation 
 d) the draft rows write depth<d KV at n..n+K and verify_tail writes depth>=d KV at the same
 positions; both are covered by the same argument.
 
+An alternate suffix (``--alternate-gap``, docs/architecture.md §5 "Alternate suffix") writes
+its rows at scratch positions n+K+1.. and masks the primary rows after its fork, while the
+primary rows never see positions > their own: no row reads KV of the other branch. When the
+branch wins, its KV is copied into place (``Generator.move_kv``) before ``n`` moves past it;
+when it loses, its scratch KV lies past the new ``n`` like any rejected row's.
+
 Exactness: every mode returns plain greedy's tokens when the artifact's verify rows are
 bit-identical to its decode rows on this device (manifest ``exact_verify``). Speculation on
 an artifact without that property is refused unless the caller opts in (``allow_inexact``);
@@ -39,9 +45,10 @@ from loopcast.ort_runtime.acceptors import GreedyAcceptor, SampledAcceptor
 from loopcast.ort_runtime.gates import GATES, HitDensityGate, StepCosts, make_gate
 from loopcast.ort_runtime.generator import Generator
 from loopcast.ort_runtime.pipeline import DECODE_ROUND_TIMER, ExitDrafts, PipelineCycles
-from loopcast.ort_runtime.proposers import PromptLookupProposer, Proposal, SelfDraftProposer, UserProposer
+from loopcast.ort_runtime.proposers import (AlternateDraftProposer, PromptLookupProposer, Proposal, SelfDraftProposer,
+                                            UserProposer)
 from loopcast.ort_runtime.sampling import SamplingParams
-from loopcast.ort_runtime.verifiers import DraftTail, VerifyRows
+from loopcast.ort_runtime.verifiers import DraftTail, TreeTail, VerifyRows
 
 # The built-in modes: each names a proposer; the strategy follows from what the proposer
 # declares (drafts_hidden -> draft+verify_tail, tokens only -> verify-W), except the pipeline,
@@ -63,6 +70,7 @@ class SpeculationConfig:
     pipeline_exit: int = 1                # pipeline: the loop whose head drafts the next lane's token
     draft_hook: object | None = None      # pipeline: (position, draft) -> token; tests and oracle benches
     trace: bool = False                   # pipeline: keep each cycle's rows in stats (tests)
+    alternate_gap: float | None = None    # self: fork an alternate suffix below this top-1/top-2 probability gap
 
 
 @dataclass
@@ -91,6 +99,12 @@ class GenerationStats:
     discarded_lanes: int = 0
     core_calls_per_token: float = 0.0     # passes over the core layers per new token (plain: R)
     pipeline_trace: list | None = None    # SpeculationConfig(trace=True): each cycle's rows (tests)
+    forks: int = 0                        # alternate suffix: rounds verified with a branch
+    fork_skips: int = 0                   # near ties whose branch did not fit (width or KV capacity)
+    alternate_selected: int = 0           # rounds the branch won
+    alternate_discarded: int = 0          # rounds the primary chain passed the fork (or broke before it)
+    fork_misses: int = 0                  # rounds whose fork had neither branch's token right
+    alternate_tokens: int = 0             # tokens gained: branch tokens committed past the primary's
     steps: dict[str, int] = field(default_factory=dict)
     step_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -117,6 +131,9 @@ def _plan(gen: Generator, spec: SpeculationConfig, sampled: bool = False) -> _Pl
         raise RequestError(f"unknown speculative mode {spec.mode!r}; choose from {', '.join(MODES)} (custom takes a proposer)")
     if spec.gate not in GATES:
         raise RequestError(f"unknown gate {spec.gate!r}; choose from {', '.join(GATES)}")
+    alternate = spec.alternate_gap is not None or isinstance(spec.proposer, AlternateDraftProposer)
+    if alternate:  # before the early returns: an alternate gap is never ignored
+        _check_alternate(gen, spec, sampled)
     if spec.mode == "none" and spec.proposer is None:
         return None
     if spec.mode == "pipeline":
@@ -127,8 +144,11 @@ def _plan(gen: Generator, spec: SpeculationConfig, sampled: bool = False) -> _Pl
     if sampled and spec.mode == "self" and spec.proposer is not None:
         raise RequestError("sampled self-speculation drafts from the draft graph; it takes no proposer")
     vocab = gen.model.config.vocab_size
-    if spec.proposer is not None:
-        proposer = spec.proposer if isinstance(spec.proposer, (PromptLookupProposer, SelfDraftProposer)) \
+    if spec.alternate_gap is not None and spec.proposer is None:
+        proposer = AlternateDraftProposer(spec.alternate_gap)
+    elif spec.proposer is not None:
+        proposer = spec.proposer if isinstance(spec.proposer, (PromptLookupProposer, SelfDraftProposer,
+                                                                AlternateDraftProposer)) \
             else UserProposer(spec.proposer, vocab)
         if spec.mode == "self" and not proposer.drafts_hidden:
             raise RequestError("speculative mode 'self' takes a proposer that drafts depth-d states "
@@ -141,18 +161,34 @@ def _plan(gen: Generator, spec: SpeculationConfig, sampled: bool = False) -> _Pl
         proposer = PromptLookupProposer(spec.min_ngram, spec.max_ngram)
     else:
         raise RequestError("speculative mode 'custom' needs a proposer")
-    strategy = DraftTail() if proposer.drafts_hidden else VerifyRows()
+    strategy = TreeTail() if alternate else DraftTail() if proposer.drafts_hidden else VerifyRows()
     missing = [k for k in strategy.kinds if not gen.has_kind(k)]
+    if missing and alternate:
+        raise RequestError(f"--alternate-gap needs the {' and '.join(strategy.kinds)} graphs; this artifact lacks "
+                           f"{', '.join(missing)} (re-export it with --tree-verify)")
     if missing:
         raise RequestError(f"speculative mode {spec.mode!r} needs the {' and '.join(strategy.kinds)} graphs; "
                            f"this artifact lacks {', '.join(missing)}"
                            + (" (self-speculation needs a looped model, R > 1)" if proposer.drafts_hidden else ""))
     require_exact(gen, spec.allow_inexact)
     k_max = strategy.max_drafts(gen)
-    k = spec.num_draft_tokens if spec.num_draft_tokens is not None else k_max
+    # With an alternate suffix the default leaves one row of the verify width for the branch.
+    default = max(k_max - 1, 1) if alternate else k_max
+    k = spec.num_draft_tokens if spec.num_draft_tokens is not None else default
     if not 1 <= k <= k_max:
         raise RequestError(f"--num-draft-tokens must be in 1..{k_max} (verify width {k_max + 1}), got {k}")
     return _Plan(proposer, strategy, k, k_max + 1)
+
+
+def _check_alternate(gen: Generator, spec: SpeculationConfig, sampled: bool) -> None:
+    """The alternate suffix's boundary checks: greedy self-speculation."""
+    if spec.mode != "self":
+        raise RequestError(f"--alternate-gap forks self-drafts; it goes with --speculative self, not {spec.mode!r}")
+    if sampled:
+        raise RequestError("--alternate-gap is greedy-only: a second branch would need its own rejection rule to "
+                           "keep sampling's distribution; drop it or sample without it")
+    if spec.alternate_gap is not None and spec.proposer is not None:
+        raise RequestError("give either alternate_gap or an AlternateDraftProposer, not both")
 
 
 def _plan_pipeline(gen: Generator, spec: SpeculationConfig) -> _Plan:
@@ -336,10 +372,14 @@ class _Engine:
             return self._lane_round(pending, step, remaining)
         context = self.context
         # A round writes plan.width positions (the verify graph's fixed rows): no room, no round.
-        k = gate.engage(step) if gen.n + plan.width <= gen.max_length else None
+        # A strategy whose unused rows write nothing (tree verify) needs only the rows it uses.
+        room = gen.max_length - gen.n - 1
+        fits = gen.n + plan.width <= gen.max_length or (not getattr(plan.strategy, "writes_padding", True)
+                                                        and room >= 1)
+        k = gate.engage(step) if fits else None
         if k:
             context.append(pending)
-            proposal = plan.proposer.propose(context, min(k, plan.k_max, remaining))
+            proposal = plan.proposer.propose(context, min(k, plan.k_max, remaining, room))
             context.pop()
             if not isinstance(proposal, Proposal):
                 proposal = Proposal(list(proposal))
@@ -394,15 +434,37 @@ class _Engine:
         self.context.append(pending)
         result = self.acceptor.accept(self.context, proposal, verified)
         self.context.pop()
-        committed = [pending] + proposal.tokens[:result.accepted]
+        drafts = proposal.tokens[:result.accepted]
+        if result.branch_accepted:
+            # The branch won: its rows' KV (scratch positions n+K+1..) moves into place at
+            # n+fork+1.. before n passes it (docs/architecture.md §5, "Alternate suffix").
+            branch = proposal.branch
+            drafts = proposal.tokens[:branch.fork] + branch.tokens[:result.branch_accepted]
+            gen.move_kv(gen.n + len(proposal.tokens) + 1, gen.n + branch.fork + 1, result.branch_accepted)
+        committed = [pending] + drafts
         gen.commit(committed)
         self.context.extend(committed)
         plan.proposer.advance(committed)
-        self._count(proposal.tokens, result)
+        self._count(proposal.tokens, result, proposal.branch.fork if result.branch_accepted else result.accepted)
+        self._count_branch(proposal, result)
         self.gate.observe(len(proposal.tokens), result.accepted, step=step)
-        return proposal.tokens[:result.accepted] + [result.next_token]
+        return drafts + [result.next_token]
 
-    def _count(self, drafts: list[int], result) -> None:
+    def _count_branch(self, proposal: Proposal, result) -> None:
+        stats = self.stats
+        stats.fork_skips += int(proposal.fork_skipped)
+        if proposal.branch is None:
+            return
+        stats.forks += 1
+        stats.alternate_selected += int(result.branch_accepted > 0)
+        stats.alternate_tokens += result.branch_accepted
+        stats.fork_misses += int(result.fork_miss)
+        stats.alternate_discarded += int(not result.branch_accepted and not result.fork_miss)
+
+    def _count(self, drafts: list[int], result, primary: int | None = None) -> None:
+        """``primary``: the drafts of the primary chain committed (fewer than ``result.accepted``
+        when an alternate suffix won)."""
+        primary = result.accepted if primary is None else primary
         stats = self.stats
         stats.rounds += 1
         stats.proposed += len(drafts)
@@ -415,7 +477,7 @@ class _Engine:
                 stats.proposed_by_position.append(0)
                 stats.accepted_by_position.append(0)
             stats.proposed_by_position[i] += 1
-            stats.accepted_by_position[i] += int(i < result.accepted)
+            stats.accepted_by_position[i] += int(i < primary)
 
     def _close(self) -> None:
         if self.plan is not None and getattr(self.plan.strategy, "continuous", False):

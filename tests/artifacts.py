@@ -37,19 +37,19 @@ def reference(name: str):
 
 def artifact(name: str, dtype: str = "fp32", verify_width: int = 5, draft_depth: int | None = None,
              max_length: int | None = None, batch_invariant: bool = False, ops: str = "auto",
-             max_batch: int | None = None) -> Path:
-    return _artifact(name, dtype, verify_width, draft_depth, max_length, batch_invariant, ops, max_batch)
+             max_batch: int | None = None, tree_verify: bool = False) -> Path:
+    return _artifact(name, dtype, verify_width, draft_depth, max_length, batch_invariant, ops, max_batch, tree_verify)
 
 
 @lru_cache(maxsize=None)
 def _artifact(name: str, dtype: str, verify_width: int, draft_depth: int | None, max_length: int | None,
-              batch_invariant: bool, ops: str, max_batch: int | None = None) -> Path:
+              batch_invariant: bool, ops: str, max_batch: int | None = None, tree_verify: bool = False) -> Path:
     source = "demo" if name == "demo" else checkpoint(name)
     out = _ROOT / f"art-{name}-{dtype}-{verify_width}-{draft_depth}-{max_length}-{int(batch_invariant)}-{ops}"
-    out = out.with_name(out.name + (f"-b{max_batch}" if max_batch else ""))
+    out = out.with_name(out.name + (f"-b{max_batch}" if max_batch else "") + ("-tree" if tree_verify else ""))
     export_checkpoint(source, out, ExportOptions(dtype, max_length or (512 if name == "demo" else None),
                                                  verify_width, draft_depth, batch_invariant, ops,
-                                                 max_batch=max_batch))
+                                                 max_batch=max_batch, tree_verify=tree_verify))
     return out
 
 

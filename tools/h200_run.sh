@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
-# | serve | host-loop | weight-mem | export-profile
+# | serve | host-loop | weight-mem | export-profile | alternate
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -141,6 +141,17 @@ phase_host_loop() {  # plain decode end to end: a 1.43B Llama (Ouro-1.4B layer s
       --overwrite; } > "$RES/host-loop.txt" 2>&1
   timeout 240 python3 tools/host_loop.py /root/llama-art --device cuda --prompt-len 1000 --new-tokens 256 \
     --out "$RES/host-loop.json" >> "$RES/host-loop.txt" 2>&1
+}
+phase_alternate() {  # issue 26: tree verify on CUDA (masked kernel rows, engine exactness), then the table
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  { LOOPCAST_OPS_LIB=$LIB timeout 200 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
+      -k "masked or move_positions" 2>&1 | tail -8
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py -k alternate 2>&1 | tail -8
+  } > "$RES/alternate-tests.txt"
+  for dt in fp16 bf16; do
+    timeout 400 python3 tools/bench_alternate.py --device cuda --dtype $dt --json "$RES/alternate-$dt.json" \
+      > "$RES/alternate-$dt.txt" 2>&1
+  done
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"

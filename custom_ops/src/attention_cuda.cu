@@ -234,7 +234,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
     const T* __restrict__ qkv, T* __restrict__ pk, T* __restrict__ pv, const int32_t* __restrict__ seqlens,
     const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, T* __restrict__ out, int S, int Hq, int Hkv,
-    int cap, int rotary_len, float scale, bool do_rotary, int nch_cap, int HB, int RG, const KVTable tab) {
+    int cap, int rotary_len, float scale, bool do_rotary, int nch_cap, int HB, int RG, const KVTable tab,
+    const int32_t* __restrict__ masked) {
   constexpr int VEC = Vec<T>::N, LPP = D / VEC, PPI = kSplitThreads / LPP, R = kChunk / PPI, half = D / 2;
   static_assert(LPP >= 1 && LPP <= 32 && 32 % LPP == 0 && kChunk % PPI == 0 && D <= kSplitThreads, "layout");
   constexpr int P = D + 2;  // floats per chunk partial
@@ -254,7 +255,24 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
   const int nRG = (S + RG - 1) / RG;
   const int b = blockIdx.z / nRG, i0 = (blockIdx.z % nRG) * RG, i1 = min(S, i0 + RG);
   const int hq0 = blockIdx.y * HB, kvh = hq0 / (Hq / Hkv);
-  const int n = seqlens[b] + 1 - S;
+  int n = seqlens[b] + 1 - S;
+  // Tree verify (RowAttention's masked_keys; one row per batch entry, S = 1): keys [lo, hi)
+  // leave the row's sequence. The kernel runs at the row's logical position n - (hi - lo) — the
+  // decode row's chunks, rotation and key order there — reading key j >= lo from cache position
+  // j + shift and writing the row's own K/V at its cache position. A row inside its own masked
+  // range (the CPU refuses it) writes nothing and outputs zeros, as an out-of-range row does.
+  int lo = 0, shift = 0, cap_eff = cap;
+  if (masked != nullptr) {
+    const int mlo = masked[2 * b], mhi = masked[2 * b + 1];
+    if (mlo < 0 || mhi < mlo || (n >= mlo && n < mhi)) {
+      cap_eff = -1;
+    } else if (n >= mhi) {
+      lo = mlo;
+      shift = mhi - mlo;
+      n -= shift;
+      cap_eff = cap - shift;
+    }
+  }
   const int NB = gridDim.x, x = blockIdx.x;
   const int nunits = (i1 - i0) * HB;  // unit u: row i0 + u / HB, head hq0 + u % HB
   T* const kb = tab.rows ? static_cast<T*>(tab.k[b]) : pk + static_cast<size_t>(b) * Hkv * cap * D;
@@ -264,7 +282,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
   int p_hi = -1;
   for (int i = i0; i < i1; ++i) {
     const int p = n + i;
-    if (row_valid(p, cap, rotary_len, do_rotary)) {
+    if (row_valid(p, cap_eff, rotary_len, do_rotary)) {
       p_hi = p;
     } else if (x == 0) {
       for (int e = tid; e < HB * D; e += kSplitThreads)
@@ -276,16 +294,16 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
   // Rotated q of every unit (the same expression in every block: the same bits).
   for (int e = tid; e < nunits * D; e += kSplitThreads) {
     const int u = e / D, d = e % D, i = i0 + u / HB, h = hq0 + u % HB, p = n + i;
-    if (!row_valid(p, cap, rotary_len, do_rotary)) continue;
+    if (!row_valid(p, cap_eff, rotary_len, do_rotary)) continue;
     const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D + h * D;
     q_s[u][d] = rotated(row, d, half, p, cos_cache, sin_cache, do_rotary);
   }
   if (x == 0 && hq0 % (Hq / Hkv) == 0) {  // this block's new rows -> the cache (see above)
     for (int e = tid; e < (i1 - i0) * D; e += kSplitThreads) {
       const int i = i0 + e / D, d = e % D, p = n + i;
-      if (!row_valid(p, cap, rotary_len, do_rotary)) continue;
+      if (!row_valid(p, cap_eff, rotary_len, do_rotary)) continue;
       const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D;
-      const size_t dst = (static_cast<size_t>(kvh) * cap + p) * D + d;
+      const size_t dst = (static_cast<size_t>(kvh) * cap + p + shift) * D + d;
       kb[dst] = from_f<T>(rotated(row + (Hq + kvh) * D, d, half, p, cos_cache, sin_cache, do_rotary));
       vb[dst] = row[(Hq + Hkv + kvh) * D + d];
     }
@@ -306,13 +324,14 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
       if (j <= p_hi && j >= n) {  // a new row: not in the cache yet within this launch
         new_kv<T, D>(qkv, cos_cache, sin_cache, b, S, j - n, j, Hq, Hkv, kvh, t, do_rotary, kr[r], vr[r]);
       } else if (j <= p_hi) {
-        kr[r] = __ldg(reinterpret_cast<const uint4*>(kc + static_cast<size_t>(j) * D));
-        vr[r] = __ldg(reinterpret_cast<const uint4*>(vc + static_cast<size_t>(j) * D));
+        const size_t at = static_cast<size_t>(j >= lo ? j + shift : j) * D;  // shift 0: unmasked
+        kr[r] = __ldg(reinterpret_cast<const uint4*>(kc + at));
+        vr[r] = __ldg(reinterpret_cast<const uint4*>(vc + at));
       }
     }
     for (int u = 0; u < nunits; ++u) {
       const int i = i0 + u / HB, p = n + i;
-      if (!row_valid(p, cap, rotary_len, do_rotary) || p < j0) continue;  // uniform
+      if (!row_valid(p, cap_eff, rotary_len, do_rotary) || p < j0) continue;  // uniform
       float qr[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) qr[e] = q_s[u][t * VEC + e];
@@ -356,7 +375,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
   if (tid < nunits) {
     const int i = i0 + tid / HB, p = n + i;
     int last = 0;
-    if (row_valid(p, cap, rotary_len, do_rotary) && x * kChunk <= p) {
+    if (row_valid(p, cap_eff, rotary_len, do_rotary) && x * kChunk <= p) {
       const int nc = p / kChunk + 1;
       const unsigned expected = static_cast<unsigned>(min(NB, nc));
       const int unit = (b * S + i) * Hq + hq0 + tid % HB;
@@ -428,7 +447,8 @@ bool split_fits(int B, int S, int Hq, int Hkv, int D, int cap) {
 template <typename T, int D>
 int launch_split(const T* qkv, T* pk, T* pv, const int32_t* seqlens, const T* cos_cache,
                  const T* sin_cache, T* out, int B, int S, int Hq, int Hkv, int cap, int rotary_len, float scale,
-                 bool do_rotary, cudaStream_t stream, const KVTable& tab = KVTable{}) {
+                 bool do_rotary, cudaStream_t stream, const KVTable& tab = KVTable{},
+                 const int32_t* masked = nullptr) {
   const int group = Hq / Hkv;
   int HB = group;
   while (HB > kMaxUnitsPerBlock) HB = HB % 2 == 0 ? HB / 2 : 1;
@@ -445,15 +465,17 @@ int launch_split(const T* qkv, T* pk, T* pv, const int32_t* seqlens, const T* co
   if (NB < 1) NB = 1;
   return static_cast<int>(launch_kernel(split_attend_kernel<T, D>, dim3(static_cast<unsigned>(NB), Hq / HB, B * nRG),
                                         dim3(kSplitThreads), 0, stream, 0, qkv, pk, pv, seqlens, cos_cache, sin_cache,
-                                        out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG, tab));
+                                        out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG, tab,
+                                        masked));
 }
 
 template <typename T>
 struct AttentionLauncher {
   static int run(const void* qkv_, const void* past_k, const void* past_v, void* present_k, void* present_v,
                  const int32_t* seqlens, const void* cos_, const void* sin_, void* out_, int B, int S, int Hq, int Hkv,
-                 int D, int cap, int rotary_len, float scale, int do_rotary, void* stream_) {
+                 int D, int cap, int rotary_len, float scale, int do_rotary, const int32_t* masked, void* stream_) {
     if (B <= 0 || S <= 0) return 0;
+    if (masked != nullptr && S != 1) return static_cast<int>(cudaErrorInvalidValue);  // one row per entry
     if (Hkv <= 0 || Hq % Hkv != 0 || cap <= 0 || cap > kLoopcastMaxCudaCapacity || S > 65535 || B > 65535 ||
         Hq > 65535)
       return static_cast<int>(cudaErrorInvalidValue);
@@ -494,16 +516,17 @@ struct AttentionLauncher {
         T* o = out + static_cast<size_t>(b0) * S * Hq * D;
         int code = 0;
         switch (D) {
-          case 16: code = launch_split<T, 16>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream); break;
-          case 32: code = launch_split<T, 32>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream); break;
-          case 64: code = launch_split<T, 64>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream); break;
-          case 128: code = launch_split<T, 128>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream); break;
+          case 16: code = launch_split<T, 16>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream, KVTable{}, masked ? masked + 2 * b0 : nullptr); break;
+          case 32: code = launch_split<T, 32>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream, KVTable{}, masked ? masked + 2 * b0 : nullptr); break;
+          case 64: code = launch_split<T, 64>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream, KVTable{}, masked ? masked + 2 * b0 : nullptr); break;
+          case 128: code = launch_split<T, 128>(q, pk + b0 * cache, pv + b0 * cache, seqlens + b0, cs, sn, o, nb, S, Hq, Hkv, cap, rotary_len, scale, rot, stream, KVTable{}, masked ? masked + 2 * b0 : nullptr); break;
           default: return static_cast<int>(cudaErrorInvalidValue);
         }
         if (code != 0) return code;
       }
       return 0;
     }
+    if (masked != nullptr) return static_cast<int>(cudaErrorNotSupported);  // masked keys: the split kernel only
     cudaError_t err = launch_kernel(kv_write_kernel<T>, dim3(S, B), dim3(kThreads), 0, stream, 0, qkv, pk, pv, seqlens,
                                     cs, sn, S, Hq, Hkv, D, cap, rotary_len, rot);
     if (err != cudaSuccess) return static_cast<int>(err);
@@ -522,9 +545,9 @@ struct AttentionLauncher {
 // arithmetic per (row, head)); otherwise cudaErrorNotSupported and the caller launches per row.
 template <typename T>
 struct RowAttentionLauncher {
-  static int run(const void* qkv, void* const* keys, void* const* values, const int32_t* positions, const void* cos_,
-                 const void* sin_, void* out, int rows, int Hq, int Hkv, int D, int cap, int rotary_len, float scale,
-                 int do_rotary, void* stream_) {
+  static int run(const void* qkv, void* const* keys, void* const* values, const int32_t* positions,
+                 const int32_t* masked, const void* cos_, const void* sin_, void* out, int rows, int Hq, int Hkv, int D,
+                 int cap, int rotary_len, float scale, int do_rotary, void* stream_) {
     if (rows <= 0) return 0;
     if (rows > kRowTableMax || !split_fits(1, 1, Hq, Hkv, D, cap) || Hkv <= 0 || Hq % Hkv != 0 ||
         cap > kLoopcastMaxCudaCapacity)
@@ -542,10 +565,10 @@ struct RowAttentionLauncher {
     auto o = static_cast<T*>(out);
     const bool rot = do_rotary != 0;
     switch (D) {
-      case 16: return launch_split<T, 16>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab);
-      case 32: return launch_split<T, 32>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab);
-      case 64: return launch_split<T, 64>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab);
-      case 128: return launch_split<T, 128>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab);
+      case 16: return launch_split<T, 16>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab, masked);
+      case 32: return launch_split<T, 32>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab, masked);
+      case 64: return launch_split<T, 64>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab, masked);
+      case 128: return launch_split<T, 128>(q, nullptr, nullptr, positions, cs, sn, o, rows, 1, Hq, Hkv, cap, rotary_len, scale, rot, stream, tab, masked);
       default: return static_cast<int>(cudaErrorInvalidValue);
     }
   }
@@ -561,15 +584,26 @@ LOOPCAST_CUDA_API int loopcast_cuda_attention(int dtype, const void* qkv, const 
                                               int rotary_len, float scale, int do_rotary, void* stream) {
   return loopcast_cuda::dispatch<loopcast_cuda::AttentionLauncher>(
       dtype, qkv, past_k, past_v, present_k, present_v, seqlens_k, cos_cache, sin_cache, out, B, S, num_heads,
-      kv_num_heads, head_dim, capacity, rotary_len, scale, do_rotary, stream);
+      kv_num_heads, head_dim, capacity, rotary_len, scale, do_rotary, static_cast<const int32_t*>(nullptr), stream);
+}
+
+LOOPCAST_CUDA_API int loopcast_cuda_masked_attention(int dtype, const void* qkv, const void* past_k,
+                                                     const void* past_v, void* present_k, void* present_v,
+                                                     const int32_t* seqlens_k, const int32_t* masked_keys,
+                                                     const void* cos_cache, const void* sin_cache, void* out, int B,
+                                                     int num_heads, int kv_num_heads, int head_dim, int capacity,
+                                                     int rotary_len, float scale, int do_rotary, void* stream) {
+  return loopcast_cuda::dispatch<loopcast_cuda::AttentionLauncher>(
+      dtype, qkv, past_k, past_v, present_k, present_v, seqlens_k, cos_cache, sin_cache, out, B, 1, num_heads,
+      kv_num_heads, head_dim, capacity, rotary_len, scale, do_rotary, masked_keys, stream);
 }
 
 LOOPCAST_CUDA_API int loopcast_cuda_row_attention(int dtype, const void* qkv, void* const* keys, void* const* values,
-                                                  const int32_t* positions, const void* cos_cache,
-                                                  const void* sin_cache, void* out, int rows, int num_heads,
-                                                  int kv_num_heads, int head_dim, int capacity, int rotary_len,
-                                                  float scale, int do_rotary, void* stream) {
+                                                  const int32_t* positions, const int32_t* masked_keys,
+                                                  const void* cos_cache, const void* sin_cache, void* out, int rows,
+                                                  int num_heads, int kv_num_heads, int head_dim, int capacity,
+                                                  int rotary_len, float scale, int do_rotary, void* stream) {
   return loopcast_cuda::dispatch<loopcast_cuda::RowAttentionLauncher>(
-      dtype, qkv, keys, values, positions, cos_cache, sin_cache, out, rows, num_heads, kv_num_heads, head_dim,
-      capacity, rotary_len, scale, do_rotary, stream);
+      dtype, qkv, keys, values, positions, masked_keys, cos_cache, sin_cache, out, rows, num_heads, kv_num_heads,
+      head_dim, capacity, rotary_len, scale, do_rotary, stream);
 }

@@ -30,15 +30,38 @@ LOOPCAST_CUDA_API int loopcast_cuda_attention(int dtype, const void* qkv, const 
                                               int num_heads, int kv_num_heads, int head_dim, int capacity,
                                               int rotary_len, float scale, int do_rotary, void* stream);
 
+// One row per batch entry (S = 1) with a masked key range [lo, hi) per entry (masked_keys
+// [B, 2], device): RowAttention's tree-verify rows. The row runs at its logical position
+// seqlens_k[b] - (hi - lo) (when hi <= seqlens_k[b]) with the keys past lo read hi - lo
+// positions further on, and writes its K/V at seqlens_k[b]: the decode row of the logical
+// position, bit for bit. Split kernel only: cudaErrorNotSupported (801) where the one-row call
+// takes the other kernel.
+LOOPCAST_CUDA_API int loopcast_cuda_masked_attention(int dtype, const void* qkv, const void* past_k,
+                                                     const void* past_v, void* present_k, void* present_v,
+                                                     const int32_t* seqlens_k, const int32_t* masked_keys,
+                                                     const void* cos_cache, const void* sin_cache, void* out, int B,
+                                                     int num_heads, int kv_num_heads, int head_dim, int capacity,
+                                                     int rotary_len, float scale, int do_rotary, void* stream);
+
 // RowAttention's rows in one launch: row i (S = 1) at positions[i] on the pair keys[i] / values[i]
-// ([1, kv_num_heads, capacity, head_dim] each, written in place). Returns cudaErrorNotSupported
-// (801) when the one-row decode call would not take the split kernel or rows > 32: the caller
-// then runs loopcast_cuda_attention once per row.
+// ([1, kv_num_heads, capacity, head_dim] each, written in place), masked_keys [rows, 2] or null
+// (as loopcast_cuda_masked_attention). Rows must use distinct pairs (a row reads the cache that
+// another block of the same launch may be writing). Returns cudaErrorNotSupported (801) when the
+// one-row decode call would not take the split kernel or rows > 32: the caller then runs the
+// rows one launch each.
 LOOPCAST_CUDA_API int loopcast_cuda_row_attention(int dtype, const void* qkv, void* const* keys, void* const* values,
-                                                  const int32_t* positions, const void* cos_cache,
-                                                  const void* sin_cache, void* out, int rows, int num_heads,
-                                                  int kv_num_heads, int head_dim, int capacity, int rotary_len,
-                                                  float scale, int do_rotary, void* stream);
+                                                  const int32_t* positions, const int32_t* masked_keys,
+                                                  const void* cos_cache, const void* sin_cache, void* out, int rows,
+                                                  int num_heads, int kv_num_heads, int head_dim, int capacity,
+                                                  int rotary_len, float scale, int do_rotary, void* stream);
+
+// A KV buffer of `planes` rows of `capacity` positions (`position_bytes` each, [1, H_kv, T, D]):
+// positions src..src+count-1 copied to dst.. in every plane (disjoint ranges). The alternate
+// suffix's commit: a winning branch's K/V from its scratch positions into place. stream null:
+// the legacy stream, synchronised before returning (between two ORT runs).
+LOOPCAST_CUDA_API int loopcast_cuda_move_positions(void* buffer, int64_t planes, int64_t capacity,
+                                                   int64_t position_bytes, int64_t src, int64_t dst, int64_t count,
+                                                   void* stream);
 
 // Per row of `hidden` elements (see residual_norm_cuda.cu):
 //   b = branch_weight ? norm(branch, branch_weight) : branch;  s = residual ? residual + b : b

@@ -88,9 +88,12 @@ bool per_row_forced() {
 // in place and the decode call takes the split kernel, the rows go in one launch instead: the
 // split kernel with row i as batch entry i on its own pair (loopcast_cuda_row_attention), whose
 // arithmetic per (row, head) depends only on the position, not on the batch or the grid. A position of -1 makes the
-// launch write nothing and output zeros. Rows sharing a pair must come in ascending position order
-// (a row's launch sees what earlier rows wrote); the graphs give each row its own pair.
-// sequences and masked_keys are CPU-only for now (batching and tree verify build on them).
+// launch write nothing and output zeros. The single launch needs distinct pairs (a row reads the
+// cache another block of the launch may be writing); rows sharing a pair (tree verify: every row
+// on the layer's slot) run one launch each, in row order, so a row sees what earlier rows wrote.
+// masked_keys (tree verify) take the split kernel either way (loopcast_cuda_masked_attention):
+// a row runs at its logical position with the masked keys skipped, as on the CPU. sequences are
+// CPU-only for now.
 template <typename T>
 struct RowAttentionCudaKernel {
   RowAttentionAttrs attrs;
@@ -99,8 +102,8 @@ struct RowAttentionCudaKernel {
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     const RowAttentionShapes s = row_attention_shapes(ctx, attrs);
-    if (s.has_sequences || s.has_masked)
-      fail("RowAttention (CUDA): the sequences and masked_keys inputs are CPU-only in this build");
+    if (s.has_sequences) fail("RowAttention (CUDA): the sequences input is CPU-only in this build");
+    const int32_t* masked = s.has_masked ? ctx.GetInput(3).GetTensorData<int32_t>() : nullptr;
     if (s.Bseq != 1) fail("RowAttention (CUDA): KV buffers must hold one sequence, got " + shape_str(s.past_shape));
     if (s.D != 16 && s.D != 32 && s.D != 64 && s.D != 128)
       fail("RowAttention (CUDA): head_dim must be 16, 32, 64 or 128, got " + std::to_string(s.D));
@@ -127,14 +130,15 @@ struct RowAttentionCudaKernel {
     // per-row launches (the bench compares them).
     bool in_place = true;
     for (int64_t k = 0; k < s.pairs; ++k) in_place = in_place && past_k[k] == pk[k] && past_v[k] == pv[k];
-    if (in_place && !per_row_forced()) {
+    const bool distinct = s.pairs == s.S;  // every pair is named by some row (checked), so one each
+    if (in_place && distinct && !per_row_forced()) {
       std::vector<void*> keys, values;
       for (int64_t i = 0; i < s.S; ++i) {
         keys.push_back(pk[attrs.row_buffers[i]]);
         values.push_back(pv[attrs.row_buffers[i]]);
       }
       const int code = loopcast_cuda_row_attention(
-          static_cast<int>(DTypeOf<T>::value), qkv, keys.data(), values.data(), positions, cos, sin, out,
+          static_cast<int>(DTypeOf<T>::value), qkv, keys.data(), values.data(), positions, masked, cos, sin, out,
           static_cast<int>(s.S), static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(s.D),
           static_cast<int>(s.T), static_cast<int>(std::min<int64_t>(s.rotary_len, 1 << 30)), s.scale,
           attrs.do_rotary ? 1 : 0, ctx.GetGPUComputeStream());
@@ -145,6 +149,21 @@ struct RowAttentionCudaKernel {
     }
     for (int64_t i = 0; i < s.S; ++i) {
       const int64_t k = attrs.row_buffers[i];
+      if (masked != nullptr) {
+        const int code = loopcast_cuda_masked_attention(
+            static_cast<int>(DTypeOf<T>::value), qkv + i * (Hq + 2 * Hkv) * s.D * elem, past_k[k], past_v[k], pk[k],
+            pv[k], positions + i, masked + 2 * i, cos, sin, out + i * Hq * s.D * elem, 1, static_cast<int>(Hq),
+            static_cast<int>(Hkv), static_cast<int>(s.D), static_cast<int>(s.T),
+            static_cast<int>(std::min<int64_t>(s.rotary_len, 1 << 30)), s.scale, attrs.do_rotary ? 1 : 0,
+            ctx.GetGPUComputeStream());
+        if (code == kCudaErrorNotSupported)
+          fail("RowAttention (CUDA): masked_keys need the split attention kernel, which does not serve these shapes "
+               "(head_dim " + std::to_string(s.D) + ", capacity " + std::to_string(s.T) + ")");
+        check_launch(code, "RowAttention");
+        past_k[k] = pk[k];
+        past_v[k] = pv[k];
+        continue;
+      }
       // The launch copies past to present when they differ: only for a pair's first row.
       check_launch(loopcast_cuda_attention(
                        static_cast<int>(DTypeOf<T>::value), qkv + i * (Hq + 2 * Hkv) * s.D * elem, past_k[k],

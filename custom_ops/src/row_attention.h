@@ -3,7 +3,9 @@
 // Inputs   0 query [1, S, (num_heads + 2*kv_num_heads)*head_dim]  packed q|k|v of S rows
 //          1 positions [S] int32          row i's position; -1: inactive row (writes nothing, outputs 0)
 //          2 sequences [S] int32          optional: batch entry of the KV buffers (absent: 0)
-//          3 masked_keys [S, 2] int32     optional: keys [lo, hi) that row i does not see (tree verify)
+//          3 masked_keys [S, 2] int32     optional: keys [lo, hi) that row i does not see (tree verify);
+//                                         they leave its sequence, so its rotary position is
+//                                         positions[i] - (hi - lo) when hi <= positions[i]
 //          4 cos_cache, 5 sin_cache       [max_len, head_dim/2]
 //          6.. key_0, value_0, key_1, value_1, ...   KV buffer pairs [Bseq, kv_num_heads, T, head_dim]
 // Outputs  0 output [1, S, num_heads*head_dim]; 1.. present key_0, value_0, ... (bound to the inputs)

@@ -5,6 +5,12 @@
 // 0..positions[i] of the same (buffer, sequence), except keys in [masked[i][0], masked[i][1]).
 // A row at position -1 is inactive: it writes nothing and its output is zeros.
 //
+// A masked range takes its keys out of the row's sequence, positions included: the row's rotary
+// position is the number of keys it sees before itself, positions[i] - (hi - lo) when the range
+// lies below it (rotary_position()). So a tree-verify branch row written at a scratch position
+// past the other branch computes exactly the decode row at its logical position: the same
+// rotation of q and of its stored K, and the same visible keys in the same ascending order.
+//
 // Row invariance: a row's arithmetic is BatchInvariantAttention's for a one-row call at the same
 // position (rotate, eight fixed lanes for q·k, max, then exp, sum and the weighted sum in
 // ascending key order, one division), so a pipeline row equals the decode row bit for bit, and
@@ -39,6 +45,14 @@ struct RowAttentionCpuKernel {
     T* out;
     int64_t width, group, half;
   };
+
+  // Row i's position in its own sequence: its cache position less the masked keys below it.
+  static int64_t rotary_position(const Call& c, int64_t i) {
+    const int64_t p = c.pos[i];
+    if (!c.masked) return p;
+    const int64_t lo = c.masked[2 * i], hi = c.masked[2 * i + 1];
+    return p >= hi ? p - (hi - lo) : p;
+  }
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
@@ -91,9 +105,10 @@ struct RowAttentionCpuKernel {
       const int64_t p = c.pos[i];
       if (p < 0) continue;
       const int64_t k = attrs.row_buffers[i], sq = c.seq ? c.seq[i] : 0;
+      const int64_t rp = rotary_position(c, i);
       const T* row = c.qkv + i * c.width;
       for (int64_t h = 0; h < Hkv; ++h) {
-        rotate(row + (Hq + h) * D, c.cos ? c.cos + p * c.half : nullptr, c.sin ? c.sin + p * c.half : nullptr, D,
+        rotate(row + (Hq + h) * D, c.cos ? c.cos + rp * c.half : nullptr, c.sin ? c.sin + rp * c.half : nullptr, D,
                    attrs.do_rotary, buf.data());
         const size_t at = static_cast<size_t>(((sq * Hkv + h) * T_cap + p) * D);
         const T* vsrc = row + (Hq + Hkv + h) * D;
@@ -122,7 +137,8 @@ struct RowAttentionCpuKernel {
     q.resize(static_cast<size_t>(D));
     acc.assign(static_cast<size_t>(D), 0.0f);
     scores.resize(static_cast<size_t>(p + 1));
-    rotate(c.qkv + i * c.width + h * D, c.cos ? c.cos + p * c.half : nullptr, c.sin ? c.sin + p * c.half : nullptr,
+    const int64_t rp = rotary_position(c, i);
+    rotate(c.qkv + i * c.width + h * D, c.cos ? c.cos + rp * c.half : nullptr, c.sin ? c.sin + rp * c.half : nullptr,
                D, attrs.do_rotary, q.data());
     const size_t cache = static_cast<size_t>((sq * Hkv + h / c.group) * T_cap * D);
     const T* kc = c.keys[k] + cache;

@@ -102,31 +102,35 @@ def test_rows_sharing_a_buffer_see_earlier_rows(library: Path) -> None:
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, p: int) -> np.ndarray:
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return np.concatenate([x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p]], -1)
+
+
 def test_sequence_index_and_masked_keys_follow_the_reference(library: Path) -> None:
-    """The addressing later issues build on: rows of different sequences of one buffer pair
-    (batching), and a row that skips a key range (tree verify: a branch row skips the other branch)."""
+    """The addressing batching and tree verify build on: rows of different sequences of one
+    buffer pair, and a row that skips a key range, which also leaves the row's sequence (its
+    rotary position is its cache position less the masked keys below it)."""
     rng = np.random.default_rng(4)
     sess = session(row_model([0, 0, 0], 1, Bseq=3, sequences=True, masked=True), library)
     f = feeds(rng, 3, 1, [4, 9, 7], Bseq=3)
     f["sequences"] = np.array([2, 0, 2], np.int32)
     f["masked"] = np.array([[0, 0], [2, 5], [5, 7]], np.int32)  # row 2 (pos 7) skips keys 5, 6
+    rotary = [4, 9 - 3, 7 - 2]
     got = sess.run(["output", "present_key_0"], f)
     cos, sin = f["cos"], f["sin"]
     keys, values = f["key_0"].copy(), f["value_0"].copy()
     for i in range(3):  # writes first, as the op does
-        single = {"query": f["query"][:, i:i + 1], "past_key": keys[f["sequences"][i]][None],
-                  "past_value": values[f["sequences"][i]][None],
-                  "seqlens_k": np.array([f["positions"][i]], np.int32), "cos_cache": cos, "sin_cache": sin}
-        _, pk, pv = reference_attention(single, Hq=Hq, Hkv=Hkv, D=D, dtype="float32")
-        keys[f["sequences"][i]], values[f["sequences"][i]] = pk[0], pv[0]
+        p, sq = int(f["positions"][i]), int(f["sequences"][i])
+        row = f["query"][0, i].reshape(Hq + 2 * Hkv, D)
+        keys[sq, :, p] = _rotate(row[Hq:Hq + Hkv], cos, sin, rotary[i])
+        values[sq, :, p] = row[Hq + Hkv:]
     np.testing.assert_allclose(got[1], keys, rtol=1e-6, atol=1e-6)
     scale = 1 / np.sqrt(D)
     for i in range(3):
         p, sq = int(f["positions"][i]), int(f["sequences"][i])
         lo, hi = f["masked"][i]
-        row = f["query"][0, i].reshape(Hq + 2 * Hkv, D)
-        x1, x2 = row[:Hq, :D // 2], row[:Hq, D // 2:]
-        q = np.concatenate([x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p]], -1)
+        q = _rotate(f["query"][0, i].reshape(Hq + 2 * Hkv, D)[:Hq], cos, sin, rotary[i])
         vis = [j for j in range(p + 1) if not lo <= j < hi]
         for h in range(Hq):
             k = keys[sq, h // (Hq // Hkv), vis]
@@ -134,6 +138,30 @@ def test_sequence_index_and_masked_keys_follow_the_reference(library: Path) -> N
             w = np.exp(s - s.max())
             want = (w / w.sum()) @ values[sq, h // (Hq // Hkv), vis]
             np.testing.assert_allclose(got[0][0, i, h * D:(h + 1) * D], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_branch_rows_past_a_masked_range_are_the_decode_rows_bit_for_bit(library: Path, dtype: str) -> None:
+    """Tree verify's exactness: branch rows written at scratch positions past another branch,
+    with that branch masked, equal the rows of a call on the compacted cache (the other
+    branch's keys removed) at their logical positions, outputs and stored K/V bit for bit."""
+    rng = np.random.default_rng(8)
+    lo, hi, m = 6, 9, 3                     # stem 0..5, other branch 6..8, this branch at 9..11
+    sess = session(row_model([0] * m, 1, dtype=dtype, masked=True), library)
+    bia = session(attention_model("BatchInvariantAttention", Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype), library)
+    f = feeds(rng, m, 1, list(range(hi, hi + m)), dtype)
+    f["masked"] = np.array([[lo, hi]] * m, np.int32)
+    out, pk, pv = sess.run(["output", "present_key_0", "present_value_0"], f)
+    compact_k = np.concatenate([f["key_0"][:, :, :lo], f["key_0"][:, :, hi:], f["key_0"][:, :, :hi - lo]], 2)
+    compact_v = np.concatenate([f["value_0"][:, :, :lo], f["value_0"][:, :, hi:], f["value_0"][:, :, :hi - lo]], 2)
+    want, wk, wv = bia.run(["output", "present_key", "present_value"], {
+        "query": f["query"], "past_key": compact_k, "past_value": compact_v,
+        "seqlens_k": np.array([lo + m - 1], np.int32), "total_sequence_length": np.array(lo + m, np.int32),
+        "cos_cache": f["cos"], "sin_cache": f["sin"]})
+    assert np.array_equal(out, want)
+    assert np.array_equal(pk[:, :, hi:hi + m], wk[:, :, lo:lo + m])
+    assert np.array_equal(pv[:, :, hi:hi + m], wv[:, :, lo:lo + m])
+    assert np.array_equal(pk[:, :, :hi], f["key_0"][:, :, :hi]), "the stem and the other branch are not written"
 
 
 @pytest.mark.parametrize("positions,match", [

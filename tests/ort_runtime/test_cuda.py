@@ -191,3 +191,41 @@ def test_exact_device_allocations_hold_their_bytes() -> None:
         back.update_inplace(value)  # device -> the mirror's memory
         assert np.array_equal(mirror, host)
         ort.SessionOptions().add_initializer("w", value)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_alternate_suffix_is_exact(dtype: str) -> None:
+    """Tree verify on CUDA (fp16/bf16, loopcast ops): branch rows at scratch positions are the
+    decode rows of their logical positions bit for bit; forced branches (selected, partial,
+    discarded, fork miss) and the model's own near ties return plain greedy's tokens and leave its
+    KV, bit for bit (the winning branch's KV moved on the device)."""
+    from loopcast.ort_runtime.exactness import tree_rows_match
+    from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
+    from tests.ort_runtime.test_alternate import Oracle, assert_plain_kv
+
+    model = load(artifact("demo", dtype, draft_depth=1, batch_invariant=True, ops="loopcast", tree_verify=True),
+                 "cuda")
+    W = model.loaded.manifest.verify_width
+    for prompt in DEMO_PROMPTS[:3]:
+        ids = model.encode(prompt)
+        gen = model.new_generator()
+        fed, rows = decode_rows(gen, ids, W)
+        gen.rewind(len(ids))
+        assert tree_rows_match(gen, fed, rows), (dtype, prompt)
+    vocab = model.config.vocab_size
+    for prompt in DEMO_PROMPTS[:3]:
+        ids = model.encode(prompt)
+        gen, reference = model.new_generator(), model.new_generator()
+        plain = list(stream(reference, ids, 48))
+        for primary, alternate, continuation in ((False, True, True), (False, True, False), (True, False, None),
+                                                 (False, False, None)):
+            gen.rewind(0)
+            stats = GenerationStats()
+            proposer = Oracle(ids + plain, vocab, primary, alternate, continuation).proposer()
+            got = list(stream(gen, ids, 48, spec=SpeculationConfig("self", 2, "none", proposer=proposer),
+                              stats=stats))
+            assert got == plain and stats.forks > 0, (dtype, prompt, primary, alternate)
+            assert_plain_kv(gen, reference)
+        for gap in (0.1, 1.0):
+            assert model.generate(prompt, 96, speculative="self", alternate_gap=gap, gate="none").tokens == \
+                model.generate(prompt, 96).tokens, (dtype, prompt, gap)
