@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 
 from loopcast.errors import RequestError
 from loopcast.manifest import CYCLE, DECODE
+from loopcast.ort_runtime.gates import DECODE_ROUND
 
 # Generator timers of whole rounds (host work included): the pipeline's per cycle, and plain
 # decoding's while the pipeline's gate stands down (the cost gate's prices, on one scale).
 ROUND_TIMER = "cycle_round"
-DECODE_ROUND_TIMER = "decode_round"
+DECODE_ROUND_TIMER = DECODE_ROUND  # plain rounds' wall time (ort_runtime/gates.py)
 
 
 @dataclass

@@ -42,7 +42,9 @@ from dataclasses import asdict, dataclass, field
 from loopcast.errors import RequestError
 from loopcast.ort_runtime.accept import TieGuard
 from loopcast.ort_runtime.acceptors import GreedyAcceptor, SampledAcceptor
-from loopcast.ort_runtime.gates import GATES, HitDensityGate, StepCosts, make_gate
+from loopcast.manifest import DECODE
+from loopcast.ort_runtime.gates import (DECODE_ROUND, GATES, SPEC_ROUND, SPEC_ROUND_CALLS, SPEC_ROUND_DEVICE,
+                                        HitDensityGate, StepCosts, make_gate)
 from loopcast.ort_runtime.generator import Generator
 from loopcast.ort_runtime.pipeline import DECODE_ROUND_TIMER, ExitDrafts, PipelineCycles
 from loopcast.ort_runtime.proposers import (AlternateDraftProposer, PromptLookupProposer, Proposal, SelfDraftProposer,
@@ -327,6 +329,33 @@ class Finisher:
             self.gen.rewind(min(self.gen.n, self.base + self.input_len + emitted - 1) if emitted else self.base)
 
 
+class _RoundClock:
+    """A round's wall time against its graph runs' step timers (StepCosts.host_factor): kept
+    only when every run of the round was a steady one (a CUDA slot's warm-up and capture would
+    swamp it)."""
+
+    def __init__(self, gen: Generator, kinds) -> None:
+        self.gen, self.kinds = gen, kinds
+        self.t0 = time.perf_counter()
+        self.runs = [(gen.step_counts[k], gen.timed_counts[k], gen.timed_seconds[k]) for k in kinds]
+
+    def stop(self, timer: str) -> None:
+        gen, wall = self.gen, time.perf_counter() - self.t0
+        calls = steady = 0
+        device = 0.0
+        for kind, (runs0, steady0, seconds0) in zip(self.kinds, self.runs):
+            calls += gen.step_counts[kind] - runs0
+            steady += gen.timed_counts[kind] - steady0
+            device += gen.timed_seconds[kind] - seconds0
+        if not calls or steady != calls:
+            return
+        gen.timed_seconds[timer] += wall
+        gen.timed_counts[timer] += 1
+        if timer == SPEC_ROUND:
+            gen.timed_seconds[SPEC_ROUND_DEVICE] += device
+            gen.timed_counts[SPEC_ROUND_CALLS] += calls
+
+
 class _Engine:
     """The round loop of one generation."""
 
@@ -377,6 +406,7 @@ class _Engine:
         fits = gen.n + plan.width <= gen.max_length or (not getattr(plan.strategy, "writes_padding", True)
                                                         and room >= 1)
         k = gate.engage(step) if fits else None
+        clock = _RoundClock(gen, plan.strategy.kinds if k else (DECODE,))
         if k:
             context.append(pending)
             proposal = plan.proposer.propose(context, min(k, plan.k_max, remaining, room))
@@ -384,7 +414,9 @@ class _Engine:
             if not isinstance(proposal, Proposal):
                 proposal = Proposal(list(proposal))
             if proposal.tokens:
-                return self._speculate(pending, proposal, step)
+                committed = self._speculate(pending, proposal, step)
+                clock.stop(SPEC_ROUND)
+                return committed
             guess = proposal.tokens
         elif plan.proposer.free_guess and gate.wants_evidence(step):
             # Free evidence for the gate: would the proposer's first draft have been right?
@@ -399,6 +431,8 @@ class _Engine:
         plan.proposer.advance([pending])
         if guess is not None:
             gate.observe(0, 0, would_hit=bool(guess) and guess[0] == token, step=step)
+        if not k:
+            clock.stop(DECODE_ROUND)
         return [token]
 
     def _lane_round(self, pending: int, step: int, remaining: int) -> list[int]:

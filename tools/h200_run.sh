@@ -30,7 +30,7 @@ phase_setup() {
 }
 phase_tests() {
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  LOOPCAST_OPS_LIB=$LIB timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py \
+  LOOPCAST_OPS_LIB=$LIB timeout 240 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py \
     2>&1 | tail -30 > "$RES/gpu-tests.txt"   # the kernel tests run in the kernels phase
   # RowAttention's per-row launches (the fallback of its one-launch path) must give the same bits
   LOOPCAST_ROW_ATTENTION=per-row LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider \
@@ -144,12 +144,12 @@ phase_host_loop() {  # plain decode end to end: a 1.43B Llama (Ouro-1.4B layer s
 }
 phase_alternate() {  # issue 26: tree verify on CUDA (masked kernel rows, engine exactness), then the table
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  { LOOPCAST_OPS_LIB=$LIB timeout 200 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
+  { LOOPCAST_OPS_LIB=$LIB timeout 100 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
       -k "masked or move_positions" 2>&1 | tail -8
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py -k alternate 2>&1 | tail -8
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py -k alternate 2>&1 | tail -8
   } > "$RES/alternate-tests.txt"
   for dt in fp16 bf16; do
-    timeout 400 python3 tools/bench_alternate.py --device cuda --dtype $dt --json "$RES/alternate-$dt.json" \
+    timeout 200 python3 tools/bench_alternate.py --device cuda --dtype $dt --json "$RES/alternate-$dt.json" \
       > "$RES/alternate-$dt.txt" 2>&1
   done
 }

@@ -111,6 +111,9 @@ class Costs:
     def snapshot_ms(self) -> dict:
         return {}
 
+    def host_factor(self) -> float:
+        return 1.0
+
 
 def test_auto_gate_stands_down_and_bounds_its_probes_when_drafts_always_miss(tiny) -> None:
     prompt = [7, 1, 8, 2]
@@ -140,6 +143,44 @@ def test_auto_gate_engages_when_drafts_are_right(tiny) -> None:
     assert list(stream(tiny.new_generator(), prompt, 60, spec=spec, stats=stats)) == plain
     assert stats.accepted == stats.proposed and stats.tokens_per_round > 3
     assert stats.gate_report["reason"].startswith("engaged")
+
+
+def test_auto_gate_prices_the_host_work_of_a_round(tiny) -> None:
+    """Right drafts whose rounds cost 6x their steps' timers on the wall (host work per call, as
+    on a small model on the GPU) lose to plain decode: the gate must stand down."""
+    prompt = [4, 4, 6]
+    plain = tiny.generate(prompt, 60, stop_ids=()).tokens
+
+    class HostBound(Costs):
+        def host_factor(self) -> float:
+            return 6.0
+
+    oracle = RecordingProposer(prompt + plain)
+    oracle.propose = lambda context, k: (prompt + plain)[len(context):len(context) + k]
+    stats = GenerationStats()
+    spec = SpeculationConfig("custom", proposer=oracle, costs=HostBound())
+    assert list(stream(tiny.new_generator(), prompt, 60, spec=spec, stats=stats)) == plain
+    assert stats.gate_report["reason"].startswith("stood down"), stats.gate_report
+    assert stats.rounds <= 8
+
+
+def test_host_factor_follows_the_engine_round_timers(tiny) -> None:
+    """StepCosts.host_factor from the engine's timers: rounds that are all steady step time price
+    at 1; host work per call raises the factor; plain rounds' own host work lowers it."""
+    from loopcast.ort_runtime.gates import (DECODE_ROUND, SPEC_ROUND, SPEC_ROUND_CALLS, SPEC_ROUND_DEVICE,
+                                            StepCosts)
+
+    gen = tiny.new_generator()
+    costs = StepCosts(gen, 0.3)
+    assert costs.host_factor() == 1.0                       # nothing measured yet
+    gen.timed_seconds["decode"], gen.timed_counts["decode"] = 1.0, 10   # decode 0.1 s
+    gen.timed_seconds[SPEC_ROUND], gen.timed_seconds[SPEC_ROUND_DEVICE] = 3.0, 2.0
+    gen.timed_counts[SPEC_ROUND], gen.timed_counts[SPEC_ROUND_CALLS] = 2, 10  # 0.1 s host per call
+    assert abs(costs.host_factor() - 1.5 / 2.0) < 1e-9     # plain priced with the same 0.1 s per call
+    gen.timed_seconds[DECODE_ROUND], gen.timed_counts[DECODE_ROUND] = 1.1, 10  # plain: 0.11 per 0.1 step
+    assert abs(costs.host_factor() - 1.5 / 1.1) < 1e-9
+    tokens = list(stream(tiny.new_generator(), [4, 4, 6], 24, spec=SpeculationConfig("self", gate="auto")))
+    assert tokens == tiny.generate([4, 4, 6], 24, stop_ids=()).tokens
 
 
 def test_prompt_lookup_index_matches_a_plain_scan() -> None:
