@@ -83,9 +83,10 @@ def rows_match_shallow(artifact_dir: str | Path, layers: int = 2) -> bool:
         names += [manifest.custom_op_library] if manifest.custom_op_library else []
         # The weights file is the artifact's own (a hard link): its recorded hash stands.
         recorded = manifest.files.get(manifest.weights_file)
-        files = {name: FileRecord((probe / name).stat().st_size,
-                                  recorded.sha256 if recorded and name == manifest.weights_file
-                                  else sha256_file(probe / name), sampled_sha256(probe / name))
+        files = {name: (FileRecord((probe / name).stat().st_size, recorded.sha256, sampled_sha256(probe / name),
+                                   recorded.hash) if recorded and name == manifest.weights_file
+                        else FileRecord((probe / name).stat().st_size, sha256_file(probe / name),
+                                        sampled_sha256(probe / name)))
                  for name in names}
         (probe / MANIFEST_FILE).write_text(dataclasses.replace(twin, files=files).to_json())
         return rows_match_on_cpu(probe)

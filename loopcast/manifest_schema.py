@@ -22,7 +22,7 @@ from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
 from loopcast.manifest import (BATCH_KINDS, CYCLE, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL,
                                TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord,
-                               GraphSpec, Manifest, has_cycle,
+                               GraphSpec, HASH_SCHEMES, Manifest, has_cycle,
                                resolve_inside, sampled_sha256)
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -184,7 +184,10 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         for label, value in (("sha256", digest), ("sampled_sha256", sampled)):
             if value is not None and not _SHA256.fullmatch(value):
                 entry.fail("must be 64 lowercase hex digits", label)
-        files[name] = FileRecord(size, digest, sampled)
+        scheme = entry.get("hash", str, optional=True, default="sha256")
+        if scheme not in HASH_SCHEMES:
+            entry.fail(f"must be one of {', '.join(HASH_SCHEMES)}, got {scheme!r:.40}", "hash")
+        files[name] = FileRecord(size, digest, sampled, scheme)
     exact = top.get("exact_verify", dict, optional=True, default={})
     if not all(isinstance(k, str) and isinstance(v, bool) for k, v in exact.items()):
         top.fail("must map device names to true/false", "exact_verify")
@@ -292,7 +295,7 @@ def check_weights_header(weights: Path) -> None:
 def verify_hashes(manifest: Manifest, artifact_dir: Path) -> list[str]:
     """Hash every recorded file (slow on big weights: ``inspect --verify``). Returns the lines of
     a report; raises ArtifactError on the first mismatch."""
-    from loopcast.manifest import sha256_file
+    from loopcast.manifest import file_digest
 
     if not manifest.files:
         raise ArtifactError(f"{artifact_dir}: the manifest records no hashes (exported by an older loopcast); "
@@ -305,7 +308,7 @@ def verify_hashes(manifest: Manifest, artifact_dir: Path) -> list[str]:
     lines = []
     for name, record in manifest.files.items():
         target = resolve_inside(artifact_dir, name, "recorded file")
-        digest = sha256_file(target)
+        digest = file_digest(target, record.hash)
         if digest != record.sha256:
             raise ArtifactError(f"{target}: SHA-256 {digest[:16]}… does not match the manifest's "
                                 f"{record.sha256[:16]}… (corrupted or replaced; re-export the artifact)")

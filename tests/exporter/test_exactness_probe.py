@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 
 from loopcast.exporter.exactness_probe import PROBE_DIR, rows_match_shallow, shallow_config
@@ -33,16 +34,50 @@ def test_manifest_declares_the_measured_answer() -> None:
     assert Manifest.read(artifact("demo", ops="stock")).exact_verify == {"cpu": False, "cuda": False}
 
 
-def test_weights_hash_recorded_while_writing_is_the_files_hash(make_checkpoint, tmp_path) -> None:
-    """The weights are hashed as they are written (no second pass): the record must still be
-    the SHA-256 of the file on disk, alignment padding included."""
+def _chunked_reference(path) -> str:
+    """loopcast/manifest.py's chunked scheme, written out sequentially: SHA-256 of the size (8
+    bytes, little endian) and the SHA-256 of each 64 MiB chunk."""
+    data = path.read_bytes()
+    digests = b"".join(hashlib.sha256(data[i:i + (64 << 20)]).digest() for i in range(0, len(data), 64 << 20))
+    return hashlib.sha256(len(data).to_bytes(8, "little") + digests).hexdigest()
+
+
+def test_weights_record_is_the_chunked_hash_of_the_file(make_checkpoint, tmp_path) -> None:
+    """The weights are hashed in parallel 64 MiB chunks after they are written: the record must be
+    that scheme's digest of the file on disk, alignment padding included, and verify."""
     from loopcast.config import PRESETS
     from loopcast.exporter.export import ExportOptions, export_checkpoint
+    from loopcast.manifest import CHUNKED_SHA256
+    from loopcast.manifest_schema import verify_hashes
 
     config = PRESETS["tiny-llama"].replace(qkv_bias=True, o_bias=True, tie_word_embeddings=False)
     manifest = export_checkpoint(make_checkpoint(config), tmp_path / "art", ExportOptions(max_length=48))
-    assert manifest.files[WEIGHTS_FILE].sha256 == sha256_file(tmp_path / "art" / WEIGHTS_FILE)
-    assert manifest.files[WEIGHTS_FILE].size == (tmp_path / "art" / WEIGHTS_FILE).stat().st_size
+    record = manifest.files[WEIGHTS_FILE]
+    assert record.hash == CHUNKED_SHA256
+    assert record.sha256 == _chunked_reference(tmp_path / "art" / WEIGHTS_FILE)
+    assert record.size == (tmp_path / "art" / WEIGHTS_FILE).stat().st_size
+    assert all(r.hash == "sha256" for name, r in manifest.files.items() if name != WEIGHTS_FILE)
+    assert any("weights.safetensors" in line for line in verify_hashes(manifest, tmp_path / "art"))
+
+
+def test_chunked_hash_across_chunks(tmp_path) -> None:
+    """Past one chunk: the parallel digest is the sequential definition's, and a byte changed in
+    the second chunk (or one byte more) changes it."""
+    from loopcast.manifest import chunked_sha256
+
+    path = tmp_path / "big"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, (64 << 20) + 1000, dtype=np.uint8).tobytes())
+    path.write_bytes(data)
+    first = chunked_sha256(path)
+    assert first == _chunked_reference(path)
+    data[(64 << 20) + 7] ^= 1
+    path.write_bytes(data)
+    assert chunked_sha256(path) not in (first,) and chunked_sha256(path) == _chunked_reference(path)
+    path.write_bytes(bytes(data) + b"\0")
+    assert chunked_sha256(path) == _chunked_reference(path)
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert chunked_sha256(empty) == _chunked_reference(empty)
 
 
 def test_streamed_writer_matches_an_unhashed_write(tmp_path) -> None:

@@ -70,6 +70,8 @@ FIELD_CASES = [
     ("weights-missing", "weights_file", "nope.safetensors"),
     ("files-size-str", "files.weights.safetensors", {"size": "x", "sha256": "0" * 64}),
     ("files-sha-bad", "files.decode.onnx", {"size": 1, "sha256": "zz"}),
+    ("files-hash-unknown", "files.decode.onnx", {"size": 1, "sha256": "0" * 64, "hash": "md5"}),
+    ("files-hash-int", "files.decode.onnx", {"size": 1, "sha256": "0" * 64, "hash": 3}),
     ("exact-verify-str", "exact_verify", {"cpu": "yes"}), ("tokenizer-files-str", "tokenizer_files", "x"),
     ("schema-str", "schema_version", "1"), ("exporter-version-int", "exporter_version", 1),
     # Valid edits: must run, with the tokens the edit implies.
