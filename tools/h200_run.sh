@@ -13,6 +13,9 @@ export PYTHONPATH=/tmp/site:$PWD
 # the same view (links inside this throwaway copy of the work tree).
 for d in exporter graphs ort_runtime custom_ops; do [ -e loopcast/$d ] || ln -s ../$d loopcast/$d; done
 export LOOPCAST_CACHE=$PWD/.lccache   # carries the custom-op library built on the dev machine
+# Bytecode cached between runs, as an installed package has it (without this, every timed
+# export round recompiled the package: 2 s of a 6 s export on this host)
+unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pycache
 RES=/root/res; mkdir -p "$RES"
 phase_setup() {
   cat /root/og/p? > /root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
@@ -134,6 +137,11 @@ for algo in ('sha256', 'sha1', 'blake2b'):
       --overwrite 2>&1 | tail -1
     python3 -c "import pstats; p = pstats.Stats('/root/export.prof'); p.sort_stats('cumulative').print_stats(30); p.sort_stats('tottime').print_stats(15)"
   } >> "$log" 2>&1
+}
+phase_export_speed() {  # issue 21: a 1.43B fp16 export against cp, 3 interleaved rounds (no memory table)
+  timeout 300 python3 tools/bench_export.py --preset llama-1.4b --dtype fp16 --repeats 3 --work /root/bx \
+    --json "$RES/export-speed.json" -- --dtype fp16 > "$RES/export-speed.txt" 2>&1
+  nproc >> "$RES/export-speed.txt"
 }
 phase_host_loop() {  # plain decode end to end: a 1.43B Llama (Ouro-1.4B layer shapes, R=1), 1000-token prompt
   { python3 -m loopcast.cli random-checkpoint /root/llama --preset llama-1.4b --dtype fp16
