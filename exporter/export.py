@@ -16,24 +16,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx_ir as ir
 from tqdm import tqdm
 
 from loopcast import __version__
 from loopcast.config import ModelConfig, generation_max_length, load_config
 from loopcast.errors import ExportError
 from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
-from loopcast.exporter.genai import write_genai
 from loopcast.exporter.weights import checkpoint_reader, weight_layout, weights_nbytes, write_weights
-from loopcast.graphs.builder import GraphBuilder, WeightRef
-from loopcast.graphs.batched import build_batched_kind
-from loopcast.graphs.kinds import build_kind, plan_kinds
 from loopcast.manifest import (MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, TREE_TAIL, WEIGHTS_FILE, GraphSpec, Manifest,
                                can_tree_verify, chunked_sha256)
 from loopcast.manifest_schema import MAX_BATCH, batch_plan
 from loopcast.swap import Staging, output_path, recover
 
-IR_DTYPES = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
+DTYPES = ("fp32", "fp16", "bf16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 MAX_VERIFY_WIDTH = 32
@@ -60,7 +55,7 @@ class ExportOptions:
     def resolved(self, config: ModelConfig, generation_length: int | None = None) -> ExportOptions:
         """Defaults filled in and checked; ``generation_length`` is generation_config.json's
         max_length, which (capped by the model) replaces the default of 4096."""
-        if self.dtype not in IR_DTYPES:
+        if self.dtype not in DTYPES:
             raise ExportError(f"--dtype must be one of fp32, fp16, bf16, got {self.dtype!r}")
         default = min(config.max_position_embeddings, generation_length or 4096)
         if config.sliding_window is not None:
@@ -214,36 +209,39 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     op_set, built_library = _resolve_op_set(opts, lambda line: print(line, file=sys.stderr) if show_progress else None)
     if opts.tree_verify and can_tree_verify(config, op_set):
         raise ExportError(f"--tree-verify: {can_tree_verify(config, op_set)}")
-    plans = plan_kinds(config, opts.verify_width, opts.draft_depth, op_set=op_set, tree=opts.tree_verify)
     read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
     layout = weight_layout(config, opts.max_length, opts.dtype, read)
-    refs = {name: WeightRef(name, IR_DTYPES[opts.dtype], t.shape, t.offset, t.length) for name, t in layout.items()}
     total = weights_nbytes(config, opts.max_length, opts.dtype, read)
     bar = tqdm(total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024,
                disable=not show_progress)
     # The graphs need only the weights' offsets, known before the copy: they are built on a
     # second thread while the weights are written (the copy is mostly numpy and I/O, which
-    # release the GIL) and saved once the weights file is complete.
+    # release the GIL) and saved once the weights file is complete. That thread also imports
+    # onnx-ir (0.5 s of sympy on the H200 host), which the copy does not need.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        built = pool.submit(_build_graphs, plans, config, opts, op_set, refs, staging)
+        built = pool.submit(_build_graphs, config, opts, op_set, layout, staging)
         try:
             stored = write_weights(staging / WEIGHTS_FILE, config, opts.max_length, opts.dtype, read,
                                    progress=bar.update)
         finally:
             close()
             bar.close()
-        models, graphs, custom_ops = built.result()
+        plans, refs, models, graphs, custom_ops = built.result()
     if stored != layout:
         raise AssertionError("the weights file's layout differs from the one the graphs were built on")
     # Hashed in 64 MiB chunks on all cores while the file is still in the page cache (one
     # core's SHA-256 of 2.7 GB took 2 s on the H200 host, as long as the rest of the copy)
     known_hashes[WEIGHTS_FILE] = chunked_sha256(staging / WEIGHTS_FILE)
+    import onnx_ir as ir  # imported by the graph thread by now
+
+    from loopcast.exporter.genai import write_genai
+
     library = None
     for plan in plans:
         ir.save(models[plan.kind], staging / graphs[plan.kind].file)
-    graphs.update(_write_batched(config, IR_DTYPES[opts.dtype], opts.max_length, opts.max_batch, opts.verify_width,
+    graphs.update(_write_batched(config, _ir_dtype(opts.dtype), opts.max_length, opts.max_batch, opts.verify_width,
                                  refs, staging, op_set, custom_ops))
-    genai_files = write_genai(staging, config, IR_DTYPES[opts.dtype], opts.max_length, refs,
+    genai_files = write_genai(staging, config, _ir_dtype(opts.dtype), opts.max_length, refs,
                               WEIGHTS_FILE) if opts.genai else []
     if custom_ops:
         # The artifact carries its own copy so that C programs and other machines need nothing else.
@@ -283,16 +281,28 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     return manifest
 
 
-def _build_graphs(plans, config: ModelConfig, opts: ExportOptions, op_set: str, refs: dict[str, WeightRef],
-                  staging: Path) -> tuple[dict[str, ir.Model], dict, set[str]]:
-    """Every graph kind's model (not yet saved), its spec and the custom ops it uses."""
+def _ir_dtype(name: str):
+    import onnx_ir as ir
+
+    return {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}[name]
+
+
+def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: str, layout: dict, staging: Path):
+    """On the graph thread: the kinds to build, the weight references, every kind's model (not
+    yet saved), its spec and the custom ops it uses."""
+    from loopcast.graphs.builder import GraphBuilder, WeightRef
+    from loopcast.graphs.kinds import build_kind, plan_kinds
+
+    dtype = _ir_dtype(opts.dtype)
+    plans = plan_kinds(config, opts.verify_width, opts.draft_depth, op_set=op_set, tree=opts.tree_verify)
+    refs = {name: WeightRef(name, dtype, t.shape, t.offset, t.length) for name, t in layout.items()}
     models, graphs, custom_ops = {}, {}, set()
     for plan in plans:
         builder = GraphBuilder(refs, WEIGHTS_FILE, staging)
-        models[plan.kind], graphs[plan.kind] = build_kind(plan, config, IR_DTYPES[opts.dtype], opts.max_length,
-                                                          builder, op_set=op_set)
+        models[plan.kind], graphs[plan.kind] = build_kind(plan, config, dtype, opts.max_length, builder,
+                                                          op_set=op_set)
         custom_ops.update(builder.custom_ops())
-    return models, graphs, custom_ops
+    return plans, refs, models, graphs, custom_ops
 
 
 def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
@@ -338,7 +348,12 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
     _check_output_dir(out)
     if (out / MANIFEST_FILE).is_file() and not overwrite:
         raise ExportError(f"{out}: an artifact is already there (pass overwrite=True to replace it)")
-    dtype = IR_DTYPES[manifest.dtype]
+    import onnx_ir as ir
+
+    from loopcast.graphs.builder import GraphBuilder, WeightRef
+    from loopcast.graphs.kinds import build_kind, plan_kinds
+
+    dtype = _ir_dtype(manifest.dtype)
     refs = {name: WeightRef(name, dtype, t.shape, t.offset, t.length)
             for name, t in read_stored(src / manifest.weights_file).items()}
     keep = [manifest.weights_file, *manifest.tokenizer_files, *manifest.genai_files]
@@ -371,10 +386,15 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
     return derived
 
 
-def _write_batched(config: ModelConfig, dtype: ir.DataType, max_length: int, max_batch: int | None,
+def _write_batched(config: ModelConfig, dtype, max_length: int, max_batch: int | None,
                    verify_width: int | None, refs: dict, staging: Path, op_set: str, custom_ops: set[str],
                    weights_file: str = WEIGHTS_FILE) -> dict[str, GraphSpec]:
     """The batched kinds (graphs/batched.py) when ``max_batch`` is set; adds their custom ops."""
+    import onnx_ir as ir
+
+    from loopcast.graphs.batched import build_batched_kind
+    from loopcast.graphs.builder import GraphBuilder
+
     graphs = {}
     for kind, (rows, _, _) in batch_plan(max_batch, config.num_loops, verify_width).items():
         builder = GraphBuilder(refs, weights_file, staging)

@@ -188,7 +188,7 @@ def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: str, 
     # next tensors are converted on worker threads (one per two cores, at most four: 1 on the
     # 2-core VM) while this one is written here and the previous one hashed on another thread;
     # at most workers+1 converted tensors and two queued hashes are alive.
-    workers = max(1, min(4, (os.cpu_count() or 2) // 2))
+    workers = max(1, min(16, (os.cpu_count() or 2) - 2))
     with open(path, "wb") as f, ThreadPoolExecutor(max_workers=workers) as pool, \
             ThreadPoolExecutor(max_workers=1) as hasher:
         head = [struct.pack("<Q", len(header_bytes)), header_bytes]
