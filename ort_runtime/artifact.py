@@ -189,14 +189,15 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
 def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
                   kinds: tuple[str, ...] | None = None, share_weights: bool = False,
                   cuda_graphs: bool | str = True, trust_ops: bool = False,
-                  share_sessions: bool | tuple[str, ...] = True, shared_initializers: bool | None = None) -> LoadedModel:
+                  share_sessions: bool | tuple[str, ...] = True,
+                  shared_initializers: bool | None = None) -> LoadedModel:
     """Validate and open an artifact. ``trust_ops`` allows loading its custom-op library even
     when it is not one this user built (ort_runtime/trust.py states the whole rule).
     ``share_sessions=False`` gives every kind its own CPU session, as before decode and verify
-    shared prefill's (a tuple: only those kinds share it); ``shared_initializers`` (default: wherever no kernel prepacks, see
-    ``uses_shared_initializers``) hands every session the same weight values
-    (ort_runtime/shared_weights.py); False gives each session its own copy (for measurements:
-    tools/bench_weight_sharing.py)."""
+    shared prefill's (a tuple: only those kinds share it); ``shared_initializers`` (default:
+    wherever no kernel prepacks, see ``uses_shared_initializers``) hands every session the same
+    weight values (ort_runtime/shared_weights.py); False gives each session its own copy (for
+    measurements: tools/bench_weight_sharing.py)."""
     import time
 
     start = time.perf_counter()

@@ -44,8 +44,8 @@ class _Buffer:
             self.value = self._mirror if bf16 else ort.OrtValue.ortvalue_from_numpy(self.host)
         elif self.host.nbytes >= _EXACT_BYTES and device_memory.available():
             # KV buffers: exact allocations (ORT's arena would grow in powers of two)
-            self.value = device_memory.device_value(shape, _ONNX_BFLOAT16 if bf16 else device_memory.onnx_type_of(dtype),
-                                                    self._raw)
+            onnx_type = _ONNX_BFLOAT16 if bf16 else device_memory.onnx_type_of(dtype)
+            self.value = device_memory.device_value(shape, onnx_type, self._raw)
         else:
             self.value = ort.OrtValue.ortvalue_from_shape_and_type(
                 shape, _ONNX_BFLOAT16 if bf16 else dtype, "cuda", 0)

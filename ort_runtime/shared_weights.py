@@ -92,7 +92,8 @@ def load_shared_weights(artifact: Path, graph_files: list[Path], device: str) ->
             entry = mapping.entries.get(name)
             if entry is None:
                 raise ArtifactError(f"{file}: initializer {name} is not in {WEIGHTS_FILE}")
-            if (_ONNX_TYPE_OF_CODE.get(entry.dtype), entry.shape, entry.offset, entry.length) != (elem, shape, offset, length):
+            stored = (_ONNX_TYPE_OF_CODE.get(entry.dtype), entry.shape, entry.offset, entry.length)
+            if stored != (elem, shape, offset, length):
                 raise ArtifactError(f"{file}: initializer {name} is {onnx.TensorProto.DataType.Name(elem)} "
                                     f"{list(shape)} at bytes {offset}+{length}, but {WEIGHTS_FILE} holds "
                                     f"{entry.dtype} {list(entry.shape)} at {entry.offset}+{entry.length}")
@@ -120,8 +121,8 @@ def load_shared_weights(artifact: Path, graph_files: list[Path], device: str) ->
             # one exact allocation per weight, ours (add_initializer takes only caller-owned buffers)
             values[name] = device_memory.device_value(array.shape, _ONNX_TYPE_OF_CODE[wanted[name].dtype], raw)
         else:
-            owner = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), _ONNX_BFLOAT16 if bf16 else array.dtype,
-                                                              "cuda", 0)
+            owner = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape),
+                                                              _ONNX_BFLOAT16 if bf16 else array.dtype, "cuda", 0)
             owner.update_inplace(np.ascontiguousarray(raw))
             # without the driver library: a DLPack view of ORT's (arena) allocation, kept alive
             # by ``owner``
