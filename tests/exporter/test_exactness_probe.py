@@ -97,3 +97,27 @@ def test_streamed_writer_matches_an_unhashed_write(tmp_path) -> None:
         close()
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
     assert digest.hexdigest() == sha256_file(tmp_path / "a")
+
+
+def test_records_without_a_scheme_are_plain_sha256(tmp_path) -> None:
+    """Manifests written before the chunked scheme have no ``hash`` key: their digests are the
+    files' SHA-256 and still verify; a record whose digest does not match its scheme fails."""
+    import json
+    import shutil
+
+    from loopcast.errors import ArtifactError
+    from loopcast.manifest_schema import verify_hashes
+
+    path = tmp_path / "art"
+    shutil.copytree(artifact("ouro-r3", ops="stock"), path)
+    raw = json.loads((path / "manifest.json").read_text())
+    record = raw["files"][WEIGHTS_FILE]
+    chunked = record["sha256"]
+    record.pop("hash")
+    record["sha256"] = sha256_file(path / WEIGHTS_FILE)
+    (path / "manifest.json").write_text(json.dumps(raw))
+    assert any(WEIGHTS_FILE in line for line in verify_hashes(Manifest.read(path), path))
+    record["sha256"] = chunked                     # the chunked digest read as a plain one
+    (path / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError, match="does not match the manifest"):
+        verify_hashes(Manifest.read(path), path)
