@@ -99,6 +99,16 @@ class StepOutput:
     top2_probs: np.ndarray | None = None  # tree_draft only: [2] their softmax probabilities
 
 
+def _bind_kv(b: ort.IOBinding, kv: dict[int, tuple[_Buffer, _Buffer]], slots) -> None:
+    """Each slot's K and V buffer bound as past and present (the graph updates them in place)."""
+    for slot in slots:
+        key, value = kv[slot]
+        b.bind_ortvalue_input(f"past_key.{slot}", key.value)
+        b.bind_ortvalue_input(f"past_value.{slot}", value.value)
+        b.bind_ortvalue_output(f"present_key.{slot}", key.value)
+        b.bind_ortvalue_output(f"present_value.{slot}", value.value)
+
+
 class _KindBinding:
     """One graph kind's session, IO binding and fixed buffers."""
 
@@ -147,12 +157,7 @@ class _KindBinding:
         b.bind_ortvalue_input("total_sequence_length", self.total.value)
         if self.logit_rows is not None:
             b.bind_ortvalue_input(LOGIT_ROWS, self.logit_rows)
-        for slot in spec.kv_slots:
-            key, value = kv[slot]
-            b.bind_ortvalue_input(f"past_key.{slot}", key.value)
-            b.bind_ortvalue_input(f"past_value.{slot}", value.value)
-            b.bind_ortvalue_output(f"present_key.{slot}", key.value)
-            b.bind_ortvalue_output(f"present_value.{slot}", value.value)
+        _bind_kv(b, kv, spec.kv_slots)
         b.bind_ortvalue_output("next_token_ids_BS", self.next_ids.value)
         b.bind_ortvalue_output("logits_BSV", self.logits.value)
         if self.gap is not None:
@@ -233,12 +238,7 @@ class _RowsBinding(_KindBinding):
         if self.hidden is not None:
             b.bind_ortvalue_input("hidden_BSH", self.hidden.value)
         b.bind_ortvalue_input("row_address_S3", self.address.value)
-        for slot in self.spec.kv_slots:
-            key, value = self._kv[slot]
-            b.bind_ortvalue_input(f"past_key.{slot}", key.value)
-            b.bind_ortvalue_input(f"past_value.{slot}", value.value)
-            b.bind_ortvalue_output(f"present_key.{slot}", key.value)
-            b.bind_ortvalue_output(f"present_value.{slot}", value.value)
+        _bind_kv(b, self._kv, self.spec.kv_slots)
         b.bind_ortvalue_output("next_token_ids_BS", self.next_ids.value)
         b.bind_ortvalue_output("logits_BSV", self.logits.value)
         if self.hidden_out is not None:
@@ -266,12 +266,7 @@ class _CycleHalf(_KindBinding):
         io = self.io
         b.bind_ortvalue_input("lanes_W1", io.lanes.value)
         b.bind_ortvalue_input("carried_BWH", self.carried_in.value)
-        for slot in self.spec.kv_slots:
-            key, value = self._kv[slot]
-            b.bind_ortvalue_input(f"past_key.{slot}", key.value)
-            b.bind_ortvalue_input(f"past_value.{slot}", value.value)
-            b.bind_ortvalue_output(f"present_key.{slot}", key.value)
-            b.bind_ortvalue_output(f"present_value.{slot}", value.value)
+        _bind_kv(b, self._kv, self.spec.kv_slots)
         b.bind_ortvalue_output("next_token_ids_BS", io.next_ids.value)
         b.bind_ortvalue_output("logits_BSV", io.logits.value)
         b.bind_ortvalue_output("carried_BWH_out", self.carried_out.value)

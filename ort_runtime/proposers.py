@@ -36,6 +36,15 @@ class Branch:
     hidden: np.ndarray        # [len(tokens), H]: their depth-d states
 
 
+def _continued_length(gen, context: Sequence[int]) -> int:
+    """The generator's committed length, checked against a self-draft context (its sequence and
+    the pending token)."""
+    if len(context) != gen.n + 1:
+        raise RequestError(f"self-drafts continue the generator's sequence: context of {len(context)} "
+                           f"tokens for {gen.n} committed")
+    return gen.n
+
+
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]                    # up to k drafts continuing the context
@@ -121,10 +130,7 @@ class SelfDraftProposer:
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         gen = self._gen
-        n = gen.n
-        if len(context) != n + 1:
-            raise RequestError(f"self-drafts continue the generator's sequence: context of {len(context)} "
-                               f"tokens for {n} committed")
+        n = _continued_length(gen, context)
         vocab = gen.model.config.vocab_size
         sampled = self.acceptor is not None and self.acceptor.sampled
         rows_in, hidden, probs = [int(context[-1])], [], []
@@ -208,10 +214,7 @@ class AlternateDraftProposer:
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         from loopcast.manifest import TREE_DRAFT, TREE_TAIL
         gen = self._gen
-        n = gen.n
-        if len(context) != n + 1:
-            raise RequestError(f"self-drafts continue the generator's sequence: context of {len(context)} "
-                               f"tokens for {n} committed")
+        n = _continued_length(gen, context)
         # Rows the tree verify may use: its width, and no row past the KV capacity.
         room = min(gen.rows(TREE_TAIL), gen.max_length - n) - (k + 1)
         rows_in, hidden, fork, skipped = [int(context[-1])], [], None, False
