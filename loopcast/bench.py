@@ -40,6 +40,26 @@ BENCH_PROMPTS = [
     # edit workload: the answer repeats the prompt, as in code edits
     "def area(width, height):\n    return width * height\n\n\n" * 3 + "def area(",
 ]
+# The edit workload, reported apart: a function, then its first line again, so that the answer
+# re-emits (an edited copy of) text already in the prompt: the case prompt lookup is for.
+_EDIT_SOURCES = [
+    "def merge(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n"
+    "        else:\n            result.append(right[j])\n            j += 1\n"
+    "    result.extend(left[i:])\n    result.extend(right[j:])\n    return result\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def __len__(self):\n        return len(self.items)\n",
+    "def read_config(path):\n    values = {}\n    with open(path) as f:\n        for line in f:\n"
+    "            line = line.strip()\n            if not line or line.startswith('#'):\n                continue\n"
+    "            key, _, value = line.partition('=')\n            values[key.strip()] = value.strip()\n"
+    "    return values\n",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n"
+    "        mid = (lo + hi) // 2\n        if items[mid] == target:\n            return mid\n"
+    "        if items[mid] < target:\n            lo = mid + 1\n        else:\n            hi = mid - 1\n"
+    "    return -1\n",
+]
+EDIT_PROMPTS = [src + "\n\n" + src.split("\n", 1)[0] + "\n" for src in _EDIT_SOURCES]
 VARIANTS = ("stock", "batch-invariant")
 
 
@@ -79,6 +99,7 @@ class VariantResult:
     steps: list[StepTimes] = field(default_factory=list)
     rows_identical: dict = field(default_factory=dict)
     end_to_end: dict = field(default_factory=dict)
+    end_to_end_edit: dict = field(default_factory=dict)   # EDIT_PROMPTS: plain and prompt lookup
     alternation: dict = field(default_factory=dict)
     # Captured decode of the same artifact with one of the custom-op library's launch switches
     # off, measured in the same run: LOOPCAST_PDL=0 (no programmatic dependent launch: what PDL
@@ -183,15 +204,16 @@ def _first_divergence(model, prompt: list[int], plain: list[int], other: list[in
     return {"index": j, "margin": float(top[1] - top[0])}
 
 
-def end_to_end(model, prompts: list[list[int]], new_tokens: int, oracle_rejects: tuple[float, ...] = ()) -> dict:
-    """tokens/s of plain greedy and of each speculative mode with the default gate (auto) and
-    ungated (gate none); tokens vs plain greedy. Stock artifacts are not exact, so their modes
-    run with allow_inexact and the divergent prompts are counted. With ``oracle_rejects``, the
-    pipeline also runs on oracle drafts (loopcast/bench_pipeline.py)."""
+def end_to_end(model, prompts: list[list[int]], new_tokens: int, oracle_rejects: tuple[float, ...] = (),
+               speculative: tuple[str, ...] = ("prompt-lookup", "self", "pipeline")) -> dict:
+    """tokens/s of plain greedy and of each ``speculative`` mode with the default gate (auto)
+    and ungated (gate none); tokens vs plain greedy. Stock artifacts are not exact, so their
+    modes run with allow_inexact and the divergent prompts are counted. With ``oracle_rejects``,
+    the pipeline also runs on oracle drafts (loopcast/bench_pipeline.py)."""
     result, plain_tokens = {}, {}
     exact = model.loaded.exact_verify
     modes = [("plain", {})]
-    for mode in ("prompt-lookup", "self", "pipeline"):
+    for mode in speculative:
         if (mode == "self" and not model.loaded.has(DRAFT)) or (mode == "pipeline" and not model.loaded.has(CYCLE)):
             continue
         base = {"speculative": mode, "num_draft_tokens": None if mode == "pipeline" else 4,
@@ -419,6 +441,15 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
         for name, entry in result.end_to_end.items():
             log(f"  {name}: {entry['tokens_per_s']:.1f} tok/s (x{entry['speedup']:.2f}), "
                 f"divergent prompts {entry['divergent_prompts']}")
+        if full.tokenizer is not None:
+            edits = [full.encode(p) for p in EDIT_PROMPTS]
+            edit_tokens = min(opts.new_tokens, max_length - max(len(p) for p in edits) - 8)
+            if edit_tokens >= 8:
+                log(f"  end-to-end, edit workload: {len(edits)} prompts x {edit_tokens} tokens ...")
+                result.end_to_end_edit = end_to_end(full, edits, edit_tokens, speculative=("prompt-lookup",))
+                for name, entry in result.end_to_end_edit.items():
+                    log(f"  edit, {name}: {entry['tokens_per_s']:.1f} tok/s (x{entry['speedup']:.2f}), "
+                        f"divergent prompts {entry['divergent_prompts']}")
     if opts.alternate_tokens and full.loaded.has(DRAFT) and cuda:
         log(f"  alternating modes for {opts.alternate_tokens} tokens ...")
         result.alternation = alternation(full, prompts[0], opts.alternate_tokens)

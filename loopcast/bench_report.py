@@ -47,12 +47,15 @@ def format_table(report: dict) -> str:
         if r:
             lines.append(f"  verify rows bit-identical to decode: {r['bit_identical_rows']}/{r['rows']} "
                          f"(max |diff| {r['max_abs_diff']:.3g})")
-        for name, e in run["end_to_end"].items():
-            gate = f"  gate {e['gate']}: {e['gate_reasons'][-1]}" if e.get("gate_reasons") else ""
-            extra = (f"  {e['ms_per_token']:.3f} ms/token, {e['core_calls_per_token']:.2f} passes/token, "
-                     f"host {100 * e['host_share']:.0f}% of the time" if "core_calls_per_token" in e else "")
-            lines.append(f"  {name:<24}{e['tokens_per_s']:>9.1f} tok/s  x{e['speedup']:.2f}  divergent "
-                         f"prompts {e['divergent_prompts']}{extra}{gate}")
+        for workload, rows in (("", run["end_to_end"]), ("edit, ", run.get("end_to_end_edit") or {})):
+            if workload and rows:
+                lines.append("  edit workload (the answer copies the prompt's function):")
+            for name, e in rows.items():
+                gate = f"  gate {e['gate']}: {e['gate_reasons'][-1]}" if e.get("gate_reasons") else ""
+                extra = (f"  {e['ms_per_token']:.3f} ms/token, {e['core_calls_per_token']:.2f} passes/token, "
+                         f"host {100 * e['host_share']:.0f}% of the time" if "core_calls_per_token" in e else "")
+                lines.append(f"  {workload + name:<24}{e['tokens_per_s']:>9.1f} tok/s  x{e['speedup']:.2f}  divergent "
+                             f"prompts {e['divergent_prompts']}{extra}{gate}")
         if run["alternation"]:
             a = run["alternation"]
             lines.append(f"  alternation {a['tokens']} tokens: mean ms per step {a['mean_step_ms']}, "

@@ -74,3 +74,17 @@ def test_alternation_refuses_a_context_without_room() -> None:
     model = load(artifact("ouro-r3", draft_depth=1, max_length=128), "cpu")
     with pytest.raises(ValueError, match="room for 4 chunks"):
         alternation(model, list(range(3, 19)), tokens=10, chunk=40)
+
+
+def test_edit_workload_rows_are_plain_and_prompt_lookup(tmp_path) -> None:
+    from loopcast.bench import EDIT_PROMPTS, end_to_end
+    # each edit prompt is a function followed by its own first line: the answer can copy it
+    for prompt in EDIT_PROMPTS:
+        body, _, restart = prompt.rstrip("\n").rpartition("\n\n\n")
+        assert body.startswith(restart) and len(body) > 3 * len(restart)
+    model = load(artifact("ouro-r3"), "cpu")
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10]]
+    rows = end_to_end(model, prompts, 12, speculative=("prompt-lookup",))
+    assert set(rows) == {"plain", "prompt-lookup", "prompt-lookup (gate none)"}
+    assert all(e["divergent_prompts"] == 0 and e["tokens"] == 24 for e in rows.values())
+    assert rows["prompt-lookup (gate none)"]["rounds"] > 0
