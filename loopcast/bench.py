@@ -79,6 +79,7 @@ class BenchOptions:
     torch_baseline: bool = True
     profile: bool = True
     oracle_rejects: tuple[float, ...] = (0.0, 0.08)   # pipeline rows with oracle drafts (rejected fractions)
+    passes: int = 1                         # end-to-end passes, modes interleaved (median ratio)
 
 
 @dataclass
@@ -205,12 +206,15 @@ def _first_divergence(model, prompt: list[int], plain: list[int], other: list[in
 
 
 def end_to_end(model, prompts: list[list[int]], new_tokens: int, oracle_rejects: tuple[float, ...] = (),
-               speculative: tuple[str, ...] = ("prompt-lookup", "self", "pipeline")) -> dict:
+               speculative: tuple[str, ...] = ("prompt-lookup", "self", "pipeline"), passes: int = 1) -> dict:
     """tokens/s of plain greedy and of each ``speculative`` mode with the default gate (auto)
     and ungated (gate none); tokens vs plain greedy. Stock artifacts are not exact, so their
     modes run with allow_inexact and the divergent prompts are counted. With ``oracle_rejects``,
-    the pipeline also runs on oracle drafts (loopcast/bench_pipeline.py)."""
-    result, plain_tokens = {}, {}
+    the pipeline also runs on oracle drafts (loopcast/bench_pipeline.py).
+
+    ``passes`` passes over the prompts, the modes taking turns prompt by prompt, so that drift
+    on the machine (clocks, other jobs) hits every mode alike; a mode's ``speedup`` is the
+    median over passes of its rate against plain's in the same pass."""
     exact = model.loaded.exact_verify
     modes = [("plain", {})]
     for mode in speculative:
@@ -219,35 +223,51 @@ def end_to_end(model, prompts: list[list[int]], new_tokens: int, oracle_rejects:
         base = {"speculative": mode, "num_draft_tokens": None if mode == "pipeline" else 4,
                 "allow_inexact": not exact}
         modes += [(mode, {**base, "gate": "auto"}), (f"{mode} (gate none)", {**base, "gate": "none"})]
-    for name, kwargs in modes:
-        tokens, seconds, divergent, firsts, accepted, proposed, rounds = 0, 0.0, 0, [], 0, 0, 0
-        reasons = []
+    plain_tokens: dict[int, list[int]] = {}
+    runs = {name: [] for name, _ in modes}
+    for _ in range(passes):
+        acc = {name: {"tokens": 0, "seconds": 0.0, "divergent": 0, "firsts": [], "accepted": 0, "proposed": 0,
+                      "rounds": 0, "reasons": [], "gate_report": None} for name, _ in modes}
         for i, prompt in enumerate(prompts):
-            model.generate(prompt, 8, stop_ids=(), **kwargs)  # warm the slots this mode uses
-            t0 = time.perf_counter()
-            out = model.generate(prompt, new_tokens, stop_ids=(), **kwargs)
-            seconds += time.perf_counter() - t0
-            tokens += len(out.tokens)
-            accepted += out.stats.accepted
-            proposed += out.stats.proposed
-            rounds += out.stats.rounds
-            if out.stats.gate_report:
-                reasons.append(out.stats.gate_report.get("reason"))
-            if name == "plain":
-                plain_tokens[i] = out.tokens
-            elif out.tokens != plain_tokens[i]:
-                divergent += 1
-                firsts.append(_first_divergence(model, prompt, plain_tokens[i], out.tokens))
-        result[name] = {"tokens_per_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
-                        "tokens": tokens, "seconds": seconds,
-                        "divergent_prompts": divergent, "first_divergences": firsts, "rounds": rounds,
-                        "acceptance": accepted / proposed if proposed else None,
-                        "gate": kwargs.get("gate"), "gate_reasons": reasons, "exact_verify": exact}
+            for name, kwargs in modes:
+                a = acc[name]
+                model.generate(prompt, 8, stop_ids=(), **kwargs)  # warm the slots this mode uses
+                t0 = time.perf_counter()
+                out = model.generate(prompt, new_tokens, stop_ids=(), **kwargs)
+                a["seconds"] += time.perf_counter() - t0
+                a["tokens"] += len(out.tokens)
+                a["accepted"] += out.stats.accepted
+                a["proposed"] += out.stats.proposed
+                a["rounds"] += out.stats.rounds
+                if out.stats.gate_report:
+                    a["reasons"].append(out.stats.gate_report.get("reason"))
+                    a["gate_report"] = out.stats.gate_report
+                if name == "plain":
+                    plain_tokens.setdefault(i, out.tokens)
+                if out.tokens != plain_tokens[i]:
+                    a["divergent"] += 1
+                    a["firsts"].append(_first_divergence(model, prompt, plain_tokens[i], out.tokens))
+        for name, a in acc.items():
+            runs[name].append(a)
+    result = {}
+    for name, kwargs in modes:
+        rates = [a["tokens"] / a["seconds"] for a in runs[name]]
+        ratios = [r / (p["tokens"] / p["seconds"]) for r, p in zip(rates, runs["plain"], strict=True)]
+        mid = sorted(range(passes), key=lambda j: rates[j])[passes // 2]   # the median pass
+        a = runs[name][mid]
+        result[name] = {"tokens_per_s": rates[mid], "ms_per_token": 1e3 * a["seconds"] / a["tokens"],
+                        "tokens": a["tokens"], "seconds": a["seconds"],
+                        "divergent_prompts": max(r["divergent"] for r in runs[name]),
+                        "first_divergences": a["firsts"], "rounds": a["rounds"],
+                        "acceptance": a["accepted"] / a["proposed"] if a["proposed"] else None,
+                        "gate": kwargs.get("gate"), "gate_reasons": a["reasons"], "gate_report": a["gate_report"],
+                        "exact_verify": exact, "speedup": statistics.median(ratios),
+                        "pass_speedups": [round(x, 4) for x in ratios]}
     if oracle_rejects and model.loaded.has(CYCLE) and exact:
-        result.update(oracle_rows(model, prompts, plain_tokens, new_tokens, oracle_rejects))
-    base = result["plain"]["tokens_per_s"]
-    for entry in result.values():
-        entry["speedup"] = entry["tokens_per_s"] / base
+        oracle = oracle_rows(model, prompts, plain_tokens, new_tokens, oracle_rejects)
+        for entry in oracle.values():
+            entry["speedup"] = entry["tokens_per_s"] / result["plain"]["tokens_per_s"]
+        result.update(oracle)
     return result
 
 
@@ -436,8 +456,9 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     if opts.end_to_end and new_tokens < 8:
         log(f"  end-to-end skipped: --past {opts.past} leaves no room after the prompts")
     elif opts.end_to_end:
-        log(f"  end-to-end: {len(prompts)} prompts x {new_tokens} tokens, plain and speculative ...")
-        result.end_to_end = end_to_end(full, prompts, new_tokens, opts.oracle_rejects)
+        log(f"  end-to-end: {len(prompts)} prompts x {new_tokens} tokens x {opts.passes} pass(es), plain and "
+            "speculative ...")
+        result.end_to_end = end_to_end(full, prompts, new_tokens, opts.oracle_rejects, passes=opts.passes)
         for name, entry in result.end_to_end.items():
             log(f"  {name}: {entry['tokens_per_s']:.1f} tok/s (x{entry['speedup']:.2f}), "
                 f"divergent prompts {entry['divergent_prompts']}")
@@ -446,7 +467,8 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
             edit_tokens = min(opts.new_tokens, max_length - max(len(p) for p in edits) - 8)
             if edit_tokens >= 8:
                 log(f"  end-to-end, edit workload: {len(edits)} prompts x {edit_tokens} tokens ...")
-                result.end_to_end_edit = end_to_end(full, edits, edit_tokens, speculative=("prompt-lookup",))
+                result.end_to_end_edit = end_to_end(full, edits, edit_tokens, speculative=("prompt-lookup",),
+                                                    passes=opts.passes)
                 for name, entry in result.end_to_end_edit.items():
                     log(f"  edit, {name}: {entry['tokens_per_s']:.1f} tok/s (x{entry['speedup']:.2f}), "
                         f"divergent prompts {entry['divergent_prompts']}")

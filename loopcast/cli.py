@@ -319,6 +319,9 @@ def _sampling_options(temperature, top_k, top_p, min_p, repetition_penalty, seed
 @click.option("--oracle-reject", "oracle_reject", default="0,0.08", show_default=True,
               help="Pipeline rows with oracle drafts (plain greedy's continuation replayed through the drafts "
                    "hook) that spoil these fractions of positions (comma-separated; empty: none).")
+@click.option("--passes", type=int, default=1, show_default=True,
+              help="End-to-end passes over the prompts, the modes taking turns prompt by prompt; the ratios "
+                   "reported are the median over passes of each mode against plain in the same pass.")
 @click.option("--no-torch", is_flag=True, help="Skip the PyTorch baseline.")
 @click.option("--no-profile", is_flag=True, help="Skip the per-kernel-family decode profile (CUDA).")
 @click.option("--work-dir", type=click.Path(path_type=Path), default=None,
@@ -330,7 +333,7 @@ def _sampling_options(temperature, top_k, top_p, min_p, repetition_penalty, seed
 @_friendly_errors
 def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants: tuple[str, ...], past: int,
           widths: str, iters: int, new_tokens: int, alternate_tokens: int, no_end_to_end: bool, oracle_reject: str,
-          no_torch: bool, no_profile: bool, work_dir: Path | None, out: Path | None) -> None:
+          passes: int, no_torch: bool, no_profile: bool, work_dir: Path | None, out: Path | None) -> None:
     """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""
     from loopcast.bench import BenchOptions, run_bench
     from loopcast.bench_report import default_report_path, format_table, write_report
@@ -352,8 +355,8 @@ def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants
         width_list = tuple(int(w) for w in widths.split(",") if w)
     except ValueError:
         raise RequestError(f"--widths must be comma-separated integers, got {widths!r}") from None
-    if past < 1 or iters < 1:
-        raise RequestError("--past and --iters must be positive")
+    if past < 1 or iters < 1 or passes < 1:
+        raise RequestError("--past, --iters and --passes must be positive")
     from loopcast.exporter.export import MAX_VERIFY_WIDTH
     if not width_list or any(not 2 <= w <= MAX_VERIFY_WIDTH for w in width_list):
         raise RequestError(f"--widths must be verify widths in 2..{MAX_VERIFY_WIDTH}, got {widths!r}")
@@ -365,7 +368,7 @@ def bench(checkpoint: str, device: str | None, dtypes: tuple[str, ...], variants
         raise RequestError(f"--oracle-reject fractions must be in 0..1, got {oracle_reject!r}")
     opts = BenchOptions(checkpoint, work_dir, device, dtypes or (("fp16", "bf16") if device == "cuda" else ("fp32",)),
                         variants or ("stock", "batch-invariant"), past, width_list, iters, new_tokens,
-                        not no_end_to_end, alternate_tokens, not no_torch, not no_profile, rejects)
+                        not no_end_to_end, alternate_tokens, not no_torch, not no_profile, rejects, passes)
     click.echo(f"bench on {device}: artifacts in {work_dir}, report {out}", err=True)
     report = run_bench(opts, log=lambda line: click.echo(line, err=True),
                        on_progress=lambda partial: write_report(partial, out, plot=False))

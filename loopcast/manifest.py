@@ -5,6 +5,7 @@ Torch-free: written by the exporter, read and validated by ``ort_runtime`` and t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -126,8 +127,9 @@ class Manifest:
         replayed at any position (GroupQueryAttention reads total_sequence_length on the host)."""
         return self.op_set != "stock"
 
-    @property
+    @functools.cached_property
     def config(self) -> ModelConfig:
+        # parsed once: generations read it on their set-up path (~10 us a parse)
         return ModelConfig.from_hf_dict(self.model)
 
     def to_json(self) -> str:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,7 @@ import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, LOGIT_ROWS, PREFILL, VERIFY, Manifest, resolve_inside
+from loopcast.ort_runtime.session_table import SessionTable
 from loopcast.ort_runtime.shared_weights import SharedWeights, load_shared_weights
 from loopcast.ort_runtime.trust import op_library_to_load
 
@@ -60,7 +62,7 @@ class LoadedModel:
     path: Path
     manifest: Manifest
     device: str
-    sessions: dict[str, ort.InferenceSession]
+    sessions: Mapping[str, ort.InferenceSession]   # a SessionTable: some kinds made on first use
     tokenizer: object | None = None
     load_seconds: float = 0.0
     graph_kinds: frozenset[str] = frozenset()        # kinds whose session captures CUDA graphs
@@ -190,14 +192,16 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
                   kinds: tuple[str, ...] | None = None, share_weights: bool = False,
                   cuda_graphs: bool | str = True, trust_ops: bool = False,
                   share_sessions: bool | tuple[str, ...] = True,
-                  shared_initializers: bool | None = None) -> LoadedModel:
+                  shared_initializers: bool | None = None, defer_sessions: bool = True) -> LoadedModel:
     """Validate and open an artifact. ``trust_ops`` allows loading its custom-op library even
     when it is not one this user built (ort_runtime/trust.py states the whole rule).
     ``share_sessions=False`` gives every kind its own CPU session, as before decode and verify
     shared prefill's (a tuple: only those kinds share it); ``shared_initializers`` (default:
     wherever no kernel prepacks, see ``uses_shared_initializers``) hands every session the same
     weight values (ort_runtime/shared_weights.py); False gives each session its own copy (for
-    measurements: tools/bench_weight_sharing.py)."""
+    measurements: tools/bench_weight_sharing.py). ``defer_sessions`` makes the sessions of the
+    speculative-only kinds on first use where each session prepacks its own copy of the weights
+    (ort_runtime/session_table.py); their graphs are checked at load either way."""
     import time
 
     start = time.perf_counter()
@@ -237,9 +241,10 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
         weights, names = load_shared_weights(path, [path / manifest.graphs[k].file for k in wanted], device)
         weight_names = dict(zip(wanted, names))
 
-    def make_session(kind: str, capture: bool) -> ort.InferenceSession:
+    def make_session(kind: str, capture: bool, check_only: bool = False) -> ort.InferenceSession:
         spec = manifest.graphs[kind]
-        options = _session_options(library, threads, share_weights)
+        # check_only: the graph loads and has the manifest's IO; no packed copy of the weights
+        options = _session_options(library, threads, share_weights or check_only)
         if weights is not None:
             weights.add_to(options, weight_names[kind])
         cuda_options = {"enable_cuda_graph": "1"} if capture else {}
@@ -265,9 +270,11 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
         shared = {kind: host for kind, host in shared.items() if kind in share_sessions}
     sessions, graph_kinds, fallbacks = {}, set(), {}
     eager = []
+    deferred = (_deferred_kinds(wanted, shared) if device == "cpu" and defer_sessions and not shared_initializers
+                and not share_weights else [])
     for kind in wanted:
         spec = manifest.graphs[kind]
-        if kind in shared:
+        if kind in shared or kind in deferred:
             continue
         if kind in BATCH_KINDS:  # a symbolic batch: run eagerly (docs/serving.md, "CUDA")
             sessions[kind] = make_session(kind, False)
@@ -288,17 +295,21 @@ def open_artifact(artifact_dir: str | os.PathLike, device: str = "cpu", *, threa
         # one thread per session and core (2 cores: 1.32 s -> 0.72 s for two 513 MiB sessions).
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=min(len(eager), os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(eager) + len(deferred), os.cpu_count() or 1)) as pool:
             made = dict(zip(eager, pool.map(lambda k: make_session(k, False), eager)))
+            list(pool.map(lambda k: make_session(k, False, check_only=True), deferred))
     else:
         made = {kind: make_session(kind, False) for kind in eager}
+        for kind in deferred:
+            make_session(kind, False, check_only=True)
     sessions.update(made)
     if VERIFY in shared and LOGIT_ROWS not in {v.name for v in sessions[PREFILL].get_overridable_initializers()}:
         del shared[VERIFY]  # exported before prefill took logit_rows: verify keeps its own session
         sessions[VERIFY] = make_session(VERIFY, False)
     for kind, host in shared.items():
         sessions[kind] = sessions[host]
-    sessions = {kind: sessions[kind] for kind in wanted}
+    sessions = SessionTable({kind: sessions[kind] for kind in wanted if kind in sessions},
+                            {kind: (lambda k=kind: make_session(k, False)) for kind in deferred}, wanted)
     tokenizer = None
     tokenizer_file = resolve_inside(path, "tokenizer.json", "tokenizer") if (path / "tokenizer.json").exists() else None
     if tokenizer_file is not None:
@@ -319,6 +330,13 @@ def uses_shared_initializers(manifest: Manifest, device: str, share_weights: boo
     off); a prepacking CPU MatMul would keep the shared mapping resident besides its own packed
     copy per session (docs/perf.md, "Run-time memory")."""
     return device == "cuda" or manifest.op_set == "loopcast" or share_weights
+
+
+def _deferred_kinds(kinds: list[str], shared: dict[str, str]) -> list[str]:
+    """The kinds whose CPU session waits for first use: those only speculation runs (plain
+    decoding and prompt lookup need prefill, decode and verify), each with its own session."""
+    return [kind for kind in kinds if kind not in (PREFILL, DECODE, VERIFY) and kind not in shared
+            and kind not in BATCH_KINDS]
 
 
 def _cpu_shared_sessions(manifest: Manifest, kinds: list[str]) -> dict[str, str]:

@@ -307,6 +307,26 @@ class CycleBinding:
         return [x for b in bufs for x in (b.host, b.value)] + [h.binding for h in self.halves]
 
 
+class _Bindings(dict):
+    """kind -> binding, for the given kinds; a binding is made on its first lookup."""
+
+    def __init__(self, kinds: list[str], make) -> None:
+        super().__init__()
+        self.kinds, self._make = list(kinds), make
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self.kinds
+
+    def __missing__(self, kind: str):
+        if kind not in self.kinds:
+            raise KeyError(kind)
+        self[kind] = binding = self._make(kind)
+        return binding
+
+    def made(self) -> list[str]:
+        return [kind for kind in self.kinds if dict.__contains__(self, kind)]
+
+
 class Generator:
     """One sequence's state on a loaded model; several generators share the model's sessions."""
 
@@ -324,13 +344,20 @@ class Generator:
         shape = (1, cfg.num_kv_heads, self.max_length, cfg.head_dim)
         self._kv = {s: (_Buffer(shape, dtype, model.device), _Buffer(shape, dtype, model.device))
                     for s in range(cfg.num_kv_slots)}
-        # The batched kinds belong to a BatchGenerator (ort_runtime/batch_generator.py).
-        self._kinds = {kind: (_RowsBinding if kind in TREE_KINDS else _KindBinding)(
-                           sess, manifest.graphs[kind], self._kv, model, dtype)
-                       for kind, sess in model.sessions.items() if kind != CYCLE and kind not in BATCH_KINDS}
-        # The pipeline's cycle graph: two bindings that hand the lanes' states to each other.
-        self.cycle = (CycleBinding(model.sessions[CYCLE], manifest.graphs[CYCLE], self._kv, model, dtype)
-                      if CYCLE in model.sessions else None)
+        # The batched kinds belong to a BatchGenerator (ort_runtime/batch_generator.py). A kind
+        # whose session is still deferred (ort_runtime/session_table.py) is bound on first use.
+        def bind(kind: str):
+            if kind == CYCLE:  # the pipeline's: two bindings that hand the lanes' states to each other
+                return CycleBinding(model.sessions[CYCLE], manifest.graphs[CYCLE], self._kv, model, dtype)
+            cls = _RowsBinding if kind in TREE_KINDS else _KindBinding
+            return cls(model.sessions[kind], manifest.graphs[kind], self._kv, model, dtype)
+
+        self._kinds = _Bindings([k for k in model.sessions if k != CYCLE and k not in BATCH_KINDS], bind)
+        self._cycle = _Bindings([CYCLE] if CYCLE in model.sessions else [], bind)
+        pending = getattr(model.sessions, "pending", lambda kind: False)
+        for kind in [*self._kinds.kinds, *self._cycle.kinds]:
+            if not pending(kind):
+                (self._cycle if kind == CYCLE else self._kinds)[kind]
         self._tokens: list[int] = []          # ids whose KV is committed; len == n
         self._move = None                     # CUDA: the op library's KV position copy (move_kv)
         self.step_counts: dict[str, int] = defaultdict(int)
@@ -363,8 +390,13 @@ class Generator:
             raise RequestError(f"commit past the KV capacity {self.max_length}")
         self._tokens.extend(int(t) for t in ids)
 
+    @property
+    def cycle(self) -> CycleBinding | None:
+        """The pipeline's cycle binding (made on first use where its session is deferred)."""
+        return self._cycle[CYCLE] if CYCLE in self._cycle else None
+
     def has_kind(self, kind: str) -> bool:
-        return kind in self._kinds or (kind == CYCLE and self.cycle is not None)
+        return kind in self._kinds or kind in self._cycle
 
     def rows(self, kind: str) -> int | None:
         return self.model.manifest.graphs[kind].rows
@@ -377,16 +409,16 @@ class Generator:
     def graph_slots(self) -> dict[str, dict]:
         """Per kind: this generator's CUDA-graph counters (empty when nothing is captured)."""
         slots = {kind: kb.slot.as_dict() for kind, kb in sorted(self._kinds.items()) if kb.slot is not None}
-        if self.cycle is not None:
+        if CYCLE in self._cycle.made():
             slots.update({f"{CYCLE}/{i}": h.slot.as_dict() for i, h in enumerate(self.cycle.halves)
                           if h.slot is not None})
         return slots
 
     def bound_objects(self) -> list[object]:
         objs = [x for k, v in self._kv.values() for x in (k.host, k.value, v.host, v.value)]
-        for kind in sorted(self._kinds):
+        for kind in sorted(self._kinds.made()):
             objs += self._kinds[kind].bound_objects()
-        if self.cycle is not None:
+        if CYCLE in self._cycle.made():
             objs += self.cycle.bound_objects()
         return objs
 

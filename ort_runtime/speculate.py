@@ -378,6 +378,9 @@ class _Engine:
                 self.gate = make_gate(spec.gate, plan.k_max, costs, plan.strategy,
                                       free_guess=getattr(plan.proposer, "free_guess", False), memory=memory)
             stats.strategy, stats.gate = plan.strategy.name, spec.gate
+            # Read once, not per step: on a 0.4 ms step every microsecond of the loop is 0.25%.
+            self._continuous = getattr(plan.strategy, "continuous", False)
+            self._writes_padding = getattr(plan.strategy, "writes_padding", True)
 
     def run(self, ids: list[int], finish: Finisher) -> Iterator[int]:
         finish.on_finish = self._close
@@ -397,16 +400,19 @@ class _Engine:
             token = self.acceptor.decode(gen, pending, self.context)
             self.context.append(pending)
             return [token]
-        if getattr(plan.strategy, "continuous", False):
+        if self._continuous:
             return self._lane_round(pending, step, remaining)
         context = self.context
         # A round writes plan.width positions (the verify graph's fixed rows): no room, no round.
         # A strategy whose unused rows write nothing (tree verify) needs only the rows it uses.
-        room = gen.max_length - gen.n - 1
-        fits = gen.n + plan.width <= gen.max_length or (not getattr(plan.strategy, "writes_padding", True)
-                                                        and room >= 1)
+        n = gen.n
+        room = gen.max_length - n - 1
+        fits = n + plan.width <= gen.max_length or (not self._writes_padding and room >= 1)
         k = gate.engage(step) if fits else None
-        clock = _RoundClock(gen, plan.strategy.kinds if k else (DECODE,))
+        # Plain rounds' wall time (the gate's host factor) is a mean: every 8th plain round is
+        # sample enough, and spares the others the clock's bookkeeping.
+        clock = _RoundClock(gen, plan.strategy.kinds) if k else (_RoundClock(gen, (DECODE,)) if step % 8 == 0
+                                                                 else None)
         if k:
             context.append(pending)
             proposal = plan.proposer.propose(context, min(k, plan.k_max, remaining, room))
@@ -431,7 +437,7 @@ class _Engine:
         plan.proposer.advance([pending])
         if guess is not None:
             gate.observe(0, 0, would_hit=bool(guess) and guess[0] == token, step=step)
-        if not k:
+        if clock is not None and not k:
             clock.stop(DECODE_ROUND)
         return [token]
 

@@ -84,7 +84,11 @@ def test_edit_workload_rows_are_plain_and_prompt_lookup(tmp_path) -> None:
         assert body.startswith(restart) and len(body) > 3 * len(restart)
     model = load(artifact("ouro-r3"), "cpu")
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10]]
-    rows = end_to_end(model, prompts, 12, speculative=("prompt-lookup",))
+    rows = end_to_end(model, prompts, 12, speculative=("prompt-lookup",), passes=3)
     assert set(rows) == {"plain", "prompt-lookup", "prompt-lookup (gate none)"}
     assert all(e["divergent_prompts"] == 0 and e["tokens"] == 24 for e in rows.values())
+    # three interleaved passes: the ratio is the median of the per-pass ratios against plain
+    assert rows["plain"]["pass_speedups"] == [1.0] * 3
+    ratios = rows["prompt-lookup"]["pass_speedups"]
+    assert len(ratios) == 3 and abs(rows["prompt-lookup"]["speedup"] - sorted(ratios)[1]) < 1e-3
     assert rows["prompt-lookup (gate none)"]["rounds"] > 0

@@ -12,8 +12,10 @@ and whether verify rows equal decode rows bit for bit.
 Modes: ``baseline`` (no artifact: the runtime's imports and, on CUDA, a one-node session),
 ``default``, ``per_session`` (every session its own copy of the weights: before
 ort_runtime/shared_weights.py), ``kinds=N`` (only the first N kinds opened, ``--kinds-rows``).
-CPU also: ``verify_own`` (verify in its own session: before verify ran on prefill's),
-``separate`` (one session per graph kind: before decode shared prefill's session),
+CPU also: ``speculative`` (the default after a speculative generation made the sessions of
+the kinds it defers: ort_runtime/session_table.py), ``eager`` (every kind's session at load:
+before those were deferred), ``verify_own`` (verify in its own session: before verify ran on
+prefill's), ``separate`` (one session per graph kind: before decode shared prefill's session),
 ``share_weights`` (no prepacking at all).
 
 The budget line per artifact: ``1.2 × (weights + KV) + baseline`` against the default's peak
@@ -36,8 +38,9 @@ from loopcast.ort_runtime.artifact import open_artifact
 from loopcast.ort_runtime.exactness import decode_rows
 from loopcast.ort_runtime.generator import Generator
 path, device, mode = sys.argv[1:4]
-kw = {"separate": {"share_sessions": False}, "share_weights": {"share_weights": True},
-      "per_session": {"shared_initializers": False}, "verify_own": {"share_sessions": ("decode",)}}.get(mode, {})
+kw = {"separate": {"share_sessions": False, "defer_sessions": False}, "share_weights": {"share_weights": True},
+      "per_session": {"shared_initializers": False}, "eager": {"defer_sessions": False},
+      "verify_own": {"share_sessions": ("decode",), "defer_sessions": False}}.get(mode, {})
 if mode.startswith("kinds="):
     from loopcast.manifest import Manifest
     kw = {"kinds": tuple(Manifest.read(path).graphs)[:int(mode[6:])]}
@@ -59,7 +62,11 @@ if mode == "baseline":
 else:
     t0 = time.perf_counter()
     model = open_artifact(path, device, **kw)
-    out = {"load_s": round(time.perf_counter() - t0, 2), "sessions": len({id(s) for s in model.sessions.values()}),
+    if mode == "speculative":  # what a self-speculative or pipeline generation opens on first use
+        for kind in model.sessions:
+            model.sessions[kind]
+    made = model.sessions.made() if hasattr(model.sessions, "made") else model.sessions
+    out = {"load_s": round(time.perf_counter() - t0, 2), "sessions": len({id(s) for s in made.values()}),
            "shared_weights": model.shared_weights is not None}
     m, cfg = model.manifest, model.config
     slots = len(m.graphs["decode"].kv_slots) if "decode" in m.graphs else 0
@@ -112,7 +119,7 @@ def main() -> None:
         for artifact in args.artifacts:
             modes = ["baseline", "default", "per_session"]
             if args.device == "cpu":
-                modes += ["verify_own", "separate", "share_weights"]
+                modes += ["speculative", "eager", "verify_own", "separate", "share_weights"]
             if args.kinds_rows:
                 from loopcast.manifest import Manifest
                 modes += [f"kinds={k}" for k in range(1, len(Manifest.read(artifact).graphs) + 1)]
@@ -161,6 +168,9 @@ def main() -> None:
         print(f"{artifact.rstrip('/').split('/')[-1]}: {used_key} {used:g} MiB against 1.2 x (weights + KV "
               f"{weights_kv:g}) + baseline {base:g} = {budget:.0f} MiB: {used / budget:.2f} of the budget "
               f"({'within' if used <= budget else 'OVER'}); decode {slower:+.1%} against {before}")
+        if (artifact, "speculative") in runs:
+            spec = med(artifact, "speculative", used_key)
+            print(f"  after a speculative generation opened its kinds: {spec:g} MiB, {spec / budget:.2f} of the budget")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{a}|{m}": rs for (a, m), rs in runs.items()}, f, indent=1)

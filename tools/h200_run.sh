@@ -57,8 +57,8 @@ phase_parity() {
   timeout 150 python3 tools/gpu_parity.py --new-tokens 48 --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1
 }
 phase_bench_demo() {
-  timeout 150 python3 -m loopcast.cli bench demo --device cuda --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \
-    --past 1000 --widths 2,5,8 --work-dir /root/bw --out "$RES/bench-demo.json" > "$RES/bench-demo.txt" 2>&1
+  timeout 420 python3 -m loopcast.cli bench demo --device cuda --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \
+    --past 1000 --widths 2,5,8 --passes 3 --work-dir /root/bw --out "$RES/bench-demo.json" > "$RES/bench-demo.txt" 2>&1
 }
 phase_gate_1p4b() {  # the speculation gate table on random Ouro-1.4B weights (end to end, loopcast ops)
   timeout 420 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --dtype bf16 \

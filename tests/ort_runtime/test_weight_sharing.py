@@ -188,3 +188,38 @@ def test_artifacts_from_before_logit_rows_keep_a_verify_session(tmp_path) -> Non
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     want = load(artifact("demo")).generate(prompt, 16, stop_ids=(), speculative="none").tokens
     assert old.generate(prompt, 16, stop_ids=(), speculative="prompt-lookup", gate="none").tokens == want
+
+
+def test_speculative_kinds_get_their_cpu_session_on_first_use() -> None:
+    """Each CPU session of the stock MatMul prepacks its own copy of the weights: draft,
+    verify_tail and the cycle wait until a speculative generation asks for them, and the tokens
+    do not change (ort_runtime/session_table.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loopcast.manifest import CYCLE, DRAFT, VERIFY_TAIL
+    from loopcast.ort_runtime.api import LoopcastModel
+
+    path = artifact("demo")
+    lazy = open_artifact(path, "cpu")
+    speculative = [k for k in (DRAFT, VERIFY_TAIL, CYCLE) if k in lazy.manifest.graphs]
+    assert DRAFT in speculative and VERIFY_TAIL in speculative
+    assert all(lazy.has(k) and lazy.sessions.pending(k) for k in speculative)
+    assert set(lazy.sessions.made()) == {PREFILL, DECODE, VERIFY}
+    model = LoopcastModel(lazy)
+    prompt = model.encode("def add(a, b):")
+    plain = model.generate(prompt, 24, stop_ids=()).tokens
+    assert model.generate(prompt, 24, stop_ids=(), speculative="prompt-lookup", gate="none").tokens == plain
+    assert all(lazy.sessions.pending(k) for k in speculative)      # plain and prompt lookup: one packed copy
+    with ThreadPoolExecutor(4) as pool:                            # first use from several threads: one session
+        outs = list(pool.map(lambda _: model.generate(prompt, 24, stop_ids=(), speculative="self",
+                                                      gate="none").tokens, range(4)))
+    assert outs == [plain] * 4
+    assert not lazy.sessions.pending(DRAFT) and lazy.sessions[DRAFT] is lazy.sessions[DRAFT]
+    eager = open_artifact(path, "cpu", defer_sessions=False)
+    assert set(eager.sessions.made()) == set(eager.manifest.graphs)
+
+
+def test_sessions_are_not_deferred_where_the_weights_are_shared() -> None:
+    """share_weights=True (no prepacking): one mapping serves every session, nothing to defer."""
+    model = open_artifact(artifact("demo"), "cpu", share_weights=True)
+    assert set(model.sessions.made()) == set(model.manifest.graphs)
