@@ -9,6 +9,7 @@ export or load): loopcast/swap.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import shutil
 import sys
@@ -313,8 +314,6 @@ def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
     recorded (the trust rule loads the op library only by recorded hash); on CUDA only the
     loopcast kernels are row-invariant (tested on the GPU: tests/ort_runtime/test_cuda.py),
     cuBLAS and GroupQueryAttention are not."""
-    import dataclasses
-
     from loopcast.exporter.exactness_probe import rows_match_shallow
 
     exact = {"cpu": manifest.dtype == "fp32" and rows_match_shallow(staging), "cuda": manifest.op_set == "loopcast"}
@@ -377,7 +376,7 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
                 graphs[plan.kind] = spec
             graphs.update(_write_batched(config, dtype, manifest.max_length, manifest.max_batch, width, refs,
                                          staging.path, manifest.op_set, set(), manifest.weights_file))
-            derived = Manifest(**{**manifest.__dict__, "graphs": graphs, "verify_width": width, "files": {}})
+            derived = dataclasses.replace(manifest, graphs=graphs, verify_width=width, files={})
             derived = _with_file_records(derived, staging.path)
             staging.install()
         except BaseException:
@@ -409,8 +408,6 @@ def _with_file_records(manifest: Manifest, staging: Path, known: dict[str, str] 
     """Record size and SHA-256 of every file the manifest names and (re)write manifest.json:
     loading checks the sizes, ``inspect --verify`` the hashes, and the runtime loads the op
     library only if its hash matches (docs/trust.md)."""
-    import dataclasses
-
     from loopcast.manifest import CHUNKED_SHA256, FileRecord, file_digest, sampled_sha256
 
     names = [spec.file for spec in manifest.graphs.values()] + [manifest.weights_file, *manifest.tokenizer_files,

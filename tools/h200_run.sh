@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
-# | serve | host-loop | weight-mem | export-profile | alternate
+# | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -59,6 +59,12 @@ phase_parity() {
 phase_bench_demo() {
   timeout 420 python3 -m loopcast.cli bench demo --device cuda --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \
     --past 1000 --widths 2,5,8 --passes 3 --work-dir /root/bw --out "$RES/bench-demo.json" > "$RES/bench-demo.txt" 2>&1
+}
+phase_gate_overhead() {  # issue 19: where a stood-down default gate's time goes on the demo (tools/gate_overhead.py)
+  for dt in fp16 bf16; do
+    timeout 200 python3 tools/gate_overhead.py demo --device cuda --dtype $dt --passes 4 \
+      --json "$RES/gate-overhead-$dt.json" > "$RES/gate-overhead-$dt.txt" 2>&1
+  done
 }
 phase_gate_1p4b() {  # the speculation gate table on random Ouro-1.4B weights (end to end, loopcast ops)
   timeout 420 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --dtype bf16 \
