@@ -236,6 +236,19 @@ class CostGate(_Counters):
             return self._count(1, probe=True)
         return self._count(None)
 
+    def plain_streak(self, step: int) -> int:
+        """How many plain steps from ``step`` on (this one included) need no decision: the
+        gate stands down and nothing is due before then (re-pricing, a probe, or for a
+        free-guess proposer the next evidence step). The engine runs them back to back."""
+        if self._decision is None or self._decision[0] or self._measuring:
+            return 1
+        until = self._decided_at + self.refresh_every
+        if self.free_guess:
+            until = min(until, step + self.evidence_every - step % self.evidence_every)
+        else:
+            until = min(until, max(self._next_probe, step + 1))
+        return max(1, until - step)
+
     def wants_evidence(self, step: int) -> bool:
         """Whether a plain step should take the proposer's free one-token guess: every step
         while engaged, every ``evidence_every`` steps while stood down (enough to notice a

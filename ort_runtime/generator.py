@@ -393,7 +393,8 @@ class Generator:
     @property
     def cycle(self) -> CycleBinding | None:
         """The pipeline's cycle binding (made on first use where its session is deferred)."""
-        return self._cycle[CYCLE] if CYCLE in self._cycle else None
+        # dict.get first: the pipeline reads this three times a cycle
+        return dict.get(self._cycle, CYCLE) or (self._cycle[CYCLE] if CYCLE in self._cycle else None)
 
     def has_kind(self, kind: str) -> bool:
         return kind in self._kinds or kind in self._cycle
