@@ -5,9 +5,10 @@
 
 The modes take turns prompt by prompt (loopcast/bench.py's prompts), each after an untimed
 8-token warm-up; per mode and token: wall time, the graph runs' time (the generator's step
-timers, prefill apart), the engine's own time in rounds outside the plain step, and the
-rounds and probes the gate ran. A default-gated mode that stands down should cost what plain
-decoding costs; this says which part does not (docs/perf.md, issue 19).
+timers, prefill apart), the mean decode step, the host time (wall less every graph run: the
+pushes, pulls and the engine's Python) and the rounds and probes the gate ran. A
+default-gated mode that stands down should cost what plain decoding costs; this says which
+part does not (docs/perf.md, issue 19).
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ def main() -> None:
     args = p.parse_args()
 
     from loopcast.bench import BENCH_PROMPTS
-    from loopcast.ort_runtime import load, speculate
-    from loopcast.ort_runtime.verifiers import PlainDecode
+    from loopcast.ort_runtime import load
 
     path = args.artifact
     if path == "demo":
@@ -44,25 +44,6 @@ def main() -> None:
     model = load(path, args.device)
     prompts = [model.encode(t) for t in BENCH_PROMPTS]
 
-    # The engine's rounds and the plain step inside them, timed from outside (monkeypatched).
-    timers = collections.defaultdict(float)
-    engine_round, plain_step = speculate._Engine._round, PlainDecode.step
-
-    def timed_round(self, *a):
-        t = time.perf_counter()
-        try:
-            return engine_round(self, *a)
-        finally:
-            timers["round"] += time.perf_counter() - t
-
-    def timed_step(self, *a):
-        t = time.perf_counter()
-        try:
-            return plain_step(self, *a)
-        finally:
-            timers["step"] += time.perf_counter() - t
-
-    speculate._Engine._round, PlainDecode.step = timed_round, timed_step
     modes = {"plain": {}, "prompt-lookup": {"speculative": "prompt-lookup"}, "self": {"speculative": "self"}}
     rows: dict[str, list[dict]] = {name: [] for name in modes}
     for _ in range(args.passes):
@@ -70,7 +51,6 @@ def main() -> None:
         for prompt in prompts:
             for name, kw in modes.items():
                 model.generate(prompt, 8, stop_ids=(), **kw)
-                timers.clear()
                 t0 = time.perf_counter()
                 out = model.generate(prompt, args.new_tokens, stop_ids=(), **kw)
                 a, s = acc[name], out.stats
@@ -80,7 +60,6 @@ def main() -> None:
                 a["graph"] += sum(v for k, v in s.step_seconds.items() if k != "prefill")
                 a["decode_s"] += s.step_seconds.get("decode", 0.0)
                 a["decode_n"] += s.steps.get("decode", 0)
-                a["engine"] += timers["round"] - timers["step"]
                 a["rounds"] += s.rounds
                 a["probes"] += (s.gate_report or {}).get("probes", 0)
         for name in modes:
@@ -91,18 +70,18 @@ def main() -> None:
         report[name] = {
             "ratio": statistics.median(p0["tokens"] / p0["wall"] / (pl["tokens"] / pl["wall"])
                                        for p0, pl in zip(passes, rows["plain"], strict=True)),
-            "wall_us": per("wall"), "graph_us": per("graph"), "engine_us": per("engine"),
-            "prefill_us": per("prefill"),
+            "wall_us": per("wall"), "graph_us": per("graph"), "prefill_us": per("prefill"),
+            "host_us": statistics.median(1e6 * (r["wall"] - r["graph"] - r["prefill"]) / r["tokens"] for r in passes),
             "decode_step_us": statistics.median(1e6 * r["decode_s"] / max(r["decode_n"], 1) for r in passes),
             "rounds": statistics.median(r["rounds"] for r in passes),
             "probes": statistics.median(r["probes"] for r in passes)}
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} {args.device} {path}: {len(prompts)} prompts x "
           f"{args.new_tokens} tokens, {args.passes} interleaved passes (medians), per token in us")
-    print(f"{'mode':<14}{'ratio':>7}{'wall':>9}{'graphs':>9}{'decode step':>13}{'engine':>9}{'prefill':>9}"
+    print(f"{'mode':<14}{'ratio':>7}{'wall':>9}{'graphs':>9}{'decode step':>13}{'host':>9}{'prefill':>9}"
           f"{'rounds':>8}{'probes':>8}")
     for name, r in report.items():
         print(f"{name:<14}{r['ratio']:>7.3f}{r['wall_us']:>9.1f}{r['graph_us']:>9.1f}{r['decode_step_us']:>13.1f}"
-              f"{r['engine_us']:>9.1f}{r['prefill_us']:>9.1f}{r['rounds']:>8.0f}{r['probes']:>8.0f}")
+              f"{r['host_us']:>9.1f}{r['prefill_us']:>9.1f}{r['rounds']:>8.0f}{r['probes']:>8.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
