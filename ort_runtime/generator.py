@@ -143,6 +143,10 @@ class _KindBinding:
         self.binding = session.io_binding()
         self.slot = GraphSlot(model.allocate_graph_id(spec.kind)) if spec.kind in model.graph_kinds else None
         self.run_options = None
+        # An eager binding's first run is not a steady one either: it follows the binding's
+        # (and, for a kind made on first use, its session's) creation inside the same round,
+        # and ORT allocates on a session's first run; the cost gate's timers must not see it.
+        self._warm = False
         if self.slot is not None:
             self.run_options = ort.RunOptions()
             self.run_options.add_run_config_entry("gpu_graph_id", str(self.slot.graph_id))
@@ -175,7 +179,8 @@ class _KindBinding:
         slot = self.slot
         if slot is None:
             self.session.run_with_iobinding(self.binding)
-            return True
+            warm, self._warm = self._warm, True
+            return warm
         if slot.failure is not None:
             slot.fallbacks += 1
             self.session.run_with_iobinding(self.binding)

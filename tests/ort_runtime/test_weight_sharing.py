@@ -223,3 +223,21 @@ def test_sessions_are_not_deferred_where_the_weights_are_shared() -> None:
     """share_weights=True (no prepacking): one mapping serves every session, nothing to defer."""
     model = open_artifact(artifact("demo"), "cpu", share_weights=True)
     assert set(model.sessions.made()) == set(model.manifest.graphs)
+
+
+def test_first_run_of_a_binding_is_not_timed() -> None:
+    """A kind's first run on a generator (after its binding and, when deferred, its session were
+    made inside that step) is not a steady one: the cost gate's timers skip it, or one session
+    creation would price every speculative round (the CPU demo's host factor read 3.6)."""
+    from loopcast.manifest import DRAFT
+
+    model = open_artifact(artifact("demo"), "cpu")
+    assert model.sessions.pending(DRAFT)
+    gen = Generator(model)
+    gen.prefill([3, 1, 4, 1, 5])
+    for kind, tokens in ((DECODE, [9]), (DRAFT, [9])):
+        gen.run(kind, gen.n, tokens=tokens)
+        assert (gen.step_counts[kind], gen.timed_counts[kind]) == (1, 0)
+        gen.run(kind, gen.n, tokens=tokens)
+        assert (gen.step_counts[kind], gen.timed_counts[kind]) == (2, 1)
+    assert not model.sessions.pending(DRAFT)
