@@ -28,6 +28,16 @@ HOT = (DECODE, VERIFY, DRAFT, VERIFY_TAIL)
 TOLERANCE = {"fp32": 1e-3, "fp16": 0.08, "bf16": 0.5}  # max |logit diff| vs the fp32 reference
 
 
+def _decoded(model, prompt: str, steps: int):
+    """A fresh generator that decoded ``prompt`` then ``steps`` tokens one row at a time
+    (``decode_rows``), rewound to the prompt: (generator, tokens fed, each row's logits)."""
+    ids = model.encode(prompt)
+    gen = model.new_generator()
+    fed, rows = decode_rows(gen, ids, steps)
+    gen.rewind(len(ids))
+    return gen, fed, rows
+
+
 def _demo(dtype: str, batch_invariant: bool = False, **kw):
     ops = "loopcast" if batch_invariant else "stock"
     return load(artifact("demo", dtype, draft_depth=1, batch_invariant=batch_invariant, ops=ops), "cuda", **kw)
@@ -115,10 +125,7 @@ def test_batch_invariant_rows_and_speculation_are_exact(dtype: str) -> None:
     model = _demo(dtype, batch_invariant=True)
     W = model.loaded.manifest.verify_width
     for prompt in DEMO_PROMPTS[:4]:
-        ids = model.encode(prompt)
-        gen = model.new_generator()
-        fed, rows = decode_rows(gen, ids, W)
-        gen.rewind(len(ids))
+        gen, fed, rows = _decoded(model, prompt, W)
         verify = gen.run(VERIFY, gen.n, tokens=fed).logits
         for i in range(W):
             assert np.array_equal(verify[i], rows[i]), (dtype, prompt, i)
@@ -207,10 +214,7 @@ def test_alternate_suffix_is_exact(dtype: str) -> None:
                  "cuda")
     W = model.loaded.manifest.verify_width
     for prompt in DEMO_PROMPTS[:3]:
-        ids = model.encode(prompt)
-        gen = model.new_generator()
-        fed, rows = decode_rows(gen, ids, W)
-        gen.rewind(len(ids))
+        gen, fed, rows = _decoded(model, prompt, W)
         assert tree_rows_match(gen, fed, rows), (dtype, prompt)
     vocab = model.config.vocab_size
     for prompt in DEMO_PROMPTS[:3]:
