@@ -55,6 +55,9 @@ class BlockContext:
     # every one at the layer's own slot.
     row_masked: ir.Value | None = None
     row_count: int = 1
+    # The cycle run (K cycles in one graph): RowAttention writes K/V into the bound input buffers
+    # (kv_in_place) and the graph declares no present outputs.
+    kv_in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,13 +228,17 @@ def _row_attention(b: GraphBuilder, qkv_BSQ: ir.Value, slots: tuple[int, ...], c
     for s in pairs:
         kv_in += [b.input(f"past_key.{s}", ctx.dtype, kv_shape), b.input(f"past_value.{s}", ctx.dtype, kv_shape)]
         kv_out += [f"present_key.{s}", f"present_value.{s}"]
+    if ctx.kv_in_place:
+        kv_out = [f"{prefix}.{name}_0" for name in kv_out]  # empty placeholders
     values = b.op_multi(
         "RowAttention", [qkv_BSQ, ctx.row_positions, None, ctx.row_masked, ctx.step.cos_cache, ctx.step.sin_cache, *kv_in],
         path=f"{path}/row_attention", outs=[f"{prefix}.attn_BSHD", *kv_out], domain=LOOPCAST_DOMAIN,
         num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-        scale=cfg.head_dim ** -0.5, row_buffers=[pairs.index(s) for s in slots])
-    for v in values[1:]:
-        b.output(v, ctx.dtype, kv_shape)
+        scale=cfg.head_dim ** -0.5, row_buffers=[pairs.index(s) for s in slots],
+        **({"kv_in_place": 1} if ctx.kv_in_place else {}))
+    if not ctx.kv_in_place:
+        for v in values[1:]:
+            b.output(v, ctx.dtype, kv_shape)
     return values[0]
 
 

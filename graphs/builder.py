@@ -40,9 +40,16 @@ class GraphBuilder:
     outputs: list[ir.Value] = field(default_factory=list)
     _initializers: dict[str, ir.Value] = field(default_factory=dict)
     _overridable: list[ir.Value] = field(default_factory=list)
+    # A repeated body (the cycle run's K cycles): node paths and value names of ops recorded
+    # meanwhile get this prefix; inputs, weights and constants stay shared.
+    scope: str = ""
 
     # -- values ------------------------------------------------------------------------------
     def input(self, name: str, dtype: ir.DataType, shape: Sequence[int | str]) -> ir.Value:
+        """A graph input (asking twice for one name gives the same value: a repeated body's KV)."""
+        for value in self.inputs:
+            if value.name == name:
+                return value
         value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(shape)))
         self.inputs.append(value)
         return value
@@ -88,13 +95,19 @@ class GraphBuilder:
     # -- ops ---------------------------------------------------------------------------------
     def op(self, op_type: str, inputs: Sequence[ir.Value | None], *, path: str, out: str,
            domain: str = "", **attributes) -> ir.Value:
-        return self.tape.op(op_type, list(inputs), attributes or None, domain=domain, name=path,
-                            output=ir.Value(name=out))
+        return self.tape.op(op_type, list(inputs), attributes or None, domain=domain, name=self._path(path),
+                            output=ir.Value(name=self._name(out)))
 
     def op_multi(self, op_type: str, inputs: Sequence[ir.Value | None], *, path: str,
                  outs: Sequence[str], domain: str = "", **attributes) -> Sequence[ir.Value]:
         return self.tape.op_multi_out(op_type, list(inputs), attributes or None, domain=domain,
-                                      name=path, outputs=[ir.Value(name=n) for n in outs])
+                                      name=self._path(path), outputs=[ir.Value(name=self._name(n)) for n in outs])
+
+    def _path(self, path: str) -> str:
+        return f"/{self.scope}{path}" if self.scope else path
+
+    def _name(self, name: str) -> str:
+        return f"{self.scope}.{name}" if self.scope else name
 
     def custom_ops(self) -> list[str]:
         """The ``loopcast``-domain op types recorded so far (the manifest lists them)."""

@@ -5,8 +5,7 @@
     verify      = embed → prelude → loops 0..R-1 → coda → head                (W rows)
     draft       = embed → prelude → loops 0..d-1 → coda → head, + hidden at depth d   (1 row)
     verify_tail = hidden at depth d → loops d..R-1 → coda → head              (W rows)
-    cycle       = [embed(token) | carried rows 0..R-2] → one core loop, row r at depth r
-                  (RowAttention on slot (r, l) at row r's position) → loop-norm → head   (R rows)
+    cycle, cycle_run: the pipeline's (graphs/cycles.py)
     tree_draft  = draft, row-addressed (RowAttention: own position, masked key range)
                   + top-2 probabilities and ids                                (1 row)
     tree_tail   = verify_tail, row-addressed                                   (W rows)
@@ -23,7 +22,8 @@ import onnx_ir as ir
 from loopcast.config import ModelConfig
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
-from loopcast.manifest import (CYCLE, DECODE, DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY,
+from loopcast.graphs.cycles import build_cycle, build_cycle_run
+from loopcast.manifest import (CYCLE, CYCLE_RUN, DECODE, DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY,
                                VERIFY_TAIL, GraphSpec, has_cycle)
 
 
@@ -44,7 +44,7 @@ def plan_kinds(config: ModelConfig, verify_width: int, draft_depth: int | None, 
     if tree and draft_depth is not None:
         plans += [KindPlan(TREE_DRAFT, 1, 0, draft_depth), KindPlan(TREE_TAIL, verify_width, draft_depth, R)]
     if has_cycle(config, op_set):
-        plans.append(KindPlan(CYCLE, R, 0, R))
+        plans += [KindPlan(CYCLE, R, 0, R), KindPlan(CYCLE_RUN, R, 0, R)]
     return plans
 
 
@@ -52,6 +52,8 @@ def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_leng
                b: GraphBuilder, *, op_set: str = "stock") -> tuple[ir.Model, GraphSpec]:
     if plan.kind == CYCLE:
         return build_cycle(config, dtype, max_length, b, op_set=op_set)
+    if plan.kind == CYCLE_RUN:
+        return build_cycle_run(config, dtype, max_length, b, op_set=op_set)
     rows: int | str = plan.rows if plan.rows is not None else "num_rows"
     if plan.first_loop == 0:
         token_ids = b.input("input_ids_BS", ir.DataType.INT64, [1, rows])
@@ -129,59 +131,3 @@ def _top2_probabilities(b: GraphBuilder, logits_BSV: ir.Value, rows: int) -> Non
                                     outs=["top2_probs_BS2", "top2_ids_BS2"], axis=-1)
     b.output(top_probs, ir.DataType.FLOAT, [1, rows, 2])
     b.output(top_ids, ir.DataType.INT64, [1, rows, 2])
-
-
-def build_cycle(config: ModelConfig, dtype: ir.DataType, max_length: int, b: GraphBuilder, *,
-                op_set: str) -> tuple[ir.Model, GraphSpec]:
-    """The pipeline's cycle (docs/architecture.md §3, §5 "Pipeline cycle"): R rows, row r at depth r.
-
-    Row 0 enters loop 0 from a token; row r > 0 continues the lane that row r-1 carried out of the
-    previous cycle (the shift is in the graph: the host binds one cycle's ``carried_BWH_out`` as
-    the next one's ``carried_BWH``). ``lanes_W1`` = [entering token, position of row 0, ...,
-    position of row R-1]; row r's layer l reads and writes KV slot (r, l) at its position (-1:
-    no lane at that depth). Every row leaves through the loop-norm and
-    the head, so row 0 gives the depth-1 draft and row R-1 the full-depth token.
-
-    The loop boundary is where draft and verify_tail already split the decode graph, with the
-    same ops on each side, so a lane's rows carry the decode step's bits.
-    """
-    R, L, H = config.num_loops, config.num_layers, config.hidden_size
-    if not has_cycle(config, op_set):
-        raise ValueError("the cycle graph needs a looped model without prelude or coda and the loopcast attention op")
-    # The entering token and the rows' positions in one int32 input: one host-to-device copy
-    # per cycle (the host's only per-cycle input; the lanes' states stay on the device).
-    lanes = b.input("lanes_W1", ir.DataType.INT32, [R + 1])
-    carried = b.input("carried_BWH", dtype, [1, R, H])
-    token = b.op("Slice", [lanes, b.const_i64("token_start", [0]), b.const_i64("token_end", [1])],
-                 path="/cycle/token", out="entering_1")
-    token_ids = b.op("Reshape", [token, b.const_i64("shape_11", [1, 1])], path="/cycle/token_shape",
-                     out="entering_BS")
-    positions = b.op("Slice", [lanes, b.const_i64("positions_start", [1]), b.const_i64("positions_end", [R + 1])],
-                     path="/cycle/positions", out="positions_W")
-    step = blocks.StepInputs(seqlens_k=None, total_sequence_length=None,
-                             cos_cache=b.weight("rotary.cos_SD2"), sin_cache=b.weight("rotary.sin_SD2"))
-    batch_invariant = op_set == "loopcast"
-    ctx = blocks.BlockContext(config, dtype, max_length, step, batch_invariant,
-                              loopcast_attention=op_set == "loopcast-attention", row_positions=positions)
-    entering = blocks.embed(b, token_ids)
-    continuing = b.op("Slice", [carried, b.const_i64("rows_start", [0]), b.const_i64("rows_end", [R - 1]),
-                                b.const_i64("rows_axis", [1])], path="/cycle/shift", out="continuing_BRm1H")
-    x = b.op("Concat", [entering, continuing], path="/cycle/lanes", out="lanes_BWH", axis=1)
-    row_slots = [tuple(config.core_slot(r, l) for r in range(R)) for l in range(L)]
-    if batch_invariant:
-        sites = [blocks.LayerSite(f"layers.{l}", row_slots[l], f"/cycle/layer{l}", f"cycle.layer{l}", l == L - 1)
-                 for l in range(L)]
-        x, _ = blocks.decoder_stack(b, x, sites, ctx)
-    else:
-        for l in range(L):
-            x = blocks.decoder_layer(b, x, f"layers.{l}", row_slots[l], ctx, path=f"/cycle/layer{l}",
-                                     prefix=f"cycle.layer{l}")
-        x = blocks.rms_norm(b, x, "norm.weight", ctx, path="/cycle/loop_norm", out="cycle.normed_BWH")
-    b.output(x, dtype, [1, R, H], "carried_BWH_out")
-    logits = blocks.lm_head(b, x, ctx)
-    blocks.greedy_outputs(b, logits, R, config.vocab_size)
-    model = b.build(CYCLE, "pipeline cycle: one pass over the core layers, row r at loop r")
-    slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
-    spec = GraphSpec(kind=CYCLE, file=f"{CYCLE}.onnx", rows=R, first_loop=0, last_loop=R, kv_slots=slots,
-                     inputs=[v.name for v in b.inputs], outputs=[v.name for v in b.outputs])
-    return model, spec

@@ -30,12 +30,31 @@ OP_SETS = ("stock", "loopcast-attention", "loopcast")
 PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL = "prefill", "decode", "verify", "draft", "verify_tail"
 LOGIT_ROWS = "logit_rows"  # prefill's overridable input: how many last rows get logits (default 1)
 CYCLE = "cycle"  # the pipeline: R rows, row r runs loop r (docs/architecture.md §3)
+# The pipeline's K cycles in one call, the lane schedule (loopcast.LaneStep) on the device between
+# them (greedy; graphs/cycles.py). Optional: artifacts exported before it lack it.
+CYCLE_RUN = "cycle_run"
 # Tree verify (``export --tree-verify``; docs/architecture.md §5 "Alternate suffix"): draft and
 # verify_tail with row-addressed attention, each row at its own cache position with a masked key
 # range, so a branch's rows can sit at scratch positions past the other branch.
 TREE_DRAFT, TREE_TAIL = "tree_draft", "tree_tail"
 TREE_KINDS = (TREE_DRAFT, TREE_TAIL)
-GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE, *TREE_KINDS)
+GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE, CYCLE_RUN, *TREE_KINDS)
+
+
+def lane_state_length(rows: int) -> int:
+    """cycle_run's lane state: each row's position and token, the limit, the exit depth."""
+    return 2 * rows + 2
+
+
+def lane_record_length(rows: int) -> int:
+    """One cycle's record in cycle_run's log (custom_ops/src/lane_step.h): positions, argmax per
+    row, entering token, committed position and token, full-depth token, verified, accepted,
+    discarded, drafted."""
+    return 2 * rows + 8
+
+
+def lane_log_length(rows: int, cycles: int) -> int:
+    return cycles * lane_record_length(rows) + lane_state_length(rows)
 
 
 def has_cycle(config: ModelConfig, op_set: str) -> bool:

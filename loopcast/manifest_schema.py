@@ -20,7 +20,7 @@ from typing import Any
 
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
-from loopcast.manifest import (BATCH_KINDS, CYCLE, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL,
+from loopcast.manifest import (BATCH_KINDS, CYCLE, CYCLE_RUN, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL,
                                TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord,
                                GraphSpec, HASH_SCHEMES, Manifest, has_cycle,
                                resolve_inside, sampled_sha256)
@@ -83,6 +83,9 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
     if kind == CYCLE:
         inputs = {"lanes_W1", "carried_BWH"}
         outputs |= {"carried_BWH_out"}
+    if kind == CYCLE_RUN:  # writes its KV in place: no present outputs
+        inputs = {"lane_state_N", "carried_BWH"} | {f"past_{kv}.{s}" for s in slots for kv in ("key", "value")}
+        return inputs, {"carried_BWH_out", "lane_log_N"}
     if kind == DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
     if kind in TREE_KINDS:  # per row: cache position, masked key range [lo, hi)
@@ -147,7 +150,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
             plan[VERIFY_TAIL] = (verify_width, draft_depth, R)
     op_set = top.get("op_set", str, optional=True, default="stock")
     if has_cycle(config, op_set if op_set in OP_SETS else "stock"):
-        plan[CYCLE] = (R, 0, R)
+        plan[CYCLE] = plan[CYCLE_RUN] = (R, 0, R)
     if draft_depth is not None and verify_width is not None and op_set != "stock":
         plan[TREE_DRAFT], plan[TREE_TAIL] = (1, 0, draft_depth), (verify_width, draft_depth, R)
         if (TREE_DRAFT in graphs_raw) != (TREE_TAIL in graphs_raw):

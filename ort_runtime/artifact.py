@@ -46,7 +46,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import BATCH_KINDS, CYCLE, DECODE, LOGIT_ROWS, PREFILL, VERIFY, Manifest, resolve_inside
+from loopcast.manifest import BATCH_KINDS, CYCLE, CYCLE_RUN, DECODE, LOGIT_ROWS, PREFILL, VERIFY, Manifest, resolve_inside
 from loopcast.ort_runtime.session_table import SessionTable
 from loopcast.ort_runtime.shared_weights import SharedWeights, load_shared_weights
 from loopcast.ort_runtime.trust import op_library_to_load
@@ -173,13 +173,16 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
     if spec.kind == CYCLE:  # [entering token, one position per row]
         first = "lanes_W1"
         rows = inputs[first].shape[0] - 1 if len(inputs[first].shape) == 1 else None
+    elif spec.kind == CYCLE_RUN:  # one lane state per row, carried between calls
+        first = "carried_BWH"
+        rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
     else:
         first = "input_ids_BS" if spec.first_loop == 0 else "hidden_BSH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
     if (spec.rows is None) != (not isinstance(rows, int)) or (spec.rows is not None and rows != spec.rows):
         raise ArtifactError(f"{file}: {first} takes {rows} rows, the manifest's '{spec.kind}' graph "
                             f"takes {spec.rows or 'a dynamic number of'}")
-    logits = outputs["logits_BSV"].shape
+    logits = outputs["logits_BSV"].shape if "logits_BSV" in outputs else [cfg.vocab_size]  # cycle_run: none
     if not logits or logits[-1] != cfg.vocab_size:
         raise ArtifactError(f"{file}: logits_BSV has shape {logits}, the manifest's vocabulary is {cfg.vocab_size}")
     for name, value in (("hidden_BSH", inputs.get("hidden_BSH")), ("hidden_BSH_out", outputs.get("hidden_BSH_out"))):

@@ -41,7 +41,7 @@ import onnxruntime as ort
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import DECODE_BATCH, PREFILL, VERIFY_BATCH
 from loopcast.ort_runtime.artifact import LoadedModel
-from loopcast.ort_runtime.generator import _NP_DTYPES, _Buffer
+from loopcast.ort_runtime.bindings import _NP_DTYPES, _Buffer
 
 
 @dataclass(frozen=True)

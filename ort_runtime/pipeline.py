@@ -31,10 +31,13 @@ boundary is the draft/verify_tail split), so every emitted token is plain greedy
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from loopcast.errors import RequestError
-from loopcast.manifest import CYCLE, DECODE
+from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, lane_record_length, lane_state_length
 from loopcast.ort_runtime.gates import DECODE_ROUND
 
 # Generator timers of whole rounds (host work included): the pipeline's per cycle, and plain
@@ -57,6 +60,7 @@ class LaneRound:
 
     token: int                # the full-depth token for the finished lane's next position
     committed: int            # the finished lane's token, whose KV is now complete at every depth
+    position: int = -1        # the finished lane's position (committed when the round is taken)
     verified: int = 0         # 1 if a successor's draft was checked against ``token``
     accepted: int = 0
     cycles: int = 0
@@ -84,10 +88,15 @@ class PipelineCycles:
     # run's drafts were accepted at 0.59 and ungated ran at 1.28x plain (docs/perf.md).
     alpha_decay = 0.98
 
-    def __init__(self, exit_depth: int = 1, *, trace: bool = False) -> None:
+    def __init__(self, exit_depth: int = 1, *, trace: bool = False, device_lanes: bool = True) -> None:
         self.exit_depth, self.loops = exit_depth, 2
         self.lanes: list[Lane] = []
         self.stats = PipelineStats(trace=[] if trace else None)
+        # Greedy rounds run K cycles per call on the cycle_run graph where the artifact has it
+        # (the lane schedule on the device: _run_cycles); the rounds it finished wait here.
+        self.device_lanes = device_lanes
+        self._rounds: deque[LaneRound] = deque()
+        self._idle_cycles = 0   # cycle_run cycles since the last finished round
 
     def validate(self, gen) -> None:
         """The schedule must fit the model: R rows (one per loop) and an exit depth in 1..R-1."""
@@ -95,8 +104,9 @@ class PipelineCycles:
         if gen.cycle is None:
             raise RequestError("speculative mode 'pipeline' needs the cycle graph; this artifact lacks it "
                                "(a looped model, R > 1, without prelude/coda, exported with the loopcast ops)")
-        if gen.cycle.rows != R:
-            raise RequestError(f"the cycle graph has {gen.cycle.rows} rows but the model runs {R} loops")
+        for kind, binding in ((CYCLE, gen.cycle), (CYCLE_RUN, gen.cycle_run if self.device_lanes else None)):
+            if binding is not None and binding.rows != R:
+                raise RequestError(f"the {kind} graph has {binding.rows} rows but the model runs {R} loops")
         if not 1 <= self.exit_depth < R:
             raise RequestError(f"--pipeline-exit must be in 1..{R - 1} (the model runs {R} loops), "
                                f"got {self.exit_depth}")
@@ -123,9 +133,12 @@ class PipelineCycles:
         return self.loops * (costs.mean(CYCLE) or costs.decode() / self.loops * 1.2)
 
     def stop(self) -> None:
-        """Plain decoding takes over: lanes in flight are abandoned (their KV is past ``n``)."""
+        """Plain decoding takes over: lanes in flight, and rounds a cycle run finished ahead, are
+        abandoned (their KV is past ``n``)."""
         self.stats.discarded_lanes += len(self.lanes)
         self.lanes = []
+        self._rounds.clear()
+        self._idle_cycles = 0
 
     def next_token(self, gen, pending: int, limit_position: int, drafts, acceptor, context: list[int]) -> LaneRound:
         """Run cycles until the oldest lane finishes. ``pending`` sits at position ``gen.n``;
@@ -133,21 +146,73 @@ class PipelineCycles:
         successor token the generation may still emit) and inside the KV capacity.
         ``acceptor`` drafts and checks (greedy: argmax and equality; sampling: draws and the
         rejection rule per lane); ``context`` is the committed sequence (read, never kept)."""
+        if self._rounds:
+            done = self._rounds.popleft()
+            if (done.position, done.committed) == (gen.n, pending):
+                gen.commit([done.committed])
+                return done
+            self.stop()
         if not self.lanes or (self.lanes[0].position, self.lanes[0].token) != (gen.n, pending):
             self.stop()
             self.lanes = [Lane(gen.n, pending)]
             self.stats.cold_starts += 1
+        if self.device_lanes and not acceptor.sampled and getattr(drafts, "hook", None) is None \
+                and gen.has_kind(CYCLE_RUN):
+            while not self._rounds:
+                self._run_cycles(gen, min(limit_position, gen.max_length - 1), drafts)
+            done = self._rounds.popleft()
+            gen.commit([done.committed])
+            return done
         cycles, t0, steady0 = 0, time.perf_counter(), gen.timed_counts[CYCLE]
+        self._n = gen.n
         while True:
             ids, logits = self._run_cycle(gen, acceptor.sampled)
             cycles += 1
             done = self._advance(gen, ids, logits, limit_position, drafts, acceptor, context)
             if done is not None:
                 done.cycles = cycles
+                gen.commit([done.committed])
                 if gen.timed_counts[CYCLE] - steady0 == cycles:  # no warm-up or capture inside
                     gen.timed_seconds[ROUND_TIMER] += time.perf_counter() - t0
                     gen.timed_counts[ROUND_TIMER] += cycles
                 return done
+
+    def _run_cycles(self, gen, limit: int, drafts) -> None:
+        """K cycles in one call of the cycle_run graph, the lane schedule between them on the
+        device (loopcast.LaneStep: this class's greedy rule, custom_ops/src/lane_step.h). Queues
+        the rounds the log shows finished and takes the lanes' state after the last cycle."""
+        run = gen.cycle_run
+        R, K = run.rows, run.cycles
+        state = np.zeros(lane_state_length(R), np.int32)
+        state[:R] = -1
+        for lane in self.lanes:
+            state[lane.depth], state[R + lane.depth] = lane.position, lane.token
+        state[2 * R], state[2 * R + 1] = limit, self.exit_depth
+        t0, steady0 = time.perf_counter(), gen.timed_counts[CYCLE_RUN]
+        log = gen.run_cycles(state)
+        width = lane_record_length(R)
+        records, final = log[:K * width].reshape(K, width).tolist(), log[K * width:]
+        expected, trace = gen.n + len(self._rounds), self.stats.trace
+        for positions_ids in records:
+            self._idle_cycles += 1
+            if trace is not None:
+                trace.append((positions_ids[:R], positions_ids[R:2 * R], positions_ids[2 * R]))
+            entering, position, committed, token, verified, accepted, discarded, drafted = positions_ids[2 * R:]
+            drafts.drafted += drafted
+            if position < 0:
+                continue
+            if position != expected:  # the device's schedule left the host's rule
+                raise AssertionError(f"cycle run committed position {position}, expected {expected}")
+            expected += 1
+            self.stats.discarded_lanes += discarded
+            self._rounds.append(LaneRound(token=token, committed=committed, position=position, verified=verified,
+                                          accepted=accepted, cycles=self._idle_cycles, discarded=discarded))
+            self._idle_cycles = 0
+        self.stats.cycles += K
+        self.lanes = [Lane(int(final[r]), int(final[R + r]), depth=r) for r in range(R - 1, -1, -1) if final[r] >= 0]
+        if gen.timed_counts[CYCLE_RUN] > steady0:  # a steady call: no warm-up or capture inside
+            gen.timed_seconds[ROUND_TIMER] += time.perf_counter() - t0
+            gen.timed_counts[ROUND_TIMER] += K
 
     def _run_cycle(self, gen, want_logits: bool):
         R = gen.cycle.rows
@@ -193,16 +258,15 @@ class PipelineCycles:
         target (greedy: the argmax; sampling: a draw). Its successor survives only if the
         acceptor keeps its draft."""
         lane = self.lanes.pop(0)
-        if lane.position != gen.n:
-            raise AssertionError(f"pipeline lane at {lane.position} finished with n = {gen.n}")
-        gen.commit([lane.token])
+        if lane.position != self._n:
+            raise AssertionError(f"pipeline lane at {lane.position} finished with n = {self._n}")
         ctx = context + [lane.token] if acceptor.sampled else context
         if not self.lanes:
             token = acceptor.bonus(target_logits, ctx) if acceptor.sampled else target
-            return LaneRound(token=token, committed=lane.token)
+            return LaneRound(token=token, committed=lane.token, position=lane.position)
         succ = self.lanes[0]
         kept, token = acceptor.check(succ.token, succ.q, target, target_logits, ctx)
-        done = LaneRound(token=token, committed=lane.token, verified=1, accepted=int(kept))
+        done = LaneRound(token=token, committed=lane.token, position=lane.position, verified=1, accepted=int(kept))
         if not kept:
             done.discarded = len(self.lanes)
             self.stats.discarded_lanes += len(self.lanes)

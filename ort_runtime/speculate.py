@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from loopcast.errors import RequestError
 from loopcast.ort_runtime.accept import TieGuard
 from loopcast.ort_runtime.acceptors import GreedyAcceptor, SampledAcceptor
-from loopcast.manifest import DECODE
+from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE
 from loopcast.ort_runtime.gates import (DECODE_ROUND, GATES, SPEC_ROUND, SPEC_ROUND_CALLS, SPEC_ROUND_DEVICE,
                                         HitDensityGate, StepCosts, make_gate)
 from loopcast.ort_runtime.generator import Generator
@@ -72,6 +72,7 @@ class SpeculationConfig:
     pipeline_exit: int = 1                # pipeline: the loop whose head drafts the next lane's token
     draft_hook: object | None = None      # pipeline: (position, draft) -> token; tests and oracle benches
     trace: bool = False                   # pipeline: keep each cycle's rows in stats (tests)
+    device_lanes: bool = True             # pipeline: greedy lanes scheduled on the device (cycle_run graph)
     alternate_gap: float | None = None    # self: fork an alternate suffix below this top-1/top-2 probability gap
 
 
@@ -199,7 +200,7 @@ def _plan_pipeline(gen: Generator, spec: SpeculationConfig) -> _Plan:
     if spec.num_draft_tokens is not None:
         raise RequestError("--num-draft-tokens does not apply to the pipeline (one lane per loop); "
                            "use --pipeline-exit to choose the drafting loop")
-    strategy = PipelineCycles(spec.pipeline_exit, trace=spec.trace)
+    strategy = PipelineCycles(spec.pipeline_exit, trace=spec.trace, device_lanes=spec.device_lanes)
     strategy.validate(gen)
     require_exact(gen, spec.allow_inexact)
     return _Plan(ExitDrafts(spec.draft_hook), strategy, 1, 1)
@@ -308,15 +309,16 @@ class Finisher:
         stats.new_tokens = emitted
         stats.tokens_per_second = emitted / stats.seconds if stats.seconds > 0 else 0.0
         stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
-        if gen.step_counts.get("cycle", 0) > self.counts0.get("cycle", 0):
-            stats.tokens_per_round = 1.0 if stats.rounds else 0.0  # a pipeline round ends with one token
         # Passes over the core layers: a step of a graph running loops a..b-1 is b-a passes
-        # whatever its rows (prefill excluded); a cycle is one pass.
+        # whatever its rows (prefill excluded); a cycle is one pass, a cycle run K.
         ran = {k: gen.step_counts[k] - self.counts0.get(k, 0) for k in gen.step_counts}
         graphs = gen.model.manifest.graphs
-        passes = sum(n * (1 if k == "cycle" else graphs[k].last_loop - graphs[k].first_loop)
+        per_call = {CYCLE: 1, CYCLE_RUN: gen.cycle_run.cycles if ran.get(CYCLE_RUN) else 0}
+        passes = sum(n * per_call.get(k, graphs[k].last_loop - graphs[k].first_loop)
                      for k, n in ran.items() if k != "prefill")
-        stats.cycles = ran.get("cycle", 0)
+        stats.cycles = ran.get(CYCLE, 0) + ran.get(CYCLE_RUN, 0) * per_call[CYCLE_RUN]
+        if stats.cycles:
+            stats.tokens_per_round = 1.0 if stats.rounds else 0.0  # a pipeline round ends with one token
         stats.core_calls_per_token = round(passes / emitted, 4) if emitted else 0.0
         stats.steps = {k: gen.step_counts[k] - self.counts0.get(k, 0) for k in gen.step_counts}
         stats.step_seconds = {k: gen.step_seconds[k] - self.secs0.get(k, 0.0) for k in gen.step_seconds}

@@ -1,5 +1,5 @@
 // Registration hooks of the CPU kernels (matmul_cpu.cc, attention_cpu.cc, row_attention_cpu.cc, residual_norm_cpu.cc,
-// swiglu_cpu.cc).
+// swiglu_cpu.cc, lane_step_cpu.cc).
 #pragma once
 
 #include "ort_api.h"
@@ -10,4 +10,5 @@ void add_cpu_attention(Ort::CustomOpDomain& domain);
 void add_cpu_row_attention(Ort::CustomOpDomain& domain);
 void add_cpu_residual_norm(Ort::CustomOpDomain& domain);
 void add_cpu_swiglu(Ort::CustomOpDomain& domain);
+void add_cpu_lane_step(Ort::CustomOpDomain& domain);
 }  // namespace loopcast

@@ -1,8 +1,8 @@
 // C entry points of the CUDA kernels (matmul_cuda.cu, attention_cuda.cu, residual_norm_cuda.cu,
-// swiglu_cuda.cu). They take raw device pointers and the caller's stream, and only enqueue work:
-// no allocation, no host sync, no host<->device copy, so they can run inside a captured CUDA
-// graph. Kept free of CUDA and ORT types so both the ORT glue (cuda_ops.cc) and ctypes-based
-// tests can call them.
+// swiglu_cuda.cu, kv_move_cuda.cu, lane_step_cuda.cu). They take raw device pointers and the
+// caller's stream, and only enqueue work: no allocation, no host sync, no host<->device copy, so
+// they can run inside a captured CUDA graph. Kept free of CUDA and ORT types so both the ORT glue
+// (cuda_ops.cc) and ctypes-based tests can call them.
 // Return value: 0, or a cudaError_t code (loopcast_cuda_error_string names it).
 #pragma once
 
@@ -59,6 +59,9 @@ LOOPCAST_CUDA_API int loopcast_cuda_row_attention(int dtype, const void* qkv, vo
 // positions src..src+count-1 copied to dst.. in every plane (disjoint ranges). The alternate
 // suffix's commit: a winning branch's K/V from its scratch positions into place. stream null:
 // the legacy stream, synchronised before returning (between two ORT runs).
+// The pipeline's lane schedule between two cycles (lane_step.h), on one device thread.
+LOOPCAST_CUDA_API int loopcast_cuda_lane_step(const int32_t* state, const int64_t* ids, int R, int32_t* state_out,
+                                              int32_t* positions, int32_t* entering, int32_t* record, void* stream);
 LOOPCAST_CUDA_API int loopcast_cuda_move_positions(void* buffer, int64_t planes, int64_t capacity,
                                                    int64_t position_bytes, int64_t src, int64_t dst, int64_t count,
                                                    void* stream);

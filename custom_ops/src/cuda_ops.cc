@@ -1,5 +1,5 @@
-// The CUDA execution provider's BatchInvariantMatMul, BatchInvariantAttention, ResidualRMSNorm and
-// SwiGLU: shape checks on the host, then one call into the CUDA launchers on ORT's compute stream.
+// The CUDA execution provider's BatchInvariantMatMul, BatchInvariantAttention, RowAttention,
+// ResidualRMSNorm, SwiGLU and LaneStep: shape checks on the host, then one call into the CUDA launchers on ORT's compute stream.
 // Inputs stay on the device (seqlens_k too: the kernels read it there), and Compute neither
 // allocates nor syncs, so the ops can run inside captured CUDA graphs.
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include "attention_shapes.h"
 #include "cuda_launch.h"
 #include "cuda_ops.h"
+#include "lane_step_op.h"
 #include "op_schemas.h"
 #include "row_attention.h"
 
@@ -122,8 +123,8 @@ struct RowAttentionCudaKernel {
     for (int64_t k = 0; k < s.pairs; ++k) {
       past_k.push_back(ctx.GetInput(kRowAttentionFirstKV + 2 * k).GetTensorRawData());
       past_v.push_back(ctx.GetInput(kRowAttentionFirstKV + 2 * k + 1).GetTensorRawData());
-      pk.push_back(ctx.GetOutput(1 + 2 * k, s.past_shape).GetTensorMutableRawData());
-      pv.push_back(ctx.GetOutput(2 + 2 * k, s.past_shape).GetTensorMutableRawData());
+      pk.push_back(row_attention_present(ctx, attrs, s, 1 + 2 * k));
+      pv.push_back(row_attention_present(ctx, attrs, s, 2 + 2 * k));
     }
     // One launch for all rows when every pair is bound in place (past == present) and the
     // one-row decode call takes the split kernel; LOOPCAST_ROW_ATTENTION=per-row forces the
@@ -213,6 +214,23 @@ struct SwiGLUCudaKernel {
   }
 };
 
+struct LaneStepCudaKernel {
+  LaneStepCudaKernel(const OrtApi&, const OrtKernelInfo*) {}
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    const LaneStepShapes s = lane_step_shapes(ctx);
+    check_launch(loopcast_cuda_lane_step(ctx.GetInput(0).GetTensorData<int32_t>(),
+                                         ctx.GetInput(1).GetTensorData<int64_t>(), s.R,
+                                         ctx.GetOutput(0, s.state).GetTensorMutableData<int32_t>(),
+                                         ctx.GetOutput(1, s.rows).GetTensorMutableData<int32_t>(),
+                                         ctx.GetOutput(2, s.entering).GetTensorMutableData<int32_t>(),
+                                         ctx.GetOutput(3, s.record).GetTensorMutableData<int32_t>(),
+                                         ctx.GetGPUComputeStream()),
+                 "LaneStep");
+  }
+};
+
 MatMulOp<MatMulCudaKernel<float>, float, true> g_mm_f32;
 MatMulOp<MatMulCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_mm_f16;
 MatMulOp<MatMulCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_mm_bf16;
@@ -228,13 +246,15 @@ ResidualRMSNormOp<ResidualNormCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true
 SwiGLUOp<SwiGLUCudaKernel<float>, float, true> g_sg_f32;
 SwiGLUOp<SwiGLUCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_sg_f16;
 SwiGLUOp<SwiGLUCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_sg_bf16;
+LaneStepOp<LaneStepCudaKernel, true> g_lane_step;
 
 }  // namespace
 
 void add_cuda_ops(Ort::CustomOpDomain& domain) {
   for (OrtCustomOp* op : std::vector<OrtCustomOp*>{&g_mm_f32, &g_mm_f16, &g_mm_bf16, &g_at_f32, &g_at_f16, &g_at_bf16,
                                                    &g_ra_f32, &g_ra_f16, &g_ra_bf16,
-                                                   &g_rn_f32, &g_rn_f16, &g_rn_bf16, &g_sg_f32, &g_sg_f16, &g_sg_bf16})
+                                                   &g_rn_f32, &g_rn_f16, &g_rn_bf16, &g_sg_f32, &g_sg_f16, &g_sg_bf16,
+                                                   &g_lane_step})
     domain.Add(op);
 }
 

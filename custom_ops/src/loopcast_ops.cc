@@ -6,6 +6,7 @@
 //   RowAttention             row_attention_cpu.cc, cuda_ops.cc            per-row (buffer, sequence, position)
 //   ResidualRMSNorm          residual_norm_cpu.cc, residual_norm_cuda.cu  residual add + RMSNorms, per row
 //   SwiGLU                   swiglu_cpu.cc, swiglu_cuda.cu                silu(gate) * up, elementwise
+//   LaneStep                 lane_step_cpu.cc, lane_step_cuda.cu          the pipeline's lane schedule
 //
 // CPU kernels are always built; CUDA kernels only with LOOPCAST_WITH_CUDA (custom_ops/build.py
 // defines it when nvcc is found). cudart is linked statically and nothing calls CUDA before a
@@ -46,6 +47,7 @@ extern "C" ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOption
       loopcast::add_cpu_row_attention(*g_domain);
       loopcast::add_cpu_residual_norm(*g_domain);
       loopcast::add_cpu_swiglu(*g_domain);
+      loopcast::add_cpu_lane_step(*g_domain);
 #ifdef LOOPCAST_WITH_CUDA
       loopcast::add_cuda_ops(*g_domain);
 #endif

@@ -9,7 +9,10 @@
 //          4 cos_cache, 5 sin_cache       [max_len, head_dim/2]
 //          6.. key_0, value_0, key_1, value_1, ...   KV buffer pairs [Bseq, kv_num_heads, T, head_dim]
 // Outputs  0 output [1, S, num_heads*head_dim]; 1.. present key_0, value_0, ... (bound to the inputs)
-// Attributes as BatchInvariantAttention, plus row_buffers (ints, one per row): the pair row i uses.
+// Attributes as BatchInvariantAttention, plus row_buffers (ints, one per row): the pair row i uses,
+// and kv_in_place (0/1): 1 writes K/V into the input buffers themselves and leaves the present
+// outputs empty ([0]). The unrolled cycle run (graphs/kinds.py::build_cycle_run) takes one bound
+// cache in every cycle that way: chaining presents would copy the cache between cycles.
 #pragma once
 
 #include <cmath>
@@ -25,7 +28,7 @@ constexpr size_t kRowAttentionFirstKV = 6;
 struct RowAttentionAttrs {
   int64_t num_heads = 0, kv_num_heads = 0;
   float scale = 0.0f;
-  bool do_rotary = true;
+  bool do_rotary = true, kv_in_place = false;
   std::vector<int64_t> row_buffers;
 
   explicit RowAttentionAttrs(const OrtKernelInfo* info) {
@@ -33,6 +36,7 @@ struct RowAttentionAttrs {
     kv_num_heads = attr_int(info, "kv_num_heads", 0);
     scale = attr_float(info, "scale", 0.0f);
     do_rotary = attr_int(info, "do_rotary", 0) != 0;
+    kv_in_place = attr_int(info, "kv_in_place", 0) != 0;
     if (attr_int(info, "rotary_interleaved", 0) != 0)
       fail("RowAttention: rotary_interleaved=1 is not supported (only rotate-half)");
     if (num_heads <= 0 || kv_num_heads <= 0 || num_heads % kv_num_heads != 0)
@@ -109,6 +113,15 @@ inline RowAttentionShapes row_attention_shapes(Ort::KernelContext& ctx, const Ro
   }
   s.scale = a.scale != 0.0f ? a.scale : 1.0f / std::sqrt(static_cast<float>(s.D));
   return s;
+}
+
+// Where KV pair k's present output lives: the output buffer, or with kv_in_place the input
+// buffer (the output is then an empty placeholder).
+inline void* row_attention_present(Ort::KernelContext& ctx, const RowAttentionAttrs& a, const RowAttentionShapes& s,
+                                   size_t output) {
+  if (!a.kv_in_place) return ctx.GetOutput(output, s.past_shape).GetTensorMutableRawData();
+  ctx.GetOutput(output, {0});
+  return const_cast<void*>(ctx.GetInput(kRowAttentionFirstKV + output - 1).GetTensorRawData());
 }
 
 template <typename Kernel, typename T, bool Cuda>

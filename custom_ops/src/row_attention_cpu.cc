@@ -71,8 +71,8 @@ struct RowAttentionCpuKernel {
     for (int64_t k = 0; k < s.pairs; ++k) {
       const T* past_k = ctx.GetInput(kRowAttentionFirstKV + 2 * k).GetTensorData<T>();
       const T* past_v = ctx.GetInput(kRowAttentionFirstKV + 2 * k + 1).GetTensorData<T>();
-      T* pk = ctx.GetOutput(1 + 2 * k, s.past_shape).GetTensorMutableData<T>();
-      T* pv = ctx.GetOutput(2 + 2 * k, s.past_shape).GetTensorMutableData<T>();
+      T* pk = static_cast<T*>(row_attention_present(ctx, attrs, s, 1 + 2 * k));
+      T* pv = static_cast<T*>(row_attention_present(ctx, attrs, s, 2 + 2 * k));
       // past and present are usually one buffer (IO binding); copy only when they differ.
       if (pk != past_k) std::memcpy(pk, past_k, cache_bytes);
       if (pv != past_v) std::memcpy(pv, past_v, cache_bytes);
