@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from loopcast.bench_pipeline import cycle_ms, oracle_rows
-from loopcast.manifest import CYCLE, DECODE, DRAFT, VERIFY, VERIFY_TAIL
+from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, DRAFT, VERIFY, VERIFY_TAIL
 from loopcast.ort_runtime.exactness import decode_rows
 
 BENCH_PROMPTS = [
@@ -223,6 +223,9 @@ def end_to_end(model, prompts: list[list[int]], new_tokens: int, oracle_rejects:
         base = {"speculative": mode, "num_draft_tokens": None if mode == "pipeline" else 4,
                 "allow_inexact": not exact}
         modes += [(mode, {**base, "gate": "auto"}), (f"{mode} (gate none)", {**base, "gate": "none"})]
+        if mode == "pipeline" and model.loaded.has(CYCLE_RUN):  # the host-scheduled lanes, for comparison
+            modes.append(("pipeline (one cycle per call, gate none)",
+                          {**base, "gate": "none", "pipeline_device_lanes": False}))
     plain_tokens: dict[int, list[int]] = {}
     runs = {name: [] for name, _ in modes}
     for _ in range(passes):

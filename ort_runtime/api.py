@@ -146,13 +146,16 @@ class LoopcastModel:
                    tie_guard: TieGuard | None = None, proposer=None, allow_inexact: bool = False,
                    generator: Generator | None = None, stats: GenerationStats | None = None,
                    messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
-                   pipeline_exit: int = 1, alternate_gap: float | None = None) -> Iterator[int]:
+                   pipeline_exit: int = 1, alternate_gap: float | None = None,
+                   pipeline_device_lanes: bool = True) -> Iterator[int]:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
         (then the prompt continues after its committed prefix; otherwise a pooled generator
         serves the call, so concurrent calls never share one).
 
         ``speculative``: "none", "prompt-lookup", "self", "pipeline" (lanes at every depth share
-        one pass over the core layers; ``pipeline_exit`` is the loop whose head drafts), or a
+        one pass over the core layers; ``pipeline_exit`` is the loop whose head drafts; greedy lanes
+        run K cycles per call with their schedule on the device where the artifact has the
+        cycle_run graph, one cycle per call with ``pipeline_device_lanes=False``), or a
         ``proposer`` of your own (``ort_runtime/proposers.py``); ``alternate_gap`` (with "self", on
         artifacts exported with ``--tree-verify``): also verify one alternate suffix from the
         runner-up token where the draft's top-1/top-2 probability gap is below it; ``gate``: "auto" (calibrated on this device), "cost",
@@ -166,7 +169,7 @@ class LoopcastModel:
         sampled = sampling is not None and not sampling.greedy
         spec = SpeculationConfig(speculative, num_draft_tokens, gate, tie_guard=tie_guard or TieGuard(),
                                  proposer=proposer, allow_inexact=allow_inexact, pipeline_exit=pipeline_exit,
-                                 alternate_gap=alternate_gap)
+                                 alternate_gap=alternate_gap, device_lanes=pipeline_device_lanes)
 
         def run(gen: Generator) -> Iterator[int]:
             return stream(gen, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats,

@@ -15,6 +15,7 @@ from loopcast.manifest import GraphSpec, lane_record_length, lane_state_length
 from loopcast.ort_runtime.artifact import LoadedModel
 from loopcast.ort_runtime.bindings import _Buffer, _KindBinding, _bind_kv
 
+
 class _Half(_KindBinding):
     """A pipeline graph bound one way round: lane states in from ``carried_in``, out to ``carried_out``."""
 
@@ -30,42 +31,55 @@ class _Half(_KindBinding):
         self.io.bind(b, self._kv)
 
 
-class _LaneStates:
-    """Two lane-state buffers that alternate as input and output (the graph shifts row r to row
-    r+1, so the states never cross to the host), and the binding for each direction."""
+class LaneStates:
+    """The lanes' hidden states between calls: two buffers that alternate as input and output
+    (the graph shifts row r to row r+1, so the states never cross to the host). The cycle and the
+    cycle run share one pair and one turn, so a generation can hand its lanes from one to the
+    other (a cold start's first round runs cycle by cycle, the rounds after it K per call)."""
 
-    def _halves(self, session, spec: GraphSpec, kv, model: LoadedModel, dtype) -> None:
-        shape = (1, spec.rows, model.config.hidden_size)
-        self._slots = spec.kv_slots
-        self.states = (_Buffer(shape, dtype, model.device), _Buffer(shape, dtype, model.device))
-        self.halves = (_Half(session, spec, kv, model, self, self.states[0], self.states[1]),
-                       _Half(session, spec, kv, model, self, self.states[1], self.states[0]))
+    def __init__(self, rows: int, model: LoadedModel, dtype) -> None:
+        shape = (1, rows, model.config.hidden_size)
+        self.buffers = (_Buffer(shape, dtype, model.device), _Buffer(shape, dtype, model.device))
         self.turn = 0
+
+
+class _LaneStates:
+    """A pipeline graph's binding for each direction of the shared lane states."""
+
+    def _halves(self, session, spec: GraphSpec, kv, model: LoadedModel, dtype, shared: LaneStates | None) -> None:
+        self._slots = spec.kv_slots
+        self.shared = shared or LaneStates(spec.rows, model, dtype)
+        self.states = states = self.shared.buffers
+        self.halves = (_Half(session, spec, kv, model, self, states[0], states[1]),
+                       _Half(session, spec, kv, model, self, states[1], states[0]))
 
     def execute(self, model: LoadedModel) -> bool:
         """Run the half whose input holds the last call's states; the next call runs the other."""
-        steady = self.halves[self.turn].execute(model)
-        self.turn ^= 1
+        shared = self.shared
+        steady = self.halves[shared.turn].execute(model)
+        shared.turn ^= 1
         return steady
 
     def _buffers(self) -> list[_Buffer]:
         raise NotImplementedError
 
     def bound_objects(self) -> list[object]:
-        return [x for b in [*self._buffers(), *self.states] for x in (b.host, b.value)] + [h.binding for h in self.halves]
+        bufs = [*self._buffers(), *self.states]
+        return [x for b in bufs for x in (b.host, b.value)] + [h.binding for h in self.halves]
 
 
 class CycleBinding(_LaneStates):
     """The cycle graph, one cycle per call: the entering token with the rows' positions (one int32
     vector, one copy to the device per cycle) in, argmax and logits per row out."""
 
-    def __init__(self, session, spec: GraphSpec, kv, model: LoadedModel, dtype) -> None:
+    def __init__(self, session, spec: GraphSpec, kv, model: LoadedModel, dtype,
+                 shared: LaneStates | None = None) -> None:
         cfg, device, R = model.config, model.device, spec.rows
         self.rows = R
         self.lanes = _Buffer((R + 1,), np.int32, device)
         self.next_ids = _Buffer((1, R), np.int64, device)
         self.logits = _Buffer((1, R, cfg.vocab_size), np.float32, device)
-        self._halves(session, spec, kv, model, dtype)
+        self._halves(session, spec, kv, model, dtype, shared)
 
     def bind(self, b: ort.IOBinding, kv) -> None:
         b.bind_ortvalue_input("lanes_W1", self.lanes.value)
@@ -88,14 +102,15 @@ class CycleRunBinding(_LaneStates):
     (one copy per call), the log of the K cycles and the state after them out (one copy back).
     Its KV buffers are bound as inputs only: the graph writes them in place."""
 
-    def __init__(self, session, spec: GraphSpec, kv, model: LoadedModel, dtype) -> None:
+    def __init__(self, session, spec: GraphSpec, kv, model: LoadedModel, dtype,
+                 shared: LaneStates | None = None) -> None:
         device, R = model.device, spec.rows
         self.rows = R
         log_len = next(o.shape[0] for o in session.get_outputs() if o.name == "lane_log_N")
         self.cycles = (log_len - lane_state_length(R)) // lane_record_length(R)
         self.state = _Buffer((lane_state_length(R),), np.int32, device)
         self.log = _Buffer((log_len,), np.int32, device)
-        self._halves(session, spec, kv, model, dtype)
+        self._halves(session, spec, kv, model, dtype, shared)
 
     def bind(self, b: ort.IOBinding, kv) -> None:
         b.bind_ortvalue_input("lane_state_N", self.state.value)

@@ -67,9 +67,12 @@ class Generator:
         # The batched kinds belong to a BatchGenerator (ort_runtime/batch_generator.py). A kind
         # whose session is still deferred (ort_runtime/session_table.py) is bound on first use.
         def bind(kind: str):
-            # the pipeline's: two bindings each, that hand the lanes' states to each other
-            cls = {CYCLE: CycleBinding, CYCLE_RUN: CycleRunBinding}.get(kind) or (
-                _RowsBinding if kind in TREE_KINDS else _KindBinding)
+            if kind in _PIPELINE_KINDS:  # two bindings each, on one pair of lane-state buffers
+                cls = CycleBinding if kind == CYCLE else CycleRunBinding
+                other = [dict.get(self._cycle, k) for k in _PIPELINE_KINDS if k != kind]
+                return cls(model.sessions[kind], manifest.graphs[kind], self._kv, model, dtype,
+                           other[0].shared if other[0] is not None else None)
+            cls = _RowsBinding if kind in TREE_KINDS else _KindBinding
             return cls(model.sessions[kind], manifest.graphs[kind], self._kv, model, dtype)
 
         self._kinds = _Bindings([k for k in model.sessions if k not in _PIPELINE_KINDS and k not in BATCH_KINDS], bind)

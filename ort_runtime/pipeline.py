@@ -97,6 +97,7 @@ class PipelineCycles:
         self.device_lanes = device_lanes
         self._rounds: deque[LaneRound] = deque()
         self._idle_cycles = 0   # cycle_run cycles since the last finished round
+        self._end: tuple[int, int] | None = None   # (n, pending token) where the last round left off
 
     def validate(self, gen) -> None:
         """The schedule must fit the model: R rows (one per loop) and an exit depth in 1..R-1."""
@@ -130,7 +131,12 @@ class PipelineCycles:
 
     def round_cost(self, costs, k: int) -> float:
         """A round from a cold start (a probe): R cycles to the first token."""
-        return self.loops * (costs.mean(CYCLE) or costs.decode() / self.loops * 1.2)
+        return self.loops * (costs.mean(CYCLE) or costs.mean(ROUND_TIMER) or costs.decode() / self.loops * 1.2)
+
+    def has_round(self, gen, pending: int) -> bool:
+        """Whether a cycle run already finished the next round (the engine takes it whatever
+        its gate says: the cycles are spent)."""
+        return bool(self._rounds) and (self._rounds[0].position, self._rounds[0].committed) == (gen.n, pending)
 
     def stop(self) -> None:
         """Plain decoding takes over: lanes in flight, and rounds a cycle run finished ahead, are
@@ -139,6 +145,7 @@ class PipelineCycles:
         self.lanes = []
         self._rounds.clear()
         self._idle_cycles = 0
+        self._end = None
 
     def next_token(self, gen, pending: int, limit_position: int, drafts, acceptor, context: list[int]) -> LaneRound:
         """Run cycles until the oldest lane finishes. ``pending`` sits at position ``gen.n``;
@@ -150,18 +157,24 @@ class PipelineCycles:
             done = self._rounds.popleft()
             if (done.position, done.committed) == (gen.n, pending):
                 gen.commit([done.committed])
+                self._end = (gen.n, done.token)
                 return done
             self.stop()
+        # From plain decoding (a new generation, the gate's probe) the first round goes cycle by
+        # cycle: R cycles, not a run of K, so probes stay as cheap as before. Its lanes, and a
+        # lane restarted after a rejection, then go on in runs, on the same lane states.
+        resumed = (gen.n, pending) == self._end
         if not self.lanes or (self.lanes[0].position, self.lanes[0].token) != (gen.n, pending):
             self.stop()
             self.lanes = [Lane(gen.n, pending)]
             self.stats.cold_starts += 1
         if self.device_lanes and not acceptor.sampled and getattr(drafts, "hook", None) is None \
-                and gen.has_kind(CYCLE_RUN):
+                and gen.has_kind(CYCLE_RUN) and (resumed or gen.cycle is None):
             while not self._rounds:
                 self._run_cycles(gen, min(limit_position, gen.max_length - 1), drafts)
             done = self._rounds.popleft()
             gen.commit([done.committed])
+            self._end = (gen.n, done.token)
             return done
         cycles, t0, steady0 = 0, time.perf_counter(), gen.timed_counts[CYCLE]
         self._n = gen.n
@@ -172,6 +185,7 @@ class PipelineCycles:
             if done is not None:
                 done.cycles = cycles
                 gen.commit([done.committed])
+                self._end = (gen.n, done.token)
                 if gen.timed_counts[CYCLE] - steady0 == cycles:  # no warm-up or capture inside
                     gen.timed_seconds[ROUND_TIMER] += time.perf_counter() - t0
                     gen.timed_counts[ROUND_TIMER] += cycles

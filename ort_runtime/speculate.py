@@ -462,7 +462,7 @@ class _Engine:
         """A continuous strategy's round (the pipeline): its lanes run until one finishes; with
         the gate down, plain decode (lanes in flight are abandoned: their KV lies past ``n``)."""
         gen, strategy = self.gen, self.plan.strategy
-        if not self.gate.engage(step):
+        if not strategy.has_round(gen, pending) and not self.gate.engage(step):
             strategy.stop()
             t0, steady0 = time.perf_counter(), gen.timed_counts["decode"]
             token = self.acceptor.decode(gen, pending, self.context)

@@ -30,7 +30,8 @@ def test_tiny_report_on_cpu(tmp_path) -> None:
         assert all(s["uncaptured_ms"] > 0 and s["captured_ms"] is None for s in run["steps"])
         modes = {"plain", "prompt-lookup", "self", "prompt-lookup (gate none)", "self (gate none)"}
         if run["variant"] == "batch-invariant":  # the loopcast ops: the cycle graph and oracle rows too
-            modes |= {"pipeline", "pipeline (gate none)", "pipeline oracle 100%", "pipeline oracle 92%"}
+            modes |= {"pipeline", "pipeline (gate none)", "pipeline oracle 100%", "pipeline oracle 92%",
+                      "pipeline (one cycle per call, gate none)"}
             kinds_cycle = {s["kind"] for s in run["steps"]}
             assert "cycle" in kinds_cycle
             oracle = run["end_to_end"]["pipeline oracle 100%"]

@@ -190,3 +190,32 @@ def test_a_pair_no_row_names_is_refused(library: Path) -> None:
     with pytest.raises(Exception, match="named by no row"):
         sess = session(row_model([0, 0], 2), library)
         sess.run(["output"], feeds(np.random.default_rng(7), 2, 2, [1, 2]))
+
+
+def test_kv_in_place_writes_the_input_buffers(library: Path) -> None:
+    """kv_in_place=1 (the cycle run): the same outputs, K/V written into the bound input buffers
+    themselves, the present outputs left empty."""
+    import onnxruntime as ort
+    from onnx import load_model_from_string
+
+    rng = np.random.default_rng(7)
+    f = feeds(rng, 3, 3, [9, -1, 4])
+    plain = session(row_model([0, 1, 2], 3), library)
+    names = ["output"] + [f"present_{n}" for k in range(3) for n in (f"key_{k}", f"value_{k}")]
+    want = dict(zip(names, plain.run(names, f)))
+    model = load_model_from_string(row_model([0, 1, 2], 3))
+    model.graph.node[0].attribute.append(helper.make_attribute("kv_in_place", 1))
+    sess = session(model.SerializeToString(), library)
+    bound = {k: v.copy() for k, v in f.items()}
+    binding = sess.io_binding()
+    for name, array in bound.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+    for name in names:
+        binding.bind_output(name)
+    sess.run_with_iobinding(binding)
+    got = dict(zip(names, binding.copy_outputs_to_cpu()))
+    assert np.array_equal(got["output"], want["output"])
+    for k in range(3):
+        for kv in ("key", "value"):
+            assert got[f"present_{kv}_{k}"].size == 0
+            assert np.array_equal(bound[f"{kv}_{k}"], want[f"present_{kv}_{k}"]), (kv, k)

@@ -113,7 +113,7 @@ def test_cli_export_and_inspect(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["verify_width"] == 4 and manifest["draft_depth"] == 2
-    pipeline = {"cycle"} if manifest["op_set"] != "stock" else set()  # stock ops: no row-addressed attention
+    pipeline = {"cycle", "cycle_run"} if manifest["op_set"] != "stock" else set()  # stock ops: no row-addressed attention
     assert set(manifest["graphs"]) == {"prefill", "decode", "verify", "draft", "verify_tail"} | pipeline
     proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "inspect", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

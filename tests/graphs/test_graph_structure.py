@@ -9,6 +9,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from loopcast.graphs.cycles import CYCLE_RUN_LENGTH
+
 from tests.artifacts import artifact, config_of
 from tests.custom_ops.conftest import require_c_toolchain
 
@@ -82,9 +84,18 @@ def test_loopcast_op_layers_are_fused(name: str) -> None:
             # the lanes input split into token and positions, the state shift, the entry concat
             assert counts["RowAttention"] == layers and counts["Slice"] == 3 and counts["Concat"] == 1
             counts.pop("Slice"), counts.pop("Concat")
+        elif kind == "cycle_run":  # K cycles, each: one pass, the argmax, the lane schedule
+            K = counts["LaneStep"]
+            assert K == CYCLE_RUN_LENGTH and counts["ArgMax"] == K
+            layers = K * cfg.num_layers
+            assert counts["RowAttention"] == layers and counts["Slice"] == 2 + K and counts["Concat"] == K + 1
+            assert all(a.i == 1 for n in nodes if n.op_type == "RowAttention" for a in n.attribute
+                       if a.name == "kv_in_place")
+            assert sum(a.name == "kv_in_place" for n in nodes for a in n.attribute) == layers
         else:
             assert counts["BatchInvariantAttention"] == layers, kind
-        assert counts["ResidualRMSNorm"] == 2 * layers + 1 and counts["SwiGLU"] == 0, kind
+        stacks = counts.get("LaneStep", 1)  # each stack opens with one norm more (a cycle run: K stacks)
+        assert counts["ResidualRMSNorm"] == 2 * layers + stacks and counts["SwiGLU"] == 0, kind
         gated = [n for n in nodes if any(a.name == "swiglu" and a.i == 1 for a in n.attribute)]
         assert len(gated) == layers and all(n.name.endswith("/mlp/down_proj") for n in gated), kind
         assert counts["Split"] == (1 if kind == "draft" else 0), kind  # the draft's top-2 gap only

@@ -23,7 +23,7 @@ from tests.artifacts import TINY, artifact, reference
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
 # Looped models also get the pipeline's cycle graph, whose attention is RowAttention.
-OPS = ["BatchInvariantAttention", "BatchInvariantMatMul", "ResidualRMSNorm", "RowAttention"]
+OPS = ["BatchInvariantAttention", "BatchInvariantMatMul", "LaneStep", "ResidualRMSNorm", "RowAttention"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -131,7 +131,7 @@ def test_cli_target_cuda_selects_the_loopcast_ops(tmp_path) -> None:
     from tests.artifacts import checkpoint
 
     # cpu: the default fp32 op set, the loopcast attention op with stock MatMul (exact on the CPU)
-    for target, ops in (("cuda", OPS), ("cpu", ["BatchInvariantAttention", "RowAttention"])):
+    for target, ops in (("cuda", OPS), ("cpu", ["BatchInvariantAttention", "LaneStep", "RowAttention"])):
         out = tmp_path / target
         result = CliRunner().invoke(main, ["export", str(checkpoint("ouro-r3")), "-o", str(out), "--target", target])
         assert result.exit_code == 0, result.output

@@ -14,7 +14,7 @@ import torch
 
 from loopcast.ort_runtime.exactness import decode_rows
 from loopcast.errors import ArtifactError
-from loopcast.manifest import CYCLE, DECODE, DRAFT, VERIFY, VERIFY_TAIL
+from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, DRAFT, VERIFY, VERIFY_TAIL
 from loopcast.ort_runtime import load
 from tests.artifacts import artifact, reference
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
@@ -81,7 +81,7 @@ def test_stock_graphs_run_eagerly_and_say_why() -> None:
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_captured_equals_eager_and_slots_capture_once(dtype: str) -> None:
     captured, eager = _demo(dtype, True), _demo(dtype, True, cuda_graphs=False)
-    assert captured.loaded.graph_kinds == frozenset(HOT) | {CYCLE}, captured.loaded.graph_fallbacks
+    assert captured.loaded.graph_kinds == frozenset(HOT) | {CYCLE, CYCLE_RUN}, captured.loaded.graph_fallbacks
     gen = captured.new_generator()  # one generator throughout: its slots must capture once
     for mode in ("none", "prompt-lookup", "self", "pipeline"):
         for prompt in DEMO_PROMPTS[:4]:

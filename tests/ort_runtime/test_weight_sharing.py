@@ -196,12 +196,12 @@ def test_speculative_kinds_get_their_cpu_session_on_first_use() -> None:
     do not change (ort_runtime/session_table.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from loopcast.manifest import CYCLE, DRAFT, VERIFY_TAIL
+    from loopcast.manifest import CYCLE, CYCLE_RUN, DRAFT, VERIFY_TAIL
     from loopcast.ort_runtime.api import LoopcastModel
 
     path = artifact("demo")
     lazy = open_artifact(path, "cpu")
-    speculative = [k for k in (DRAFT, VERIFY_TAIL, CYCLE) if k in lazy.manifest.graphs]
+    speculative = [k for k in (DRAFT, VERIFY_TAIL, CYCLE, CYCLE_RUN) if k in lazy.manifest.graphs]
     assert DRAFT in speculative and VERIFY_TAIL in speculative
     assert all(lazy.has(k) and lazy.sessions.pending(k) for k in speculative)
     assert set(lazy.sessions.made()) == {PREFILL, DECODE, VERIFY}
