@@ -30,8 +30,8 @@ from pathlib import Path
 from loopcast.errors import LoopcastError
 
 LIBRARY_NAME = "libloopcast_ops.so"
-SOURCES = ("loopcast_ops.cc", "matmul_cpu.cc", "attention_cpu.cc", "row_attention_cpu.cc", "residual_norm_cpu.cc", "swiglu_cpu.cc",
-           "lane_step_cpu.cc")
+SOURCES = ("loopcast_ops.cc", "matmul_cpu.cc", "attention_cpu.cc", "row_attention_cpu.cc", "residual_norm_cpu.cc",
+           "swiglu_cpu.cc", "lane_step_cpu.cc")
 CUDA_SOURCES = ("cuda_ops.cc",)             # host glue, compiled by the C++ compiler
 CUDA_KERNELS = ("matmul_cuda.cu", "attention_cuda.cu", "residual_norm_cuda.cu", "swiglu_cuda.cu",
                 "kv_move_cuda.cu", "lane_step_cuda.cu")

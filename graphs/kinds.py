@@ -23,8 +23,8 @@ from loopcast.config import ModelConfig
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
 from loopcast.graphs.cycles import build_cycle, build_cycle_run
-from loopcast.manifest import (CYCLE, CYCLE_RUN, DECODE, DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY,
-                               VERIFY_TAIL, GraphSpec, has_cycle)
+from loopcast.manifest import (CYCLE, CYCLE_RUN, DECODE, DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL,
+                               VERIFY, VERIFY_TAIL, GraphSpec, has_cycle)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import Any
 
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
-from loopcast.manifest import (BATCH_KINDS, CYCLE, CYCLE_RUN, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS, PREFILL,
-                               TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord,
+from loopcast.manifest import (BATCH_KINDS, CYCLE, CYCLE_RUN, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS,
+                               PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord,
                                GraphSpec, HASH_SCHEMES, Manifest, has_cycle,
                                resolve_inside, sampled_sha256)
 
