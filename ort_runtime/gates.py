@@ -171,10 +171,10 @@ class CostGate(_Counters):
 
     Disengaged, the gate still learns: from the free one-token guess of proposers that declare
     ``free_guess`` (prompt lookup), otherwise from probe rounds of one draft, the cheapest
-    round that measures α. A failed probe wastes ``round_cost(1) - decode``; the next probe
-    waits until that waste is at most ``probe_budget`` of the decode time spent since, and the
-    wait doubles while probes keep failing, so a workload where speculation never pays loses at
-    most about ``probe_budget`` to probing.
+    round that measures α. A probe wastes its wall price less the (1 + α) tokens it commits at
+    decode's price; the next probe waits until that waste is at most ``probe_budget`` of the
+    decode time spent since, and the wait doubles while probes leave the gate standing down,
+    so a workload where speculation never pays loses at most about ``probe_budget`` to probing.
     """
 
     def __init__(self, k_max: int, costs: StepCosts, strategy, *, free_guess: bool = False, margin: float = 0.05,
@@ -280,9 +280,15 @@ class CostGate(_Counters):
             self._accepted = decay * self._accepted + accepted
             self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
             if self._probing:
-                # Every probe schedules the next one; failures stretch the wait (doubling).
-                self._backoff = 1 if accepted else min(self._backoff * 2, 16)
-                waste = max(self.strategy.round_cost(self.costs, 1) / self.costs.decode() - 1.0, 0.05)
+                # Every probe schedules the next one. A probe that leaves the gate standing down
+                # stretches the wait (doubling), even when its draft was accepted: on the H200
+                # demo self-speculation's drafts hit at α ≈ 0.6 without paying, and probes that
+                # reset the wait on every hit cost 1-4% of plain's speed. The waste is the
+                # round's wall price (host work in) less the tokens it commits at decode's price.
+                self._backoff = 1 if self.best_k()[0] else min(self._backoff * 2, 16)
+                host = self.costs.host_factor() if hasattr(self.costs, "host_factor") else 1.0
+                price = self.strategy.round_cost(self.costs, 1) * host / self.costs.decode()
+                waste = max(price - 1.0 - self.alpha, 0.05)
                 self._next_probe = step + int(self._backoff * waste / self.probe_budget)
         elif would_hit is not None:
             # Free evidence from a plain step (prompt lookup): one draft, hit or miss.

@@ -264,3 +264,29 @@ def test_cli_reports_the_default_gate_and_refuses_inexact_speculation() -> None:
     proc = _cli("generate", stock, "--prompt-ids", "3,4,5", "--max-new-tokens", "4", "--speculative", "self",
                 "--allow-inexact", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["stats"]["exact_greedy"] is False
+
+
+def test_probes_that_leave_the_gate_down_space_out_even_when_they_hit() -> None:
+    """Drafts accepted at α = 0.6 on a strategy that never pays (a round of one draft costs
+    3.3 decode steps): every probe hits, none engages the gate, and the wait between probes
+    doubles up to its cap instead of restarting at every hit."""
+    from loopcast.ort_runtime.gates import CostGate
+
+    class Dear:
+        kinds = ("draft", "verify_tail")
+
+        def round_cost(self, costs, k: int) -> float:
+            return 3.0 + 0.3 * k
+
+    gate = CostGate(4, Costs(), Dear())
+    probes, hits = [], 0
+    for step in range(6000):
+        if gate.engage(step):
+            probes.append(step)
+            hits += 1
+            gate.observe(1, int(hits % 5 < 3), step=step)  # three of five probes accepted
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert "stood down" in gate.reason and gate.alpha > 0.4
+    # the waste per probe shrinks a little as α settles higher; the wait still grows ~8x
+    assert max(gaps) >= 8 * gaps[0] and min(gaps[2:]) >= 4 * gaps[0], gaps
+    assert len(probes) < 12
