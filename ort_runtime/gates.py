@@ -283,9 +283,13 @@ class CostGate(_Counters):
                 # Every probe schedules the next one. A probe that leaves the gate standing down
                 # stretches the wait (doubling), even when its draft was accepted: on the H200
                 # demo self-speculation's drafts hit at α ≈ 0.6 without paying, and probes that
-                # reset the wait on every hit cost 1-4% of plain's speed. The waste is the
-                # round's wall price (host work in) less the tokens it commits at decode's price.
-                self._backoff = 1 if self.best_k()[0] else min(self._backoff * 2, 16)
+                # reset the wait on every hit cost 1-4% of plain's speed. Except a hit of a
+                # continuous strategy (the pipeline): its α remembers ~50 drafts and moves only
+                # through probes, one draft each, so hits must keep them coming (on the CPU demo
+                # it stayed down at α̂ 0.41 while its drafts were accepted at ~0.58). The waste
+                # is the round's wall price (host work in) less the tokens it commits.
+                keep = self.best_k()[0] or (accepted and getattr(self.strategy, "continuous", False))
+                self._backoff = 1 if keep else min(self._backoff * 2, 16)
                 host = self.costs.host_factor() if hasattr(self.costs, "host_factor") else 1.0
                 price = self.strategy.round_cost(self.costs, 1) * host / self.costs.decode()
                 waste = max(price - 1.0 - self.alpha, 0.05)

@@ -13,6 +13,12 @@ once: the lane in row r runs loop r (row = depth), so R lanes share one read of 
 Every finishing lane commits its position and emits one token, so at full acceptance one cycle
 (one pass over the core layers) commits one token, against R passes for plain decoding.
 
+Greedy lanes run K cycles per session call on the ``cycle_run`` graph (graphs/cycles.py): the
+rule below, as ``loopcast.LaneStep`` on the device between the unrolled cycles, so the host
+copies one state in and one log out per K cycles instead of a round trip per cycle
+(``_run_cycles``; the host checks the log's committed positions). Sampling, draft hooks and
+artifacts without the graph schedule lanes here, one cycle per call.
+
 KV invariant (docs/architecture.md §5, "Pipeline cycle"): lane q at depth d reads slot (d, l)
 at positions < q. Those were written by q's ancestors (lanes q-1, q-2, ...) when they ran depth
 d, in earlier cycles, and a lane exists only while all its ancestors survive. A discarded lane
@@ -98,6 +104,7 @@ class PipelineCycles:
         self._rounds: deque[LaneRound] = deque()
         self._idle_cycles = 0   # cycle_run cycles since the last finished round
         self._end: tuple[int, int] | None = None   # (n, pending token) where the last round left off
+        self._n = 0             # the committed length while a host-scheduled round runs
 
     def validate(self, gen) -> None:
         """The schedule must fit the model: R rows (one per loop) and an exit depth in 1..R-1."""

@@ -290,3 +290,12 @@ def test_probes_that_leave_the_gate_down_space_out_even_when_they_hit() -> None:
     # the waste per probe shrinks a little as α settles higher; the wait still grows ~8x
     assert max(gaps) >= 8 * gaps[0] and min(gaps[2:]) >= 4 * gaps[0], gaps
     assert len(probes) < 12
+    # A continuous strategy (the pipeline: one draft per probe, α remembered over ~50) keeps
+    # probing at the base wait while its probes hit.
+    Dear.continuous, Dear.alpha_decay = True, 0.98
+    gate, probes = CostGate(4, Costs(), Dear()), []
+    for step in range(6000):
+        if gate.engage(step):
+            probes.append(step)
+            gate.observe(1, int(len(probes) % 5 < 3), step=step)
+    assert "stood down" in gate.reason and len(probes) > 30  # against 7 above
