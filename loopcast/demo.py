@@ -40,7 +40,7 @@ def _usable(artifact: Path) -> bool:
     """A cached demo artifact that reads cleanly and records every file it names (an older or
     damaged cache entry is exported again rather than refused on every run)."""
     from loopcast.errors import ArtifactError
-    from loopcast.manifest import CYCLE, Manifest, has_cycle
+    from loopcast.manifest import CYCLE, CYCLE_RUN, Manifest, has_cycle
 
     if not (artifact / "manifest.json").is_file():
         return False
@@ -48,6 +48,6 @@ def _usable(artifact: Path) -> bool:
         manifest = Manifest.read(artifact)
     except ArtifactError:
         return False
-    if CYCLE not in manifest.graphs and has_cycle(manifest.config, manifest.op_set):
-        return False  # exported before the pipeline's cycle graph existed
+    if not {CYCLE, CYCLE_RUN} <= set(manifest.graphs) and has_cycle(manifest.config, manifest.op_set):
+        return False  # exported before the pipeline's cycle graphs existed
     return manifest.custom_op_library is None or manifest.custom_op_library in manifest.files

@@ -243,3 +243,24 @@ def test_demo_reports_medians_and_the_gate() -> None:
         assert any(line.startswith(label) and "(range " in line for line in lines), result.output
     assert sum("gate: " in line for line in lines) == 3
     assert any(line.startswith("best: ") and "identical to plain greedy" in line for line in lines)
+
+
+def test_demo_cache_without_the_pipeline_graphs_is_exported_again(tmp_path) -> None:
+    """A cached demo artifact from before a pipeline graph kind existed is not reused: `loopcast
+    demo` exports it again, so the pipeline gets its cycle run."""
+    import json
+    import shutil
+
+    from loopcast.demo import _usable
+    from tests.artifacts import artifact, require_exact_cpu_artifacts
+
+    require_exact_cpu_artifacts()
+    cached = tmp_path / "demo"
+    shutil.copytree(artifact("demo"), cached)
+    assert _usable(cached)
+    manifest = json.loads((cached / "manifest.json").read_text())
+    del manifest["graphs"]["cycle_run"]
+    manifest["files"].pop("cycle_run.onnx", None)
+    (cached / "manifest.json").write_text(json.dumps(manifest))
+    (cached / "cycle_run.onnx").unlink()
+    assert not _usable(cached)
