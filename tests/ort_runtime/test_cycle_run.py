@@ -14,18 +14,10 @@ import pytest
 
 from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL
 from loopcast.ort_runtime import load
-from tests.artifacts import artifact, require_exact_cpu_artifacts
+from tests.artifacts import artifact
+# the fixtures too: exact CPU artifacts required for the module, one loaded demo model
+from tests.ort_runtime.test_pipeline import _exact_artifacts, demo  # noqa: F401
 from tests.ort_runtime.test_pipeline import LOOPED, check_cycles, draft_reference, run
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _exact_artifacts():
-    require_exact_cpu_artifacts()
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return load(artifact("demo"))
 
 
 def _active(cycle: tuple) -> tuple:
