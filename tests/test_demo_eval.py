@@ -1,5 +1,5 @@
 """The demo-model card's degeneracy rule (tools/eval_demo_model.py): which greedy continuations
-count as one short cycle repeated."""
+count as one short cycle repeated, and the rounds prompt lookup needs on the edit workload."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from eval_demo_model import degenerate, tail_cycle  # noqa: E402
+from eval_demo_model import degenerate, prompt_lookup_rounds, tail_cycle  # noqa: E402
 
 
 @pytest.mark.parametrize("tokens,expected", [
@@ -51,3 +51,17 @@ def test_packed_documents_give_back_the_texts_and_their_prompts() -> None:
     assert prompts[1].startswith("\tdef g(a):\n")
     with pytest.raises(SystemExit, match="only 2 held-out documents"):
         code_prompts(docs, 3)
+
+
+@pytest.mark.parametrize("tokens,drafts,rounds", [
+    (list(range(10, 22)), 5, 3),        # a copy of the prompt's 12 tokens: 1, then 6 per round
+    (list(range(10, 22)), 3, 4),        # 1, then 4 per round
+    ([90, 91, 92, 93], 5, 4),           # nothing to look up: one token per round
+    ([10, 11, 12, 99, 15, 16], 5, 4),   # 1; 2 + the edit; a miss after it; the copy again
+])
+def test_prompt_lookup_rounds(tokens, drafts, rounds) -> None:
+    # The prompt holds 10..21 between a lead-in and a tail that never repeats, so the first
+    # token has nothing to look up; after it prompt lookup drafts the copy, and each round
+    # commits its accepted drafts plus the verifier's token.
+    prompt = [1, 2, 3] + list(range(10, 22)) + [4, 5, 6, 7, 8, 9]
+    assert prompt_lookup_rounds(prompt, tokens, drafts) == rounds

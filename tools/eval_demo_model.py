@@ -3,7 +3,9 @@
 Per loop depth: held-out cross-entropy (nats/token) and bits/byte; top-1 agreement of depth d
 with depth R; exit-probability means; and greedy continuations of five fixed code prompts and
 of ``--heldout-prompts`` held-out ones (tools/demo_prompts.py), each with the cycle it ends in
-(``degenerate``: its second half is one cycle of <= 32 tokens repeated).
+(``degenerate``: its second half is one cycle of <= 32 tokens repeated); and, on the bench's
+edit workload (``loopcast.bench.EDIT_PROMPTS``), how many tokens prompt lookup would commit
+per verify round of 5 drafts (``edit_prompt_lookup``: what the copy fine-tune is for).
 Writes one JSON file (``--out``) that docs/demo-model.md quotes.
 
     python tools/eval_demo_model.py --checkpoint loopcast/demo_model --data .corpus --out eval.json
@@ -26,6 +28,7 @@ from loopcast.exporter.checkpoint import load_checkpoint
 from loopcast.exporter.reference import exit_probabilities
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.exporter.torch_backend import load_tokenizer
+from loopcast.ort_runtime.proposers import PromptLookupProposer
 
 CODE_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -56,6 +59,34 @@ def degenerate(tokens: list[int], max_period: int = 32) -> bool:
     cycle of at most ``max_period`` tokens repeated."""
     period, covered = tail_cycle(tokens, max_period)
     return period > 0 and covered >= len(tokens) / 2
+
+
+def prompt_lookup_rounds(prompt: list[int], tokens: list[int], drafts: int = 5) -> int:
+    """Verify rounds that prompt lookup with ``drafts`` drafts per round needs to commit
+    ``tokens`` after ``prompt`` under greedy acceptance (each round commits its accepted
+    drafts plus the verifier's own token)."""
+    proposer, done, rounds = PromptLookupProposer(), 0, 0
+    while done < len(tokens):
+        proposal = proposer.propose(prompt + tokens[:done], drafts)
+        accepted = 0
+        while accepted < len(proposal) and done + accepted < len(tokens) and proposal[accepted] == tokens[done + accepted]:
+            accepted += 1
+        done, rounds = done + accepted + 1, rounds + 1
+    return rounds
+
+
+def edit_prompt_lookup(model, tokenizer, new_tokens: int = 64) -> dict:
+    """Greedy continuations of the bench's edit prompts and prompt lookup's tokens per round on them."""
+    from loopcast.bench import EDIT_PROMPTS  # the workload `loopcast bench` reports as "edit"
+    rows, total_tokens, total_rounds = [], 0, 0
+    for prompt in EDIT_PROMPTS:
+        ids = tokenizer.encode(prompt).ids
+        res = greedy_generate(model, ids, new_tokens, stop_ids=(0,), max_length=1024)
+        rounds = prompt_lookup_rounds(ids, res.tokens)
+        rows.append({"prompt": prompt.split("\n", 1)[0], "tokens": len(res.tokens), "rounds": rounds,
+                     "completion": tokenizer.decode(res.tokens)})
+        total_tokens, total_rounds = total_tokens + len(res.tokens), total_rounds + rounds
+    return {"drafts_per_round": 5, "tokens_per_round": total_tokens / total_rounds, "prompts": rows}
 
 
 @torch.no_grad()
@@ -117,11 +148,14 @@ def main() -> None:
                         "tail_cycle_period": period, "tail_cycle_tokens": covered,
                         "degenerate": degenerate(body)})
     metrics["samples"] = samples
+    metrics["edit_prompt_lookup"] = edit_prompt_lookup(model, tokenizer, 64)
     metrics["degenerate_continuations"] = sum(s["degenerate"] for s in samples)  # of len(samples)
     metrics["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     metrics["seconds"] = round(time.time() - t0, 1)
     args.out.write_text(json.dumps(metrics, indent=1))
-    print(json.dumps({k: v for k, v in metrics.items() if k != "samples"}, indent=1))
+    print(json.dumps({k: v for k, v in metrics.items() if k not in ("samples", "edit_prompt_lookup")}, indent=1))
+    print("edit workload, prompt lookup tokens per round of 5 drafts:",
+          round(metrics["edit_prompt_lookup"]["tokens_per_round"], 2))
     for s in samples:
         print("----", repr(s["prompt"]), "->", repr(s["completion"][:200]),
               f"(cycle {s['tail_cycle_period']} over {s['tail_cycle_tokens']} tokens"

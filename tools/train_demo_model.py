@@ -15,6 +15,9 @@ Optional, for a fine-tune: ``--unlikelihood ALPHA`` adds Welleck et al.'s sequen
 unlikelihood term every ``--ul-every`` steps (tools/demo_unlikelihood.py): greedy continuations
 of train-split prefixes by the model itself, with every token of an n-gram the continuation
 already produced made less likely. It is what stops the greedy loops (docs/demo-model.md).
+``--copy-frac F`` replaces that fraction of each batch's rows by edit pairs (a block of code,
+then its lightly edited copy: tools/demo_copy.py), which teaches the copying prompt lookup
+lives on (docs/demo-model.md, "a copy fine-tune").
 
 Resumable: the state (model, optimiser, step, data RNG) is saved under --run-dir every
 --save-every steps and when --time-budget-s runs out; running the same command again resumes.
@@ -37,8 +40,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from demo_copy import copy_rows  # tools/ on sys.path
 from demo_unlikelihood import greedy_continue, repeated_ngram_mask, unlikelihood_loss  # tools/ on sys.path
 from eval_demo_model import degenerate
+from pack_demo_corpus import load_tokenizer
 from loopcast.config import ModelConfig
 from loopcast.exporter.checkpoint import load_checkpoint, save_checkpoint
 from loopcast.exporter.reference import LoopedLM, exit_probabilities, init_weights
@@ -82,6 +87,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ul-ngram", type=int, default=4, help="n of the repeated n-grams penalised")
     p.add_argument("--ul-depth-weights", choices=("prior", "uniform"), default="prior",
                    help="weights of the per-depth unlikelihood terms: the exit prior, or equal")
+    p.add_argument("--copy-frac", type=float, default=0.0, metavar="F",
+                   help="replace this fraction of each batch's rows by edit pairs (tools/demo_copy.py)")
     p.add_argument("--export", choices=("best", "final"), default="best",
                    help="export the best held-out (depth-R loss) weights or the final ones")
     p.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine floor as a fraction of --lr")
@@ -184,6 +191,9 @@ def main() -> None:
     state_path = args.run_dir / "state.pt"
     log_path = args.run_dir / "log.jsonl"
 
+    if not 0.0 <= args.copy_frac <= 1.0:
+        raise SystemExit(f"--copy-frac must be in [0, 1], got {args.copy_frac}")
+    tokenizer = load_tokenizer(args.tokenizer_dir / "tokenizer.json") if args.copy_frac else None
     config = model_config(args)
     model = LoopedLM(config)
     init_weights(model, seed=args.seed)
@@ -225,7 +235,11 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         starts = rng.integers(0, len(train) - args.seq - 1, size=args.batch)
-        ids = torch.from_numpy(np.stack([train[s:s + args.seq + 1] for s in starts]).astype(np.int64)).to(device)
+        rows = np.stack([train[s:s + args.seq + 1] for s in starts]).astype(np.int64)
+        n_copy = round(args.copy_frac * args.batch)
+        if n_copy:  # the batch's first rows become edit pairs: the copying a code edit needs
+            rows[:n_copy] = copy_rows(train, tokenizer, rng, n_copy, args.seq + 1)
+        ids = torch.from_numpy(rows).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             objective, ce, probs = ouro_loss(forward, ids, args.beta, prior)
         if args.unlikelihood > 0 and step % args.ul_every == 0:
