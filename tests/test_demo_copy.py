@@ -82,3 +82,18 @@ def test_trainer_mixes_copy_rows_and_refuses_a_bad_fraction(corpus, tmp_path) ->
     assert "eval step 20" in done.stdout
     bad = _train(data, tmp_path / "bad", "--copy-frac", "1.5")
     assert bad.returncode != 0 and "--copy-frac must be in [0, 1], got 1.5" in bad.stderr
+
+
+def test_statement_heads_are_def_and_class_lines(corpus) -> None:
+    from demo_unlikelihood import statement_heads
+    train, tokenizer = corpus
+    heads = statement_heads(train, tokenizer)
+    assert len(heads) > 10
+    for at in heads:
+        before = tokenizer.decode(train[max(0, at - 8):at].tolist())
+        line = tokenizer.decode(train[at:at + 6].tolist())
+        assert before.endswith("\n") or before.rsplit("\n", 1)[-1].strip(" ") == ""   # a line start
+        assert line.lstrip(" ").startswith(("def ", "class "))
+    source = tokenizer.decode(train.tolist())
+    lines = source.split("\n")
+    assert len(heads) == sum(line.lstrip(" ").startswith(("def ", "class ")) for line in lines)

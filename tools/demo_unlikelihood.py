@@ -74,3 +74,19 @@ def unlikelihood_loss(model, seq_BT: torch.Tensor, prefix_len: int, mask_BL: tor
         per_depth.append(-(torch.log(one_minus) * weight).sum() / count)
     per_depth_t = torch.stack(per_depth)
     return (per_depth_t * depth_weights).sum(), per_depth_t.detach()
+
+
+def statement_heads(tokens: np.ndarray, tokenizer) -> np.ndarray:
+    """Positions in ``tokens`` where a line (at any indentation) starts with ``def`` or
+    ``class`` (at its indentation token when that stands alone): prefixes cut there look like the prompts users give, and like the model card's
+    (a function's first line), where a greedy continuation is most prone to loop."""
+    text = [tokenizer.decode([i]) for i in range(tokenizer.get_vocab_size())]
+    line_start = np.array([("\n" in t and t.rsplit("\n", 1)[1].strip(" ") == "") for t in text])
+    spaces = np.array([t != "" and t.strip(" ") == "" for t in text])
+    head = np.array([("\n" not in t and t.lstrip(" ").split(" ", 1)[0] in ("def", "class")) for t in text])
+    ids = np.asarray(tokens).astype(np.int64)
+    at = np.flatnonzero(head[ids[2:]]) + 2
+    before = ids[at - 1]
+    ok = line_start[before] | (spaces[before] & line_start[ids[at - 2]])
+    return np.where(spaces[before], at - 1, at)[ok]
+

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from demo_copy import copy_rows  # tools/ on sys.path
-from demo_unlikelihood import greedy_continue, repeated_ngram_mask, unlikelihood_loss  # tools/ on sys.path
+from demo_unlikelihood import greedy_continue, repeated_ngram_mask, statement_heads, unlikelihood_loss  # tools/ on sys.path
 from eval_demo_model import degenerate
 from pack_demo_corpus import load_tokenizer
 from loopcast.config import ModelConfig
@@ -84,6 +84,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ul-batch", type=int, default=32, help="prefixes continued per unlikelihood step")
     p.add_argument("--ul-prefix", type=int, default=48, help="prefix tokens (from the train split)")
     p.add_argument("--ul-new", type=int, default=96, help="greedy tokens generated per prefix")
+    p.add_argument("--ul-heads", type=float, default=0.0, metavar="F",
+                   help="cut this fraction of the unlikelihood prefixes at def/class lines")
     p.add_argument("--ul-ngram", type=int, default=4, help="n of the repeated n-grams penalised")
     p.add_argument("--ul-depth-weights", choices=("prior", "uniform"), default="prior",
                    help="weights of the per-depth unlikelihood terms: the exit prior, or equal")
@@ -155,10 +157,14 @@ def add_residual_dropout(model: LoopedLM, rate: float) -> None:
             norm.register_forward_hook(lambda mod, inp, out: F.dropout(out, rate, mod.training))
 
 
-def unlikelihood_step(model, forward, train: np.ndarray, rng, args, weights, device):
+def unlikelihood_step(model, forward, train: np.ndarray, heads: np.ndarray, rng, args, weights, device):
     """Greedy continuations of fresh train-split prefixes and their unlikelihood loss, plus
-    (repeated-token fraction, degenerate fraction) of those continuations for the log."""
+    (repeated-token fraction, degenerate fraction) of those continuations for the log. The
+    first ``--ul-heads`` of the prefixes start at a def/class line (``heads``)."""
     starts = rng.integers(0, len(train) - args.ul_prefix, size=args.ul_batch)
+    n_heads = round(args.ul_heads * args.ul_batch)
+    if n_heads:
+        starts[:n_heads] = rng.choice(heads, size=n_heads)
     prefix = torch.from_numpy(np.stack([train[s:s + args.ul_prefix] for s in starts]).astype(np.int64))
     seq = greedy_continue(model, prefix.to(device), args.ul_new)
     cont = seq[:, args.ul_prefix:].cpu().numpy()
@@ -193,7 +199,9 @@ def main() -> None:
 
     if not 0.0 <= args.copy_frac <= 1.0:
         raise SystemExit(f"--copy-frac must be in [0, 1], got {args.copy_frac}")
-    tokenizer = load_tokenizer(args.tokenizer_dir / "tokenizer.json") if args.copy_frac else None
+    if not 0.0 <= args.ul_heads <= 1.0:
+        raise SystemExit(f"--ul-heads must be in [0, 1], got {args.ul_heads}")
+    tokenizer = load_tokenizer(args.tokenizer_dir / "tokenizer.json") if args.copy_frac or args.ul_heads else None
     config = model_config(args)
     model = LoopedLM(config)
     init_weights(model, seed=args.seed)
@@ -225,6 +233,9 @@ def main() -> None:
                     "rng": rng.bit_generator.state, "args": vars(args) | {"data": str(args.data)}}, tmp)
         tmp.replace(state_path)
 
+    heads = statement_heads(train[:len(train) - args.ul_prefix], tokenizer) if args.ul_heads else np.zeros(0, np.int64)
+    if args.ul_heads and not len(heads):
+        raise SystemExit("--ul-heads: the train split has no def/class line to cut a prefix at")
     params = sum(p.numel() for p in model.parameters())
     print(f"params {params:,}  device {device}  train tokens {len(train):,}", flush=True)
     ul_weights = prior if args.ul_depth_weights == "prior" else torch.full_like(prior, 1 / len(prior))
@@ -243,7 +254,7 @@ def main() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             objective, ce, probs = ouro_loss(forward, ids, args.beta, prior)
         if args.unlikelihood > 0 and step % args.ul_every == 0:
-            ul, ul_depth, ul_stats = unlikelihood_step(model, forward, train, rng, args, ul_weights, device)
+            ul, ul_depth, ul_stats = unlikelihood_step(model, forward, train, heads, rng, args, ul_weights, device)
             objective = objective + args.unlikelihood * ul
             ul_note = f" ul/depth {[round(u, 3) for u in ul_depth.tolist()]} {ul_stats}"
         opt.zero_grad(set_to_none=True)
