@@ -78,8 +78,8 @@ def unlikelihood_loss(model, seq_BT: torch.Tensor, prefix_len: int, mask_BL: tor
 
 def statement_heads(tokens: np.ndarray, tokenizer) -> np.ndarray:
     """Positions in ``tokens`` where a line (at any indentation) starts with ``def`` or
-    ``class`` (at its indentation token when that stands alone): prefixes cut there look like the prompts users give, and like the model card's
-    (a function's first line), where a greedy continuation is most prone to loop."""
+    ``class`` (at its indentation token when that stands alone). Prefixes cut there look like
+    the prompts users give and the model card's (a function's first line)."""
     text = [tokenizer.decode([i]) for i in range(tokenizer.get_vocab_size())]
     line_start = np.array([("\n" in t and t.rsplit("\n", 1)[1].strip(" ") == "") for t in text])
     spaces = np.array([t != "" and t.strip(" ") == "" for t in text])
@@ -89,4 +89,3 @@ def statement_heads(tokens: np.ndarray, tokenizer) -> np.ndarray:
     before = ids[at - 1]
     ok = line_start[before] | (spaces[before] & line_start[ids[at - 2]])
     return np.where(spaces[before], at - 1, at)[ok]
-
