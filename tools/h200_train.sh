@@ -40,8 +40,9 @@ for name in "${names[@]}"; do
     split -b 15000000 -d -a 1 "/root/out-$name/model.safetensors" "$OUT/$name.safetensors.part"
     cp "/root/out-$name/config.json" "$RES/$name/"
   fi
+  # after every run, so that a call cut short by the device limit still returns what finished
+  tar czf "$OUT/train-results.tgz" -C "$RES" .
 done
-tar czf "$OUT/train-results.tgz" -C "$RES" .
 for name in "${names[@]}"; do echo "== $name"; tail -n 3 "$RES/$name/stdout.txt"; \
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in d if k != 'samples'})" \
   "$RES/$name/eval.json" 2>/dev/null; done
