@@ -30,11 +30,24 @@ from pathlib import Path
 from loopcast.errors import LoopcastError
 
 LIBRARY_NAME = "libloopcast_ops.so"
-SOURCES = ("loopcast_ops.cc", "matmul_cpu.cc", "attention_cpu.cc", "row_attention_cpu.cc", "residual_norm_cpu.cc",
-           "swiglu_cpu.cc", "lane_step_cpu.cc")
-CUDA_SOURCES = ("cuda_ops.cc",)             # host glue, compiled by the C++ compiler
-CUDA_KERNELS = ("matmul_cuda.cu", "attention_cuda.cu", "residual_norm_cuda.cu", "swiglu_cuda.cu",
-                "kv_move_cuda.cu", "lane_step_cuda.cu")
+SOURCES = (
+    "loopcast_ops.cc",
+    "matmul_cpu.cc",
+    "attention_cpu.cc",
+    "row_attention_cpu.cc",
+    "residual_norm_cpu.cc",
+    "swiglu_cpu.cc",
+    "lane_step_cpu.cc",
+)
+CUDA_SOURCES = ("cuda_ops.cc",)  # host glue, compiled by the C++ compiler
+CUDA_KERNELS = (
+    "matmul_cuda.cu",
+    "attention_cuda.cu",
+    "residual_norm_cuda.cu",
+    "swiglu_cuda.cu",
+    "kv_move_cuda.cu",
+    "lane_step_cuda.cu",
+)
 _HERE = Path(__file__).resolve().parent
 _CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-Wall", "-Werror"]
 _NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC,-Wall", "--cudart", "static"]
@@ -43,11 +56,17 @@ DEFAULT_CUDA_ARCHS = ("90",)
 
 def cuda_archs(requested: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """Sorted SM versions to compile: ``requested``, else ``$LOOPCAST_CUDA_ARCHS``, else sm_90."""
-    archs = requested or tuple(a for a in os.environ.get("LOOPCAST_CUDA_ARCHS", "").replace(" ", "").split(",") if a)
-    archs = tuple(sorted(set(archs or DEFAULT_CUDA_ARCHS), key=int)) if all(a.isdigit() for a in archs) else ()
+    archs = requested or tuple(
+        a for a in os.environ.get("LOOPCAST_CUDA_ARCHS", "").replace(" ", "").split(",") if a
+    )
+    archs = (
+        tuple(sorted(set(archs or DEFAULT_CUDA_ARCHS), key=int)) if all(a.isdigit() for a in archs) else ()
+    )
     if not archs or int(archs[0]) < 90:
-        raise LoopcastError(f"CUDA architectures must be SM numbers >= 90 (e.g. 90,100), got {requested or archs!r}: "
-                            "the kernels use sm_90 features (griddepcontrol, TMA)")
+        raise LoopcastError(
+            f"CUDA architectures must be SM numbers >= 90 (e.g. 90,100), got {requested or archs!r}: "
+            "the kernels use sm_90 features (griddepcontrol, TMA)"
+        )
     return archs
 
 
@@ -72,9 +91,11 @@ def source_digest() -> str:
 
 
 def find_ort_include() -> Path | None:
-    candidates = [os.environ.get("LOOPCAST_ORT_INCLUDE"),
-                  _HERE.parent / ".cdeps" / "usr" / "include" / "onnxruntime",
-                  "/usr/include/onnxruntime"]
+    candidates = [
+        os.environ.get("LOOPCAST_ORT_INCLUDE"),
+        _HERE.parent / ".cdeps" / "usr" / "include" / "onnxruntime",
+        "/usr/include/onnxruntime",
+    ]
     for candidate in candidates:
         if candidate and (Path(candidate) / "onnxruntime_cxx_api.h").is_file():
             return Path(candidate)
@@ -102,8 +123,13 @@ def _run(cmd: list[str], what: str) -> None:
         raise LoopcastError(f"building {LIBRARY_NAME} failed ({what}): {first}")
 
 
-def build_library(out_dir: str | os.PathLike | None = None, ort_include: str | os.PathLike | None = None,
-                  cuda: bool | None = None, archs: tuple[str, ...] | None = None, jobs: int | None = None) -> Path:
+def build_library(
+    out_dir: str | os.PathLike | None = None,
+    ort_include: str | os.PathLike | None = None,
+    cuda: bool | None = None,
+    archs: tuple[str, ...] | None = None,
+    jobs: int | None = None,
+) -> Path:
     """Compile the kernels into ``out_dir/libloopcast_ops.so`` and return its path.
 
     ``cuda``: None builds the CUDA kernels when nvcc is found, True requires them, False skips them.
@@ -111,15 +137,19 @@ def build_library(out_dir: str | os.PathLike | None = None, ort_include: str | o
     """
     include = Path(ort_include) if ort_include else find_ort_include()
     if include is None or not (include / "onnxruntime_cxx_api.h").is_file():
-        raise LoopcastError("ONNX Runtime C++ headers not found (set LOOPCAST_ORT_INCLUDE or run "
-                            "tools/c_generate/fetch_deps.sh)")
+        raise LoopcastError(
+            "ONNX Runtime C++ headers not found (set LOOPCAST_ORT_INCLUDE or run "
+            "tools/c_generate/fetch_deps.sh)"
+        )
     compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if compiler is None:
         raise LoopcastError("no C++ compiler found (install g++ or set CXX)")
     nvcc = find_nvcc() if cuda is not False else None
     if cuda is True and nvcc is None:
-        raise LoopcastError("CUDA kernels requested but nvcc not found (set LOOPCAST_NVCC or put nvcc on PATH; "
-                            "LOOPCAST_NO_CUDA=1 disables it)")
+        raise LoopcastError(
+            "CUDA kernels requested but nvcc not found (set LOOPCAST_NVCC or put nvcc on PATH; "
+            "LOOPCAST_NO_CUDA=1 disables it)"
+        )
     gencode = _gencode(cuda_archs(archs)) if nvcc is not None else []
     out = Path(out_dir) if out_dir else _HERE / "build"
     out.mkdir(parents=True, exist_ok=True)
@@ -131,26 +161,80 @@ def build_library(out_dir: str | os.PathLike | None = None, ort_include: str | o
     src = _HERE / "src"
     try:
         if nvcc is None:
-            _run([compiler, *_CXXFLAGS, "-shared", f"-I{include}", *[str(src / s) for s in SOURCES],
-                  "-o", str(staging)], "C++")
+            _run(
+                [
+                    compiler,
+                    *_CXXFLAGS,
+                    "-shared",
+                    f"-I{include}",
+                    *[str(src / s) for s in SOURCES],
+                    "-o",
+                    str(staging),
+                ],
+                "C++",
+            )
         else:
-            compiles = [([compiler, *_CXXFLAGS, "-DLOOPCAST_WITH_CUDA", f"-I{include}", "-c", str(src / s),
-                          "-o", str(work / f"{s}.o")], s) for s in (*SOURCES, *CUDA_SOURCES)]
+            compiles = [
+                (
+                    [
+                        compiler,
+                        *_CXXFLAGS,
+                        "-DLOOPCAST_WITH_CUDA",
+                        f"-I{include}",
+                        "-c",
+                        str(src / s),
+                        "-o",
+                        str(work / f"{s}.o"),
+                    ],
+                    s,
+                )
+                for s in (*SOURCES, *CUDA_SOURCES)
+            ]
             # Kernels first: they take minutes each, the host files seconds.
-            compiles = [([str(nvcc), *_NVCCFLAGS, *gencode, f"-I{src}", "-c", str(src / s), "-o",
-                          str(work / f"{s}.o")], s) for s in CUDA_KERNELS] + compiles
+            compiles = [
+                (
+                    [
+                        str(nvcc),
+                        *_NVCCFLAGS,
+                        *gencode,
+                        f"-I{src}",
+                        "-c",
+                        str(src / s),
+                        "-o",
+                        str(work / f"{s}.o"),
+                    ],
+                    s,
+                )
+                for s in CUDA_KERNELS
+            ] + compiles
             with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
                 list(pool.map(lambda job: _run(*job), compiles))  # list(): re-raises the first failure
             objects = [cmd[-1] for cmd, _ in compiles]
             # --exclude-libs keeps the static cudart's symbols private; -Bsymbolic binds our own
             # calls to our copy even when the process has loaded another libcudart.
-            _run([str(nvcc), "-shared", "--cudart", "static", "-Xcompiler", "-fPIC",
-                  "-Xlinker", "--exclude-libs,ALL", "-Xlinker", "-Bsymbolic", *objects, "-o", str(staging)],
-                 "link")
+            _run(
+                [
+                    str(nvcc),
+                    "-shared",
+                    "--cudart",
+                    "static",
+                    "-Xcompiler",
+                    "-fPIC",
+                    "-Xlinker",
+                    "--exclude-libs,ALL",
+                    "-Xlinker",
+                    "-Bsymbolic",
+                    *objects,
+                    "-o",
+                    str(staging),
+                ],
+                "link",
+            )
         staging.replace(target)  # never leave a half-written library under the real name
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # A library this user compiled is trusted by hash when an artifact carries it (docs/trust.md).
     from loopcast.ops_trust import record_local_build
+
     record_local_build(target)
     return target

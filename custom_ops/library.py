@@ -31,7 +31,7 @@ BUILD_INFO = "build_info.json"
 class Prebuilt:
     library: Path
     source_digest: str
-    cuda_archs: tuple[str, ...]    # empty: CPU kernels only
+    cuda_archs: tuple[str, ...]  # empty: CPU kernels only
 
 
 def find_prebuilt() -> Prebuilt | None:
@@ -81,10 +81,16 @@ def custom_op_library() -> Path:
     out = root / f"ops-{digest.hexdigest()[:12]}"
     library = out / build.LIBRARY_NAME
     if not library.is_file():
-        what = (f"CPU kernels + CUDA kernels for sm_{', sm_'.join(build.cuda_archs())}: several minutes"
-                if nvcc is not None else "CPU kernels: about 10 s")
-        print(f"loopcast: {why}; building the custom-op library ({what}) into {out} ...",
-              file=sys.stderr, flush=True)
+        what = (
+            f"CPU kernels + CUDA kernels for sm_{', sm_'.join(build.cuda_archs())}: several minutes"
+            if nvcc is not None
+            else "CPU kernels: about 10 s"
+        )
+        print(
+            f"loopcast: {why}; building the custom-op library ({what}) into {out} ...",
+            file=sys.stderr,
+            flush=True,
+        )
         build.build_library(out)
         print(f"loopcast: built {library}", file=sys.stderr, flush=True)
     return library

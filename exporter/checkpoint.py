@@ -16,20 +16,30 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loopcast.exporter.hub_cache import looks_like_hub_id, resolve_hub_id
+
 from loopcast.config import ModelConfig, load_config
 from loopcast.errors import CheckpointError
-from loopcast.exporter.hub_cache import looks_like_hub_id, resolve_hub_id
 from loopcast.safetensors_file import (
-    FLOAT_DTYPES, NAME_OF_CODE, SafetensorsFormatError, TensorEntry, read_header,
+    FLOAT_DTYPES,
+    NAME_OF_CODE,
+    SafetensorsFormatError,
+    TensorEntry,
+    read_header,
 )
 
 if TYPE_CHECKING:  # torch is needed only by the reference-model helpers below (the [torch] extra)
     import torch
-
     from loopcast.exporter.reference import LoopedLM
 
-DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
-               "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+DTYPE_NAMES = {
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Upstream checkpoints may carry derived buffers we recompute.
@@ -40,6 +50,7 @@ def __getattr__(name: str) -> Any:
     # ``DTYPES`` (option name → torch dtype) for torch-side callers, built only when asked for.
     if name == "DTYPES":
         from loopcast.torch_extra import require_torch
+
         torch = require_torch("torch dtypes")
         return {k: getattr(torch, v) for k, v in DTYPE_NAMES.items()}
     raise AttributeError(name)
@@ -49,7 +60,8 @@ def resolve_checkpoint(path_or_name: str | os.PathLike) -> Path:
     """``demo`` names the shipped demo model; an existing directory is used as is; an
     ``org/name`` id is looked up in the local Hugging Face cache (offline)."""
     if str(path_or_name) == "demo":
-        from loopcast.demo import demo_checkpoint_dir
+        from loopcast.demo_checkpoint import demo_checkpoint_dir
+
         return demo_checkpoint_dir()
     path = Path(path_or_name)
     if path.is_dir():
@@ -68,22 +80,37 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_heads * d, config.num_kv_heads * d
     layer: dict[str, tuple[int, ...]] = {
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter),
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
     }
     if config.qkv_bias:
-        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        layer |= {
+            "self_attn.q_proj.bias": (q,),
+            "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,),
+        }
     if config.o_bias:
         layer["self_attn.o_proj.bias"] = (h,)
     if config.mlp_bias:
         layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)}
     if config.sandwich_norm:
         layer |= {"input_layernorm_2.weight": (h,), "post_attention_layernorm_2.weight": (h,)}
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-    for stack, count in (("layers", config.num_layers), ("prelude_layers", config.num_prelude_layers),
-                         ("coda_layers", config.num_coda_layers)):
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    for stack, count in (
+        ("layers", config.num_layers),
+        ("prelude_layers", config.num_prelude_layers),
+        ("coda_layers", config.num_coda_layers),
+    ):
         for i in range(count):
             shapes |= {f"model.{stack}.{i}.{name}": shape for name, shape in layer.items()}
     if config.has_exit_gate:
@@ -126,24 +153,32 @@ def validate_checkpoint(checkpoint_dir: Path, config: ModelConfig) -> dict[str, 
     shapes = expected_shapes(config)
     missing = sorted(set(shapes) - set(files))
     if missing:
-        raise CheckpointError(f"{checkpoint_dir}: tensor {missing[0]} is missing"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"{checkpoint_dir}: tensor {missing[0]} is missing"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     unexpected = sorted(set(files) - set(shapes))
     if unexpected:
-        raise CheckpointError(f"{checkpoint_dir}: unexpected tensor {unexpected[0]} for a "
-                              f"{config.model_type} config")
+        raise CheckpointError(
+            f"{checkpoint_dir}: unexpected tensor {unexpected[0]} for a {config.model_type} config"
+        )
     for fname, names in _by_file(files).items():
         header = _header(fname)
         for name in names:
             if name not in header:
-                raise CheckpointError(f"{fname.name}: tensor {name} (named in {INDEX_FILE}) is not in the file")
+                raise CheckpointError(
+                    f"{fname.name}: tensor {name} (named in {INDEX_FILE}) is not in the file"
+                )
             entry = header[name]
             if entry.shape != shapes[name]:
-                raise CheckpointError(f"{fname.name}: tensor {name} has shape {list(entry.shape)}, "
-                                      f"expected {list(shapes[name])}")
+                raise CheckpointError(
+                    f"{fname.name}: tensor {name} has shape {list(entry.shape)}, "
+                    f"expected {list(shapes[name])}"
+                )
             if entry.dtype not in FLOAT_DTYPES:
-                raise CheckpointError(f"{fname.name}: tensor {name} has dtype {entry.dtype}, "
-                                      "expected a floating-point dtype")
+                raise CheckpointError(
+                    f"{fname.name}: tensor {name} has dtype {entry.dtype}, expected a floating-point dtype"
+                )
     return files
 
 
@@ -162,10 +197,12 @@ def checkpoint_dtype(checkpoint_dir: Path) -> str:
     return NAME_OF_CODE.get(code, code)
 
 
-def iter_checkpoint_tensors(checkpoint_dir: Path, config: ModelConfig,
-                            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(
+    checkpoint_dir: Path, config: ModelConfig, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` (torch) one at a time after validating names, shapes and dtypes."""
     from safetensors import safe_open
+
     files = validate_checkpoint(checkpoint_dir, config)
     for fname, names in _by_file(files).items():
         with safe_open(fname, framework="pt") as f:
@@ -181,6 +218,7 @@ def load_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None =
     filled tensor by tensor, so only one copy of the weights is ever held.
     """
     from loopcast.torch_extra import require_torch
+
     torch = require_torch("the torch reference model")
     from loopcast.exporter.reference import LoopedLM
 
@@ -193,16 +231,24 @@ def load_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None =
     return model.eval()
 
 
-def save_checkpoint(model: LoopedLM, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int | None = None) -> Path:
+def save_checkpoint(
+    model: LoopedLM,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
     """Write ``model`` as a Hugging Face directory (sharded above ``max_shard_bytes``)."""
     tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
     return write_checkpoint(model.config, lambda: iter(tensors.items()), out_dir, dtype, max_shard_bytes)
 
 
-def write_checkpoint(config: ModelConfig, tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
-                     out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-                     max_shard_bytes: int | None = None) -> Path:
+def write_checkpoint(
+    config: ModelConfig,
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
     """Stream ``(name, tensor)`` pairs into safetensors shards; at most one shard is held.
 
     The directory is written next to its destination and renamed into place, so a failed
@@ -234,9 +280,12 @@ def write_checkpoint(config: ModelConfig, tensors: Callable[[], Iterator[tuple[s
             total = len(shards)
             for i, tmp in enumerate(shards):
                 tmp.rename(staging / f"model-{i + 1:05d}-of-{total:05d}.safetensors")
-            weight_map = {n: f"model-{int(i) + 1:05d}-of-{total:05d}.safetensors"
-                          for n, i in weight_map.items()}
-            (staging / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+            weight_map = {
+                n: f"model-{int(i) + 1:05d}-of-{total:05d}.safetensors" for n, i in weight_map.items()
+            }
+            (staging / INDEX_FILE).write_text(
+                json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+            )
         hf = config.replace(torch_dtype=str(stored_dtype).removeprefix("torch.")).to_hf_dict()
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         if out.exists():

@@ -17,37 +17,51 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
+from loopcast.exporter.weights import checkpoint_reader, weight_layout, weights_nbytes, write_weights
 from tqdm import tqdm
 
 from loopcast import __version__
 from loopcast.config import ModelConfig, generation_max_length, load_config
 from loopcast.errors import ExportError
-from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
-from loopcast.exporter.weights import checkpoint_reader, weight_layout, weights_nbytes, write_weights
-from loopcast.manifest import (MANIFEST_FILE, OP_SETS, SCHEMA_VERSION, TREE_TAIL, WEIGHTS_FILE, GraphSpec, Manifest,
-                               can_tree_verify, chunked_sha256)
+from loopcast.manifest import (
+    MANIFEST_FILE,
+    OP_SETS,
+    SCHEMA_VERSION,
+    TREE_TAIL,
+    WEIGHTS_FILE,
+    GraphSpec,
+    Manifest,
+    can_tree_verify,
+    chunked_sha256,
+)
 from loopcast.manifest_schema import MAX_BATCH, batch_plan
 from loopcast.swap import Staging, output_path, recover
 
 DTYPES = ("fp32", "fp16", "bf16")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 MAX_VERIFY_WIDTH = 32
 
 
 @dataclass(frozen=True)
 class ExportOptions:
     dtype: str = "fp32"
-    max_length: int | None = None      # default: min(config max positions, 4096)
+    max_length: int | None = None  # default: min(config max positions, 4096)
     verify_width: int = 5
-    draft_depth: int | None = None     # default: 1 when R > 1
-    batch_invariant: bool = False      # shorthand for ops="loopcast"
+    draft_depth: int | None = None  # default: 1 when R > 1
+    batch_invariant: bool = False  # shorthand for ops="loopcast"
     # auto: "loopcast-attention" for fp32 (exact on the CPU at stock speed) when the custom-op
     # library can be had, else "stock"; fp16/bf16 stay "stock" unless asked (--target cuda).
     ops: str = "auto"
-    genai: bool = False                # also write the ONNX Runtime GenAI graph + genai_config.json
-    max_batch: int | None = None       # also write the batched kinds for up to this many sequences
-    tree_verify: bool = False          # also write tree_draft and tree_tail (the alternate suffix)
+    genai: bool = False  # also write the ONNX Runtime GenAI graph + genai_config.json
+    max_batch: int | None = None  # also write the batched kinds for up to this many sequences
+    tree_verify: bool = False  # also write tree_draft and tree_tail (the alternate suffix)
 
     @property
     def op_set(self) -> str:
@@ -65,12 +79,16 @@ class ExportOptions:
         # Beyond max_position_embeddings, dynamic-NTK rope would change its frequencies with the
         # length (loopcast.rope); below it every supported rope type is static.
         if not 1 <= max_length <= config.max_position_embeddings:
-            raise ExportError(f"--max-length {max_length} is outside 1..{config.max_position_embeddings} "
-                              "(the model's max_position_embeddings)")
+            raise ExportError(
+                f"--max-length {max_length} is outside 1..{config.max_position_embeddings} "
+                "(the model's max_position_embeddings)"
+            )
         if config.sliding_window is not None and max_length > config.sliding_window:
-            raise ExportError(f"--max-length {max_length} exceeds the model's sliding_window "
-                              f"{config.sliding_window}: sliding-window attention is not supported, and only "
-                              "below the window does full attention compute the same thing")
+            raise ExportError(
+                f"--max-length {max_length} exceeds the model's sliding_window "
+                f"{config.sliding_window}: sliding-window attention is not supported, and only "
+                "below the window does full attention compute the same thing"
+            )
         if not 2 <= self.verify_width <= MAX_VERIFY_WIDTH:
             raise ExportError(f"--verify-width must be in 2..{MAX_VERIFY_WIDTH}, got {self.verify_width}")
         if self.verify_width > max_length:
@@ -82,17 +100,29 @@ class ExportOptions:
         else:
             depth = 1 if depth is None else depth
             if not 1 <= depth < config.num_loops:
-                raise ExportError(f"--draft-depth must be in 1..{config.num_loops - 1} (R={config.num_loops}), "
-                                  f"got {depth}")
+                raise ExportError(
+                    f"--draft-depth must be in 1..{config.num_loops - 1} (R={config.num_loops}), got {depth}"
+                )
         if self.op_set not in ("auto", *OP_SETS):
             raise ExportError(f"--ops must be one of auto, {', '.join(OP_SETS)}, got {self.ops!r}")
         if self.max_batch is not None and not 1 <= self.max_batch <= MAX_BATCH:
             raise ExportError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
         if self.tree_verify and config.num_loops == 1:
-            raise ExportError("--tree-verify needs a looped model (R > 1): its branches are drafted by the "
-                              "shallow loops; this one has R=1")
-        return ExportOptions(self.dtype, max_length, self.verify_width, depth, self.batch_invariant, self.ops, self.genai,
-                             self.max_batch, self.tree_verify)
+            raise ExportError(
+                "--tree-verify needs a looped model (R > 1): its branches are drafted by the "
+                "shallow loops; this one has R=1"
+            )
+        return ExportOptions(
+            self.dtype,
+            max_length,
+            self.verify_width,
+            depth,
+            self.batch_invariant,
+            self.ops,
+            self.genai,
+            self.max_batch,
+            self.tree_verify,
+        )
 
 
 def check_supported(config: ModelConfig, op_set: str = "stock") -> None:
@@ -101,12 +131,16 @@ def check_supported(config: ModelConfig, op_set: str = "stock") -> None:
         raise ExportError(f"head_dim {config.head_dim} is not supported: rotary needs an even head_dim")
     if op_set == "loopcast" and config.has_biases:
         # The loopcast MatMul op has no bias input; an Add after it would break the fused layer.
-        raise ExportError("--batch-invariant / --ops loopcast (and --target cuda) do not support projection "
-                          "biases (attention_bias, mlp_bias, Qwen2 q/k/v bias) yet; export without it")
+        raise ExportError(
+            "--batch-invariant / --ops loopcast (and --target cuda) do not support projection "
+            "biases (attention_bias, mlp_bias, Qwen2 q/k/v bias) yet; export without it"
+        )
     if config.head_dim % 16 and op_set == "stock":
-        raise ExportError(f"head_dim {config.head_dim} is not supported: GroupQueryAttention's rotary "
-                          "needs a multiple of 16 (--batch-invariant graphs take any even head_dim on the "
-                          "CPU; their CUDA kernel takes 16, 32, 64 or 128)")
+        raise ExportError(
+            f"head_dim {config.head_dim} is not supported: GroupQueryAttention's rotary "
+            "needs a multiple of 16 (--batch-invariant graphs take any even head_dim on the "
+            "CPU; their CUDA kernel takes 16, 32, 64 or 128)"
+        )
 
 
 def custom_op_library() -> Path:
@@ -137,8 +171,10 @@ def _resolve_op_set(opts: ExportOptions, log) -> tuple[str, Path | None]:
         try:
             return "loopcast-attention", custom_op_library()
         except ExportError as exc:
-            log(f"note: exporting stock graphs: {exc}. Speculation on them is not exact and is refused "
-                "unless allowed (--allow-inexact)")
+            log(
+                f"note: exporting stock graphs: {exc}. Speculation on them is not exact and is refused "
+                "unless allowed (--allow-inexact)"
+            )
             return "stock", None
     return op_set, custom_op_library() if op_set != "stock" else None
 
@@ -155,8 +191,14 @@ def _check_output_dir(out: Path) -> None:
         raise ExportError(f"{out}: output directory is not empty and is not a loopcast artifact")
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: ExportOptions = ExportOptions(),
-                      *, progress: bool = False, overwrite: bool = False) -> Manifest:
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    options: ExportOptions = ExportOptions(),
+    *,
+    progress: bool = False,
+    overwrite: bool = False,
+) -> Manifest:
     checkpoint_dir = resolve_checkpoint(checkpoint)
     config = load_config(checkpoint_dir)
     opts = options.resolved(config, generation_max_length(checkpoint_dir))
@@ -171,8 +213,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, options: Expo
         staging = Staging(out)
         try:
             known: dict[str, str] = {}
-            manifest = _with_file_records(_write_artifact(checkpoint_dir, config, opts, staging.path, progress, known),
-                                          staging.path, known)
+            manifest = _with_file_records(
+                _write_artifact(checkpoint_dir, config, opts, staging.path, progress, known),
+                staging.path,
+                known,
+            )
             manifest = _with_exactness(manifest, staging.path)
             staging.install()
         except BaseException:
@@ -190,10 +235,15 @@ def _os_errors(out: Path):
         return
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        hint = {errno.ENOSPC: "; free some space", errno.EDQUOT: "; over the disk quota",
-                errno.EFBIG: "; over the file-size limit", errno.EROFS: "; the file system is read-only",
-                errno.EACCES: "; no permission", errno.EPERM: "; no permission",
-                errno.EBUSY: "; is it a mount point or in use?"}.get(exc.errno, "")
+        hint = {
+            errno.ENOSPC: "; free some space",
+            errno.EDQUOT: "; over the disk quota",
+            errno.EFBIG: "; over the file-size limit",
+            errno.EROFS: "; the file system is read-only",
+            errno.EACCES: "; no permission",
+            errno.EPERM: "; no permission",
+            errno.EBUSY: "; is it a mount point or in use?",
+        }.get(exc.errno, "")
         where = f"{exc.filename}: " if exc.filename and Path(exc.filename) != out else ""
         message = f"{out}: cannot write the artifact ({where}{reason}{hint}); nothing was replaced"
     # A progress bar left open by the failed write would redraw itself at exit, after the error
@@ -203,18 +253,27 @@ def _os_errors(out: Path):
     raise ExportError(message)
 
 
-def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptions, staging: Path,
-                    show_progress: bool, known_hashes: dict[str, str]) -> Manifest:
+def _write_artifact(
+    checkpoint_dir: Path,
+    config: ModelConfig,
+    opts: ExportOptions,
+    staging: Path,
+    show_progress: bool,
+    known_hashes: dict[str, str],
+) -> Manifest:
     """Write every file of the artifact into ``staging``; ``known_hashes`` gets the digest of
     files hashed here (the weights, chunked: loopcast/manifest.py), so the file records skip a pass."""
-    op_set, built_library = _resolve_op_set(opts, lambda line: print(line, file=sys.stderr) if show_progress else None)
+    op_set, built_library = _resolve_op_set(
+        opts, lambda line: print(line, file=sys.stderr) if show_progress else None
+    )
     if opts.tree_verify and can_tree_verify(config, op_set):
         raise ExportError(f"--tree-verify: {can_tree_verify(config, op_set)}")
     read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
     layout = weight_layout(config, opts.max_length, opts.dtype, read)
     total = weights_nbytes(config, opts.max_length, opts.dtype, read)
-    bar = tqdm(total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024,
-               disable=not show_progress)
+    bar = tqdm(
+        total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not show_progress
+    )
     # The graphs need only the weights' offsets, known before the copy: they are built on a
     # second thread while the weights are written (the copy is mostly numpy and I/O, which
     # release the GIL) and saved once the weights file is complete. That thread also imports
@@ -222,8 +281,9 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     with ThreadPoolExecutor(max_workers=1) as pool:
         built = pool.submit(_build_graphs, config, opts, op_set, layout, staging)
         try:
-            stored = write_weights(staging / WEIGHTS_FILE, config, opts.max_length, opts.dtype, read,
-                                   progress=bar.update)
+            stored = write_weights(
+                staging / WEIGHTS_FILE, config, opts.max_length, opts.dtype, read, progress=bar.update
+            )
         finally:
             close()
             bar.close()
@@ -234,16 +294,29 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
     # core's SHA-256 of 2.7 GB took 2 s on the H200 host, as long as the rest of the copy)
     known_hashes[WEIGHTS_FILE] = chunked_sha256(staging / WEIGHTS_FILE)
     import onnx_ir as ir  # imported by the graph thread by now
-
     from loopcast.exporter.genai import write_genai
 
     library = None
     for plan in plans:
         ir.save(models[plan.kind], staging / graphs[plan.kind].file)
-    graphs.update(_write_batched(config, _ir_dtype(opts.dtype), opts.max_length, opts.max_batch, opts.verify_width,
-                                 refs, staging, op_set, custom_ops))
-    genai_files = write_genai(staging, config, _ir_dtype(opts.dtype), opts.max_length, refs,
-                              WEIGHTS_FILE) if opts.genai else []
+    graphs.update(
+        _write_batched(
+            config,
+            _ir_dtype(opts.dtype),
+            opts.max_length,
+            opts.max_batch,
+            opts.verify_width,
+            refs,
+            staging,
+            op_set,
+            custom_ops,
+        )
+    )
+    genai_files = (
+        write_genai(staging, config, _ir_dtype(opts.dtype), opts.max_length, refs, WEIGHTS_FILE)
+        if opts.genai
+        else []
+    )
     if custom_ops:
         # The artifact carries its own copy so that C programs and other machines need nothing else.
         library = built_library.name
@@ -265,8 +338,10 @@ def _write_artifact(checkpoint_dir: Path, config: ModelConfig, opts: ExportOptio
             "slots": config.num_kv_slots,
             "slot_of": "core loop r, layer l -> r*L + l; then prelude, then coda",
             "shape": [1, config.num_kv_heads, opts.max_length, config.head_dim],
-            "names": {"past": "past_key.{slot} / past_value.{slot}",
-                      "present": "present_key.{slot} / present_value.{slot} (bind the same buffer)"},
+            "names": {
+                "past": "past_key.{slot} / past_value.{slot}",
+                "present": "present_key.{slot} / present_value.{slot} (bind the same buffer)",
+            },
             "lengths": "seqlens_k = n+M-1 (int32 [1]); total_sequence_length = n+M (int32 scalar)",
         },
         graphs=graphs,
@@ -300,8 +375,9 @@ def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: str, layout:
     models, graphs, custom_ops = {}, {}, set()
     for plan in plans:
         builder = GraphBuilder(refs, WEIGHTS_FILE, staging)
-        models[plan.kind], graphs[plan.kind] = build_kind(plan, config, dtype, opts.max_length, builder,
-                                                          op_set=op_set)
+        models[plan.kind], graphs[plan.kind] = build_kind(
+            plan, config, dtype, opts.max_length, builder, op_set=op_set
+        )
         custom_ops.update(builder.custom_ops())
     return plans, refs, models, graphs, custom_ops
 
@@ -316,14 +392,18 @@ def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
     cuBLAS and GroupQueryAttention are not."""
     from loopcast.exporter.exactness_probe import rows_match_shallow
 
-    exact = {"cpu": manifest.dtype == "fp32" and rows_match_shallow(staging), "cuda": manifest.op_set == "loopcast"}
+    exact = {
+        "cpu": manifest.dtype == "fp32" and rows_match_shallow(staging),
+        "cuda": manifest.op_set == "loopcast",
+    }
     declared = dataclasses.replace(manifest, exact_verify=exact)
     (staging / MANIFEST_FILE).write_text(declared.to_json())
     return declared
 
 
-def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int, *,
-                      overwrite: bool = False) -> Manifest:
+def with_verify_width(
+    artifact_dir: str | Path, out_dir: str | Path, width: int, *, overwrite: bool = False
+) -> Manifest:
     """A sibling artifact whose verify graphs take ``width`` rows, sharing the weights file.
 
     Only the graphs are rebuilt (seconds, even at 1.4B); the weights, tokenizer and custom-op
@@ -341,20 +421,23 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
     manifest = Manifest.read(src)
     config = manifest.config
     if not 2 <= width <= min(MAX_VERIFY_WIDTH, manifest.max_length):
-        raise ExportError(f"verify width must be in 2..{min(MAX_VERIFY_WIDTH, manifest.max_length)}, got {width}")
+        raise ExportError(
+            f"verify width must be in 2..{min(MAX_VERIFY_WIDTH, manifest.max_length)}, got {width}"
+        )
     if out.exists() and out.resolve() == src.resolve():
         raise ExportError(f"{out}: the output must differ from the source artifact")
     _check_output_dir(out)
     if (out / MANIFEST_FILE).is_file() and not overwrite:
         raise ExportError(f"{out}: an artifact is already there (pass overwrite=True to replace it)")
     import onnx_ir as ir
-
     from loopcast.graphs.builder import GraphBuilder, WeightRef
     from loopcast.graphs.kinds import build_kind, plan_kinds
 
     dtype = _ir_dtype(manifest.dtype)
-    refs = {name: WeightRef(name, dtype, t.shape, t.offset, t.length)
-            for name, t in read_stored(src / manifest.weights_file).items()}
+    refs = {
+        name: WeightRef(name, dtype, t.shape, t.offset, t.length)
+        for name, t in read_stored(src / manifest.weights_file).items()
+    }
     keep = [manifest.weights_file, *manifest.tokenizer_files, *manifest.genai_files]
     if manifest.custom_op_library:
         keep.append(manifest.custom_op_library)
@@ -367,15 +450,29 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
                 except OSError:
                     shutil.copy(src / name, staging.path / name)
             graphs = {}
-            for plan in plan_kinds(config, width, manifest.draft_depth, op_set=manifest.op_set,
-                                   tree=TREE_TAIL in manifest.graphs):
+            for plan in plan_kinds(
+                config, width, manifest.draft_depth, op_set=manifest.op_set, tree=TREE_TAIL in manifest.graphs
+            ):
                 builder = GraphBuilder(refs, manifest.weights_file, staging.path)
-                model, spec = build_kind(plan, config, dtype, manifest.max_length, builder,
-                                         op_set=manifest.op_set)
+                model, spec = build_kind(
+                    plan, config, dtype, manifest.max_length, builder, op_set=manifest.op_set
+                )
                 ir.save(model, staging.path / spec.file)
                 graphs[plan.kind] = spec
-            graphs.update(_write_batched(config, dtype, manifest.max_length, manifest.max_batch, width, refs,
-                                         staging.path, manifest.op_set, set(), manifest.weights_file))
+            graphs.update(
+                _write_batched(
+                    config,
+                    dtype,
+                    manifest.max_length,
+                    manifest.max_batch,
+                    width,
+                    refs,
+                    staging.path,
+                    manifest.op_set,
+                    set(),
+                    manifest.weights_file,
+                )
+            )
             derived = dataclasses.replace(manifest, graphs=graphs, verify_width=width, files={})
             derived = _with_file_records(derived, staging.path)
             staging.install()
@@ -385,12 +482,20 @@ def with_verify_width(artifact_dir: str | Path, out_dir: str | Path, width: int,
     return derived
 
 
-def _write_batched(config: ModelConfig, dtype, max_length: int, max_batch: int | None,
-                   verify_width: int | None, refs: dict, staging: Path, op_set: str, custom_ops: set[str],
-                   weights_file: str = WEIGHTS_FILE) -> dict[str, GraphSpec]:
+def _write_batched(
+    config: ModelConfig,
+    dtype,
+    max_length: int,
+    max_batch: int | None,
+    verify_width: int | None,
+    refs: dict,
+    staging: Path,
+    op_set: str,
+    custom_ops: set[str],
+    weights_file: str = WEIGHTS_FILE,
+) -> dict[str, GraphSpec]:
     """The batched kinds (graphs/batched.py) when ``max_batch`` is set; adds their custom ops."""
     import onnx_ir as ir
-
     from loopcast.graphs.batched import build_batched_kind
     from loopcast.graphs.builder import GraphBuilder
 
@@ -410,8 +515,11 @@ def _with_file_records(manifest: Manifest, staging: Path, known: dict[str, str] 
     library only if its hash matches (docs/trust.md)."""
     from loopcast.manifest import CHUNKED_SHA256, FileRecord, file_digest, sampled_sha256
 
-    names = [spec.file for spec in manifest.graphs.values()] + [manifest.weights_file, *manifest.tokenizer_files,
-                                                                  *manifest.genai_files]
+    names = [spec.file for spec in manifest.graphs.values()] + [
+        manifest.weights_file,
+        *manifest.tokenizer_files,
+        *manifest.genai_files,
+    ]
     if manifest.custom_op_library:
         names.append(manifest.custom_op_library)
     known = known or {}

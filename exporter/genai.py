@@ -15,11 +15,20 @@ import json
 from pathlib import Path
 
 import onnx_ir as ir
+from loopcast.graphs.builder import GraphBuilder, WeightRef
+from loopcast.graphs.genai_decoder import (
+    ATTENTION_MASK,
+    GENAI_FILE,
+    INPUT_IDS,
+    LOGITS,
+    PAST_KEY,
+    PAST_VALUE,
+    PRESENT_KEY,
+    PRESENT_VALUE,
+    build_genai_decoder,
+)
 
 from loopcast.config import ModelConfig
-from loopcast.graphs.builder import GraphBuilder, WeightRef
-from loopcast.graphs.genai_decoder import (ATTENTION_MASK, GENAI_FILE, INPUT_IDS, LOGITS, PAST_KEY, PAST_VALUE,
-                                           PRESENT_KEY, PRESENT_VALUE, build_genai_decoder)
 
 GENAI_CONFIG_FILE = "genai_config.json"
 
@@ -36,10 +45,17 @@ def genai_config(config: ModelConfig, max_length: int) -> dict:
                 "filename": GENAI_FILE,
                 "head_size": config.head_dim,
                 "hidden_size": config.hidden_size,
-                "inputs": {"input_ids": INPUT_IDS, "attention_mask": ATTENTION_MASK,
-                           "past_key_names": PAST_KEY, "past_value_names": PAST_VALUE},
-                "outputs": {"logits": LOGITS, "present_key_names": PRESENT_KEY,
-                            "present_value_names": PRESENT_VALUE},
+                "inputs": {
+                    "input_ids": INPUT_IDS,
+                    "attention_mask": ATTENTION_MASK,
+                    "past_key_names": PAST_KEY,
+                    "past_value_names": PAST_VALUE,
+                },
+                "outputs": {
+                    "logits": LOGITS,
+                    "present_key_names": PRESENT_KEY,
+                    "present_value_names": PRESENT_VALUE,
+                },
                 "num_attention_heads": config.num_heads,
                 # One GenAI "layer" per KV slot: loops × core layers (+ prelude, coda), see genai_decoder.
                 "num_hidden_layers": config.num_kv_slots,
@@ -53,18 +69,33 @@ def genai_config(config: ModelConfig, max_length: int) -> dict:
             "vocab_size": config.vocab_size,
         },
         "search": {
-            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
-            "max_length": max_length, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+            "diversity_penalty": 0.0,
+            "do_sample": False,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "max_length": max_length,
+            "min_length": 0,
+            "no_repeat_ngram_size": 0,
+            "num_beams": 1,
             "num_return_sequences": 1,
             # The graph's GroupQueryAttention writes past in place (static [1, Hkv, max_length, D]).
             "past_present_share_buffer": True,
-            "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
         },
     }
 
 
-def write_genai(staging: Path, config: ModelConfig, dtype: ir.DataType, max_length: int,
-                refs: dict[str, WeightRef], weights_file: str) -> list[str]:
+def write_genai(
+    staging: Path,
+    config: ModelConfig,
+    dtype: ir.DataType,
+    max_length: int,
+    refs: dict[str, WeightRef],
+    weights_file: str,
+) -> list[str]:
     """Write the GenAI graph and config into ``staging``; returns the file names written."""
     builder = GraphBuilder(refs, weights_file, staging)
     ir.save(build_genai_decoder(config, dtype, max_length, builder), staging / GENAI_FILE)

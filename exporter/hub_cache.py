@@ -41,17 +41,20 @@ def resolve_hub_id(model_id: str, revision: str = "main") -> Path:
     cache = hub_cache_dir()
     repo = cache / ("models--" + model_id.replace("/", "--"))
     if not repo.is_dir():
-        raise CheckpointError(f"{model_id}: not a checkpoint directory, and not in the Hugging Face cache "
-                              f"({repo} not found; loopcast does not download, fetch it with "
-                              f"`huggingface-cli download {model_id}` or set HF_HUB_CACHE/HF_HOME)")
+        raise CheckpointError(
+            f"{model_id}: not a checkpoint directory, and not in the Hugging Face cache "
+            f"({repo} not found; loopcast does not download, fetch it with "
+            f"`huggingface-cli download {model_id}` or set HF_HUB_CACHE/HF_HOME)"
+        )
     ref = repo / "refs" / revision
     commit = ref.read_text().strip() if ref.is_file() else revision
     if not _REVISION.match(commit):
         raise CheckpointError(f"{ref}: malformed ref {commit!r}")
     snapshot = repo / "snapshots" / commit
     if not snapshot.is_dir():
-        raise CheckpointError(f"{model_id}: revision {revision!r} is not in the Hugging Face cache "
-                              f"({snapshot} not found)")
+        raise CheckpointError(
+            f"{model_id}: revision {revision!r} is not in the Hugging Face cache ({snapshot} not found)"
+        )
     if not (snapshot / "config.json").exists():
         raise CheckpointError(f"{snapshot}: cached snapshot of {model_id} has no config.json")
     return snapshot

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import math
 
+from loopcast.exporter.checkpoint import (
+    checkpoint_dtype,
+    expected_shapes,
+    resolve_checkpoint,
+    validate_checkpoint,
+)
+
 from loopcast.config import load_config
-from loopcast.exporter.checkpoint import checkpoint_dtype, expected_shapes, resolve_checkpoint, validate_checkpoint
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -19,7 +25,9 @@ def _size(n: float) -> str:
 
 
 def _biases(cfg) -> str:
-    parts = [name for name, on in (("q/k/v", cfg.qkv_bias), ("o_proj", cfg.o_bias), ("mlp", cfg.mlp_bias)) if on]
+    parts = [
+        name for name, on in (("q/k/v", cfg.qkv_bias), ("o_proj", cfg.o_bias), ("mlp", cfg.mlp_bias)) if on
+    ]
     return ", ".join(parts) or "none"
 
 
@@ -37,15 +45,20 @@ def describe_checkpoint(path_or_name: str) -> str:
         f"dtype           {dtype}",
         f"parameters      {params:,}",
         f"loops (R)       {cfg.num_loops}  x  {cfg.num_layers} core layers"
-        + (f"  (+{cfg.num_prelude_layers} prelude, +{cfg.num_coda_layers} coda)"
-           if cfg.num_prelude_layers or cfg.num_coda_layers else ""),
+        + (
+            f"  (+{cfg.num_prelude_layers} prelude, +{cfg.num_coda_layers} coda)"
+            if cfg.num_prelude_layers or cfg.num_coda_layers
+            else ""
+        ),
         f"layer norms     {'sandwich (4 RMSNorms)' if cfg.sandwich_norm else 'pre-norm (2 RMSNorms)'}",
         f"hidden          {cfg.hidden_size}, intermediate {cfg.intermediate_size}",
         f"attention       {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}"
         + (f", sliding window {cfg.sliding_window}" if cfg.sliding_window else ""),
         f"rope            theta {cfg.rope_theta:g}, type {cfg.rope_type}"
-        + "".join(f", {k} {v:g}" if isinstance(v, float) else f", {k} {v}"
-                  for k, v in (cfg.rope_scaling.params if cfg.rope_scaling else ())),
+        + "".join(
+            f", {k} {v:g}" if isinstance(v, float) else f", {k} {v}"
+            for k, v in (cfg.rope_scaling.params if cfg.rope_scaling else ())
+        ),
         f"biases          {_biases(cfg)}",
         f"eos ids         {', '.join(map(str, cfg.eos_token_ids)) or 'none'}",
         f"vocab           {cfg.vocab_size} ({'tied' if cfg.tie_word_embeddings else 'untied'} lm_head)",

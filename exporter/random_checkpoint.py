@@ -11,13 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
-from loopcast.config import ModelConfig
 from loopcast.exporter.checkpoint import expected_shapes, write_checkpoint
 
+from loopcast.config import ModelConfig
 
-def random_tensors(config: ModelConfig, seed: int, std: float = 0.02,
-                   dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+
+def random_tensors(
+    config: ModelConfig, seed: int, std: float = 0.02, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Deterministic per-tensor init: normal(0, std) matrices and projection biases (so that a
     bias the export dropped would show), unit norms, zero exit-gate bias."""
     for index, (name, shape) in enumerate(sorted(expected_shapes(config).items())):
@@ -31,8 +32,14 @@ def random_tensors(config: ModelConfig, seed: int, std: float = 0.02,
         yield name, tensor.to(dtype)
 
 
-def write_random_checkpoint(config: ModelConfig, out_dir: str | os.PathLike, seed: int = 0,
-                            dtype: torch.dtype = torch.float32, std: float = 0.02,
-                            max_shard_bytes: int | None = None) -> Path:
-    return write_checkpoint(config, lambda: random_tensors(config, seed, std, dtype), out_dir,
-                            dtype, max_shard_bytes)
+def write_random_checkpoint(
+    config: ModelConfig,
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    std: float = 0.02,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    return write_checkpoint(
+        config, lambda: random_tensors(config, seed, std, dtype), out_dir, dtype, max_shard_bytes
+    )

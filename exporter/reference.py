@@ -43,8 +43,14 @@ class KVCache:
     caller setting ``n`` back; data past ``n`` is never read before it is rewritten.
     """
 
-    def __init__(self, config: ModelConfig, max_length: int, batch: int = 1,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_length: int,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         shape = (config.num_kv_slots, batch, config.num_kv_heads, max_length, config.head_dim)
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)
@@ -164,7 +170,9 @@ class _Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         if config.num_prelude_layers:
-            self.prelude_layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_prelude_layers))
+            self.prelude_layers = nn.ModuleList(
+                DecoderLayer(config) for _ in range(config.num_prelude_layers)
+            )
         if config.num_coda_layers:
             self.coda_layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_coda_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -176,9 +184,9 @@ class _Backbone(nn.Module):
 class LoopedOutput:
     """Per-depth results of one forward: index r holds what loop r (depth r+1) produced."""
 
-    logits: list[torch.Tensor]          # [B, M, V] at each computed depth
-    hidden: list[torch.Tensor]          # loop-normed state after each loop [B, M, H]
-    gate_logits: list[torch.Tensor]     # exit-gate logit after each loop [B, M] (Ouro only)
+    logits: list[torch.Tensor]  # [B, M, V] at each computed depth
+    hidden: list[torch.Tensor]  # loop-normed state after each loop [B, M, H]
+    gate_logits: list[torch.Tensor]  # exit-gate logit after each loop [B, M] (Ouro only)
 
     @property
     def final_logits(self) -> torch.Tensor:
@@ -229,9 +237,17 @@ class LoopedLM(nn.Module):
         return self.model.early_exit_gate(x).squeeze(-1)
 
     # -- compositions --------------------------------------------------------------------------
-    def forward(self, input_ids_BS: torch.Tensor | None = None, *, start: int = 0,
-                cache: KVCache | None = None, first_loop: int = 0, last_loop: int | None = None,
-                hidden_BSH: torch.Tensor | None = None, all_depths: bool = False) -> LoopedOutput:
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor | None = None,
+        *,
+        start: int = 0,
+        cache: KVCache | None = None,
+        first_loop: int = 0,
+        last_loop: int | None = None,
+        hidden_BSH: torch.Tensor | None = None,
+        all_depths: bool = False,
+    ) -> LoopedOutput:
         """Run loops ``first_loop .. last_loop-1`` over new rows at positions ``start..``.
 
         ``first_loop == 0`` starts from token ids (embed + prelude); otherwise ``hidden_BSH``
@@ -246,8 +262,10 @@ class LoopedLM(nn.Module):
         if all_depths and cache is not None and cfg.num_coda_layers:
             # The cache holds one coda KV per position (the committed depth's); a shallower
             # depth's coda would need its own, so its logits are undefined on a cached step.
-            raise ValueError("all_depths with a KV cache is undefined for models with coda layers; "
-                             "run last_loop=d per depth instead")
+            raise ValueError(
+                "all_depths with a KV cache is undefined for models with coda layers; "
+                "run last_loop=d per depth instead"
+            )
         if first_loop == 0:
             x = self.embed(input_ids_BS)
         else:

@@ -6,23 +6,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from loopcast.exporter.reference import KVCache, LoopedLM
 
 from loopcast.errors import RequestError
-from loopcast.exporter.reference import KVCache, LoopedLM
 
 
 @dataclass(frozen=True)
 class ReferenceResult:
-    tokens: list[int]                    # generated ids (prompt excluded)
-    finish_reason: str                   # "eos", "length" (max_new_tokens) or "capacity"
+    tokens: list[int]  # generated ids (prompt excluded)
+    finish_reason: str  # "eos", "length" (max_new_tokens) or "capacity"
     step_logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # [V] per token
 
 
 def validate_request(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int, max_length: int) -> None:
     vocab = model.config.vocab_size
     if not 1 <= max_length <= model.config.max_position_embeddings:
-        raise RequestError(f"max_length {max_length} is outside 1..{model.config.max_position_embeddings} "
-                           "(max_position_embeddings)")
+        raise RequestError(
+            f"max_length {max_length} is outside 1..{model.config.max_position_embeddings} "
+            "(max_position_embeddings)"
+        )
     if not prompt_ids:
         raise RequestError("prompt is empty: give at least one token")
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
@@ -34,8 +36,14 @@ def validate_request(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int
         raise RequestError(f"prompt of {len(prompt_ids)} tokens is longer than the max length {max_length}")
 
 
-def _greedy_loop(next_logits, prompt_ids: list[int], max_new_tokens: int, max_length: int,
-                 stop_ids: tuple[int, ...], keep_logits: bool) -> ReferenceResult:
+def _greedy_loop(
+    next_logits,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    max_length: int,
+    stop_ids: tuple[int, ...],
+    keep_logits: bool,
+) -> ReferenceResult:
     """The stopping rules both paths share; ``next_logits(pending, n)`` scores the last row."""
     tokens: list[int] = []
     kept: list[torch.Tensor] = []
@@ -56,9 +64,16 @@ def _greedy_loop(next_logits, prompt_ids: list[int], max_new_tokens: int, max_le
 
 
 @torch.no_grad()
-def greedy_generate(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int, *,
-                    max_length: int | None = None, stop_ids: tuple[int, ...] = (),
-                    depth: int | None = None, keep_logits: bool = False) -> ReferenceResult:
+def greedy_generate(
+    model: LoopedLM,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    max_length: int | None = None,
+    stop_ids: tuple[int, ...] = (),
+    depth: int | None = None,
+    keep_logits: bool = False,
+) -> ReferenceResult:
     """Greedy decode with the static cache: prefill once, then one token per step.
 
     ``depth`` stops every step after that many loops (the shallow model). Generation ends at a
@@ -77,9 +92,16 @@ def greedy_generate(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int,
 
 
 @torch.no_grad()
-def greedy_generate_recompute(model: LoopedLM, prompt_ids: list[int], max_new_tokens: int, *,
-                              max_length: int | None = None, stop_ids: tuple[int, ...] = (),
-                              depth: int | None = None, keep_logits: bool = False) -> ReferenceResult:
+def greedy_generate_recompute(
+    model: LoopedLM,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    max_length: int | None = None,
+    stop_ids: tuple[int, ...] = (),
+    depth: int | None = None,
+    keep_logits: bool = False,
+) -> ReferenceResult:
     """Same contract as :func:`greedy_generate`, recomputing the whole sequence every step."""
     max_length = model.config.max_position_embeddings if max_length is None else max_length
     validate_request(model, prompt_ids, max_new_tokens, max_length)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from loopcast.errors import RequestError
 from loopcast.exporter.checkpoint import load_checkpoint, resolve_checkpoint
 from loopcast.exporter.reference_generate import greedy_generate
+
+from loopcast.errors import RequestError
 
 
 def load_tokenizer(directory: Path):
@@ -16,11 +17,13 @@ def load_tokenizer(directory: Path):
     if not path.is_file():
         return None
     from tokenizers import Tokenizer
+
     return Tokenizer.from_file(str(path))
 
 
-def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int] | None,
-                            max_new_tokens: int) -> dict:
+def generate_with_reference(
+    path: str, prompt: str | None, prompt_ids: list[int] | None, max_new_tokens: int
+) -> dict:
     checkpoint_dir = resolve_checkpoint(path)
     tokenizer = load_tokenizer(checkpoint_dir)
     if prompt is not None:
@@ -28,6 +31,7 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
             raise RequestError(f"{checkpoint_dir}: no tokenizer.json, use --prompt-ids")
         prompt_ids = tokenizer.encode(prompt).ids
     import torch
+
     model = load_checkpoint(checkpoint_dir, dtype=torch.float32)
     stop = model.config.eos_token_ids
     start = time.perf_counter()
@@ -37,7 +41,12 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
     return {
         "tokens": result.tokens,
         "text": text,
-        "stats": {"backend": "torch", "prompt_tokens": len(prompt_ids), "new_tokens": len(result.tokens),
-                  "finish_reason": result.finish_reason, "seconds": round(seconds, 4),
-                  "tokens_per_second": round(len(result.tokens) / seconds, 2) if seconds > 0 else None},
+        "stats": {
+            "backend": "torch",
+            "prompt_tokens": len(prompt_ids),
+            "new_tokens": len(result.tokens),
+            "finish_reason": result.finish_reason,
+            "seconds": round(seconds, 4),
+            "tokens_per_second": round(len(result.tokens) / seconds, 2) if seconds > 0 else None,
+        },
     }

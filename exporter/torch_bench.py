@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable
 
 import torch
+from loopcast.exporter.checkpoint import load_checkpoint
+from loopcast.exporter.reference import KVCache, LoopedLM
 
 from loopcast.config import ModelConfig
 from loopcast.errors import RequestError
-from loopcast.exporter.checkpoint import load_checkpoint
-from loopcast.exporter.reference import KVCache, LoopedLM
 
 DecodeStep = Callable[[torch.Tensor], torch.Tensor]  # ids_B1 (int64) -> next_B (int64)
 
@@ -29,8 +29,9 @@ DecodeStep = Callable[[torch.Tensor], torch.Tensor]  # ids_B1 (int64) -> next_B 
 _CPU_BANDWIDTH_BYTES = 2**26
 
 
-def load_reference(checkpoint_dir: str | os.PathLike, dtype: torch.dtype,
-                   device: torch.device | str) -> LoopedLM:
+def load_reference(
+    checkpoint_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+) -> LoopedLM:
     """The reference model from a checkpoint directory (or ``demo``), in eval mode, frozen."""
     model = load_checkpoint(checkpoint_dir, dtype=dtype).to(device)
     model.requires_grad_(False)
@@ -75,8 +76,9 @@ def random_cache(model: LoopedLM, *, past: int, max_length: int, seed: int = 0) 
     return cache
 
 
-def decode_step_ms(model: LoopedLM, *, past: int, max_length: int, cuda_graph: bool,
-                   iters: int = 50, warmup: int = 5) -> float:
+def decode_step_ms(
+    model: LoopedLM, *, past: int, max_length: int, cuda_graph: bool, iters: int = 50, warmup: int = 5
+) -> float:
     """Median milliseconds of one M=1 full-depth decode step at position ``past``.
 
     Each step feeds its argmax back as the next input on the device (a real autoregressive
@@ -167,10 +169,13 @@ def device_bandwidth_gbs(device: torch.device | str, nbytes: int | None = None, 
 def _layer_params(config: ModelConfig) -> int:
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     attention = h * config.num_heads * d * 2 + h * config.num_kv_heads * d * 2  # q, o; k, v
-    mlp = 3 * h * inter                                                        # gate, up, down
+    mlp = 3 * h * inter  # gate, up, down
     norms = (4 if config.sandwich_norm else 2) * h
-    biases = ((config.num_heads + 2 * config.num_kv_heads) * d if config.qkv_bias else 0) \
-        + (h if config.o_bias else 0) + (2 * inter + h if config.mlp_bias else 0)
+    biases = (
+        ((config.num_heads + 2 * config.num_kv_heads) * d if config.qkv_bias else 0)
+        + (h if config.o_bias else 0)
+        + (2 * inter + h if config.mlp_bias else 0)
+    )
     return attention + mlp + norms + biases
 
 
@@ -192,7 +197,7 @@ def bytes_per_decode_step(config: ModelConfig, dtype_bytes: int, past: int) -> d
     layer = _layer_params(config)
     core = config.num_layers * layer + h  # + the loop-norm
     edges = (config.num_prelude_layers + config.num_coda_layers) * layer
-    head = config.vocab_size * h + h      # lm_head (or the tied embedding) + one embedding row
+    head = config.vocab_size * h + h  # lm_head (or the tied embedding) + one embedding row
     weights = (edges + config.num_loops * core + head) * dtype_bytes
     kv = config.num_kv_slots * 2 * config.num_kv_heads * (past + 1) * config.head_dim * dtype_bytes
     return {"weights": weights, "kv": kv, "total": weights + kv}

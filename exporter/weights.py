@@ -27,8 +27,11 @@ from loopcast.safetensors_file import MappedFile
 
 # Artifact dtype name → (numpy dtype, safetensors code). Conversions round to nearest even,
 # as torch's ``.to()`` does, so an export is bit-identical to one made through torch.
-NUMPY_DTYPES = {"fp32": (np.dtype(np.float32), "F32"), "fp16": (np.dtype(np.float16), "F16"),
-                "bf16": (np.dtype(ml_dtypes.bfloat16), "BF16")}
+NUMPY_DTYPES = {
+    "fp32": (np.dtype(np.float32), "F32"),
+    "fp16": (np.dtype(np.float16), "F16"),
+    "bf16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
+}
 _DTYPE_OF_CODE = {code: name for name, (_, code) in NUMPY_DTYPES.items()}
 _ALIGN = 64  # keeps every tensor's data aligned for vectorised loads after mmap
 
@@ -38,9 +41,9 @@ Read = Callable[[str], np.ndarray]
 @dataclass(frozen=True)
 class StoredTensor:
     name: str
-    dtype: str           # fp32, fp16 or bf16
+    dtype: str  # fp32, fp16 or bf16
     shape: tuple[int, ...]
-    offset: int          # absolute byte offset in the file
+    offset: int  # absolute byte offset in the file
     length: int
 
 
@@ -64,6 +67,7 @@ def _cat_t(read: Read, names: list[str], dtype: np.dtype | None = None) -> Calla
     (measured: fp16 [5632, 2048] 215 -> 1077 MB/s, fp32 [2048, 2048] 673 -> 2423 MB/s). Casting
     on assignment rounds as ``astype`` does, so the bytes are the same.
     """
+
     def produce() -> np.ndarray:
         parts = [read(n) for n in names]
         out = np.empty((parts[0].shape[1], sum(p.shape[0] for p in parts)), dtype=dtype or parts[0].dtype)
@@ -71,14 +75,16 @@ def _cat_t(read: Read, names: list[str], dtype: np.dtype | None = None) -> Calla
         for part in parts:
             for row in range(0, part.shape[0], _T_ROWS):
                 stop = min(row + _T_ROWS, part.shape[0])
-                out[:, column + row:column + stop] = part[row:stop].T
+                out[:, column + row : column + stop] = part[row:stop].T
             column += part.shape[0]
         return out
+
     return produce
 
 
-def artifact_tensors(config: ModelConfig, max_length: int, read: Read,
-                     dtype: np.dtype | None = None) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+def artifact_tensors(
+    config: ModelConfig, max_length: int, read: Read, dtype: np.dtype | None = None
+) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
     """Names, shapes and producers of every tensor the graphs use, in file order (transposed
     ones already in ``dtype`` when given; the writer converts the rest)."""
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
@@ -94,19 +100,48 @@ def artifact_tensors(config: ModelConfig, max_length: int, read: Read,
         for norm in norms:
             specs.append((f"{ours}.{norm}.weight", (h,), lambda t=theirs, n=norm: read(f"{t}.{n}.weight")))
         # [H, Q+K+V]: one MatMul produces the packed QKV that GroupQueryAttention takes.
-        specs.append((f"{ours}.qkv_proj.weight_T", (h, qkv), _cat_t(read, [f"{attn}.{p}_proj.weight" for p in "qkv"], dtype)))
+        specs.append(
+            (
+                f"{ours}.qkv_proj.weight_T",
+                (h, qkv),
+                _cat_t(read, [f"{attn}.{p}_proj.weight" for p in "qkv"], dtype),
+            )
+        )
         if config.qkv_bias:
-            specs.append((f"{ours}.qkv_proj.bias", (qkv,), lambda a=attn: np.concatenate(
-                [read(f"{a}.{p}_proj.bias") for p in "qkv"])))
-        specs.append((f"{ours}.o_proj.weight_T", (config.num_heads * d, h), _cat_t(read, [f"{attn}.o_proj.weight"], dtype)))
+            specs.append(
+                (
+                    f"{ours}.qkv_proj.bias",
+                    (qkv,),
+                    lambda a=attn: np.concatenate([read(f"{a}.{p}_proj.bias") for p in "qkv"]),
+                )
+            )
+        specs.append(
+            (
+                f"{ours}.o_proj.weight_T",
+                (config.num_heads * d, h),
+                _cat_t(read, [f"{attn}.o_proj.weight"], dtype),
+            )
+        )
         if config.o_bias:
             specs.append((f"{ours}.o_proj.bias", (h,), lambda a=attn: read(f"{a}.o_proj.bias")))
-        specs.append((f"{ours}.gate_up_proj.weight_T", (h, 2 * inter),
-                      _cat_t(read, [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"], dtype)))
+        specs.append(
+            (
+                f"{ours}.gate_up_proj.weight_T",
+                (h, 2 * inter),
+                _cat_t(read, [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"], dtype),
+            )
+        )
         if config.mlp_bias:
-            specs.append((f"{ours}.gate_up_proj.bias", (2 * inter,), lambda m=mlp: np.concatenate(
-                [read(f"{m}.gate_proj.bias"), read(f"{m}.up_proj.bias")])))
-        specs.append((f"{ours}.down_proj.weight_T", (inter, h), _cat_t(read, [f"{mlp}.down_proj.weight"], dtype)))
+            specs.append(
+                (
+                    f"{ours}.gate_up_proj.bias",
+                    (2 * inter,),
+                    lambda m=mlp: np.concatenate([read(f"{m}.gate_proj.bias"), read(f"{m}.up_proj.bias")]),
+                )
+            )
+        specs.append(
+            (f"{ours}.down_proj.weight_T", (inter, h), _cat_t(read, [f"{mlp}.down_proj.weight"], dtype))
+        )
         if config.mlp_bias:
             specs.append((f"{ours}.down_proj.bias", (h,), lambda m=mlp: read(f"{m}.down_proj.bias")))
     specs.append(("norm.weight", (h,), lambda: read("model.norm.weight")))
@@ -146,9 +181,17 @@ def weight_layout(config: ModelConfig, max_length: int, dtype: str, read: Read) 
 
 
 def _stored(header: dict[str, dict], base: int, dtype: str) -> dict[str, StoredTensor]:
-    return {name: StoredTensor(name, dtype, tuple(h["shape"]), base + h["data_offsets"][0],
-                               h["data_offsets"][1] - h["data_offsets"][0])
-            for name, h in header.items() if name != "__metadata__"}
+    return {
+        name: StoredTensor(
+            name,
+            dtype,
+            tuple(h["shape"]),
+            base + h["data_offsets"][0],
+            h["data_offsets"][1] - h["data_offsets"][0],
+        )
+        for name, h in header.items()
+        if name != "__metadata__"
+    }
 
 
 def weights_nbytes(config: ModelConfig, max_length: int, dtype: str, read: Read) -> int:
@@ -157,8 +200,15 @@ def weights_nbytes(config: ModelConfig, max_length: int, dtype: str, read: Read)
     return max(h["data_offsets"][1] for n, h in header.items() if n != "__metadata__")
 
 
-def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: str, read: Read,
-                  progress: Callable[[int], None] | None = None, sha256=None) -> dict[str, StoredTensor]:
+def write_weights(
+    path: Path,
+    config: ModelConfig,
+    max_length: int,
+    dtype: str,
+    read: Read,
+    progress: Callable[[int], None] | None = None,
+    sha256=None,
+) -> dict[str, StoredTensor]:
     """Stream the artifact tensors into a safetensors file; return where each one lives.
 
     Each tensor is read from the memory-mapped checkpoint, fused/transposed and converted on
@@ -189,20 +239,26 @@ def write_weights(path: Path, config: ModelConfig, max_length: int, dtype: str, 
     # 2-core VM) while this one is written here and the previous one hashed on another thread;
     # at most workers+1 converted tensors and two queued hashes are alive.
     workers = max(1, min(16, (os.cpu_count() or 2) - 2))
-    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=workers) as pool, \
-            ThreadPoolExecutor(max_workers=1) as hasher:
+    with (
+        open(path, "wb") as f,
+        ThreadPoolExecutor(max_workers=workers) as pool,
+        ThreadPoolExecutor(max_workers=1) as hasher,
+    ):
         head = [struct.pack("<Q", len(header_bytes)), header_bytes]
         f.write(b"".join(head))
         hashed = [hasher.submit(hash_parts, head)] if sha256 is not None else []
         cursor = base
         queued = collections.deque(pool.submit(convert, spec) for spec in specs[:workers])
-        for i, (name, shape, _) in enumerate(specs):
+        for i, (name, _shape, _) in enumerate(specs):
             data = queued.popleft().result()
             if i + workers < len(specs):
                 queued.append(pool.submit(convert, specs[i + workers]))
             start, stop = header[name]["data_offsets"]
             # Alignment padding is written, not skipped with a seek, so the hash sees every byte.
-            parts = [bytes(base + start - cursor), memoryview(data.reshape(-1).view(np.uint8)) if data.size else b""]
+            parts = [
+                bytes(base + start - cursor),
+                memoryview(data.reshape(-1).view(np.uint8)) if data.size else b"",
+            ]
             for part in parts:
                 f.write(part)
             cursor = base + stop
@@ -242,6 +298,14 @@ def read_stored(path: Path) -> dict[str, StoredTensor]:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
     base = 8 + size
-    return {name: StoredTensor(name, _DTYPE_OF_CODE[h["dtype"]], tuple(h["shape"]), base + h["data_offsets"][0],
-                               h["data_offsets"][1] - h["data_offsets"][0])
-            for name, h in header.items() if name != "__metadata__"}
+    return {
+        name: StoredTensor(
+            name,
+            _DTYPE_OF_CODE[h["dtype"]],
+            tuple(h["shape"]),
+            base + h["data_offsets"][0],
+            h["data_offsets"][1] - h["data_offsets"][0],
+        )
+        for name, h in header.items()
+        if name != "__metadata__"
+    }

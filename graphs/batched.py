@@ -19,17 +19,25 @@ B is symbolic so that a runtime can run only the occupied prefix of its slots; t
 from __future__ import annotations
 
 import onnx_ir as ir
-
-from loopcast.config import ModelConfig
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
+
+from loopcast.config import ModelConfig
 from loopcast.manifest import BATCH_KINDS, GraphSpec
 
-BATCH = "batch"  # the symbolic batch dimension (ort_runtime/artifact.py BATCH_DIM)
+BATCH = "batch"  # the symbolic batch dimension (ort_runtime/loading/artifact.py BATCH_DIM)
 
 
-def build_batched_kind(kind: str, config: ModelConfig, dtype: ir.DataType, max_length: int,
-                       b: GraphBuilder, *, op_set: str = "stock", rows: int = 1) -> tuple[ir.Model, GraphSpec]:
+def build_batched_kind(
+    kind: str,
+    config: ModelConfig,
+    dtype: ir.DataType,
+    max_length: int,
+    b: GraphBuilder,
+    *,
+    op_set: str = "stock",
+    rows: int = 1,
+) -> tuple[ir.Model, GraphSpec]:
     if kind not in BATCH_KINDS:
         raise ValueError(f"unknown batched kind {kind!r}")
     R = config.num_loops
@@ -43,8 +51,16 @@ def build_batched_kind(kind: str, config: ModelConfig, dtype: ir.DataType, max_l
         sin_cache=b.weight("rotary.sin_SD2"),
     )
     batch_invariant = op_set == "loopcast"
-    ctx = blocks.BlockContext(config, dtype, max_length, step, batch_invariant,
-                              loopcast_attention=op_set == "loopcast-attention", batch=BATCH, batch_rows=rows)
+    ctx = blocks.BlockContext(
+        config,
+        dtype,
+        max_length,
+        step,
+        batch_invariant,
+        loopcast_attention=op_set == "loopcast-attention",
+        batch=BATCH,
+        batch_rows=rows,
+    )
     x = blocks.embed(b, token_ids)
     if batch_invariant:
         x, _ = blocks.decoder_stack(b, x, blocks.layer_sites(config, 0, R, prelude=True), ctx)
@@ -57,6 +73,14 @@ def build_batched_kind(kind: str, config: ModelConfig, dtype: ir.DataType, max_l
     blocks.greedy_outputs(b, logits, rows, config.vocab_size, batch=BATCH)
     model = b.build(kind, __doc__.split("\n\n")[0])
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
-    spec = GraphSpec(kind=kind, file=f"{kind}.onnx", rows=rows, first_loop=0, last_loop=R, kv_slots=slots,
-                     inputs=[v.name for v in b.inputs], outputs=[v.name for v in b.outputs])
+    spec = GraphSpec(
+        kind=kind,
+        file=f"{kind}.onnx",
+        rows=rows,
+        first_loop=0,
+        last_loop=R,
+        kv_slots=slots,
+        inputs=[v.name for v in b.inputs],
+        outputs=[v.name for v in b.outputs],
+    )
     return model, spec

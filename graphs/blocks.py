@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import onnx_ir as ir
+from loopcast.graphs.builder import LOOPCAST_DOMAIN, MS_DOMAIN, GraphBuilder
 
 from loopcast.config import ModelConfig
-from loopcast.graphs.builder import LOOPCAST_DOMAIN, MS_DOMAIN, GraphBuilder
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class StepInputs:
     ``total_sequence_length = n+M`` (int32 scalar), GroupQueryAttention's contract.
     """
 
-    seqlens_k: ir.Value | None            # None in row-addressed graphs (per-row positions)
+    seqlens_k: ir.Value | None  # None in row-addressed graphs (per-row positions)
     total_sequence_length: ir.Value | None
     cos_cache: ir.Value
     sin_cache: ir.Value
@@ -47,7 +47,7 @@ class BlockContext:
     # The batch dimension B of every activation and KV buffer: 1 for the single-sequence kinds;
     # the batched kinds (graphs/batched.py) take one row per sequence and a symbolic B.
     batch: int | str = 1
-    batch_rows: int = 1      # rows per sequence in a batched kind (decode_batch 1, verify_batch W)
+    batch_rows: int = 1  # rows per sequence in a batched kind (decode_batch 1, verify_batch W)
     # Row-addressed graphs (the pipeline cycle, the tree kinds): per-row positions [S] int32; the
     # attention blocks then take one KV slot per row (RowAttention) instead of one slot for all rows.
     row_positions: ir.Value | None = None
@@ -64,29 +64,57 @@ class BlockContext:
 class LayerSite:
     """One application of a decoder layer in the unrolled graph."""
 
-    weights: str        # weight prefix, e.g. "layers.3"
+    weights: str  # weight prefix, e.g. "layers.3"
     slot: int | tuple[int, ...]  # KV slot; row-addressed graphs: one slot per row
-    path: str           # node-name path, e.g. "/loop1/layer3"
-    prefix: str         # value-name prefix
-    loop_norm: bool     # the loop-norm follows (last layer of a core loop)
+    path: str  # node-name path, e.g. "/loop1/layer3"
+    prefix: str  # value-name prefix
+    loop_norm: bool  # the loop-norm follows (last layer of a core loop)
 
 
 def layer_sites(config: ModelConfig, first_loop: int, last_loop: int, *, prelude: bool) -> list[LayerSite]:
     """The layers a graph applies, in order: prelude, core loops first_loop..last_loop-1, coda."""
     sites = []
     if prelude:
-        sites += [LayerSite(f"prelude_layers.{i}", config.prelude_slot(i), f"/prelude/layer{i}",
-                            f"prelude.layer{i}", False) for i in range(config.num_prelude_layers)]
+        sites += [
+            LayerSite(
+                f"prelude_layers.{i}",
+                config.prelude_slot(i),
+                f"/prelude/layer{i}",
+                f"prelude.layer{i}",
+                False,
+            )
+            for i in range(config.num_prelude_layers)
+        ]
     for loop in range(first_loop, last_loop):
-        sites += [LayerSite(f"layers.{i}", config.core_slot(loop, i), f"/loop{loop}/layer{i}",
-                            f"loop{loop}.layer{i}", i == config.num_layers - 1) for i in range(config.num_layers)]
-    sites += [LayerSite(f"coda_layers.{i}", config.coda_slot(i), f"/coda/layer{i}", f"coda.layer{i}", False)
-              for i in range(config.num_coda_layers)]
+        sites += [
+            LayerSite(
+                f"layers.{i}",
+                config.core_slot(loop, i),
+                f"/loop{loop}/layer{i}",
+                f"loop{loop}.layer{i}",
+                i == config.num_layers - 1,
+            )
+            for i in range(config.num_layers)
+        ]
+    sites += [
+        LayerSite(f"coda_layers.{i}", config.coda_slot(i), f"/coda/layer{i}", f"coda.layer{i}", False)
+        for i in range(config.num_coda_layers)
+    ]
     return sites
 
 
-def linear(b: GraphBuilder, x: ir.Value, weight: str, ctx: BlockContext, *, path: str, out: str,
-           trans_b: bool = False, swiglu: bool = False, bias: str | None = None) -> ir.Value:
+def linear(
+    b: GraphBuilder,
+    x: ir.Value,
+    weight: str,
+    ctx: BlockContext,
+    *,
+    path: str,
+    out: str,
+    trans_b: bool = False,
+    swiglu: bool = False,
+    bias: str | None = None,
+) -> ir.Value:
     """``x @ W`` (``W`` stored [K, N]), or ``x @ Wᵀ`` for a [N, K] weight read in place; with
     ``swiglu`` x is [gate | up] and the loopcast op multiplies silu(gate)·up, formed as it loads x.
     ``bias`` ([N]) is added after the MatMul (stock graphs only: export refuses biases with the
@@ -101,43 +129,82 @@ def linear(b: GraphBuilder, x: ir.Value, weight: str, ctx: BlockContext, *, path
         attrs = {**({"trans_b": 1} if trans_b else {}), **({"swiglu": 1} if swiglu else {})}
         return b.op("BatchInvariantMatMul", [x, w], path=path, out=out, domain=LOOPCAST_DOMAIN, **attrs)
     if trans_b or swiglu:
-        raise ValueError("trans_b and swiglu are loopcast-op forms; stock graphs use Gemm / Split+Sigmoid+Mul")
+        raise ValueError(
+            "trans_b and swiglu are loopcast-op forms; stock graphs use Gemm / Split+Sigmoid+Mul"
+        )
     return b.op("MatMul", [x, w], path=path, out=out)
 
 
-def rms_norm(b: GraphBuilder, x: ir.Value, weight: str, ctx: BlockContext, *, path: str, out: str) -> ir.Value:
+def rms_norm(
+    b: GraphBuilder, x: ir.Value, weight: str, ctx: BlockContext, *, path: str, out: str
+) -> ir.Value:
     # stash_type=1: statistics in fp32 whatever the model dtype, as the reference does.
-    return b.op("RMSNormalization", [x, b.weight(weight)], path=path, out=out,
-                axis=-1, epsilon=ctx.config.rms_norm_eps, stash_type=1)
+    return b.op(
+        "RMSNormalization",
+        [x, b.weight(weight)],
+        path=path,
+        out=out,
+        axis=-1,
+        epsilon=ctx.config.rms_norm_eps,
+        stash_type=1,
+    )
 
 
-def residual_rms_norm(b: GraphBuilder, branch: ir.Value, residual: ir.Value, weight: str,
-                      ctx: BlockContext, *, path: str, prefix: str) -> tuple[ir.Value, ir.Value]:
+def residual_rms_norm(
+    b: GraphBuilder,
+    branch: ir.Value,
+    residual: ir.Value,
+    weight: str,
+    ctx: BlockContext,
+    *,
+    path: str,
+    prefix: str,
+) -> tuple[ir.Value, ir.Value]:
     """``x = residual + branch; h = rms(x)·g`` in one fused contrib op; returns (h, x).
 
     SkipSimplifiedLayerNormalization outputs: 0 normed, 1 mean, 2 inv_std_var, 3 input+skip.
     """
     normed, _, _, summed = b.op_multi(
-        "SkipSimplifiedLayerNormalization", [branch, residual, b.weight(weight)], path=path,
+        "SkipSimplifiedLayerNormalization",
+        [branch, residual, b.weight(weight)],
+        path=path,
         outs=[f"{prefix}.normed_BSH", f"{prefix}.mean", f"{prefix}.inv_std", f"{prefix}.sum_BSH"],
-        domain=MS_DOMAIN, epsilon=ctx.config.rms_norm_eps)
+        domain=MS_DOMAIN,
+        epsilon=ctx.config.rms_norm_eps,
+    )
     return normed, summed
 
 
-def fused_residual_norm(b: GraphBuilder, branch: ir.Value, residual: ir.Value | None, ctx: BlockContext, *,
-                        branch_weight: str | None, loop_weight: str | None, out_weight: str | None,
-                        path: str, prefix: str) -> tuple[ir.Value, ir.Value | None]:
+def fused_residual_norm(
+    b: GraphBuilder,
+    branch: ir.Value,
+    residual: ir.Value | None,
+    ctx: BlockContext,
+    *,
+    branch_weight: str | None,
+    loop_weight: str | None,
+    out_weight: str | None,
+    path: str,
+    prefix: str,
+) -> tuple[ir.Value, ir.Value | None]:
     """loopcast.ResidualRMSNorm: ``x = residual + n_b(branch)``, then ``x = n_loop(x)``, and
     ``h = n_out(x)``, each part optional; returns (x, h or None). One kernel per call."""
     weights = [b.weight(w) if w else None for w in (branch_weight, loop_weight, out_weight)]
     outs = [f"{prefix}.sum_BSH"] + ([f"{prefix}.normed_BSH"] if out_weight else [])
-    values = b.op_multi("ResidualRMSNorm", [branch, residual, *weights], path=path, outs=outs,
-                        domain=LOOPCAST_DOMAIN, epsilon=ctx.config.rms_norm_eps)
+    values = b.op_multi(
+        "ResidualRMSNorm",
+        [branch, residual, *weights],
+        path=path,
+        outs=outs,
+        domain=LOOPCAST_DOMAIN,
+        epsilon=ctx.config.rms_norm_eps,
+    )
     return values[0], (values[1] if out_weight else None)
 
 
-def decoder_stack(b: GraphBuilder, x_BSH: ir.Value, sites: list[LayerSite], ctx: BlockContext
-                  ) -> tuple[ir.Value, ir.Value | None]:
+def decoder_stack(
+    b: GraphBuilder, x_BSH: ir.Value, sites: list[LayerSite], ctx: BlockContext
+) -> tuple[ir.Value, ir.Value | None]:
     """The layers of ``sites`` with fused norms (loopcast ops); returns (x, x after the last loop-norm).
 
     Each residual add carries its neighbouring norms, and the norm that opens the next layer
@@ -153,30 +220,59 @@ def decoder_stack(b: GraphBuilder, x_BSH: ir.Value, sites: list[LayerSite], ctx:
     if not sites:
         return x_BSH, None
     sandwich = ctx.config.sandwich_norm
-    _, h = fused_residual_norm(b, x_BSH, None, ctx, branch_weight=None, loop_weight=None,
-                               out_weight=f"{sites[0].weights}.input_layernorm.weight",
-                               path=f"{sites[0].path}/input_norm", prefix=f"{sites[0].prefix}.res0")
+    _, h = fused_residual_norm(
+        b,
+        x_BSH,
+        None,
+        ctx,
+        branch_weight=None,
+        loop_weight=None,
+        out_weight=f"{sites[0].weights}.input_layernorm.weight",
+        path=f"{sites[0].path}/input_norm",
+        prefix=f"{sites[0].prefix}.res0",
+    )
     depth_state = None
     for i, site in enumerate(sites):
         layer, nxt = site.weights, (sites[i + 1] if i + 1 < len(sites) else None)
         a = attention(b, h, layer, site.slot, ctx, path=f"{site.path}/attn", prefix=site.prefix)
         x_BSH, h = fused_residual_norm(
-            b, a, x_BSH, ctx, branch_weight=f"{layer}.input_layernorm_2.weight" if sandwich else None,
-            loop_weight=None, out_weight=f"{layer}.post_attention_layernorm.weight",
-            path=f"{site.path}/attn_residual_norm", prefix=f"{site.prefix}.res1")
+            b,
+            a,
+            x_BSH,
+            ctx,
+            branch_weight=f"{layer}.input_layernorm_2.weight" if sandwich else None,
+            loop_weight=None,
+            out_weight=f"{layer}.post_attention_layernorm.weight",
+            path=f"{site.path}/attn_residual_norm",
+            prefix=f"{site.prefix}.res1",
+        )
         m = swiglu_mlp(b, h, layer, ctx, path=f"{site.path}/mlp", prefix=site.prefix)
         x_BSH, h = fused_residual_norm(
-            b, m, x_BSH, ctx, branch_weight=f"{layer}.post_attention_layernorm_2.weight" if sandwich else None,
+            b,
+            m,
+            x_BSH,
+            ctx,
+            branch_weight=f"{layer}.post_attention_layernorm_2.weight" if sandwich else None,
             loop_weight="norm.weight" if site.loop_norm else None,
             out_weight=f"{nxt.weights}.input_layernorm.weight" if nxt else None,
-            path=f"{site.path}/mlp_residual_norm", prefix=f"{site.prefix}.res2")
+            path=f"{site.path}/mlp_residual_norm",
+            prefix=f"{site.prefix}.res2",
+        )
         if site.loop_norm:
             depth_state = x_BSH
     return x_BSH, depth_state
 
 
-def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int | tuple[int, ...], ctx: BlockContext, *,
-              path: str, prefix: str) -> ir.Value:
+def attention(
+    b: GraphBuilder,
+    h_BSH: ir.Value,
+    layer: str,
+    slot: int | tuple[int, ...],
+    ctx: BlockContext,
+    *,
+    path: str,
+    prefix: str,
+) -> ir.Value:
     """Self-attention over the static KV buffers of ``slot`` (bound as past and present).
 
         h ─ qkv_proj ─▶ qkv_BSQ ─▶ GroupQueryAttention(rotary, KV write at n.., causal) ─ o_proj ─▶
@@ -187,14 +283,28 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int | tuple[in
     """
     cfg = ctx.config
     # A q/k/v bias is added before GroupQueryAttention applies rotary, as upstream models do.
-    qkv = linear(b, h_BSH, f"{layer}.qkv_proj.weight_T", ctx, path=f"{path}/qkv_proj", out=f"{prefix}.qkv_BSQ",
-                 bias=f"{layer}.qkv_proj.bias" if cfg.qkv_bias else None)
+    qkv = linear(
+        b,
+        h_BSH,
+        f"{layer}.qkv_proj.weight_T",
+        ctx,
+        path=f"{path}/qkv_proj",
+        out=f"{prefix}.qkv_BSQ",
+        bias=f"{layer}.qkv_proj.bias" if cfg.qkv_bias else None,
+    )
     if ctx.row_positions is not None and isinstance(slot, int):
         slot = (slot,) * ctx.row_count  # tree kinds: every row reads and writes the layer's slot
     if isinstance(slot, tuple):
         attn = _row_attention(b, qkv, slot, ctx, path=path, prefix=prefix)
-        return linear(b, attn, f"{layer}.o_proj.weight_T", ctx, path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH",
-                      bias=f"{layer}.o_proj.bias" if cfg.o_bias else None)
+        return linear(
+            b,
+            attn,
+            f"{layer}.o_proj.weight_T",
+            ctx,
+            path=f"{path}/o_proj",
+            out=f"{prefix}.attn_out_BSH",
+            bias=f"{layer}.o_proj.bias" if cfg.o_bias else None,
+        )
     kv_shape = [ctx.batch, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
     past_key = b.input(f"past_key.{slot}", ctx.dtype, kv_shape)
     past_value = b.input(f"past_value.{slot}", ctx.dtype, kv_shape)
@@ -202,23 +312,49 @@ def attention(b: GraphBuilder, h_BSH: ir.Value, layer: str, slot: int | tuple[in
     # past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache; trailing optional
     # inputs 9.. (position_ids, attention_bias, head_sink) are not used. The batch-invariant op
     # takes the same inputs and attributes.
-    op_type, domain = (("BatchInvariantAttention", LOOPCAST_DOMAIN) if ctx.batch_invariant or ctx.loopcast_attention
-                       else ("GroupQueryAttention", MS_DOMAIN))
+    op_type, domain = (
+        ("BatchInvariantAttention", LOOPCAST_DOMAIN)
+        if ctx.batch_invariant or ctx.loopcast_attention
+        else ("GroupQueryAttention", MS_DOMAIN)
+    )
     attn, present_key, present_value = b.op_multi(
         op_type,
-        [qkv, None, None, past_key, past_value, ctx.step.seqlens_k, ctx.step.total_sequence_length,
-         ctx.step.cos_cache, ctx.step.sin_cache],
-        path=f"{path}/gqa", outs=[f"{prefix}.attn_BSHD", f"present_key.{slot}", f"present_value.{slot}"],
-        domain=domain, num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
-        do_rotary=1, rotary_interleaved=0, scale=cfg.head_dim ** -0.5)
+        [
+            qkv,
+            None,
+            None,
+            past_key,
+            past_value,
+            ctx.step.seqlens_k,
+            ctx.step.total_sequence_length,
+            ctx.step.cos_cache,
+            ctx.step.sin_cache,
+        ],
+        path=f"{path}/gqa",
+        outs=[f"{prefix}.attn_BSHD", f"present_key.{slot}", f"present_value.{slot}"],
+        domain=domain,
+        num_heads=cfg.num_heads,
+        kv_num_heads=cfg.num_kv_heads,
+        do_rotary=1,
+        rotary_interleaved=0,
+        scale=cfg.head_dim**-0.5,
+    )
     b.output(present_key, ctx.dtype, kv_shape)
     b.output(present_value, ctx.dtype, kv_shape)
-    return linear(b, attn, f"{layer}.o_proj.weight_T", ctx, path=f"{path}/o_proj", out=f"{prefix}.attn_out_BSH",
-                  bias=f"{layer}.o_proj.bias" if cfg.o_bias else None)
+    return linear(
+        b,
+        attn,
+        f"{layer}.o_proj.weight_T",
+        ctx,
+        path=f"{path}/o_proj",
+        out=f"{prefix}.attn_out_BSH",
+        bias=f"{layer}.o_proj.bias" if cfg.o_bias else None,
+    )
 
 
-def _row_attention(b: GraphBuilder, qkv_BSQ: ir.Value, slots: tuple[int, ...], ctx: BlockContext, *,
-                   path: str, prefix: str) -> ir.Value:
+def _row_attention(
+    b: GraphBuilder, qkv_BSQ: ir.Value, slots: tuple[int, ...], ctx: BlockContext, *, path: str, prefix: str
+) -> ir.Value:
     """loopcast.RowAttention: row i writes and reads slot ``slots[i]`` at ``ctx.row_positions[i]``
     (-1: an inactive row). Each distinct slot is one (key, value) pair of inputs."""
     cfg = ctx.config
@@ -226,46 +362,85 @@ def _row_attention(b: GraphBuilder, qkv_BSQ: ir.Value, slots: tuple[int, ...], c
     pairs = list(dict.fromkeys(slots))
     kv_in, kv_out = [], []
     for s in pairs:
-        kv_in += [b.input(f"past_key.{s}", ctx.dtype, kv_shape), b.input(f"past_value.{s}", ctx.dtype, kv_shape)]
+        kv_in += [
+            b.input(f"past_key.{s}", ctx.dtype, kv_shape),
+            b.input(f"past_value.{s}", ctx.dtype, kv_shape),
+        ]
         kv_out += [f"present_key.{s}", f"present_value.{s}"]
     if ctx.kv_in_place:
         kv_out = [f"{prefix}.{name}_0" for name in kv_out]  # empty placeholders
     values = b.op_multi(
-        "RowAttention", [qkv_BSQ, ctx.row_positions, None, ctx.row_masked, ctx.step.cos_cache, ctx.step.sin_cache, *kv_in],
-        path=f"{path}/row_attention", outs=[f"{prefix}.attn_BSHD", *kv_out], domain=LOOPCAST_DOMAIN,
-        num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-        scale=cfg.head_dim ** -0.5, row_buffers=[pairs.index(s) for s in slots],
-        **({"kv_in_place": 1} if ctx.kv_in_place else {}))
+        "RowAttention",
+        [qkv_BSQ, ctx.row_positions, None, ctx.row_masked, ctx.step.cos_cache, ctx.step.sin_cache, *kv_in],
+        path=f"{path}/row_attention",
+        outs=[f"{prefix}.attn_BSHD", *kv_out],
+        domain=LOOPCAST_DOMAIN,
+        num_heads=cfg.num_heads,
+        kv_num_heads=cfg.num_kv_heads,
+        do_rotary=1,
+        rotary_interleaved=0,
+        scale=cfg.head_dim**-0.5,
+        row_buffers=[pairs.index(s) for s in slots],
+        **({"kv_in_place": 1} if ctx.kv_in_place else {}),
+    )
     if not ctx.kv_in_place:
         for v in values[1:]:
             b.output(v, ctx.dtype, kv_shape)
     return values[0]
 
 
-def swiglu_mlp(b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, *,
-               path: str, prefix: str) -> ir.Value:
+def swiglu_mlp(
+    b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, *, path: str, prefix: str
+) -> ir.Value:
     """``down(silu(gate(h)) · up(h))`` with gate and up fused into one MatMul.
 
-        h ─ gate_up_proj ─▶ [gate | up] ─ Split ─▶ gate ─ Sigmoid ─ Mul(gate) ─ Mul(up) ─ down_proj ─▶
+    h ─ gate_up_proj ─▶ [gate | up] ─ Split ─▶ gate ─ Sigmoid ─ Mul(gate) ─ Mul(up) ─ down_proj ─▶
     """
     inter = ctx.config.intermediate_size
     mlp_bias = ctx.config.mlp_bias
-    gate_up = linear(b, h_BSH, f"{layer}.gate_up_proj.weight_T", ctx, path=f"{path}/gate_up_proj",
-                     out=f"{prefix}.gate_up_BS2I", bias=f"{layer}.gate_up_proj.bias" if mlp_bias else None)
+    gate_up = linear(
+        b,
+        h_BSH,
+        f"{layer}.gate_up_proj.weight_T",
+        ctx,
+        path=f"{path}/gate_up_proj",
+        out=f"{prefix}.gate_up_BS2I",
+        bias=f"{layer}.gate_up_proj.bias" if mlp_bias else None,
+    )
     if ctx.batch_invariant:  # split, silu and gating happen as down_proj loads its input
-        return linear(b, gate_up, f"{layer}.down_proj.weight_T", ctx, path=f"{path}/down_proj",
-                      out=f"{prefix}.mlp_out_BSH", swiglu=True)
-    gate, up = b.op_multi("Split", [gate_up, b.const_i64("split_sizes_2I", [inter, inter])],
-                          path=f"{path}/split", outs=[f"{prefix}.gate_BSI", f"{prefix}.up_BSI"], axis=-1)
+        return linear(
+            b,
+            gate_up,
+            f"{layer}.down_proj.weight_T",
+            ctx,
+            path=f"{path}/down_proj",
+            out=f"{prefix}.mlp_out_BSH",
+            swiglu=True,
+        )
+    gate, up = b.op_multi(
+        "Split",
+        [gate_up, b.const_i64("split_sizes_2I", [inter, inter])],
+        path=f"{path}/split",
+        outs=[f"{prefix}.gate_BSI", f"{prefix}.up_BSI"],
+        axis=-1,
+    )
     sig = b.op("Sigmoid", [gate], path=f"{path}/sigmoid", out=f"{prefix}.sigmoid_BSI")
     silu = b.op("Mul", [gate, sig], path=f"{path}/silu", out=f"{prefix}.silu_BSI")
     act = b.op("Mul", [silu, up], path=f"{path}/gated", out=f"{prefix}.act_BSI")
-    return linear(b, act, f"{layer}.down_proj.weight_T", ctx, path=f"{path}/down_proj", out=f"{prefix}.mlp_out_BSH",
-                  bias=f"{layer}.down_proj.bias" if mlp_bias else None)
+    return linear(
+        b,
+        act,
+        f"{layer}.down_proj.weight_T",
+        ctx,
+        path=f"{path}/down_proj",
+        out=f"{prefix}.mlp_out_BSH",
+        bias=f"{layer}.down_proj.bias" if mlp_bias else None,
+    )
 
 
-def decoder_layer(b: GraphBuilder, x_BSH: ir.Value, layer: str, slot: int, ctx: BlockContext, *,
-                  path: str, prefix: str) -> ir.Value:
+def decoder_layer(
+    b: GraphBuilder, x_BSH: ir.Value, layer: str, slot: int, ctx: BlockContext, *, path: str, prefix: str
+) -> ir.Value:
     """One decoder layer: Ouro sandwich or Llama pre-norm.
 
     Sandwich:  x ─┬─ n1 ─ attn ─ n2 ─(+)─ x1 ─┬─ n3 ─ mlp ─ n4 ─(+)─▶
@@ -273,18 +448,38 @@ def decoder_layer(b: GraphBuilder, x_BSH: ir.Value, layer: str, slot: int, ctx: 
     The residual add after attention and n3 are one SkipSimplifiedLayerNormalization.
     """
     sandwich = ctx.config.sandwich_norm
-    h1 = rms_norm(b, x_BSH, f"{layer}.input_layernorm.weight", ctx, path=f"{path}/input_norm",
-                  out=f"{prefix}.h1_BSH")
+    h1 = rms_norm(
+        b, x_BSH, f"{layer}.input_layernorm.weight", ctx, path=f"{path}/input_norm", out=f"{prefix}.h1_BSH"
+    )
     a = attention(b, h1, layer, slot, ctx, path=f"{path}/attn", prefix=prefix)
     if sandwich:
-        a = rms_norm(b, a, f"{layer}.input_layernorm_2.weight", ctx, path=f"{path}/input_norm_2",
-                     out=f"{prefix}.a2_BSH")
-    h3, x1 = residual_rms_norm(b, a, x_BSH, f"{layer}.post_attention_layernorm.weight", ctx,
-                               path=f"{path}/attn_residual_norm", prefix=f"{prefix}.res1")
+        a = rms_norm(
+            b,
+            a,
+            f"{layer}.input_layernorm_2.weight",
+            ctx,
+            path=f"{path}/input_norm_2",
+            out=f"{prefix}.a2_BSH",
+        )
+    h3, x1 = residual_rms_norm(
+        b,
+        a,
+        x_BSH,
+        f"{layer}.post_attention_layernorm.weight",
+        ctx,
+        path=f"{path}/attn_residual_norm",
+        prefix=f"{prefix}.res1",
+    )
     m = swiglu_mlp(b, h3, layer, ctx, path=f"{path}/mlp", prefix=prefix)
     if sandwich:
-        m = rms_norm(b, m, f"{layer}.post_attention_layernorm_2.weight", ctx,
-                     path=f"{path}/post_norm_2", out=f"{prefix}.m4_BSH")
+        m = rms_norm(
+            b,
+            m,
+            f"{layer}.post_attention_layernorm_2.weight",
+            ctx,
+            path=f"{path}/post_norm_2",
+            out=f"{prefix}.m4_BSH",
+        )
     return b.op("Add", [x1, m], path=f"{path}/mlp_residual", out=f"{prefix}.out_BSH")
 
 
@@ -292,45 +487,78 @@ def core_loop(b: GraphBuilder, x_BSH: ir.Value, loop: int, ctx: BlockContext) ->
     """The core stack at depth ``loop``, then the loop-norm (its output feeds the next loop)."""
     cfg = ctx.config
     for layer in range(cfg.num_layers):
-        x_BSH = decoder_layer(b, x_BSH, f"layers.{layer}", cfg.core_slot(loop, layer), ctx,
-                              path=f"/loop{loop}/layer{layer}", prefix=f"loop{loop}.layer{layer}")
+        x_BSH = decoder_layer(
+            b,
+            x_BSH,
+            f"layers.{layer}",
+            cfg.core_slot(loop, layer),
+            ctx,
+            path=f"/loop{loop}/layer{layer}",
+            prefix=f"loop{loop}.layer{layer}",
+        )
     return rms_norm(b, x_BSH, "norm.weight", ctx, path=f"/loop{loop}/loop_norm", out=f"loop{loop}.normed_BSH")
 
 
 def prelude(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
     for i in range(ctx.config.num_prelude_layers):
-        x_BSH = decoder_layer(b, x_BSH, f"prelude_layers.{i}", ctx.config.prelude_slot(i), ctx,
-                              path=f"/prelude/layer{i}", prefix=f"prelude.layer{i}")
+        x_BSH = decoder_layer(
+            b,
+            x_BSH,
+            f"prelude_layers.{i}",
+            ctx.config.prelude_slot(i),
+            ctx,
+            path=f"/prelude/layer{i}",
+            prefix=f"prelude.layer{i}",
+        )
     return x_BSH
 
 
 def coda(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
     for i in range(ctx.config.num_coda_layers):
-        x_BSH = decoder_layer(b, x_BSH, f"coda_layers.{i}", ctx.config.coda_slot(i), ctx,
-                              path=f"/coda/layer{i}", prefix=f"coda.layer{i}")
+        x_BSH = decoder_layer(
+            b,
+            x_BSH,
+            f"coda_layers.{i}",
+            ctx.config.coda_slot(i),
+            ctx,
+            path=f"/coda/layer{i}",
+            prefix=f"coda.layer{i}",
+        )
     return x_BSH
 
 
 def embed(b: GraphBuilder, input_ids_BS: ir.Value) -> ir.Value:
-    return b.op("Gather", [b.weight("embed_tokens.weight"), input_ids_BS], path="/embed", out="embed_BSH", axis=0)
+    return b.op(
+        "Gather", [b.weight("embed_tokens.weight"), input_ids_BS], path="/embed", out="embed_BSH", axis=0
+    )
 
 
 def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
     """Logits in fp32 whatever the model dtype (the argmax and the host read them)."""
     cfg = ctx.config
     if cfg.tie_word_embeddings and ctx.batch_invariant:
-        logits = linear(b, x_BSH, "embed_tokens.weight", ctx, path="/lm_head/matmul",
-                        out="logits_raw_BSV", trans_b=True)
+        logits = linear(
+            b, x_BSH, "embed_tokens.weight", ctx, path="/lm_head/matmul", out="logits_raw_BSV", trans_b=True
+        )
     elif cfg.tie_word_embeddings:
         # Gemm(transB) reads the [V, H] embedding in place instead of storing a transposed copy.
-        flat = b.op("Reshape", [x_BSH, b.const_i64("shape_NH", [-1, cfg.hidden_size])],
-                    path="/lm_head/flatten", out="head_in_NH")
-        logits = b.op("Gemm", [flat, b.weight("embed_tokens.weight")], path="/lm_head/gemm",
-                      out="logits_NV", transB=1)
+        flat = b.op(
+            "Reshape",
+            [x_BSH, b.const_i64("shape_NH", [-1, cfg.hidden_size])],
+            path="/lm_head/flatten",
+            out="head_in_NH",
+        )
+        logits = b.op(
+            "Gemm", [flat, b.weight("embed_tokens.weight")], path="/lm_head/gemm", out="logits_NV", transB=1
+        )
         # single sequence: [1, rows, V]; batched kinds: [B, rows per sequence, V]
         shape_BSV = [1, -1, cfg.vocab_size] if ctx.batch == 1 else [-1, ctx.batch_rows, cfg.vocab_size]
-        logits = b.op("Reshape", [logits, b.const_i64("shape_BSV", shape_BSV)],
-                      path="/lm_head/unflatten", out="logits_raw_BSV")
+        logits = b.op(
+            "Reshape",
+            [logits, b.const_i64("shape_BSV", shape_BSV)],
+            path="/lm_head/unflatten",
+            out="logits_raw_BSV",
+        )
     else:
         logits = linear(b, x_BSH, "lm_head.weight_T", ctx, path="/lm_head/matmul", out="logits_raw_BSV")
     if ctx.dtype != ir.DataType.FLOAT:
@@ -338,17 +566,42 @@ def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
     return logits
 
 
-def greedy_outputs(b: GraphBuilder, logits_BSV: ir.Value, rows: int | str, vocab: int, *,
-                   with_gap: bool = False, batch: int | str = 1) -> None:
+def greedy_outputs(
+    b: GraphBuilder,
+    logits_BSV: ir.Value,
+    rows: int | str,
+    vocab: int,
+    *,
+    with_gap: bool = False,
+    batch: int | str = 1,
+) -> None:
     """Next-token ids on the device (ArgMax), logits, and optionally the top-1/top-2 gap."""
     ids = b.op("ArgMax", [logits_BSV], path="/sample/argmax", out="next_token_ids_BS", axis=-1, keepdims=0)
     b.output(ids, ir.DataType.INT64, [batch, rows])
     b.output(logits_BSV, ir.DataType.FLOAT, [batch, rows, vocab], "logits_BSV")
     if with_gap:
-        top_values, _ = b.op_multi("TopK", [logits_BSV, b.const_i64("k2", [2])], path="/sample/top2",
-                                   outs=["top2_values_BS2", "top2_indices_BS2"], axis=-1)
-        first, second = b.op_multi("Split", [top_values, b.const_i64("split_ones", [1, 1])],
-                                   path="/sample/top2_split", outs=["top1_BS1", "top2_BS1"], axis=-1)
+        top_values, _ = b.op_multi(
+            "TopK",
+            [logits_BSV, b.const_i64("k2", [2])],
+            path="/sample/top2",
+            outs=["top2_values_BS2", "top2_indices_BS2"],
+            axis=-1,
+        )
+        first, second = b.op_multi(
+            "Split",
+            [top_values, b.const_i64("split_ones", [1, 1])],
+            path="/sample/top2_split",
+            outs=["top1_BS1", "top2_BS1"],
+            axis=-1,
+        )
         gap = b.op("Sub", [first, second], path="/sample/gap", out="top2_gap_BS1")
-        b.output(b.op("Squeeze", [gap, b.const_i64("axis_last", [-1])], path="/sample/gap_squeeze",
-                      out="top2_gap_BS"), ir.DataType.FLOAT, [1, rows])
+        b.output(
+            b.op(
+                "Squeeze",
+                [gap, b.const_i64("axis_last", [-1])],
+                path="/sample/gap_squeeze",
+                out="top2_gap_BS",
+            ),
+            ir.DataType.FLOAT,
+            [1, rows],
+        )

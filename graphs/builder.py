@@ -13,9 +13,9 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-OPSET = 23            # RMSNormalization is standard from opset 23
+OPSET = 23  # RMSNormalization is standard from opset 23
 MS_DOMAIN = "com.microsoft"
-LOOPCAST_DOMAIN = "loopcast"   # the custom-op library's domain (custom_ops/)
+LOOPCAST_DOMAIN = "loopcast"  # the custom-op library's domain (custom_ops/)
 IR_VERSION = 10
 
 
@@ -54,8 +54,9 @@ class GraphBuilder:
         self.inputs.append(value)
         return value
 
-    def output(self, value: ir.Value, dtype: ir.DataType, shape: Sequence[int | str],
-               name: str | None = None) -> ir.Value:
+    def output(
+        self, value: ir.Value, dtype: ir.DataType, shape: Sequence[int | str], name: str | None = None
+    ) -> ir.Value:
         """Declare a graph output (graph outputs carry their type and shape)."""
         if name is not None and value.name != name:
             value = self.op("Identity", [value], path=f"/outputs/{name}", out=name)
@@ -68,11 +69,18 @@ class GraphBuilder:
         """The initializer for a stored weight (created once per graph, data stays external)."""
         if name not in self._initializers:
             ref = self.weights[name]
-            tensor = ir.ExternalTensor(self.weights_file, ref.offset, ref.length, ref.dtype,
-                                       shape=ir.Shape(list(ref.shape)), name=name,
-                                       base_dir=str(self.base_dir))
-            self._initializers[name] = ir.Value(name=name, type=ir.TensorType(ref.dtype),
-                                                shape=ir.Shape(list(ref.shape)), const_value=tensor)
+            tensor = ir.ExternalTensor(
+                self.weights_file,
+                ref.offset,
+                ref.length,
+                ref.dtype,
+                shape=ir.Shape(list(ref.shape)),
+                name=name,
+                base_dir=str(self.base_dir),
+            )
+            self._initializers[name] = ir.Value(
+                name=name, type=ir.TensorType(ref.dtype), shape=ir.Shape(list(ref.shape)), const_value=tensor
+            )
         return self._initializers[name]
 
     def overridable_i64(self, name: str, values: Sequence[int]) -> ir.Value:
@@ -88,20 +96,52 @@ class GraphBuilder:
         """A small int64 constant (shapes, axes), embedded in the graph."""
         if name not in self._initializers:
             tensor = ir.tensor(list(values), dtype=ir.DataType.INT64, name=name)
-            self._initializers[name] = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64),
-                                                shape=ir.Shape([len(values)]), const_value=tensor)
+            self._initializers[name] = ir.Value(
+                name=name,
+                type=ir.TensorType(ir.DataType.INT64),
+                shape=ir.Shape([len(values)]),
+                const_value=tensor,
+            )
         return self._initializers[name]
 
     # -- ops ---------------------------------------------------------------------------------
-    def op(self, op_type: str, inputs: Sequence[ir.Value | None], *, path: str, out: str,
-           domain: str = "", **attributes) -> ir.Value:
-        return self.tape.op(op_type, list(inputs), attributes or None, domain=domain, name=self._path(path),
-                            output=ir.Value(name=self._name(out)))
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[ir.Value | None],
+        *,
+        path: str,
+        out: str,
+        domain: str = "",
+        **attributes,
+    ) -> ir.Value:
+        return self.tape.op(
+            op_type,
+            list(inputs),
+            attributes or None,
+            domain=domain,
+            name=self._path(path),
+            output=ir.Value(name=self._name(out)),
+        )
 
-    def op_multi(self, op_type: str, inputs: Sequence[ir.Value | None], *, path: str,
-                 outs: Sequence[str], domain: str = "", **attributes) -> Sequence[ir.Value]:
-        return self.tape.op_multi_out(op_type, list(inputs), attributes or None, domain=domain,
-                                      name=self._path(path), outputs=[ir.Value(name=self._name(n)) for n in outs])
+    def op_multi(
+        self,
+        op_type: str,
+        inputs: Sequence[ir.Value | None],
+        *,
+        path: str,
+        outs: Sequence[str],
+        domain: str = "",
+        **attributes,
+    ) -> Sequence[ir.Value]:
+        return self.tape.op_multi_out(
+            op_type,
+            list(inputs),
+            attributes or None,
+            domain=domain,
+            name=self._path(path),
+            outputs=[ir.Value(name=self._name(n)) for n in outs],
+        )
 
     def _path(self, path: str) -> str:
         return f"/{self.scope}{path}" if self.scope else path
@@ -118,7 +158,13 @@ class GraphBuilder:
         opsets = {"": OPSET, MS_DOMAIN: 1}
         if any(node.domain == LOOPCAST_DOMAIN for node in self.tape.nodes):
             opsets[LOOPCAST_DOMAIN] = 1
-        graph = ir.Graph([*self.inputs, *self._overridable], self.outputs, nodes=self.tape.nodes,
-                         initializers=list(self._initializers.values()),
-                         opset_imports=opsets, name=name, doc_string=doc)
+        graph = ir.Graph(
+            [*self.inputs, *self._overridable],
+            self.outputs,
+            nodes=self.tape.nodes,
+            initializers=list(self._initializers.values()),
+            opset_imports=opsets,
+            name=name,
+            doc_string=doc,
+        )
         return ir.Model(graph, ir_version=IR_VERSION, producer_name="loopcast")

@@ -14,10 +14,10 @@ the same ops on each side, and RowAttention rows are the one-row attention call 
 from __future__ import annotations
 
 import onnx_ir as ir
-
-from loopcast.config import ModelConfig
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import LOOPCAST_DOMAIN, GraphBuilder
+
+from loopcast.config import ModelConfig
 from loopcast.manifest import CYCLE, CYCLE_RUN, GraphSpec, has_cycle, lane_log_length, lane_state_length
 
 # Cycles per cycle_run call: the host's per-call work (one input copy, one launch, one log pull)
@@ -25,48 +25,91 @@ from loopcast.manifest import CYCLE, CYCLE_RUN, GraphSpec, has_cycle, lane_log_l
 CYCLE_RUN_LENGTH = 8
 
 
-def _cycle_body(b: GraphBuilder, ctx: blocks.BlockContext, entering_BS: ir.Value, carried_BWH: ir.Value
-                ) -> tuple[ir.Value, ir.Value]:
+def _cycle_body(
+    b: GraphBuilder, ctx: blocks.BlockContext, entering_BS: ir.Value, carried_BWH: ir.Value
+) -> tuple[ir.Value, ir.Value]:
     """One cycle: row 0 embeds the entering token, rows 1..R-1 continue the lanes carried out of
     rows 0..R-2 of the previous cycle. Returns (carried_BWH_out, logits_BSV)."""
     config = ctx.config
     R, L = config.num_loops, config.num_layers
     entering = blocks.embed(b, entering_BS)
-    continuing = b.op("Slice", [carried_BWH, b.const_i64("rows_start", [0]), b.const_i64("rows_end", [R - 1]),
-                                b.const_i64("rows_axis", [1])], path="/cycle/shift", out="continuing_BRm1H")
+    continuing = b.op(
+        "Slice",
+        [
+            carried_BWH,
+            b.const_i64("rows_start", [0]),
+            b.const_i64("rows_end", [R - 1]),
+            b.const_i64("rows_axis", [1]),
+        ],
+        path="/cycle/shift",
+        out="continuing_BRm1H",
+    )
     x = b.op("Concat", [entering, continuing], path="/cycle/lanes", out="lanes_BWH", axis=1)
     row_slots = [tuple(config.core_slot(r, l) for r in range(R)) for l in range(L)]
     if ctx.batch_invariant:
-        sites = [blocks.LayerSite(f"layers.{l}", row_slots[l], f"/cycle/layer{l}", f"cycle.layer{l}", l == L - 1)
-                 for l in range(L)]
+        sites = [
+            blocks.LayerSite(f"layers.{l}", row_slots[l], f"/cycle/layer{l}", f"cycle.layer{l}", l == L - 1)
+            for l in range(L)
+        ]
         x, _ = blocks.decoder_stack(b, x, sites, ctx)
     else:
         for l in range(L):
-            x = blocks.decoder_layer(b, x, f"layers.{l}", row_slots[l], ctx, path=f"/cycle/layer{l}",
-                                     prefix=f"cycle.layer{l}")
+            x = blocks.decoder_layer(
+                b, x, f"layers.{l}", row_slots[l], ctx, path=f"/cycle/layer{l}", prefix=f"cycle.layer{l}"
+            )
         x = blocks.rms_norm(b, x, "norm.weight", ctx, path="/cycle/loop_norm", out="cycle.normed_BWH")
     return x, blocks.lm_head(b, x, ctx)
 
 
-def _context(config: ModelConfig, dtype: ir.DataType, max_length: int, b: GraphBuilder, op_set: str,
-             positions_W: ir.Value, *, kv_in_place: bool) -> blocks.BlockContext:
+def _context(
+    config: ModelConfig,
+    dtype: ir.DataType,
+    max_length: int,
+    b: GraphBuilder,
+    op_set: str,
+    positions_W: ir.Value,
+    *,
+    kv_in_place: bool,
+) -> blocks.BlockContext:
     if not has_cycle(config, op_set):
-        raise ValueError("the cycle graphs need a looped model without prelude or coda and the loopcast attention op")
-    step = blocks.StepInputs(seqlens_k=None, total_sequence_length=None,
-                             cos_cache=b.weight("rotary.cos_SD2"), sin_cache=b.weight("rotary.sin_SD2"))
-    return blocks.BlockContext(config, dtype, max_length, step, op_set == "loopcast",
-                               loopcast_attention=op_set == "loopcast-attention", row_positions=positions_W,
-                               kv_in_place=kv_in_place)
+        raise ValueError(
+            "the cycle graphs need a looped model without prelude or coda and the loopcast attention op"
+        )
+    step = blocks.StepInputs(
+        seqlens_k=None,
+        total_sequence_length=None,
+        cos_cache=b.weight("rotary.cos_SD2"),
+        sin_cache=b.weight("rotary.sin_SD2"),
+    )
+    return blocks.BlockContext(
+        config,
+        dtype,
+        max_length,
+        step,
+        op_set == "loopcast",
+        loopcast_attention=op_set == "loopcast-attention",
+        row_positions=positions_W,
+        kv_in_place=kv_in_place,
+    )
 
 
 def _spec(kind: str, b: GraphBuilder, R: int) -> GraphSpec:
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
-    return GraphSpec(kind=kind, file=f"{kind}.onnx", rows=R, first_loop=0, last_loop=R, kv_slots=slots,
-                     inputs=[v.name for v in b.inputs], outputs=[v.name for v in b.outputs])
+    return GraphSpec(
+        kind=kind,
+        file=f"{kind}.onnx",
+        rows=R,
+        first_loop=0,
+        last_loop=R,
+        kv_slots=slots,
+        inputs=[v.name for v in b.inputs],
+        outputs=[v.name for v in b.outputs],
+    )
 
 
-def build_cycle(config: ModelConfig, dtype: ir.DataType, max_length: int, b: GraphBuilder, *,
-                op_set: str) -> tuple[ir.Model, GraphSpec]:
+def build_cycle(
+    config: ModelConfig, dtype: ir.DataType, max_length: int, b: GraphBuilder, *, op_set: str
+) -> tuple[ir.Model, GraphSpec]:
     """One cycle per call. ``lanes_W1`` = [entering token, position of row 0, ..., position of
     row R-1] (-1: no lane at that depth), one copy to the device per cycle; the host binds one
     cycle's ``carried_BWH_out`` as the next one's ``carried_BWH``. Every row leaves through the
@@ -74,23 +117,41 @@ def build_cycle(config: ModelConfig, dtype: ir.DataType, max_length: int, b: Gra
     R, H = config.num_loops, config.hidden_size
     lanes = b.input("lanes_W1", ir.DataType.INT32, [R + 1])
     carried = b.input("carried_BWH", dtype, [1, R, H])
-    token = b.op("Slice", [lanes, b.const_i64("token_start", [0]), b.const_i64("token_end", [1])],
-                 path="/cycle/token", out="entering_1")
-    token_ids = b.op("Reshape", [token, b.const_i64("shape_11", [1, 1])], path="/cycle/token_shape",
-                     out="entering_BS")
-    positions = b.op("Slice", [lanes, b.const_i64("positions_start", [1]), b.const_i64("positions_end", [R + 1])],
-                     path="/cycle/positions", out="positions_W")
+    token = b.op(
+        "Slice",
+        [lanes, b.const_i64("token_start", [0]), b.const_i64("token_end", [1])],
+        path="/cycle/token",
+        out="entering_1",
+    )
+    token_ids = b.op(
+        "Reshape", [token, b.const_i64("shape_11", [1, 1])], path="/cycle/token_shape", out="entering_BS"
+    )
+    positions = b.op(
+        "Slice",
+        [lanes, b.const_i64("positions_start", [1]), b.const_i64("positions_end", [R + 1])],
+        path="/cycle/positions",
+        out="positions_W",
+    )
     ctx = _context(config, dtype, max_length, b, op_set, positions, kv_in_place=False)
     x, logits = _cycle_body(b, ctx, token_ids, carried)
     b.output(x, dtype, [1, R, H], "carried_BWH_out")
     blocks.greedy_outputs(b, logits, R, config.vocab_size)
-    return b.build(CYCLE, "pipeline cycle: one pass over the core layers, row r at loop r"), _spec(CYCLE, b, R)
+    return b.build(CYCLE, "pipeline cycle: one pass over the core layers, row r at loop r"), _spec(
+        CYCLE, b, R
+    )
 
 
-def build_cycle_run(config: ModelConfig, dtype: ir.DataType, max_length: int, b: GraphBuilder, *,
-                    op_set: str, cycles: int = CYCLE_RUN_LENGTH) -> tuple[ir.Model, GraphSpec]:
+def build_cycle_run(
+    config: ModelConfig,
+    dtype: ir.DataType,
+    max_length: int,
+    b: GraphBuilder,
+    *,
+    op_set: str,
+    cycles: int = CYCLE_RUN_LENGTH,
+) -> tuple[ir.Model, GraphSpec]:
     """K cycles in one call, greedy: after each cycle ``loopcast.LaneStep`` (custom_ops/src/lane_step.h)
-    applies the lane schedule of ort_runtime/pipeline.py to the rows' argmax on the device and
+    applies the lane schedule of ort_runtime/decoding/pipeline.py to the rows' argmax on the device and
     gives the next cycle its positions and entering token, so the host copies one state in and
     one log out per K cycles. Every cycle's RowAttention writes into the bound KV buffers
     themselves (``kv_in_place``): a cycle reads what earlier cycles of the call wrote.
@@ -100,11 +161,21 @@ def build_cycle_run(config: ModelConfig, dtype: ir.DataType, max_length: int, b:
     R, H = config.num_loops, config.hidden_size
     state = b.input("lane_state_N", ir.DataType.INT32, [lane_state_length(R)])
     carried = b.input("carried_BWH", dtype, [1, R, H])
-    positions = b.op("Slice", [state, b.const_i64("positions_start", [0]), b.const_i64("positions_end", [R])],
-                     path="/run/positions", out="positions_W")
-    token = b.op("Slice", [state, b.const_i64("token_start", [R]), b.const_i64("token_end", [R + 1])],
-                 path="/run/token", out="entering_1")
-    entering = b.op("Reshape", [token, b.const_i64("shape_11", [1, 1])], path="/run/token_shape", out="entering_BS")
+    positions = b.op(
+        "Slice",
+        [state, b.const_i64("positions_start", [0]), b.const_i64("positions_end", [R])],
+        path="/run/positions",
+        out="positions_W",
+    )
+    token = b.op(
+        "Slice",
+        [state, b.const_i64("token_start", [R]), b.const_i64("token_end", [R + 1])],
+        path="/run/token",
+        out="entering_1",
+    )
+    entering = b.op(
+        "Reshape", [token, b.const_i64("shape_11", [1, 1])], path="/run/token_shape", out="entering_BS"
+    )
     records = []
     for c in range(cycles):
         b.scope = f"c{c}"
@@ -112,12 +183,18 @@ def build_cycle_run(config: ModelConfig, dtype: ir.DataType, max_length: int, b:
         carried, logits = _cycle_body(b, ctx, entering, carried)
         ids = b.op("ArgMax", [logits], path="/sample/argmax", out="next_token_ids_BS", axis=-1, keepdims=0)
         state, positions, entering, record = b.op_multi(
-            "LaneStep", [state, ids], path="/lane_step", domain=LOOPCAST_DOMAIN,
-            outs=["lane_state_N", "positions_W", "entering_BS", "lane_record_N"])
+            "LaneStep",
+            [state, ids],
+            path="/lane_step",
+            domain=LOOPCAST_DOMAIN,
+            outs=["lane_state_N", "positions_W", "entering_BS", "lane_record_N"],
+        )
         records.append(record)
     b.scope = ""
     b.output(carried, dtype, [1, R, H], "carried_BWH_out")
     log = b.op("Concat", [*records, state], path="/run/log", out="lane_log_N", axis=0)
     b.output(log, ir.DataType.INT32, [lane_log_length(R, cycles)])
-    return (b.build(CYCLE_RUN, f"pipeline cycle run: {cycles} cycles, the lane schedule on the device"),
-            _spec(CYCLE_RUN, b, R))
+    return (
+        b.build(CYCLE_RUN, f"pipeline cycle run: {cycles} cycles, the lane schedule on the device"),
+        _spec(CYCLE_RUN, b, R),
+    )

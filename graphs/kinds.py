@@ -18,25 +18,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import onnx_ir as ir
-
-from loopcast.config import ModelConfig
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
 from loopcast.graphs.cycles import build_cycle, build_cycle_run
-from loopcast.manifest import (CYCLE, CYCLE_RUN, DECODE, DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL,
-                               VERIFY, VERIFY_TAIL, GraphSpec, has_cycle)
+
+from loopcast.config import ModelConfig
+from loopcast.manifest import (
+    CYCLE,
+    CYCLE_RUN,
+    DECODE,
+    DRAFT,
+    LOGIT_ROWS,
+    PREFILL,
+    TREE_DRAFT,
+    TREE_KINDS,
+    TREE_TAIL,
+    VERIFY,
+    VERIFY_TAIL,
+    GraphSpec,
+    has_cycle,
+)
 
 
 @dataclass(frozen=True)
 class KindPlan:
     kind: str
-    rows: int | None          # None: dynamic
+    rows: int | None  # None: dynamic
     first_loop: int
     last_loop: int
 
 
-def plan_kinds(config: ModelConfig, verify_width: int, draft_depth: int | None, *,
-               op_set: str = "stock", tree: bool = False) -> list[KindPlan]:
+def plan_kinds(
+    config: ModelConfig,
+    verify_width: int,
+    draft_depth: int | None,
+    *,
+    op_set: str = "stock",
+    tree: bool = False,
+) -> list[KindPlan]:
     R = config.num_loops
     plans = [KindPlan(PREFILL, None, 0, R), KindPlan(DECODE, 1, 0, R), KindPlan(VERIFY, verify_width, 0, R)]
     if draft_depth is not None:
@@ -48,8 +67,15 @@ def plan_kinds(config: ModelConfig, verify_width: int, draft_depth: int | None, 
     return plans
 
 
-def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_length: int,
-               b: GraphBuilder, *, op_set: str = "stock") -> tuple[ir.Model, GraphSpec]:
+def build_kind(
+    plan: KindPlan,
+    config: ModelConfig,
+    dtype: ir.DataType,
+    max_length: int,
+    b: GraphBuilder,
+    *,
+    op_set: str = "stock",
+) -> tuple[ir.Model, GraphSpec]:
     if plan.kind == CYCLE:
         return build_cycle(config, dtype, max_length, b, op_set=op_set)
     if plan.kind == CYCLE_RUN:
@@ -69,9 +95,15 @@ def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_leng
         sin_cache=b.weight("rotary.sin_SD2"),
     )
     batch_invariant = op_set == "loopcast"
-    ctx = blocks.BlockContext(config, dtype, max_length, step, batch_invariant,
-                              loopcast_attention=op_set == "loopcast-attention",
-                              **(_tree_addresses(b, plan.rows) if tree else {}))
+    ctx = blocks.BlockContext(
+        config,
+        dtype,
+        max_length,
+        step,
+        batch_invariant,
+        loopcast_attention=op_set == "loopcast-attention",
+        **(_tree_addresses(b, plan.rows) if tree else {}),
+    )
     x = blocks.embed(b, token_ids) if plan.first_loop == 0 else hidden_in
     if batch_invariant:
         sites = blocks.layer_sites(config, plan.first_loop, plan.last_loop, prelude=plan.first_loop == 0)
@@ -88,10 +120,16 @@ def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_leng
         # Only the last row's next token is needed; slicing first keeps the head at one row.
         # ``logit_rows`` (default 1) asks for the last k rows instead: the CPU runs decode and
         # verify on this graph's session, so one session holds the packed weights
-        # (ort_runtime/artifact.py, "Weights").
-        start = b.op("Neg", [b.overridable_i64(LOGIT_ROWS, [1])], path="/prefill/logit_start", out="logit_start_1")
-        x = b.op("Slice", [x, start, b.const_i64("last_end", [2**62]), b.const_i64("rows_axis", [1])],
-                 path="/prefill/last_rows", out="last_rows_BKH")
+        # (ort_runtime/loading/artifact.py, "Weights").
+        start = b.op(
+            "Neg", [b.overridable_i64(LOGIT_ROWS, [1])], path="/prefill/logit_start", out="logit_start_1"
+        )
+        x = b.op(
+            "Slice",
+            [x, start, b.const_i64("last_end", [2**62]), b.const_i64("rows_axis", [1])],
+            path="/prefill/last_rows",
+            out="last_rows_BKH",
+        )
         out_rows = "logit_rows"
     logits = blocks.lm_head(b, x, ctx)
     blocks.greedy_outputs(b, logits, out_rows, config.vocab_size, with_gap=plan.kind == DRAFT)
@@ -101,9 +139,16 @@ def build_kind(plan: KindPlan, config: ModelConfig, dtype: ir.DataType, max_leng
         _top2_probabilities(b, logits, rows)
     model = b.build(plan.kind, __doc__.split("\n\n")[0])
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
-    spec = GraphSpec(kind=plan.kind, file=f"{plan.kind}.onnx", rows=plan.rows,
-                     first_loop=plan.first_loop, last_loop=plan.last_loop, kv_slots=slots,
-                     inputs=[v.name for v in b.inputs], outputs=[v.name for v in b.outputs])
+    spec = GraphSpec(
+        kind=plan.kind,
+        file=f"{plan.kind}.onnx",
+        rows=plan.rows,
+        first_loop=plan.first_loop,
+        last_loop=plan.last_loop,
+        kv_slots=slots,
+        inputs=[v.name for v in b.inputs],
+        outputs=[v.name for v in b.outputs],
+    )
     return model, spec
 
 
@@ -115,11 +160,31 @@ def _tree_addresses(b: GraphBuilder, rows: int) -> dict:
                         └─ Slice [:, 1:3] ────────▶ masked_keys_S2
     """
     address = b.input("row_address_S3", ir.DataType.INT32, [rows, 3])
-    column = b.op("Slice", [address, b.const_i64("position_start", [0]), b.const_i64("position_end", [1]),
-                            b.const_i64("columns_axis", [1])], path="/rows/position", out="positions_S1")
-    positions = b.op("Reshape", [column, b.const_i64("shape_S", [rows])], path="/rows/positions", out="positions_S")
-    masked = b.op("Slice", [address, b.const_i64("masked_start", [1]), b.const_i64("masked_end", [3]),
-                            b.const_i64("masked_axis", [1])], path="/rows/masked", out="masked_keys_S2")
+    column = b.op(
+        "Slice",
+        [
+            address,
+            b.const_i64("position_start", [0]),
+            b.const_i64("position_end", [1]),
+            b.const_i64("columns_axis", [1]),
+        ],
+        path="/rows/position",
+        out="positions_S1",
+    )
+    positions = b.op(
+        "Reshape", [column, b.const_i64("shape_S", [rows])], path="/rows/positions", out="positions_S"
+    )
+    masked = b.op(
+        "Slice",
+        [
+            address,
+            b.const_i64("masked_start", [1]),
+            b.const_i64("masked_end", [3]),
+            b.const_i64("masked_axis", [1]),
+        ],
+        path="/rows/masked",
+        out="masked_keys_S2",
+    )
     return {"row_positions": positions, "row_masked": masked, "row_count": rows}
 
 
@@ -127,7 +192,12 @@ def _top2_probabilities(b: GraphBuilder, logits_BSV: ir.Value, rows: int) -> Non
     """The two most likely tokens and their probabilities under the full softmax (the
     alternate-suffix proposer forks where they are close): logits ─ Softmax ─ TopK(2) ─▶ probs, ids."""
     probs = b.op("Softmax", [logits_BSV], path="/sample/softmax", out="probs_BSV", axis=-1)
-    top_probs, top_ids = b.op_multi("TopK", [probs, b.const_i64("k2", [2])], path="/sample/top2_probs",
-                                    outs=["top2_probs_BS2", "top2_ids_BS2"], axis=-1)
+    top_probs, top_ids = b.op_multi(
+        "TopK",
+        [probs, b.const_i64("k2", [2])],
+        path="/sample/top2_probs",
+        outs=["top2_probs_BS2", "top2_ids_BS2"],
+        axis=-1,
+    )
     b.output(top_probs, ir.DataType.FLOAT, [1, rows, 2])
     b.output(top_ids, ir.DataType.INT64, [1, rows, 2])

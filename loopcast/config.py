@@ -18,37 +18,90 @@ from loopcast.errors import ConfigError
 from loopcast.rope import RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("ouro", "llama", "qwen2", "mistral")
-ARCHITECTURES = {"ouro": "OuroForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {
+    "ouro": "OuroForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 GENERATION_CONFIG = "generation_config.json"
 
 # The known-fields table (docs/checkpoints.md): every config.json field loopcast reads or knows
 # to be inert. A field outside the table for its model_type is refused, never ignored, because
 # it may change the math (a new rope variant, a quantization scheme, a logit soft-cap...).
 # Fields that leave the forward pass unchanged (token ids, training-only settings, bookkeeping):
-_INERT = frozenset({
-    "architectures", "model_type", "transformers_version", "_name_or_path", "torch_dtype", "dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
-    "attention_dropout", "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict",
-    "id2label", "label2id", "problem_type", "is_encoder_decoder", "chunk_size_feed_forward",
-    "tokenizer_class", "auto_map", "max_window_layers", "use_return_dict", "tie_encoder_decoder",
-    "torchscript", "is_llama_config", "transformers.js_config",
-})
+_INERT = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "torch_dtype",
+        "dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "initializer_range",
+        "use_cache",
+        "attention_dropout",
+        "pretraining_tp",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "is_encoder_decoder",
+        "chunk_size_feed_forward",
+        "tokenizer_class",
+        "auto_map",
+        "max_window_layers",
+        "use_return_dict",
+        "tie_encoder_decoder",
+        "torchscript",
+        "is_llama_config",
+        "transformers.js_config",
+    }
+)
 # Fields that change the math and are implemented (or checked and refused when unsupported).
-_MATH_COMMON = frozenset({
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
-    "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-    "rope_interleaved", "use_mrope",
-})
+_MATH_COMMON = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "partial_rotary_factor",
+        "rope_interleaved",
+        "use_mrope",
+    }
+)
 KNOWN_FIELDS: dict[str, frozenset[str]] = {
     "llama": _INERT | _MATH_COMMON | {"attention_bias", "mlp_bias"},
     # Qwen2 attention always has q/k/v biases and no o_proj bias; the window fields are checked.
     "qwen2": _INERT | _MATH_COMMON | {"use_sliding_window", "sliding_window", "layer_types"},
     "mistral": _INERT | _MATH_COMMON | {"sliding_window"},
-    "ouro": _INERT | _MATH_COMMON | {"attention_bias", "total_ut_steps", "early_exit_threshold",
-                                      "use_sliding_window", "sliding_window", "layer_types", "num_prelude_layers",
-                                      "num_coda_layers"},
+    "ouro": _INERT
+    | _MATH_COMMON
+    | {
+        "attention_bias",
+        "total_ut_steps",
+        "early_exit_threshold",
+        "use_sliding_window",
+        "sliding_window",
+        "layer_types",
+        "num_prelude_layers",
+        "num_coda_layers",
+    },
 }
 
 
@@ -79,11 +132,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     torch_dtype: str = "float32"
-    rope_scaling: RopeScaling | None = None   # None: plain rope with rope_theta
-    qkv_bias: bool = False                    # q/k/v projections carry a bias (Qwen2, attention_bias)
-    o_bias: bool = False                      # o_proj carries a bias (Llama attention_bias)
-    mlp_bias: bool = False                    # gate/up/down carry biases (Llama mlp_bias)
-    sliding_window: int | None = None         # Mistral: exports only up to this length (full attention there)
+    rope_scaling: RopeScaling | None = None  # None: plain rope with rope_theta
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2, attention_bias)
+    o_bias: bool = False  # o_proj carries a bias (Llama attention_bias)
+    mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
+    sliding_window: int | None = None  # Mistral: exports only up to this length (full attention there)
     extra_eos_token_ids: tuple[int, ...] = ()  # further stop ids (config lists, generation_config.json)
 
     def __post_init__(self) -> None:
@@ -91,9 +144,17 @@ class ModelConfig:
             raise ConfigError(
                 f"unknown model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "num_loops",
-                     "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_loops",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
@@ -108,12 +169,17 @@ class ModelConfig:
             raise ConfigError(f"{self.model_type} models run one loop, config asks for {self.num_loops}")
         # The bias pattern is fixed per architecture (what its config fields can express).
         biases = (self.qkv_bias, self.o_bias, self.mlp_bias)
-        allowed = {"ouro": [(False, False, False)], "mistral": [(False, False, False)],
-                   "qwen2": [(True, False, False)],
-                   "llama": [(a, a, m) for a in (False, True) for m in (False, True)]}[self.model_type]
+        allowed = {
+            "ouro": [(False, False, False)],
+            "mistral": [(False, False, False)],
+            "qwen2": [(True, False, False)],
+            "llama": [(a, a, m) for a in (False, True) for m in (False, True)],
+        }[self.model_type]
         if biases not in allowed:
-            raise ConfigError(f"bias pattern qkv={biases[0]} o={biases[1]} mlp={biases[2]} is not one a "
-                              f"{self.model_type} config can express")
+            raise ConfigError(
+                f"bias pattern qkv={biases[0]} o={biases[1]} mlp={biases[2]} is not one a "
+                f"{self.model_type} config can express"
+            )
         if self.sliding_window is not None and self.model_type != "mistral":
             raise ConfigError("sliding_window is only understood for mistral models")
 
@@ -147,8 +213,9 @@ class ModelConfig:
 
     def rope_cos_sin(self, positions):
         """cos/sin ``[S, D/2]`` (numpy float32) at integer ``positions`` (numpy)."""
-        return rope.cos_sin(self.rope_theta, self.head_dim, self.rope_scaling, self.max_position_embeddings,
-                            positions)
+        return rope.cos_sin(
+            self.rope_theta, self.head_dim, self.rope_scaling, self.max_position_embeddings, positions
+        )
 
     @property
     def num_kv_slots(self) -> int:
@@ -180,11 +247,14 @@ class ModelConfig:
         if unknown:
             raise ConfigError(
                 f"config field {unknown[0]!r} is not understood for model_type {model_type!r}; it may change "
-                "the math, so it is refused rather than ignored (docs/checkpoints.md)")
+                "the math, so it is refused rather than ignored (docs/checkpoints.md)"
+            )
         architectures = raw.get("architectures") or [ARCHITECTURES[model_type]]
         if any(a != ARCHITECTURES[model_type] for a in architectures):
-            raise ConfigError(f"architectures {architectures} are not supported for model_type {model_type!r} "
-                              f"(expected {ARCHITECTURES[model_type]})")
+            raise ConfigError(
+                f"architectures {architectures} are not supported for model_type {model_type!r} "
+                f"(expected {ARCHITECTURES[model_type]})"
+            )
         try:
             _reject_unsupported(raw)
             hidden = int(raw["hidden_size"])
@@ -225,8 +295,11 @@ class ModelConfig:
             raise ConfigError(f"config.json has a malformed field: {exc}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
-        rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default",
-                           **(self.rope_scaling.to_hf_dict() if self.rope_scaling else {})}
+        rope_parameters = {
+            "rope_theta": self.rope_theta,
+            "rope_type": "default",
+            **(self.rope_scaling.to_hf_dict() if self.rope_scaling else {}),
+        }
         eos = list(self.eos_token_ids)
         out: dict[str, Any] = {
             "model_type": self.model_type,
@@ -313,7 +386,9 @@ def load_config(checkpoint_dir: Path) -> ModelConfig:
     eos = generation.get("eos_token_id")
     extra = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
     if not all(isinstance(i, int) for i in extra):
-        raise ConfigError(f"{Path(checkpoint_dir) / GENERATION_CONFIG}: eos_token_id must be an int or a list of ints")
+        raise ConfigError(
+            f"{Path(checkpoint_dir) / GENERATION_CONFIG}: eos_token_id must be an int or a list of ints"
+        )
     if config.eos_token_id is None and extra:
         config = config.replace(eos_token_id=extra[0])
     merged = tuple(dict.fromkeys([*config.extra_eos_token_ids, *extra]))
@@ -324,7 +399,9 @@ def generation_max_length(checkpoint_dir: Path) -> int | None:
     """``max_length`` of ``generation_config.json`` (total tokens), if the checkpoint sets one."""
     value = _read_json(Path(checkpoint_dir) / GENERATION_CONFIG, required=False).get("max_length")
     if value is not None and (not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{Path(checkpoint_dir) / GENERATION_CONFIG}: max_length must be a positive integer")
+        raise ConfigError(
+            f"{Path(checkpoint_dir) / GENERATION_CONFIG}: max_length must be a positive integer"
+        )
     return value
 
 
@@ -345,37 +422,100 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
 # Shapes used by tests and benchmarks; the tool `loopcast random-checkpoint` writes any of them.
 PRESETS: dict[str, ModelConfig] = {
     "ouro-1.4b": ModelConfig(
-        model_type="ouro", vocab_size=49152, hidden_size=2048, intermediate_size=5632,
-        num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128, num_loops=4,
-        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=65536,
-        bos_token_id=1, eos_token_id=2, torch_dtype="float16",
+        model_type="ouro",
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=128,
+        num_loops=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=65536,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float16",
     ),
     "tiny-ouro": ModelConfig(
-        model_type="ouro", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=4, head_dim=16, num_loops=3, rope_theta=1e4,
-        max_position_embeddings=128, eos_token_id=0,
+        model_type="ouro",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        num_loops=3,
+        rope_theta=1e4,
+        max_position_embeddings=128,
+        eos_token_id=0,
     ),
     "tiny-llama": ModelConfig(
-        model_type="llama", vocab_size=101, hidden_size=64, intermediate_size=80, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, num_loops=1, rope_theta=1e4,
-        max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=0,
+        model_type="llama",
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=80,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_loops=1,
+        rope_theta=1e4,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=0,
     ),
     "tiny-qwen2": ModelConfig(
-        model_type="qwen2", vocab_size=103, hidden_size=64, intermediate_size=80, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=128,
-        tie_word_embeddings=True, eos_token_id=0, extra_eos_token_ids=(1,), qkv_bias=True,
+        model_type="qwen2",
+        vocab_size=103,
+        hidden_size=64,
+        intermediate_size=80,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        extra_eos_token_ids=(1,),
+        qkv_bias=True,
     ),
     # Ouro-1.4B's shapes as a plain Llama (R=1, untied head): 1.43B parameters, 2.7 GiB in fp16,
     # the size the issue timed against ORT-GenAI's builder on the H200 host (tools/h200_run.sh).
     "llama-1.4b": ModelConfig(
-        model_type="llama", vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_layers=24,
-        num_heads=16, num_kv_heads=16, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, torch_dtype="float16",
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float16",
     ),
     # SmolLM-135M shapes (~135M parameters, 514 MiB in fp32): export-speed and memory measurements.
     "smollm-135m": ModelConfig(
-        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-        num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
-        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=1e5,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
 }

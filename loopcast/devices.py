@@ -50,8 +50,10 @@ def check_device(device: str) -> str:
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise RequestError("--device cuda: this onnxruntime has no CUDAExecutionProvider (a CPU-only install; "
-                           "`pip install -e '.[cuda]'` after uninstalling onnxruntime), use --device cpu")
+        raise RequestError(
+            "--device cuda: this onnxruntime has no CUDAExecutionProvider (a CPU-only install; "
+            "`pip install -e '.[cuda]'` after uninstalling onnxruntime), use --device cpu"
+        )
     if gpu_count() == 0:
         raise RequestError("--device cuda: the CUDA driver reports no GPU on this machine, use --device cpu")
     return device

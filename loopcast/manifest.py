@@ -60,8 +60,12 @@ def lane_log_length(rows: int, cycles: int) -> int:
 def has_cycle(config: ModelConfig, op_set: str) -> bool:
     """Whether an artifact carries the pipeline's cycle graph: a looped model without prelude or
     coda (a lane runs one core loop per cycle), built with the row-addressed attention op."""
-    return (config.num_loops > 1 and config.num_prelude_layers == 0 and config.num_coda_layers == 0
-            and op_set != "stock")
+    return (
+        config.num_loops > 1
+        and config.num_prelude_layers == 0
+        and config.num_coda_layers == 0
+        and op_set != "stock"
+    )
 
 
 def can_tree_verify(config: ModelConfig, op_set: str) -> str | None:
@@ -72,6 +76,7 @@ def can_tree_verify(config: ModelConfig, op_set: str) -> str | None:
     if op_set == "stock":
         return "tree verify needs the loopcast attention op (--ops loopcast-attention or loopcast), not stock graphs"
     return None
+
 
 # Batched kinds (graphs/batched.py, docs/serving.md): the rows of one call belong to different
 # sequences (1 row each for decode_batch, verify_width rows each for verify_batch), batch entry b
@@ -88,10 +93,10 @@ class GraphSpec:
 
     kind: str
     file: str
-    rows: int | None              # None = dynamic (prefill)
-    first_loop: int               # loops first_loop .. last_loop-1 are run
+    rows: int | None  # None = dynamic (prefill)
+    first_loop: int  # loops first_loop .. last_loop-1 are run
     last_loop: int
-    kv_slots: list[int]           # slots bound as past_key.{s}/present_key.{s} (and value)
+    kv_slots: list[int]  # slots bound as past_key.{s}/present_key.{s} (and value)
     inputs: list[str]
     outputs: list[str]
 
@@ -107,24 +112,23 @@ class FileRecord:
 
     size: int
     sha256: str
-    sampled_sha256: str | None = None   # see sampled_sha256(): checked on every load
-    hash: str = "sha256"                # how ``sha256`` was computed: one of HASH_SCHEMES
-
+    sampled_sha256: str | None = None  # see sampled_sha256(): checked on every load
+    hash: str = "sha256"  # how ``sha256`` was computed: one of HASH_SCHEMES
 
 
 @dataclass(frozen=True)
 class Manifest:
     schema_version: int
     exporter_version: str
-    model: dict[str, Any]                 # Hugging Face style config (ModelConfig.to_hf_dict)
-    dtype: str                            # fp32 | fp16 | bf16
-    max_length: int                       # S_max of every KV buffer
+    model: dict[str, Any]  # Hugging Face style config (ModelConfig.to_hf_dict)
+    dtype: str  # fp32 | fp16 | bf16
+    max_length: int  # S_max of every KV buffer
     verify_width: int | None
     draft_depth: int | None
     kv_layout: dict[str, Any]
     graphs: dict[str, GraphSpec]
     weights_file: str = WEIGHTS_FILE
-    custom_ops: list[str] = field(default_factory=list)       # ops of the `loopcast` domain used
+    custom_ops: list[str] = field(default_factory=list)  # ops of the `loopcast` domain used
     custom_op_library: str | None = None
     tokenizer_files: list[str] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
@@ -165,6 +169,7 @@ class Manifest:
         path = Path(artifact_dir) / MANIFEST_FILE
         if not Path(artifact_dir).exists():
             from loopcast.swap import recover
+
             recover(Path(artifact_dir), clean=False)  # an export killed mid-swap left a backup
         if not Path(artifact_dir).is_dir():
             raise ArtifactError(f"{artifact_dir}: artifact directory not found")
@@ -178,8 +183,10 @@ class Manifest:
             raise ArtifactError(f"{path}: corrupt manifest (expected a JSON object)")
         version = raw.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise ArtifactError(f"{path}: manifest schema version {version!r}, this loopcast reads "
-                                f"version {SCHEMA_VERSION}; re-export the artifact")
+            raise ArtifactError(
+                f"{path}: manifest schema version {version!r}, this loopcast reads "
+                f"version {SCHEMA_VERSION}; re-export the artifact"
+            )
         manifest = parse_manifest(raw, path)
         check_files(manifest, Path(artifact_dir))
         return manifest
@@ -209,8 +216,12 @@ def chunked_sha256(path: Path) -> str:
         fd = f.fileno()
         # os.pread and hashlib release the GIL: the chunks are read and hashed in parallel
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-            digests = list(pool.map(lambda at: hashlib.sha256(os.pread(fd, CHUNK_BYTES, at)).digest(),
-                                    range(0, size, CHUNK_BYTES)))
+            digests = list(
+                pool.map(
+                    lambda at: hashlib.sha256(os.pread(fd, CHUNK_BYTES, at)).digest(),
+                    range(0, size, CHUNK_BYTES),
+                )
+            )
     return hashlib.sha256(size.to_bytes(8, "little") + b"".join(digests)).hexdigest()
 
 
@@ -245,15 +256,21 @@ def resolve_inside(artifact_dir: Path, name: object, what: str) -> Path:
     """The path of ``name`` inside the artifact, refusing anything that could leave it: a
     non-string, an absolute path, ``..``, or a symlink (at any level) resolving outside."""
     if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
-        raise ArtifactError(f"{Path(artifact_dir) / MANIFEST_FILE}: {what} must be a file name inside the "
-                            f"artifact, got {name!r}")
+        raise ArtifactError(
+            f"{Path(artifact_dir) / MANIFEST_FILE}: {what} must be a file name inside the "
+            f"artifact, got {name!r}"
+        )
     rel = PurePosixPath(name)
     if rel.is_absolute() or ".." in rel.parts or any(p in ("", ".") for p in name.split("/")):
-        raise ArtifactError(f"{Path(artifact_dir) / MANIFEST_FILE}: {what} {name!r} must be a relative path "
-                            "inside the artifact (no absolute paths, no '..')")
+        raise ArtifactError(
+            f"{Path(artifact_dir) / MANIFEST_FILE}: {what} {name!r} must be a relative path "
+            "inside the artifact (no absolute paths, no '..')"
+        )
     root = Path(artifact_dir).resolve()
     target = (root / rel).resolve()
     if not target.is_relative_to(root):
-        raise ArtifactError(f"{Path(artifact_dir) / name}: {what} resolves outside the artifact directory "
-                            f"(to {target}); refusing it")
+        raise ArtifactError(
+            f"{Path(artifact_dir) / name}: {what} resolves outside the artifact directory "
+            f"(to {target}); refusing it"
+        )
     return Path(artifact_dir) / rel

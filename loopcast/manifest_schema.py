@@ -6,7 +6,7 @@ length), and that each graph kind lists exactly the inputs and outputs its kind 
 ``check_files`` confines every named file to the artifact directory and compares recorded
 sizes and sampled hashes (at most 1 MiB read per file, so start-up stays cheap on gigabyte
 weights; the full hashes are ``inspect --verify``'s job). The runtime then
-compares each ONNX session's real inputs and outputs with the spec (ort_runtime/artifact.py).
+compares each ONNX session's real inputs and outputs with the spec (ort_runtime/loading/artifact.py).
 
 Everything raises ArtifactError naming the manifest and the field; nothing here lets a
 TypeError or KeyError out, because a corrupt manifest is input, not a bug.
@@ -20,10 +20,30 @@ from typing import Any
 
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
-from loopcast.manifest import (BATCH_KINDS, CYCLE, CYCLE_RUN, DECODE, DECODE_BATCH, DRAFT, GRAPH_KINDS, OP_SETS,
-                               PREFILL, TREE_DRAFT, TREE_KINDS, TREE_TAIL, VERIFY, VERIFY_BATCH, VERIFY_TAIL, FileRecord,
-                               GraphSpec, HASH_SCHEMES, Manifest, has_cycle,
-                               resolve_inside, sampled_sha256)
+from loopcast.manifest import (
+    BATCH_KINDS,
+    CYCLE,
+    CYCLE_RUN,
+    DECODE,
+    DECODE_BATCH,
+    DRAFT,
+    GRAPH_KINDS,
+    HASH_SCHEMES,
+    OP_SETS,
+    PREFILL,
+    TREE_DRAFT,
+    TREE_KINDS,
+    TREE_TAIL,
+    VERIFY,
+    VERIFY_BATCH,
+    VERIFY_TAIL,
+    FileRecord,
+    GraphSpec,
+    Manifest,
+    has_cycle,
+    resolve_inside,
+    sampled_sha256,
+)
 
 DTYPES = ("fp32", "fp16", "bf16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -84,7 +104,9 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
         inputs = {"lanes_W1", "carried_BWH"}
         outputs |= {"carried_BWH_out"}
     if kind == CYCLE_RUN:  # writes its KV in place: no present outputs
-        inputs = {"lane_state_N", "carried_BWH"} | {f"past_{kv}.{s}" for s in slots for kv in ("key", "value")}
+        inputs = {"lane_state_N", "carried_BWH"} | {
+            f"past_{kv}.{s}" for s in slots for kv in ("key", "value")
+        }
         return inputs, {"carried_BWH_out", "lane_log_N"}
     if kind == DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
@@ -138,8 +160,11 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     graphs_raw = top.get("graphs", dict)
     unknown = sorted(set(graphs_raw) - set(GRAPH_KINDS) - set(BATCH_KINDS))
     if unknown:
-        top.fail(f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are "
-                 f"{', '.join(GRAPH_KINDS + BATCH_KINDS)}", "graphs")
+        top.fail(
+            f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are "
+            f"{', '.join(GRAPH_KINDS + BATCH_KINDS)}",
+            "graphs",
+        )
     # kind -> (rows, first_loop, last_loop), from the model and the manifest's own widths.
     plan = {PREFILL: (None, 0, R), DECODE: (1, 0, R)}
     if verify_width is not None:
@@ -164,16 +189,20 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     graphs = {}
     for kind, spec_raw in graphs_raw.items():
         if kind not in plan:
-            top.fail(f"has a '{kind}' graph but verify_width/draft_depth/max_batch (or, for cycle and the tree "
-                     "kinds, the model and op_set) say there is none", "graphs")
+            top.fail(
+                f"has a '{kind}' graph but verify_width/draft_depth/max_batch (or, for cycle and the tree "
+                "kinds, the model and op_set) say there is none",
+                "graphs",
+            )
         graphs[kind] = _parse_graph(kind, spec_raw, plan[kind], config, path)
 
     weights_file = top.get("weights_file", str)
     custom_ops = top.str_list("custom_ops", optional=True)
     library = top.get("custom_op_library", str, optional=True)
     if custom_ops and library is None:
-        raise ArtifactError(f"{path}: the graphs use custom ops {custom_ops} but the manifest "
-                            "names no custom_op_library")
+        raise ArtifactError(
+            f"{path}: the graphs use custom ops {custom_ops} but the manifest names no custom_op_library"
+        )
     if library is not None and ("/" in library or library in ("", ".", "..")):
         top.fail(f"must be a plain file name inside the artifact, got {library!r:.80}", "custom_op_library")
     tokenizer_files = top.str_list("tokenizer_files", optional=True)
@@ -197,17 +226,37 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     if op_set not in OP_SETS:
         top.fail(f"must be one of {', '.join(OP_SETS)}, got {op_set!r:.40}", "op_set")
     genai_files = top.str_list("genai_files", optional=True)
-    return Manifest(schema_version=raw["schema_version"], exporter_version=exporter_version, model=model,
-                    dtype=dtype, max_length=max_length, verify_width=verify_width, draft_depth=draft_depth,
-                    kv_layout=kv.raw, graphs=graphs, weights_file=weights_file, custom_ops=custom_ops,
-                    custom_op_library=library, tokenizer_files=tokenizer_files, eos_token_ids=eos,
-                    files=files, exact_verify=exact, op_set=op_set, genai_files=genai_files, max_batch=max_batch)
+    return Manifest(
+        schema_version=raw["schema_version"],
+        exporter_version=exporter_version,
+        model=model,
+        dtype=dtype,
+        max_length=max_length,
+        verify_width=verify_width,
+        draft_depth=draft_depth,
+        kv_layout=kv.raw,
+        graphs=graphs,
+        weights_file=weights_file,
+        custom_ops=custom_ops,
+        custom_op_library=library,
+        tokenizer_files=tokenizer_files,
+        eos_token_ids=eos,
+        files=files,
+        exact_verify=exact,
+        op_set=op_set,
+        genai_files=genai_files,
+        max_batch=max_batch,
+    )
 
 
-MAX_BATCH = 1024  # sequences of a batched graph (docs/serving.md); the KV memory is max_batch x one sequence's
+MAX_BATCH = (
+    1024  # sequences of a batched graph (docs/serving.md); the KV memory is max_batch x one sequence's
+)
 
 
-def batch_plan(max_batch: int | None, num_loops: int, verify_width: int | None) -> dict[str, tuple[int, int, int]]:
+def batch_plan(
+    max_batch: int | None, num_loops: int, verify_width: int | None
+) -> dict[str, tuple[int, int, int]]:
     """The batched kinds an artifact of ``max_batch`` has: kind -> (rows per sequence, first loop,
     last loop). None (exported without --max-batch): none."""
     if max_batch is None:
@@ -226,23 +275,38 @@ def _parse_graph(kind: str, raw: Any, plan: tuple, config: ModelConfig, path: Pa
     file = g.get("file", str)
     got_rows = g.get("rows", int, optional=True)
     if got_rows != rows:
-        g.fail(f"must be {rows if rows is not None else 'null (dynamic)'} for this kind, got {got_rows!r}", "rows")
+        g.fail(
+            f"must be {rows if rows is not None else 'null (dynamic)'} for this kind, got {got_rows!r}",
+            "rows",
+        )
     got_first, got_last = g.get("first_loop", int), g.get("last_loop", int)
     if (got_first, got_last) != (first, last):
-        g.fail(f"loops must be {first}..{last} (R={config.num_loops}), got {got_first}..{got_last}",
-               "first_loop/last_loop")
+        g.fail(
+            f"loops must be {first}..{last} (R={config.num_loops}), got {got_first}..{got_last}",
+            "first_loop/last_loop",
+        )
     slots = g.int_list("kv_slots", 0, config.num_kv_slots - 1)
     if sorted(slots) != expected_slots(config, first, last) or len(set(slots)) != len(slots):
-        g.fail(f"must be {expected_slots(config, first, last)} for loops {first}..{last - 1}, got {slots!r:.120}",
-               "kv_slots")
+        g.fail(
+            f"must be {expected_slots(config, first, last)} for loops {first}..{last - 1}, got {slots!r:.120}",
+            "kv_slots",
+        )
     inputs, outputs = g.str_list("inputs"), g.str_list("outputs")
     want_in, want_out = expected_io(kind, first, slots)
     for label, got, want in (("inputs", inputs, want_in), ("outputs", outputs, want_out)):
         if set(got) != want or len(got) != len(want):
             extra, missing = sorted(set(got) - want), sorted(want - set(got))
             g.fail(f"do not match a {kind} graph (missing {missing[:4]}, unexpected {extra[:4]})", label)
-    return GraphSpec(kind=kind, file=file, rows=got_rows, first_loop=first, last_loop=last,
-                     kv_slots=slots, inputs=inputs, outputs=outputs)
+    return GraphSpec(
+        kind=kind,
+        file=file,
+        rows=got_rows,
+        first_loop=first,
+        last_loop=last,
+        kv_slots=slots,
+        inputs=inputs,
+        outputs=outputs,
+    )
 
 
 def check_files(manifest: Manifest, artifact_dir: Path) -> None:
@@ -258,15 +322,25 @@ def check_files(manifest: Manifest, artifact_dir: Path) -> None:
         target = resolve_inside(artifact_dir, name, what)
         if not target.is_file():
             missing = "is missing" if not target.exists() else "is not a regular file"
-            raise ArtifactError(f"{target}: {what} {missing}" +
-                                (" (it must be a file inside the artifact)" if what == "custom-op library" else ""))
+            raise ArtifactError(
+                f"{target}: {what} {missing}"
+                + (" (it must be a file inside the artifact)" if what == "custom-op library" else "")
+            )
         record = manifest.files.get(name)
         if record is not None and target.stat().st_size != record.size:
-            raise ArtifactError(f"{target}: {what} has {target.stat().st_size} bytes, the manifest records "
-                                f"{record.size} (truncated or replaced; re-export the artifact)")
-        if record is not None and record.sampled_sha256 is not None and sampled_sha256(target) != record.sampled_sha256:
-            raise ArtifactError(f"{target}: {what} does not match the manifest (sampled SHA-256 differs: corrupted, "
-                                "zeroed or replaced; loopcast inspect --verify checks every byte)")
+            raise ArtifactError(
+                f"{target}: {what} has {target.stat().st_size} bytes, the manifest records "
+                f"{record.size} (truncated or replaced; re-export the artifact)"
+            )
+        if (
+            record is not None
+            and record.sampled_sha256 is not None
+            and sampled_sha256(target) != record.sampled_sha256
+        ):
+            raise ArtifactError(
+                f"{target}: {what} does not match the manifest (sampled SHA-256 differs: corrupted, "
+                "zeroed or replaced; loopcast inspect --verify checks every byte)"
+            )
     check_weights_header(artifact_dir / manifest.weights_file)
 
 
@@ -288,11 +362,14 @@ def check_weights_header(weights: Path) -> None:
     except OSError as exc:
         raise ArtifactError(f"{weights}: weights file unreadable ({exc.strerror})") from None
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
-        raise ArtifactError(f"{weights}: weights file is not a safetensors file ({type(exc).__name__}: "
-                            f"{str(exc)[:120]})") from None
+        raise ArtifactError(
+            f"{weights}: weights file is not a safetensors file ({type(exc).__name__}: {str(exc)[:120]})"
+        ) from None
     if weights.stat().st_size < need:
-        raise ArtifactError(f"{weights}: weights file is truncated ({weights.stat().st_size} bytes, its header "
-                            f"needs {need}); re-export the artifact")
+        raise ArtifactError(
+            f"{weights}: weights file is truncated ({weights.stat().st_size} bytes, its header "
+            f"needs {need}); re-export the artifact"
+        )
 
 
 def verify_hashes(manifest: Manifest, artifact_dir: Path) -> list[str]:
@@ -301,8 +378,10 @@ def verify_hashes(manifest: Manifest, artifact_dir: Path) -> list[str]:
     from loopcast.manifest import file_digest
 
     if not manifest.files:
-        raise ArtifactError(f"{artifact_dir}: the manifest records no hashes (exported by an older loopcast); "
-                            "re-export to verify it")
+        raise ArtifactError(
+            f"{artifact_dir}: the manifest records no hashes (exported by an older loopcast); "
+            "re-export to verify it"
+        )
     named = [spec.file for spec in manifest.graphs.values()] + [manifest.weights_file]
     named += [manifest.custom_op_library] if manifest.custom_op_library else []
     unrecorded = [name for name in named if name not in manifest.files]
@@ -313,7 +392,9 @@ def verify_hashes(manifest: Manifest, artifact_dir: Path) -> list[str]:
         target = resolve_inside(artifact_dir, name, "recorded file")
         digest = file_digest(target, record.hash)
         if digest != record.sha256:
-            raise ArtifactError(f"{target}: SHA-256 {digest[:16]}… does not match the manifest's "
-                                f"{record.sha256[:16]}… (corrupted or replaced; re-export the artifact)")
+            raise ArtifactError(
+                f"{target}: SHA-256 {digest[:16]}… does not match the manifest's "
+                f"{record.sha256[:16]}… (corrupted or replaced; re-export the artifact)"
+            )
         lines.append(f"  ok  {name:<24} {record.size:>12} bytes  sha256 {digest[:16]}…")
     return lines

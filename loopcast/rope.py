@@ -32,9 +32,21 @@ ROPE_PARAMETERS: dict[str, frozenset[str]] = {
     "linear": frozenset({"factor"}),
     # transformers' dynamic type does not read original_max_position_embeddings; accepted as inert.
     "dynamic": frozenset({"factor", "original_max_position_embeddings"}),
-    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
-    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
-                       "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
@@ -79,15 +91,21 @@ def parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(theta if theta is not None else top_theta if top_theta is not None else 10000.0)
     partial = block.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
-        raise ConfigError(f"partial_rotary_factor {partial} is not supported (only 1.0: rotary on the whole head)")
+        raise ConfigError(
+            f"partial_rotary_factor {partial} is not supported (only 1.0: rotary on the whole head)"
+        )
     rope_type = block.pop("rope_type", None) or block.pop("type", None) or "default"
     block.pop("type", None)
     if rope_type not in ROPE_PARAMETERS:
-        raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_PARAMETERS)}")
+        raise ConfigError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_PARAMETERS)}"
+        )
     unknown = sorted(set(block) - ROPE_PARAMETERS[rope_type])
     if unknown:
-        raise ConfigError(f"rope parameter {unknown[0]!r} is not understood for rope type {rope_type!r} "
-                          f"(known: {', '.join(sorted(ROPE_PARAMETERS[rope_type])) or 'none'})")
+        raise ConfigError(
+            f"rope parameter {unknown[0]!r} is not understood for rope type {rope_type!r} "
+            f"(known: {', '.join(sorted(ROPE_PARAMETERS[rope_type])) or 'none'})"
+        )
     for name in _REQUIRED.get(rope_type, ()):
         if block.get(name) is None:
             raise ConfigError(f"rope type {rope_type!r} needs the parameter {name!r}")
@@ -99,8 +117,9 @@ def parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     return theta, RopeScaling(rope_type, tuple(sorted(block.items())))
 
 
-def inv_freq(theta: float, head_dim: int, scaling: RopeScaling | None,
-             max_position_embeddings: int) -> np.ndarray:
+def inv_freq(
+    theta: float, head_dim: int, scaling: RopeScaling | None, max_position_embeddings: int
+) -> np.ndarray:
     """Scaled inverse frequencies ``[D/2]`` (float64)."""
     base = theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     freq = 1.0 / base
@@ -110,8 +129,13 @@ def inv_freq(theta: float, head_dim: int, scaling: RopeScaling | None,
     if scaling.rope_type == "linear":
         return freq / float(factor)
     if scaling.rope_type == "llama3":
-        return _llama3(freq, float(factor), float(scaling.get("low_freq_factor")),
-                       float(scaling.get("high_freq_factor")), float(scaling.get("original_max_position_embeddings")))
+        return _llama3(
+            freq,
+            float(factor),
+            float(scaling.get("low_freq_factor")),
+            float(scaling.get("high_freq_factor")),
+            float(scaling.get("original_max_position_embeddings")),
+        )
     return _yarn(theta, head_dim, scaling, max_position_embeddings)[0]
 
 
@@ -122,10 +146,18 @@ def attention_factor(scaling: RopeScaling | None, max_position_embeddings: int) 
     return _yarn_attention_factor(scaling, max_position_embeddings)
 
 
-def cos_sin(theta: float, head_dim: int, scaling: RopeScaling | None, max_position_embeddings: int,
-            positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def cos_sin(
+    theta: float,
+    head_dim: int,
+    scaling: RopeScaling | None,
+    max_position_embeddings: int,
+    positions: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin ``[S, D/2]`` (float32) for the half-split convention; GroupQueryAttention's cache."""
-    freqs = positions.astype(np.float64)[:, None] * inv_freq(theta, head_dim, scaling, max_position_embeddings)[None, :]
+    freqs = (
+        positions.astype(np.float64)[:, None]
+        * inv_freq(theta, head_dim, scaling, max_position_embeddings)[None, :]
+    )
     # The angle is rounded to fp32 before cos/sin, as transformers computes it.
     angle = freqs.astype(np.float32).astype(np.float64)
     scale = attention_factor(scaling, max_position_embeddings)
@@ -164,7 +196,9 @@ def _yarn_attention_factor(scaling: RopeScaling, max_position_embeddings: int) -
     return mscale_of(factor)
 
 
-def _yarn(theta: float, dim: int, scaling: RopeScaling, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+def _yarn(
+    theta: float, dim: int, scaling: RopeScaling, max_position_embeddings: int
+) -> tuple[np.ndarray, float]:
     factor = _yarn_factor(scaling, max_position_embeddings)
     original = float(scaling.get("original_max_position_embeddings"))
     beta_fast = scaling.get("beta_fast") or 32

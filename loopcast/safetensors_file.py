@@ -3,7 +3,7 @@
 The exporter reads checkpoints through this (no torch): a tensor is a view of the mapped file
 until a conversion copies it, so an export holds about one tensor's worth of converted data
 at a time besides the page cache. The runtime reads an artifact's weights file through it too
-(ort_runtime/shared_weights.py), hence its place outside ``exporter/``. bf16 comes back as
+(ort_runtime/loading/shared_weights.py), hence its place outside ``exporter/``. bf16 comes back as
 ``ml_dtypes.bfloat16``.
 """
 
@@ -19,10 +19,16 @@ import ml_dtypes
 import numpy as np
 
 NUMPY_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Safetensors dtype code of each dtype name loopcast uses (config `torch_dtype` spelling).
@@ -37,9 +43,9 @@ class SafetensorsFormatError(ValueError):
 
 @dataclass(frozen=True)
 class TensorEntry:
-    dtype: str                   # safetensors code: F32, F16, BF16, I32, ...
+    dtype: str  # safetensors code: F32, F16, BF16, I32, ...
     shape: tuple[int, ...]
-    offset: int                  # absolute byte offset of the data in the file
+    offset: int  # absolute byte offset of the data in the file
     length: int
 
 
@@ -66,7 +72,9 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             continue
         try:
             start, stop = (int(v) for v in spec["data_offsets"])
-            entry = TensorEntry(str(spec["dtype"]), tuple(int(d) for d in spec["shape"]), base + start, stop - start)
+            entry = TensorEntry(
+                str(spec["dtype"]), tuple(int(d) for d in spec["shape"]), base + start, stop - start
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise SafetensorsFormatError(f"tensor {name}: malformed header entry ({exc})") from None
         if entry.offset + entry.length > file_size or entry.length < 0:
@@ -82,7 +90,9 @@ class MappedFile:
         self.path = Path(path)
         self.entries = read_header(self.path)
         with open(self.path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.path.stat().st_size else None
+            self._map = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.path.stat().st_size else None
+            )
         if self._map is not None and hasattr(mmap, "MADV_WILLNEED"):
             # Every byte is read once, in order: read ahead instead of faulting page by page
             # (measured on the 2-core VM: 0.87 s → 0.39 s to touch a 514 MiB file).
@@ -95,7 +105,9 @@ class MappedFile:
             raise SafetensorsFormatError(f"tensor {name}: dtype {entry.dtype} is not supported")
         count = int(np.prod(entry.shape, dtype=np.int64))
         if count * dtype.itemsize != entry.length:
-            raise SafetensorsFormatError(f"tensor {name}: {entry.length} bytes do not hold shape {list(entry.shape)}")
+            raise SafetensorsFormatError(
+                f"tensor {name}: {entry.length} bytes do not hold shape {list(entry.shape)}"
+            )
         return np.frombuffer(self._map, dtype=dtype, count=count, offset=entry.offset).reshape(entry.shape)
 
     def close(self) -> None:

@@ -49,8 +49,10 @@ def output_path(out_dir: str | os.PathLike) -> Path:
         raise ExportError(f"{out_dir}: cannot write an artifact over the file-system root")
     cwd = Path(os.path.abspath(os.getcwd()))
     if out == cwd or out in cwd.parents:
-        raise ExportError(f"{out_dir}: the output is the current directory (or contains it); give a "
-                          "subdirectory, e.g. -o ./artifact")
+        raise ExportError(
+            f"{out_dir}: the output is the current directory (or contains it); give a "
+            "subdirectory, e.g. -o ./artifact"
+        )
     return out
 
 
@@ -77,7 +79,7 @@ class Staging:
         out.parent.mkdir(parents=True, exist_ok=True)
         self.path = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging.", dir=out.parent))
         self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)   # marks it live for other processes' clean-up
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # marks it live for other processes' clean-up
         self.path.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
 
     def install(self) -> None:
@@ -87,7 +89,7 @@ class Staging:
                 self.path.rename(out)
             elif os.environ.get("LOOPCAST_SWAP") != "rename" and _exchange(self.path, out):
                 _crash_point("swapped")
-                shutil.rmtree(self.path, ignore_errors=True)     # now the old artifact
+                shutil.rmtree(self.path, ignore_errors=True)  # now the old artifact
             else:
                 backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
                 backup.rmdir()
@@ -143,14 +145,23 @@ def recover(out: Path, *, clean: bool = True) -> bool:
         with _locked(parent):
             dead = []
             for entry in parent.iterdir():
-                if entry.is_dir() and not entry.is_symlink() and entry.name.startswith(
-                        (f".{out.name}.staging.", f".{out.name}.old.")):
+                if (
+                    entry.is_dir()
+                    and not entry.is_symlink()
+                    and entry.name.startswith((f".{out.name}.staging.", f".{out.name}.old."))
+                ):
                     with _locked(entry, blocking=False) as free:
                         if free:
                             dead.append(entry)
             if not out.exists():
-                backups = sorted((d for d in dead if d.name.startswith(f".{out.name}.old.")
-                                  and (d / "manifest.json").is_file()), key=lambda d: d.stat().st_mtime)
+                backups = sorted(
+                    (
+                        d
+                        for d in dead
+                        if d.name.startswith(f".{out.name}.old.") and (d / "manifest.json").is_file()
+                    ),
+                    key=lambda d: d.stat().st_mtime,
+                )
                 if backups:
                     backups[-1].rename(out)
                     dead.remove(backups[-1])

@@ -4,6 +4,6 @@
 """
 
 from loopcast.ort_runtime.api import GenerationResult, LoopcastModel, StreamPiece, load
-from loopcast.ort_runtime.sampling import SamplingParams
+from loopcast.ort_runtime.decoding.sampling import SamplingParams
 
 __all__ = ["GenerationResult", "LoopcastModel", "SamplingParams", "StreamPiece", "load"]

@@ -9,10 +9,10 @@
                           sampling=SamplingParams(temperature=0.7, top_p=0.9, seed=0),
                           stop=["\n\n"], skip_special_tokens=True)
 
-``messages`` goes through the artifact's chat template (ort_runtime/chat.py) with the generation
-prompt added; ``sampling`` (ort_runtime/sampling.py) draws tokens instead of taking the argmax
+``messages`` goes through the artifact's chat template (ort_runtime/text/chat.py) with the generation
+prompt added; ``sampling`` (ort_runtime/decoding/sampling.py) draws tokens instead of taking the argmax
 (None or temperature 0: greedy, byte-identical to before); ``stop`` strings end the output on
-the decoded text, which is cut before them (finish reason "stop", ort_runtime/stopping.py);
+the decoded text, which is cut before them (finish reason "stop", ort_runtime/text/stopping.py);
 ``skip_special_tokens`` drops special tokens from the text (the token ids are unchanged).
 """
 
@@ -24,14 +24,15 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from loopcast.ort_runtime.binding.generator import Generator
+from loopcast.ort_runtime.decoding.greedy_accept import TieGuard
+from loopcast.ort_runtime.decoding.sampling import SamplingParams
+from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.loading.artifact import LoadedModel, open_artifact
+from loopcast.ort_runtime.text.chat import ChatTemplate, load_chat_template
+from loopcast.ort_runtime.text.stopping import StopStringMatcher, artifact_eos_ids, trim_at_stop
+
 from loopcast.errors import RequestError
-from loopcast.ort_runtime.artifact import LoadedModel, open_artifact
-from loopcast.ort_runtime.accept import TieGuard
-from loopcast.ort_runtime.chat import ChatTemplate, load_chat_template
-from loopcast.ort_runtime.generator import Generator
-from loopcast.ort_runtime.sampling import SamplingParams
-from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
-from loopcast.ort_runtime.stopping import StopStringMatcher, artifact_eos_ids, trim_at_stop
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class GenerationResult:
 @dataclass(frozen=True)
 class StreamPiece:
     token: int | None  # None only for a last piece that releases text held back for stop strings
-    text: str          # newly decodable text ("" while a multi-byte character is incomplete or
-                       # while the text could be the start of a stop string)
+    text: str  # newly decodable text ("" while a multi-byte character is incomplete or
+    # while the text could be the start of a stop string)
 
 
 class _GeneratorPool:
@@ -109,7 +110,11 @@ class LoopcastModel:
         return [int(t) for t in prompt]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str | None:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if self.tokenizer is not None else None
+        return (
+            self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            if self.tokenizer is not None
+            else None
+        )
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -129,8 +134,10 @@ class LoopcastModel:
         ``apply_chat_template(messages, add_generation_prompt=True)``)."""
         template = self.chat_template
         if template is None:
-            raise RequestError(f"{self.loaded.path}: no chat template (tokenizer_config.json has no "
-                               "chat_template and there is no chat_template.jinja); pass a plain prompt")
+            raise RequestError(
+                f"{self.loaded.path}: no chat template (tokenizer_config.json has no "
+                "chat_template and there is no chat_template.jinja); pass a plain prompt"
+            )
         if self.tokenizer is None:
             raise RequestError(f"{self.loaded.path}: no tokenizer.json; a chat prompt needs the tokenizer")
         text = template.render(messages, add_generation_prompt=add_generation_prompt)
@@ -141,13 +148,26 @@ class LoopcastModel:
             raise RequestError("give exactly one of a prompt and messages")
         return self.apply_chat_template(messages) if messages is not None else self.encode(prompt)
 
-    def stream_ids(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, *, stop_ids=None,
-                   speculative: str = "none", num_draft_tokens: int | None = None, gate: str = "auto",
-                   tie_guard: TieGuard | None = None, proposer=None, allow_inexact: bool = False,
-                   generator: Generator | None = None, stats: GenerationStats | None = None,
-                   messages: Sequence[dict] | None = None, sampling: SamplingParams | None = None,
-                   pipeline_exit: int = 1, alternate_gap: float | None = None,
-                   pipeline_device_lanes: bool = True) -> Iterator[int]:
+    def stream_ids(
+        self,
+        prompt: str | list[int] | None = None,
+        max_new_tokens: int = 64,
+        *,
+        stop_ids=None,
+        speculative: str = "none",
+        num_draft_tokens: int | None = None,
+        gate: str = "auto",
+        tie_guard: TieGuard | None = None,
+        proposer=None,
+        allow_inexact: bool = False,
+        generator: Generator | None = None,
+        stats: GenerationStats | None = None,
+        messages: Sequence[dict] | None = None,
+        sampling: SamplingParams | None = None,
+        pipeline_exit: int = 1,
+        alternate_gap: float | None = None,
+        pipeline_device_lanes: bool = True,
+    ) -> Iterator[int]:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
         (then the prompt continues after its committed prefix; otherwise a pooled generator
         serves the call, so concurrent calls never share one).
@@ -156,7 +176,7 @@ class LoopcastModel:
         one pass over the core layers; ``pipeline_exit`` is the loop whose head drafts; greedy lanes
         run K cycles per call with their schedule on the device where the artifact has the
         cycle_run graph, one cycle per call with ``pipeline_device_lanes=False``), or a
-        ``proposer`` of your own (``ort_runtime/proposers.py``); ``alternate_gap`` (with "self", on
+        ``proposer`` of your own (``ort_runtime/decoding/proposers.py``); ``alternate_gap`` (with "self", on
         artifacts exported with ``--tree-verify``): also verify one alternate suffix from the
         runner-up token where the draft's top-1/top-2 probability gap is below it; ``gate``: "auto" (calibrated on this device), "cost",
         "hit-density" or "none" (always speculate). Speculation is refused on an artifact whose
@@ -167,13 +187,28 @@ class LoopcastModel:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RequestError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         sampled = sampling is not None and not sampling.greedy
-        spec = SpeculationConfig(speculative, num_draft_tokens, gate, tie_guard=tie_guard or TieGuard(),
-                                 proposer=proposer, allow_inexact=allow_inexact, pipeline_exit=pipeline_exit,
-                                 alternate_gap=alternate_gap, device_lanes=pipeline_device_lanes)
+        spec = SpeculationConfig(
+            speculative,
+            num_draft_tokens,
+            gate,
+            tie_guard=tie_guard or TieGuard(),
+            proposer=proposer,
+            allow_inexact=allow_inexact,
+            pipeline_exit=pipeline_exit,
+            alternate_gap=alternate_gap,
+            device_lanes=pipeline_device_lanes,
+        )
 
         def run(gen: Generator) -> Iterator[int]:
-            return stream(gen, ids, max_new_tokens, stop_ids=stops, spec=spec, stats=stats,
-                          sampling=sampling if sampled else None)
+            return stream(
+                gen,
+                ids,
+                max_new_tokens,
+                stop_ids=stops,
+                spec=spec,
+                stats=stats,
+                sampling=sampling if sampled else None,
+            )
 
         if generator is not None:
             return run(generator)
@@ -192,9 +227,15 @@ class LoopcastModel:
         finally:
             self._pool.give(pooled)
 
-    def stream(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, *,
-               stop: Sequence[str] | None = None, skip_special_tokens: bool = False,
-               **kwargs) -> Iterator[StreamPiece]:
+    def stream(
+        self,
+        prompt: str | list[int] | None = None,
+        max_new_tokens: int = 64,
+        *,
+        stop: Sequence[str] | None = None,
+        skip_special_tokens: bool = False,
+        **kwargs,
+    ) -> Iterator[StreamPiece]:
         """Yield each committed token with the text it completes (UTF-8 safe). With ``stop``
         strings, text that could start one is held back until the next tokens decide, and the
         stream ends at a match (the text cut before it, finish reason "stop")."""
@@ -213,7 +254,7 @@ class LoopcastModel:
                 if text.endswith("\ufffd"):  # a byte-level token split a character: wait for the rest
                     yield StreamPiece(token, "")
                     continue
-                delta, shown = text[len(shown):], text
+                delta, shown = text[len(shown) :], text
                 if matcher is None:
                     yield StreamPiece(token, delta)
                     continue
@@ -230,14 +271,29 @@ class LoopcastModel:
         finally:
             tokens.close()
 
-    def generate(self, prompt: str | list[int] | None = None, max_new_tokens: int = 64, *,
-                 stop: Sequence[str] | None = None, skip_special_tokens: bool = False,
-                 **kwargs) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        max_new_tokens: int = 64,
+        *,
+        stop: Sequence[str] | None = None,
+        skip_special_tokens: bool = False,
+        **kwargs,
+    ) -> GenerationResult:
         stats = kwargs.pop("stats", None) or GenerationStats()
         if stop:
-            tokens = [p.token for p in self.stream(prompt, max_new_tokens, stats=stats, stop=stop,
-                                                   skip_special_tokens=skip_special_tokens, **kwargs)
-                      if p.token is not None]
+            tokens = [
+                p.token
+                for p in self.stream(
+                    prompt,
+                    max_new_tokens,
+                    stats=stats,
+                    stop=stop,
+                    skip_special_tokens=skip_special_tokens,
+                    **kwargs,
+                )
+                if p.token is not None
+            ]
             text, _ = trim_at_stop(self.decode(tokens, skip_special_tokens), stop)
             return GenerationResult(tokens, text, stats.finish_reason, stats)
         tokens = list(self.stream_ids(prompt, max_new_tokens, stats=stats, **kwargs))
@@ -252,15 +308,31 @@ def _finish_on_stop(stats: GenerationStats, start: float) -> None:
     stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
 
 
-def load(artifact_dir: str | os.PathLike, device: str = "cpu", *, threads: int | None = None,
-         share_weights: bool = False, cuda_graphs: bool | str = True,
-         kinds: tuple[str, ...] | None = None, trust_ops: bool = False) -> LoopcastModel:
+def load(
+    artifact_dir: str | os.PathLike,
+    device: str = "cpu",
+    *,
+    threads: int | None = None,
+    share_weights: bool = False,
+    cuda_graphs: bool | str = True,
+    kinds: tuple[str, ...] | None = None,
+    trust_ops: bool = False,
+) -> LoopcastModel:
     """Open an artifact. ``share_weights`` keeps one resident copy of the weights for all
-    graph kinds at the cost of slower multi-row steps (see ort_runtime/artifact.py).
+    graph kinds at the cost of slower multi-row steps (see ort_runtime/loading/artifact.py).
     On CUDA the fixed-width kinds of ``--batch-invariant`` artifacts run as captured CUDA graphs
-    unless ``cuda_graphs=False`` (stock graphs run eagerly: see ort_runtime/artifact.py);
+    unless ``cuda_graphs=False`` (stock graphs run eagerly: see ort_runtime/loading/artifact.py);
     ``kinds`` opens only those graph kinds (prefill is always needed to generate).
     ``trust_ops=True`` lets the artifact's custom-op library load even when it is not one you
     built (loading native code runs it: docs/trust.md)."""
-    return LoopcastModel(open_artifact(artifact_dir, device, threads=threads, share_weights=share_weights,
-                                       cuda_graphs=cuda_graphs, kinds=kinds, trust_ops=trust_ops))
+    return LoopcastModel(
+        open_artifact(
+            artifact_dir,
+            device,
+            threads=threads,
+            share_weights=share_weights,
+            cuda_graphs=cuda_graphs,
+            kinds=kinds,
+            trust_ops=trust_ops,
+        )
+    )

@@ -10,20 +10,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from loopcast.exporter.random_checkpoint import write_random_checkpoint
 
 from loopcast.config import PRESETS, ModelConfig
-from loopcast.exporter.random_checkpoint import write_random_checkpoint
 
 # head_dim stays 16 (the ONNX exporter needs a multiple of 16), hidden 64, vocab ~100.
 TINY_CONFIGS: dict[str, ModelConfig] = {
     "ouro-r3": PRESETS["tiny-ouro"],
     "ouro-r2-gqa": PRESETS["tiny-ouro"].replace(
-        num_loops=2, num_kv_heads=2, vocab_size=100, max_position_embeddings=64),
+        num_loops=2, num_kv_heads=2, vocab_size=100, max_position_embeddings=64
+    ),
     "ouro-r4-1layer": PRESETS["tiny-ouro"].replace(
-        num_loops=4, num_layers=1, num_kv_heads=1, vocab_size=89, max_position_embeddings=96),
+        num_loops=4, num_layers=1, num_kv_heads=1, vocab_size=89, max_position_embeddings=96
+    ),
     "llama-tied": PRESETS["tiny-llama"],
     "llama-untied-gqa": PRESETS["tiny-llama"].replace(
-        tie_word_embeddings=False, num_kv_heads=1, vocab_size=96, max_position_embeddings=64),
+        tie_word_embeddings=False, num_kv_heads=1, vocab_size=96, max_position_embeddings=64
+    ),
 }
 
 # Init std of the test checkpoints. 0.02 (the training init) gives near-uniform logits whose
@@ -53,13 +56,19 @@ def make_checkpoint(tmp_path_factory):
     Treat it as read-only: copy it (shutil.copytree) before breaking it on purpose."""
     made: dict[tuple, Path] = {}
 
-    def make(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-             *, std: float = TEST_CHECKPOINT_STD) -> Path:
+    def make(
+        config: ModelConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        *,
+        std: float = TEST_CHECKPOINT_STD,
+    ) -> Path:
         key = (config, seed, dtype, std)
         if key not in made:
             parent = tmp_path_factory.mktemp(f"ckpt-{config.model_type}-r{config.num_loops}")
-            made[key] = write_random_checkpoint(config, parent / "checkpoint", seed=seed,
-                                                dtype=dtype, std=std)
+            made[key] = write_random_checkpoint(
+                config, parent / "checkpoint", seed=seed, dtype=dtype, std=std
+            )
         return made[key]
 
     return make

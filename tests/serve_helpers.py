@@ -1,3 +1,3 @@
-"""The server tests' helpers: a real uvicorn server on a free loopback port (loopcast/cli_serve.py)."""
+"""The server tests' helpers: a real uvicorn server on a free loopback port (cli/serve.py)."""
 
-from loopcast.cli_serve import background_server as running_server, free_port  # noqa: F401
+from loopcast.serve.launch import background_server as running_server  # noqa: F401

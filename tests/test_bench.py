@@ -9,19 +9,29 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-
-from loopcast.bench import BenchOptions, alternation, kernel_family, run_bench
-from loopcast.bench_report import format_table, write_report
+from loopcast.bench.harness import BenchOptions, alternation, kernel_family, run_bench
+from loopcast.bench.report import format_table, write_report
 from loopcast.cli import main
 from loopcast.custom_ops.build import find_ort_include
 from loopcast.ort_runtime import load
+
 from tests.artifacts import artifact, checkpoint
 
 
 def test_tiny_report_on_cpu(tmp_path) -> None:
     variants = ("stock", "batch-invariant") if find_ort_include() and shutil.which("c++") else ("stock",)
-    opts = BenchOptions(str(checkpoint("ouro-r3")), tmp_path / "work", device="cpu", dtypes=("fp32",),
-                        variants=variants, past=40, widths=(2, 5), iters=2, new_tokens=8, alternate_tokens=0)
+    opts = BenchOptions(
+        str(checkpoint("ouro-r3")),
+        tmp_path / "work",
+        device="cpu",
+        dtypes=("fp32",),
+        variants=variants,
+        past=40,
+        widths=(2, 5),
+        iters=2,
+        new_tokens=8,
+        alternate_tokens=0,
+    )
     report = run_bench(opts, log=lambda line: None)
     assert [r["variant"] for r in report["runs"]] == list(variants)
     for run in report["runs"]:
@@ -30,8 +40,13 @@ def test_tiny_report_on_cpu(tmp_path) -> None:
         assert all(s["uncaptured_ms"] > 0 and s["captured_ms"] is None for s in run["steps"])
         modes = {"plain", "prompt-lookup", "self", "prompt-lookup (gate none)", "self (gate none)"}
         if run["variant"] == "batch-invariant":  # the loopcast ops: the cycle graph and oracle rows too
-            modes |= {"pipeline", "pipeline (gate none)", "pipeline oracle 100%", "pipeline oracle 92%",
-                      "pipeline (one cycle per call, gate none)"}
+            modes |= {
+                "pipeline",
+                "pipeline (gate none)",
+                "pipeline oracle 100%",
+                "pipeline oracle 92%",
+                "pipeline (one cycle per call, gate none)",
+            }
             kinds_cycle = {s["kind"] for s in run["steps"]}
             assert "cycle" in kinds_cycle
             oracle = run["end_to_end"]["pipeline oracle 100%"]
@@ -78,7 +93,8 @@ def test_alternation_refuses_a_context_without_room() -> None:
 
 
 def test_edit_workload_rows_are_plain_and_prompt_lookup(tmp_path) -> None:
-    from loopcast.bench import EDIT_PROMPTS, end_to_end
+    from loopcast.bench.harness import EDIT_PROMPTS, end_to_end
+
     # each edit prompt is a function followed by its own first line: the answer can copy it
     for prompt in EDIT_PROMPTS:
         body, _, restart = prompt.rstrip("\n").rpartition("\n\n\n")

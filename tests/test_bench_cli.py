@@ -7,14 +7,26 @@ import json
 
 import pytest
 from click.testing import CliRunner
-
-from loopcast.bench_report import bandwidth_line
+from loopcast.bench.report import bandwidth_line
 from loopcast.cli import main
+
 from loopcast.devices import cuda_available, default_device
 from tests.artifacts import checkpoint
 
-FAST = ["--variant", "stock", "--past", "48", "--widths", "2", "--iters", "2", "--new-tokens", "8",
-        "--alternate-tokens", "0"]
+FAST = [
+    "--variant",
+    "stock",
+    "--past",
+    "48",
+    "--widths",
+    "2",
+    "--iters",
+    "2",
+    "--new-tokens",
+    "8",
+    "--alternate-tokens",
+    "0",
+]
 
 
 @pytest.fixture
@@ -45,7 +57,7 @@ def test_defaults_write_into_the_cache_and_report_cpu_columns_only(cache) -> Non
     assert report["options"]["device"] == default_device()
     assert str(cache / "cache" / "bench" / "work") == report["options"]["work_dir"]
     out = result.stdout
-    table = out[out.index("loopcast bench"):]
+    table = out[out.index("loopcast bench") :]
     if default_device() == "cpu":
         for gpu_only in ("captured", "None", "nan", "CUDA graph"):
             assert gpu_only not in table, gpu_only
@@ -56,16 +68,30 @@ def test_defaults_write_into_the_cache_and_report_cpu_columns_only(cache) -> Non
 
 def test_named_out(cache) -> None:
     out = cache / "results" / "tiny.json"
-    result = CliRunner().invoke(main, ["bench", str(checkpoint("llama-tied-gqa")), "--out", str(out),
-                                       "--no-torch", "--no-end-to-end", *FAST])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(checkpoint("llama-tied-gqa")),
+            "--out",
+            str(out),
+            "--no-torch",
+            "--no-end-to-end",
+            *FAST,
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["runs"][0]["variant"] == "stock"
     assert f"wrote {out}" in result.stdout
 
 
 def test_bandwidth_share_only_where_it_is_one() -> None:
-    base = {"bytes_per_step": {"total": 10 * 2**20}, "bandwidth_gbs": 20.0, "floor_ms": 0.5,
-            "cache_bytes": 64 * 2**20}
+    base = {
+        "bytes_per_step": {"total": 10 * 2**20},
+        "bandwidth_gbs": 20.0,
+        "floor_ms": 0.5,
+        "cache_bytes": 64 * 2**20,
+    }
     assert "not a floor" in bandwidth_line(base, decode_ms=0.4) and "%" not in bandwidth_line(base, 0.4)
     base = {**base, "bytes_per_step": {"total": 2**30}, "floor_ms": 50.0}
     assert bandwidth_line(base, decode_ms=100.0).endswith("runs at 50% of bandwidth")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from loopcast.ort_runtime import load
+
 from tests.artifacts import artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,16 +23,26 @@ HEADERS = ROOT / ".cdeps" / "usr" / "include" / "onnxruntime" / "onnxruntime_c_a
 
 @pytest.fixture(scope="module")
 def program(tmp_path_factory) -> Path:
-    missing = [what for what, ok in [("make", shutil.which("make")), ("a C compiler", shutil.which("cc")),
-                                     ("ORT C headers (tools/c_generate/fetch_deps.sh)", HEADERS.is_file()),
-                                     ("cJSON", Path("/usr/include/cjson/cJSON.h").is_file())] if not ok]
+    missing = [
+        what
+        for what, ok in [
+            ("make", shutil.which("make")),
+            ("a C compiler", shutil.which("cc")),
+            ("ORT C headers (tools/c_generate/fetch_deps.sh)", HEADERS.is_file()),
+            ("cJSON", Path("/usr/include/cjson/cJSON.h").is_file()),
+        ]
+        if not ok
+    ]
     if missing:
         if os.environ.get("LOOPCAST_REQUIRE_C") == "1":
             pytest.fail(f"C example prerequisites missing: {', '.join(missing)}")
         pytest.skip(f"C example prerequisites missing: {', '.join(missing)}")
     build = tmp_path_factory.mktemp("c_build")
-    proc = subprocess.run(["make", "-C", str(SOURCE), f"BUILD={build}", f"PYTHON={sys.executable}"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["make", "-C", str(SOURCE), f"BUILD={build}", f"PYTHON={sys.executable}"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return build / "c_generate"
 
@@ -41,8 +51,16 @@ def _run(program: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(program), *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("name,batch_invariant", [("ouro-r3", False), ("llama-tied-gqa", False), ("demo", False),
-                                                  ("ouro-r3", True), ("llama-tied-gqa", True)])
+@pytest.mark.parametrize(
+    "name,batch_invariant",
+    [
+        ("ouro-r3", False),
+        ("llama-tied-gqa", False),
+        ("demo", False),
+        ("ouro-r3", True),
+        ("llama-tied-gqa", True),
+    ],
+)
 def test_c_tokens_equal_python(program: Path, name: str, batch_invariant: bool) -> None:
     """With --batch-invariant the C program registers the library the artifact carries."""
     path = artifact(name, batch_invariant=batch_invariant)
@@ -72,11 +90,14 @@ def _copy(tmp_path: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (lambda p: (p / "manifest.json").write_text("{oops"), "corrupt manifest"),
-    (lambda p: (p / "decode.onnx").unlink(), "graph file for 'decode' is missing"),
-    (lambda p: (p / "manifest.json").unlink(), "manifest.json: not found"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda p: (p / "manifest.json").write_text("{oops"), "corrupt manifest"),
+        (lambda p: (p / "decode.onnx").unlink(), "graph file for 'decode' is missing"),
+        (lambda p: (p / "manifest.json").unlink(), "manifest.json: not found"),
+    ],
+)
 def test_c_errors(program: Path, tmp_path: Path, damage, needle: str) -> None:
     path = _copy(tmp_path)
     damage(path)
@@ -86,8 +107,14 @@ def test_c_errors(program: Path, tmp_path: Path, damage, needle: str) -> None:
     assert proc.stderr.strip().count("\n") == 0
 
 
-@pytest.mark.parametrize("args,needle", [(["5", "1,99999"], "outside the vocabulary"),
-                                         (["-1", "1"], "MAX_NEW_TOKENS"), (["5", "1,x"], "comma-separated")])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["5", "1,99999"], "outside the vocabulary"),
+        (["-1", "1"], "MAX_NEW_TOKENS"),
+        (["5", "1,x"], "comma-separated"),
+    ],
+)
 def test_c_bad_requests(program: Path, args, needle: str) -> None:
     proc = _run(program, str(artifact("ouro-r3")), *args)
     assert proc.returncode == 2 and needle in proc.stderr
@@ -95,31 +122,50 @@ def test_c_bad_requests(program: Path, args, needle: str) -> None:
 
 # -- the trust rule and untrusted manifests in C (docs/trust.md) --------------------------------
 
+
 def _edit(path: Path, change) -> None:
     raw = json.loads((path / "manifest.json").read_text())
     change(raw)
     (path / "manifest.json").write_text(json.dumps(raw))
 
 
-@pytest.mark.parametrize("change,needle", [
-    (lambda r: r["graphs"]["decode"].update(file="/etc/passwd"), "inside the artifact"),
-    (lambda r: r["graphs"]["decode"].update(file="../art/decode.onnx"), "no '..'"),
-    (lambda r: r["graphs"]["prefill"].update(file=7), "graphs.prefill.file"),
-    (lambda r: r.update(weights_file="../x"), "no '..'"),
-    (lambda r: r.update(max_length=10**12), "max_length"),
-    (lambda r: r.update(max_length=31.5), "max_length"),
-    (lambda r: r["kv_layout"].update(slots=10**9), "slots"),
-    (lambda r: r["kv_layout"].update(shape=[1, 4, 64, 16]), "kv_layout.shape[2]"),
-    (lambda r: r["kv_layout"].update(shape=[1, -4, 32, 16]), "kv_layout.shape[1]"),
-    (lambda r: r["graphs"]["decode"].update(kv_slots=[0, 1, 2, 3, 4, 99]), "kv_slots"),
-    (lambda r: r["model"].update(vocab_size="97"), "vocab_size"),
-    (lambda r: r.update(eos_token_ids=[10**6]), "eos_token_ids"),
-    (lambda r: r.update(eos_token_ids="0"), "eos_token_ids"),
-    (lambda r: r["files"]["weights.safetensors"].update(size=5), "weights file has"),
-    (lambda r: r["graphs"].pop("decode"), "no 'decode' graph"),
-], ids=["abs-graph", "dotdot-graph", "int-file", "dotdot-weights", "huge-max-length", "float-max-length",
-        "huge-slots", "kv-length", "neg-heads", "unknown-slot", "str-vocab", "eos-range", "eos-type",
-        "weights-size", "no-decode"])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda r: r["graphs"]["decode"].update(file="/etc/passwd"), "inside the artifact"),
+        (lambda r: r["graphs"]["decode"].update(file="../art/decode.onnx"), "no '..'"),
+        (lambda r: r["graphs"]["prefill"].update(file=7), "graphs.prefill.file"),
+        (lambda r: r.update(weights_file="../x"), "no '..'"),
+        (lambda r: r.update(max_length=10**12), "max_length"),
+        (lambda r: r.update(max_length=31.5), "max_length"),
+        (lambda r: r["kv_layout"].update(slots=10**9), "slots"),
+        (lambda r: r["kv_layout"].update(shape=[1, 4, 64, 16]), "kv_layout.shape[2]"),
+        (lambda r: r["kv_layout"].update(shape=[1, -4, 32, 16]), "kv_layout.shape[1]"),
+        (lambda r: r["graphs"]["decode"].update(kv_slots=[0, 1, 2, 3, 4, 99]), "kv_slots"),
+        (lambda r: r["model"].update(vocab_size="97"), "vocab_size"),
+        (lambda r: r.update(eos_token_ids=[10**6]), "eos_token_ids"),
+        (lambda r: r.update(eos_token_ids="0"), "eos_token_ids"),
+        (lambda r: r["files"]["weights.safetensors"].update(size=5), "weights file has"),
+        (lambda r: r["graphs"].pop("decode"), "no 'decode' graph"),
+    ],
+    ids=[
+        "abs-graph",
+        "dotdot-graph",
+        "int-file",
+        "dotdot-weights",
+        "huge-max-length",
+        "float-max-length",
+        "huge-slots",
+        "kv-length",
+        "neg-heads",
+        "unknown-slot",
+        "str-vocab",
+        "eos-range",
+        "eos-type",
+        "weights-size",
+        "no-decode",
+    ],
+)
 def test_c_untrusted_manifest(program: Path, tmp_path: Path, change, needle: str) -> None:
     path = tmp_path / "art"
     shutil.copytree(artifact("ouro-r3", max_length=32), path)
@@ -141,6 +187,7 @@ def test_c_graph_symlink_leaving_the_artifact(program: Path, tmp_path: Path) -> 
 @pytest.fixture(scope="module")
 def bi_artifact() -> Path:
     from loopcast.custom_ops.build import find_ort_include
+
     if find_ort_include() is None:
         pytest.skip("ORT C++ headers missing")
     return artifact("ouro-r3", batch_invariant=True)
@@ -148,25 +195,37 @@ def bi_artifact() -> Path:
 
 def test_c_op_library_trust(program: Path, bi_artifact: Path, tmp_path: Path) -> None:
     from tests.ort_runtime.test_trust import MARKER_SOURCE
+
     path = tmp_path / "art"
     shutil.copytree(bi_artifact, path)
     expected = _run(program, str(path), "6", "5,6,7")
-    assert expected.returncode == 0, expected.stderr          # built here: trusted by its hash
+    assert expected.returncode == 0, expected.stderr  # built here: trusted by its hash
     other_cache = {**os.environ, "LOOPCAST_CACHE": str(tmp_path / "other-cache")}
-    proc = subprocess.run([str(program), str(path), "6", "5,6,7"], capture_output=True, text=True, env=other_cache)
+    proc = subprocess.run(
+        [str(program), str(path), "6", "5,6,7"], capture_output=True, text=True, env=other_cache
+    )
     assert proc.returncode == 2 and "not one you built" in proc.stderr and "--trust-ops" in proc.stderr
-    proc = subprocess.run([str(program), "--trust-ops", str(path), "6", "5,6,7"], capture_output=True, text=True,
-                          env=other_cache)
+    proc = subprocess.run(
+        [str(program), "--trust-ops", str(path), "6", "5,6,7"],
+        capture_output=True,
+        text=True,
+        env=other_cache,
+    )
     assert proc.returncode == 0 and proc.stdout == expected.stdout
     # A hostile library with a correct record: refused without trust, its constructor never runs.
     cc = shutil.which("cc")
     marker = tmp_path / "marker"
     (tmp_path / "m.c").write_text(MARKER_SOURCE)
     name = json.loads((path / "manifest.json").read_text())["custom_op_library"]
-    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER_PATH="{marker}"', str(tmp_path / "m.c"), "-o",
-                    str(path / name)], check=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", f'-DMARKER_PATH="{marker}"', str(tmp_path / "m.c"), "-o", str(path / name)],
+        check=True,
+    )
     data = (path / name).read_bytes()
-    _edit(path, lambda r: r["files"].update({name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}))
+    _edit(
+        path,
+        lambda r: r["files"].update({name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}),
+    )
     proc = _run(program, str(path), "6", "5,6,7")
     assert proc.returncode == 2 and "not one you built" in proc.stderr
     assert not marker.exists()
@@ -186,7 +245,7 @@ def test_c_op_library_trust(program: Path, bi_artifact: Path, tmp_path: Path) ->
 
 
 def test_c_library_the_graphs_do_not_use_is_not_loaded(program: Path, tmp_path: Path) -> None:
-    path = _copy(tmp_path)                                     # stock graphs
+    path = _copy(tmp_path)  # stock graphs
     (path / "libx.so").write_bytes(b"never loaded")
     _edit(path, lambda r: r.update(custom_op_library="libx.so", custom_ops=["BatchInvariantMatMul"]))
     proc = _run(program, str(path), "4", "5,6,7")

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-
 from loopcast.cli import _parse_ids, main
+
 from loopcast.errors import RequestError
 from tests.artifacts import artifact
 from tests.test_cli_foundation import _console_script, assert_one_error_line
@@ -27,13 +27,25 @@ def assert_cli_error(result, *fragments: str) -> None:
     assert_one_error_line(result.exit_code, result.stdout, result.stderr, *fragments)
 
 
-@pytest.mark.parametrize("text,ids", [("1,2,3", [1, 2, 3]), ("1 2 3", [1, 2, 3]), ("1, 2, 3", [1, 2, 3]),
-                                      (" 7\t8\n9 ", [7, 8, 9]), ("42", [42]), ("", []), ("-4,5", [-4, 5])])
+@pytest.mark.parametrize(
+    "text,ids",
+    [
+        ("1,2,3", [1, 2, 3]),
+        ("1 2 3", [1, 2, 3]),
+        ("1, 2, 3", [1, 2, 3]),
+        (" 7\t8\n9 ", [7, 8, 9]),
+        ("42", [42]),
+        ("", []),
+        ("-4,5", [-4, 5]),
+    ],
+)
 def test_ids_by_commas_or_spaces(text, ids) -> None:
     assert _parse_ids(text) == ids
 
 
-@pytest.mark.parametrize("text", ["1 2,3", "12 3,4", "1,,2", "1,2,", ",1", "1;2", "1.0", "1_000", "0x10", "1,a"])
+@pytest.mark.parametrize(
+    "text", ["1 2,3", "12 3,4", "1,,2", "1,2,", ",1", "1;2", "1.0", "1_000", "0x10", "1,a"]
+)
 def test_ambiguous_or_malformed_ids_are_refused(text) -> None:
     with pytest.raises(RequestError, match="--prompt-ids"):
         _parse_ids(text)
@@ -48,13 +60,16 @@ def test_space_separated_ids_run_as_separate_tokens() -> None:
     assert '"prompt_tokens": 3' in spaced.stdout
 
 
-@pytest.mark.parametrize("args,fragments", [
-    (["generate", "x", "--prompt-idz", "1"], ["No such option", "generate --help"]),
-    (["generate"], ["Missing argument 'PATH'"]),
-    (["export", "x", "-o", "y", "--dtype", "fp64"], ["--dtype", "fp64"]),
-    (["generate", "x", "--prompt-ids", "1", "--max-new-tokens", "many"], ["--max-new-tokens", "many"]),
-    (["no-such-command"], ["No such command"]),
-])
+@pytest.mark.parametrize(
+    "args,fragments",
+    [
+        (["generate", "x", "--prompt-idz", "1"], ["No such option", "generate --help"]),
+        (["generate"], ["Missing argument 'PATH'"]),
+        (["export", "x", "-o", "y", "--dtype", "fp64"], ["--dtype", "fp64"]),
+        (["generate", "x", "--prompt-ids", "1", "--max-new-tokens", "many"], ["--max-new-tokens", "many"]),
+        (["no-such-command"], ["No such command"]),
+    ],
+)
 def test_click_usage_errors_are_one_line(args, fragments) -> None:
     assert_cli_error(invoke(*args), *fragments)
 
@@ -76,8 +91,11 @@ def test_demo_zero_new_tokens() -> None:
 
 
 def test_bench_unknown_preset(tmp_path) -> None:
-    assert_cli_error(invoke("bench", "preset:nope", "--device", "cpu", "--work-dir", tmp_path),
-                     "unknown preset 'preset:nope'", "preset:tiny-ouro")
+    assert_cli_error(
+        invoke("bench", "preset:nope", "--device", "cpu", "--work-dir", tmp_path),
+        "unknown preset 'preset:nope'",
+        "preset:tiny-ouro",
+    )
 
 
 def test_random_checkpoint_onto_unwritable_paths(tmp_path) -> None:
@@ -89,7 +107,9 @@ def test_random_checkpoint_onto_unwritable_paths(tmp_path) -> None:
 
 def test_generate_trust_ops_flag_and_inspect_verify(tmp_path) -> None:
     path = artifact("ouro-r3")
-    assert invoke("generate", path, "--prompt-ids", "5 6", "--max-new-tokens", "2", "--trust-ops").exit_code == 0
+    assert (
+        invoke("generate", path, "--prompt-ids", "5 6", "--max-new-tokens", "2", "--trust-ops").exit_code == 0
+    )
     result = invoke("inspect", path, "--verify")
     assert result.exit_code == 0 and "ok  weights.safetensors" in result.stdout
     assert_cli_error(invoke("inspect", tmp_path, "--verify"), "not")
@@ -97,15 +117,18 @@ def test_generate_trust_ops_flag_and_inspect_verify(tmp_path) -> None:
 
 def test_zeroed_weights_are_caught(tmp_path) -> None:
     import shutil
+
     path = tmp_path / "art"
     shutil.copytree(artifact("ouro-r3"), path)
     weights = path / "weights.safetensors"
     data = bytearray(weights.read_bytes())
-    data[-4096:] = bytes(4096)                        # same size
+    data[-4096:] = bytes(4096)  # same size
     weights.write_bytes(bytes(data))
     # Every load (and inspect) compares a sampled hash: small files are hashed whole.
     assert_cli_error(invoke("inspect", path), "weights.safetensors", "sampled SHA-256")
-    assert_cli_error(invoke("generate", path, "--prompt-ids", "5", "--max-new-tokens", "2"), "sampled SHA-256")
+    assert_cli_error(
+        invoke("generate", path, "--prompt-ids", "5", "--max-new-tokens", "2"), "sampled SHA-256"
+    )
     # Without the sampled hash only --verify can tell.
     raw = json.loads((path / "manifest.json").read_text())
     del raw["files"]["weights.safetensors"]["sampled_sha256"]
@@ -117,6 +140,7 @@ def test_zeroed_weights_are_caught(tmp_path) -> None:
 
 
 def test_python_m_usage_error() -> None:
-    proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "inspect"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loopcast.cli", "inspect"], capture_output=True, text=True, timeout=120
+    )
     assert_one_error_line(proc.returncode, proc.stdout, proc.stderr, "Missing argument")

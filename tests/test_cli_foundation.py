@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
 from loopcast.cli import main
-from loopcast.config import PRESETS
 from loopcast.exporter.checkpoint import SINGLE_FILE, load_checkpoint, resolve_checkpoint
 from loopcast.exporter.random_checkpoint import random_tensors
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.exporter.torch_backend import load_tokenizer
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from loopcast.config import PRESETS
 
 TINY_OURO, TINY_LLAMA = PRESETS["tiny-ouro"], PRESETS["tiny-llama"]
 
@@ -74,6 +74,7 @@ def damaged(make_checkpoint, tmp_path):
 
 # -- happy paths -------------------------------------------------------------------------------
 
+
 def test_help_lists_the_commands():
     result = invoke("--help")
     assert result.exit_code == 0
@@ -92,10 +93,14 @@ def test_inspect_demo_prints_parameters_and_loops():
     assert fields["model_type"] == "ouro"
 
 
-@pytest.mark.parametrize(("config", "dtype", "kv_per_token"), [
-    (TINY_OURO, torch.float32, "3.0 KiB"),     # 2 (K,V) x 3 loops x 2 layers x 4 heads x 16 x 4 B
-    (TINY_LLAMA, torch.float16, "256 B"),      # 2 x 1 x 2 x 2 KV heads x 16 x 2 B
-], ids=["tiny-ouro-fp32", "tiny-llama-fp16"])
+@pytest.mark.parametrize(
+    ("config", "dtype", "kv_per_token"),
+    [
+        (TINY_OURO, torch.float32, "3.0 KiB"),  # 2 (K,V) x 3 loops x 2 layers x 4 heads x 16 x 4 B
+        (TINY_LLAMA, torch.float16, "256 B"),  # 2 x 1 x 2 x 2 KV heads x 16 x 2 B
+    ],
+    ids=["tiny-ouro-fp32", "tiny-llama-fp16"],
+)
 def test_inspect_checkpoint_prints_kv_bytes_per_token(make_checkpoint, config, dtype, kv_per_token):
     path = make_checkpoint(config, dtype=dtype)
     result = invoke("inspect", path)
@@ -109,8 +114,9 @@ def test_inspect_checkpoint_prints_kv_bytes_per_token(make_checkpoint, config, d
 @pytest.mark.parametrize("config", [TINY_OURO, TINY_LLAMA], ids=["tiny-ouro", "tiny-llama"])
 def test_generate_torch_json_equals_greedy_generate(make_checkpoint, config):
     path = make_checkpoint(config)
-    result = invoke("generate", path, "--backend", "torch", "--prompt-ids", "1,2,3",
-                    "--max-new-tokens", "5", "--json")
+    result = invoke(
+        "generate", path, "--backend", "torch", "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json"
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert set(payload) == {"tokens", "text", "stats"}
@@ -127,8 +133,17 @@ def test_generate_torch_json_equals_greedy_generate(make_checkpoint, config):
 
 
 def test_generate_torch_demo_with_text_prompt():
-    result = invoke("generate", "demo", "--backend", "torch", "--prompt", "def add(a, b):",
-                    "--max-new-tokens", "4", "--json")
+    result = invoke(
+        "generate",
+        "demo",
+        "--backend",
+        "torch",
+        "--prompt",
+        "def add(a, b):",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     model = load_checkpoint("demo", dtype=torch.float32)
@@ -154,23 +169,37 @@ def test_random_checkpoint_command(tmp_path):
 
 # -- errors ------------------------------------------------------------------------------------
 
+
 def test_inspect_missing_directory(tmp_path):
     missing = tmp_path / "nowhere"
     assert_cli_error(invoke("inspect", missing), str(missing), "not found")
 
 
-@pytest.mark.parametrize(("args", "fragments"), [
-    (["--prompt-ids", "1,99999"], ["token id 99999 is outside the vocabulary [0, 97)"]),
-    (["--prompt-ids", "1,-4"], ["token id -4 is outside the vocabulary"]),
-    (["--prompt-ids", "1,2", "--max-new-tokens", "-1"], ["--max-new-tokens must be >= 0, got -1"]),
-    (["--prompt-ids", ",".join(["5"] * 129)], ["prompt of 129 tokens", "max length 128"]),
-    (["--prompt-ids", "1,x"], ["--prompt-ids", "'1,x'"]),
-    (["--prompt-ids", ""], ["prompt is empty"]),
-    ([], ["exactly one of --prompt and --prompt-ids"]),
-    (["--prompt-ids", "1", "--prompt", "hi"], ["exactly one of --prompt and --prompt-ids"]),
-    (["--prompt", "hi"], ["no tokenizer.json", "--prompt-ids"]),
-], ids=["id-too-big", "id-negative", "negative-max-new", "prompt-too-long", "not-an-int", "empty",
-        "no-prompt", "two-prompts", "no-tokenizer"])
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--prompt-ids", "1,99999"], ["token id 99999 is outside the vocabulary [0, 97)"]),
+        (["--prompt-ids", "1,-4"], ["token id -4 is outside the vocabulary"]),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "-1"], ["--max-new-tokens must be >= 0, got -1"]),
+        (["--prompt-ids", ",".join(["5"] * 129)], ["prompt of 129 tokens", "max length 128"]),
+        (["--prompt-ids", "1,x"], ["--prompt-ids", "'1,x'"]),
+        (["--prompt-ids", ""], ["prompt is empty"]),
+        ([], ["exactly one of --prompt and --prompt-ids"]),
+        (["--prompt-ids", "1", "--prompt", "hi"], ["exactly one of --prompt and --prompt-ids"]),
+        (["--prompt", "hi"], ["no tokenizer.json", "--prompt-ids"]),
+    ],
+    ids=[
+        "id-too-big",
+        "id-negative",
+        "negative-max-new",
+        "prompt-too-long",
+        "not-an-int",
+        "empty",
+        "no-prompt",
+        "two-prompts",
+        "no-tokenizer",
+    ],
+)
 def test_generate_bad_requests(make_checkpoint, args, fragments):
     path = make_checkpoint(TINY_OURO)
     assert_cli_error(invoke("generate", path, "--backend", "torch", *args), *fragments)
@@ -211,6 +240,7 @@ def test_random_checkpoint_bad_options(tmp_path):
 
 # Real processes: the installed console script and `python -m loopcast.cli`.
 
+
 def _console_script() -> list[str]:
     script = Path(sys.executable).with_name("loopcast")
     return [str(script)] if script.is_file() else [sys.executable, "-m", "loopcast.cli"]
@@ -218,15 +248,30 @@ def _console_script() -> list[str]:
 
 def test_console_script_inspect_missing_directory(tmp_path):
     missing = tmp_path / "nowhere"
-    proc = subprocess.run([*_console_script(), "inspect", str(missing)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*_console_script(), "inspect", str(missing)], capture_output=True, text=True, timeout=120
+    )
     assert_one_error_line(proc.returncode, proc.stdout, proc.stderr, str(missing))
 
 
 def test_python_m_generate_bad_token(make_checkpoint):
     path = make_checkpoint(TINY_OURO)
-    proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "generate", str(path), "--backend", "torch",
-                           "--prompt-ids", "1,99999"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loopcast.cli",
+            "generate",
+            str(path),
+            "--backend",
+            "torch",
+            "--prompt-ids",
+            "1,99999",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert_one_error_line(proc.returncode, proc.stdout, proc.stderr, "token id 99999")
 
 
@@ -251,7 +296,8 @@ def test_demo_cache_without_the_pipeline_graphs_is_exported_again(tmp_path) -> N
     import json
     import shutil
 
-    from loopcast.demo import _usable
+    from loopcast.exporter.demo_artifact import _usable
+
     from tests.artifacts import artifact, require_exact_cpu_artifacts
 
     require_exact_cpu_artifacts()

@@ -15,10 +15,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+import loopcast.ort_runtime.decoding.proposers as code_source  # noqa: E402  (any real Python file will do)
 from demo_copy import _edit, copy_rows, edit_pair  # noqa: E402
 from pack_demo_corpus import load_tokenizer  # noqa: E402
-
-import loopcast.ort_runtime.proposers as code_source  # noqa: E402  (any real Python file will do)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +37,12 @@ def test_edit_pairs_are_a_block_and_a_lightly_edited_copy(corpus) -> None:
         if copy == block:
             exact += 1
             continue
-        same = sum(m.size for m in difflib.SequenceMatcher(a=block, b=copy, autojunk=False).get_matching_blocks())
+        same = sum(
+            m.size for m in difflib.SequenceMatcher(a=block, b=copy, autojunk=False).get_matching_blocks()
+        )
         # at most two line edits, or a rename that touches every line holding the identifier
         assert same >= len(block) - 2 or len(copy) == len(block)
-    assert 8 <= exact <= 32            # 40 % of pairs are exact copies
+    assert 8 <= exact <= 32  # 40 % of pairs are exact copies
 
 
 def test_edits_keep_indentation_and_touch_at_most_two_lines() -> None:
@@ -50,9 +51,9 @@ def test_edits_keep_indentation_and_touch_at_most_two_lines() -> None:
     for seed in range(50):
         out = _edit(block, donor, np.random.default_rng(seed))
         assert 1 <= len(out) <= len(block) + 2
-        indents = {line[:len(line) - len(line.lstrip())] for line in block}
-        for line in out:   # a donor line takes the indentation of the block line it replaces
-            assert line[:len(line) - len(line.lstrip())] in indents
+        indents = {line[: len(line) - len(line.lstrip())] for line in block}
+        for line in out:  # a donor line takes the indentation of the block line it replaces
+            assert line[: len(line) - len(line.lstrip())] in indents
 
 
 def test_copy_rows_are_the_tokenizers_own_ids(corpus) -> None:
@@ -62,12 +63,26 @@ def test_copy_rows_are_the_tokenizers_own_ids(corpus) -> None:
     for row in rows:
         text = tokenizer.decode(row.tolist())
         lines = [line for line in text.split("\n") if line.strip()]
-        assert len(set(lines)) < len(lines)    # a block and its copy share lines
+        assert len(set(lines)) < len(lines)  # a block and its copy share lines
 
 
 def _train(data: Path, tmp: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "tools" / "train_demo_model.py"), "--smoke", "--data", str(data),
-           "--run-dir", str(tmp / "run"), "--layers", "1", "--hidden", "64", "--intermediate", "128", *extra]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "train_demo_model.py"),
+        "--smoke",
+        "--data",
+        str(data),
+        "--run-dir",
+        str(tmp / "run"),
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "128",
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
@@ -86,13 +101,14 @@ def test_trainer_mixes_copy_rows_and_refuses_a_bad_fraction(corpus, tmp_path) ->
 
 def test_statement_heads_are_def_and_class_lines(corpus) -> None:
     from demo_unlikelihood import statement_heads
+
     train, tokenizer = corpus
     heads = statement_heads(train, tokenizer)
     assert len(heads) > 10
     for at in heads:
-        before = tokenizer.decode(train[max(0, at - 8):at].tolist())
-        line = tokenizer.decode(train[at:at + 6].tolist())
-        assert before.endswith("\n") or before.rsplit("\n", 1)[-1].strip(" ") == ""   # a line start
+        before = tokenizer.decode(train[max(0, at - 8) : at].tolist())
+        line = tokenizer.decode(train[at : at + 6].tolist())
+        assert before.endswith("\n") or before.rsplit("\n", 1)[-1].strip(" ") == ""  # a line start
         assert line.lstrip(" ").startswith(("def ", "class "))
     source = tokenizer.decode(train.tolist())
     lines = source.split("\n")

@@ -11,16 +11,30 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from loopcast.exporter.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _train(data: Path, run: Path, out: Path, *extra: str) -> str:
-    cmd = [sys.executable, str(ROOT / "tools" / "train_demo_model.py"), "--smoke", "--data", str(data),
-           "--run-dir", str(run), "--out", str(out), "--layers", "1", "--hidden", "64",
-           "--intermediate", "128", *extra]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "train_demo_model.py"),
+        "--smoke",
+        "--data",
+        str(data),
+        "--run-dir",
+        str(run),
+        "--out",
+        str(out),
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "128",
+        *extra,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout

@@ -12,18 +12,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from demo_unlikelihood import greedy_continue, repeated_ngram_mask, unlikelihood_loss  # noqa: E402
-
 from loopcast.exporter.reference import LoopedLM, init_weights  # noqa: E402
 from loopcast.exporter.reference_generate import greedy_generate  # noqa: E402
+
 from loopcast.config import PRESETS  # noqa: E402
 
 
 def test_mask_marks_every_token_of_a_repeated_ngram() -> None:
-    rows = np.array([
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],       # nothing repeats
-        [1, 2, 3, 1, 2, 3, 9, 9, 9, 8],        # (1, 2, 3) again at 3..5; 9 9 9 is 3 long only
-        [5, 5, 5, 5, 5, 6, 6, 6, 6, 6],        # (5, 5, 5) at 1..3 overlaps its first copy
-    ])
+    rows = np.array(
+        [
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],  # nothing repeats
+            [1, 2, 3, 1, 2, 3, 9, 9, 9, 8],  # (1, 2, 3) again at 3..5; 9 9 9 is 3 long only
+            [5, 5, 5, 5, 5, 6, 6, 6, 6, 6],  # (5, 5, 5) at 1..3 overlaps its first copy
+        ]
+    )
     mask = repeated_ngram_mask(rows, 3)
     assert not mask[0].any()
     assert mask[1].tolist() == [False] * 3 + [True] * 3 + [False] * 4

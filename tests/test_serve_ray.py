@@ -19,6 +19,7 @@ pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
 from loopcast.ort_runtime import load  # noqa: E402
+
 from tests.artifacts import artifact, require_exact_cpu_artifacts  # noqa: E402
 from tests.ort_runtime.test_generator import DEMO_PROMPTS  # noqa: E402
 from tests.serve_helpers import free_port  # noqa: E402
@@ -32,11 +33,28 @@ def test_ray_serve_two_replicas():
     require_exact_cpu_artifacts()
     path = artifact("demo", max_batch=8)
     port = free_port()
-    cmd = [sys.executable, "-m", "loopcast.cli", "serve", str(path), "--ray", "--replicas", "2",
-           "--replica-cpus", "0.5", "--threads", "1", "--port", str(port), "--model-name", "demo"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loopcast.cli",
+        "serve",
+        str(path),
+        "--ray",
+        "--replicas",
+        "2",
+        "--replica-cpus",
+        "0.5",
+        "--threads",
+        "1",
+        "--port",
+        str(port),
+        "--model-name",
+        "demo",
+    ]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_DEADLINE_S
@@ -61,8 +79,17 @@ def test_ray_serve_two_replicas():
         prompts = DEMO_PROMPTS[:8]
 
         def ask(prompt: str) -> list[int]:
-            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-                "model": "demo", "prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={
+                    "model": "demo",
+                    "prompt": prompt,
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                },
+            )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["token_ids"]
 
@@ -73,7 +100,7 @@ def test_ray_serve_two_replicas():
         assert bad.status_code == 404
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)   # the CLI shuts Serve and Ray down on Ctrl-C
+            os.killpg(proc.pid, signal.SIGINT)  # the CLI shuts Serve and Ray down on Ctrl-C
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:

@@ -30,16 +30,26 @@ def _cli(*args: str) -> str:
 
 
 def test_import_ort_runtime_does_not_import_torch() -> None:
-    proc = subprocess.run([sys.executable, "-c", "import sys, loopcast.ort_runtime, loopcast.cli; "
-                           "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, loopcast.ort_runtime, loopcast.cli; print('torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.stdout.strip() == "False", proc.stderr
 
 
 def test_generate_and_inspect_an_artifact_do_not_import_torch() -> None:
     art = str(artifact("ouro-r3", draft_depth=1))
     assert _cli("generate", art, "--prompt-ids", "3,4,5", "--max-new-tokens", "4") == "exit=0 torch=False"
-    assert _cli("generate", art, "--prompt-ids", "3,4,5", "--max-new-tokens", "4",
-                "--speculative", "self") == "exit=0 torch=False"
+    assert (
+        _cli("generate", art, "--prompt-ids", "3,4,5", "--max-new-tokens", "4", "--speculative", "self")
+        == "exit=0 torch=False"
+    )
     assert _cli("inspect", art) == "exit=0 torch=False"
 
 

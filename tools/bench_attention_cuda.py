@@ -21,7 +21,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-
 from cuda_timing import graph_time_us, load_library
 
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -32,9 +31,28 @@ def call(lib, q, pk, pv, seq, cos, sin, out, Hq: int, Hkv: int, D: int) -> None:
     B, S, _ = q.shape
     p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    code = lib.loopcast_cuda_attention(CODES[q.dtype], p(q), p(pk), p(pv), p(pk), p(pv), p(seq), p(cos), p(sin),
-                                       p(out), B, S, Hq, Hkv, D, pk.shape[2], cos.shape[0],
-                                       ctypes.c_float(1.0 / math.sqrt(D)), 1, stream)
+    code = lib.loopcast_cuda_attention(
+        CODES[q.dtype],
+        p(q),
+        p(pk),
+        p(pv),
+        p(pk),
+        p(pv),
+        p(seq),
+        p(cos),
+        p(sin),
+        p(out),
+        B,
+        S,
+        Hq,
+        Hkv,
+        D,
+        pk.shape[2],
+        cos.shape[0],
+        ctypes.c_float(1.0 / math.sqrt(D)),
+        1,
+        stream,
+    )
     if code:
         raise RuntimeError(lib.loopcast_cuda_error_string(code).decode())
 
@@ -66,14 +84,17 @@ def main() -> None:
             Vs = [torch.randn(1, Hkv, cap, D, dtype=dtype, device="cuda") for _ in range(nbuf)]
             half = D // 2
             ang = torch.arange(cap, device="cuda", dtype=torch.float64)[:, None] / 10000 ** (
-                torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D)
+                torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D
+            )
             cos, sin = ang.cos().to(dtype).contiguous(), ang.sin().to(dtype).contiguous()
             assert cos.shape[1] == half
             for S in (int(x) for x in args.widths.split(",")):
                 qkv = torch.randn(1, S, (Hq + 2 * Hkv) * D, dtype=dtype, device="cuda")
                 seq = torch.tensor([past + S - 1], dtype=torch.int32, device="cuda")
                 out = torch.empty(1, S, Hq * D, dtype=dtype, device="cuda")
-                row = dict(dtype=dname, past=past, S=S, cap=cap, nbuf=nbuf, kv_bytes=2 * Hkv * (past + S) * D * 2)
+                row = dict(
+                    dtype=dname, past=past, S=S, cap=cap, nbuf=nbuf, kv_bytes=2 * Hkv * (past + S) * D * 2
+                )
                 for name, lib in libs.items():
                     # invariance on the real shape: S rows in one call == S one-row calls
                     k0, v0 = Ks[0].clone(), Vs[0].clone()
@@ -84,14 +105,20 @@ def main() -> None:
                     for i in range(S):
                         o1 = torch.empty(1, 1, Hq * D, dtype=dtype, device="cuda")
                         s1 = torch.tensor([past + i], dtype=torch.int32, device="cuda")
-                        call(lib, qkv[:, i:i + 1].contiguous(), k1, v1, s1, cos, sin, o1, Hq, Hkv, D)
-                        ones[:, i:i + 1] = o1
+                        call(lib, qkv[:, i : i + 1].contiguous(), k1, v1, s1, cos, sin, o1, Hq, Hkv, D)
+                        ones[:, i : i + 1] = o1
                     torch.cuda.synchronize()
                     ident = bool(torch.equal(full, ones) and torch.equal(k0, k1) and torch.equal(v0, v1))
                     # graph timing over the buffer pool; then the graph's bits vs the eager call
                     ncalls = max(args.calls, min(nbuf, 4 * args.calls))
-                    fns = [(lambda K=Ks[i % nbuf], V=Vs[i % nbuf], lib=lib:
-                            call(lib, qkv, K, V, seq, cos, sin, out, Hq, Hkv, D)) for i in range(ncalls)]
+                    fns = [
+                        (
+                            lambda K=Ks[i % nbuf], V=Vs[i % nbuf], lib=lib: call(
+                                lib, qkv, K, V, seq, cos, sin, out, Hq, Hkv, D
+                            )
+                        )
+                        for i in range(ncalls)
+                    ]
                     try:
                         row[name] = graph_time_us(fns, reps=5)
                         torch.cuda.synchronize()
@@ -103,11 +130,21 @@ def main() -> None:
                     except RuntimeError as e:
                         print(f"!! {name}: {e}", flush=True)
                         row[name], replay_ok = float("nan"), False
-                    results["invariance"].append(dict(lib=name, dtype=dname, past=past, S=S, identical=ident,
-                                                      graph_replay_identical=replay_ok))
+                    results["invariance"].append(
+                        dict(
+                            lib=name,
+                            dtype=dname,
+                            past=past,
+                            S=S,
+                            identical=ident,
+                            graph_replay_identical=replay_ok,
+                        )
+                    )
                     if not ident or not replay_ok:
-                        print(f"!! {name} {dname} past={past} S={S}: identical={ident} replay={replay_ok}",
-                              flush=True)
+                        print(
+                            f"!! {name} {dname} past={past} S={S}: identical={ident} replay={replay_ok}",
+                            flush=True,
+                        )
                 # torch SDPA on the same shapes (q [1,Hq,S,D] over past+S cached positions)
                 q4 = torch.randn(1, Hq, S, D, dtype=dtype, device="cuda")
                 o4 = torch.empty_like(q4)
@@ -115,10 +152,13 @@ def main() -> None:
                 ncalls = max(args.calls, min(nbuf, 4 * args.calls))
 
                 def sdpa(K, V):
-                    o4.copy_(F.scaled_dot_product_attention(q4, K[:, :, :L], V[:, :, :L], enable_gqa=Hq != Hkv))
+                    o4.copy_(
+                        F.scaled_dot_product_attention(q4, K[:, :, :L], V[:, :, :L], enable_gqa=Hq != Hkv)
+                    )
 
-                row["sdpa"] = graph_time_us([(lambda K=Ks[i % nbuf], V=Vs[i % nbuf]: sdpa(K, V))
-                                             for i in range(ncalls)], reps=5)
+                row["sdpa"] = graph_time_us(
+                    [(lambda K=Ks[i % nbuf], V=Vs[i % nbuf]: sdpa(K, V)) for i in range(ncalls)], reps=5
+                )
                 results["rows"].append(row)
                 cells = "  ".join(f"{k} {row[k]:7.1f}us" for k in [*libs, "sdpa"])
                 gbps = row["kv_bytes"] / row[next(iter(libs))] / 1e3
@@ -134,7 +174,10 @@ def main() -> None:
             if 1 in rs and 5 in rs:
                 print(f"{name} {dname} past={past}: S=5 / S=1 = {rs[5] / rs[1]:.2f}", flush=True)
     bad = [r for r in results["invariance"] if not (r["identical"] and r["graph_replay_identical"])]
-    print(f"invariance: {len(results['invariance']) - len(bad)}/{len(results['invariance'])} identical", flush=True)
+    print(
+        f"invariance: {len(results['invariance']) - len(bad)}/{len(results['invariance'])} identical",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ What it measures, all in one process on the shipped demo model (fp32, max length
    prompt's tokens equal plain greedy's. Speculation is exact greedy, so any ``no`` is a bug.
 
 How it measures:
-  * The three artifacts (W5/d1 — the same options as ``loopcast.demo.demo_artifact_dir`` —,
+  * The three artifacts (W5/d1 — the same options as ``loopcast.exporter.demo_artifact.demo_artifact_dir`` —,
     W7/d1 and W5/d2) are exported fresh into a temporary directory, so they match the code
     being benchmarked (export takes a few seconds).
   * Prompts: 8 held-out documents (``tools/demo_corpus.read_split_with_paths("heldout")``),
@@ -35,7 +35,7 @@ How it measures:
     keeps its faster pass: the machine is shared, so the faster pass is the one less disturbed
     by other load. Passes run one after the other; inside a pass the configurations take turns
     prompt by prompt, so a burst of outside load is spread over many configurations.
-  * Threads: ORT uses its default intra-op pool (no spinning, see ort_runtime/artifact.py);
+  * Threads: ORT uses its default intra-op pool (no spinning, see ort_runtime/loading/artifact.py);
     torch runs with ``--torch-threads`` (default 1). On the 2-core demo machine one torch
     thread is as fast as two when the machine is idle (~35-39 vs ~31-36 tokens/s) and is not
     wrecked by other load: with one other busy process, two OpenMP threads fell to ~11 tokens/s
@@ -66,12 +66,12 @@ from pathlib import Path
 
 import onnxruntime
 import torch
-
-from loopcast import __version__
 from loopcast.exporter.checkpoint import load_checkpoint
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.ort_runtime import load
+
+from loopcast import __version__
 
 if __package__:
     from .demo_corpus import read_split_with_paths
@@ -93,10 +93,11 @@ ARTIFACTS = {"w5d1": (5, 1), "w7d1": (7, 1), "w5d2": (5, 2)}
 
 # -- configurations ----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Config:
-    mode: str                  # "none", "prompt-lookup", "self"
-    k: int | None = None       # drafts per round
+    mode: str  # "none", "prompt-lookup", "self"
+    k: int | None = None  # drafts per round
     gate: str = "none"
     artifact: str = "w5d1"
 
@@ -127,11 +128,12 @@ def matrix() -> list[Config]:
 
 # -- prompts -----------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Workload:
     name: str
     prompts: list[str]
-    sources: list[str]         # relpath:char offset of each prompt
+    sources: list[str]  # relpath:char offset of each prompt
 
 
 def select_snippets(count: int) -> list[tuple[str, int, str]]:
@@ -155,16 +157,18 @@ def make_workloads(count: int) -> dict[str, Workload]:
 
 # -- measuring ---------------------------------------------------------------------------------
 
+
 @dataclass
 class Pass:
     """One configuration over all prompts of a workload, once."""
+
     tokens: list[list[int]]
     seconds: float
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
     steps: dict[str, int] = field(default_factory=dict)
-    differs_between_passes: bool = False   # set when another pass of it made other tokens
+    differs_between_passes: bool = False  # set when another pass of it made other tokens
 
     @property
     def new_tokens(self) -> int:
@@ -175,14 +179,15 @@ class Pass:
         return self.new_tokens / self.seconds
 
 
-TORCH = "torch"   # the job key of the torch reference (ORT jobs are keyed by their Config)
+TORCH = "torch"  # the job key of the torch reference (ORT jobs are keyed by their Config)
 
 
 def run_ort(model, config: Config, ids: list[int], max_new_tokens: int, into: Pass) -> None:
     """One ORT generation of one prompt, added to ``into``."""
     start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens, speculative=config.mode, gate=config.gate,
-                         num_draft_tokens=config.k, stop_ids=())
+    out = model.generate(
+        ids, max_new_tokens, speculative=config.mode, gate=config.gate, num_draft_tokens=config.k, stop_ids=()
+    )
     into.seconds += time.perf_counter() - start
     into.tokens.append(out.tokens)
     into.rounds += out.stats.rounds
@@ -205,12 +210,13 @@ def warm_up(models: dict, reference, prompt_ids: list[int], configs: list[Config
     greedy_generate(reference, prompt_ids, 16, max_length=MAX_LENGTH, stop_ids=())
     seen = set()
     for config in [PLAIN] + configs:
-        for artifact in ([config.artifact] if config.mode != "none" else list(models)):
+        for artifact in [config.artifact] if config.mode != "none" else list(models):
             key = (artifact, config.mode, config.k)
             if key not in seen:
                 seen.add(key)
-                models[artifact].generate(prompt_ids, 16, speculative=config.mode,
-                                          num_draft_tokens=config.k, stop_ids=())
+                models[artifact].generate(
+                    prompt_ids, 16, speculative=config.mode, num_draft_tokens=config.k, stop_ids=()
+                )
 
 
 def first_mismatch(tokens: list[list[int]], plain: list[list[int]]) -> dict | None:
@@ -218,19 +224,28 @@ def first_mismatch(tokens: list[list[int]], plain: list[list[int]]) -> dict | No
     for i, (got, want) in enumerate(zip(tokens, plain, strict=True)):
         if got != want:
             pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            return {"prompt": i, "position": pos, "got": got[pos:pos + 8], "plain": want[pos:pos + 8],
-                    "lengths": [len(got), len(want)]}
+            return {
+                "prompt": i,
+                "position": pos,
+                "got": got[pos : pos + 8],
+                "plain": want[pos : pos + 8],
+                "lengths": [len(got), len(want)],
+            }
     return None
 
 
 # -- the benchmark -----------------------------------------------------------------------------
 
+
 def export_artifacts(root: Path) -> dict[str, Path]:
     paths = {}
     for name, (width, depth) in ARTIFACTS.items():
         paths[name] = root / name
-        export_checkpoint("demo", paths[name], ExportOptions(dtype="fp32", max_length=MAX_LENGTH,
-                                                             verify_width=width, draft_depth=depth))
+        export_checkpoint(
+            "demo",
+            paths[name],
+            ExportOptions(dtype="fp32", max_length=MAX_LENGTH, verify_width=width, draft_depth=depth),
+        )
     return paths
 
 
@@ -252,8 +267,13 @@ def measure(args, models: dict, reference, workloads: dict[str, Workload]) -> tu
                 if job == TORCH:
                     run_torch(reference, ids[workload][i], args.max_new_tokens, passes[(workload, job)])
                 else:
-                    run_ort(models[job.artifact], job, ids[workload][i], args.max_new_tokens,
-                            passes[(workload, job)])
+                    run_ort(
+                        models[job.artifact],
+                        job,
+                        ids[workload][i],
+                        args.max_new_tokens,
+                        passes[(workload, job)],
+                    )
             print(f"pass {rep + 1}/{args.repeats}: prompt {i + 1}/{args.prompts} done", flush=True)
         for key, result in passes.items():
             seconds.setdefault(key, []).append(result.seconds)
@@ -261,12 +281,16 @@ def measure(args, models: dict, reference, workloads: dict[str, Workload]) -> tu
             if previous is None or result.seconds < previous.seconds:
                 best[key] = result
             if previous is not None:
-                best[key].differs_between_passes = (previous.differs_between_passes
-                                                    or result.tokens != previous.tokens)
+                best[key].differs_between_passes = (
+                    previous.differs_between_passes or result.tokens != previous.tokens
+                )
             workload, job = key
             label = "torch reference (eager)" if job == TORCH else f"ORT {job.label}"
-            print(f"pass {rep + 1}/{args.repeats}  {workload:4s}  {label:38s} "
-                  f"{result.tokens_per_second:7.1f} tok/s", flush=True)
+            print(
+                f"pass {rep + 1}/{args.repeats}  {workload:4s}  {label:38s} "
+                f"{result.tokens_per_second:7.1f} tok/s",
+                flush=True,
+            )
     return best, seconds
 
 
@@ -289,23 +313,34 @@ def summarize(best: dict, seconds: dict, workloads: dict[str, Workload]) -> tupl
         for config in matrix():
             result = best[(workload, config)]
             mismatch = first_mismatch(result.tokens, plain.tokens)
-            rows.append({
-                "workload": workload, "label": config.label, "mode": config.mode, "k": config.k,
-                "gate": config.gate, "draft_depth": config.depth,
-                "verify_width": ARTIFACTS[config.artifact][0] if config.mode != "none" else None,
-                "artifact": config.artifact if config.mode != "none" else None,
-                "tokens": result.new_tokens, "seconds": result.seconds,
-                "seconds_per_pass": seconds[(workload, config)],
-                "tokens_per_second": result.tokens_per_second,
-                "ratio_to_plain": result.tokens_per_second / plain.tokens_per_second,
-                "rounds": result.rounds, "proposed": result.proposed, "accepted": result.accepted,
-                "acceptance": result.accepted / result.proposed if result.proposed else None,
-                "tokens_per_round": (result.accepted + result.rounds) / result.rounds if result.rounds else None,
-                "steps": result.steps,
-                "same": mismatch is None and not result.differs_between_passes,
-                "mismatch": mismatch,
-                "differs_between_passes": result.differs_between_passes,
-            })
+            rows.append(
+                {
+                    "workload": workload,
+                    "label": config.label,
+                    "mode": config.mode,
+                    "k": config.k,
+                    "gate": config.gate,
+                    "draft_depth": config.depth,
+                    "verify_width": ARTIFACTS[config.artifact][0] if config.mode != "none" else None,
+                    "artifact": config.artifact if config.mode != "none" else None,
+                    "tokens": result.new_tokens,
+                    "seconds": result.seconds,
+                    "seconds_per_pass": seconds[(workload, config)],
+                    "tokens_per_second": result.tokens_per_second,
+                    "ratio_to_plain": result.tokens_per_second / plain.tokens_per_second,
+                    "rounds": result.rounds,
+                    "proposed": result.proposed,
+                    "accepted": result.accepted,
+                    "acceptance": result.accepted / result.proposed if result.proposed else None,
+                    "tokens_per_round": (result.accepted + result.rounds) / result.rounds
+                    if result.rounds
+                    else None,
+                    "steps": result.steps,
+                    "same": mismatch is None and not result.differs_between_passes,
+                    "mismatch": mismatch,
+                    "differs_between_passes": result.differs_between_passes,
+                }
+            )
     return baseline, rows
 
 
@@ -319,12 +354,16 @@ def machine_info() -> dict:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "platform": platform.platform(),
         "processor": model_name or platform.processor(),
         "cpu_count": os.cpu_count(),
@@ -340,6 +379,7 @@ def machine_info() -> dict:
 
 
 # -- output ------------------------------------------------------------------------------------
+
 
 def _fmt(value, spec: str) -> str:
     return "–" if value is None else format(value, spec)
@@ -360,34 +400,48 @@ def markdown(baseline: dict, rows: list[dict], settings: dict) -> str:
         "|---|---|---:|---:|---:|---:|:-:|",
     ]
     for row in rows:
-        lines.append(f"| {row['workload']} | {row['label']} | {row['tokens_per_second']:.1f} | "
-                     f"{row['ratio_to_plain']:.2f} | {_fmt(row['acceptance'], '.2f')} | "
-                     f"{_fmt(row['tokens_per_round'], '.2f')} | {'yes' if row['same'] else '**no**'} |")
+        lines.append(
+            f"| {row['workload']} | {row['label']} | {row['tokens_per_second']:.1f} | "
+            f"{row['ratio_to_plain']:.2f} | {_fmt(row['acceptance'], '.2f')} | "
+            f"{_fmt(row['tokens_per_round'], '.2f')} | {'yes' if row['same'] else '**no**'} |"
+        )
     return "\n".join(lines)
 
 
 def report_mismatches(baseline: dict, rows: list[dict]) -> int:
     """Print every token mismatch; return how many there were."""
     bad = [("code", "torch vs ORT plain", baseline["mismatch"])] if not baseline["same"] else []
-    bad += [(r["workload"], r["label"], r["mismatch"] or "tokens differ between passes")
-            for r in rows if not r["same"]]
+    bad += [
+        (r["workload"], r["label"], r["mismatch"] or "tokens differ between passes")
+        for r in rows
+        if not r["same"]
+    ]
     for workload, label, detail in bad:
         print(f"BUG: {workload} / {label}: tokens differ from plain greedy: {detail}", file=sys.stderr)
     return len(bad)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 prompts, 32 new tokens, 1 pass; JSON to " + QUICK_OUT)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 2 prompts, 32 new tokens, 1 pass; JSON to " + QUICK_OUT,
+    )
     parser.add_argument("--out", help=f"JSON output (default {DEFAULT_OUT}; {QUICK_OUT} with --quick)")
     parser.add_argument("--prompts", type=int, help="prompts per workload (default 8, 2 with --quick)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens per run (default 128, 32 with --quick)")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch intra-op threads for the reference (default 1: see the docstring)")
-    parser.add_argument("--repeats", type=int, help="passes; each configuration keeps its fastest "
-                                                    "(default 2, 1 with --quick)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for the reference (default 1: see the docstring)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, help="passes; each configuration keeps its fastest (default 2, 1 with --quick)"
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.out = Path(args.out or (QUICK_OUT if quick else DEFAULT_OUT))
@@ -412,18 +466,31 @@ def main(argv=None) -> int:
         best, seconds = measure(args, models, reference, workloads)
     baseline, rows = summarize(best, seconds, workloads)
     info["load_average_end"] = os.getloadavg()
-    settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-                "max_length": MAX_LENGTH, "dtype": "fp32", "stop_ids": [],
-                "torch_threads": args.torch_threads, "ort_threads": "onnxruntime default",
-                "timing": "sum(tokens)/sum(wall seconds of each generate call) over a workload's "
-                          "prompts; fastest of `repeats` interleaved passes",
-                "artifacts": {name: {"verify_width": w, "draft_depth": d} for name, (w, d) in ARTIFACTS.items()},
-                "quick": args.quick}
+    settings = {
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "max_length": MAX_LENGTH,
+        "dtype": "fp32",
+        "stop_ids": [],
+        "torch_threads": args.torch_threads,
+        "ort_threads": "onnxruntime default",
+        "timing": "sum(tokens)/sum(wall seconds of each generate call) over a workload's "
+        "prompts; fastest of `repeats` interleaved passes",
+        "artifacts": {name: {"verify_width": w, "draft_depth": d} for name, (w, d) in ARTIFACTS.items()},
+        "quick": args.quick,
+    }
     table = markdown(baseline, rows, settings)
     elapsed = time.perf_counter() - started
-    out = {"machine": info, "settings": settings, "run_seconds": elapsed,
-           "workloads": {name: {"prompts": wl.prompts, "sources": wl.sources} for name, wl in workloads.items()},
-           "baseline": baseline, "rows": rows, "markdown": table}
+    out = {
+        "machine": info,
+        "settings": settings,
+        "run_seconds": elapsed,
+        "workloads": {name: {"prompts": wl.prompts, "sources": wl.sources} for name, wl in workloads.items()},
+        "baseline": baseline,
+        "rows": rows,
+        "markdown": table,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     bugs = report_mismatches(baseline, rows)

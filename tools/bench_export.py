@@ -42,13 +42,15 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-export"))
     p.add_argument("--json", type=Path, help="write the runs and medians here")
     p.add_argument("--genai-python", help="a Python with onnxruntime-genai: also time its model builder")
-    p.add_argument("--baseline-python", help="a Python whose loopcast is another version (e.g. main's): "
-                                             "also time its export, as `baseline`")
+    p.add_argument(
+        "--baseline-python",
+        help="a Python whose loopcast is another version (e.g. main's): also time its export, as `baseline`",
+    )
     p.add_argument("--genai-ep", default="cpu", help="the builder's execution provider (-e)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:cut])
-    args.export_args = argv[cut + 1:]   # extra `loopcast export` options, after --
+    args.export_args = argv[cut + 1 :]  # extra `loopcast export` options, after --
     cli = [sys.executable, "-m", "loopcast.cli"]
     args.work.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint
@@ -57,10 +59,13 @@ def main() -> None:
             p.error("give a CHECKPOINT directory or --preset")
         checkpoint = args.work / f"checkpoint-{args.preset}-{args.dtype}"
         if not (checkpoint / "config.json").is_file():
-            subprocess.run(cli + ["random-checkpoint", str(checkpoint), "--preset", args.preset,
-                                  "--dtype", args.dtype], check=True)
+            subprocess.run(
+                cli + ["random-checkpoint", str(checkpoint), "--preset", args.preset, "--dtype", args.dtype],
+                check=True,
+            )
     if args.genai_python and not (checkpoint / "tokenizer.json").is_file():
-        from loopcast.demo import demo_checkpoint_dir
+        from loopcast.demo_checkpoint import demo_checkpoint_dir
+
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(demo_checkpoint_dir() / name, checkpoint / name)
     files = sorted(checkpoint.glob("*.safetensors"))
@@ -71,16 +76,41 @@ def main() -> None:
     # and brings the checkpoint into the page cache for both contenders.
     subprocess.run(export, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     precision = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[
-        args.export_args[args.export_args.index("--dtype") + 1] if "--dtype" in args.export_args else "fp32"]
-    genai = [args.genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o",
-             str(args.work / "genai"), "-p", precision, "-e", args.genai_ep, "-c", str(args.work / "genai-cache")]
-    baseline = [args.baseline_python, "-m", "loopcast.cli", "export", str(checkpoint), "-o",
-                str(args.work / "baseline"), "--overwrite", *args.export_args]
+        args.export_args[args.export_args.index("--dtype") + 1] if "--dtype" in args.export_args else "fp32"
+    ]
+    genai = [
+        args.genai_python,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(checkpoint),
+        "-o",
+        str(args.work / "genai"),
+        "-p",
+        precision,
+        "-e",
+        args.genai_ep,
+        "-c",
+        str(args.work / "genai-cache"),
+    ]
+    baseline = [
+        args.baseline_python,
+        "-m",
+        "loopcast.cli",
+        "export",
+        str(checkpoint),
+        "-o",
+        str(args.work / "baseline"),
+        "--overwrite",
+        *args.export_args,
+    ]
     runs: dict[str, list[float]] = {"copy": [], "export": []}
     if args.baseline_python:
         runs["baseline"] = []
         # Run outside this checkout, or `python -m loopcast.cli` would import this tree's loopcast.
-        subprocess.run(baseline, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=args.work)
+        subprocess.run(
+            baseline, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=args.work
+        )
     if args.genai_python:
         runs["genai"] = []
     for i in range(args.repeats):
@@ -101,9 +131,13 @@ def main() -> None:
     shutil.rmtree(copy_dir, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     result = {
-        "checkpoint": str(checkpoint), "weights_bytes": size, "export_args": args.export_args,
+        "checkpoint": str(checkpoint),
+        "weights_bytes": size,
+        "export_args": args.export_args,
         "machine": f"{platform.node()} {platform.machine()}, {__import__('os').cpu_count()} CPUs",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": runs, "median": med,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "runs": runs,
+        "median": med,
         "ratio": med["export"] / med["copy"],
     }
     if "genai" in med:

@@ -14,12 +14,16 @@ import argparse
 import json
 import time
 
-from loopcast.demo import demo_artifact_dir
+from loopcast.exporter.demo_artifact import demo_artifact_dir
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.proposers import SelfDraftProposer
+from loopcast.ort_runtime.decoding.proposers import SelfDraftProposer
 
-PROMPTS = ["def parse(text):\n    ", "class Node:\n    def __init__(self, value):\n",
-           "import os\n\n\ndef walk(path):\n", "    for key, value in sorted(items):\n"]
+PROMPTS = [
+    "def parse(text):\n    ",
+    "class Node:\n    def __init__(self, value):\n",
+    "import os\n\n\ndef walk(path):\n",
+    "    for key, value in sorted(items):\n",
+]
 
 
 class WrongOracle:
@@ -29,7 +33,7 @@ class WrongOracle:
         self.sequence, self.vocab = sequence, vocab
 
     def propose(self, context, k):
-        return [(t + 1) % self.vocab for t in self.sequence[len(context):len(context) + k]]
+        return [(t + 1) % self.vocab for t in self.sequence[len(context) : len(context) + k]]
 
 
 def main() -> None:
@@ -39,11 +43,17 @@ def main() -> None:
     args = p.parse_args()
     model = load(demo_artifact_dir())
     vocab = model.config.vocab_size
-    prompts = [model.encode(t) for t in PROMPTS[:args.prompts]]
+    prompts = [model.encode(t) for t in PROMPTS[: args.prompts]]
     plain_tokens = [model.generate(ids, args.tokens, stop_ids=()).tokens for ids in prompts]
-    configs = [("plain", "none", "none"), ("prompt-lookup", "cost", "wrong"), ("prompt-lookup", "hit-density", "wrong"),
-               ("prompt-lookup", "none", "wrong"), ("self", "cost", "wrong"), ("self", "hit-density", "wrong"),
-               ("self", "none", "wrong")]
+    configs = [
+        ("plain", "none", "none"),
+        ("prompt-lookup", "cost", "wrong"),
+        ("prompt-lookup", "hit-density", "wrong"),
+        ("prompt-lookup", "none", "wrong"),
+        ("self", "cost", "wrong"),
+        ("self", "hit-density", "wrong"),
+        ("self", "none", "wrong"),
+    ]
     best = {c: float("inf") for c in configs}
     rounds = {c: 0 for c in configs}
     for _ in range(2):
@@ -57,8 +67,14 @@ def main() -> None:
                 elif mode == "self":
                     kwargs["proposer"] = SelfDraftProposer(lambda i, t: (t + 1) % vocab)
                 t0 = time.perf_counter()
-                result = model.generate(ids, args.tokens, stop_ids=(), speculative=mode if mode != "plain" else "none",
-                                        gate=gate, **kwargs)
+                result = model.generate(
+                    ids,
+                    args.tokens,
+                    stop_ids=(),
+                    speculative=mode if mode != "plain" else "none",
+                    gate=gate,
+                    **kwargs,
+                )
                 seconds[config] += time.perf_counter() - t0
                 assert result.tokens == truth, f"{config} diverged from plain greedy"
                 rounds[config] = result.stats.rounds
@@ -71,8 +87,15 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for config in configs:
         rate = total / best[config]
-        rows.append({"mode": config[0], "gate": config[1], "tokens_per_second": rate, "ratio": rate / plain_rate,
-                     "rounds_last_prompt": rounds[config]})
+        rows.append(
+            {
+                "mode": config[0],
+                "gate": config[1],
+                "tokens_per_second": rate,
+                "ratio": rate / plain_rate,
+                "rounds_last_prompt": rounds[config],
+            }
+        )
         print(f"| {config[0]} | {config[1]} | {rate:.1f} | {rate / plain_rate:.2f} | {rounds[config]} |")
     print(json.dumps({"tokens": args.tokens, "prompts": len(prompts), "rows": rows}))
 

@@ -24,12 +24,17 @@ import json
 import os
 
 import torch
-
 from cuda_timing import graph_time_us, load_library
-from loopcast.bench import kernel_env
+from loopcast.bench.harness import kernel_env
 
 # (K, N, swiglu): the last is the down projection as the graphs run it, SwiGLU applied to A = [gate | up].
-SHAPES = [(2048, 6144, False), (2048, 2048, False), (2048, 11264, False), (5632, 2048, False), (5632, 2048, True)]
+SHAPES = [
+    (2048, 6144, False),
+    (2048, 2048, False),
+    (2048, 11264, False),
+    (5632, 2048, False),
+    (5632, 2048, True),
+]
 MS = [1, 2, 5, 8, 16, 32]
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 POOL_BYTES = 512 << 20
@@ -41,9 +46,17 @@ def call(lib, A, B, Y, trans_b: int, swiglu: bool = False) -> None:
     N = Y.shape[1]
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     entry = lib.loopcast_cuda_swiglu_matmul if swiglu else lib.loopcast_cuda_matmul
-    code = entry(CODES[A.dtype], ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(B.data_ptr()),
-                 ctypes.c_void_p(Y.data_ptr()), ctypes.c_int64(M), ctypes.c_int64(K), ctypes.c_int64(N),
-                 ctypes.c_int(trans_b), stream)
+    code = entry(
+        CODES[A.dtype],
+        ctypes.c_void_p(A.data_ptr()),
+        ctypes.c_void_p(B.data_ptr()),
+        ctypes.c_void_p(Y.data_ptr()),
+        ctypes.c_int64(M),
+        ctypes.c_int64(K),
+        ctypes.c_int64(N),
+        ctypes.c_int(trans_b),
+        stream,
+    )
     if code:
         raise RuntimeError(lib.loopcast_cuda_error_string(code).decode())
 
@@ -78,8 +91,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=120)
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="row counts to time (comma-separated)")
-    ap.add_argument("--variant", action="append", default=[], type=parse_variant,
-                    help="TAG:VAR=VALUE: also time each library with that launch switch (repeatable)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=parse_variant,
+        help="TAG:VAR=VALUE: also time each library with that launch switch (repeatable)",
+    )
     args = ap.parse_args()
     libs = {kv.split("=", 1)[0]: load_library(kv.split("=", 1)[1]) for kv in args.lib}
     # (column, library, switch set during capture)
@@ -97,7 +115,7 @@ def main() -> None:
             for tb in (0, 1):
                 wn = K * N
                 nbuf = max(2, pool.numel() // wn)
-                Ws = [pool[i * wn:(i + 1) * wn].view((N, K) if tb else (K, N)) for i in range(nbuf)]
+                Ws = [pool[i * wn : (i + 1) * wn].view((N, K) if tb else (K, N)) for i in range(nbuf)]
                 A = torch.randn(32, 2 * K if sw else K, dtype=dtype, device="cuda")
                 # bit identity on the real shape, for every library (M = 32 and M = 5 take other
                 # kernel variants than M = 1)
@@ -108,23 +126,33 @@ def main() -> None:
                     call(lib, A[:5], Ws[0], Y5, tb, sw)
                     ones = torch.empty(32, N, dtype=dtype, device="cuda")
                     for i in range(32):
-                        call(lib, A[i:i + 1], Ws[0], ones[i:i + 1], tb, sw)
+                        call(lib, A[i : i + 1], Ws[0], ones[i : i + 1], tb, sw)
                     a = torch.nn.functional.silu(A[:, :K].float()) * A[:, K:].float() if sw else A.float()
                     ref = a @ (Ws[0].float().t() if tb else Ws[0].float())
                     err = ((Y32.float() - ref).abs().max() / ref.abs().max()).item()
                     ok = bool(torch.equal(Y32, ones) and torch.equal(Y5, ones[:5]))
-                    results["invariance"].append(dict(lib=name, dtype=dname, K=K, N=N, trans_b=tb, swiglu=sw,
-                                                      identical=ok, rel_err=err))
+                    results["invariance"].append(
+                        dict(
+                            lib=name, dtype=dname, K=K, N=N, trans_b=tb, swiglu=sw, identical=ok, rel_err=err
+                        )
+                    )
                     if not ok or err > 2e-2:
-                        print(f"!! {name} {dname} [{K},{N}] tb={tb} swiglu={sw}: identical={ok} rel_err={err:.2e}",
-                              flush=True)
+                        print(
+                            f"!! {name} {dname} [{K},{N}] tb={tb} swiglu={sw}: identical={ok} rel_err={err:.2e}",
+                            flush=True,
+                        )
                 for M in (int(m) for m in args.ms.split(",")):
                     Am = A[:M]
                     Y = torch.empty(M, N, dtype=dtype, device="cuda")
                     ncalls = max(args.calls, nbuf)
-                    row = dict(dtype=dname, K=K, N=N, trans_b=tb, swiglu=sw, M=M, bytes=wn * pool.element_size())
+                    row = dict(
+                        dtype=dname, K=K, N=N, trans_b=tb, swiglu=sw, M=M, bytes=wn * pool.element_size()
+                    )
                     for name, lib, switch in columns:
-                        fns = [(lambda W=Ws[i % nbuf], lib=lib: call(lib, Am, W, Y, tb, sw)) for i in range(ncalls)]
+                        fns = [
+                            (lambda W=Ws[i % nbuf], lib=lib: call(lib, Am, W, Y, tb, sw))
+                            for i in range(ncalls)
+                        ]
                         try:
                             with kernel_env(*switch) if switch[0] else contextlib.nullcontext():
                                 row[name] = graph_time_us(fns)
@@ -138,17 +166,24 @@ def main() -> None:
                         fns = [(lambda W=Ws[i % nbuf]: torch.matmul(Ac, W, out=Y)) for i in range(ncalls)]
                     row["cublas"] = graph_time_us(fns)
                     results["rows"].append(row)
-                    cells = "  ".join(f"{k} {row[k]:6.1f}us {row['bytes'] / row[k] / 1e3 / bw * 100:3.0f}%"
-                                      for k in [*(c[0] for c in columns), "cublas"])
-                    print(f"{dname:8s} [{K:5d},{N:5d}]{' swiglu' if sw else '       '} tb={tb} M={M:2d}  {cells}",
-                          flush=True)
+                    cells = "  ".join(
+                        f"{k} {row[k]:6.1f}us {row['bytes'] / row[k] / 1e3 / bw * 100:3.0f}%"
+                        for k in [*(c[0] for c in columns), "cublas"]
+                    )
+                    print(
+                        f"{dname:8s} [{K:5d},{N:5d}]{' swiglu' if sw else '       '} tb={tb} M={M:2d}  {cells}",
+                        flush=True,
+                    )
         del pool
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_matmul_cuda.json"), "w") as f:
         json.dump(results, f, indent=1)
     bad = [r for r in results["invariance"] if not r["identical"]]
-    print(f"invariance: {len(results['invariance']) - len(bad)}/{len(results['invariance'])} identical", flush=True)
+    print(
+        f"invariance: {len(results['invariance']) - len(bad)}/{len(results['invariance'])} identical",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ import statistics
 import time
 
 import numpy as np
-
-from loopcast.ort_runtime.sampling import SamplingParams, make_rng, probabilities, sample
+from loopcast.ort_runtime.decoding.sampling import SamplingParams, make_rng, probabilities, sample
 
 VOCABS = (32000, 49152, 128256)  # Llama 2 / Mistral, Ouro, Llama 3
 SETTINGS = {
@@ -23,7 +22,9 @@ SETTINGS = {
     "top-p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
     "min-p 0.05": SamplingParams(temperature=0.8, min_p=0.05),
     "rep. penalty 1.1 (1024-token context)": SamplingParams(temperature=0.8, repetition_penalty=1.1),
-    "all of the above": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1),
+    "all of the above": SamplingParams(
+        temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1
+    ),
 }
 
 
@@ -43,7 +44,7 @@ def time_sampling(vocab: int, params: SamplingParams, repeats: int = 200) -> flo
 
 
 def time_decode(steps: int = 64) -> float:
-    from loopcast.demo import demo_artifact_dir
+    from loopcast.exporter.demo_artifact import demo_artifact_dir
     from loopcast.ort_runtime import load
 
     model = load(demo_artifact_dir())

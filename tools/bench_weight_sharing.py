@@ -11,9 +11,9 @@ and whether verify rows equal decode rows bit for bit.
 
 Modes: ``baseline`` (no artifact: the runtime's imports and, on CUDA, a one-node session),
 ``default``, ``per_session`` (every session its own copy of the weights: before
-ort_runtime/shared_weights.py), ``kinds=N`` (only the first N kinds opened, ``--kinds-rows``).
+ort_runtime/loading/shared_weights.py), ``kinds=N`` (only the first N kinds opened, ``--kinds-rows``).
 CPU also: ``speculative`` (the default after a speculative generation made the sessions of
-the kinds it defers: ort_runtime/session_table.py), ``eager`` (every kind's session at load:
+the kinds it defers: ort_runtime/loading/session_table.py), ``eager`` (every kind's session at load:
 before those were deferred), ``verify_own`` (verify in its own session: before verify ran on
 prefill's), ``separate`` (one session per graph kind: before decode shared prefill's session),
 ``share_weights`` (no prepacking at all).
@@ -34,9 +34,9 @@ import time
 CHILD = r"""
 import json, os, subprocess, sys, time
 import numpy as np
-from loopcast.ort_runtime.artifact import open_artifact
-from loopcast.ort_runtime.exactness import decode_rows
-from loopcast.ort_runtime.generator import Generator
+from loopcast.ort_runtime.loading.artifact import open_artifact
+from loopcast.ort_runtime.decoding.exactness import decode_rows
+from loopcast.ort_runtime.binding.generator import Generator
 path, device, mode = sys.argv[1:4]
 kw = {"separate": {"share_sessions": False, "defer_sessions": False}, "share_weights": {"share_weights": True},
       "per_session": {"shared_initializers": False}, "eager": {"defer_sessions": False},
@@ -108,13 +108,20 @@ def main() -> None:
     p.add_argument("--kinds-rows", action="store_true", help="also a row per number of kinds opened")
     args = p.parse_args()
     if not args.artifacts:
-        from loopcast.demo import demo_artifact_dir
+        from loopcast.exporter.demo_artifact import demo_artifact_dir
+
         args.artifacts = [str(demo_artifact_dir())]
     runs: dict[tuple[str, str], list[dict]] = {}
     idle = 0
     if args.device == "cuda":
-        idle = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                  capture_output=True, text=True, check=True).stdout.split()[0])
+        idle = int(
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()[0]
+        )
     for repeat in range(args.repeats):
         for artifact in args.artifacts:
             modes = ["baseline", "default", "per_session"]
@@ -122,10 +129,12 @@ def main() -> None:
                 modes += ["speculative", "eager", "verify_own", "separate", "share_weights"]
             if args.kinds_rows:
                 from loopcast.manifest import Manifest
+
                 modes += [f"kinds={k}" for k in range(1, len(Manifest.read(artifact).graphs) + 1)]
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
-                done = subprocess.run([sys.executable, "-c", CHILD, artifact, args.device, mode],
-                                      capture_output=True, text=True)
+                done = subprocess.run(
+                    [sys.executable, "-c", CHILD, artifact, args.device, mode], capture_output=True, text=True
+                )
                 if done.returncode:
                     print(f"{artifact} {mode}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
                     continue
@@ -133,12 +142,23 @@ def main() -> None:
                 if "gpu_used_mib" in run:
                     run["device_mib"] = run["gpu_used_mib"] - idle
                 runs.setdefault((artifact, mode), []).append(run)
-    keys = ["sessions", "shared_weights", "load_s", "peak_rss_mib", "pss_mib", "private_mib", "decode_ms", "verify_ms",
-            "exact_rows"]
+    keys = [
+        "sessions",
+        "shared_weights",
+        "load_s",
+        "peak_rss_mib",
+        "pss_mib",
+        "private_mib",
+        "decode_ms",
+        "verify_ms",
+        "exact_rows",
+    ]
     if args.device == "cuda":
         keys.insert(2, "device_mib")
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.device}, medians of {args.repeats} "
-          "interleaved runs (range in brackets)")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.device}, medians of {args.repeats} "
+        "interleaved runs (range in brackets)"
+    )
     print("| artifact | mode | weights MiB | " + " | ".join(keys) + " |")
     print("|---|---|---:|" + "---:|" * len(keys))
     for (artifact, mode), rs in runs.items():
@@ -151,10 +171,22 @@ def main() -> None:
                 cells.append(str(all(vals)))
             else:
                 med = statistics.median(vals)
-                cells.append(f"{med:g}" + (f" [{min(vals):g}–{max(vals):g}]" if len(vals) > 1 and min(vals) != max(vals)
-                                           and k not in ("sessions",) else ""))
-        print(f"| {artifact.rstrip('/').split('/')[-1]} | {mode} | {rs[0]['weights_mib']} | " + " | ".join(cells) + " |")
-    med = lambda artifact, mode, key: statistics.median(r[key] for r in runs.get((artifact, mode), [{key: float("nan")}]))
+                cells.append(
+                    f"{med:g}"
+                    + (
+                        f" [{min(vals):g}–{max(vals):g}]"
+                        if len(vals) > 1 and min(vals) != max(vals) and k not in ("sessions",)
+                        else ""
+                    )
+                )
+        print(
+            f"| {artifact.rstrip('/').split('/')[-1]} | {mode} | {rs[0]['weights_mib']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    med = lambda artifact, mode, key: statistics.median(
+        r[key] for r in runs.get((artifact, mode), [{key: float("nan")}])
+    )
     for artifact in args.artifacts:
         if (artifact, "default") not in runs or (artifact, "baseline") not in runs:
             continue
@@ -165,12 +197,16 @@ def main() -> None:
         used = med(artifact, "default", used_key)
         before = "verify_own" if args.device == "cpu" else "per_session"
         slower = med(artifact, "default", "decode_ms") / med(artifact, before, "decode_ms") - 1
-        print(f"{artifact.rstrip('/').split('/')[-1]}: {used_key} {used:g} MiB against 1.2 x (weights + KV "
-              f"{weights_kv:g}) + baseline {base:g} = {budget:.0f} MiB: {used / budget:.2f} of the budget "
-              f"({'within' if used <= budget else 'OVER'}); decode {slower:+.1%} against {before}")
+        print(
+            f"{artifact.rstrip('/').split('/')[-1]}: {used_key} {used:g} MiB against 1.2 x (weights + KV "
+            f"{weights_kv:g}) + baseline {base:g} = {budget:.0f} MiB: {used / budget:.2f} of the budget "
+            f"({'within' if used <= budget else 'OVER'}); decode {slower:+.1%} against {before}"
+        )
         if (artifact, "speculative") in runs:
             spec = med(artifact, "speculative", used_key)
-            print(f"  after a speculative generation opened its kinds: {spec:g} MiB, {spec / budget:.2f} of the budget")
+            print(
+                f"  after a speculative generation opened its kinds: {spec:g} MiB, {spec / budget:.2f} of the budget"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{a}|{m}": rs for (a, m), rs in runs.items()}, f, indent=1)

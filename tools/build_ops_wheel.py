@@ -36,8 +36,13 @@ INIT = '"""Prebuilt loopcast custom-op library (data only): libloopcast_ops.so a
 
 
 def fetch_headers() -> Path:
-    out = subprocess.run([str(ROOT / "tools" / "fetch_ort_headers.sh")], check=True, capture_output=True,
-                         text=True).stdout.strip().splitlines()[-1]
+    out = (
+        subprocess.run(
+            [str(ROOT / "tools" / "fetch_ort_headers.sh")], check=True, capture_output=True, text=True
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     return Path(out)
 
 
@@ -50,7 +55,6 @@ def check_loads(library: Path, cuda: bool) -> None:
     """The library must register in a CPU-only ONNX Runtime session on this GPU-less build
     machine (cudart is static and initialised lazily), and carry CUDA kernels iff asked to."""
     import onnxruntime as ort
-
     from loopcast.custom_ops import build
 
     ort.SessionOptions().register_custom_ops_library(str(library))
@@ -70,9 +74,11 @@ def write_wheel(out_dir: Path, version: str, files: dict[str, bytes]) -> Path:
     files[f"{dist_info}/METADATA"] = (
         f"Metadata-Version: 2.1\nName: loopcast-ops\nVersion: {version}\n"
         "Summary: Prebuilt loopcast custom-op library (ONNX Runtime custom ops, CPU and CUDA kernels)\n"
-        "License: Apache-2.0\n").encode()
-    files[f"{dist_info}/WHEEL"] = (f"Wheel-Version: 1.0\nGenerator: loopcast build_ops_wheel\n"
-                                   f"Root-Is-Purelib: false\nTag: {tag}\n").encode()
+        "License: Apache-2.0\n"
+    ).encode()
+    files[f"{dist_info}/WHEEL"] = (
+        f"Wheel-Version: 1.0\nGenerator: loopcast build_ops_wheel\nRoot-Is-Purelib: false\nTag: {tag}\n"
+    ).encode()
     record = [f"{name},{_record_hash(data)},{len(data)}" for name, data in files.items()]
     files[f"{dist_info}/RECORD"] = ("\n".join(record + [f"{dist_info}/RECORD,,"]) + "\n").encode()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,13 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "dist", help="wheel directory (default: dist/)")
     parser.add_argument("--cuda-archs", default=",".join(RELEASE_ARCHS), help="SM versions (default: 90,100)")
     parser.add_argument("--no-cuda", action="store_true", help="CPU kernels only")
-    parser.add_argument("--ort-include", type=Path, default=None, help="ONNX Runtime headers (default: fetched)")
+    parser.add_argument(
+        "--ort-include", type=Path, default=None, help="ONNX Runtime headers (default: fetched)"
+    )
     parser.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPUs)")
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
-    from loopcast import __version__
     from loopcast.custom_ops import build
+
+    from loopcast import __version__
     from loopcast.errors import LoopcastError
 
     include = args.ort_include or fetch_headers()
@@ -114,16 +123,28 @@ def main(argv: list[str] | None = None) -> int:
         check_loads(library, bool(archs))
         data = library.read_bytes()
     seconds = time.perf_counter() - start
-    info = {"source_digest": build.source_digest(), "cuda_archs": list(archs), "loopcast_version": __version__,
-            "ort_headers": header_version(include), "library_sha256": hashlib.sha256(data).hexdigest(),
-            "build_seconds": round(seconds, 1), "platform": platform.platform()}
-    wheel = write_wheel(args.out, __version__, {
-        "loopcast_ops/__init__.py": INIT.encode(),
-        f"loopcast_ops/{build.LIBRARY_NAME}": data,
-        "loopcast_ops/build_info.json": (json.dumps(info, indent=1) + "\n").encode(),
-    })
-    print(f"built {wheel} in {seconds:.0f} s ({wheel.stat().st_size / 2**20:.1f} MiB; library "
-          f"{len(data) / 2**20:.1f} MiB)")
+    info = {
+        "source_digest": build.source_digest(),
+        "cuda_archs": list(archs),
+        "loopcast_version": __version__,
+        "ort_headers": header_version(include),
+        "library_sha256": hashlib.sha256(data).hexdigest(),
+        "build_seconds": round(seconds, 1),
+        "platform": platform.platform(),
+    }
+    wheel = write_wheel(
+        args.out,
+        __version__,
+        {
+            "loopcast_ops/__init__.py": INIT.encode(),
+            f"loopcast_ops/{build.LIBRARY_NAME}": data,
+            "loopcast_ops/build_info.json": (json.dumps(info, indent=1) + "\n").encode(),
+        },
+    )
+    print(
+        f"built {wheel} in {seconds:.0f} s ({wheel.stat().st_size / 2**20:.1f} MiB; library "
+        f"{len(data) / 2**20:.1f} MiB)"
+    )
     return 0
 
 

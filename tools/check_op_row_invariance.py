@@ -32,37 +32,75 @@ def _vi(name, width):
 
 def cases(rng):
     gamma = numpy_helper.from_array(rng.standard_normal(H).astype(np.float32), "g")
-    yield "RMSNormalization", _session(
-        [helper.make_node("RMSNormalization", ["x", "g"], ["y"], axis=-1, epsilon=1e-6, stash_type=1)],
-        [_vi("x", H)], [_vi("y", H)], [gamma])
-    yield "SkipSimplifiedLayerNormalization", _session(
-        [helper.make_node("SkipSimplifiedLayerNormalization", ["x", "s", "g"], ["y", "", "", "sum"],
-                          domain="com.microsoft", epsilon=1e-6)],
-        [_vi("x", H), _vi("s", H)], [_vi("y", H), _vi("sum", H)], [gamma])
-    yield "Sigmoid·Mul·Mul (SwiGLU)", _session(
-        [helper.make_node("Sigmoid", ["x"], ["sg"]), helper.make_node("Mul", ["x", "sg"], ["si"]),
-         helper.make_node("Mul", ["si", "s"], ["y"])], [_vi("x", I), _vi("s", I)], [_vi("y", I)])
+    yield (
+        "RMSNormalization",
+        _session(
+            [helper.make_node("RMSNormalization", ["x", "g"], ["y"], axis=-1, epsilon=1e-6, stash_type=1)],
+            [_vi("x", H)],
+            [_vi("y", H)],
+            [gamma],
+        ),
+    )
+    yield (
+        "SkipSimplifiedLayerNormalization",
+        _session(
+            [
+                helper.make_node(
+                    "SkipSimplifiedLayerNormalization",
+                    ["x", "s", "g"],
+                    ["y", "", "", "sum"],
+                    domain="com.microsoft",
+                    epsilon=1e-6,
+                )
+            ],
+            [_vi("x", H), _vi("s", H)],
+            [_vi("y", H), _vi("sum", H)],
+            [gamma],
+        ),
+    )
+    yield (
+        "Sigmoid·Mul·Mul (SwiGLU)",
+        _session(
+            [
+                helper.make_node("Sigmoid", ["x"], ["sg"]),
+                helper.make_node("Mul", ["x", "sg"], ["si"]),
+                helper.make_node("Mul", ["si", "s"], ["y"]),
+            ],
+            [_vi("x", I), _vi("s", I)],
+            [_vi("y", I)],
+        ),
+    )
     for k, n in [(H, 3 * H), (H, H), (H, 2 * I), (I, H), (H, 4096)]:
         w = numpy_helper.from_array((rng.standard_normal((k, n)) / 20).astype(np.float32), "W")
-        yield f"MatMul {k}x{n}", _session([helper.make_node("MatMul", ["x", "W"], ["y"])], [_vi("x", k)],
-                                          [_vi("y", n)], [w])
+        yield (
+            f"MatMul {k}x{n}",
+            _session([helper.make_node("MatMul", ["x", "W"], ["y"])], [_vi("x", k)], [_vi("y", n)], [w]),
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=5)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"| op (CPU EP, fp32, M={args.rows} vs 1) | rows bit-identical | max abs diff |")
     print("|---|:-:|---:|")
     for name, session in cases(rng):
-        feeds = {i.name: rng.standard_normal((1, args.rows, i.shape[-1])).astype(np.float32)
-                 for i in session.get_inputs()}
+        feeds = {
+            i.name: rng.standard_normal((1, args.rows, i.shape[-1])).astype(np.float32)
+            for i in session.get_inputs()
+        }
         together = session.run(None, feeds)[0]
-        alone = np.concatenate([session.run(None, {k: v[:, r:r + 1] for k, v in feeds.items()})[0]
-                                for r in range(args.rows)], axis=1)
-        print(f"| {name} | {'yes' if np.array_equal(together, alone) else 'no'} | "
-              f"{float(np.abs(together - alone).max()):.3g} |")
+        alone = np.concatenate(
+            [session.run(None, {k: v[:, r : r + 1] for k, v in feeds.items()})[0] for r in range(args.rows)],
+            axis=1,
+        )
+        print(
+            f"| {name} | {'yes' if np.array_equal(together, alone) else 'no'} | "
+            f"{float(np.abs(together - alone).max()):.3g} |"
+        )
 
 
 if __name__ == "__main__":

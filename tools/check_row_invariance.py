@@ -13,23 +13,23 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-
-from loopcast.ort_runtime.artifact import open_artifact
-from loopcast.ort_runtime.generator import Generator
+from loopcast.ort_runtime.binding.generator import Generator
+from loopcast.ort_runtime.loading.artifact import open_artifact
 
 
 def main() -> None:
     if len(sys.argv) > 1:
         path = sys.argv[1]
     else:
-        from loopcast.demo import demo_artifact_dir
+        from loopcast.exporter.demo_artifact import demo_artifact_dir
+
         path = demo_artifact_dir()
     model = open_artifact(path)
     W = model.manifest.verify_width
     rng = np.random.default_rng(0)
     identical = total = argmax_same = 0
     worst = 0.0
-    for trial in range(8):
+    for _trial in range(8):
         prompt = rng.integers(3, model.config.vocab_size, int(rng.integers(1, 40))).tolist()
         rows = rng.integers(3, model.config.vocab_size, W).tolist()
         a, b = Generator(model), Generator(model)
@@ -42,8 +42,10 @@ def main() -> None:
             identical += int(np.array_equal(decode, verify[i]))
             argmax_same += int(decode.argmax() == verify[i].argmax())
             worst = max(worst, float(np.abs(decode - verify[i]).max()))
-    print(f"{path}: W={W}, {total} rows: {identical} bit-identical, argmax equal in {argmax_same}, "
-          f"max |logit diff| {worst:.3g}")
+    print(
+        f"{path}: W={W}, {total} rows: {identical} bit-identical, argmax equal in {argmax_same}, "
+        f"max |logit diff| {worst:.3g}"
+    )
 
 
 if __name__ == "__main__":

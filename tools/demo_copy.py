@@ -29,11 +29,11 @@ def _window_lines(train: np.ndarray, tokenizer, rng, tokens: int = 768) -> list[
     """The whole lines of a random train-split window, inside one document."""
     for _ in range(1000):
         start = int(rng.integers(0, len(train) - tokens))
-        window = np.asarray(train[start:start + tokens])
+        window = np.asarray(train[start : start + tokens])
         ends = np.flatnonzero(window == EOT_ID)
         if len(ends):
-            window = window[:ends[0]]
-        lines = tokenizer.decode(window.tolist()).split("\n")[1:-1]   # drop the partial ends
+            window = window[: ends[0]]
+        lines = tokenizer.decode(window.tolist()).split("\n")[1:-1]  # drop the partial ends
         if len(lines) >= 6:
             return lines
     raise SystemExit("--copy-frac: no train-split window of 6 whole lines in 1000 tries; is the corpus code?")
@@ -44,11 +44,11 @@ def _block(lines: list[str], rng) -> list[str]:
     heads = [i for i, line in enumerate(lines[:-3]) if _HEAD.match(line)]
     first = int(rng.choice(heads)) if heads and rng.random() < 0.8 else int(rng.integers(0, len(lines) - 3))
     count = int(rng.integers(4, 41))
-    return lines[first:first + count]
+    return lines[first : first + count]
 
 
 def _indent(line: str) -> str:
-    return line[:len(line) - len(line.lstrip())]
+    return line[: len(line) - len(line.lstrip())]
 
 
 def _edit(block: list[str], donor: list[str], rng) -> list[str]:
@@ -57,13 +57,13 @@ def _edit(block: list[str], donor: list[str], rng) -> list[str]:
         kind = int(rng.integers(0, 4))
         at = int(rng.integers(0, len(out)))
         line = donor[int(rng.integers(0, len(donor)))]
-        if kind == 0:       # replace, at the replaced line's indentation
+        if kind == 0:  # replace, at the replaced line's indentation
             out[at] = _indent(out[at]) + line.lstrip()
         elif kind == 1 and len(out) > 2:
             del out[at]
         elif kind == 2:
             out.insert(at, _indent(out[at]) + line.lstrip())
-        else:               # rename one identifier of the block throughout
+        else:  # rename one identifier of the block throughout
             names = sorted(set(_IDENT.findall("\n".join(out))))
             fresh = sorted(set(_IDENT.findall(line)) - set(names))
             if names and fresh:

@@ -43,8 +43,8 @@ def cut_at_line_end(text: str, limit: int) -> str:
 
 def cut_at_word_end(text: str, limit: int) -> str:
     """``text[:limit]`` shortened to end just before a space or newline that follows a word."""
-    ends = [m.start() for m in re.finditer(r"(?<=\S)\s", text[:limit + 1])]
-    return text[:ends[-1]] if ends else text[:limit]
+    ends = [m.start() for m in re.finditer(r"(?<=\S)\s", text[: limit + 1])]
+    return text[: ends[-1]] if ends else text[:limit]
 
 
 def code_prompts(documents: Iterable[tuple[str, str]], count: int) -> list[str]:
@@ -56,5 +56,7 @@ def packed_documents(ids: np.ndarray, tokenizer) -> list[tuple[str, str]]:
     """The documents of a packed split (each one's ids followed by EOT), decoded, named by index."""
     ends = np.flatnonzero(ids == EOT_ID)
     starts = np.concatenate(([0], ends[:-1] + 1))
-    return [(f"doc{i}", tokenizer.decode(ids[s:e].tolist(), skip_special_tokens=False))
-            for i, (s, e) in enumerate(zip(starts, ends))]
+    return [
+        (f"doc{i}", tokenizer.decode(ids[s:e].tolist(), skip_special_tokens=False))
+        for i, (s, e) in enumerate(zip(starts, ends))
+    ]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from loopcast.exporter.reference import KVCache, LoopedLM
 
 
@@ -29,9 +28,9 @@ def repeated_ngram_mask(cont_BL: np.ndarray, n: int) -> np.ndarray:
     for b in range(batch):
         row, seen = cont_BL[b].tolist(), set()
         for j in range(length - n + 1):
-            gram = tuple(row[j:j + n])
+            gram = tuple(row[j : j + n])
             if gram in seen:
-                mask[b, j:j + n] = True
+                mask[b, j : j + n] = True
             seen.add(gram)
     return mask
 
@@ -44,8 +43,13 @@ def greedy_continue(model: LoopedLM, prefix_BP: torch.Tensor, new_tokens: int) -
     device = prefix_BP.device
     on_gpu = device.type == "cuda"
     batch, plen = prefix_BP.shape
-    cache = KVCache(model.config, plen + new_tokens, batch=batch,
-                    dtype=torch.bfloat16 if on_gpu else torch.float32, device=device)
+    cache = KVCache(
+        model.config,
+        plen + new_tokens,
+        batch=batch,
+        dtype=torch.bfloat16 if on_gpu else torch.float32,
+        device=device,
+    )
     tokens = [prefix_BP]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
         logits = model(prefix_BP, start=0, cache=cache).final_logits[:, -1]
@@ -58,8 +62,9 @@ def greedy_continue(model: LoopedLM, prefix_BP: torch.Tensor, new_tokens: int) -
     return torch.cat(tokens, dim=1)
 
 
-def unlikelihood_loss(model, seq_BT: torch.Tensor, prefix_len: int, mask_BL: torch.Tensor,
-                      depth_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unlikelihood_loss(
+    model, seq_BT: torch.Tensor, prefix_len: int, mask_BL: torch.Tensor, depth_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ_r w_r·UL_r, per-depth UL [R]) over the masked continuation tokens of ``seq_BT``."""
     out = model(seq_BT[:, :-1], all_depths=True)
     target_BL = seq_BT[:, prefix_len:]
@@ -67,7 +72,7 @@ def unlikelihood_loss(model, seq_BT: torch.Tensor, prefix_len: int, mask_BL: tor
     count = weight.sum().clamp_min(1.0)
     per_depth = []
     for logits in out.logits:
-        logp = F.log_softmax(logits[:, prefix_len - 1:].float(), dim=-1)
+        logp = F.log_softmax(logits[:, prefix_len - 1 :].float(), dim=-1)
         logp_BL = logp.gather(-1, target_BL.unsqueeze(-1)).squeeze(-1)
         # log(1 - p) from log p, clamped so a token the model is sure of gives a finite push.
         one_minus = (-torch.expm1(logp_BL)).clamp_min(1e-5)

@@ -4,7 +4,7 @@ Per loop depth: held-out cross-entropy (nats/token) and bits/byte; top-1 agreeme
 with depth R; exit-probability means; and greedy continuations of five fixed code prompts and
 of ``--heldout-prompts`` held-out ones (tools/demo_prompts.py), each with the cycle it ends in
 (``degenerate``: its second half is one cycle of <= 32 tokens repeated); and, on the bench's
-edit workload (``loopcast.bench.EDIT_PROMPTS``), how many tokens prompt lookup would commit
+edit workload (``loopcast.bench.harness.EDIT_PROMPTS``), how many tokens prompt lookup would commit
 per verify round of 5 drafts (``edit_prompt_lookup``: what the copy fine-tune is for).
 Writes one JSON file (``--out``) that docs/demo-model.md quotes.
 
@@ -22,16 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from demo_prompts import code_prompts, packed_documents  # tools/ is on sys.path when run as a script
 from loopcast.exporter.checkpoint import load_checkpoint
 from loopcast.exporter.reference import exit_probabilities
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.exporter.torch_backend import load_tokenizer
-from loopcast.ort_runtime.proposers import PromptLookupProposer
+from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer
 
 CODE_PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "import os\nimport sys\n\n\ndef main():\n",
     "class Stack:\n    def __init__(self):\n",
     "    def __repr__(self):\n        return ",
@@ -69,7 +68,11 @@ def prompt_lookup_rounds(prompt: list[int], tokens: list[int], drafts: int = 5) 
     while done < len(tokens):
         proposal = proposer.propose(prompt + tokens[:done], drafts)
         accepted = 0
-        while accepted < len(proposal) and done + accepted < len(tokens) and proposal[accepted] == tokens[done + accepted]:
+        while (
+            accepted < len(proposal)
+            and done + accepted < len(tokens)
+            and proposal[accepted] == tokens[done + accepted]
+        ):
             accepted += 1
         done, rounds = done + accepted + 1, rounds + 1
     return rounds
@@ -77,14 +80,21 @@ def prompt_lookup_rounds(prompt: list[int], tokens: list[int], drafts: int = 5) 
 
 def edit_prompt_lookup(model, tokenizer, new_tokens: int = 64) -> dict:
     """Greedy continuations of the bench's edit prompts and prompt lookup's tokens per round on them."""
-    from loopcast.bench import EDIT_PROMPTS  # the workload `loopcast bench` reports as "edit"
+    from loopcast.bench.harness import EDIT_PROMPTS  # the workload `loopcast bench` reports as "edit"
+
     rows, total_tokens, total_rounds = [], 0, 0
     for prompt in EDIT_PROMPTS:
         ids = tokenizer.encode(prompt).ids
         res = greedy_generate(model, ids, new_tokens, stop_ids=(0,), max_length=1024)
         rounds = prompt_lookup_rounds(ids, res.tokens)
-        rows.append({"prompt": prompt.split("\n", 1)[0], "tokens": len(res.tokens), "rounds": rounds,
-                     "completion": tokenizer.decode(res.tokens)})
+        rows.append(
+            {
+                "prompt": prompt.split("\n", 1)[0],
+                "tokens": len(res.tokens),
+                "rounds": rounds,
+                "completion": tokenizer.decode(res.tokens),
+            }
+        )
         total_tokens, total_rounds = total_tokens + len(res.tokens), total_rounds + rounds
     return {"drafts_per_round": 5, "tokens_per_round": total_tokens / total_rounds, "prompts": rows}
 
@@ -100,7 +110,7 @@ def heldout_metrics(model, heldout: np.ndarray, seq: int, max_windows: int | Non
     p_exit = torch.zeros(R, dtype=torch.float64)
     count = 0
     for w0 in range(0, n_windows, 8):
-        rows = [heldout[i * seq:i * seq + seq + 1] for i in range(w0, min(n_windows, w0 + 8))]
+        rows = [heldout[i * seq : i * seq + seq + 1] for i in range(w0, min(n_windows, w0 + 8))]
         ids = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
         out = model(ids[:, :-1], all_depths=True)
         final = out.logits[-1].argmax(-1)
@@ -109,8 +119,12 @@ def heldout_metrics(model, heldout: np.ndarray, seq: int, max_windows: int | Non
             agree[r] += (lg.argmax(-1) == final).sum().double().cpu()
         p_exit += exit_probabilities(out.gate_logits).sum(dim=(0, 1)).double().cpu()
         count += ids[:, 1:].numel()
-    return {"tokens_scored": count, "ce_nats": (nats / count).tolist(),
-            "agreement_with_R": (agree / count).tolist(), "p_exit_mean": (p_exit / count).tolist()}
+    return {
+        "tokens_scored": count,
+        "ce_nats": (nats / count).tolist(),
+        "agreement_with_R": (agree / count).tolist(),
+        "p_exit_mean": (p_exit / count).tolist(),
+    }
 
 
 def main() -> None:
@@ -121,8 +135,12 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--max-windows", type=int, default=None, help="limit for a quick CPU run")
     p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--heldout-prompts", type=int, default=8,
-                   help="also continue this many held-out code prompts (tools/bench_cpu.py's code workload)")
+    p.add_argument(
+        "--heldout-prompts",
+        type=int,
+        default=8,
+        help="also continue this many held-out code prompts (tools/bench_cpu.py's code workload)",
+    )
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_checkpoint(args.checkpoint, dtype=torch.float32).to(device)
@@ -143,23 +161,39 @@ def main() -> None:
         res = greedy_generate(model, ids, args.new_tokens, stop_ids=(0,), max_length=1024)
         body = res.tokens[:-1] if res.tokens and res.tokens[-1] == 0 else res.tokens  # a loop, then EOT
         period, covered = tail_cycle(body)
-        samples.append({"prompt": prompt, "completion": tokenizer.decode(res.tokens),
-                        "tokens": res.tokens, "distinct_tokens": len(set(res.tokens)),
-                        "tail_cycle_period": period, "tail_cycle_tokens": covered,
-                        "degenerate": degenerate(body)})
+        samples.append(
+            {
+                "prompt": prompt,
+                "completion": tokenizer.decode(res.tokens),
+                "tokens": res.tokens,
+                "distinct_tokens": len(set(res.tokens)),
+                "tail_cycle_period": period,
+                "tail_cycle_tokens": covered,
+                "degenerate": degenerate(body),
+            }
+        )
     metrics["samples"] = samples
     metrics["edit_prompt_lookup"] = edit_prompt_lookup(model, tokenizer, 64)
     metrics["degenerate_continuations"] = sum(s["degenerate"] for s in samples)  # of len(samples)
     metrics["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     metrics["seconds"] = round(time.time() - t0, 1)
     args.out.write_text(json.dumps(metrics, indent=1))
-    print(json.dumps({k: v for k, v in metrics.items() if k not in ("samples", "edit_prompt_lookup")}, indent=1))
-    print("edit workload, prompt lookup tokens per round of 5 drafts:",
-          round(metrics["edit_prompt_lookup"]["tokens_per_round"], 2))
+    print(
+        json.dumps({k: v for k, v in metrics.items() if k not in ("samples", "edit_prompt_lookup")}, indent=1)
+    )
+    print(
+        "edit workload, prompt lookup tokens per round of 5 drafts:",
+        round(metrics["edit_prompt_lookup"]["tokens_per_round"], 2),
+    )
     for s in samples:
-        print("----", repr(s["prompt"]), "->", repr(s["completion"][:200]),
-              f"(cycle {s['tail_cycle_period']} over {s['tail_cycle_tokens']} tokens"
-              f"{', degenerate' if s['degenerate'] else ''})")
+        print(
+            "----",
+            repr(s["prompt"]),
+            "->",
+            repr(s["completion"][:200]),
+            f"(cycle {s['tail_cycle_period']} over {s['tail_cycle_tokens']} tokens"
+            f"{', degenerate' if s['degenerate'] else ''})",
+        )
 
 
 if __name__ == "__main__":

@@ -21,13 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
-from loopcast.bench import BENCH_PROMPTS
-from loopcast.config import PRESETS
+from loopcast.bench.harness import BENCH_PROMPTS
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.exporter.random_checkpoint import write_random_checkpoint
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.proposers import SelfDraftProposer
+from loopcast.ort_runtime.decoding.proposers import SelfDraftProposer
+
+from loopcast.config import PRESETS
 
 
 class _Spoiling:
@@ -39,20 +39,39 @@ class _Spoiling:
         self.sequence, self.vocab, self.period = sequence, vocab, period
 
     def propose(self, context: list[int], k: int) -> list[int]:
-        truth = self.sequence[len(context):len(context) + k]
-        return [(t + 1) % self.vocab if (len(context) + i) % self.period == 0 else t for i, t in enumerate(truth)]
+        truth = self.sequence[len(context) : len(context) + k]
+        return [
+            (t + 1) % self.vocab if (len(context) + i) % self.period == 0 else t for i, t in enumerate(truth)
+        ]
 
 
 def _runs(model, prompt: list[int], plain: list[int]) -> list[tuple[str, dict]]:
     vocab, looped = model.config.vocab_size, model.loaded.has("draft")
-    runs = [(f"prompt-lookup/{g}", {"speculative": "prompt-lookup", "gate": g})
-            for g in ("none", "auto", "hit-density", "cost")]
-    runs += [(f"custom-spoil{p}", {"speculative": "custom", "gate": "none",
-                                   "proposer": _Spoiling(prompt + plain, vocab, p)}) for p in (1, 2, 5)]
+    runs = [
+        (f"prompt-lookup/{g}", {"speculative": "prompt-lookup", "gate": g})
+        for g in ("none", "auto", "hit-density", "cost")
+    ]
+    runs += [
+        (
+            f"custom-spoil{p}",
+            {"speculative": "custom", "gate": "none", "proposer": _Spoiling(prompt + plain, vocab, p)},
+        )
+        for p in (1, 2, 5)
+    ]
     if looped:
-        runs += [(f"self/{g}", {"speculative": "self", "gate": g}) for g in ("none", "auto", "hit-density", "cost")]
-        runs += [("self-perturbed", {"speculative": "self", "gate": "none",
-                                     "proposer": SelfDraftProposer(lambda i, t: t if i % 2 else (t + 3) % vocab)})]
+        runs += [
+            (f"self/{g}", {"speculative": "self", "gate": g}) for g in ("none", "auto", "hit-density", "cost")
+        ]
+        runs += [
+            (
+                "self-perturbed",
+                {
+                    "speculative": "self",
+                    "gate": "none",
+                    "proposer": SelfDraftProposer(lambda i, t: t if i % 2 else (t + 3) % vocab),
+                },
+            )
+        ]
     return runs
 
 
@@ -68,17 +87,30 @@ def soak(name: str, path: Path, prompts: list[list[int]], tokens: int, threads: 
         first = next((j for j, (a, b) in enumerate(zip(out.tokens, plain[i])) if a != b), None)
         if first is None and len(out.tokens) != len(plain[i]):
             first = min(len(out.tokens), len(plain[i]))
-        return {"prompt": i, "run": label, "mismatch_at": first, "rounds": out.stats.rounds,
-                "accepted": out.stats.accepted, "proposed": out.stats.proposed}
+        return {
+            "prompt": i,
+            "run": label,
+            "mismatch_at": first,
+            "rounds": out.stats.rounds,
+            "accepted": out.stats.accepted,
+            "proposed": out.stats.proposed,
+        }
 
     sequential = [one(job) for job in jobs]
     with ThreadPoolExecutor(threads) as pool:
         threaded = list(pool.map(one, jobs))
     results = sequential + threaded
     bad = [r for r in results if r["mismatch_at"] is not None]
-    return {"artifact": name, "runs": len(results), "tokens_per_run": tokens, "mismatches": len(bad),
-            "first_mismatches": bad[:5], "rounds": sum(r["rounds"] for r in results),
-            "accepted": sum(r["accepted"] for r in results), "proposed": sum(r["proposed"] for r in results)}
+    return {
+        "artifact": name,
+        "runs": len(results),
+        "tokens_per_run": tokens,
+        "mismatches": len(bad),
+        "first_mismatches": bad[:5],
+        "rounds": sum(r["rounds"] for r in results),
+        "accepted": sum(r["accepted"] for r in results),
+        "proposed": sum(r["proposed"] for r in results),
+    }
 
 
 def main() -> int:
@@ -91,8 +123,11 @@ def main() -> int:
     rng = np.random.default_rng(7)
     reports, start = [], time.perf_counter()
     for name in ("demo", "tiny-ouro", "tiny-llama"):
-        source = "demo" if name == "demo" else write_random_checkpoint(PRESETS[name], work / f"ckpt-{name}",
-                                                                      seed=3, std=0.15)
+        source = (
+            "demo"
+            if name == "demo"
+            else write_random_checkpoint(PRESETS[name], work / f"ckpt-{name}", seed=3, std=0.15)
+        )
         art = work / f"art-{name}"
         export_checkpoint(source, art, ExportOptions(max_length=512 if name == "demo" else None))
         if name == "demo":
@@ -104,11 +139,16 @@ def main() -> int:
             prompts = [rng.integers(0, vocab, n).tolist() for n in (3, 9)] + [motif * 3]
         reports.append(soak(name, art, prompts, args.tokens, args.threads))
         r = reports[-1]
-        print(f"{name}: {r['runs']} runs x {args.tokens} tokens, mismatches {r['mismatches']}, "
-              f"drafts accepted {r['accepted']}/{r['proposed']} in {r['rounds']} rounds", flush=True)
+        print(
+            f"{name}: {r['runs']} runs x {args.tokens} tokens, mismatches {r['mismatches']}, "
+            f"drafts accepted {r['accepted']}/{r['proposed']} in {r['rounds']} rounds",
+            flush=True,
+        )
     total = sum(r["mismatches"] for r in reports)
-    print(f"total: {sum(r['runs'] for r in reports)} runs, {total} mismatches, "
-          f"{time.perf_counter() - start:.0f} s")
+    print(
+        f"total: {sum(r['runs'] for r in reports)} runs, {total} mismatches, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
     if args.out:
         args.out.write_text(json.dumps(reports, indent=1) + "\n")
     return 1 if total else 0

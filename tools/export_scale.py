@@ -34,22 +34,55 @@ def main() -> None:
     args.work.mkdir(parents=True)
     cli = [sys.executable, "-m", "loopcast.cli"]
     t0 = time.perf_counter()
-    subprocess.run(cli + ["random-checkpoint", str(ckpt), "--preset", args.preset, "--dtype", "fp16",
-                          "--max-shard-mb", "2000"], check=True)
+    subprocess.run(
+        cli
+        + [
+            "random-checkpoint",
+            str(ckpt),
+            "--preset",
+            args.preset,
+            "--dtype",
+            "fp16",
+            "--max-shard-mb",
+            "2000",
+        ],
+        check=True,
+    )
     t_ckpt = time.perf_counter() - t0
     t0 = time.perf_counter()
     # The child reports its own peak (RUSAGE_SELF) so the checkpoint writer's peak is not mixed in.
-    probe = ("import resource, sys\nfrom loopcast.cli import main\ntry:\n    main(sys.argv[1:])\n"
-             "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
-             "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(code)\n")
-    proc = subprocess.run([sys.executable, "-c", probe, "export", str(ckpt), "-o", str(art), "--dtype", "fp16",
-                           "--max-length", str(args.max_length)], check=True, capture_output=True, text=True)
+    probe = (
+        "import resource, sys\nfrom loopcast.cli import main\ntry:\n    main(sys.argv[1:])\n"
+        "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+        "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(code)\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            probe,
+            "export",
+            str(ckpt),
+            "-o",
+            str(art),
+            "--dtype",
+            "fp16",
+            "--max-length",
+            str(args.max_length),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     t_export = time.perf_counter() - t0
     peak_kib = int(proc.stdout.split("PEAK_KIB")[1].split()[0])
     weights = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     result = {
-        "preset": args.preset, "dtype": "fp16", "max_length": args.max_length,
-        "checkpoint_bytes": weights, "checkpoint_write_s": round(t_ckpt, 1),
+        "preset": args.preset,
+        "dtype": "fp16",
+        "max_length": args.max_length,
+        "checkpoint_bytes": weights,
+        "checkpoint_write_s": round(t_ckpt, 1),
         "export_s": round(t_export, 1),
         "export_peak_rss_bytes": peak_kib * 1024,
         "peak_rss_over_weights": round(peak_kib * 1024 / weights, 3),

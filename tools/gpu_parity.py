@@ -15,8 +15,7 @@ import json
 from pathlib import Path
 
 import torch
-
-from loopcast.bench import BENCH_PROMPTS
+from loopcast.bench.harness import BENCH_PROMPTS
 from loopcast.exporter.checkpoint import load_checkpoint, resolve_checkpoint
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.exporter.reference_generate import greedy_generate
@@ -41,16 +40,26 @@ def main() -> None:
         ref = load_checkpoint(checkpoint, dtype=DTYPES[dtype]).cuda().eval()
         for variant in ("stock", "batch-invariant"):
             art = args.work_dir / f"{dtype}-{variant}"
-            export_checkpoint(checkpoint, art, ExportOptions(dtype, min(1024, ref32.config.max_position_embeddings), 5,
-                                                                  draft_depth, variant == "batch-invariant"),
-                              overwrite=True)
+            export_checkpoint(
+                checkpoint,
+                art,
+                ExportOptions(
+                    dtype,
+                    min(1024, ref32.config.max_position_embeddings),
+                    5,
+                    draft_depth,
+                    variant == "batch-invariant",
+                ),
+                overwrite=True,
+            )
             model = load(art, "cuda")
             rows, worst_first_step = [], 0.0
             for prompt in BENCH_PROMPTS:
                 ids = model.encode(prompt)
                 ours = model.generate(ids, args.new_tokens, stop_ids=()).tokens
-                theirs = greedy_generate(ref, ids, args.new_tokens, max_length=model.loaded.manifest.max_length,
-                                         keep_logits=True)
+                theirs = greedy_generate(
+                    ref, ids, args.new_tokens, max_length=model.loaded.manifest.max_length, keep_logits=True
+                )
                 j = next((i for i, (a, b) in enumerate(zip(ours, theirs.tokens)) if a != b), None)
                 entry = {"prompt": prompt[:40], "identical": j is None}
                 if j is not None:
@@ -64,13 +73,18 @@ def main() -> None:
                     exact = ref32(torch.tensor([ids], device="cuda")).final_logits[0, -1].float().cpu()
                 worst_first_step = max(worst_first_step, float((logits - exact).abs().max()))
             same = sum(r["identical"] for r in rows)
-            report[f"{dtype}/{variant}"] = {"identical_prompts": same, "prompts": len(rows),
-                                            "max_abs_logit_diff_vs_fp32_first_step": worst_first_step,
-                                            "rows": rows}
-            print(f"{dtype}/{variant}: {same}/{len(rows)} prompts identical to the torch {dtype} reference; "
-                  f"first-step max |logit - fp32| {worst_first_step:.4f}; divergences "
-                  f"{[(r['first_divergence'], round(r['reference_margin'], 4)) for r in rows if not r['identical']]}",
-                  flush=True)
+            report[f"{dtype}/{variant}"] = {
+                "identical_prompts": same,
+                "prompts": len(rows),
+                "max_abs_logit_diff_vs_fp32_first_step": worst_first_step,
+                "rows": rows,
+            }
+            print(
+                f"{dtype}/{variant}: {same}/{len(rows)} prompts identical to the torch {dtype} reference; "
+                f"first-step max |logit - fp32| {worst_first_step:.4f}; divergences "
+                f"{[(r['first_divergence'], round(r['reference_margin'], 4)) for r in rows if not r['identical']]}",
+                flush=True,
+            )
             del model
             args.out.write_text(json.dumps(report, indent=1) + "\n")  # after each: a cut run keeps it
         del ref

@@ -123,7 +123,7 @@ phase_export_mem() {  # issue 21: a 1.43B fp16 Llama export against cp (and ORT-
   timeout 240 python3 tools/bench_weight_sharing.py /root/bx/artifact --device cuda --repeats 1 \
     --json "$RES/weight-memory-cuda.json" > "$RES/weight-memory-cuda.txt" 2>&1
 }
-phase_weight_mem() {  # issue 21: one device copy of the weights for every session (ort_runtime/shared_weights.py)
+phase_weight_mem() {  # issue 21: one device copy of the weights for every session (ort_runtime/loading/shared_weights.py)
   # 1.43B Llama (stock fp16 and --target cuda) and Ouro-1.4B (--target cuda: six kinds), random weights
   { python3 -m loopcast.cli random-checkpoint /root/llama --preset llama-1.4b --dtype fp16
     python3 -m loopcast.cli random-checkpoint /root/ouro --preset ouro-1.4b --dtype fp16

@@ -27,7 +27,6 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import numpy as np
-
     from loopcast.ort_runtime import load
 
     model = load(args.artifact, args.device)
@@ -39,11 +38,19 @@ def main() -> int:
         after = stats.seconds - stats.step_seconds.get("prefill", 0.0)
         per_token = after / max(stats.new_tokens - 1, 1)
         step = stats.step_seconds["decode"] / stats.steps["decode"]
-        rows.append({"ms_per_token": 1e3 * per_token, "decode_step_ms": 1e3 * step, "host_share": 1 - step / per_token})
+        rows.append(
+            {
+                "ms_per_token": 1e3 * per_token,
+                "decode_step_ms": 1e3 * step,
+                "host_share": 1 - step / per_token,
+            }
+        )
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    print(f"{args.artifact} on {args.device}: prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"median of {args.runs}: {out['ms_per_token']:.3f} ms per token end to end, decode step "
-          f"{out['decode_step_ms']:.3f} ms, host {100 * out['host_share']:.1f}%")
+    print(
+        f"{args.artifact} on {args.device}: prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+        f"median of {args.runs}: {out['ms_per_token']:.3f} ms per token end to end, decode step "
+        f"{out['decode_step_ms']:.3f} ms, host {100 * out['host_share']:.1f}%"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "runs": rows, "median": out}, f, indent=1)

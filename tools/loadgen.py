@@ -26,7 +26,7 @@ import platform
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +41,11 @@ def prepare(source: str, device: str, dtype: str, max_batch: int, max_length: in
     """An artifact with batched graphs: ``source`` itself, or a random checkpoint of a preset exported."""
     if not source.startswith("preset:"):
         return Path(source)
-    from loopcast.config import PRESETS
     from loopcast.exporter.checkpoint import DTYPES
     from loopcast.exporter.export import ExportOptions, export_checkpoint
     from loopcast.exporter.random_checkpoint import write_random_checkpoint
+
+    from loopcast.config import PRESETS
 
     name = source.split(":", 1)[1]
     config = PRESETS["ouro-1.4b"].replace(**LLAMA_143B) if name == "llama-1.43b" else PRESETS[name]
@@ -53,8 +54,12 @@ def prepare(source: str, device: str, dtype: str, max_batch: int, max_length: in
         write_random_checkpoint(config, ckpt, seed=0, dtype=DTYPES[dtype])
     art = work / f"art-{name}-{dtype}-{device}-b{max_batch}-L{max_length}"
     if not (art / "manifest.json").is_file():
-        export_checkpoint(ckpt, art, ExportOptions(dtype, max_length, batch_invariant=device == "cuda",
-                                                   max_batch=max_batch), overwrite=True)
+        export_checkpoint(
+            ckpt,
+            art,
+            ExportOptions(dtype, max_length, batch_invariant=device == "cuda", max_batch=max_batch),
+            overwrite=True,
+        )
     return art
 
 
@@ -95,15 +100,22 @@ def run_level(submit, work: list[list[int]], clients: int, max_tokens: int, time
     tokens = sum(len(toks) for toks, _, _ in results.values())
     p50, p99 = _percentiles(gaps)
     f50, f99 = _percentiles(ttft)
-    return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "token_latency_ms_p50": p50 and p50 * 1e3, "token_latency_ms_p99": p99 and p99 * 1e3,
-            "ttft_ms_p50": f50 and f50 * 1e3, "ttft_ms_p99": f99 and f99 * 1e3,
-            "outputs": {i: toks for i, (toks, _, _) in results.items()}}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "token_latency_ms_p50": p50 and p50 * 1e3,
+        "token_latency_ms_p99": p99 and p99 * 1e3,
+        "ttft_ms_p50": f50 and f50 * 1e3,
+        "ttft_ms_p99": f99 and f99 * 1e3,
+        "outputs": {i: toks for i, (toks, _, _) in results.items()},
+    }
 
 
 def engine_submitter(engine):
-    from loopcast.ort_runtime.batching import BatchRequest
+    from loopcast.ort_runtime.batching.engine import BatchRequest
 
     def submit(ids: list[int], max_tokens: int):
         c = engine.submit(BatchRequest(ids, max_tokens, ()))
@@ -119,8 +131,15 @@ def http_submitter(url: str, model: str):
     client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=256))
 
     def submit(ids: list[int], max_tokens: int):
-        body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True, "return_token_ids": True}
+        body = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         t0, times, tokens = time.perf_counter(), [], []
         with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             r.raise_for_status()
@@ -138,8 +157,8 @@ def http_submitter(url: str, model: str):
 
 
 def make_engine(model, mode: str, max_batch: int, cuda_graphs: bool = False):
-    from loopcast.ort_runtime.batch_generator import BatchGenerator
-    from loopcast.ort_runtime.batching import BatchingEngine, SequentialEngine
+    from loopcast.ort_runtime.batching.engine import BatchingEngine, SequentialEngine
+    from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 
     if mode == "batched":
         generator = BatchGenerator(model.loaded, max_batch, cuda_graphs=cuda_graphs)
@@ -149,18 +168,23 @@ def make_engine(model, mode: str, max_batch: int, cuda_graphs: bool = False):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", help="an artifact exported with --max-batch, or preset:NAME "
-                                   "(ouro-1.4b, llama-1.43b, ...)")
+    ap.add_argument(
+        "source", help="an artifact exported with --max-batch, or preset:NAME (ouro-1.4b, llama-1.43b, ...)"
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"])
     ap.add_argument("--max-batch", type=int, default=64, help="slots (presets: exported with it)")
     ap.add_argument("--max-length", type=int, default=512, help="presets: KV capacity")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--modes", default="batched,sequential")
-    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 per client, >= 8)")
+    ap.add_argument(
+        "--requests", type=int, default=0, help="requests per level (default: 2 per client, >= 8)"
+    )
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per level before clients stop sending")
+    ap.add_argument(
+        "--time-limit", type=float, default=120.0, help="seconds per level before clients stop sending"
+    )
     ap.add_argument("--via", default="engine", choices=["engine", "http"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cuda-graphs", action="store_true", help="capture the batched graphs per width (CUDA)")
@@ -176,28 +200,40 @@ def main(argv: list[str] | None = None) -> int:
     model = load(art, args.device, threads=args.threads)
     max_batch = min(args.max_batch, model.loaded.manifest.max_batch or 1)
     vocab = model.config.vocab_size
-    report = {"source": args.source, "artifact": str(art), "device": args.device, "dtype": model.loaded.manifest.dtype,
-              "op_set": model.loaded.manifest.op_set, "max_batch": max_batch, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens, "via": args.via, "host": platform.node(),
-              "cuda_graphs": args.cuda_graphs,
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "levels": []}
+    report = {
+        "source": args.source,
+        "artifact": str(art),
+        "device": args.device,
+        "dtype": model.loaded.manifest.dtype,
+        "op_set": model.loaded.manifest.op_set,
+        "max_batch": max_batch,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "via": args.via,
+        "host": platform.node(),
+        "cuda_graphs": args.cuda_graphs,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "levels": [],
+    }
     outputs: dict[tuple[int, int], dict[str, list[int]]] = {}
     for mode in args.modes.split(","):
         engine = make_engine(model, mode, max_batch, args.cuda_graphs)
         server = None
         try:
             if args.via == "http":
-                from loopcast.cli_serve import background_server
-                from loopcast.serve_state import ServingState
+                from loopcast.serve.launch import background_server
+                from loopcast.serve.state import ServingState
+
                 server = background_server(ServingState(model, engine, "loadgen", mode))
                 submit = http_submitter(server.__enter__(), "loadgen")
             else:
                 submit = engine_submitter(engine)
-            submit(prompts(1, args.prompt_len, vocab, seed=99)[0], 4)    # warm-up: first runs stay out
+            submit(prompts(1, args.prompt_len, vocab, seed=99)[0], 4)  # warm-up: first runs stay out
             for clients in levels:
                 n = args.requests or max(8, 2 * clients)
-                level = run_level(submit, prompts(n, args.prompt_len, vocab), clients, args.max_tokens,
-                                  args.time_limit)
+                level = run_level(
+                    submit, prompts(n, args.prompt_len, vocab), clients, args.max_tokens, args.time_limit
+                )
                 for i, toks in level.pop("outputs").items():
                     outputs.setdefault((clients, i), {})[mode] = toks
                 level["mode"] = mode
@@ -205,10 +241,13 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "batched":
                     level["captured"] = sorted(engine.gen.captured)
                     level["graph_fallbacks"] = dict(engine.gen.graph_fallbacks)
-                print(f"{mode:<10} C={clients:<3} {level['requests']:>4} req {level['tokens_per_s']:8.1f} tok/s  "
-                      f"token p50 {level['token_latency_ms_p50'] or 0:7.1f} ms "
-                      f"p99 {level['token_latency_ms_p99'] or 0:7.1f} ms  "
-                      f"ttft p50 {level['ttft_ms_p50'] or 0:7.1f} ms", flush=True)
+                print(
+                    f"{mode:<10} C={clients:<3} {level['requests']:>4} req {level['tokens_per_s']:8.1f} tok/s  "
+                    f"token p50 {level['token_latency_ms_p50'] or 0:7.1f} ms "
+                    f"p99 {level['token_latency_ms_p99'] or 0:7.1f} ms  "
+                    f"ttft p50 {level['ttft_ms_p50'] or 0:7.1f} ms",
+                    flush=True,
+                )
         finally:
             if server is not None:
                 server.__exit__(None, None, None)
@@ -220,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         rate = {lv["mode"]: lv["tokens_per_s"] for lv in report["levels"] if lv["clients"] == clients}
         if "batched" in rate and rate.get("sequential"):
             print(f"C={clients}: batched / sequential = {rate['batched'] / rate['sequential']:.2f}x")
-    print(f"greedy tokens equal across modes: {len(both) - report['mismatched_requests']}/{len(both)} requests")
+    print(
+        f"greedy tokens equal across modes: {len(both) - report['mismatched_requests']}/{len(both)} requests"
+    )
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")

@@ -68,9 +68,7 @@ def documents_digest(named_texts: Sequence[tuple[str, str]]) -> str:
     return digest.hexdigest()
 
 
-def pack_split(
-    tokenizer: Tokenizer, split: Split, out_dir: Path, root: Path | None
-) -> dict[str, object]:
+def pack_split(tokenizer: Tokenizer, split: Split, out_dir: Path, root: Path | None) -> dict[str, object]:
     """Write ``<split>.npy`` and return its entry for corpus_meta.json."""
     named_texts = read_split_with_paths(split, root)
     tokens = encode_documents(tokenizer, named_texts)
@@ -95,9 +93,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
-    parser.add_argument(
-        "--stdlib-root", type=Path, default=None, help="default: this interpreter's"
-    )
+    parser.add_argument("--stdlib-root", type=Path, default=None, help="default: this interpreter's")
     return parser.parse_args(argv)
 
 
@@ -112,10 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "tokenizer_sha256": sha256_file(args.tokenizer),
         "dtype": "uint16",
         "eot_id": EOT_ID,
-        "splits": {
-            split: pack_split(tokenizer, split, args.out_dir, args.stdlib_root)
-            for split in SPLITS
-        },
+        "splits": {split: pack_split(tokenizer, split, args.out_dir, args.stdlib_root) for split in SPLITS},
     }
     meta_text = json.dumps(meta, indent=2) + "\n"
     (args.out_dir / "corpus_meta.json").write_text(meta_text, encoding="utf-8")

@@ -30,24 +30,33 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from loopcast.ort_runtime import load
-    from loopcast.ort_runtime.sampling import SamplingParams
+    from loopcast.ort_runtime.decoding.sampling import SamplingParams
 
     model = load(args.artifact, args.device)
-    modes = (["none", "prompt-lookup"] + (["self"] if model.loaded.has("draft") else [])
-             + (["pipeline"] if model.loaded.has("cycle") else []))
+    modes = (
+        ["none", "prompt-lookup"]
+        + (["self"] if model.loaded.has("draft") else [])
+        + (["pipeline"] if model.loaded.has("cycle") else [])
+    )
     rows, ok = [], True
     for mode in modes:
         for seed in (0, 1234):
             params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
             digests = []
             for _ in range(args.runs):
-                tokens = [model.generate(p, args.tokens, sampling=params, speculative=mode).tokens for p in PROMPTS]
+                tokens = [
+                    model.generate(p, args.tokens, sampling=params, speculative=mode).tokens for p in PROMPTS
+                ]
                 digests.append(hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16])
             same = len(set(digests)) == 1
             ok &= same
-            rows.append({"mode": mode, "seed": seed, "runs": args.runs, "identical": same, "digests": digests})
-            print(f"{args.device} {mode:<14} seed {seed:<5} {args.runs} runs x {len(PROMPTS)} prompts: "
-                  f"{'identical' if same else 'DIFFER'} ({digests[0]})")
+            rows.append(
+                {"mode": mode, "seed": seed, "runs": args.runs, "identical": same, "digests": digests}
+            )
+            print(
+                f"{args.device} {mode:<14} seed {seed:<5} {args.runs} runs x {len(PROMPTS)} prompts: "
+                f"{'identical' if same else 'DIFFER'} ({digests[0]})"
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"artifact": str(args.artifact), "device": args.device, "rows": rows}, f, indent=1)

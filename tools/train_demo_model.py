@@ -39,19 +39,36 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from demo_copy import copy_rows  # tools/ on sys.path
-from demo_unlikelihood import greedy_continue, repeated_ngram_mask, statement_heads, unlikelihood_loss  # tools/ on sys.path
+from demo_unlikelihood import (
+    greedy_continue,
+    repeated_ngram_mask,
+    statement_heads,
+    unlikelihood_loss,
+)  # tools/ on sys.path
 from eval_demo_model import degenerate
-from pack_demo_corpus import load_tokenizer
-from loopcast.config import ModelConfig
 from loopcast.exporter.checkpoint import load_checkpoint, save_checkpoint
 from loopcast.exporter.reference import LoopedLM, exit_probabilities, init_weights
+from pack_demo_corpus import load_tokenizer
+
+from loopcast.config import ModelConfig
 
 DEMO_CONFIG = ModelConfig(
-    model_type="ouro", vocab_size=4096, hidden_size=384, intermediate_size=1024, num_layers=4,
-    num_heads=6, num_kv_heads=6, head_dim=64, num_loops=4, rms_norm_eps=1e-6, rope_theta=10000.0,
-    max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=None, eos_token_id=0,
+    model_type="ouro",
+    vocab_size=4096,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_layers=4,
+    num_heads=6,
+    num_kv_heads=6,
+    head_dim=64,
+    num_loops=4,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=0,
 )
 
 
@@ -71,28 +88,62 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--beta", type=float, default=0.5, help="regulariser weight")
-    p.add_argument("--exit-prior", default="uniform",
-                   help="prior of the exit-distribution regulariser: uniform (Ouro's entropy term), "
-                        "geometric (∝ 2^r) or R comma-separated weights, e.g. 1,1,2,4")
-    p.add_argument("--init-from", type=Path, default=None,
-                   help="start from this HF checkpoint's weights (fine-tuning); ignored when resuming")
-    p.add_argument("--dropout", type=float, default=0.0,
-                   help="residual dropout on every branch (attention, MLP) while training only")
-    p.add_argument("--unlikelihood", type=float, default=0.0, metavar="ALPHA",
-                   help="weight of the sequence-level unlikelihood term (tools/demo_unlikelihood.py)")
+    p.add_argument(
+        "--exit-prior",
+        default="uniform",
+        help="prior of the exit-distribution regulariser: uniform (Ouro's entropy term), "
+        "geometric (∝ 2^r) or R comma-separated weights, e.g. 1,1,2,4",
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from this HF checkpoint's weights (fine-tuning); ignored when resuming",
+    )
+    p.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="residual dropout on every branch (attention, MLP) while training only",
+    )
+    p.add_argument(
+        "--unlikelihood",
+        type=float,
+        default=0.0,
+        metavar="ALPHA",
+        help="weight of the sequence-level unlikelihood term (tools/demo_unlikelihood.py)",
+    )
     p.add_argument("--ul-every", type=int, default=2, help="add the unlikelihood term every K steps")
     p.add_argument("--ul-batch", type=int, default=32, help="prefixes continued per unlikelihood step")
     p.add_argument("--ul-prefix", type=int, default=48, help="prefix tokens (from the train split)")
     p.add_argument("--ul-new", type=int, default=96, help="greedy tokens generated per prefix")
-    p.add_argument("--ul-heads", type=float, default=0.0, metavar="F",
-                   help="cut this fraction of the unlikelihood prefixes at def/class lines")
+    p.add_argument(
+        "--ul-heads",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="cut this fraction of the unlikelihood prefixes at def/class lines",
+    )
     p.add_argument("--ul-ngram", type=int, default=4, help="n of the repeated n-grams penalised")
-    p.add_argument("--ul-depth-weights", choices=("prior", "uniform"), default="prior",
-                   help="weights of the per-depth unlikelihood terms: the exit prior, or equal")
-    p.add_argument("--copy-frac", type=float, default=0.0, metavar="F",
-                   help="replace this fraction of each batch's rows by edit pairs (tools/demo_copy.py)")
-    p.add_argument("--export", choices=("best", "final"), default="best",
-                   help="export the best held-out (depth-R loss) weights or the final ones")
+    p.add_argument(
+        "--ul-depth-weights",
+        choices=("prior", "uniform"),
+        default="prior",
+        help="weights of the per-depth unlikelihood terms: the exit prior, or equal",
+    )
+    p.add_argument(
+        "--copy-frac",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="replace this fraction of each batch's rows by edit pairs (tools/demo_copy.py)",
+    )
+    p.add_argument(
+        "--export",
+        choices=("best", "final"),
+        default="best",
+        help="export the best held-out (depth-R loss) weights or the final ones",
+    )
     p.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine floor as a fraction of --lr")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-windows", type=int, default=64)
@@ -120,9 +171,10 @@ def ouro_loss(model: LoopedLM, ids: torch.Tensor, beta: float, prior: torch.Tens
     """Return (objective, per-depth CE [R], mean exit distribution [R])."""
     out = model(ids[:, :-1], all_depths=True)
     target = ids[:, 1:]
-    ce = torch.stack([F.cross_entropy(lg.float().transpose(1, 2), target, reduction="none")
-                      for lg in out.logits], dim=-1)                       # [B, S, R]
-    probs = exit_probabilities(out.gate_logits)                             # [B, S, R]
+    ce = torch.stack(
+        [F.cross_entropy(lg.float().transpose(1, 2), target, reduction="none") for lg in out.logits], dim=-1
+    )  # [B, S, R]
+    probs = exit_probabilities(out.gate_logits)  # [B, S, R]
     kl = (probs * (torch.log(probs.clamp_min(1e-9)) - torch.log(prior))).sum(-1)
     objective = (probs * ce).sum(-1).mean() + beta * kl.mean()
     return objective, ce.mean(dim=(0, 1)).detach(), probs.mean(dim=(0, 1)).detach()
@@ -135,7 +187,9 @@ def evaluate(model: LoopedLM, heldout: np.ndarray, seq: int, windows: int, devic
     starts = np.linspace(0, len(heldout) - seq - 2, windows).astype(np.int64)
     totals = torch.zeros(model.config.num_loops, device=device)
     for chunk in np.array_split(starts, max(1, windows // 16)):
-        ids = torch.from_numpy(np.stack([heldout[s:s + seq + 1] for s in chunk]).astype(np.int64)).to(device)
+        ids = torch.from_numpy(np.stack([heldout[s : s + seq + 1] for s in chunk]).astype(np.int64)).to(
+            device
+        )
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model(ids[:, :-1], all_depths=True)
         for r, lg in enumerate(out.logits):
@@ -165,12 +219,14 @@ def unlikelihood_step(model, forward, train: np.ndarray, heads: np.ndarray, rng,
     n_heads = round(args.ul_heads * args.ul_batch)
     if n_heads:
         starts[:n_heads] = rng.choice(heads, size=n_heads)
-    prefix = torch.from_numpy(np.stack([train[s:s + args.ul_prefix] for s in starts]).astype(np.int64))
+    prefix = torch.from_numpy(np.stack([train[s : s + args.ul_prefix] for s in starts]).astype(np.int64))
     seq = greedy_continue(model, prefix.to(device), args.ul_new)
-    cont = seq[:, args.ul_prefix:].cpu().numpy()
+    cont = seq[:, args.ul_prefix :].cpu().numpy()
     mask = repeated_ngram_mask(cont, args.ul_ngram)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        ul, per_depth = unlikelihood_loss(forward, seq, args.ul_prefix, torch.from_numpy(mask).to(device), weights)
+        ul, per_depth = unlikelihood_loss(
+            forward, seq, args.ul_prefix, torch.from_numpy(mask).to(device), weights
+        )
     stats = f"rep {mask.mean():.3f} degenerate {np.mean([degenerate(row.tolist()) for row in cont]):.2f}"
     return ul, per_depth, stats
 
@@ -201,7 +257,9 @@ def main() -> None:
         raise SystemExit(f"--copy-frac must be in [0, 1], got {args.copy_frac}")
     if not 0.0 <= args.ul_heads <= 1.0:
         raise SystemExit(f"--ul-heads must be in [0, 1], got {args.ul_heads}")
-    tokenizer = load_tokenizer(args.tokenizer_dir / "tokenizer.json") if args.copy_frac or args.ul_heads else None
+    tokenizer = (
+        load_tokenizer(args.tokenizer_dir / "tokenizer.json") if args.copy_frac or args.ul_heads else None
+    )
     config = model_config(args)
     model = LoopedLM(config)
     init_weights(model, seed=args.seed)
@@ -213,9 +271,12 @@ def main() -> None:
     model.to(device)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
     step, best, rng = 0, float("inf"), np.random.default_rng(args.seed)
     if state_path.is_file():
         state = torch.load(state_path, map_location=device, weights_only=False)
@@ -229,11 +290,24 @@ def main() -> None:
 
     def save_state() -> None:
         tmp = state_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
-                    "rng": rng.bit_generator.state, "args": vars(args) | {"data": str(args.data)}}, tmp)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "best": best,
+                "rng": rng.bit_generator.state,
+                "args": vars(args) | {"data": str(args.data)},
+            },
+            tmp,
+        )
         tmp.replace(state_path)
 
-    heads = statement_heads(train[:len(train) - args.ul_prefix], tokenizer) if args.ul_heads else np.zeros(0, np.int64)
+    heads = (
+        statement_heads(train[: len(train) - args.ul_prefix], tokenizer)
+        if args.ul_heads
+        else np.zeros(0, np.int64)
+    )
     if args.ul_heads and not len(heads):
         raise SystemExit("--ul-heads: the train split has no def/class line to cut a prefix at")
     params = sum(p.numel() for p in model.parameters())
@@ -246,7 +320,7 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         starts = rng.integers(0, len(train) - args.seq - 1, size=args.batch)
-        rows = np.stack([train[s:s + args.seq + 1] for s in starts]).astype(np.int64)
+        rows = np.stack([train[s : s + args.seq + 1] for s in starts]).astype(np.int64)
         n_copy = round(args.copy_frac * args.batch)
         if n_copy:  # the batch's first rows become edit pairs: the copying a code edit needs
             rows[:n_copy] = copy_rows(train, tokenizer, rng, n_copy, args.seq + 1)
@@ -254,7 +328,9 @@ def main() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             objective, ce, probs = ouro_loss(forward, ids, args.beta, prior)
         if args.unlikelihood > 0 and step % args.ul_every == 0:
-            ul, ul_depth, ul_stats = unlikelihood_step(model, forward, train, heads, rng, args, ul_weights, device)
+            ul, ul_depth, ul_stats = unlikelihood_step(
+                model, forward, train, heads, rng, args, ul_weights, device
+            )
             objective = objective + args.unlikelihood * ul
             ul_note = f" ul/depth {[round(u, 3) for u in ul_depth.tolist()]} {ul_stats}"
         opt.zero_grad(set_to_none=True)
@@ -263,12 +339,21 @@ def main() -> None:
         opt.step()
         step += 1
         if step % 50 == 0 or step == 1:
-            print(f"step {step} obj {objective.item():.4f} ce/depth {[round(c, 3) for c in ce.tolist()]} "
-                  f"p_exit {[round(p, 3) for p in probs.tolist()]}{ul_note} {time.time() - t0:.0f}s", flush=True)
+            print(
+                f"step {step} obj {objective.item():.4f} ce/depth {[round(c, 3) for c in ce.tolist()]} "
+                f"p_exit {[round(p, 3) for p in probs.tolist()]}{ul_note} {time.time() - t0:.0f}s",
+                flush=True,
+            )
         if step % args.eval_every == 0 or step == args.steps:
             losses = evaluate(model, heldout, args.seq, args.eval_windows, device)
-            record = {"step": step, "elapsed_s": round(time.time() - t0, 1), "train_ce": ce.tolist(),
-                      "heldout_ce": losses, "p_exit": probs.tolist(), "lr": lr_at(step, args)}
+            record = {
+                "step": step,
+                "elapsed_s": round(time.time() - t0, 1),
+                "train_ce": ce.tolist(),
+                "heldout_ce": losses,
+                "p_exit": probs.tolist(),
+                "lr": lr_at(step, args),
+            }
             with log_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"eval step {step} heldout ce/depth {[round(x, 4) for x in losses]}", flush=True)
@@ -289,8 +374,13 @@ def main() -> None:
 
 def model_config(args) -> ModelConfig:
     heads = args.hidden // DEMO_CONFIG.head_dim
-    return DEMO_CONFIG.replace(num_layers=args.layers, hidden_size=args.hidden,
-                               intermediate_size=args.intermediate, num_heads=heads, num_kv_heads=heads)
+    return DEMO_CONFIG.replace(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_heads=heads,
+        num_kv_heads=heads,
+    )
 
 
 def export_weights(args) -> None:

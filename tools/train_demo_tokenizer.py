@@ -69,9 +69,7 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def round_trip_failures(
-    tokenizer: Tokenizer, named_texts: Sequence[tuple[str, str]]
-) -> list[str]:
+def round_trip_failures(tokenizer: Tokenizer, named_texts: Sequence[tuple[str, str]]) -> list[str]:
     """Names of the texts that do not survive encode then decode unchanged."""
     texts = [text for _, text in named_texts]
     encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
@@ -79,9 +77,7 @@ def round_trip_failures(
     return [name for (name, text), back in zip(named_texts, decoded, strict=True) if back != text]
 
 
-def check_tokenizer(
-    tokenizer: Tokenizer, heldout: Sequence[tuple[str, str]], vocab_size: int
-) -> None:
+def check_tokenizer(tokenizer: Tokenizer, heldout: Sequence[tuple[str, str]], vocab_size: int) -> None:
     """Raise if the ids, the vocabulary size or the round trip are not as promised."""
     ids = [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
     if ids != list(range(len(SPECIAL_TOKENS))):
@@ -135,9 +131,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--model-max-length", type=int, default=DEFAULT_MODEL_MAX_LENGTH)
-    parser.add_argument(
-        "--stdlib-root", type=Path, default=None, help="default: this interpreter's"
-    )
+    parser.add_argument("--stdlib-root", type=Path, default=None, help="default: this interpreter's")
     args = parser.parse_args(argv)
     # uint16 token arrays (pack_demo_corpus.py) need every id below 2**16.
     smallest = len(SPECIAL_TOKENS) + 256  # the specials and the byte alphabet

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from loopcast.custom_ops.build import build_library, find_ort_include
 
 

@@ -23,8 +23,9 @@ def rms_norm(v: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     return g * (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
 
 
-def residual_rms_norm(branch: torch.Tensor, residual: torch.Tensor, weights: dict[str, torch.Tensor],
-                      eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor | None]:
+def residual_rms_norm(
+    branch: torch.Tensor, residual: torch.Tensor, weights: dict[str, torch.Tensor], eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(sum, normed) of ResidualRMSNorm; `weights` holds the present ones by input name."""
     b = rms_norm(branch, weights["branch_weight"], eps) if "branch_weight" in weights else branch
     s = residual + b
@@ -40,7 +41,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 # Two ulps for fp16/bf16; about eight for fp32, whose roundings to T vanish and every element then
 # carries the reduction-order difference.
-TOLERANCE = {"float32": 1e-6, "float16": 2.0 ** -9, "bfloat16": 2.0 ** -6}
+TOLERANCE = {"float32": 1e-6, "float16": 2.0**-9, "bfloat16": 2.0**-6}
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: str, max_fraction: float = 0.005) -> None:
@@ -52,5 +53,6 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: str, max_fraction
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
     if dtype != "float32":
         differ = int((got != want).sum())
-        assert differ <= max(1, math.ceil(max_fraction * got.numel())), \
+        assert differ <= max(1, math.ceil(max_fraction * got.numel())), (
             f"{differ} of {got.numel()} {dtype} elements differ from the reference"
+        )

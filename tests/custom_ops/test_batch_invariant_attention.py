@@ -27,7 +27,9 @@ def test_matches_numpy_reference(library: Path, dtype: str, Hq: int, Hkv: int, D
         feeds = attention_feeds(rng, B=B, S=S, n=n, Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype)
         got = sess.run(OUTPUTS, feeds)
         want = reference_attention(feeds, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
-        np.testing.assert_allclose(got[0], want[0], rtol=TOL[dtype], atol=TOL[dtype], err_msg=f"{B=} {S=} {n=}")
+        np.testing.assert_allclose(
+            got[0], want[0], rtol=TOL[dtype], atol=TOL[dtype], err_msg=f"{B=} {S=} {n=}"
+        )
         np.testing.assert_allclose(got[1], want[1], rtol=TOL[dtype], atol=TOL[dtype])
         assert np.array_equal(got[2], want[2])
 
@@ -35,8 +37,10 @@ def test_matches_numpy_reference(library: Path, dtype: str, Hq: int, Hkv: int, D
 def test_scale_and_no_rotary(library: Path) -> None:
     rng = np.random.default_rng(3)
     Hq, Hkv, D, T = 4, 2, 16, 24
-    sess = session(attention_model(OP, Hq=Hq, Hkv=Hkv, D=D, T=T, dtype="float32",
-                                   attrs={"do_rotary": 0, "scale": 0.3}), library)
+    sess = session(
+        attention_model(OP, Hq=Hq, Hkv=Hkv, D=D, T=T, dtype="float32", attrs={"do_rotary": 0, "scale": 0.3}),
+        library,
+    )
     feeds = attention_feeds(rng, B=1, S=3, n=5, Hq=Hq, Hkv=Hkv, D=D, T=T, dtype="float32")
     got = sess.run(OUTPUTS, feeds)
     want = reference_attention(feeds, Hq=Hq, Hkv=Hkv, D=D, dtype="float32", scale=0.3, do_rotary=False)
@@ -55,12 +59,14 @@ def test_matches_group_query_attention(library: Path, Hq: int, Hkv: int, D: int)
         got, want = ours.run(OUTPUTS, feeds), gqa.run(OUTPUTS, feeds)
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5, err_msg=f"{B=} {S=} {n=}")
         for g, w in zip(got[1:], want[1:]):  # GQA leaves positions >= n+S of its present unspecified
-            np.testing.assert_allclose(g[:, :, :n + S], w[:, :, :n + S], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(g[:, :, : n + S], w[:, :, : n + S], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("Hq,Hkv,D", [(4, 4, 16), (8, 2, 32), (6, 3, 16), (2, 1, 64)])
-def test_rows_do_not_depend_on_the_number_of_rows(library: Path, dtype: str, Hq: int, Hkv: int, D: int) -> None:
+def test_rows_do_not_depend_on_the_number_of_rows(
+    library: Path, dtype: str, Hq: int, Hkv: int, D: int
+) -> None:
     rng = np.random.default_rng(11)
     T, n = 48, 9
     sess = session(attention_model(OP, Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype), library)
@@ -69,8 +75,14 @@ def test_rows_do_not_depend_on_the_number_of_rows(library: Path, dtype: str, Hq:
         out_w, pk_w, pv_w = sess.run(OUTPUTS, feeds)
         pk, pv, rows = feeds["past_key"].copy(), feeds["past_value"].copy(), []
         for i in range(W):  # W one-row calls, each committing its row before the next
-            one = dict(feeds, query=feeds["query"][:, i:i + 1], past_key=pk, past_value=pv,
-                       seqlens_k=np.full((2,), n + i, np.int32), total_sequence_length=np.array(n + i + 1, np.int32))
+            one = dict(
+                feeds,
+                query=feeds["query"][:, i : i + 1],
+                past_key=pk,
+                past_value=pv,
+                seqlens_k=np.full((2,), n + i, np.int32),
+                total_sequence_length=np.array(n + i + 1, np.int32),
+            )
             out, pk, pv = sess.run(OUTPUTS, one)
             rows.append(out)
         assert np.array_equal(out_w, np.concatenate(rows, axis=1)), W
@@ -85,7 +97,9 @@ def test_in_place_io_binding_equals_out_of_place(library: Path, dtype: str, np_d
     feeds = attention_feeds(rng, B=2, S=4, n=11, Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype)
     want = sess.run(OUTPUTS, feeds)
     binding = sess.io_binding()
-    cache = {name: ort.OrtValue.ortvalue_from_numpy(feeds[name].copy()) for name in ("past_key", "past_value")}
+    cache = {
+        name: ort.OrtValue.ortvalue_from_numpy(feeds[name].copy()) for name in ("past_key", "past_value")
+    }
     for name, value in feeds.items():
         if name in cache:
             binding.bind_ortvalue_input(name, cache[name])
@@ -100,10 +114,13 @@ def test_in_place_io_binding_equals_out_of_place(library: Path, dtype: str, np_d
     assert np.array_equal(cache["past_value"].numpy(), want[2])
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"attrs": {"rotary_interleaved": 1}}, "rotary_interleaved=1 is not supported"),
-    ({"attrs": {"num_heads": 3}}, "multiple of kv_num_heads"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"attrs": {"rotary_interleaved": 1}}, "rotary_interleaved=1 is not supported"),
+        ({"attrs": {"num_heads": 3}}, "multiple of kv_num_heads"),
+    ],
+)
 def test_bad_attributes_are_rejected(library: Path, kwargs, message: str) -> None:
     with pytest.raises(Exception, match=message):
         session(attention_model(OP, Hq=4, Hkv=2, D=16, T=8, dtype="float32", **kwargs), library)
@@ -116,9 +133,17 @@ def test_bad_inputs_are_rejected(library: Path) -> None:
     with pytest.raises(Exception, match="key/value inputs must be absent"):
         keyed.run(OUTPUTS, dict(feeds, key=np.zeros((1, 2, 32), np.float32)))
     mismatch = session(attention_model(OP, Hq=4, Hkv=2, D=16, T=8, dtype="float32", past_D=32), library)
-    with pytest.raises(Exception, match=r"past_key must be \[B, kv_num_heads, T, head_dim\].*head_dim mismatch"):
-        mismatch.run(OUTPUTS, dict(feeds, past_key=np.zeros((1, 2, 8, 32), np.float32),
-                                   past_value=np.zeros((1, 2, 8, 32), np.float32)))
+    with pytest.raises(
+        Exception, match=r"past_key must be \[B, kv_num_heads, T, head_dim\].*head_dim mismatch"
+    ):
+        mismatch.run(
+            OUTPUTS,
+            dict(
+                feeds,
+                past_key=np.zeros((1, 2, 8, 32), np.float32),
+                past_value=np.zeros((1, 2, 8, 32), np.float32),
+            ),
+        )
     plain = session(attention_model(OP, Hq=4, Hkv=2, D=16, T=8, dtype="float32"), library)
     with pytest.raises(Exception, match="outside the cache"):
         plain.run(OUTPUTS, dict(feeds, seqlens_k=np.array([8], np.int32)))

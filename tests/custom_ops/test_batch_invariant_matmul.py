@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-
 from loopcast.custom_ops.build import build_library, find_nvcc, has_cuda
-from loopcast.errors import LoopcastError
 from loopcast.ort_runtime import load
+
+from loopcast.errors import LoopcastError
 from tests.artifacts import artifact
 from tests.custom_ops.ops_models import as_dtype, matmul_model, session, swiglu_model
 
@@ -41,11 +41,12 @@ def test_swiglu_attribute_is_the_swiglu_op_then_the_product(library: Path, dtype
         fused = session(matmul_model(K, N, dtype, trans_b, swiglu=True), library)
         got = fused.run(None, {"A": gate_up, "B": B})[0]
         assert np.array_equal(got, plain), (K, N)
-        one_by_one = np.concatenate([fused.run(None, {"A": gate_up[i:i + 1], "B": B})[0] for i in range(6)])
+        one_by_one = np.concatenate([fused.run(None, {"A": gate_up[i : i + 1], "B": B})[0] for i in range(6)])
         assert np.array_equal(one_by_one, got)
     with pytest.raises(Exception, match=r"A\[\.\.\., 2K\] \(swiglu=1: gate \| up\).*got A\[2, 16\]"):
         session(matmul_model("K", "N", dtype, trans_b, swiglu=True), library).run(
-            None, {"A": as_dtype(np.zeros((2, 16)), dtype), "B": as_dtype(np.zeros((5, 16)), dtype)})
+            None, {"A": as_dtype(np.zeros((2, 16)), dtype), "B": as_dtype(np.zeros((5, 16)), dtype)}
+        )
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
@@ -68,7 +69,7 @@ def test_rows_do_not_depend_on_the_number_of_rows(library: Path, dtype: str, tra
     session_ = _session(library, K, N, dtype, trans_b)
     A = as_dtype(rng.standard_normal((40, K)), dtype)
     B = as_dtype(rng.standard_normal((N, K) if trans_b else (K, N)), dtype)
-    single = np.concatenate([session_.run(None, {"A": A[i:i + 1], "B": B})[0] for i in range(40)])
+    single = np.concatenate([session_.run(None, {"A": A[i : i + 1], "B": B})[0] for i in range(40)])
     for m in [*range(2, 33), 40]:
         assert np.array_equal(session_.run(None, {"A": A[:m], "B": B})[0], single[:m]), m
 
@@ -76,7 +77,8 @@ def test_rows_do_not_depend_on_the_number_of_rows(library: Path, dtype: str, tra
 def test_shape_errors_name_the_layout(library: Path) -> None:
     with pytest.raises(Exception, match=r"B\[N, K\] \(trans_b=1\), got A\[2, 8\] and B\[8, 4\]"):
         session(matmul_model("K", "N", "float32", trans_b=True), library).run(
-            None, {"A": np.zeros((2, 8), np.float32), "B": np.zeros((8, 4), np.float32)})
+            None, {"A": np.zeros((2, 8), np.float32), "B": np.zeros((8, 4), np.float32)}
+        )
 
 
 def test_cuda_and_cpu_only_builds_load_in_a_cpu_session(library: Path, tmp_path: Path) -> None:
@@ -88,8 +90,10 @@ def test_cuda_and_cpu_only_builds_load_in_a_cpu_session(library: Path, tmp_path:
         assert has_cuda(libs[1])
     A = np.ones((3, 16), np.float32)
     for lib in libs:
-        assert np.array_equal(_session(lib, 16, 4, "float32").run(None, {"A": A, "B": np.ones((16, 4), np.float32)})[0],
-                              np.full((3, 4), 16.0, np.float32))
+        assert np.array_equal(
+            _session(lib, 16, 4, "float32").run(None, {"A": A, "B": np.ones((16, 4), np.float32)})[0],
+            np.full((3, 4), 16.0, np.float32),
+        )
 
 
 def _artifact_with_library(tmp_path: Path, library: Path) -> Path:
@@ -119,23 +123,31 @@ def test_c_program_registers_the_library(library: Path, tmp_path: Path) -> None:
             pytest.fail("C example prerequisites missing")
         pytest.skip("C example prerequisites missing")
     build = tmp_path / "c"
-    subprocess.run(["make", "-C", str(ROOT / "tools" / "c_generate"), f"BUILD={build}", f"PYTHON={sys.executable}"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["make", "-C", str(ROOT / "tools" / "c_generate"), f"BUILD={build}", f"PYTHON={sys.executable}"],
+        check=True,
+        capture_output=True,
+    )
     path = _artifact_with_library(tmp_path, library)
-    proc = subprocess.run([str(build / "c_generate"), str(path), "12", "5,6,7"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(build / "c_generate"), str(path), "12", "5,6,7"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert [int(t) for t in proc.stdout.strip().split(",")] == load(path).generate([5, 6, 7], 12).tokens
     # A new file, not an in-place rewrite: this process has the old one mapped (load() above), and
     # truncating a mapped library crashes the process later with SIGBUS.
     (path / library.name).unlink()
-    (path / library.name).write_bytes(b"not a library")         # record no longer matches: refused
-    proc = subprocess.run([str(build / "c_generate"), str(path), "12", "5,6,7"], capture_output=True, text=True)
+    (path / library.name).write_bytes(b"not a library")  # record no longer matches: refused
+    proc = subprocess.run(
+        [str(build / "c_generate"), str(path), "12", "5,6,7"], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and library.name in proc.stderr
     raw = json.loads((path / "manifest.json").read_text())
     raw["files"][library.name] = {"size": 13, "sha256": hashlib.sha256(b"not a library").hexdigest()}
     (path / "manifest.json").write_text(json.dumps(raw))
-    proc = subprocess.run([str(build / "c_generate"), "--trust-ops", str(path), "12", "5,6,7"], capture_output=True,
-                          text=True)                            # trusted, matching, but not a library
+    proc = subprocess.run(
+        [str(build / "c_generate"), "--trust-ops", str(path), "12", "5,6,7"], capture_output=True, text=True
+    )  # trusted, matching, but not a library
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and library.name in proc.stderr
 
 

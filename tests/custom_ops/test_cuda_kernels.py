@@ -25,8 +25,14 @@ if not torch.cuda.is_available():
 from tests.custom_ops import fused_reference  # numpy and torch only
 
 try:  # the CPU op as a second reference, when onnxruntime (and onnx, ml_dtypes) are there
-    from tests.custom_ops.ops_models import (NORM_WEIGHTS, attention_model, matmul_model, residual_norm_model,
-                                             session, swiglu_model)
+    from tests.custom_ops.ops_models import (
+        NORM_WEIGHTS,
+        attention_model,
+        matmul_model,
+        residual_norm_model,
+        session,
+        swiglu_model,
+    )
 except ImportError:  # pragma: no cover - GPU machine without onnxruntime
     session = None
     NORM_WEIGHTS = ("branch_weight", "loop_weight", "out_weight")
@@ -50,15 +56,15 @@ def as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     return y.astype(np.float16) if dtype == "float16" else y
 
 
-def _dev(x: np.ndarray, dtype: str) -> "torch.Tensor":
+def _dev(x: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to("cuda").to(TORCH[dtype])
 
 
-def _host(x: "torch.Tensor") -> np.ndarray:
+def _host(x: torch.Tensor) -> np.ndarray:
     return x.float().cpu().numpy()
 
 
-def _capture(call, repeats: int = 1) -> "torch.cuda.CUDAGraph":
+def _capture(call, repeats: int = 1) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``repeats`` calls, after one warm-up call on a side stream (lazy setup
     stays out of the capture)."""
     side = torch.cuda.Stream()
@@ -77,16 +83,27 @@ def _check(lib: ctypes.CDLL, code: int) -> None:
     assert code == 0, lib.loopcast_cuda_error_string(code).decode()
 
 
-def cuda_matmul(lib, A, B, dtype: str, trans_b: bool, swiglu: bool = False) -> "torch.Tensor":
+def cuda_matmul(lib, A, B, dtype: str, trans_b: bool, swiglu: bool = False) -> torch.Tensor:
     """A·B; with `swiglu` A is [M, 2K] = [gate | up] and the product is SwiGLU(A)·B."""
     M, K = A.shape[0], A.shape[1] // (2 if swiglu else 1)
     N = B.shape[0] if trans_b else B.shape[1]
     Y = torch.empty((M, N), dtype=TORCH[dtype], device="cuda")
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     entry = lib.loopcast_cuda_swiglu_matmul if swiglu else lib.loopcast_cuda_matmul
-    _check(lib, entry(CODES[dtype], ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(B.data_ptr()),
-                      ctypes.c_void_p(Y.data_ptr()), ctypes.c_int64(M), ctypes.c_int64(K), ctypes.c_int64(N), trans_b,
-                      stream))
+    _check(
+        lib,
+        entry(
+            CODES[dtype],
+            ctypes.c_void_p(A.data_ptr()),
+            ctypes.c_void_p(B.data_ptr()),
+            ctypes.c_void_p(Y.data_ptr()),
+            ctypes.c_int64(M),
+            ctypes.c_int64(K),
+            ctypes.c_int64(N),
+            trans_b,
+            stream,
+        ),
+    )
     torch.cuda.synchronize()
     return Y
 
@@ -97,17 +114,21 @@ def rotary_tables(T: int, D: int, dtype: str, theta: float = 10000.0) -> tuple[n
     return as_dtype(np.cos(ang), dtype), as_dtype(np.sin(ang), dtype)
 
 
-def attention_feeds(rng: np.random.Generator, *, B: int, S: int, n, Hq: int, Hkv: int, D: int, T: int,
-                    dtype: str) -> dict[str, np.ndarray]:
+def attention_feeds(
+    rng: np.random.Generator, *, B: int, S: int, n, Hq: int, Hkv: int, D: int, T: int, dtype: str
+) -> dict[str, np.ndarray]:
     """Rows at positions n[b]..n[b]+S-1 (n: int or one per batch) over a random past cache."""
     cos, sin = rotary_tables(T, D, dtype)
     ns = np.broadcast_to(np.asarray(n, dtype=np.int64), (B,))
-    return {"query": as_dtype(rng.standard_normal((B, S, (Hq + 2 * Hkv) * D)), dtype),
-            "past_key": as_dtype(rng.standard_normal((B, Hkv, T, D)), dtype),
-            "past_value": as_dtype(rng.standard_normal((B, Hkv, T, D)), dtype),
-            "seqlens_k": (ns + S - 1).astype(np.int32),
-            "total_sequence_length": np.array(int(ns.max()) + S, dtype=np.int32),
-            "cos_cache": cos, "sin_cache": sin}
+    return {
+        "query": as_dtype(rng.standard_normal((B, S, (Hq + 2 * Hkv) * D)), dtype),
+        "past_key": as_dtype(rng.standard_normal((B, Hkv, T, D)), dtype),
+        "past_value": as_dtype(rng.standard_normal((B, Hkv, T, D)), dtype),
+        "seqlens_k": (ns + S - 1).astype(np.int32),
+        "total_sequence_length": np.array(int(ns.max()) + S, dtype=np.int32),
+        "cos_cache": cos,
+        "sin_cache": sin,
+    }
 
 
 def cuda_attention(lib, feeds: dict, *, Hq: int, Hkv: int, D: int, dtype: str, in_place: bool = True):
@@ -120,9 +141,31 @@ def cuda_attention(lib, feeds: dict, *, Hq: int, Hkv: int, D: int, dtype: str, i
     out = torch.empty((B, S, Hq * D), dtype=TORCH[dtype], device="cuda")
     p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    _check(lib, lib.loopcast_cuda_attention(CODES[dtype], p(q), p(pk), p(pv), p(outk), p(outv), p(seq), p(cos), p(sin),
-                                            p(out), B, S, Hq, Hkv, D, pk.shape[2], cos.shape[0],
-                                            ctypes.c_float(1.0 / np.sqrt(D)), 1, stream))
+    _check(
+        lib,
+        lib.loopcast_cuda_attention(
+            CODES[dtype],
+            p(q),
+            p(pk),
+            p(pv),
+            p(outk),
+            p(outv),
+            p(seq),
+            p(cos),
+            p(sin),
+            p(out),
+            B,
+            S,
+            Hq,
+            Hkv,
+            D,
+            pk.shape[2],
+            cos.shape[0],
+            ctypes.c_float(1.0 / np.sqrt(D)),
+            1,
+            stream,
+        ),
+    )
     torch.cuda.synchronize()
     return _host(out), _host(outk), _host(outv)
 
@@ -146,13 +189,13 @@ def reference_attention(feeds: dict, *, Hq: int, Hkv: int, D: int, dtype: str) -
         n = int(feeds["seqlens_k"][b]) + 1 - S
         for i in range(S):
             row = qkv[b, i].view(Hq + 2 * Hkv, D)
-            pk[b, :, n + i] = rot(row[Hq:Hq + Hkv], n + i).to(dt).double()
-            pv[b, :, n + i] = row[Hq + Hkv:]
+            pk[b, :, n + i] = rot(row[Hq : Hq + Hkv], n + i).to(dt).double()
+            pv[b, :, n + i] = row[Hq + Hkv :]
         for i in range(S):
             p = n + i
             q = rot(qkv[b, i].view(Hq + 2 * Hkv, D)[:Hq], p)  # [Hq, D]
-            k = pk[b, :, :p + 1].repeat_interleave(group, dim=0)  # [Hq, p+1, D]
-            v = pv[b, :, :p + 1].repeat_interleave(group, dim=0)
+            k = pk[b, :, : p + 1].repeat_interleave(group, dim=0)  # [Hq, p+1, D]
+            v = pv[b, :, : p + 1].repeat_interleave(group, dim=0)
             w = torch.softmax(torch.einsum("hd,hjd->hj", q, k) / np.sqrt(D), dim=-1)
             out[b, i] = torch.einsum("hj,hjd->hd", w, v).reshape(-1)
     return tuple(x.to(dt).float().cpu().numpy() for x in (out, pk, pv))
@@ -164,8 +207,9 @@ TOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("K,N", [(384, 640), (2048, 2048), (5632, 200), (37, 100), (1000, 4)])
-def test_matmul_matches_reference_and_rows_are_invariant(cuda_library: Path, dtype: str, trans_b: bool, K: int,
-                                                         N: int) -> None:
+def test_matmul_matches_reference_and_rows_are_invariant(
+    cuda_library: Path, dtype: str, trans_b: bool, K: int, N: int
+) -> None:
     lib = _lib(cuda_library)
     rng = np.random.default_rng(K + N)
     A = as_dtype(rng.standard_normal((40, K)), dtype)
@@ -177,7 +221,7 @@ def test_matmul_matches_reference_and_rows_are_invariant(cuda_library: Path, dty
     if session is not None:
         cpu = session(matmul_model(K, N, dtype, trans_b), cuda_library).run(None, {"A": A, "B": B})[0]
         np.testing.assert_allclose(full, cpu.astype(np.float32), rtol=TOL[dtype], atol=TOL[dtype])
-    single = np.concatenate([_host(cuda_matmul(lib, dA[i:i + 1], dB, dtype, trans_b)) for i in range(40)])
+    single = np.concatenate([_host(cuda_matmul(lib, dA[i : i + 1], dB, dtype, trans_b)) for i in range(40)])
     for m in [*range(1, 33), 40]:
         assert np.array_equal(_host(cuda_matmul(lib, dA[:m], dB, dtype, trans_b)), single[:m]), m
 
@@ -185,7 +229,9 @@ def test_matmul_matches_reference_and_rows_are_invariant(cuda_library: Path, dty
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("K,N", [(5632, 2048), (384, 640), (37, 100)])
-def test_swiglu_matmul_is_swiglu_then_matmul(cuda_library: Path, dtype: str, trans_b: bool, K: int, N: int) -> None:
+def test_swiglu_matmul_is_swiglu_then_matmul(
+    cuda_library: Path, dtype: str, trans_b: bool, K: int, N: int
+) -> None:
     """The down projection reading [gate | up]: the bits of the SwiGLU kernel followed by the plain
     product, for every row count (1..32 and 40: one and two row tiles, and a second launch)."""
     lib = _lib(cuda_library)
@@ -195,13 +241,16 @@ def test_swiglu_matmul_is_swiglu_then_matmul(cuda_library: Path, dtype: str, tra
     want = _host(cuda_matmul(lib, cuda_swiglu(lib, gate_up), dB, dtype, trans_b))
     assert np.array_equal(_host(cuda_matmul(lib, gate_up, dB, dtype, trans_b, swiglu=True)), want)
     for m in (1, 5, 16, 17, 32):
-        assert np.array_equal(_host(cuda_matmul(lib, gate_up[:m], dB, dtype, trans_b, swiglu=True)), want[:m]), m
+        assert np.array_equal(
+            _host(cuda_matmul(lib, gate_up[:m], dB, dtype, trans_b, swiglu=True)), want[:m]
+        ), m
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_swiglu_staging_keeps_the_bits(cuda_library: Path, dtype: str, trans_b: bool,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_swiglu_staging_keeps_the_bits(
+    cuda_library: Path, dtype: str, trans_b: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Up to 5 rows the SwiGLU matmul stages SwiGLU(A) once per warp in shared memory; per chunk
     (LOOPCAST_SWIGLU_STAGE=0, more rows, or a staging that would not fit, as 5 rows at K = 32768)
     it computes the same values, so the bits are the same."""
@@ -225,8 +274,13 @@ def _rows_one_by_one(lib, feeds: dict, S: int, **kw):
     pk, pv, rows = feeds["past_key"], feeds["past_value"], []
     n = feeds["seqlens_k"].astype(np.int64) + 1 - S
     for i in range(S):
-        one = dict(feeds, query=feeds["query"][:, i:i + 1], past_key=pk, past_value=pv,
-                   seqlens_k=(n + i).astype(np.int32))
+        one = dict(
+            feeds,
+            query=feeds["query"][:, i : i + 1],
+            past_key=pk,
+            past_value=pv,
+            seqlens_k=(n + i).astype(np.int32),
+        )
         out, pk, pv = cuda_attention(lib, one, **kw)
         rows.append(out)
     return np.concatenate(rows, axis=1), pk, pv
@@ -239,15 +293,20 @@ def _close(got, want, dtype: str) -> None:
 
 # T = 300 is not a multiple of the chunk; rows 240..271 cross the chunk boundary at 256.
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("Hq,Hkv,D", [(4, 4, 16), (8, 2, 32), (6, 3, 64), (16, 16, 128), (4, 1, 128), (32, 2, 64)])
-def test_attention_matches_reference_and_rows_are_invariant(cuda_library: Path, dtype: str, Hq: int, Hkv: int,
-                                                            D: int) -> None:
+@pytest.mark.parametrize(
+    "Hq,Hkv,D", [(4, 4, 16), (8, 2, 32), (6, 3, 64), (16, 16, 128), (4, 1, 128), (32, 2, 64)]
+)
+def test_attention_matches_reference_and_rows_are_invariant(
+    cuda_library: Path, dtype: str, Hq: int, Hkv: int, D: int
+) -> None:
     lib = _lib(cuda_library)
     rng = np.random.default_rng(D + Hq)
     T, kw = 300, dict(Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
     cpu = None
     if session is not None:
-        cpu = session(attention_model("BatchInvariantAttention", Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype), cuda_library)
+        cpu = session(
+            attention_model("BatchInvariantAttention", Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype), cuda_library
+        )
     for W, n in ((1, 240), (2, 255), (5, 252), (8, 250), (16, 240), (32, 240), (32, 0), (3, 61)):
         feeds = attention_feeds(rng, B=2, S=W, n=n, Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype)
         got = cuda_attention(lib, feeds, **kw)
@@ -256,7 +315,9 @@ def test_attention_matches_reference_and_rows_are_invariant(cuda_library: Path, 
         assert np.array_equal(got[2], want[2]) and np.array_equal(got[1], want[1])
         if cpu is not None:
             _close(got, cpu.run(OUTPUTS, feeds), dtype)
-        assert all(np.array_equal(a, b) for a, b in zip(got, cuda_attention(lib, feeds, **kw, in_place=False)))
+        assert all(
+            np.array_equal(a, b) for a, b in zip(got, cuda_attention(lib, feeds, **kw, in_place=False))
+        )
         rows, pk, pv = _rows_one_by_one(lib, feeds, W, **kw)
         assert np.array_equal(got[0], rows), (W, n)
         assert np.array_equal(got[1], pk) and np.array_equal(got[2], pv), (W, n)
@@ -272,7 +333,7 @@ class DeviceAttention:
         self.cos, self.sin = _dev(feeds["cos_cache"], dtype), _dev(feeds["sin_cache"], dtype)
         self.n = torch.from_numpy(feeds["seqlens_k"].astype(np.int64) + 1 - self.q.shape[1]).to("cuda")
 
-    def __call__(self, rows: slice, pk=None, pv=None) -> "torch.Tensor":
+    def __call__(self, rows: slice, pk=None, pv=None) -> torch.Tensor:
         """Rows `rows` of the query in one call, against cache (pk, pv) (default: the feeds')."""
         pk = self.pk if pk is None else pk
         pv = self.pv if pv is None else pv
@@ -282,10 +343,31 @@ class DeviceAttention:
         out = torch.empty((B, S, self.Hq * self.D), dtype=q.dtype, device="cuda")
         p = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check(self.lib, self.lib.loopcast_cuda_attention(
-            CODES[self.dtype], p(q), p(pk), p(pv), p(pk), p(pv), p(seq), p(self.cos), p(self.sin), p(out), B, S,
-            self.Hq, self.Hkv, self.D, pk.shape[2], self.cos.shape[0], ctypes.c_float(1.0 / np.sqrt(self.D)), 1,
-            stream))
+        _check(
+            self.lib,
+            self.lib.loopcast_cuda_attention(
+                CODES[self.dtype],
+                p(q),
+                p(pk),
+                p(pv),
+                p(pk),
+                p(pv),
+                p(seq),
+                p(self.cos),
+                p(self.sin),
+                p(out),
+                B,
+                S,
+                self.Hq,
+                self.Hkv,
+                self.D,
+                pk.shape[2],
+                self.cos.shape[0],
+                ctypes.c_float(1.0 / np.sqrt(self.D)),
+                1,
+                stream,
+            ),
+        )
         torch.cuda.synchronize()
         return out
 
@@ -323,7 +405,9 @@ def test_attention_serial_fallback_rows_invariant(cuda_library: Path) -> None:
     kw = dict(Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
     feeds = attention_feeds(rng, B=1, S=5, n=9000, Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype)
     single = DeviceAttention(lib, feeds, **kw).invariance(5, (2, 5))
-    np.testing.assert_allclose(_host(single), reference_attention(feeds, **kw)[0], rtol=TOL[dtype], atol=TOL[dtype])
+    np.testing.assert_allclose(
+        _host(single), reference_attention(feeds, **kw)[0], rtol=TOL[dtype], atol=TOL[dtype]
+    )
 
 
 def test_attention_in_cuda_graph_replays(cuda_library: Path) -> None:
@@ -342,8 +426,31 @@ def test_attention_in_cuda_graph_replays(cuda_library: Path) -> None:
 
     def call() -> None:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check(lib, lib.loopcast_cuda_attention(1, p(q), p(pk), p(pv), p(pk), p(pv), p(seq), p(cos), p(sin), p(out),
-                                                1, S, Hq, Hkv, D, T, T, ctypes.c_float(1.0 / np.sqrt(D)), 1, stream))
+        _check(
+            lib,
+            lib.loopcast_cuda_attention(
+                1,
+                p(q),
+                p(pk),
+                p(pv),
+                p(pk),
+                p(pv),
+                p(seq),
+                p(cos),
+                p(sin),
+                p(out),
+                1,
+                S,
+                Hq,
+                Hkv,
+                D,
+                T,
+                T,
+                ctypes.c_float(1.0 / np.sqrt(D)),
+                1,
+                stream,
+            ),
+        )
 
     g = _capture(call, repeats=3)
     for _ in range(20):
@@ -353,8 +460,19 @@ def test_attention_in_cuda_graph_replays(cuda_library: Path) -> None:
     assert np.array_equal(_host(out), eager)
 
 
-def _masked_rows(lib, feeds: dict, positions: list[int], masked: list[tuple[int, int]], *, Hq: int, Hkv: int,
-                 D: int, dtype: str, table: bool = False, rows: list[int] | None = None):
+def _masked_rows(
+    lib,
+    feeds: dict,
+    positions: list[int],
+    masked: list[tuple[int, int]],
+    *,
+    Hq: int,
+    Hkv: int,
+    D: int,
+    dtype: str,
+    table: bool = False,
+    rows: list[int] | None = None,
+):
     """RowAttention's tree-verify rows: query row rows[i] (default i) at cache position
     positions[i] with keys [masked[i]) out of its sequence. Per row (one launch each, one shared
     cache: the layout of a tree_tail layer), or ``table``: one launch, each row on its own copy
@@ -373,23 +491,67 @@ def _masked_rows(lib, feeds: dict, positions: list[int], masked: list[tuple[int,
         vs = [_dev(feeds["past_value"], dtype) for _ in range(S)]
         keys = (ctypes.c_void_p * S)(*[t.data_ptr() for t in ks])
         values = (ctypes.c_void_p * S)(*[t.data_ptr() for t in vs])
-        _check(lib, lib.loopcast_cuda_row_attention(CODES[dtype], p(q), keys, values, p(pos), p(mk), p(cos), p(sin),
-                                                    p(out), S, Hq, Hkv, D, T, cos.shape[0], scale, 1, stream))
+        _check(
+            lib,
+            lib.loopcast_cuda_row_attention(
+                CODES[dtype],
+                p(q),
+                keys,
+                values,
+                p(pos),
+                p(mk),
+                p(cos),
+                p(sin),
+                p(out),
+                S,
+                Hq,
+                Hkv,
+                D,
+                T,
+                cos.shape[0],
+                scale,
+                1,
+                stream,
+            ),
+        )
         torch.cuda.synchronize()
         return _host(out), [_host(k) for k in ks], [_host(v) for v in vs]
     pk, pv = _dev(feeds["past_key"], dtype), _dev(feeds["past_value"], dtype)
     for i in range(S):
-        _check(lib, lib.loopcast_cuda_masked_attention(
-            CODES[dtype], p(q[i]), p(pk), p(pv), p(pk), p(pv), p(pos[i:i + 1]), p(mk[i]), p(cos), p(sin), p(out[i]),
-            1, Hq, Hkv, D, T, cos.shape[0], scale, 1, stream))
+        _check(
+            lib,
+            lib.loopcast_cuda_masked_attention(
+                CODES[dtype],
+                p(q[i]),
+                p(pk),
+                p(pv),
+                p(pk),
+                p(pv),
+                p(pos[i : i + 1]),
+                p(mk[i]),
+                p(cos),
+                p(sin),
+                p(out[i]),
+                1,
+                Hq,
+                Hkv,
+                D,
+                T,
+                cos.shape[0],
+                scale,
+                1,
+                stream,
+            ),
+        )
     torch.cuda.synchronize()
     return _host(out), _host(pk), _host(pv)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("Hq,Hkv,D", [(4, 4, 16), (6, 3, 64), (16, 16, 128)])
-def test_masked_rows_are_the_decode_rows_of_their_logical_positions(cuda_library: Path, dtype: str, Hq: int,
-                                                                     Hkv: int, D: int) -> None:
+def test_masked_rows_are_the_decode_rows_of_their_logical_positions(
+    cuda_library: Path, dtype: str, Hq: int, Hkv: int, D: int
+) -> None:
     """Tree verify on CUDA: branch rows written past another branch ([lo, hi) masked) equal, bit
     for bit, one-row decode calls on the compacted cache at their logical positions — outputs and
     stored K/V — across a chunk boundary of the logical positions (60..67 crosses 64) while their
@@ -400,16 +562,23 @@ def test_masked_rows_are_the_decode_rows_of_their_logical_positions(cuda_library
     kw = dict(Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
     feeds = attention_feeds(rng, B=1, S=m, n=hi, Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype)
     got, pk, pv = _masked_rows(lib, feeds, list(range(hi, hi + m)), [(lo, hi)] * m, **kw)
-    compact = {k: np.concatenate([feeds[k][:, :, :lo], feeds[k][:, :, hi:], feeds[k][:, :, :hi - lo]], 2)
-               for k in ("past_key", "past_value")}
-    want, wk, wv = _rows_one_by_one(lib, dict(feeds, **compact, seqlens_k=np.array([lo + m - 1], np.int32)), m, **kw)
+    compact = {
+        k: np.concatenate([feeds[k][:, :, :lo], feeds[k][:, :, hi:], feeds[k][:, :, : hi - lo]], 2)
+        for k in ("past_key", "past_value")
+    }
+    want, wk, wv = _rows_one_by_one(
+        lib, dict(feeds, **compact, seqlens_k=np.array([lo + m - 1], np.int32)), m, **kw
+    )
     assert np.array_equal(got, want[0])
-    assert np.array_equal(pk[:, :, hi:hi + m], wk[:, :, lo:lo + m]) and np.array_equal(pv[:, :, hi:hi + m],
-                                                                                       wv[:, :, lo:lo + m])
+    assert np.array_equal(pk[:, :, hi : hi + m], wk[:, :, lo : lo + m]) and np.array_equal(
+        pv[:, :, hi : hi + m], wv[:, :, lo : lo + m]
+    )
     assert np.array_equal(pk[:, :, :hi], as_dtype(feeds["past_key"], dtype)[:, :, :hi].astype(np.float32))
     # One launch, each row on its own copy of the cache: row i then sees only the stem and its own K/V.
     first = _masked_rows(lib, feeds, [hi], [(lo, hi)], **kw)[0]
-    table, _, _ = _masked_rows(lib, feeds, [hi, hi + 3, 30], [(lo, hi), (lo, hi + 3), (0, 0)], table=True, **kw)
+    table, _, _ = _masked_rows(
+        lib, feeds, [hi, hi + 3, 30], [(lo, hi), (lo, hi + 3), (0, 0)], table=True, **kw
+    )
     assert np.array_equal(table[0], first[0])
     single = _masked_rows(lib, feeds, [30], [(0, 0)], rows=[2], **kw)[0]
     assert np.array_equal(table[2], single[0]), "an empty masked range leaves the plain row"
@@ -417,7 +586,9 @@ def test_masked_rows_are_the_decode_rows_of_their_logical_positions(cuda_library
 
 def test_a_row_inside_its_masked_range_writes_nothing(cuda_library: Path) -> None:
     lib = _lib(cuda_library)
-    feeds = attention_feeds(np.random.default_rng(3), B=1, S=1, n=70, Hq=4, Hkv=4, D=16, T=128, dtype="float32")
+    feeds = attention_feeds(
+        np.random.default_rng(3), B=1, S=1, n=70, Hq=4, Hkv=4, D=16, T=128, dtype="float32"
+    )
     got, pk, _ = _masked_rows(lib, feeds, [70], [(64, 80)], Hq=4, Hkv=4, D=16, dtype="float32")
     assert not got.any() and np.array_equal(pk, feeds["past_key"])
 
@@ -441,25 +612,37 @@ def test_move_positions_copies_the_branch_into_place(cuda_library: Path) -> None
 # ---------------------------------------------------------------------------------------------
 # ResidualRMSNorm and SwiGLU
 
-NORM_COMBOS = [tuple(w for w, on in zip(NORM_WEIGHTS, mask) if on)
-               for mask in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1), (1, 1, 1))]
+NORM_COMBOS = [
+    tuple(w for w, on in zip(NORM_WEIGHTS, mask) if on)
+    for mask in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1), (1, 1, 1))
+]
 MAX_NORM_HIDDEN = 16384  # kLoopcastMaxNormHidden
 
 
-def _ptr(t: "torch.Tensor | None") -> ctypes.c_void_p:
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
-def cuda_residual_norm(lib, branch, residual, weights: dict, eps: float = 1e-6, sum_out=None, check: bool = True):
+def cuda_residual_norm(
+    lib, branch, residual, weights: dict, eps: float = 1e-6, sum_out=None, check: bool = True
+):
     """(sum, normed or None) from device tensors [rows, H]; the return code instead when not `check`."""
     rows, H = branch.shape
     sum_out = torch.empty_like(branch) if sum_out is None else sum_out
     normed = torch.empty_like(branch) if "out_weight" in weights else None
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     code = lib.loopcast_cuda_residual_rms_norm(
-        CODES[{v: k for k, v in TORCH.items()}[branch.dtype]], _ptr(branch), _ptr(residual),
-        *(_ptr(weights.get(w)) for w in NORM_WEIGHTS), _ptr(sum_out), _ptr(normed), ctypes.c_int64(rows),
-        ctypes.c_int64(H), ctypes.c_float(eps), stream)
+        CODES[{v: k for k, v in TORCH.items()}[branch.dtype]],
+        _ptr(branch),
+        _ptr(residual),
+        *(_ptr(weights.get(w)) for w in NORM_WEIGHTS),
+        _ptr(sum_out),
+        _ptr(normed),
+        ctypes.c_int64(rows),
+        ctypes.c_int64(H),
+        ctypes.c_float(eps),
+        stream,
+    )
     if not check:
         return code
     _check(lib, code)
@@ -467,17 +650,26 @@ def cuda_residual_norm(lib, branch, residual, weights: dict, eps: float = 1e-6, 
     return sum_out, normed
 
 
-def cuda_swiglu(lib, gate_up: "torch.Tensor") -> "torch.Tensor":
+def cuda_swiglu(lib, gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype, device="cuda")
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    _check(lib, lib.loopcast_cuda_swiglu(CODES[{v: k for k, v in TORCH.items()}[gate_up.dtype]], _ptr(gate_up),
-                                         _ptr(out), ctypes.c_int64(rows), ctypes.c_int64(width // 2), stream))
+    _check(
+        lib,
+        lib.loopcast_cuda_swiglu(
+            CODES[{v: k for k, v in TORCH.items()}[gate_up.dtype]],
+            _ptr(gate_up),
+            _ptr(out),
+            ctypes.c_int64(rows),
+            ctypes.c_int64(width // 2),
+            stream,
+        ),
+    )
     torch.cuda.synchronize()
     return out
 
 
-def _misaligned(x: "torch.Tensor") -> "torch.Tensor":
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
     """The same values at an address that is not 16-byte aligned (the kernels' scalar path)."""
     flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
     view = flat[1:].view(x.shape)
@@ -495,8 +687,9 @@ def _norm_inputs(rng: np.random.Generator, rows: int, H: int, dtype: str, weight
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("H", [7, 384, 1001, 2048, 8192, MAX_NORM_HIDDEN])
 @pytest.mark.parametrize("weights", NORM_COMBOS, ids=lambda w: "+".join(w) or "none")
-def test_residual_norm_matches_reference_and_rows_are_invariant(cuda_library: Path, dtype: str, H: int,
-                                                                weights: tuple) -> None:
+def test_residual_norm_matches_reference_and_rows_are_invariant(
+    cuda_library: Path, dtype: str, H: int, weights: tuple
+) -> None:
     lib = _lib(cuda_library)
     rng = np.random.default_rng(H + len(weights))
     branch, residual, w = _norm_inputs(rng, 32, H, dtype, weights)
@@ -508,17 +701,23 @@ def test_residual_norm_matches_reference_and_rows_are_invariant(cuda_library: Pa
             fused_reference.assert_close(got, ref, dtype)
     if session is not None and H <= 2048:
         host = lambda t: _host(t).astype(np.float16) if dtype == "float16" else _host(t)  # noqa: E731
-        feeds = {"branch": host(branch)[None], "residual": host(residual)[None], **{k: host(v) for k, v in w.items()}}
+        feeds = {
+            "branch": host(branch)[None],
+            "residual": host(residual)[None],
+            **{k: host(v) for k, v in w.items()},
+        }
         cpu = session(residual_norm_model(H, dtype, weights), cuda_library).run(None, feeds)
         for got, ref in zip(full, cpu):
             fused_reference.assert_close(got, fused_reference.to_torch(ref[0], dtype), dtype)
-    single = [cuda_residual_norm(lib, branch[i:i + 1], residual[i:i + 1], w) for i in range(32)]
+    single = [cuda_residual_norm(lib, branch[i : i + 1], residual[i : i + 1], w) for i in range(32)]
     for k in range(2 if "out_weight" in weights else 1):
         rows = torch.cat([s[k] for s in single])
         for m in range(1, 33):
             assert torch.equal(cuda_residual_norm(lib, branch[:m], residual[:m], w)[k], rows[:m]), (k, m)
     # Scalar loads (misaligned rows) reduce in the same order as vector loads: the same bits.
-    odd = cuda_residual_norm(lib, _misaligned(branch), _misaligned(residual), {k: _misaligned(v) for k, v in w.items()})
+    odd = cuda_residual_norm(
+        lib, _misaligned(branch), _misaligned(residual), {k: _misaligned(v) for k, v in w.items()}
+    )
     assert all(a is None or torch.equal(a, b) for a, b in zip(odd, full))
 
 
@@ -532,16 +731,29 @@ def test_residual_norm_in_place_and_argument_errors(cuda_library: Path) -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     invalid = 1  # cudaErrorInvalidValue
     assert cuda_residual_norm(lib, branch, residual, {"loop_weight": w["loop_weight"]}, check=False) == 0
-    no_normed = lib.loopcast_cuda_residual_rms_norm(1, _ptr(branch), _ptr(residual), None, None, _ptr(w["out_weight"]),
-                                                    _ptr(torch.empty_like(branch)), None, ctypes.c_int64(5),
-                                                    ctypes.c_int64(2048), ctypes.c_float(1e-6), None)
+    no_normed = lib.loopcast_cuda_residual_rms_norm(
+        1,
+        _ptr(branch),
+        _ptr(residual),
+        None,
+        None,
+        _ptr(w["out_weight"]),
+        _ptr(torch.empty_like(branch)),
+        None,
+        ctypes.c_int64(5),
+        ctypes.c_int64(2048),
+        ctypes.c_float(1e-6),
+        None,
+    )
     assert no_normed == invalid
     big = torch.zeros((1, MAX_NORM_HIDDEN + 8), dtype=torch.float16, device="cuda")
     assert cuda_residual_norm(lib, big, big, {}, check=False) == invalid
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_residual_norm_without_residual_matches_the_fused_normed_output(cuda_library: Path, dtype: str) -> None:
+def test_residual_norm_without_residual_matches_the_fused_normed_output(
+    cuda_library: Path, dtype: str
+) -> None:
     # How a verify_tail graph opens its stack: it must give the fused op's bits for the same sum.
     lib = _lib(cuda_library)
     branch, residual, w = _norm_inputs(np.random.default_rng(13), 5, 2048, dtype, NORM_WEIGHTS)
@@ -559,9 +771,21 @@ def test_residual_norm_in_cuda_graph_replays(cuda_library: Path) -> None:
 
     def call() -> None:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check(lib, lib.loopcast_cuda_residual_rms_norm(
-            2, _ptr(branch), _ptr(residual), *(_ptr(w[k]) for k in NORM_WEIGHTS), _ptr(out), _ptr(normed),
-            ctypes.c_int64(3), ctypes.c_int64(2048), ctypes.c_float(1e-6), stream))
+        _check(
+            lib,
+            lib.loopcast_cuda_residual_rms_norm(
+                2,
+                _ptr(branch),
+                _ptr(residual),
+                *(_ptr(w[k]) for k in NORM_WEIGHTS),
+                _ptr(out),
+                _ptr(normed),
+                ctypes.c_int64(3),
+                ctypes.c_int64(2048),
+                ctypes.c_float(1e-6),
+                stream,
+            ),
+        )
 
     g = _capture(call)
     out.zero_()
@@ -584,8 +808,7 @@ def test_swiglu_matches_reference_and_rows_are_invariant(cuda_library: Path, dty
     if session is not None:
         cpu = session(swiglu_model(2 * I, dtype), cuda_library).run(None, {"gate_up": host_in[None]})[0]
         fused_reference.assert_close(full, fused_reference.to_torch(cpu[0], dtype), dtype)
-    rows = torch.cat([cuda_swiglu(lib, gate_up[i:i + 1]) for i in range(32)])
+    rows = torch.cat([cuda_swiglu(lib, gate_up[i : i + 1]) for i in range(32)])
     for m in range(1, 33):
         assert torch.equal(cuda_swiglu(lib, gate_up[:m]), rows[:m]), m
     assert torch.equal(cuda_swiglu(lib, _misaligned(gate_up)), full)
-

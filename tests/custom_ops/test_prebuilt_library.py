@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from loopcast.custom_ops.build import find_ort_include, source_digest
+
 from tests.artifacts import checkpoint
 from tests.custom_ops.conftest import require_c_toolchain
 
@@ -37,19 +37,53 @@ def installed_wheel(tmp_path_factory) -> Path:
     """The CPU-only wheel, built by the release script and installed with pip into a directory."""
     require_c_toolchain()
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, str(ROOT / "tools" / "build_ops_wheel.py"), "--no-cuda", "--out",
-                    str(tmp / "dist"), "--ort-include", str(find_ort_include())], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "build_ops_wheel.py"),
+            "--no-cuda",
+            "--out",
+            str(tmp / "dist"),
+            "--ort-include",
+            str(find_ort_include()),
+        ],
+        check=True,
+        capture_output=True,
+    )
     wheel = next((tmp / "dist").glob("loopcast_ops-*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
-                    str(tmp / "site"), str(wheel)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(tmp / "site"),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return tmp / "site"
 
 
 def _export(site: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
-           "LOOPCAST_CACHE": str(tmp_path / "cache"), "LOOPCAST_NO_CUDA": "1"}
-    proc = subprocess.run([sys.executable, "-c", EXPORT, str(checkpoint("llama-tied-gqa")), str(tmp_path / "art")],
-                          capture_output=True, text=True, env=env, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
+        "LOOPCAST_CACHE": str(tmp_path / "cache"),
+        "LOOPCAST_NO_CUDA": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", EXPORT, str(checkpoint("llama-tied-gqa")), str(tmp_path / "art")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -61,7 +95,9 @@ def test_export_uses_the_matching_prebuilt_library(installed_wheel: Path, tmp_pa
     assert prebuilt == str(installed_wheel / "loopcast_ops" / "libloopcast_ops.so")
     assert (tmp_path / "art" / name).read_bytes() == Path(prebuilt).read_bytes()
     assert "building the custom-op library" not in proc.stderr
-    assert not list((tmp_path / "cache").glob("ops-*"))  # nothing compiled (the cache holds only the trust registry)
+    assert not list(
+        (tmp_path / "cache").glob("ops-*")
+    )  # nothing compiled (the cache holds only the trust registry)
 
 
 def test_a_prebuilt_library_from_other_sources_is_not_used(installed_wheel: Path, tmp_path: Path) -> None:
@@ -81,9 +117,21 @@ def test_a_prebuilt_library_from_other_sources_is_not_used(installed_wheel: Path
 
 def test_a_cpu_only_prebuilt_library_yields_to_a_local_cuda_build(installed_wheel: Path) -> None:
     """With nvcc present the export would lack CUDA kernels it can have: build instead."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed_wheel), str(ROOT)]),
-           "LOOPCAST_NVCC": sys.executable}  # any executable: only its presence is asked
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(installed_wheel), str(ROOT)]),
+        "LOOPCAST_NVCC": sys.executable,
+    }  # any executable: only its presence is asked
     env.pop("LOOPCAST_NO_CUDA", None)
-    proc = subprocess.run([sys.executable, "-c", "from loopcast.custom_ops.library import usable_prebuilt; "
-                           "print(usable_prebuilt())"], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from loopcast.custom_ops.library import usable_prebuilt; print(usable_prebuilt())",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert "None" in proc.stdout and "no CUDA kernels and nvcc is here" in proc.stdout, proc.stderr

@@ -11,23 +11,55 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from tests.custom_ops.ops_models import (OPSETS, attention_model, as_dtype, reference_attention, rotary_tables,
-                                         session)
+from tests.custom_ops.ops_models import (
+    OPSETS,
+    as_dtype,
+    attention_model,
+    rotary_tables,
+    session,
+)
 
 Hq, Hkv, D, T = 4, 2, 16, 24
 
 
-def row_model(row_buffers: list[int], pairs: int, *, dtype: str = "float32", Bseq: int = 1,
-              sequences: bool = False, masked: bool = False) -> bytes:
+def row_model(
+    row_buffers: list[int],
+    pairs: int,
+    *,
+    dtype: str = "float32",
+    Bseq: int = 1,
+    sequences: bool = False,
+    masked: bool = False,
+) -> bytes:
     t = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
     S = len(row_buffers)
     kv = [n for k in range(pairs) for n in (f"key_{k}", f"value_{k}")]
-    inputs = ["query", "positions", "sequences" if sequences else "", "masked" if masked else "", "cos", "sin", *kv]
-    node = helper.make_node("RowAttention", inputs, ["output", *[f"present_{n}" for n in kv]], domain="loopcast",
-                            num_heads=Hq, kv_num_heads=Hkv, do_rotary=1, row_buffers=row_buffers)
+    inputs = [
+        "query",
+        "positions",
+        "sequences" if sequences else "",
+        "masked" if masked else "",
+        "cos",
+        "sin",
+        *kv,
+    ]
+    node = helper.make_node(
+        "RowAttention",
+        inputs,
+        ["output", *[f"present_{n}" for n in kv]],
+        domain="loopcast",
+        num_heads=Hq,
+        kv_num_heads=Hkv,
+        do_rotary=1,
+        row_buffers=row_buffers,
+    )
     vi = helper.make_tensor_value_info
-    ins = [vi("query", t, [1, S, (Hq + 2 * Hkv) * D]), vi("positions", TensorProto.INT32, [S]),
-           vi("cos", t, [T, D // 2]), vi("sin", t, [T, D // 2])]
+    ins = [
+        vi("query", t, [1, S, (Hq + 2 * Hkv) * D]),
+        vi("positions", TensorProto.INT32, [S]),
+        vi("cos", t, [T, D // 2]),
+        vi("sin", t, [T, D // 2]),
+    ]
     ins += [vi(n, t, [Bseq, Hkv, T, D]) for n in kv]
     if sequences:
         ins.append(vi("sequences", TensorProto.INT32, [S]))
@@ -40,8 +72,12 @@ def row_model(row_buffers: list[int], pairs: int, *, dtype: str = "float32", Bse
 
 def feeds(rng, S: int, pairs: int, positions: list[int], dtype: str = "float32", Bseq: int = 1) -> dict:
     cos, sin = rotary_tables(T, D, dtype)
-    out = {"query": as_dtype(rng.standard_normal((1, S, (Hq + 2 * Hkv) * D)), dtype),
-           "positions": np.asarray(positions, np.int32), "cos": cos, "sin": sin}
+    out = {
+        "query": as_dtype(rng.standard_normal((1, S, (Hq + 2 * Hkv) * D)), dtype),
+        "positions": np.asarray(positions, np.int32),
+        "cos": cos,
+        "sin": sin,
+    }
     for k in range(pairs):
         out[f"key_{k}"] = as_dtype(rng.standard_normal((Bseq, Hkv, T, D)), dtype)
         out[f"value_{k}"] = as_dtype(rng.standard_normal((Bseq, Hkv, T, D)), dtype)
@@ -51,9 +87,15 @@ def feeds(rng, S: int, pairs: int, positions: list[int], dtype: str = "float32",
 def one_row(sess_bia, f: dict, i: int, pair: int, seq: int = 0) -> tuple[np.ndarray, ...]:
     """Row i as a one-row BatchInvariantAttention call on its own buffer pair."""
     p = int(f["positions"][i])
-    single = {"query": f["query"][:, i:i + 1], "past_key": f[f"key_{pair}"][seq:seq + 1],
-              "past_value": f[f"value_{pair}"][seq:seq + 1], "seqlens_k": np.array([p], np.int32),
-              "total_sequence_length": np.array(p + 1, np.int32), "cos_cache": f["cos"], "sin_cache": f["sin"]}
+    single = {
+        "query": f["query"][:, i : i + 1],
+        "past_key": f[f"key_{pair}"][seq : seq + 1],
+        "past_value": f[f"value_{pair}"][seq : seq + 1],
+        "seqlens_k": np.array([p], np.int32),
+        "total_sequence_length": np.array(p + 1, np.int32),
+        "cos_cache": f["cos"],
+        "sin_cache": f["sin"],
+    }
     return tuple(sess_bia.run(["output", "present_key", "present_value"], single))
 
 
@@ -70,11 +112,15 @@ def test_each_row_is_the_one_row_call_bit_for_bit(library: Path, dtype: str) -> 
         for i, p in enumerate(positions):
             if p < 0:
                 assert not got["output"][0, i].any(), "an inactive row outputs zeros"
-                assert np.array_equal(got[f"present_key_{i}"], f[f"key_{i}"]), "an inactive row writes nothing"
+                assert np.array_equal(got[f"present_key_{i}"], f[f"key_{i}"]), (
+                    "an inactive row writes nothing"
+                )
                 continue
             out, pk, pv = one_row(bia, f, i, i)
             assert np.array_equal(got["output"][0, i], out[0, 0]), (positions, i)
-            assert np.array_equal(got[f"present_key_{i}"], pk) and np.array_equal(got[f"present_value_{i}"], pv)
+            assert np.array_equal(got[f"present_key_{i}"], pk) and np.array_equal(
+                got[f"present_value_{i}"], pv
+            )
 
 
 def test_row_independent_of_the_other_rows(library: Path) -> None:
@@ -95,15 +141,26 @@ def test_rows_sharing_a_buffer_see_earlier_rows(library: Path) -> None:
     sess = session(row_model([0, 0, 0], 1), library)
     f = feeds(rng, 3, 1, [5, 6, 7])
     got = sess.run(["output", "present_key_0"], f)
-    bia = session(attention_model("BatchInvariantAttention", Hq=Hq, Hkv=Hkv, D=D, T=T, dtype="float32"), library)
-    want = bia.run(["output", "present_key"], {
-        "query": f["query"], "past_key": f["key_0"], "past_value": f["value_0"], "seqlens_k": np.array([7], np.int32),
-        "total_sequence_length": np.array(8, np.int32), "cos_cache": f["cos"], "sin_cache": f["sin"]})
+    bia = session(
+        attention_model("BatchInvariantAttention", Hq=Hq, Hkv=Hkv, D=D, T=T, dtype="float32"), library
+    )
+    want = bia.run(
+        ["output", "present_key"],
+        {
+            "query": f["query"],
+            "past_key": f["key_0"],
+            "past_value": f["value_0"],
+            "seqlens_k": np.array([7], np.int32),
+            "total_sequence_length": np.array(8, np.int32),
+            "cos_cache": f["cos"],
+            "sin_cache": f["sin"],
+        },
+    )
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
 def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, p: int) -> np.ndarray:
-    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
     return np.concatenate([x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p]], -1)
 
 
@@ -123,8 +180,8 @@ def test_sequence_index_and_masked_keys_follow_the_reference(library: Path) -> N
     for i in range(3):  # writes first, as the op does
         p, sq = int(f["positions"][i]), int(f["sequences"][i])
         row = f["query"][0, i].reshape(Hq + 2 * Hkv, D)
-        keys[sq, :, p] = _rotate(row[Hq:Hq + Hkv], cos, sin, rotary[i])
-        values[sq, :, p] = row[Hq + Hkv:]
+        keys[sq, :, p] = _rotate(row[Hq : Hq + Hkv], cos, sin, rotary[i])
+        values[sq, :, p] = row[Hq + Hkv :]
     np.testing.assert_allclose(got[1], keys, rtol=1e-6, atol=1e-6)
     scale = 1 / np.sqrt(D)
     for i in range(3):
@@ -137,7 +194,7 @@ def test_sequence_index_and_masked_keys_follow_the_reference(library: Path) -> N
             s = k @ q[h] * scale
             w = np.exp(s - s.max())
             want = (w / w.sum()) @ values[sq, h // (Hq // Hkv), vis]
-            np.testing.assert_allclose(got[0][0, i, h * D:(h + 1) * D], want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(got[0][0, i, h * D : (h + 1) * D], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -146,29 +203,44 @@ def test_branch_rows_past_a_masked_range_are_the_decode_rows_bit_for_bit(library
     with that branch masked, equal the rows of a call on the compacted cache (the other
     branch's keys removed) at their logical positions, outputs and stored K/V bit for bit."""
     rng = np.random.default_rng(8)
-    lo, hi, m = 6, 9, 3                     # stem 0..5, other branch 6..8, this branch at 9..11
+    lo, hi, m = 6, 9, 3  # stem 0..5, other branch 6..8, this branch at 9..11
     sess = session(row_model([0] * m, 1, dtype=dtype, masked=True), library)
     bia = session(attention_model("BatchInvariantAttention", Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype), library)
     f = feeds(rng, m, 1, list(range(hi, hi + m)), dtype)
     f["masked"] = np.array([[lo, hi]] * m, np.int32)
     out, pk, pv = sess.run(["output", "present_key_0", "present_value_0"], f)
-    compact_k = np.concatenate([f["key_0"][:, :, :lo], f["key_0"][:, :, hi:], f["key_0"][:, :, :hi - lo]], 2)
-    compact_v = np.concatenate([f["value_0"][:, :, :lo], f["value_0"][:, :, hi:], f["value_0"][:, :, :hi - lo]], 2)
-    want, wk, wv = bia.run(["output", "present_key", "present_value"], {
-        "query": f["query"], "past_key": compact_k, "past_value": compact_v,
-        "seqlens_k": np.array([lo + m - 1], np.int32), "total_sequence_length": np.array(lo + m, np.int32),
-        "cos_cache": f["cos"], "sin_cache": f["sin"]})
+    compact_k = np.concatenate([f["key_0"][:, :, :lo], f["key_0"][:, :, hi:], f["key_0"][:, :, : hi - lo]], 2)
+    compact_v = np.concatenate(
+        [f["value_0"][:, :, :lo], f["value_0"][:, :, hi:], f["value_0"][:, :, : hi - lo]], 2
+    )
+    want, wk, wv = bia.run(
+        ["output", "present_key", "present_value"],
+        {
+            "query": f["query"],
+            "past_key": compact_k,
+            "past_value": compact_v,
+            "seqlens_k": np.array([lo + m - 1], np.int32),
+            "total_sequence_length": np.array(lo + m, np.int32),
+            "cos_cache": f["cos"],
+            "sin_cache": f["sin"],
+        },
+    )
     assert np.array_equal(out, want)
-    assert np.array_equal(pk[:, :, hi:hi + m], wk[:, :, lo:lo + m])
-    assert np.array_equal(pv[:, :, hi:hi + m], wv[:, :, lo:lo + m])
-    assert np.array_equal(pk[:, :, :hi], f["key_0"][:, :, :hi]), "the stem and the other branch are not written"
+    assert np.array_equal(pk[:, :, hi : hi + m], wk[:, :, lo : lo + m])
+    assert np.array_equal(pv[:, :, hi : hi + m], wv[:, :, lo : lo + m])
+    assert np.array_equal(pk[:, :, :hi], f["key_0"][:, :, :hi]), (
+        "the stem and the other branch are not written"
+    )
 
 
-@pytest.mark.parametrize("positions,match", [
-    ([3, 3], "share the KV address"),
-    ([30, 1], "outside the cache"),
-    ([-2, 1], "outside the cache"),
-])
+@pytest.mark.parametrize(
+    "positions,match",
+    [
+        ([3, 3], "share the KV address"),
+        ([30, 1], "outside the cache"),
+        ([-2, 1], "outside the cache"),
+    ],
+)
 def test_bad_addresses_are_refused_and_write_nothing(library: Path, positions, match) -> None:
     rng = np.random.default_rng(5)
     sess = session(row_model([0, 0], 1), library)

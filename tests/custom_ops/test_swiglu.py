@@ -31,10 +31,13 @@ def test_rows_do_not_depend_on_the_number_of_rows(library: Path, dtype: str) -> 
     gate_up = as_dtype(rng.standard_normal((1, 7, 2 * 96)), dtype)
     many = sess.run(None, {"gate_up": gate_up})[0]
     for i in range(7):
-        assert np.array_equal(many[:, i:i + 1], sess.run(None, {"gate_up": gate_up[:, i:i + 1]})[0]), i
+        assert np.array_equal(many[:, i : i + 1], sess.run(None, {"gate_up": gate_up[:, i : i + 1]})[0]), i
 
 
 def test_odd_width_is_an_error(library: Path) -> None:
-    with pytest.raises(Exception, match=r"SwiGLU: gate_up must be \[\.\.\., 2\*I\] \(gate \| up\) with an even last "
-                                        r"dim, got \[1, 2, 7\]"):
+    with pytest.raises(
+        Exception,
+        match=r"SwiGLU: gate_up must be \[\.\.\., 2\*I\] \(gate \| up\) with an even last "
+        r"dim, got \[1, 2, 7\]",
+    ):
         session(swiglu_model("W", "float32"), library).run(None, {"gate_up": np.zeros((1, 2, 7), np.float32)})

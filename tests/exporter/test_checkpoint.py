@@ -9,16 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from loopcast.exporter.checkpoint import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    checkpoint_dtype,
+    expected_shapes,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+    validate_checkpoint,
+    write_checkpoint,
+)
+from loopcast.exporter.random_checkpoint import random_tensors, write_random_checkpoint
+from loopcast.exporter.reference import LoopedLM, init_weights
 from safetensors.torch import load_file, save_file
 
 from loopcast.config import PRESETS, load_config
 from loopcast.errors import CheckpointError, ConfigError, LoopcastError
-from loopcast.exporter.checkpoint import (
-    INDEX_FILE, SINGLE_FILE, checkpoint_dtype, expected_shapes, load_checkpoint, resolve_checkpoint,
-    save_checkpoint, validate_checkpoint, write_checkpoint,
-)
-from loopcast.exporter.random_checkpoint import random_tensors, write_random_checkpoint
-from loopcast.exporter.reference import LoopedLM, init_weights
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
@@ -32,6 +39,7 @@ def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, tor
 
 
 # -- round trips -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("tiny_config", ["ouro-r3", "llama-tied", "llama-untied-gqa"], indirect=True)
@@ -69,8 +77,9 @@ def test_random_checkpoint_loads_the_tensors_it_wrote(tiny_config, make_checkpoi
 @pytest.mark.parametrize("tiny_config", ["ouro-r3", "llama-untied-gqa"], indirect=True)
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_config, make_checkpoint, tmp_path):
     max_shard_bytes = 30_000
-    sharded = write_random_checkpoint(tiny_config, tmp_path / "sharded", seed=0, std=0.1,
-                                      max_shard_bytes=max_shard_bytes)
+    sharded = write_random_checkpoint(
+        tiny_config, tmp_path / "sharded", seed=0, std=0.1, max_shard_bytes=max_shard_bytes
+    )
     names = sorted(p.name for p in sharded.iterdir())
     shards = [n for n in names if n.endswith(".safetensors")]
     assert len(shards) >= 3
@@ -127,6 +136,7 @@ def test_failed_write_leaves_nothing_behind(tiny_config, tmp_path):
 
 
 # -- bad checkpoints ---------------------------------------------------------------------------
+
 
 @pytest.fixture
 def broken(make_checkpoint, tmp_path) -> Path:
@@ -229,11 +239,17 @@ def test_missing_shard_is_named(tmp_path):
     _fails(path, CheckpointError, shard.name, "is missing")
 
 
-@pytest.mark.parametrize("config", [
-    PRESETS["tiny-ouro"], PRESETS["tiny-llama"], PRESETS["tiny-qwen2"],
-    PRESETS["tiny-llama"].replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=False),
-    PRESETS["tiny-ouro"].replace(num_prelude_layers=1, num_coda_layers=2),
-], ids=["ouro", "llama", "qwen2", "llama-biases", "ouro-prelude-coda"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        PRESETS["tiny-ouro"],
+        PRESETS["tiny-llama"],
+        PRESETS["tiny-qwen2"],
+        PRESETS["tiny-llama"].replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=False),
+        PRESETS["tiny-ouro"].replace(num_prelude_layers=1, num_coda_layers=2),
+    ],
+    ids=["ouro", "llama", "qwen2", "llama-biases", "ouro-prelude-coda"],
+)
 def test_expected_shapes_are_the_reference_state_dict(config):
     """The torch-free shape table (what export validates against) is the reference's layout."""
     with torch.device("meta"):

@@ -8,10 +8,10 @@ import hashlib
 
 import numpy as np
 import pytest
-
 from loopcast.exporter.exactness_probe import PROBE_DIR, rows_match_shallow, shallow_config
+from loopcast.ort_runtime.decoding.exactness import rows_match_on_cpu
+
 from loopcast.manifest import WEIGHTS_FILE, Manifest, sha256_file
-from loopcast.ort_runtime.exactness import rows_match_on_cpu
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 
@@ -24,7 +24,9 @@ def test_shallow_twin_agrees_with_the_full_check(kw) -> None:
     before = sorted(p.name for p in path.iterdir())
     full = rows_match_on_cpu(path)
     assert rows_match_shallow(path) == full
-    assert full == (kw.get("ops") != "stock")   # stock GroupQueryAttention rows differ; the loopcast op's do not
+    assert full == (
+        kw.get("ops") != "stock"
+    )  # stock GroupQueryAttention rows differ; the loopcast op's do not
     assert sorted(p.name for p in path.iterdir()) == before and not (path / PROBE_DIR).exists()
 
 
@@ -38,15 +40,18 @@ def _chunked_reference(path) -> str:
     """loopcast/manifest.py's chunked scheme, written out sequentially: SHA-256 of the size (8
     bytes, little endian) and the SHA-256 of each 64 MiB chunk."""
     data = path.read_bytes()
-    digests = b"".join(hashlib.sha256(data[i:i + (64 << 20)]).digest() for i in range(0, len(data), 64 << 20))
+    digests = b"".join(
+        hashlib.sha256(data[i : i + (64 << 20)]).digest() for i in range(0, len(data), 64 << 20)
+    )
     return hashlib.sha256(len(data).to_bytes(8, "little") + digests).hexdigest()
 
 
 def test_weights_record_is_the_chunked_hash_of_the_file(make_checkpoint, tmp_path) -> None:
     """The weights are hashed in parallel 64 MiB chunks after they are written: the record must be
     that scheme's digest of the file on disk, alignment padding included, and verify."""
-    from loopcast.config import PRESETS
     from loopcast.exporter.export import ExportOptions, export_checkpoint
+
+    from loopcast.config import PRESETS
     from loopcast.manifest import CHUNKED_SHA256
     from loopcast.manifest_schema import verify_hashes
 
@@ -84,6 +89,7 @@ def test_streamed_writer_matches_an_unhashed_write(tmp_path) -> None:
     """Writing with and without the hashing thread gives the same bytes, and the digest is theirs."""
     from loopcast.exporter.checkpoint import validate_checkpoint
     from loopcast.exporter.weights import checkpoint_reader, weight_layout, write_weights
+
     from tests.artifacts import checkpoint, config_of
 
     ckpt, config = checkpoint("ouro-r3"), config_of("ouro-r3")
@@ -117,7 +123,7 @@ def test_records_without_a_scheme_are_plain_sha256(tmp_path) -> None:
     record["sha256"] = sha256_file(path / WEIGHTS_FILE)
     (path / "manifest.json").write_text(json.dumps(raw))
     assert any(WEIGHTS_FILE in line for line in verify_hashes(Manifest.read(path), path))
-    record["sha256"] = chunked                     # the chunked digest read as a plain one
+    record["sha256"] = chunked  # the chunked digest read as a plain one
     (path / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(ArtifactError, match="does not match the manifest"):
         verify_hashes(Manifest.read(path), path)

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from loopcast.exporter.export import ExportOptions, export_checkpoint
 
 from loopcast.errors import ConfigError, ExportError, LoopcastError
-from loopcast.exporter.export import ExportOptions, export_checkpoint
 from tests.artifacts import checkpoint
 
 
@@ -26,13 +26,16 @@ def _edited_checkpoint(tmp_path: Path, **changes) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("changes,match", [
-    ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope type 'longrope'"),
-    ({"model_type": "gpt2"}, "model_type"),
-    ({"model_type": "mistral"}, "is not understood for model_type 'mistral'"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope type 'longrope'"),
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"model_type": "mistral"}, "is not understood for model_type 'mistral'"),
+    ],
+)
 def test_unsupported_configs(tmp_path: Path, changes, match) -> None:
     ckpt = _edited_checkpoint(tmp_path, **changes)
     with pytest.raises(ConfigError, match=match):
@@ -48,19 +51,25 @@ def test_head_dim_not_multiple_of_16(tmp_path: Path) -> None:
 
 def test_batch_invariant_refuses_biases(tmp_path: Path, make_checkpoint) -> None:
     from loopcast.config import PRESETS
+
     with pytest.raises(ExportError, match="--batch-invariant .* biases"):
-        export_checkpoint(make_checkpoint(PRESETS["tiny-qwen2"]), tmp_path / "out", ExportOptions(batch_invariant=True))
+        export_checkpoint(
+            make_checkpoint(PRESETS["tiny-qwen2"]), tmp_path / "out", ExportOptions(batch_invariant=True)
+        )
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("options,match", [
-    (ExportOptions(verify_width=1), "verify-width"),
-    (ExportOptions(verify_width=33), "verify-width"),
-    (ExportOptions(draft_depth=3), "draft-depth"),
-    (ExportOptions(draft_depth=0), "draft-depth"),
-    (ExportOptions(max_length=100_000), "max-length"),
-    (ExportOptions(dtype="int8"), "dtype"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (ExportOptions(verify_width=1), "verify-width"),
+        (ExportOptions(verify_width=33), "verify-width"),
+        (ExportOptions(draft_depth=3), "draft-depth"),
+        (ExportOptions(draft_depth=0), "draft-depth"),
+        (ExportOptions(max_length=100_000), "max-length"),
+        (ExportOptions(dtype="int8"), "dtype"),
+    ],
+)
 def test_bad_options(tmp_path: Path, options, match) -> None:
     with pytest.raises(ExportError, match=match):
         export_checkpoint(checkpoint("ouro-r3"), tmp_path / "out", options)
@@ -98,8 +107,21 @@ def test_failed_export_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_cli_export_error_is_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "export", str(checkpoint("ouro-r3")),
-                           "-o", str(tmp_path / "out"), "--verify-width", "1"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loopcast.cli",
+            "export",
+            str(checkpoint("ouro-r3")),
+            "-o",
+            str(tmp_path / "out"),
+            "--verify-width",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error:"), proc.stderr
     assert "verify-width" in proc.stderr
@@ -107,15 +129,33 @@ def test_cli_export_error_is_one_line(tmp_path: Path) -> None:
 
 def test_cli_export_and_inspect(tmp_path: Path) -> None:
     out = tmp_path / "art"
-    proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "export", str(checkpoint("ouro-r3")),
-                           "-o", str(out), "--verify-width", "4", "--draft-depth", "2"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loopcast.cli",
+            "export",
+            str(checkpoint("ouro-r3")),
+            "-o",
+            str(out),
+            "--verify-width",
+            "4",
+            "--draft-depth",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["verify_width"] == 4 and manifest["draft_depth"] == 2
-    pipeline = {"cycle", "cycle_run"} if manifest["op_set"] != "stock" else set()  # stock ops: no row-addressed attention
+    pipeline = (
+        {"cycle", "cycle_run"} if manifest["op_set"] != "stock" else set()
+    )  # stock ops: no row-addressed attention
     assert set(manifest["graphs"]) == {"prefill", "decode", "verify", "draft", "verify_tail"} | pipeline
-    proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "inspect", str(out)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loopcast.cli", "inspect", str(out)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     for word in ("verify_tail", "rows 4", "loops 2..2", "fp32", "past_key"):
         assert word in proc.stdout
@@ -148,23 +188,27 @@ def test_with_verify_width_shares_weights_and_matches(tmp_path) -> None:
     """Graphs re-emitted at another verify width read the same weights file (hard link) and
     give the same verify rows as a fresh export at that width."""
     import numpy as np
-
     from loopcast.exporter.export import with_verify_width
-    from loopcast.manifest import VERIFY
     from loopcast.ort_runtime import load
+
+    from loopcast.manifest import VERIFY
     from tests.artifacts import artifact
 
     src = artifact("ouro-r3", draft_depth=1)
     derived = with_verify_width(src, tmp_path / "w3", 3)
     assert derived.verify_width == 3 and derived.graphs[VERIFY].rows == 3
-    assert (tmp_path / "w3" / "weights.safetensors").stat().st_ino == (src / "weights.safetensors").stat().st_ino
+    assert (tmp_path / "w3" / "weights.safetensors").stat().st_ino == (
+        src / "weights.safetensors"
+    ).stat().st_ino
     fresh = load(artifact("ouro-r3", verify_width=3, draft_depth=1))
     model = load(tmp_path / "w3")
     ids = [5, 9, 2, 7]
     a, b = model.new_generator(), fresh.new_generator()
     a.prefill(ids)
     b.prefill(ids)
-    assert np.array_equal(a.run(VERIFY, 4, tokens=[1, 2, 3]).logits, b.run(VERIFY, 4, tokens=[1, 2, 3]).logits)
+    assert np.array_equal(
+        a.run(VERIFY, 4, tokens=[1, 2, 3]).logits, b.run(VERIFY, 4, tokens=[1, 2, 3]).logits
+    )
     with pytest.raises(ExportError, match="verify width"):
         with_verify_width(src, tmp_path / "bad", 1)
     assert not (tmp_path / "bad").exists()
@@ -180,6 +224,7 @@ def test_with_verify_width_shares_weights_and_matches(tmp_path) -> None:
 def test_with_verify_width_keeps_the_custom_op_library(tmp_path) -> None:
     from loopcast.custom_ops.build import find_ort_include
     from loopcast.exporter.export import with_verify_width
+
     from loopcast.manifest import Manifest
     from tests.artifacts import artifact
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from loopcast.exporter.reference import KVCache
-from loopcast.ort_runtime.artifact import open_artifact
-from loopcast.ort_runtime.generator import Generator
+from loopcast.ort_runtime.binding.generator import Generator
+from loopcast.ort_runtime.loading.artifact import open_artifact
+
 from tests.artifacts import TINY, artifact, reference
 
 ATOL = RTOL = 1e-4
@@ -23,10 +23,20 @@ def _close(actual: np.ndarray, expected: torch.Tensor) -> None:
 def _check_kv(gen: Generator, cache: KVCache, slots, stop: int) -> None:
     for slot in slots:
         key, value = gen.kv_arrays(slot)
-        np.testing.assert_allclose(key[0, :, :stop], cache.key[slot, 0, :, :stop].numpy(), rtol=RTOL, atol=ATOL,
-                                   err_msg=f"key slot {slot}")
-        np.testing.assert_allclose(value[0, :, :stop], cache.value[slot, 0, :, :stop].numpy(), rtol=RTOL,
-                                   atol=ATOL, err_msg=f"value slot {slot}")
+        np.testing.assert_allclose(
+            key[0, :, :stop],
+            cache.key[slot, 0, :, :stop].numpy(),
+            rtol=RTOL,
+            atol=ATOL,
+            err_msg=f"key slot {slot}",
+        )
+        np.testing.assert_allclose(
+            value[0, :, :stop],
+            cache.value[slot, 0, :, :stop].numpy(),
+            rtol=RTOL,
+            atol=ATOL,
+            err_msg=f"value slot {slot}",
+        )
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -13,9 +13,9 @@ import subprocess
 import sys
 
 import pytest
-
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.ort_runtime import load
+
 from tests.artifacts import checkpoint
 
 og = pytest.importorskip("onnxruntime_genai")
@@ -44,7 +44,7 @@ def test_genai_and_loopcast_greedy_tokens_match(tmp_path, name):
     theirs = _genai_greedy(tmp_path / "art", PROMPT, 40)
     # GenAI stops at EOS too; it may not count the EOS token the same way, so compare its prefix.
     assert len(theirs) >= len(ours) - 1 >= 10
-    assert theirs[:len(ours)] == ours[:len(theirs)]
+    assert theirs[: len(ours)] == ours[: len(theirs)]
     assert manifest.genai_files == ["genai_decoder.onnx", "genai_config.json"]
 
 
@@ -56,7 +56,9 @@ def test_genai_graph_shares_the_weights_file(tmp_path):
     graph = tmp_path / "art" / "genai_decoder.onnx"
     assert graph.stat().st_size < 64 * 1024
     model = onnx.load(str(graph), load_external_data=False)
-    external = {e.value for init in model.graph.initializer for e in init.external_data if e.key == "location"}
+    external = {
+        e.value for init in model.graph.initializer for e in init.external_data if e.key == "location"
+    }
     assert external == {"weights.safetensors"}
     config = json.loads((tmp_path / "art" / "genai_config.json").read_text())
     assert config["search"]["past_present_share_buffer"] is True
@@ -71,14 +73,31 @@ def test_looped_model_maps_each_loop_layer_slot_to_a_genai_layer(tmp_path):
     config = json.loads((tmp_path / "art" / "genai_config.json").read_text())
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     model = manifest["model"]
-    assert config["model"]["decoder"]["num_hidden_layers"] == model["num_hidden_layers"] * model["total_ut_steps"]
+    assert (
+        config["model"]["decoder"]["num_hidden_layers"]
+        == model["num_hidden_layers"] * model["total_ut_steps"]
+    )
     assert _genai_greedy(tmp_path / "art", PROMPT, 12) == load(tmp_path / "art").generate(PROMPT, 12).tokens
 
 
 def test_cli_export_genai_flag(tmp_path):
     out = tmp_path / "art"
-    proc = subprocess.run([sys.executable, "-m", "loopcast.cli", "export", str(checkpoint("llama-tied-gqa")),
-                           "-o", str(out), "--max-length", "32", "--genai"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loopcast.cli",
+            "export",
+            str(checkpoint("llama-tied-gqa")),
+            "-o",
+            str(out),
+            "--max-length",
+            "32",
+            "--genai",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "GenAI" in proc.stdout
     assert (out / "genai_config.json").is_file() and (out / "genai_decoder.onnx").is_file()
@@ -98,7 +117,9 @@ def test_genai_reads_the_artifact_tokenizer(tmp_path):
 def test_sibling_artifact_of_another_verify_width_keeps_the_genai_files(tmp_path):
     from loopcast.exporter.export import with_verify_width
 
-    export_checkpoint(checkpoint("llama-tied-gqa"), tmp_path / "art", ExportOptions(max_length=64, genai=True))
+    export_checkpoint(
+        checkpoint("llama-tied-gqa"), tmp_path / "art", ExportOptions(max_length=64, genai=True)
+    )
     derived = with_verify_width(tmp_path / "art", tmp_path / "w3", 3)
     assert derived.genai_files == ["genai_decoder.onnx", "genai_config.json"]
     assert _genai_greedy(tmp_path / "w3", PROMPT, 8) == _genai_greedy(tmp_path / "art", PROMPT, 8)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from functools import lru_cache
-from pathlib import Path
 import tempfile
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,40 +19,87 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from click.testing import CliRunner  # noqa: E402
-
 from loopcast.cli import main  # noqa: E402
-from loopcast.config import load_config  # noqa: E402
-from loopcast.errors import ExportError  # noqa: E402
 from loopcast.exporter.checkpoint import load_checkpoint  # noqa: E402
 from loopcast.exporter.export import ExportOptions, export_checkpoint  # noqa: E402
 from loopcast.exporter.reference_generate import greedy_generate  # noqa: E402
 from loopcast.ort_runtime import load  # noqa: E402
-from loopcast.ort_runtime.artifact import open_artifact  # noqa: E402
-from loopcast.ort_runtime.generator import Generator  # noqa: E402
+from loopcast.ort_runtime.binding.generator import Generator  # noqa: E402
+from loopcast.ort_runtime.loading.artifact import open_artifact  # noqa: E402
+
+from loopcast.config import load_config  # noqa: E402
+from loopcast.errors import ExportError  # noqa: E402
 
 ATOL = RTOL = 1e-4
-SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+SHAPE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 _ROOT = Path(tempfile.mkdtemp(prefix="loopcast-hf-"))
 
 # name -> (transformers config class name, config kwargs). Positions reach 40, so every scaled
 # band of llama3/yarn (original context 32) is exercised.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama-theta5e5": ("LlamaConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
-    "llama-linear": ("LlamaConfig", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})),
-    "llama-dynamic": ("LlamaConfig", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
-                                                            "factor": 2.0})),
-    "llama-llama3": ("LlamaConfig", dict(rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
-    "llama-yarn": ("LlamaConfig", dict(rope_parameters={
-        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32})),
-    "llama-yarn-mscale": ("LlamaConfig", dict(rope_parameters={
-        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
-        "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2})),
+    "llama-linear": (
+        "LlamaConfig",
+        dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
+    ),
+    "llama-dynamic": (
+        "LlamaConfig",
+        dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+    ),
+    "llama-llama3": (
+        "LlamaConfig",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+    ),
+    "llama-yarn": (
+        "LlamaConfig",
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+    ),
+    "llama-yarn-mscale": (
+        "LlamaConfig",
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            }
+        ),
+    ),
     "llama-biases-tied": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
-    "qwen2-qkv-bias": ("Qwen2Config", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                           tie_word_embeddings=True)),
+    "qwen2-qkv-bias": (
+        "Qwen2Config",
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True),
+    ),
     "mistral-no-window": ("MistralConfig", dict(sliding_window=None, head_dim=16)),
     "mistral-window-4096": ("MistralConfig", dict(sliding_window=4096)),
 }
@@ -69,7 +116,7 @@ def _randomize(model) -> None:
             param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
 
 
-@lru_cache(maxsize=None)
+@cache
 def hf_checkpoint(name: str) -> Path:
     class_name, extra = VARIANTS[name]
     config = getattr(transformers, class_name)(**{**SHAPE, **extra})
@@ -81,13 +128,13 @@ def hf_checkpoint(name: str) -> Path:
     return path
 
 
-@lru_cache(maxsize=None)
+@cache
 def hf_model(name: str):
     model_class = getattr(transformers, VARIANTS[name][0].replace("Config", "ForCausalLM"))
     return model_class.from_pretrained(hf_checkpoint(name), attn_implementation="eager").eval()
 
 
-@lru_cache(maxsize=None)
+@cache
 def exported(name: str) -> Path:
     out = _ROOT / f"{name}-artifact"
     export_checkpoint(hf_checkpoint(name), out, ExportOptions(max_length=64, verify_width=4))
@@ -124,7 +171,9 @@ def test_onnx_logits_equal_transformers(name: str) -> None:
     gen.commit(ids[:24])
     for pos in range(24, 36):
         out = gen.run("decode", pos, tokens=[ids[pos]])
-        np.testing.assert_allclose(out.logits[0], expected[pos], rtol=RTOL, atol=ATOL, err_msg=f"position {pos}")
+        np.testing.assert_allclose(
+            out.logits[0], expected[pos], rtol=RTOL, atol=ATOL, err_msg=f"position {pos}"
+        )
         gen.commit([ids[pos]])
     out = gen.run("verify", 36, tokens=ids[36:40])
     np.testing.assert_allclose(out.logits, expected[36:40], rtol=RTOL, atol=ATOL)
@@ -134,7 +183,7 @@ def _hf_greedy(name: str, prompt: list[int], steps: int) -> list[int]:
     ids = list(prompt)
     for _ in range(steps):
         ids.append(int(_hf_logits(name, ids)[-1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("name", MUST_SHOW)
@@ -147,13 +196,31 @@ def test_greedy_tokens_equal_transformers_and_reference(name: str) -> None:
     assert greedy_generate(reference, prompt, steps, stop_ids=()).tokens == expected
 
 
-@pytest.mark.parametrize("name, lines", [
-    ("llama-theta5e5", ["model_type      llama", "rope            theta 500000, type default", "biases          none"]),
-    ("llama-llama3", ["rope            theta 500000, type llama3, factor 8, high_freq_factor 4, "
-                      "low_freq_factor 1, original_max_position_embeddings 32"]),
-    ("qwen2-qkv-bias", ["model_type      qwen2", "rope            theta 1e+06, type default",
-                        "biases          q/k/v", "vocab           128 (tied lm_head)"]),
-])
+@pytest.mark.parametrize(
+    "name, lines",
+    [
+        (
+            "llama-theta5e5",
+            ["model_type      llama", "rope            theta 500000, type default", "biases          none"],
+        ),
+        (
+            "llama-llama3",
+            [
+                "rope            theta 500000, type llama3, factor 8, high_freq_factor 4, "
+                "low_freq_factor 1, original_max_position_embeddings 32"
+            ],
+        ),
+        (
+            "qwen2-qkv-bias",
+            [
+                "model_type      qwen2",
+                "rope            theta 1e+06, type default",
+                "biases          q/k/v",
+                "vocab           128 (tied lm_head)",
+            ],
+        ),
+    ],
+)
 def test_inspect_shows_what_transformers_saved(name: str, lines: list[str]) -> None:
     result = CliRunner().invoke(main, ["inspect", str(hf_checkpoint(name))])
     assert result.exit_code == 0, result.output
@@ -188,6 +255,7 @@ def test_window_below_max_length_is_refused(tmp_path) -> None:
 
 # -- EOS lists ---------------------------------------------------------------------------------
 
+
 def _with_eos(tmp_path: Path, name: str, *, config_eos=None, generation_eos=None) -> Path:
     path = tmp_path / name
     shutil.copytree(hf_checkpoint("llama-theta5e5"), path)
@@ -215,7 +283,10 @@ def test_generation_stops_at_any_listed_eos_id(tmp_path, where: str) -> None:
     manifest = export_checkpoint(path, art, ExportOptions(max_length=64))
     assert set(eos) <= set(manifest.eos_token_ids)
     result = load(art).generate(prompt, 12)
-    assert result.tokens == free[:k + 1]
+    assert result.tokens == free[: k + 1]
     assert result.finish_reason != "length"
     reference = load_checkpoint(path, dtype=torch.float32)
-    assert greedy_generate(reference, prompt, 12, stop_ids=reference.config.eos_token_ids).tokens == free[:k + 1]
+    assert (
+        greedy_generate(reference, prompt, 12, stop_ids=reference.config.eos_token_ids).tokens
+        == free[: k + 1]
+    )

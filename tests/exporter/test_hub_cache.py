@@ -8,15 +8,17 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from loopcast.cli import main
-from loopcast.config import PRESETS
-from loopcast.errors import CheckpointError
 from loopcast.exporter.checkpoint import resolve_checkpoint
 from loopcast.exporter.hub_cache import hub_cache_dir
 
+from loopcast.config import PRESETS
+from loopcast.errors import CheckpointError
 
-def fabricate_cache(root: Path, source: Path, model_id: str = "tiny-org/tiny-llama", commit: str = "0123abcd") -> Path:
+
+def fabricate_cache(
+    root: Path, source: Path, model_id: str = "tiny-org/tiny-llama", commit: str = "0123abcd"
+) -> Path:
     """The layout huggingface_hub writes: files are symlinks from the snapshot into blobs/."""
     repo = root / ("models--" + model_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
@@ -58,21 +60,39 @@ def test_id_resolves_to_the_main_snapshot(cache):
 
 def test_export_inspect_and_torch_generate_take_an_id(cache, tmp_path):
     runner = CliRunner()
-    result = runner.invoke(main, ["export", "tiny-org/tiny-llama", "-o", str(tmp_path / "art"), "--max-length", "32"])
+    result = runner.invoke(
+        main, ["export", "tiny-org/tiny-llama", "-o", str(tmp_path / "art"), "--max-length", "32"]
+    )
     assert result.exit_code == 0, result.output
     result = runner.invoke(main, ["inspect", "tiny-org/tiny-llama"])
     assert result.exit_code == 0 and str(cache) in result.output
-    ort = runner.invoke(main, ["generate", str(tmp_path / "art"), "--prompt-ids", "3,4,5", "--max-new-tokens", "4"])
-    ref = runner.invoke(main, ["generate", "tiny-org/tiny-llama", "--backend", "torch", "--prompt-ids", "3,4,5",
-                               "--max-new-tokens", "4"])
+    ort = runner.invoke(
+        main, ["generate", str(tmp_path / "art"), "--prompt-ids", "3,4,5", "--max-new-tokens", "4"]
+    )
+    ref = runner.invoke(
+        main,
+        [
+            "generate",
+            "tiny-org/tiny-llama",
+            "--backend",
+            "torch",
+            "--prompt-ids",
+            "3,4,5",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
     assert ort.exit_code == 0 and ref.exit_code == 0
     assert ort.output == ref.output
 
 
-@pytest.mark.parametrize("model_id, fragment", [
-    ("tiny-org/absent", "not in the Hugging Face cache"),
-    ("tiny-org/tiny-llama@x", "checkpoint directory not found"),
-])
+@pytest.mark.parametrize(
+    "model_id, fragment",
+    [
+        ("tiny-org/absent", "not in the Hugging Face cache"),
+        ("tiny-org/tiny-llama@x", "checkpoint directory not found"),
+    ],
+)
 def test_absent_id_is_one_clear_line(cache, model_id, fragment):
     result = CliRunner().invoke(main, ["export", model_id, "-o", "art"])
     assert result.exit_code == 2

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from loopcast.config import PRESETS
-from loopcast.errors import LoopcastError, RequestError
 from loopcast.exporter.checkpoint import load_checkpoint
 from loopcast.exporter.reference import KVCache, LoopedLM, exit_probabilities
 from loopcast.exporter.reference_generate import greedy_generate, greedy_generate_recompute
+
+from loopcast.config import PRESETS
+from loopcast.errors import LoopcastError, RequestError
 
 # fp32 on CPU: the cached and recomputed paths differ only in summation order.
 ATOL = 1e-5
@@ -35,8 +35,9 @@ def model(tiny_config, make_checkpoint) -> LoopedLM:
 
 
 @torch.no_grad()
-def entry_points(model: LoopedLM, ids_BS: torch.Tensor, depth: int, *, start: int = 0,
-                 cache: KVCache | None = None) -> torch.Tensor:
+def entry_points(
+    model: LoopedLM, ids_BS: torch.Tensor, depth: int, *, start: int = 0, cache: KVCache | None = None
+) -> torch.Tensor:
     """embed → prelude → core_loop(0..depth-1) → coda → head, called one by one."""
     ctx = model.context(start, ids_BS.shape[1], cache)
     x = model.prelude(model.embed(ids_BS), ctx)
@@ -46,6 +47,7 @@ def entry_points(model: LoopedLM, ids_BS: torch.Tensor, depth: int, *, start: in
 
 
 # -- cached decoding vs full recompute ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("prompt_len", [1, 9])
 def test_cached_generation_matches_full_recompute(model, prompt_len):
@@ -142,6 +144,7 @@ def test_all_depths_with_cache_and_coda_layers_is_refused(make_checkpoint):
 
 # -- logits at every depth ---------------------------------------------------------------------
 
+
 def test_logits_at_every_depth_without_cache(model):
     ids = torch.tensor([prompt_of(7, model.config.vocab_size), prompt_of(7, 50)[::-1]])
     with torch.no_grad():
@@ -168,8 +171,10 @@ def test_logits_at_every_depth_with_cache(model):
             full = model(torch.tensor([prompt + step]), last_loop=depth).final_logits[:, n:]
 
             cache = KVCache(cfg, 16)
-            close(model(prompt_ids, cache=cache, last_loop=depth).final_logits,
-                  model(prompt_ids, last_loop=depth).final_logits)
+            close(
+                model(prompt_ids, cache=cache, last_loop=depth).final_logits,
+                model(prompt_ids, last_loop=depth).final_logits,
+            )
             close(model(step_ids, start=n, cache=cache, last_loop=depth).final_logits, full)
 
             cache = KVCache(cfg, 16)
@@ -232,8 +237,8 @@ def test_verify_tail_with_cache_and_rewind(model):
             # Accept one row: n' = n + 1. Positions n+1.. hold the first round's stale KV.
             draft, tail = _self_speculation_round(model, cache, n + 1, second, depth)
             seq = torch.tensor([prompt + first[:1] + second])
-            close(draft, model(seq, last_loop=depth).final_logits[:, n + 1:])
-            close(tail, model(seq).final_logits[:, n + 1:])
+            close(draft, model(seq, last_loop=depth).final_logits[:, n + 1 :])
+            close(tail, model(seq).final_logits[:, n + 1 :])
 
 
 def test_loop_range_is_checked(model):
@@ -248,6 +253,7 @@ def test_loop_range_is_checked(model):
 
 
 # -- exit probabilities ------------------------------------------------------------------------
+
 
 def exit_probabilities_numpy(gates_RN: np.ndarray) -> np.ndarray:
     """λ_r = σ(g_r); p_r = λ_r·Π_{s<r}(1-λ_s) for r < R-1; p_{R-1} = Π_{s<R-1}(1-λ_s)."""
@@ -300,18 +306,25 @@ def test_llama_has_one_loop_and_no_gate(model):
 
 # -- bad requests ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tiny_config", ["ouro-r3"], indirect=True)
 @pytest.mark.parametrize("generate", GENERATORS, ids=["cached", "recompute"])
 def test_bad_requests_name_the_problem(model, generate):
     vocab = model.config.vocab_size
     limit = model.config.max_position_embeddings
     cases = [
-        (dict(prompt_ids=list(range(17)), max_new_tokens=4, max_length=16),
-         r"prompt of 17 tokens is longer than the max length 16"),
-        (dict(prompt_ids=[1] * (limit + 1), max_new_tokens=4),
-         rf"prompt of {limit + 1} tokens is longer than the max length {limit}"),
-        (dict(prompt_ids=[1, vocab, 2], max_new_tokens=4),
-         rf"token id {vocab} is outside the vocabulary \[0, {vocab}\)"),
+        (
+            dict(prompt_ids=list(range(17)), max_new_tokens=4, max_length=16),
+            r"prompt of 17 tokens is longer than the max length 16",
+        ),
+        (
+            dict(prompt_ids=[1] * (limit + 1), max_new_tokens=4),
+            rf"prompt of {limit + 1} tokens is longer than the max length {limit}",
+        ),
+        (
+            dict(prompt_ids=[1, vocab, 2], max_new_tokens=4),
+            rf"token id {vocab} is outside the vocabulary \[0, {vocab}\)",
+        ),
         (dict(prompt_ids=[1, -1], max_new_tokens=4), r"token id -1 is outside the vocabulary"),
         (dict(prompt_ids=[1, 2], max_new_tokens=-1), r"max_new_tokens must be >= 0, got -1"),
         (dict(prompt_ids=[], max_new_tokens=4), r"prompt is empty"),

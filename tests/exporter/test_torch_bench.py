@@ -8,14 +8,19 @@ import copy
 
 import pytest
 import torch
+from loopcast.exporter.reference import LoopedLM, init_weights
+from loopcast.exporter.torch_bench import (
+    bytes_per_decode_step,
+    decode_step_fn,
+    decode_step_ms,
+    device_bandwidth_gbs,
+    floor_ms,
+    load_reference,
+    random_cache,
+)
 
 from loopcast.config import PRESETS
 from loopcast.errors import RequestError
-from loopcast.exporter.reference import LoopedLM, init_weights
-from loopcast.exporter.torch_bench import (
-    bytes_per_decode_step, decode_step_fn, decode_step_ms, device_bandwidth_gbs, floor_ms,
-    load_reference, random_cache,
-)
 
 # Not in the shared set: prelude and coda layers must be counted and run too.
 PRELUDE_CODA = PRESETS["tiny-ouro"].replace(num_loops=2, num_prelude_layers=1, num_coda_layers=1)
@@ -96,12 +101,21 @@ def test_bytes_per_step_counts_core_weights_once_per_loop(config):
     if config.tie_word_embeddings:
         rest += embed.numel()
     past, dtype_bytes = 37, 2
-    kv = (config.num_loops * config.num_layers + config.num_prelude_layers + config.num_coda_layers) \
-        * 2 * config.num_kv_heads * (past + 1) * config.head_dim * dtype_bytes
+    kv = (
+        (config.num_loops * config.num_layers + config.num_prelude_layers + config.num_coda_layers)
+        * 2
+        * config.num_kv_heads
+        * (past + 1)
+        * config.head_dim
+        * dtype_bytes
+    )
 
     counted = bytes_per_decode_step(config, dtype_bytes, past)
-    assert counted == {"weights": (config.num_loops * core + rest) * dtype_bytes, "kv": kv,
-                       "total": (config.num_loops * core + rest) * dtype_bytes + kv}
+    assert counted == {
+        "weights": (config.num_loops * core + rest) * dtype_bytes,
+        "kv": kv,
+        "total": (config.num_loops * core + rest) * dtype_bytes + kv,
+    }
 
 
 def test_ouro_1p4b_floor_is_weight_bound():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loopcast.exporter.export import ExportOptions, export_checkpoint
 from safetensors.torch import load_file
 
 from loopcast.config import PRESETS
-from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.manifest import WEIGHTS_FILE
 
 TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -17,7 +17,9 @@ TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 @pytest.mark.parametrize("stored", ["fp32", "bf16"])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_weights_equal_torch_conversions(make_checkpoint, tmp_path, stored, dtype):
-    config = PRESETS["tiny-llama"].replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    config = PRESETS["tiny-llama"].replace(
+        qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=False
+    )
     checkpoint = make_checkpoint(config, dtype=TORCH[stored])
     export_checkpoint(checkpoint, tmp_path / "art", ExportOptions(dtype=dtype, max_length=32))
     ours = load_file(tmp_path / "art" / WEIGHTS_FILE)
@@ -31,9 +33,14 @@ def test_weights_equal_torch_conversions(make_checkpoint, tmp_path, stored, dtyp
     same("layers.1.qkv_proj.weight_T", torch.cat([theirs[f"{attn}.{p}_proj.weight"] for p in "qkv"]).T)
     same("layers.1.qkv_proj.bias", torch.cat([theirs[f"{attn}.{p}_proj.bias"] for p in "qkv"]))
     same("layers.1.o_proj.bias", theirs[f"{attn}.o_proj.bias"])
-    same("layers.1.gate_up_proj.weight_T", torch.cat([theirs[f"{mlp}.gate_proj.weight"],
-                                                     theirs[f"{mlp}.up_proj.weight"]]).T)
-    same("layers.1.gate_up_proj.bias", torch.cat([theirs[f"{mlp}.gate_proj.bias"], theirs[f"{mlp}.up_proj.bias"]]))
+    same(
+        "layers.1.gate_up_proj.weight_T",
+        torch.cat([theirs[f"{mlp}.gate_proj.weight"], theirs[f"{mlp}.up_proj.weight"]]).T,
+    )
+    same(
+        "layers.1.gate_up_proj.bias",
+        torch.cat([theirs[f"{mlp}.gate_proj.bias"], theirs[f"{mlp}.up_proj.bias"]]),
+    )
     same("layers.1.down_proj.weight_T", theirs[f"{mlp}.down_proj.weight"].T)
     same("lm_head.weight_T", theirs["lm_head.weight"].T)
     same("embed_tokens.weight", theirs["model.embed_tokens.weight"])

@@ -8,7 +8,6 @@ from collections import Counter
 import onnx
 import onnxruntime as ort
 import pytest
-
 from loopcast.graphs.cycles import CYCLE_RUN_LENGTH
 
 from tests.artifacts import artifact, config_of
@@ -21,9 +20,16 @@ def _graphs(path):
         yield kind, spec, path / spec["file"]
 
 
-@pytest.mark.parametrize("name,dtype", [("ouro-r3", "fp32"), ("llama-tied-gqa", "fp32"),
-                                        ("ouro-r2-gqa", "fp16"), ("ouro-r2-gqa", "bf16"),
-                                        ("llama-untied", "bf16")])
+@pytest.mark.parametrize(
+    "name,dtype",
+    [
+        ("ouro-r3", "fp32"),
+        ("llama-tied-gqa", "fp32"),
+        ("ouro-r2-gqa", "fp16"),
+        ("ouro-r2-gqa", "bf16"),
+        ("llama-untied", "bf16"),
+    ],
+)
 def test_checker_and_shape_inference_pass(name: str, dtype: str) -> None:
     path = artifact(name, dtype=dtype, ops="stock")  # the stock op set: ONNX + com.microsoft only
     for kind, spec, file in _graphs(path):
@@ -48,7 +54,7 @@ def test_checker_and_shape_inference_pass(name: str, dtype: str) -> None:
 def test_ort_loads_with_all_optimizations(name: str) -> None:
     path = artifact(name)
     library = json.loads((path / "manifest.json").read_text()).get("custom_op_library")
-    for kind, _, file in _graphs(path):
+    for _kind, _, file in _graphs(path):
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if library:
@@ -77,8 +83,11 @@ def test_loopcast_op_layers_are_fused(name: str) -> None:
     for kind, spec, file in _graphs(path):
         nodes = onnx.load(str(file), load_external_data=False).graph.node
         counts = Counter(n.op_type for n in nodes)
-        layers = ((spec["last_loop"] - spec["first_loop"]) * cfg.num_layers + cfg.num_coda_layers
-                  + (cfg.num_prelude_layers if spec["first_loop"] == 0 else 0))
+        layers = (
+            (spec["last_loop"] - spec["first_loop"]) * cfg.num_layers
+            + cfg.num_coda_layers
+            + (cfg.num_prelude_layers if spec["first_loop"] == 0 else 0)
+        )
         if kind == "cycle":  # one pass over the core layers, attention addressed per row
             layers = cfg.num_layers
             # the lanes input split into token and positions, the state shift, the entry concat
@@ -89,8 +98,13 @@ def test_loopcast_op_layers_are_fused(name: str) -> None:
             assert K == CYCLE_RUN_LENGTH and counts["ArgMax"] == K
             layers = K * cfg.num_layers
             assert counts["RowAttention"] == layers and counts["Slice"] == 2 + K and counts["Concat"] == K + 1
-            assert all(a.i == 1 for n in nodes if n.op_type == "RowAttention" for a in n.attribute
-                       if a.name == "kv_in_place")
+            assert all(
+                a.i == 1
+                for n in nodes
+                if n.op_type == "RowAttention"
+                for a in n.attribute
+                if a.name == "kv_in_place"
+            )
             assert sum(a.name == "kv_in_place" for n in nodes for a in n.attribute) == layers
         else:
             assert counts["BatchInvariantAttention"] == layers, kind
@@ -99,5 +113,12 @@ def test_loopcast_op_layers_are_fused(name: str) -> None:
         gated = [n for n in nodes if any(a.name == "swiglu" and a.i == 1 for a in n.attribute)]
         assert len(gated) == layers and all(n.name.endswith("/mlp/down_proj") for n in gated), kind
         assert counts["Split"] == (1 if kind == "draft" else 0), kind  # the draft's top-2 gap only
-        assert not counts.keys() & {"Add", "Sigmoid", "Mul", "MatMul", "GroupQueryAttention", "RMSNormalization",
-                                    "SkipSimplifiedLayerNormalization"}, kind
+        assert not counts.keys() & {
+            "Add",
+            "Sigmoid",
+            "Mul",
+            "MatMul",
+            "GroupQueryAttention",
+            "RMSNormalization",
+            "SkipSimplifiedLayerNormalization",
+        }, kind

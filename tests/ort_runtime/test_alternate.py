@@ -14,16 +14,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from loopcast.cli import main
-from loopcast.errors import ExportError, RequestError
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.accept import greedy_accept_tree
-from loopcast.ort_runtime.generator import Generator
-from loopcast.ort_runtime.proposers import AlternateDraftProposer, Branch
-from loopcast.ort_runtime.sampling import SamplingParams
-from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.binding.generator import Generator
+from loopcast.ort_runtime.decoding.greedy_accept import greedy_accept_tree
+from loopcast.ort_runtime.decoding.proposers import AlternateDraftProposer, Branch
+from loopcast.ort_runtime.decoding.sampling import SamplingParams
+from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+
+from loopcast.errors import ExportError, RequestError
 from tests.artifacts import artifact, checkpoint, require_exact_cpu_artifacts
 
 LOOPED = ["ouro-r2-gqa", "ouro-r3", "ouro-r4-1layer"]
@@ -39,7 +39,9 @@ def tree():
     return load(artifact("ouro-r3", tree_verify=True))
 
 
-def run(gen: Generator, prompt: list[int], n: int, *, stop_ids=(), **spec) -> tuple[list[int], GenerationStats]:
+def run(
+    gen: Generator, prompt: list[int], n: int, *, stop_ids=(), **spec
+) -> tuple[list[int], GenerationStats]:
     gen.rewind(0)
     stats = GenerationStats()
     tokens = list(stream(gen, prompt, n, stop_ids=stop_ids, spec=SpeculationConfig(**spec), stats=stats))
@@ -49,11 +51,17 @@ def run(gen: Generator, prompt: list[int], n: int, *, stop_ids=(), **spec) -> tu
 class Oracle:
     """Hooks that force branches against the plain greedy ``sequence`` (prompt + tokens)."""
 
-    def __init__(self, sequence: list[int], vocab: int, primary_right: bool, alternate_right: bool,
-                 continuation_right=None) -> None:
+    def __init__(
+        self,
+        sequence: list[int],
+        vocab: int,
+        primary_right: bool,
+        alternate_right: bool,
+        continuation_right=None,
+    ) -> None:
         self.sequence, self.vocab = sequence, vocab
         self.primary_right, self.alternate_right = primary_right, alternate_right
-        self.continuation_right = continuation_right   # branch drafts after its first: None = the model's own
+        self.continuation_right = continuation_right  # branch drafts after its first: None = the model's own
 
     def truth(self, position: int, fallback: int) -> int:
         return self.sequence[position] if position < len(self.sequence) else fallback
@@ -82,7 +90,7 @@ def assert_plain_kv(gen: Generator, reference: Generator) -> None:
     assert gen.n == reference.n and gen.tokens == reference.tokens
     for slot in range(gen.model.config.num_kv_slots):
         for got, want in zip(gen.kv_arrays(slot), reference.kv_arrays(slot)):
-            assert np.array_equal(got[:, :, :gen.n], want[:, :, :gen.n]), f"slot {slot}"
+            assert np.array_equal(got[:, :, : gen.n], want[:, :, : gen.n]), f"slot {slot}"
 
 
 @pytest.mark.parametrize("name", LOOPED)
@@ -90,8 +98,10 @@ def test_every_gap_and_gate_equals_plain(name: str) -> None:
     model = load(artifact(name, tree_verify=True))
     gen = model.new_generator()
     rng = np.random.default_rng(5)
-    for prompt in (rng.integers(0, model.config.vocab_size, 6).tolist(),
-                   rng.integers(0, model.config.vocab_size, 3).tolist() * 4):
+    for prompt in (
+        rng.integers(0, model.config.vocab_size, 6).tolist(),
+        rng.integers(0, model.config.vocab_size, 3).tolist() * 4,
+    ):
         plain, _ = run(gen, prompt, 40)
         for gap in (0.02, 0.3, 1.0):
             for gate in ("none", "auto"):
@@ -103,20 +113,25 @@ def test_every_gap_and_gate_equals_plain(name: str) -> None:
                     assert stats.forks > 0
 
 
-@pytest.mark.parametrize("case,primary,alternate,continuation", [
-    ("selected", False, True, True),       # the branch wins and every branch draft is right
-    ("partial", False, True, False),       # the branch wins at the fork, its next draft is wrong
-    ("selected-own-drafts", False, True, None),
-    ("discarded", True, False, None),
-    ("fork-miss", False, False, None),
-])
+@pytest.mark.parametrize(
+    "case,primary,alternate,continuation",
+    [
+        ("selected", False, True, True),  # the branch wins and every branch draft is right
+        ("partial", False, True, False),  # the branch wins at the fork, its next draft is wrong
+        ("selected-own-drafts", False, True, None),
+        ("discarded", True, False, None),
+        ("fork-miss", False, False, None),
+    ],
+)
 def test_forced_branches_equal_plain_tokens_and_kv(tree, case, primary, alternate, continuation) -> None:
     gen, reference = tree.new_generator(), tree.new_generator()
     prompt = np.random.default_rng(6).integers(0, tree.config.vocab_size, 7).tolist()
     plain, _ = run(reference, prompt, 40)
     oracle = Oracle(prompt + plain, tree.config.vocab_size, primary, alternate, continuation)
     # k = 2 of width 5: a fork at the first draft row has room for a branch of two rows.
-    got, stats = run(gen, prompt, 40, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2)
+    got, stats = run(
+        gen, prompt, 40, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2
+    )
     assert got == plain
     assert_plain_kv(gen, reference)
     assert stats.forks > 0 and stats.fork_skips == 0
@@ -145,7 +160,7 @@ def test_fork_after_the_first_draft_and_rejection_before_the_fork(tree) -> None:
 
     def fork(position, token, top2, gap):
         seen["rows"] += 1
-        if seen["rows"] % 2 or position >= len(sequence):   # the round's second draft row
+        if seen["rows"] % 2 or position >= len(sequence):  # the round's second draft row
             return None
         return (sequence[position] + 1) % vocab, sequence[position]
 
@@ -168,7 +183,9 @@ def test_no_room_for_the_branch_falls_back_to_the_primary_chain(tree) -> None:
     plain, _ = run(gen, prompt, 30)
     oracle = Oracle(prompt + plain, tree.config.vocab_size, False, True)
     # k = 4 fills the width of 5: every fork is skipped, counted, and the round stays exact.
-    got, stats = run(gen, prompt, 30, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=4)
+    got, stats = run(
+        gen, prompt, 30, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=4
+    )
     assert got == plain
     # Rounds of 4 drafts skip their fork; only the last rounds, shortened by the length limit, fit one.
     assert stats.fork_skips > 0 and stats.forks + stats.fork_skips == stats.rounds
@@ -183,7 +200,9 @@ def test_at_the_kv_capacity() -> None:
     plain, plain_stats = run(reference, prompt, 100)
     assert plain_stats.finish_reason == "length" and reference.n == 40
     oracle = Oracle(prompt + plain, model.config.vocab_size, False, True, True)
-    got, stats = run(gen, prompt, 100, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2)
+    got, stats = run(
+        gen, prompt, 100, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2
+    )
     assert got == plain and stats.finish_reason == "length"
     assert_plain_kv(gen, reference)
     assert stats.fork_skips > 0 and stats.alternate_selected > 0
@@ -200,14 +219,19 @@ def test_eos_inside_either_branch(tree, inside: str) -> None:
     if inside == "discarded branch only":
         eos = next(t for t in range(vocab) if t not in plain)
         # The primary chain is right; the losing branch drafts nothing but the stop id.
-        proposer = AlternateDraftProposer(0.5, fork_hook=lambda p, t, top2, gap: (
-            (sequence[p], eos) if p < len(sequence) and sequence[p] != eos else None))
+        proposer = AlternateDraftProposer(
+            0.5,
+            fork_hook=lambda p, t, top2, gap: (
+                (sequence[p], eos) if p < len(sequence) and sequence[p] != eos else None
+            ),
+        )
     else:
         selected = inside == "selected branch"
         proposer = Oracle(sequence, vocab, not selected, selected, True).proposer()
     want, want_stats = run(reference, prompt, 40, stop_ids=(eos,))
-    got, stats = run(gen, prompt, 40, stop_ids=(eos,), mode="self", gate="none", proposer=proposer,
-                     num_draft_tokens=2)
+    got, stats = run(
+        gen, prompt, 40, stop_ids=(eos,), mode="self", gate="none", proposer=proposer, num_draft_tokens=2
+    )
     assert got == want and stats.finish_reason == want_stats.finish_reason
     assert_plain_kv(gen, reference)
     assert stats.forks > 0
@@ -220,8 +244,9 @@ def test_length_limits(tree) -> None:
     oracle = Oracle(prompt + plain, tree.config.vocab_size, False, True, True)
     for limit in (1, 2, 3, 4, 7, 13):
         want, _ = run(reference, prompt, limit)
-        got, stats = run(gen, prompt, limit, mode="self", gate="none", proposer=oracle.proposer(),
-                         num_draft_tokens=2)
+        got, stats = run(
+            gen, prompt, limit, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2
+        )
         assert got == plain[:limit] == want and stats.finish_reason == "length"
         assert_plain_kv(gen, reference)
 
@@ -233,7 +258,9 @@ def test_a_consumer_that_stops_early_leaves_plain_state(tree) -> None:
     oracle = Oracle(prompt + plain, tree.config.vocab_size, False, True, True)
     for stop_after in (1, 2, 5, 8):
         gen.rewind(0)
-        tokens = stream(gen, prompt, 30, spec=SpeculationConfig("self", 2, "none", proposer=oracle.proposer()))
+        tokens = stream(
+            gen, prompt, 30, spec=SpeculationConfig("self", 2, "none", proposer=oracle.proposer())
+        )
         got = [t for _, t in zip(range(stop_after), tokens)]
         tokens.close()
         assert got == plain[:stop_after]
@@ -264,18 +291,26 @@ def test_bad_requests_name_the_problem_and_leave_the_generator_usable(tree) -> N
     prompt = [1, 2, 3, 4]
     plain, _ = run(gen, prompt, 10)
     for spec, fragment in (
-            (dict(mode="self", alternate_gap=0.0), r"in \(0, 1\]"),
-            (dict(mode="self", alternate_gap=1.5), r"in \(0, 1\]"),
-            (dict(mode="prompt-lookup", alternate_gap=0.1), "--speculative self"),
-            (dict(mode="none", alternate_gap=0.1), "--speculative self"),
-            (dict(mode="pipeline", alternate_gap=0.1), "--speculative self"),
-            (dict(mode="self", alternate_gap=0.1, proposer=AlternateDraftProposer(0.1)), "not both")):
+        (dict(mode="self", alternate_gap=0.0), r"in \(0, 1\]"),
+        (dict(mode="self", alternate_gap=1.5), r"in \(0, 1\]"),
+        (dict(mode="prompt-lookup", alternate_gap=0.1), "--speculative self"),
+        (dict(mode="none", alternate_gap=0.1), "--speculative self"),
+        (dict(mode="pipeline", alternate_gap=0.1), "--speculative self"),
+        (dict(mode="self", alternate_gap=0.1, proposer=AlternateDraftProposer(0.1)), "not both"),
+    ):
         with pytest.raises(RequestError, match=fragment):
             run(gen, prompt, 10, **spec)
     with pytest.raises(RequestError, match="greedy-only"):
         gen.rewind(0)
-        list(stream(gen, prompt, 10, spec=SpeculationConfig("self", alternate_gap=0.1),
-                    sampling=SamplingParams(temperature=0.8, seed=1)))
+        list(
+            stream(
+                gen,
+                prompt,
+                10,
+                spec=SpeculationConfig("self", alternate_gap=0.1),
+                sampling=SamplingParams(temperature=0.8, seed=1),
+            )
+        )
     plain_gen = load(artifact("ouro-r3")).new_generator()
     with pytest.raises(RequestError, match="--tree-verify"):
         run(plain_gen, prompt, 10, mode="self", alternate_gap=0.1)
@@ -290,13 +325,16 @@ def test_cli_option_and_errors() -> None:
     alt = CliRunner().invoke(main, base + ["--speculative", "self", "--gate", "none", "--alternate-gap", "1"])
     assert plain.exit_code == alt.exit_code == 0, alt.output
     import json
+
     got = json.loads(alt.output)
     assert got["tokens"] == json.loads(plain.output)["tokens"] and got["stats"]["forks"] > 0
     bad = CliRunner().invoke(main, base + ["--speculative", "self", "--alternate-gap", "2"])
     lines = bad.output.strip().splitlines()
     assert bad.exit_code == 2 and lines[-1].startswith("error: ") and "(0, 1]" in lines[-1], bad.output
     assert "Traceback" not in bad.output
-    sampled = CliRunner().invoke(main, base + ["--speculative", "self", "--alternate-gap", "0.1", "--temperature", "1"])
+    sampled = CliRunner().invoke(
+        main, base + ["--speculative", "self", "--alternate-gap", "0.1", "--temperature", "1"]
+    )
     assert sampled.exit_code == 2 and "greedy-only" in sampled.output
 
 
@@ -318,7 +356,11 @@ def test_manifest_declares_the_tree_kinds_together(tmp_path) -> None:
     lone = {**raw, "graphs": {k: v for k, v in raw["graphs"].items() if k != "tree_tail"}}
     with pytest.raises(ArtifactError, match="without the other"):
         parse_manifest(lone, tmp_path)
-    stock = {**raw, "op_set": "stock", "graphs": {k: v for k, v in raw["graphs"].items() if k not in ("cycle", "cycle_run")}}
+    stock = {
+        **raw,
+        "op_set": "stock",
+        "graphs": {k: v for k, v in raw["graphs"].items() if k not in ("cycle", "cycle_run")},
+    }
     with pytest.raises(ArtifactError, match="say there is none"):
         parse_manifest(stock, tmp_path)
 
@@ -326,7 +368,7 @@ def test_manifest_declares_the_tree_kinds_together(tmp_path) -> None:
 def test_demo_model_near_ties_and_forced_branches() -> None:
     """The trained demo model: its own near ties fork and sometimes win; forced winning branches
     leave plain greedy's tokens and KV."""
-    from loopcast.bench import BENCH_PROMPTS
+    from loopcast.bench.harness import BENCH_PROMPTS
 
     demo = load(artifact("demo", tree_verify=True))
     gen, reference = demo.new_generator(), demo.new_generator()
@@ -339,7 +381,9 @@ def test_demo_model_near_ties_and_forced_branches() -> None:
         assert_plain_kv(gen, reference)
         selected += stats.alternate_selected
         oracle = Oracle(prompt + plain, demo.config.vocab_size, False, True)
-        got, stats = run(gen, prompt, 48, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2)
+        got, stats = run(
+            gen, prompt, 48, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2
+        )
         assert got == plain and stats.alternate_selected == stats.forks > 0
         assert_plain_kv(gen, reference)
     assert selected > 0

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import onnxruntime as ort
 import pytest
-
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.batch_generator import BatchGenerator
-from loopcast.ort_runtime.batching import BatchingEngine, BatchRequest
+from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest
+from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
+
 from tests.artifacts import artifact
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
-                       reason="needs onnxruntime-gpu (CUDAExecutionProvider)"),
+    pytest.mark.skipif(
+        "CUDAExecutionProvider" not in ort.get_available_providers(),
+        reason="needs onnxruntime-gpu (CUDAExecutionProvider)",
+    ),
 ]
 
 

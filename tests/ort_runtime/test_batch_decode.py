@@ -1,4 +1,4 @@
-"""Batched decode (graphs/batched.py, ort_runtime/batch_generator.py): a decode_batch row is the
+"""Batched decode (graphs/batched.py, ort_runtime/binding/batch_generator.py): a decode_batch row is the
 single-sequence decode row, bit for bit, on the CPU in fp32 with the loopcast-attention op set
 (the default), so batched greedy equals single-sequence greedy token for token."""
 
@@ -9,11 +9,11 @@ import shutil
 
 import numpy as np
 import pytest
+from loopcast.ort_runtime import load
+from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import DECODE_BATCH, Manifest
-from loopcast.ort_runtime import load
-from loopcast.ort_runtime.batch_generator import BatchGenerator
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13, 14], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
@@ -143,7 +143,7 @@ def test_verify_batch_rows_equal_decode_rows(name):
         assert bg.prefill(slot, prompt)[0] == greedy[slot][0]
     targets, logits = bg.verify(rows, want_logits=True)
     for slot, ids in rows.items():
-        assert targets[slot] == greedy[slot][1:len(ids) + 1]
+        assert targets[slot] == greedy[slot][1 : len(ids) + 1]
         gen = model.new_generator()
         gen.prefill(prompts[slot])
         for i, token in enumerate(ids):
@@ -188,14 +188,16 @@ def test_graph_ids_per_width_and_fallback(fail):
         stand_ins[kind] = _CaptureStandIn(loaded.sessions[kind], fail)
         return stand_ins[kind]
 
-    fake = dataclasses.replace(loaded, _session_factory=factory, _captured={}, _graph_ids={}, graph_fallbacks={})
+    fake = dataclasses.replace(
+        loaded, _session_factory=factory, _captured={}, _graph_ids={}, graph_fallbacks={}
+    )
     bg = BatchGenerator(fake, cuda_graphs="always")
     assert bg.captured == {DECODE_BATCH, "verify_batch"}
-    got, _ = _run_batched(bg, PROMPTS[:3], 8)                  # 7 decode steps at width 3
+    got, _ = _run_batched(bg, PROMPTS[:3], 8)  # 7 decode steps at width 3
     pending = {0: got[0][-1]}
     for s in (1, 2):
         bg.release(s)
-    bg.decode(pending)                                         # width 1: another graph id
+    bg.decode(pending)  # width 1: another graph id
     for i, prompt in enumerate(PROMPTS[:3]):
         assert got[i] == list(model.stream_ids(prompt, 8, stop_ids=()))
     if fail:
@@ -203,4 +205,4 @@ def test_graph_ids_per_width_and_fallback(fail):
         assert stand_ins[DECODE_BATCH].graph_ids == []
     else:
         ids = stand_ins[DECODE_BATCH].graph_ids
-        assert len(set(ids)) == 2 and len(ids) == 8            # widths 3 and 1, one id each
+        assert len(set(ids)) == 2 and len(ids) == 8  # widths 3 and 1, one id each

@@ -13,12 +13,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
-from loopcast.ort_runtime.exactness import decode_rows
 from loopcast.custom_ops.build import find_ort_include
-from loopcast.manifest import DRAFT, VERIFY, VERIFY_TAIL, Manifest
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.proposers import SelfDraftProposer
+from loopcast.ort_runtime.decoding.exactness import decode_rows
+from loopcast.ort_runtime.decoding.proposers import SelfDraftProposer
+
+from loopcast.manifest import DRAFT, VERIFY, VERIFY_TAIL, Manifest
 from tests.artifacts import TINY, artifact, reference
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
@@ -35,8 +35,12 @@ def _needs_compiler():
 
 
 def _bi(name: str, **kw):
-    return artifact(name, draft_depth=1 if TINY.get(name, None) is None or TINY[name].num_loops > 1 else None,
-                    batch_invariant=True, **kw)
+    return artifact(
+        name,
+        draft_depth=1 if TINY.get(name, None) is None or TINY[name].num_loops > 1 else None,
+        batch_invariant=True,
+        **kw,
+    )
 
 
 def _decode_rows(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
@@ -58,15 +62,22 @@ def test_verify_rows_are_the_decode_rows_bit_for_bit(name: str) -> None:
     model = load(_bi(name))
     W = model.loaded.manifest.verify_width
     rng = np.random.default_rng(5)
-    prompts = [model.encode(p) for p in DEMO_PROMPTS[:4]] if name == "demo" else \
-        [rng.integers(0, model.config.vocab_size, n).tolist() for n in (1, 6, 13)]
+    prompts = (
+        [model.encode(p) for p in DEMO_PROMPTS[:4]]
+        if name == "demo"
+        else [rng.integers(0, model.config.vocab_size, n).tolist() for n in (1, 6, 13)]
+    )
     for prompt in prompts:
         fed, rows = _decode_rows(model, prompt, W)
         gen = model.new_generator()
         gen.prefill(prompt)
         out = gen.run(VERIFY, gen.n, tokens=fed)
         for i in range(W):
-            assert np.array_equal(out.logits[i], rows[i]), (name, i, float(np.abs(out.logits[i] - rows[i]).max()))
+            assert np.array_equal(out.logits[i], rows[i]), (
+                name,
+                i,
+                float(np.abs(out.logits[i] - rows[i]).max()),
+            )
         # Fewer real rows than W (padding repeats the last token) changes nothing either.
         short = model.new_generator()
         short.prefill(prompt)
@@ -117,22 +128,27 @@ def test_forced_rejections_keep_exact_tokens(kind: str) -> None:
     prompt = model.encode("def merge(left, right):\n    result = []\n")
     plain = model.generate(prompt, 64, stop_ids=())
     vocab = model.config.vocab_size
-    perturb = {"always-wrong": lambda i, t: (t + 1) % vocab,
-               "last-wrong": lambda i, t: (t + 3) % vocab if i == 3 else t}[kind]
-    spec = model.generate(prompt, 64, stop_ids=(), speculative="self", num_draft_tokens=4,
-                          proposer=SelfDraftProposer(perturb))
+    perturb = {
+        "always-wrong": lambda i, t: (t + 1) % vocab,
+        "last-wrong": lambda i, t: (t + 3) % vocab if i == 3 else t,
+    }[kind]
+    spec = model.generate(
+        prompt, 64, stop_ids=(), speculative="self", num_draft_tokens=4, proposer=SelfDraftProposer(perturb)
+    )
     assert spec.tokens == plain.tokens
 
 
 def test_cli_target_cuda_selects_the_loopcast_ops(tmp_path) -> None:
     from click.testing import CliRunner
-
     from loopcast.cli import main
+
     from tests.artifacts import checkpoint
 
     # cpu: the default fp32 op set, the loopcast attention op with stock MatMul (exact on the CPU)
     for target, ops in (("cuda", OPS), ("cpu", ["BatchInvariantAttention", "LaneStep", "RowAttention"])):
         out = tmp_path / target
-        result = CliRunner().invoke(main, ["export", str(checkpoint("ouro-r3")), "-o", str(out), "--target", target])
+        result = CliRunner().invoke(
+            main, ["export", str(checkpoint("ouro-r3")), "-o", str(out), "--target", target]
+        )
         assert result.exit_code == 0, result.output
         assert Manifest.read(out).custom_ops == ops, target

@@ -1,4 +1,4 @@
-"""Continuous batching (ort_runtime/batching.py): requests that join and leave between steps get
+"""Continuous batching (ort_runtime/batching/engine.py): requests that join and leave between steps get
 exactly the tokens of plain generation; stop ids, max tokens, sampling, cancellation, admission."""
 
 from __future__ import annotations
@@ -7,12 +7,18 @@ import random
 import threading
 
 import pytest
+from loopcast.ort_runtime import load
+from loopcast.ort_runtime.batching.engine import (
+    BatchGate,
+    BatchingEngine,
+    BatchRequest,
+    CapacityError,
+    SequentialEngine,
+)
+from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
+from loopcast.ort_runtime.decoding.sampling import SamplingParams
 
 from loopcast.errors import RequestError
-from loopcast.ort_runtime import load
-from loopcast.ort_runtime.batch_generator import BatchGenerator
-from loopcast.ort_runtime.batching import BatchGate, BatchingEngine, BatchRequest, CapacityError, SequentialEngine
-from loopcast.ort_runtime.sampling import SamplingParams
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 
@@ -24,7 +30,9 @@ def model():
 
 def _workload(seed: int, n: int, vocab: int = 90):
     rng = random.Random(seed)
-    return [([rng.randrange(vocab) for _ in range(rng.randrange(1, 10))], rng.randrange(1, 16)) for _ in range(n)]
+    return [
+        ([rng.randrange(vocab) for _ in range(rng.randrange(1, 10))], rng.randrange(1, 16)) for _ in range(n)
+    ]
 
 
 def test_join_and_leave_equal_plain_greedy(model):
@@ -69,10 +77,12 @@ def test_stop_ids_and_sampling(model):
     engine = BatchingEngine(BatchGenerator(model.loaded)).start()
     try:
         c = engine.submit(BatchRequest(prompt, 12, stop_ids=(stop,)))
-        assert c.result(30) == plain[:plain.index(stop) + 1] and c.finish_reason == "eos"
+        assert c.result(30) == plain[: plain.index(stop) + 1] and c.finish_reason == "eos"
         params = SamplingParams(temperature=0.9, top_k=20, seed=7)
         sampled = [engine.submit(BatchRequest(p, 10, sampling=params)) for p in ([1, 2], [3, 4, 5], [1, 2])]
-        expected = [list(model.stream_ids(p, 10, stop_ids=(), sampling=params)) for p in ([1, 2], [3, 4, 5], [1, 2])]
+        expected = [
+            list(model.stream_ids(p, 10, stop_ids=(), sampling=params)) for p in ([1, 2], [3, 4, 5], [1, 2])
+        ]
         assert [c.result(30) for c in sampled] == expected
     finally:
         engine.shutdown()
@@ -128,8 +138,9 @@ def test_sequential_engine_matches(model):
     work = _workload(2, 4)
     engine = SequentialEngine(model).start()
     try:
-        assert [engine.submit(BatchRequest(p, k)).result(60) for p, k in work] == \
-            [list(model.stream_ids(p, k, stop_ids=())) for p, k in work]
+        assert [engine.submit(BatchRequest(p, k)).result(60) for p, k in work] == [
+            list(model.stream_ids(p, k, stop_ids=())) for p, k in work
+        ]
     finally:
         engine.shutdown()
 
@@ -166,10 +177,12 @@ def test_speculation_per_request_equals_plain_greedy(model, proposer):
         sampled = engine.submit(BatchRequest([1, 2, 3], 12, sampling=params, speculative="prompt-lookup"))
         done = [engine.submit(BatchRequest(p, k, speculative="prompt-lookup")) for p, k in work]
         stop = expected[0][min(3, len(expected[0]) - 1)]
-        stopped = engine.submit(BatchRequest(work[0][0], work[0][1], stop_ids=(stop,), speculative="prompt-lookup"))
+        stopped = engine.submit(
+            BatchRequest(work[0][0], work[0][1], stop_ids=(stop,), speculative="prompt-lookup")
+        )
         assert [c.result(60) for c in done] == expected
         assert sampled.result(60) == list(model.stream_ids([1, 2, 3], 12, stop_ids=(), sampling=params))
-        assert stopped.result(60) == expected[0][:expected[0].index(stop) + 1]
+        assert stopped.result(60) == expected[0][: expected[0].index(stop) + 1]
         assert engine.stats["verify_steps"] > 0 and engine.stats["proposed"] > 0
         if proposer == "always-wrong":
             assert engine.stats["accepted"] == 0
@@ -182,14 +195,14 @@ def test_speculation_per_request_equals_plain_greedy(model, proposer):
 
 def test_gate_turns_verify_off_when_it_does_not_pay():
     gate = BatchGate(probe_every=4)
-    assert not gate.engage(2, 2, 1)                   # no decode cost at this width yet: measure it
-    for seconds in (1.0, 0.01, 0.01):                 # the first run of a binding is left out
+    assert not gate.engage(2, 2, 1)  # no decode cost at this width yet: measure it
+    for seconds in (1.0, 0.01, 0.01):  # the first run of a binding is left out
         gate.observe_cost("decode_batch", 2, seconds)
-    assert gate.engage(2, 2, 1)                       # verify cost unknown: try it
+    assert gate.engage(2, 2, 1)  # verify cost unknown: try it
     for seconds in (1.0, 0.05, 0.05):
         gate.observe_cost("verify_batch", 2, seconds)
     gate.observe_accept(0.0)
     for _ in range(20):
         gate.observe_accept(0.0)
     decisions = [gate.engage(2, 2, 1) for _ in range(8)]
-    assert decisions.count(True) == 2                 # only the probes every 4 steps
+    assert decisions.count(True) == 2  # only the probes every 4 steps

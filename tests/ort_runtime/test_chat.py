@@ -8,20 +8,22 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from loopcast.cli import main
-from loopcast.errors import ArtifactError, RequestError
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.chat import load_chat_template
+from loopcast.ort_runtime.text.chat import load_chat_template
+
+from loopcast.errors import ArtifactError, RequestError
 from tests.artifacts import artifact
 
 transformers = pytest.importorskip("transformers")
 
 DEMO = Path(__file__).resolve().parents[2] / "loopcast" / "demo_model"
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 # Qwen2.5-style: a default system prompt when the conversation has none.
 DEFAULT_SYSTEM = """{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
@@ -50,9 +52,16 @@ FEATURES = """{{ bos_token }}{% set ns = namespace(turns=0) %}
 
 MESSAGES = [
     [{"role": "user", "content": "def add(a, b):"}],
-    [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list <quickly> & \"well\""}],
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "ünïcode ✓"},
-     {"role": "assistant", "content": "dropped by the break"}],
+    [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": 'Sort a list <quickly> & "well"'},
+    ],
+    [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "ünïcode ✓"},
+        {"role": "assistant", "content": "dropped by the break"},
+    ],
 ]
 
 
@@ -71,14 +80,16 @@ def _tokenizer_dir(tmp_path: Path, *, config_template=None, jinja=None) -> Path:
 
 def _ours(path: Path, messages, add_generation_prompt=True) -> list[int]:
     from tokenizers import Tokenizer
+
     text = load_chat_template(path).render(messages, add_generation_prompt=add_generation_prompt)
     return Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
 
 
 def _theirs(path: Path, messages, add_generation_prompt=True) -> list[int]:
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
-    out = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                  return_dict=True)
+    out = tok.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+    )
     return list(out["input_ids"])
 
 
@@ -91,8 +102,10 @@ def test_ids_equal_transformers(tmp_path: Path, template: str, where: str) -> No
     elif where == "jinja-file":  # the file wins over a template in tokenizer_config.json
         path = _tokenizer_dir(tmp_path, config_template="WRONG {{ messages }}", jinja=source)
     else:
-        path = _tokenizer_dir(tmp_path, config_template=[{"name": "other", "template": "WRONG"},
-                                                         {"name": "default", "template": source}])
+        path = _tokenizer_dir(
+            tmp_path,
+            config_template=[{"name": "other", "template": "WRONG"}, {"name": "default", "template": source}],
+        )
     for messages in MESSAGES:
         for gen_prompt in (True, False):
             ours = _ours(path, messages, gen_prompt)
@@ -154,8 +167,20 @@ def test_artifact_chat_through_api_and_cli(chat_artifact: Path) -> None:
     assert ids == _theirs(chat_artifact, messages)
     by_messages = model.generate(messages=messages, max_new_tokens=8)
     assert by_messages.tokens == model.generate(ids, 8).tokens
-    result = CliRunner().invoke(main, ["generate", str(chat_artifact), "--chat", "def add(a, b):", "--system",
-                                       "Be brief.", "--max-new-tokens", "8", "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(chat_artifact),
+            "--chat",
+            "def add(a, b):",
+            "--system",
+            "Be brief.",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["tokens"] == by_messages.tokens
 

@@ -8,8 +8,8 @@ import threading
 
 import numpy as np
 import pytest
-
 from loopcast.ort_runtime import load
+
 from tests.artifacts import artifact
 
 MODES = [("none", "none"), ("prompt-lookup", "none"), ("self", "none")]
@@ -24,7 +24,7 @@ def model():
 def prompts(model) -> list[list[int]]:
     rng = np.random.default_rng(11)
     out = [rng.integers(1, model.config.vocab_size, n).tolist() for n in (3, 7, 12, 5)]
-    out.append([4, 5, 6, 4, 5, 6, 4, 5])       # repetitive: prompt lookup proposes drafts
+    out.append([4, 5, 6, 4, 5, 6, 4, 5])  # repetitive: prompt lookup proposes drafts
     return out
 
 
@@ -39,7 +39,7 @@ def test_interleaved_streams_equal_sequential_runs(model, prompts, mode) -> None
     got: list[list[int]] = [[] for _ in prompts]
     live = set(range(len(prompts)))
     while live:
-        for i in sorted(live):                     # one token from each stream in turn
+        for i in sorted(live):  # one token from each stream in turn
             try:
                 got[i].append(next(streams[i]))
             except StopIteration:
@@ -85,9 +85,9 @@ def test_threads_equal_sequential_runs(model, prompts) -> None:
 def test_abandoned_and_failed_calls_give_their_generator_back(model) -> None:
     first = model.stream_ids([5, 6, 7], 20)
     next(first)
-    first.close()                                    # stopped early: back in the pool
+    first.close()  # stopped early: back in the pool
     with pytest.raises(Exception, match="vocabulary"):
-        model.generate([5, 10**6], 4)                # rejected request: back in the pool too
+        model.generate([5, 10**6], 4)  # rejected request: back in the pool too
     assert len(model._pool._idle) <= 2
     # A reused generator starts from an empty sequence.
     assert model.generate([5, 6, 7], 8).tokens == model.generate([5, 6, 7], 8).tokens

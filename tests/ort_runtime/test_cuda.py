@@ -11,18 +11,20 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from loopcast.ort_runtime import load
+from loopcast.ort_runtime.decoding.exactness import decode_rows
 
-from loopcast.ort_runtime.exactness import decode_rows
 from loopcast.errors import ArtifactError
 from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, DRAFT, VERIFY, VERIFY_TAIL
-from loopcast.ort_runtime import load
 from tests.artifacts import artifact, reference
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
-                       reason="needs onnxruntime-gpu (CUDAExecutionProvider)"),
+    pytest.mark.skipif(
+        "CUDAExecutionProvider" not in ort.get_available_providers(),
+        reason="needs onnxruntime-gpu (CUDAExecutionProvider)",
+    ),
 ]
 HOT = (DECODE, VERIFY, DRAFT, VERIFY_TAIL)
 TOLERANCE = {"fp32": 1e-3, "fp16": 0.08, "bf16": 0.5}  # max |logit diff| vs the fp32 reference
@@ -40,7 +42,9 @@ def _decoded(model, prompt: str, steps: int):
 
 def _demo(dtype: str, batch_invariant: bool = False, **kw):
     ops = "loopcast" if batch_invariant else "stock"
-    return load(artifact("demo", dtype, draft_depth=1, batch_invariant=batch_invariant, ops=ops), "cuda", **kw)
+    return load(
+        artifact("demo", dtype, draft_depth=1, batch_invariant=batch_invariant, ops=ops), "cuda", **kw
+    )
 
 
 def test_fp32_stock_graphs_are_refused_on_cuda() -> None:
@@ -160,10 +164,10 @@ def test_pipeline_cycle_rows_are_decode_rows_bit_for_bit(dtype: str) -> None:
 
 @pytest.mark.parametrize("dtype,ops", [("fp16", "loopcast"), ("bf16", "loopcast"), ("fp16", "stock")])
 def test_one_device_copy_of_the_weights_gives_the_same_bits(dtype: str, ops: str) -> None:
-    """Every session reads the one device copy (ort_runtime/shared_weights.py): the decode rows
+    """Every session reads the one device copy (ort_runtime/loading/shared_weights.py): the decode rows
     (captured graphs) equal those of sessions that each load their own copy, bit for bit."""
-    from loopcast.ort_runtime.artifact import open_artifact
-    from loopcast.ort_runtime.generator import Generator
+    from loopcast.ort_runtime.binding.generator import Generator
+    from loopcast.ort_runtime.loading.artifact import open_artifact
 
     path = artifact("demo", dtype, draft_depth=1, batch_invariant=ops == "loopcast", ops=ops)
     shared = open_artifact(path, "cuda")
@@ -181,20 +185,25 @@ def test_one_device_copy_of_the_weights_gives_the_same_bits(dtype: str, ops: str
 
 
 def test_exact_device_allocations_hold_their_bytes() -> None:
-    """ort_runtime/device_memory.py: a DLPack value over one cuMemAlloc reads back what was
+    """ort_runtime/loading/device_memory.py: a DLPack value over one cuMemAlloc reads back what was
     uploaded (fp32, fp16, bf16 as raw uint16), and add_initializer accepts it (our buffer)."""
-    from loopcast.ort_runtime import device_memory
+    from loopcast.ort_runtime.loading import device_memory
 
     assert device_memory.available()
     rng = np.random.default_rng(0)
-    for onnx_type, host in ((1, rng.standard_normal((3, 5)).astype(np.float32)),
-                            (10, rng.standard_normal((4, 7)).astype(np.float16)),
-                            (16, rng.integers(0, 2**16, (2, 9), dtype=np.uint16))):
+    for onnx_type, host in (
+        (1, rng.standard_normal((3, 5)).astype(np.float32)),
+        (10, rng.standard_normal((4, 7)).astype(np.float16)),
+        (16, rng.integers(0, 2**16, (2, 9), dtype=np.uint16)),
+    ):
         value = device_memory.device_value(host.shape, onnx_type, host)
         assert value.device_name().lower() == "cuda" and value.shape() == list(host.shape)
         mirror = np.zeros_like(host)  # the host array a CPU value views (bf16 as raw uint16)
-        back = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(mirror, onnx_type) if onnx_type == 16
-                else ort.OrtValue.ortvalue_from_numpy(mirror))
+        back = (
+            ort.OrtValue.ortvalue_from_numpy_with_onnx_type(mirror, onnx_type)
+            if onnx_type == 16
+            else ort.OrtValue.ortvalue_from_numpy(mirror)
+        )
         back.update_inplace(value)  # device -> the mirror's memory
         assert np.array_equal(mirror, host)
         ort.SessionOptions().add_initializer("w", value)
@@ -206,12 +215,14 @@ def test_alternate_suffix_is_exact(dtype: str) -> None:
     decode rows of their logical positions bit for bit; forced branches (selected, partial,
     discarded, fork miss) and the model's own near ties return plain greedy's tokens and leave its
     KV, bit for bit (the winning branch's KV moved on the device)."""
-    from loopcast.ort_runtime.exactness import tree_rows_match
-    from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
+    from loopcast.ort_runtime.decoding.exactness import tree_rows_match
+    from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+
     from tests.ort_runtime.test_alternate import Oracle, assert_plain_kv
 
-    model = load(artifact("demo", dtype, draft_depth=1, batch_invariant=True, ops="loopcast", tree_verify=True),
-                 "cuda")
+    model = load(
+        artifact("demo", dtype, draft_depth=1, batch_invariant=True, ops="loopcast", tree_verify=True), "cuda"
+    )
     W = model.loaded.manifest.verify_width
     for prompt in DEMO_PROMPTS[:3]:
         gen, fed, rows = _decoded(model, prompt, W)
@@ -221,15 +232,24 @@ def test_alternate_suffix_is_exact(dtype: str) -> None:
         ids = model.encode(prompt)
         gen, reference = model.new_generator(), model.new_generator()
         plain = list(stream(reference, ids, 48))
-        for primary, alternate, continuation in ((False, True, True), (False, True, False), (True, False, None),
-                                                 (False, False, None)):
+        for primary, alternate, continuation in (
+            (False, True, True),
+            (False, True, False),
+            (True, False, None),
+            (False, False, None),
+        ):
             gen.rewind(0)
             stats = GenerationStats()
             proposer = Oracle(ids + plain, vocab, primary, alternate, continuation).proposer()
-            got = list(stream(gen, ids, 48, spec=SpeculationConfig("self", 2, "none", proposer=proposer),
-                              stats=stats))
+            got = list(
+                stream(
+                    gen, ids, 48, spec=SpeculationConfig("self", 2, "none", proposer=proposer), stats=stats
+                )
+            )
             assert got == plain and stats.forks > 0, (dtype, prompt, primary, alternate)
             assert_plain_kv(gen, reference)
         for gap in (0.1, 1.0):
-            assert model.generate(prompt, 96, speculative="self", alternate_gap=gap, gate="none").tokens == \
-                model.generate(prompt, 96).tokens, (dtype, prompt, gap)
+            assert (
+                model.generate(prompt, 96, speculative="self", alternate_gap=gap, gate="none").tokens
+                == model.generate(prompt, 96).tokens
+            ), (dtype, prompt, gap)

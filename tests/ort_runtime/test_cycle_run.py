@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from loopcast.ort_runtime import load
 
 from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, DRAFT, PREFILL, VERIFY, VERIFY_TAIL
-from loopcast.ort_runtime import load
 from tests.artifacts import artifact
+
 # the fixtures too: exact CPU artifacts required for the module, one loaded demo model
-from tests.ort_runtime.test_pipeline import _exact_artifacts, demo  # noqa: F401
-from tests.ort_runtime.test_pipeline import LOOPED, check_cycles, draft_reference, run
+from tests.ort_runtime.test_pipeline import LOOPED, _exact_artifacts, check_cycles, demo, draft_reference, run  # noqa: F401
 
 
 def _active(cycle: tuple) -> tuple:
     """A trace entry without what inactive rows hold (their rows compute on leftover states)."""
     positions, ids, entering = cycle
-    return (positions, [t if p >= 0 else None for p, t in zip(positions, ids)], entering if positions[0] >= 0 else None)
+    return (
+        positions,
+        [t if p >= 0 else None for p, t in zip(positions, ids)],
+        entering if positions[0] >= 0 else None,
+    )
 
 
 def _first_difference(a: list, b: list) -> int | None:
@@ -41,24 +45,36 @@ def test_device_schedule_is_the_host_schedule_cycle_for_cycle(name: str) -> None
     sequence = prompt + plain
     drafts = draft_reference(gen, sequence, len(prompt))
     for exit_depth in range(1, R):
-        device, d_stats = run(gen, prompt, 48, speculative="pipeline", gate="none", pipeline_exit=exit_depth,
-                              trace=True)
+        device, d_stats = run(
+            gen, prompt, 48, speculative="pipeline", gate="none", pipeline_exit=exit_depth, trace=True
+        )
         calls = gen.step_counts[CYCLE_RUN]
-        host, h_stats = run(gen, prompt, 48, speculative="pipeline", gate="none", pipeline_exit=exit_depth,
-                            trace=True, device_lanes=False)
+        host, h_stats = run(
+            gen,
+            prompt,
+            48,
+            speculative="pipeline",
+            gate="none",
+            pipeline_exit=exit_depth,
+            trace=True,
+            device_lanes=False,
+        )
         assert device == host == plain, exit_depth
         d_trace, h_trace = d_stats.pipeline_trace, h_stats.pipeline_trace
         # The host stops at the last token; the device finishes its run (at most K - 1 cycles more).
         assert len(h_trace) <= len(d_trace) < len(h_trace) + gen.cycle_run.cycles
         assert _first_difference(d_trace, h_trace) is None, (exit_depth, _first_difference(d_trace, h_trace))
-        assert check_cycles(d_trace, sequence, len(prompt), R, exit_depth,
-                            drafts if exit_depth == 1 else None) >= len(plain) - 1
+        assert (
+            check_cycles(d_trace, sequence, len(prompt), R, exit_depth, drafts if exit_depth == 1 else None)
+            >= len(plain) - 1
+        )
         assert (d_stats.accepted, d_stats.proposed) == (h_stats.accepted, h_stats.proposed)
         assert d_stats.cycles == len(d_trace) > 0 and calls > 0
 
 
 def test_demo_equals_plain_and_counts_every_cycle(demo) -> None:
     from tests.ort_runtime.test_generator import DEMO_PROMPTS
+
     K = None
     for prompt in DEMO_PROMPTS[:6]:
         plain = demo.generate(prompt, 64)
@@ -88,7 +104,7 @@ def test_eos_and_length_limit_inside_a_run(demo) -> None:
         assert gen.n == n_after
         # the rounds the run finished past the stop are dropped: plain decoding goes on exactly
         cont = list(demo.stream_ids([want[-1]], 12, stop_ids=(), generator=gen))
-        assert want + cont == plain[:len(want) + 12]
+        assert want + cont == plain[: len(want) + 12]
     for limit in (1, 2, 5, 17):
         got, stats = run(gen, prompt, limit, speculative="pipeline", gate="none")
         assert got == plain[:limit] and stats.finish_reason == "length"

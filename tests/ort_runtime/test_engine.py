@@ -1,5 +1,5 @@
 """The speculation engine's contracts: one round loop for every proposer, exactness known and
-enforced, gates on by default (ort_runtime/speculate.py, proposers.py, gates.py)."""
+enforced, gates on by default (ort_runtime/decoding/speculate.py, proposers.py, gates.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import sys
 
 import numpy as np
 import pytest
+from loopcast.ort_runtime import load
+from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, SelfDraftProposer
+from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
 
 from loopcast.errors import RequestError
 from loopcast.manifest import Manifest
-from loopcast.ort_runtime import load
-from loopcast.ort_runtime.proposers import PromptLookupProposer, SelfDraftProposer
-from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 
@@ -36,7 +36,7 @@ class RecordingProposer:
         self.advanced += committed
 
     def propose(self, context: list[int], k: int) -> list[int]:
-        truth = self.sequence[len(context):len(context) + k]
+        truth = self.sequence[len(context) : len(context) + k]
         return [t if (len(context) + i) % 3 else (t + 1) % 50 for i, t in enumerate(truth)]
 
 
@@ -51,14 +51,15 @@ def test_user_proposer_through_the_public_api(tiny) -> None:
     plain = tiny.generate(prompt, 40, stop_ids=())
     proposer = RecordingProposer(prompt + plain.tokens)
     gen = tiny.new_generator()
-    out = tiny.generate(prompt, 40, stop_ids=(), speculative="custom", proposer=proposer, gate="none",
-                        generator=gen)
+    out = tiny.generate(
+        prompt, 40, stop_ids=(), speculative="custom", proposer=proposer, gate="none", generator=gen
+    )
     assert out.tokens == plain.tokens and out.stats.exact_greedy
     assert out.stats.speculative == "custom" and out.stats.strategy == "verify"
     assert 0 < out.stats.accepted < out.stats.proposed  # some drafts spoiled, some right
     assert proposer.resets == [gen]
     # advance hears exactly the committed tokens, in order (pending + accepted drafts per round)
-    assert proposer.advanced[:len(out.tokens) - 1] == out.tokens[:-1]
+    assert proposer.advanced[: len(out.tokens) - 1] == out.tokens[:-1]
 
 
 def test_custom_mode_needs_a_proposer_and_a_proposer_must_propose(tiny) -> None:
@@ -82,8 +83,10 @@ def test_speculation_on_an_inexact_artifact_is_refused_unless_allowed() -> None:
     assert not loose.stats.exact_verify and not loose.stats.exact_greedy
 
 
-@pytest.mark.parametrize("ops,expected", [("loopcast-attention", {"cpu": True, "cuda": False}),
-                                          ("loopcast", {"cpu": True, "cuda": True})])
+@pytest.mark.parametrize(
+    "ops,expected",
+    [("loopcast-attention", {"cpu": True, "cuda": False}), ("loopcast", {"cpu": True, "cuda": True})],
+)
 def test_exactness_is_measured_and_declared(ops: str, expected: dict) -> None:
     require_exact_cpu_artifacts()
     manifest = Manifest.read(artifact("ouro-r2-gqa", ops=ops))
@@ -143,7 +146,7 @@ def test_stood_down_gate_runs_plain_streaks_that_stop_where_plain_decoding_stops
     (``CostGate.plain_streak``), each token emitted as it comes: a stop id, the token budget and
     the KV capacity end the generation at the same token as plain decoding, with the generator
     where plain decoding leaves it."""
-    from loopcast.ort_runtime.gates import CostGate
+    from loopcast.ort_runtime.decoding.gates import CostGate
 
     streaks = []
     original = CostGate.plain_streak
@@ -166,7 +169,7 @@ def test_stood_down_gate_runs_plain_streaks_that_stop_where_plain_decoding_stops
         first = plain.index(stop)
         gen = tiny.new_generator()
         out = list(stream(gen, prompt, 120, stop_ids=(stop,), spec=_stood_down_self(tiny)))
-        assert out == plain[:first + 1] and gen.n == len(prompt) + first
+        assert out == plain[: first + 1] and gen.n == len(prompt) + first
     for budget in range(1, 40, 3):
         gen = tiny.new_generator()
         assert list(stream(gen, prompt, budget, spec=_stood_down_self(tiny))) == plain[:budget]
@@ -184,7 +187,7 @@ def test_auto_gate_engages_when_drafts_are_right(tiny) -> None:
     prompt = [4, 4, 6]
     plain = tiny.generate(prompt, 60, stop_ids=()).tokens
     oracle = RecordingProposer(prompt + plain)
-    oracle.propose = lambda context, k: (prompt + plain)[len(context):len(context) + k]
+    oracle.propose = lambda context, k: (prompt + plain)[len(context) : len(context) + k]
     spec = SpeculationConfig("custom", proposer=oracle, costs=Costs())
     stats = GenerationStats()
     assert list(stream(tiny.new_generator(), prompt, 60, spec=spec, stats=stats)) == plain
@@ -203,7 +206,7 @@ def test_auto_gate_prices_the_host_work_of_a_round(tiny) -> None:
             return 6.0
 
     oracle = RecordingProposer(prompt + plain)
-    oracle.propose = lambda context, k: (prompt + plain)[len(context):len(context) + k]
+    oracle.propose = lambda context, k: (prompt + plain)[len(context) : len(context) + k]
     stats = GenerationStats()
     spec = SpeculationConfig("custom", proposer=oracle, costs=HostBound())
     assert list(stream(tiny.new_generator(), prompt, 60, spec=spec, stats=stats)) == plain
@@ -214,16 +217,21 @@ def test_auto_gate_prices_the_host_work_of_a_round(tiny) -> None:
 def test_host_factor_follows_the_engine_round_timers(tiny) -> None:
     """StepCosts.host_factor from the engine's timers: rounds that are all steady step time price
     at 1; host work per call raises the factor; plain rounds' own host work lowers it."""
-    from loopcast.ort_runtime.gates import (DECODE_ROUND, SPEC_ROUND, SPEC_ROUND_CALLS, SPEC_ROUND_DEVICE,
-                                            StepCosts)
+    from loopcast.ort_runtime.decoding.gates import (
+        DECODE_ROUND,
+        SPEC_ROUND,
+        SPEC_ROUND_CALLS,
+        SPEC_ROUND_DEVICE,
+        StepCosts,
+    )
 
     gen = tiny.new_generator()
     costs = StepCosts(gen, 0.3)
-    assert costs.host_factor() == 1.0                       # nothing measured yet
-    gen.timed_seconds["decode"], gen.timed_counts["decode"] = 1.0, 10   # decode 0.1 s
+    assert costs.host_factor() == 1.0  # nothing measured yet
+    gen.timed_seconds["decode"], gen.timed_counts["decode"] = 1.0, 10  # decode 0.1 s
     gen.timed_seconds[SPEC_ROUND], gen.timed_seconds[SPEC_ROUND_DEVICE] = 3.0, 2.0
     gen.timed_counts[SPEC_ROUND], gen.timed_counts[SPEC_ROUND_CALLS] = 2, 10  # 0.1 s host per call
-    assert abs(costs.host_factor() - 1.5 / 2.0) < 1e-9     # plain priced with the same 0.1 s per call
+    assert abs(costs.host_factor() - 1.5 / 2.0) < 1e-9  # plain priced with the same 0.1 s per call
     gen.timed_seconds[DECODE_ROUND], gen.timed_counts[DECODE_ROUND] = 1.1, 10  # plain: 0.11 per 0.1 step
     assert abs(costs.host_factor() - 1.5 / 1.1) < 1e-9
     tokens = list(stream(tiny.new_generator(), [4, 4, 6], 24, spec=SpeculationConfig("self", gate="auto")))
@@ -234,8 +242,8 @@ def test_prompt_lookup_index_matches_a_plain_scan() -> None:
     def scan(seq, k, lo, hi):  # the definition: latest earlier occurrence of the last n tokens
         for n in range(min(hi, len(seq) - 1), lo - 1, -1):
             for start in range(len(seq) - n - 1, -1, -1):
-                if seq[start:start + n] == seq[-n:]:
-                    return seq[start + n:start + n + k]
+                if seq[start : start + n] == seq[-n:]:
+                    return seq[start + n : start + n + k]
         return []
 
     rng = np.random.default_rng(3)
@@ -252,8 +260,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_reports_the_default_gate_and_refuses_inexact_speculation() -> None:
     require_exact_cpu_artifacts()
-    proc = _cli("generate", str(artifact("ouro-r3")), "--prompt-ids", "3,4,5", "--max-new-tokens", "12",
-                "--speculative", "self", "--json")
+    proc = _cli(
+        "generate",
+        str(artifact("ouro-r3")),
+        "--prompt-ids",
+        "3,4,5",
+        "--max-new-tokens",
+        "12",
+        "--speculative",
+        "self",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     stats = json.loads(proc.stdout)["stats"]
     assert stats["gate"] == "auto" and stats["gate_report"]["name"] == "cost" and stats["exact_greedy"]
@@ -261,8 +278,18 @@ def test_cli_reports_the_default_gate_and_refuses_inexact_speculation() -> None:
     proc = _cli("generate", stock, "--prompt-ids", "3,4,5", "--max-new-tokens", "4", "--speculative", "self")
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "--allow-inexact" in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
-    proc = _cli("generate", stock, "--prompt-ids", "3,4,5", "--max-new-tokens", "4", "--speculative", "self",
-                "--allow-inexact", "--json")
+    proc = _cli(
+        "generate",
+        stock,
+        "--prompt-ids",
+        "3,4,5",
+        "--max-new-tokens",
+        "4",
+        "--speculative",
+        "self",
+        "--allow-inexact",
+        "--json",
+    )
     assert proc.returncode == 0 and json.loads(proc.stdout)["stats"]["exact_greedy"] is False
 
 
@@ -270,7 +297,7 @@ def test_probes_that_leave_the_gate_down_space_out_even_when_they_hit() -> None:
     """Drafts accepted at α = 0.6 on a strategy that never pays (a round of one draft costs
     3.3 decode steps): every probe hits, none engages the gate, and the wait between probes
     doubles up to its cap instead of restarting at every hit."""
-    from loopcast.ort_runtime.gates import CostGate
+    from loopcast.ort_runtime.decoding.gates import CostGate
 
     class Dear:
         kinds = ("draft", "verify_tail")

@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from loopcast.cli import main
+
 from tests.artifacts import artifact
 
 PROMPT = "def fibonacci(n):\n"
 
 
 def _run(*args, input=None):
-    return CliRunner().invoke(main, ["generate", str(artifact("demo")), "--max-new-tokens", "12", "--json", *args],
-                              input=input)
+    return CliRunner().invoke(
+        main, ["generate", str(artifact("demo")), "--max-new-tokens", "12", "--json", *args], input=input
+    )
 
 
 def _tokens(result) -> list[int]:
@@ -32,8 +33,20 @@ def test_prompt_file_and_stdin_equal_prompt(tmp_path: Path) -> None:
 
 
 def test_sampling_options_are_seeded() -> None:
-    args = ("--prompt", PROMPT, "--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.01",
-            "--repetition-penalty", "1.1")
+    args = (
+        "--prompt",
+        PROMPT,
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.95",
+        "--min-p",
+        "0.01",
+        "--repetition-penalty",
+        "1.1",
+    )
     a = _run(*args, "--seed", "7")
     assert _tokens(a) == _tokens(_run(*args, "--seed", "7"))
     assert json.loads(a.output)["stats"]["sampling"]["seed"] == 7
@@ -43,17 +56,25 @@ def test_sampling_options_are_seeded() -> None:
     assert _tokens(_run("--prompt", PROMPT, "--temperature", "0")) == greedy
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--prompt", "x", "--prompt-file", "p.txt"], "got --prompt, --prompt-file"),
-    (["--prompt-file", "/nonexistent/p.txt"], "/nonexistent/p.txt"),
-    (["--system", "be brief", "--prompt", "x"], "--system goes with --chat"),
-    (["--prompt", "x", "--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--prompt", "x", "--stop", ""], "stop strings must be non-empty"),
-    (["--prompt", "x", "--seed", "1", "--speculative", "prompt-lookup", "--num-draft-tokens", "9"],
-     "--num-draft-tokens must be in 1..4"),
-    (["--prompt", "x", "--seed", "1", "--speculative", "self", "--gate", "cost"], "gate cost decides on measured"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--prompt", "x", "--prompt-file", "p.txt"], "got --prompt, --prompt-file"),
+        (["--prompt-file", "/nonexistent/p.txt"], "/nonexistent/p.txt"),
+        (["--system", "be brief", "--prompt", "x"], "--system goes with --chat"),
+        (["--prompt", "x", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--prompt", "x", "--stop", ""], "stop strings must be non-empty"),
+        (
+            ["--prompt", "x", "--seed", "1", "--speculative", "prompt-lookup", "--num-draft-tokens", "9"],
+            "--num-draft-tokens must be in 1..4",
+        ),
+        (
+            ["--prompt", "x", "--seed", "1", "--speculative", "self", "--gate", "cost"],
+            "gate cost decides on measured",
+        ),
+    ],
+)
 def test_bad_options_are_one_error_line(args, fragment: str) -> None:
     result = CliRunner().invoke(main, ["generate", str(artifact("demo")), *args])
     assert result.exit_code == 2, result.output

@@ -4,19 +4,33 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.speculate import stream
+from loopcast.ort_runtime.decoding.speculate import stream
+
 from tests.artifacts import TINY, artifact, reference
 
 DEMO_PROMPTS = [
-    "def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
-    "    def __repr__(self):\n        return ", "for i in range(10):\n", "# Copyright 2001 Python Software",
-    "def main(argv=None):\n    parser = ", "    try:\n        import", "\"\"\"Tests for the", "if __name__ ==",
-    "    @property\n    def name(self):\n", "raise ValueError(", "    with open(path) as f:\n",
-    "from collections import", "def test_", "    self.assertEqual(", "    return self._", "lambda x:",
-    "async def fetch(", "        for key, value in",
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    def __repr__(self):\n        return ",
+    "for i in range(10):\n",
+    "# Copyright 2001 Python Software",
+    "def main(argv=None):\n    parser = ",
+    "    try:\n        import",
+    '"""Tests for the',
+    "if __name__ ==",
+    "    @property\n    def name(self):\n",
+    "raise ValueError(",
+    "    with open(path) as f:\n",
+    "from collections import",
+    "def test_",
+    "    self.assertEqual(",
+    "    return self._",
+    "lambda x:",
+    "async def fetch(",
+    "        for key, value in",
 ]
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.api import LoopcastModel
+
+from loopcast.manifest import DECODE, DRAFT, VERIFY, VERIFY_TAIL
 from tests.artifacts import artifact
 
 PROMPT = "def merge(left, right):\n    result = []\n"
@@ -37,16 +37,25 @@ class _FailingCapture:
         return self._session.run_with_iobinding(binding, run_options)
 
 
-def _as_captured(model: LoopcastModel, failing: frozenset[str] = frozenset(),
-                 eager_fails: bool = False) -> LoopcastModel:
+def _as_captured(
+    model: LoopcastModel, failing: frozenset[str] = frozenset(), eager_fails: bool = False
+) -> LoopcastModel:
     loaded = model.loaded
     sessions = {k: _FailingCapture(s) if k in failing else s for k, s in loaded.sessions.items()}
 
     def factory(kind, capture):  # the eager stand-in
         return _FailingCapture(loaded.sessions[kind], always=True) if eager_fails else loaded.sessions[kind]
 
-    return LoopcastModel(dataclasses.replace(loaded, sessions=sessions, graph_kinds=HOT & set(sessions),
-                                             _graph_ids={}, _eager={}, _session_factory=factory))
+    return LoopcastModel(
+        dataclasses.replace(
+            loaded,
+            sessions=sessions,
+            graph_kinds=HOT & set(sessions),
+            _graph_ids={},
+            _eager={},
+            _session_factory=factory,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +66,9 @@ def demo():
 def test_counters_follow_warmup_capture_replay(demo) -> None:
     model = _as_captured(demo)
     gen = model.new_generator()
-    out = model.generate(PROMPT, 40, stop_ids=(), speculative="self", generator=gen, gate="none",
-                         allow_inexact=True)
+    out = model.generate(
+        PROMPT, 40, stop_ids=(), speculative="self", generator=gen, gate="none", allow_inexact=True
+    )
     slots = gen.graph_slots()
     assert set(slots) == set(HOT)
     for kind, slot in slots.items():
@@ -81,8 +91,9 @@ def test_failed_capture_falls_back_to_eager_with_the_same_tokens(demo, mode: str
     plain = demo.generate(PROMPT, 48, stop_ids=(), speculative=mode, gate="none", allow_inexact=True)
     model = _as_captured(demo, failing=frozenset({DECODE, VERIFY_TAIL, VERIFY}))
     gen = model.new_generator()
-    out = model.generate(PROMPT, 48, stop_ids=(), speculative=mode, generator=gen, gate="none",
-                         allow_inexact=True)
+    out = model.generate(
+        PROMPT, 48, stop_ids=(), speculative=mode, generator=gen, gate="none", allow_inexact=True
+    )
     assert out.tokens == plain.tokens
     slots = gen.graph_slots()
     for kind in (DECODE, VERIFY_TAIL, VERIFY):

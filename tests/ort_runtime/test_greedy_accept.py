@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-
-from loopcast.ort_runtime.accept import greedy_accept
+from loopcast.ort_runtime.decoding.greedy_accept import greedy_accept
 
 
 def test_all_accepted_gives_bonus() -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from loopcast.cli import main
 from loopcast.ort_runtime import load
+
 from tests.artifacts import artifact
 
 PROMPT, NEW = [5, 6, 7], 6
@@ -35,53 +35,91 @@ def _set(raw: dict, path: str, value) -> None:
 
 # (id, manifest field path, value): wrong types, out-of-range values, inconsistent values.
 FIELD_CASES = [
-    ("max_length-str", "max_length", "32"), ("max_length-float", "max_length", 32.5),
-    ("max_length-neg", "max_length", -1), ("max_length-huge", "max_length", 10**12),
-    ("max_length-other", "max_length", 16), ("max_length-bool", "max_length", True),
-    ("rows-str", "graphs.verify.rows", "5"), ("rows-other", "graphs.verify.rows", 3),
-    ("rows-null", "graphs.decode.rows", None), ("rows-float", "graphs.decode.rows", 1.0),
-    ("file-int", "graphs.decode.file", 5), ("file-null", "graphs.decode.file", None),
-    ("file-empty", "graphs.decode.file", ""), ("file-abs", "graphs.decode.file", "/etc/passwd"),
+    ("max_length-str", "max_length", "32"),
+    ("max_length-float", "max_length", 32.5),
+    ("max_length-neg", "max_length", -1),
+    ("max_length-huge", "max_length", 10**12),
+    ("max_length-other", "max_length", 16),
+    ("max_length-bool", "max_length", True),
+    ("rows-str", "graphs.verify.rows", "5"),
+    ("rows-other", "graphs.verify.rows", 3),
+    ("rows-null", "graphs.decode.rows", None),
+    ("rows-float", "graphs.decode.rows", 1.0),
+    ("file-int", "graphs.decode.file", 5),
+    ("file-null", "graphs.decode.file", None),
+    ("file-empty", "graphs.decode.file", ""),
+    ("file-abs", "graphs.decode.file", "/etc/passwd"),
     ("file-dotdot", "graphs.decode.file", "../decode.onnx"),
     ("file-other-kind", "graphs.verify.file", "decode.onnx"),
     ("file-draft-is-tail", "graphs.draft.file", "verify_tail.onnx"),
-    ("eos-str", "eos_token_ids", "0"), ("eos-null-item", "eos_token_ids", [None]),
-    ("eos-neg", "eos_token_ids", [-1]), ("eos-huge", "eos_token_ids", [10**6]), ("eos-int", "eos_token_ids", 0),
-    ("slots-unknown", "graphs.decode.kv_slots", [0, 1, 2, 3, 4, 99]), ("slots-empty", "graphs.decode.kv_slots", []),
-    ("slots-str", "graphs.decode.kv_slots", ["0"]), ("slots-dup", "graphs.decode.kv_slots", [0, 0, 1, 2, 3, 4]),
-    ("no-decode", "graphs.decode", _MISSING), ("no-prefill", "graphs.prefill", _MISSING),
-    ("graphs-list", "graphs", []), ("graph-str", "graphs.decode", "x"), ("unknown-kind", "graphs.tree", {}),
-    ("kind-mislabel", "graphs.decode.kind", "verify"), ("first-loop", "graphs.verify_tail.first_loop", 0),
-    ("last-loop-missing", "graphs.draft.last_loop", _MISSING), ("first-loop-str", "graphs.decode.first_loop", "0"),
-    ("draft-depth-str", "draft_depth", "1"), ("draft-depth-null", "draft_depth", None),
-    ("verify-width-null", "verify_width", None), ("model-null", "model", None), ("graphs-null", "graphs", None), ("inputs-dropped", "graphs.decode.inputs", ["input_ids_BS"]),
-    ("vocab-other", "model.vocab_size", 50), ("vocab-str", "model.vocab_size", "97"),
-    ("loops-other", "model.total_ut_steps", 4), ("layers-other", "model.num_hidden_layers", 3),
-    ("model-type", "model.model_type", "gpt2"), ("hidden-other", "model.hidden_size", 65),
-    ("heads-other", "model.num_attention_heads", 8), ("kv-heads-other", "model.num_key_value_heads", 2),
-    ("head-dim-other", "model.head_dim", 32), ("eps-other", "model.rms_norm_eps", 1.0),
-    ("max-positions-small", "model.max_position_embeddings", 16), ("model-list", "model", [1]),
-    ("draft-depth-0", "draft_depth", 0), ("draft-depth-big", "draft_depth", 5),
-    ("verify-width-other", "verify_width", 3), ("verify-width-1", "verify_width", 1),
-    ("kv-layout-empty", "kv_layout", {}), ("kv-shape", "kv_layout.shape", [1, 4, 64, 16]),
-    ("kv-slots", "kv_layout.slots", 7), ("dtype-fp64", "dtype", "fp64"), ("dtype-int", "dtype", 5),
-    ("custom-ops-str", "custom_ops", "x"), ("custom-ops-int-item", "custom_ops", [1]),
-    ("library-int", "custom_op_library", 5), ("weights-int", "weights_file", 3),
+    ("eos-str", "eos_token_ids", "0"),
+    ("eos-null-item", "eos_token_ids", [None]),
+    ("eos-neg", "eos_token_ids", [-1]),
+    ("eos-huge", "eos_token_ids", [10**6]),
+    ("eos-int", "eos_token_ids", 0),
+    ("slots-unknown", "graphs.decode.kv_slots", [0, 1, 2, 3, 4, 99]),
+    ("slots-empty", "graphs.decode.kv_slots", []),
+    ("slots-str", "graphs.decode.kv_slots", ["0"]),
+    ("slots-dup", "graphs.decode.kv_slots", [0, 0, 1, 2, 3, 4]),
+    ("no-decode", "graphs.decode", _MISSING),
+    ("no-prefill", "graphs.prefill", _MISSING),
+    ("graphs-list", "graphs", []),
+    ("graph-str", "graphs.decode", "x"),
+    ("unknown-kind", "graphs.tree", {}),
+    ("kind-mislabel", "graphs.decode.kind", "verify"),
+    ("first-loop", "graphs.verify_tail.first_loop", 0),
+    ("last-loop-missing", "graphs.draft.last_loop", _MISSING),
+    ("first-loop-str", "graphs.decode.first_loop", "0"),
+    ("draft-depth-str", "draft_depth", "1"),
+    ("draft-depth-null", "draft_depth", None),
+    ("verify-width-null", "verify_width", None),
+    ("model-null", "model", None),
+    ("graphs-null", "graphs", None),
+    ("inputs-dropped", "graphs.decode.inputs", ["input_ids_BS"]),
+    ("vocab-other", "model.vocab_size", 50),
+    ("vocab-str", "model.vocab_size", "97"),
+    ("loops-other", "model.total_ut_steps", 4),
+    ("layers-other", "model.num_hidden_layers", 3),
+    ("model-type", "model.model_type", "gpt2"),
+    ("hidden-other", "model.hidden_size", 65),
+    ("heads-other", "model.num_attention_heads", 8),
+    ("kv-heads-other", "model.num_key_value_heads", 2),
+    ("head-dim-other", "model.head_dim", 32),
+    ("eps-other", "model.rms_norm_eps", 1.0),
+    ("max-positions-small", "model.max_position_embeddings", 16),
+    ("model-list", "model", [1]),
+    ("draft-depth-0", "draft_depth", 0),
+    ("draft-depth-big", "draft_depth", 5),
+    ("verify-width-other", "verify_width", 3),
+    ("verify-width-1", "verify_width", 1),
+    ("kv-layout-empty", "kv_layout", {}),
+    ("kv-shape", "kv_layout.shape", [1, 4, 64, 16]),
+    ("kv-slots", "kv_layout.slots", 7),
+    ("dtype-fp64", "dtype", "fp64"),
+    ("dtype-int", "dtype", 5),
+    ("custom-ops-str", "custom_ops", "x"),
+    ("custom-ops-int-item", "custom_ops", [1]),
+    ("library-int", "custom_op_library", 5),
+    ("weights-int", "weights_file", 3),
     ("weights-missing", "weights_file", "nope.safetensors"),
     ("files-size-str", "files.weights.safetensors", {"size": "x", "sha256": "0" * 64}),
     ("files-sha-bad", "files.decode.onnx", {"size": 1, "sha256": "zz"}),
     ("files-hash-unknown", "files.decode.onnx", {"size": 1, "sha256": "0" * 64, "hash": "md5"}),
     ("files-hash-int", "files.decode.onnx", {"size": 1, "sha256": "0" * 64, "hash": 3}),
-    ("exact-verify-str", "exact_verify", {"cpu": "yes"}), ("tokenizer-files-str", "tokenizer_files", "x"),
-    ("schema-str", "schema_version", "1"), ("exporter-version-int", "exporter_version", 1),
+    ("exact-verify-str", "exact_verify", {"cpu": "yes"}),
+    ("tokenizer-files-str", "tokenizer_files", "x"),
+    ("schema-str", "schema_version", "1"),
+    ("exporter-version-int", "exporter_version", 1),
     # Valid edits: must run, with the tokens the edit implies.
-    ("exact-verify-ok", "exact_verify", {"cpu": True}), ("eos-other", "eos_token_ids", []),
+    ("exact-verify-ok", "exact_verify", {"cpu": True}),
+    ("eos-other", "eos_token_ids", []),
     ("no-files", "files", _MISSING),
 ]
 
 # (id, graph file replaced, replacement source, update the size/hash records too).
 SWAP_CASES = [
-    ("verify<-decode", "verify.onnx", "decode.onnx", False), ("verify<-decode+records", "verify.onnx", "decode.onnx", True),
+    ("verify<-decode", "verify.onnx", "decode.onnx", False),
+    ("verify<-decode+records", "verify.onnx", "decode.onnx", True),
     ("decode<-prefill+records", "decode.onnx", "prefill.onnx", True),
     ("prefill<-decode+records", "prefill.onnx", "decode.onnx", True),
     ("draft<-decode+records", "draft.onnx", "decode.onnx", True),
@@ -89,7 +127,7 @@ SWAP_CASES = [
     ("verify<-other-max-length+records", "verify.onnx", "other:verify.onnx", True),
     ("decode<-other-max-length+records", "decode.onnx", "other:decode.onnx", True),
     ("decode<-garbage+records", "decode.onnx", "garbage", True),
-    ("weights<-zeros", "weights.safetensors", "zeros", False),       # same size, header intact
+    ("weights<-zeros", "weights.safetensors", "zeros", False),  # same size, header intact
     ("decode<-garbage", "decode.onnx", "garbage", False),
     ("verify<-decode-same-size", "verify.onnx", "decode.onnx", False),
 ]
@@ -99,22 +137,33 @@ SWAP_CASES = [
 def base() -> tuple[Path, Path, list[int]]:
     path = artifact("ouro-r3", draft_depth=1, max_length=32)
     other = artifact("ouro-r3", draft_depth=1, max_length=64)
-    full = load(path).generate(PROMPT, NEW, stop_ids=()).tokens   # no stop ids: every token
+    full = load(path).generate(PROMPT, NEW, stop_ids=()).tokens  # no stop ids: every token
     return path, other, full
 
 
 def _expected(full: list[int], eos: list[int]) -> list[int]:
     for i, t in enumerate(full):
         if t in eos:
-            return full[:i + 1]
+            return full[: i + 1]
     return full
 
 
 def _run(path: Path, full: list[int]) -> None:
-    result = CliRunner().invoke(main, ["generate", str(path), "--prompt-ids", " ".join(map(str, PROMPT)),
-                                       "--max-new-tokens", str(NEW), "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(path),
+            "--prompt-ids",
+            " ".join(map(str, PROMPT)),
+            "--max-new-tokens",
+            str(NEW),
+            "--json",
+        ],
+    )
     assert result.exception is None or isinstance(result.exception, SystemExit), (
-        f"traceback: {result.exception!r}")
+        f"traceback: {result.exception!r}"
+    )
     if result.exit_code == 0:
         raw = json.loads((path / "manifest.json").read_text())
         tokens = json.loads(result.stdout)["tokens"]
@@ -153,7 +202,7 @@ def test_graph_swap(base, tmp_path, case) -> None:
         data = (bytes(range(256)) * (size // 256 + 1))[:size]
     elif source == "zeros":
         old = (path / target).read_bytes()
-        keep = 8 + int.from_bytes(old[:8], "little")                     # the safetensors header
+        keep = 8 + int.from_bytes(old[:8], "little")  # the safetensors header
         data = old[:keep] + bytes(size - keep)
     else:
         data = ((base[1] / source[6:]) if source.startswith("other:") else (path / source)).read_bytes()

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from loopcast.ort_runtime import load
+from loopcast.ort_runtime.binding.generator import Generator
+from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DRAFT
-from loopcast.ort_runtime import load
-from loopcast.ort_runtime.generator import Generator
-from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
-LOOPED = ["ouro-r2-gqa", "ouro-r3", "ouro-r4-1layer"]   # R = 2, 3, 4
+LOOPED = ["ouro-r2-gqa", "ouro-r3", "ouro-r4-1layer"]  # R = 2, 3, 4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,7 +28,9 @@ def _exact_artifacts():
     require_exact_cpu_artifacts()
 
 
-def run(gen: Generator, prompt: list[int], n: int, *, stop_ids=(), **spec) -> tuple[list[int], GenerationStats]:
+def run(
+    gen: Generator, prompt: list[int], n: int, *, stop_ids=(), **spec
+) -> tuple[list[int], GenerationStats]:
     """A fresh generation on ``gen`` (rewound first); ``gen.n`` is left as the generation leaves it."""
     gen.rewind(0)
     stats = GenerationStats()
@@ -50,8 +52,9 @@ def draft_reference(gen: Generator, sequence: list[int], prompt_len: int) -> dic
     return out
 
 
-def check_cycles(trace, sequence: list[int], prompt_len: int, loops: int, exit_depth: int,
-                 drafts: dict[int, int] | None) -> int:
+def check_cycles(
+    trace, sequence: list[int], prompt_len: int, loops: int, exit_depth: int, drafts: dict[int, int] | None
+) -> int:
     """Compare every cycle with the serial reference; returns how many rows were checked."""
     tokens: dict[int, int] = {}  # the latest token that entered loop 0 at each position
     checked = 0
@@ -63,8 +66,11 @@ def check_cycles(trace, sequence: list[int], prompt_len: int, loops: int, exit_d
             assert ids[loops - 1] == sequence[last + 1], f"cycle {c}: full-depth token at position {last}"
             checked += 1
         q = positions[exit_depth - 1]
-        if drafts is not None and q >= 0 and all(tokens.get(j, sequence[j]) == sequence[j]
-                                                 for j in range(prompt_len, q + 1)):
+        if (
+            drafts is not None
+            and q >= 0
+            and all(tokens.get(j, sequence[j]) == sequence[j] for j in range(prompt_len, q + 1))
+        ):
             assert ids[exit_depth - 1] == drafts[q], f"cycle {c}: depth-{exit_depth} draft at position {q}"
             checked += 1
     return checked
@@ -76,29 +82,37 @@ def test_tiny_ouro_every_exit_and_gate_equals_plain(name: str) -> None:
     gen = model.new_generator()
     R = model.config.num_loops
     rng = np.random.default_rng(3)
-    for prompt in (rng.integers(0, model.config.vocab_size, 6).tolist(),
-                   rng.integers(0, model.config.vocab_size, 3).tolist() * 4):
+    for prompt in (
+        rng.integers(0, model.config.vocab_size, 6).tolist(),
+        rng.integers(0, model.config.vocab_size, 3).tolist() * 4,
+    ):
         plain, plain_stats = run(gen, prompt, 40)
         assert plain_stats.core_calls_per_token == pytest.approx(R * (len(plain) - 1) / len(plain))
         sequence = prompt + plain
         drafts = draft_reference(gen, sequence, len(prompt))
         for exit_depth in range(1, R):
             for gate in ("none", "auto"):
-                got, stats = run(gen, prompt, 40, speculative="pipeline", gate=gate, pipeline_exit=exit_depth,
-                                 trace=True)
+                got, stats = run(
+                    gen, prompt, 40, speculative="pipeline", gate=gate, pipeline_exit=exit_depth, trace=True
+                )
                 assert got == plain, (exit_depth, gate)
                 assert gen.n == len(sequence) - 1  # the last token is pending, as after plain decoding
                 gen.rewind(0)
                 if gate == "none":
                     trace = stats.pipeline_trace
-                    assert check_cycles(trace, sequence, len(prompt), R, exit_depth,
-                                        drafts if exit_depth == 1 else None) >= len(plain) - 1
+                    assert (
+                        check_cycles(
+                            trace, sequence, len(prompt), R, exit_depth, drafts if exit_depth == 1 else None
+                        )
+                        >= len(plain) - 1
+                    )
 
 
 def _oracle(sequence: list[int], wrong=lambda pos: False, vocab: int = 64):
     def hook(position: int, draft: int) -> int:
         truth = sequence[position] if position < len(sequence) else draft
         return (truth + 1) % vocab if wrong(position) else truth
+
     return hook
 
 
@@ -111,7 +125,7 @@ PATTERNS = {
     "all-right": lambda p: False,
     "all-wrong": lambda p: True,
     "alternating": lambda p: p % 2 == 0,
-    "consecutive-runs": lambda p: (p // 3) % 2 == 0,   # three rollbacks in a row, then three accepts
+    "consecutive-runs": lambda p: (p // 3) % 2 == 0,  # three rollbacks in a row, then three accepts
     "every-fifth": lambda p: p % 5 == 0,
 }
 
@@ -177,6 +191,7 @@ def test_kv_capacity_with_outstanding_lanes(pattern: str) -> None:
 
 def test_demo_pipeline_equals_plain_with_its_own_drafts(demo) -> None:
     from tests.ort_runtime.test_generator import DEMO_PROMPTS
+
     accepted = proposed = 0
     for prompt in DEMO_PROMPTS[:8]:
         plain = demo.generate(prompt, 64)
@@ -194,8 +209,11 @@ def test_pipeline_refusals_leave_the_generator_usable(demo) -> None:
     gen = demo.new_generator()
     prompt = demo.encode("x = 1\n")
     plain, _ = run(gen, prompt, 8)
-    bad = [dict(speculative="pipeline", pipeline_exit=0), dict(speculative="pipeline", pipeline_exit=4),
-           dict(speculative="pipeline", num_draft_tokens=2)]
+    bad = [
+        dict(speculative="pipeline", pipeline_exit=0),
+        dict(speculative="pipeline", pipeline_exit=4),
+        dict(speculative="pipeline", num_draft_tokens=2),
+    ]
     for spec in bad:
         with pytest.raises(RequestError):
             run(gen, prompt, 8, **spec)
@@ -212,7 +230,8 @@ def test_pipeline_refusals_leave_the_generator_usable(demo) -> None:
 def test_cycle_rows_are_decode_rows_bit_for_bit(demo) -> None:
     """A lane's full-depth logits row in a cycle equals the decode step's row at that position
     bit for bit, with the other rows busy (the CUDA twin is in test_cuda.py)."""
-    from loopcast.ort_runtime.exactness import decode_rows
+    from loopcast.ort_runtime.decoding.exactness import decode_rows
+
     R = demo.config.num_loops
     ids = demo.encode("def fibonacci(n):\n")
     fed, rows = decode_rows(demo.new_generator(), ids, 2 * R)

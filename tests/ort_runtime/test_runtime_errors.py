@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from loopcast.ort_runtime import load
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.ort_runtime import load
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 
@@ -62,13 +62,13 @@ def test_missing_graph_file(tmp_path: Path) -> None:
 
 
 def test_corrupt_graph_file(tmp_path: Path) -> None:
-    """(draft: on the CPU decode and verify run on prefill's session, ort_runtime/artifact.py)"""
+    """(draft: on the CPU decode and verify run on prefill's session, ort_runtime/loading/artifact.py)"""
     path = _copy(tmp_path)
     size = (path / "draft.onnx").stat().st_size
     (path / "draft.onnx").write_bytes(b"\x00garbage".ljust(size, b"\xff"))  # same size: past the size check
     with pytest.raises(ArtifactError, match="draft.onnx.*does not match the manifest"):
         load(path)
-    _edit_manifest(path, files={})                  # an artifact without records: ORT's own error
+    _edit_manifest(path, files={})  # an artifact without records: ORT's own error
     with pytest.raises(ArtifactError, match="could not load the 'draft' graph"):
         load(path)
     (path / "draft.onnx").write_bytes(b"\x00garbage")
@@ -87,11 +87,17 @@ def test_custom_op_library_the_graphs_do_not_use(tmp_path: Path) -> None:
     path = _copy(tmp_path)
     (path / "libbroken.so").write_bytes(b"not an ELF file")
     raw = json.loads((path / "manifest.json").read_text())
-    files = {**raw["files"], "libbroken.so": {"size": 15, "sha256": hashlib.sha256(b"not an ELF file").hexdigest()}}
+    files = {
+        **raw["files"],
+        "libbroken.so": {"size": 15, "sha256": hashlib.sha256(b"not an ELF file").hexdigest()},
+    }
     _edit_manifest(path, custom_op_library="libbroken.so", custom_ops=["BatchInvariantMatMul"], files=files)
     # The stock graphs use no loopcast-domain node, so the library is not needed and never loaded
     # (a library that is needed but cannot load: tests/ort_runtime/test_trust.py).
-    assert load(path, trust_ops=True).generate([5, 6, 7], 3).tokens == load(artifact("ouro-r3", ops="stock")).generate([5, 6, 7], 3).tokens
+    assert (
+        load(path, trust_ops=True).generate([5, 6, 7], 3).tokens
+        == load(artifact("ouro-r3", ops="stock")).generate([5, 6, 7], 3).tokens
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +105,16 @@ def model():
     return load(artifact("ouro-r3", max_length=32))
 
 
-@pytest.mark.parametrize("ids,kwargs,match", [
-    ([], {}, "empty"),
-    ([1, 2, 1000], {}, "outside the vocabulary"),
-    ([-1], {}, "outside the vocabulary"),
-    (list(range(33)), {}, "longer than the max length"),
-    ([1, 2], {"max_new_tokens": -1}, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "ids,kwargs,match",
+    [
+        ([], {}, "empty"),
+        ([1, 2, 1000], {}, "outside the vocabulary"),
+        ([-1], {}, "outside the vocabulary"),
+        (list(range(33)), {}, "longer than the max length"),
+        ([1, 2], {"max_new_tokens": -1}, "max_new_tokens"),
+    ],
+)
 def test_bad_requests_leave_the_model_usable(model, ids, kwargs, match) -> None:
     good = model.generate([4, 5, 6], 10, stop_ids=()).tokens
     with pytest.raises(RequestError, match=match):
@@ -126,14 +135,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "loopcast.cli", *args], capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--prompt-ids", "1,2,100000"], "outside the vocabulary"),
-    (["--prompt-ids", "1,x"], "comma-separated"),
-    (["--prompt-ids", ",".join(["3"] * 40)], "longer than the max length"),
-    (["--prompt", "hi"], "tokenizer"),
-    (["--prompt-ids", "1,2", "--speculative", "self", "--num-draft-tokens", "9"], "num-draft-tokens"),
-    (["--prompt-ids", "1,2", "--device", "cuda"], "CUDAExecutionProvider"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--prompt-ids", "1,2,100000"], "outside the vocabulary"),
+        (["--prompt-ids", "1,x"], "comma-separated"),
+        (["--prompt-ids", ",".join(["3"] * 40)], "longer than the max length"),
+        (["--prompt", "hi"], "tokenizer"),
+        (["--prompt-ids", "1,2", "--speculative", "self", "--num-draft-tokens", "9"], "num-draft-tokens"),
+        (["--prompt-ids", "1,2", "--device", "cuda"], "CUDAExecutionProvider"),
+    ],
+)
 def test_cli_generate_errors_are_one_line(args, needle) -> None:
     proc = _cli("generate", str(artifact("ouro-r3", max_length=32)), "--max-new-tokens", "4", *args)
     assert proc.returncode != 0
@@ -144,15 +156,35 @@ def test_cli_generate_errors_are_one_line(args, needle) -> None:
 def test_cli_generate_json_and_stream() -> None:
     require_exact_cpu_artifacts()
     path = str(artifact("demo"))
-    proc = _cli("generate", path, "--prompt", "def add(a, b):\n", "--max-new-tokens", "12", "--json",
-                "--speculative", "prompt-lookup", "--gate", "cost")
+    proc = _cli(
+        "generate",
+        path,
+        "--prompt",
+        "def add(a, b):\n",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--speculative",
+        "prompt-lookup",
+        "--gate",
+        "cost",
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert len(data["tokens"]) == 12 and isinstance(data["text"], str)
-    for key in ("rounds", "proposed", "accepted", "tokens_per_round", "steps", "step_seconds", "near_tie_rejections"):
+    for key in (
+        "rounds",
+        "proposed",
+        "accepted",
+        "tokens_per_round",
+        "steps",
+        "step_seconds",
+        "near_tie_rejections",
+    ):
         assert key in data["stats"]
-    plain = json.loads(_cli("generate", path, "--prompt", "def add(a, b):\n", "--max-new-tokens", "12",
-                            "--json").stdout)
+    plain = json.loads(
+        _cli("generate", path, "--prompt", "def add(a, b):\n", "--max-new-tokens", "12", "--json").stdout
+    )
     assert plain["tokens"] == data["tokens"]
     streamed = _cli("generate", path, "--prompt", "def add(a, b):\n", "--max-new-tokens", "12", "--stream")
     assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == plain["text"].rstrip("\n")

@@ -8,20 +8,27 @@ import itertools
 
 import numpy as np
 import pytest
+from loopcast.ort_runtime import SamplingParams, load
+from loopcast.ort_runtime.decoding.greedy_accept import AcceptResult
+from loopcast.ort_runtime.decoding.sampled_decoding import SampledAcceptor, sampled_stream
+from loopcast.ort_runtime.decoding.sampling import probabilities, sample
+from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
 from loopcast.errors import RequestError
 from loopcast.manifest import PREFILL
-from loopcast.ort_runtime import SamplingParams, load
-from loopcast.ort_runtime.accept import AcceptResult
-from loopcast.ort_runtime.speculate import GenerationStats
-from loopcast.ort_runtime.sampled_decoding import SampledAcceptor, sampled_stream
-from loopcast.ort_runtime.sampling import probabilities, sample
 from tests.artifacts import artifact
 from tests.ort_runtime.test_sampling import chi_square
 
 MODES = ["none", "prompt-lookup", "self", "pipeline"]
-GATED = [("none", "none"), ("prompt-lookup", "none"), ("self", "none"), ("pipeline", "none"),
-         ("prompt-lookup", "hit-density"), ("self", "hit-density"), ("pipeline", "hit-density")]
+GATED = [
+    ("none", "none"),
+    ("prompt-lookup", "none"),
+    ("self", "none"),
+    ("pipeline", "none"),
+    ("prompt-lookup", "hit-density"),
+    ("self", "hit-density"),
+    ("pipeline", "hit-density"),
+]
 DEMO_PROMPT = "def area(width, height):\n    return width * height\n\n\ndef area("
 
 
@@ -37,9 +44,20 @@ def test_seeded_sampling_is_reproducible(demo, mode: str, gate: str) -> None:
     b = demo.generate(DEMO_PROMPT, 32, sampling=sp, speculative=mode, gate=gate)
     assert a.tokens == b.tokens and len(a.tokens) > 0
     # a fresh model (new sessions and buffers) gives the same tokens too
-    assert load(artifact("demo")).generate(DEMO_PROMPT, 32, sampling=sp, speculative=mode, gate=gate).tokens == a.tokens
-    others = [demo.generate(DEMO_PROMPT, 32, speculative=mode, gate=gate,
-                            sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=s)) for s in range(3)]
+    assert (
+        load(artifact("demo")).generate(DEMO_PROMPT, 32, sampling=sp, speculative=mode, gate=gate).tokens
+        == a.tokens
+    )
+    others = [
+        demo.generate(
+            DEMO_PROMPT,
+            32,
+            speculative=mode,
+            gate=gate,
+            sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=s),
+        )
+        for s in range(3)
+    ]
     assert len({tuple(r.tokens) for r in others} | {tuple(a.tokens)}) > 1
     if mode != "none":
         assert sum(r.stats.rounds for r in others + [a]) > 0
@@ -133,12 +151,29 @@ def _draws(tiny, prompt, mode, acceptor_factory=None, gate="none"):
     gen = tiny.new_generator()
     out, stats = [], GenerationStats()
     for seed in range(TRIALS):
-        sp = SamplingParams(temperature=PARAMS.temperature, top_k=PARAMS.top_k,
-                            repetition_penalty=PARAMS.repetition_penalty, seed=seed)
+        sp = SamplingParams(
+            temperature=PARAMS.temperature,
+            top_k=PARAMS.top_k,
+            repetition_penalty=PARAMS.repetition_penalty,
+            seed=seed,
+        )
         gen.rewind(0)
         acceptor = acceptor_factory(sp) if acceptor_factory else None
-        out.append(tuple(sampled_stream(gen, prompt, HORIZON, sampling=sp, mode=mode, stats=stats,
-                                        acceptor=acceptor, num_draft_tokens=None if mode == "pipeline" else 2, gate=gate)))
+        out.append(
+            tuple(
+                sampled_stream(
+                    gen,
+                    prompt,
+                    HORIZON,
+                    sampling=sp,
+                    mode=mode,
+                    stats=stats,
+                    acceptor=acceptor,
+                    num_draft_tokens=None if mode == "pipeline" else 2,
+                    gate=gate,
+                )
+            )
+        )
     return out, stats
 
 
@@ -183,6 +218,7 @@ def test_enumeration_covers_every_draw(tiny_case) -> None:
 
 
 # -- the pipeline's rule with drafts that are accepted: the trained demo model --------------------
+
 
 @pytest.fixture(scope="module")
 def demo_case(demo):

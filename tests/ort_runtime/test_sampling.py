@@ -14,10 +14,15 @@ import math
 
 import numpy as np
 import pytest
+from loopcast.ort_runtime.decoding.sampling import (
+    SamplingParams,
+    make_rng,
+    probabilities,
+    sample,
+    speculative_accept,
+)
 
 from loopcast.errors import RequestError
-from loopcast.ort_runtime.sampling import (SamplingParams, make_rng, probabilities, sample,
-                                           speculative_accept)
 
 V = 5
 HORIZON = 3
@@ -107,6 +112,7 @@ def chi_square(expected: dict, draws: list) -> float:
 
 # -- wrong rules: each breaks losslessness in its own way -------------------------------------
 
+
 def accept_always(drafts, draft_probs, target_probs, rng):
     return len(drafts), sample(target_probs[-1], rng)
 
@@ -152,28 +158,40 @@ TRIALS = 4000
 def test_speculative_sampling_matches_plain_distribution(proposer: str, params: str) -> None:
     sp = PARAMS[params]
     expected = exact_plain(PROMPT, sp)
-    draws = [speculative_run(PROMPT, sp, make_rng(SamplingParams(seed=s)), speculative_accept, proposer)
-             for s in range(TRIALS)]
+    draws = [
+        speculative_run(PROMPT, sp, make_rng(SamplingParams(seed=s)), speculative_accept, proposer)
+        for s in range(TRIALS)
+    ]
     assert chi_square(expected, draws) > 1e-3
 
 
-@pytest.mark.parametrize("rule,proposer", [
-    (accept_always, "deterministic"), (accept_always, "stochastic"),
-    (resample_from_p, "deterministic"), (resample_from_p, "stochastic"),
-    (inverted_ratio, "stochastic"),
-])
+@pytest.mark.parametrize(
+    "rule,proposer",
+    [
+        (accept_always, "deterministic"),
+        (accept_always, "stochastic"),
+        (resample_from_p, "deterministic"),
+        (resample_from_p, "stochastic"),
+        (inverted_ratio, "stochastic"),
+    ],
+)
 def test_wrong_rules_fail_the_same_check(rule, proposer: str) -> None:
     sp = PARAMS["t1"]
     expected = exact_plain(PROMPT, sp)
-    draws = [speculative_run(PROMPT, sp, make_rng(SamplingParams(seed=s)), rule, proposer)
-             for s in range(TRIALS)]
+    draws = [
+        speculative_run(PROMPT, sp, make_rng(SamplingParams(seed=s)), rule, proposer) for s in range(TRIALS)
+    ]
     assert chi_square(expected, draws) < 1e-6
 
 
 def test_one_hot_rule_is_lossless_for_a_stochastic_proposer_too() -> None:
     sp = PARAMS["t1"]
-    draws = [speculative_run(PROMPT, sp, make_rng(SamplingParams(seed=s)), one_hot_rule_for_any_proposer,
-                             "stochastic") for s in range(TRIALS)]
+    draws = [
+        speculative_run(
+            PROMPT, sp, make_rng(SamplingParams(seed=s)), one_hot_rule_for_any_proposer, "stochastic"
+        )
+        for s in range(TRIALS)
+    ]
     assert chi_square(exact_plain(PROMPT, sp), draws) > 1e-3
 
 
@@ -186,11 +204,12 @@ def test_plain_sampling_matches_its_own_enumeration() -> None:
         rng, ctx = make_rng(SamplingParams(seed=s)), PROMPT
         for _ in range(HORIZON):
             ctx = ctx + (sample(_p(ctx, sp), rng),)
-        draws.append(ctx[len(PROMPT):])
+        draws.append(ctx[len(PROMPT) :])
     assert chi_square(expected, draws) > 1e-3
 
 
 # -- the processed distribution ---------------------------------------------------------------
+
 
 def test_probabilities_follow_transformers_order() -> None:
     logits = np.array([2.0, -1.0, 0.5, 3.0, 0.0])
@@ -232,18 +251,37 @@ def test_same_seed_same_draws() -> None:
     assert len(set(a)) == 1
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-1),
-                                    dict(top_k=1.5), dict(top_p=0), dict(top_p=1.5), dict(min_p=-0.1),
-                                    dict(repetition_penalty=0), dict(seed=-3), dict(seed=1.5)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-1),
+        dict(temperature=float("nan")),
+        dict(top_k=-1),
+        dict(top_k=1.5),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(min_p=-0.1),
+        dict(repetition_penalty=0),
+        dict(seed=-3),
+        dict(seed=1.5),
+    ],
+)
 def test_invalid_params_are_refused(kwargs) -> None:
     with pytest.raises(RequestError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(temperature=0.7), dict(temperature=1.3, top_k=7), dict(top_p=0.8), dict(temperature=0.9, min_p=0.1),
-    dict(repetition_penalty=1.4), dict(temperature=0.6, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.3, top_k=7),
+        dict(top_p=0.8),
+        dict(temperature=0.9, min_p=0.1),
+        dict(repetition_penalty=1.4),
+        dict(temperature=0.6, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+    ],
+)
 def test_probabilities_equal_transformers_processors(kwargs) -> None:
     """The oracle: transformers' own logits processors, in generate()'s order."""
     torch = pytest.importorskip("torch")
@@ -263,5 +301,7 @@ def test_probabilities_equal_transformers_processors(kwargs) -> None:
     for _ in range(5):
         logits = (rng.standard_normal(300) * 2).astype(np.float32)
         context = rng.integers(0, 300, 40)
-        ref = torch.softmax(procs(torch.tensor(context[None]), torch.tensor(logits[None]).double()), -1)[0].numpy()
+        ref = torch.softmax(procs(torch.tensor(context[None]), torch.tensor(logits[None]).double()), -1)[
+            0
+        ].numpy()
         np.testing.assert_allclose(probabilities(logits, sp, context), ref, rtol=1e-9, atol=1e-12)

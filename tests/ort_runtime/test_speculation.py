@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from loopcast.ort_runtime import load
+from loopcast.ort_runtime.decoding.proposers import SelfDraftProposer
+from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
 
 from loopcast.errors import RequestError
-from loopcast.ort_runtime import load
-from loopcast.ort_runtime.speculate import GenerationStats, SpeculationConfig, stream
-from loopcast.ort_runtime.proposers import SelfDraftProposer
 from tests.artifacts import TINY, artifact, require_exact_cpu_artifacts
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
-MODES = [("prompt-lookup", "none"), ("prompt-lookup", "hit-density"), ("prompt-lookup", "cost"),
-         ("self", "none"), ("self", "hit-density"), ("self", "cost")]
+MODES = [
+    ("prompt-lookup", "none"),
+    ("prompt-lookup", "hit-density"),
+    ("prompt-lookup", "cost"),
+    ("self", "none"),
+    ("self", "hit-density"),
+    ("self", "cost"),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,6 +75,7 @@ def test_tiny_configs_all_modes(name: str, k: int) -> None:
 
 # -- adversarial proposers, injected through the proposer interface ------------------------------
 
+
 class Oracle:
     """Knows the plain greedy continuation; ``corrupt(pos, true) -> token`` spoils drafts."""
 
@@ -81,7 +88,7 @@ class Oracle:
 
     def propose(self, context, k):
         start = len(context)
-        truth = self.sequence[start:start + k]
+        truth = self.sequence[start : start + k]
         self.rounds += 1
         return [self.corrupt(i, t, len(truth)) for i, t in enumerate(truth)]
 
@@ -101,8 +108,9 @@ def test_adversarial_token_proposers(demo, kind: str, k: int) -> None:
     prompt = demo.encode("class Queue:\n    def __init__(self):\n")
     plain = demo.generate(prompt, 80, stop_ids=())
     oracle = Oracle(prompt, plain.tokens, WRONG[kind])
-    spec = demo.generate(prompt, 80, stop_ids=(), speculative="prompt-lookup", proposer=oracle, num_draft_tokens=k,
-                         gate="none")
+    spec = demo.generate(
+        prompt, 80, stop_ids=(), speculative="prompt-lookup", proposer=oracle, num_draft_tokens=k, gate="none"
+    )
     assert spec.tokens == plain.tokens
     if kind == "always-right":
         assert spec.stats.accepted == spec.stats.proposed
@@ -116,12 +124,21 @@ def test_self_drafts_with_forced_rejections(demo, kind: str) -> None:
     prompt = demo.encode("def merge(left, right):\n    result = []\n")
     plain = demo.generate(prompt, 80, stop_ids=())
     vocab = demo.config.vocab_size
-    perturb = {"always-wrong": lambda i, t: (t + 1) % vocab,
-               "alternating": lambda i, t: t if i % 2 else (t + 7) % vocab,
-               "first-wrong": lambda i, t: (t + 3) % vocab if i == 0 else t,
-               "last-wrong": lambda i, t: (t + 3) % vocab if i == 3 else t}[kind]
-    spec = demo.generate(prompt, 80, stop_ids=(), speculative="self", num_draft_tokens=4,
-                         proposer=SelfDraftProposer(perturb), gate="none")
+    perturb = {
+        "always-wrong": lambda i, t: (t + 1) % vocab,
+        "alternating": lambda i, t: t if i % 2 else (t + 7) % vocab,
+        "first-wrong": lambda i, t: (t + 3) % vocab if i == 0 else t,
+        "last-wrong": lambda i, t: (t + 3) % vocab if i == 3 else t,
+    }[kind]
+    spec = demo.generate(
+        prompt,
+        80,
+        stop_ids=(),
+        speculative="self",
+        num_draft_tokens=4,
+        proposer=SelfDraftProposer(perturb),
+        gate="none",
+    )
     assert spec.tokens == plain.tokens
     assert spec.stats.rounds >= 16
 
@@ -132,9 +149,11 @@ def test_draft_crossing_eos(demo) -> None:
     eos = plain.tokens[5]  # pretend the 6th token is the end of text
     expected = plain.tokens[:6]
     oracle = Oracle(prompt, plain.tokens)
-    spec = demo.generate(prompt, 30, stop_ids=(eos,), speculative="prompt-lookup", proposer=oracle, gate="none")
+    spec = demo.generate(
+        prompt, 30, stop_ids=(eos,), speculative="prompt-lookup", proposer=oracle, gate="none"
+    )
     want = demo.generate(prompt, 30, stop_ids=(eos,))
-    assert spec.tokens == want.tokens == expected[:want.tokens.__len__()]
+    assert spec.tokens == want.tokens == expected[: want.tokens.__len__()]
     assert spec.finish_reason == want.finish_reason == "eos"
     gen_after = demo.generate(prompt, 30, stop_ids=())
     assert gen_after.tokens == plain.tokens  # model still usable
@@ -144,8 +163,14 @@ def test_draft_crossing_eos(demo) -> None:
 def test_draft_crossing_max_new_tokens(demo, limit: int) -> None:
     prompt = demo.encode("import json\n")
     plain = demo.generate(prompt, 40, stop_ids=())
-    spec = demo.generate(prompt, limit, stop_ids=(), speculative="prompt-lookup", proposer=Oracle(prompt, plain.tokens),
-                         gate="none")
+    spec = demo.generate(
+        prompt,
+        limit,
+        stop_ids=(),
+        speculative="prompt-lookup",
+        proposer=Oracle(prompt, plain.tokens),
+        gate="none",
+    )
     assert spec.tokens == plain.tokens[:limit]
     spec = demo.generate(prompt, limit, stop_ids=(), speculative="self", gate="none")
     assert spec.tokens == plain.tokens[:limit]

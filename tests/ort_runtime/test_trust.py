@@ -16,11 +16,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from loopcast.custom_ops.build import find_ort_include
-from loopcast.errors import ArtifactError
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.artifact import describe_artifact
+from loopcast.ort_runtime.loading.artifact import describe_artifact
+
+from loopcast.errors import ArtifactError
 from tests.artifacts import artifact
 
 MARKER_SOURCE = r"""
@@ -42,8 +42,11 @@ def hostile(tmp_path_factory) -> tuple[Path, Path]:
     marker = root / "marker"
     (root / "marker.c").write_text(MARKER_SOURCE)
     library = root / "libhostile.so"
-    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER_PATH="{marker}"', str(root / "marker.c"), "-o",
-                    str(library)], check=True, capture_output=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", f'-DMARKER_PATH="{marker}"', str(root / "marker.c"), "-o", str(library)],
+        check=True,
+        capture_output=True,
+    )
     return library, marker
 
 
@@ -100,10 +103,13 @@ def test_needed_library_not_built_here_is_refused_without_trust(hostile, batch_i
 
 def test_library_the_graphs_do_not_need_is_never_loaded(hostile, tmp_path) -> None:
     library, marker = hostile
-    path = _copy(artifact("ouro-r3", ops="stock"), tmp_path)        # stock graphs: no loopcast-domain node
+    path = _copy(artifact("ouro-r3", ops="stock"), tmp_path)  # stock graphs: no loopcast-domain node
     _plant(path, library)
     ids = [5, 6, 7]
-    assert load(path, trust_ops=True).generate(ids, 6).tokens == load(artifact("ouro-r3", ops="stock")).generate(ids, 6).tokens
+    assert (
+        load(path, trust_ops=True).generate(ids, 6).tokens
+        == load(artifact("ouro-r3", ops="stock")).generate(ids, 6).tokens
+    )
     assert not marker.exists()
 
 
@@ -111,11 +117,11 @@ def test_hash_mismatch_is_refused_even_with_trust(hostile, batch_invariant, tmp_
     library, marker = hostile
     path = _copy(batch_invariant, tmp_path)
     name = json.loads((path / "manifest.json").read_text())["custom_op_library"]
-    shutil.copy(library, path / name)                  # swapped in, record left as exported
+    shutil.copy(library, path / name)  # swapped in, record left as exported
     raw = json.loads((path / "manifest.json").read_text())
     raw["files"][name]["size"] = library.stat().st_size
     _edit(path, files=raw["files"])
-    with pytest.raises(ArtifactError, match="sampled SHA-256 differs"):   # the cheap check on every load
+    with pytest.raises(ArtifactError, match="sampled SHA-256 differs"):  # the cheap check on every load
         load(path, trust_ops=True)
     del raw["files"][name]["sampled_sha256"]
     _edit(path, files=raw["files"])
@@ -141,7 +147,7 @@ def test_symlinked_library_leaving_the_artifact_is_refused(hostile, batch_invari
     path = _copy(batch_invariant, tmp_path)
     name = _plant(path, library)
     (path / name).unlink()
-    (path / name).symlink_to(library)                 # same bytes, same hash, but outside
+    (path / name).symlink_to(library)  # same bytes, same hash, but outside
     with pytest.raises(ArtifactError, match="resolves outside the artifact"):
         load(path, trust_ops=True)
     assert not marker.exists()
@@ -155,7 +161,9 @@ def test_library_name_must_be_a_plain_file_name(batch_invariant, tmp_path, value
         load(path, trust_ops=True)
 
 
-def test_locally_built_library_is_trusted_by_hash_and_only_by_hash(batch_invariant, tmp_path, monkeypatch) -> None:
+def test_locally_built_library_is_trusted_by_hash_and_only_by_hash(
+    batch_invariant, tmp_path, monkeypatch
+) -> None:
     # Exported here: the library is this user's own build, recorded in the cache, so no flag is needed.
     ids = [5, 6, 7]
     tokens = load(batch_invariant).generate(ids, 6).tokens
@@ -168,11 +176,17 @@ def test_locally_built_library_is_trusted_by_hash_and_only_by_hash(batch_invaria
     assert load(batch_invariant, trust_ops=True).generate(ids, 6).tokens == tokens
 
 
-@pytest.mark.parametrize("field,value", [
-    ("weights_file", "/etc/passwd"), ("weights_file", "../weights.safetensors"),
-    ("graph", "/tmp/decode.onnx"), ("graph", "../art/decode.onnx"), ("graph", "./decode.onnx"),
-    ("tokenizer_files", ["../tokenizer.json"]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("weights_file", "/etc/passwd"),
+        ("weights_file", "../weights.safetensors"),
+        ("graph", "/tmp/decode.onnx"),
+        ("graph", "../art/decode.onnx"),
+        ("graph", "./decode.onnx"),
+        ("tokenizer_files", ["../tokenizer.json"]),
+    ],
+)
 def test_manifest_paths_stay_inside(tmp_path, field, value) -> None:
     path = _copy(artifact("ouro-r3", ops="stock"), tmp_path)
     raw = json.loads((path / "manifest.json").read_text())
@@ -201,7 +215,10 @@ def test_symlink_inside_the_artifact_is_fine(tmp_path) -> None:
     (path / "sub").mkdir()
     shutil.move(path / "decode.onnx", path / "sub" / "decode.onnx")
     (path / "decode.onnx").symlink_to(Path("sub") / "decode.onnx")
-    assert load(path).generate([5, 6, 7], 4).tokens == load(artifact("ouro-r3", ops="stock")).generate([5, 6, 7], 4).tokens
+    assert (
+        load(path).generate([5, 6, 7], 4).tokens
+        == load(artifact("ouro-r3", ops="stock")).generate([5, 6, 7], 4).tokens
+    )
 
 
 @pytest.mark.parametrize("location", ["../weights.safetensors", "/etc/hostname", "outside-link"])
@@ -209,8 +226,9 @@ def test_graph_external_data_cannot_leave_the_artifact(tmp_path, location) -> No
     """Graphs reach their weights as ONNX external data; ONNX Runtime refuses locations outside
     the model's directory, including through a symlink, and that surfaces as one ArtifactError.
     (The prefill graph is the one tampered with: on the CPU decode and verify run on prefill's
-    session and their own files are not opened, see ort_runtime/artifact.py.)"""
+    session and their own files are not opened, see ort_runtime/loading/artifact.py.)"""
     import onnx
+
     path = _copy(artifact("ouro-r3", ops="stock"), tmp_path)
     (tmp_path / "weights.safetensors").write_bytes((path / "weights.safetensors").read_bytes())
     (path / "outside-link").symlink_to(tmp_path / "weights.safetensors")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from loopcast.ort_runtime import load
+from loopcast.ort_runtime.binding.generator import Generator
+from loopcast.ort_runtime.decoding.exactness import decode_rows
+from loopcast.ort_runtime.loading.artifact import open_artifact
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DECODE, PREFILL, VERIFY
-from loopcast.ort_runtime import load
-from loopcast.ort_runtime.artifact import open_artifact
-from loopcast.ort_runtime.exactness import decode_rows
-from loopcast.ort_runtime.generator import Generator
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 
@@ -27,12 +27,14 @@ def _decode_logits(model, prompt: list[int], steps: int) -> list[np.ndarray]:
     return rows
 
 
-@pytest.mark.parametrize("name,kw", [("demo", {}), ("llama-untied", {}), ("ouro-r3", {"ops": "stock"}),
-                                     ("ouro-r2-gqa", {"draft_depth": 1})])
+@pytest.mark.parametrize(
+    "name,kw",
+    [("demo", {}), ("llama-untied", {}), ("ouro-r3", {"ops": "stock"}), ("ouro-r2-gqa", {"draft_depth": 1})],
+)
 def test_decode_and_verify_on_prefill_session_are_bit_identical(name, kw) -> None:
     path = artifact(name, **kw)
     shared = open_artifact(path, "cpu")
-    own = open_artifact(path, "cpu", kinds=(DECODE, VERIFY))   # no prefill: each kind its own session
+    own = open_artifact(path, "cpu", kinds=(DECODE, VERIFY))  # no prefill: each kind its own session
     assert shared.shared_sessions == {DECODE: PREFILL, VERIFY: PREFILL}
     assert shared.sessions[DECODE] is shared.sessions[PREFILL] is shared.sessions[VERIFY]
     assert len({id(s) for s in shared.sessions.values()}) == len(shared.sessions) - 2
@@ -44,17 +46,17 @@ def test_decode_and_verify_on_prefill_session_are_bit_identical(name, kw) -> Non
     # verify on prefill's session (prefill fed logit_rows = W) == verify's own graph, and == the
     # decode rows where the artifact declares exact verify (not the stock attention op)
     width = shared.manifest.graphs[VERIFY].rows
-    fed = prompt + [int(np.argmax(r)) for r in decoded[len(prompt) - 1:-1]]
+    fed = prompt + [int(np.argmax(r)) for r in decoded[len(prompt) - 1 : -1]]
     verified = []
     for model in (shared, own):
         gen, rows = Generator(model), []
         gen.run(DECODE, 0, tokens=[fed[0]])
         gen.commit([fed[0]])
         for start in range(1, len(fed) - width + 1, width):
-            out = gen.run(VERIFY, start, tokens=fed[start:start + width])
+            out = gen.run(VERIFY, start, tokens=fed[start : start + width])
             assert out.logits.shape[0] == width
             rows += [out.logits[i].copy() for i in range(width)]
-            gen.commit(fed[start:start + width])
+            gen.commit(fed[start : start + width])
         verified.append(rows)
     assert all(np.array_equal(a, b) for a, b in zip(*verified, strict=True))
     if shared.exact_verify:
@@ -64,7 +66,9 @@ def test_decode_and_verify_on_prefill_session_are_bit_identical(name, kw) -> Non
 def test_verify_keeps_its_session_on_request() -> None:
     """``share_sessions=("decode",)`` is the layout before verify moved onto prefill's session."""
     model = open_artifact(artifact("demo"), "cpu", share_sessions=(DECODE,))
-    assert model.shared_sessions == {DECODE: PREFILL} and model.sessions[VERIFY] is not model.sessions[PREFILL]
+    assert (
+        model.shared_sessions == {DECODE: PREFILL} and model.sessions[VERIFY] is not model.sessions[PREFILL]
+    )
 
 
 def test_generation_unchanged_by_shared_decode() -> None:
@@ -79,7 +83,8 @@ def test_generation_unchanged_by_shared_decode() -> None:
 
 def test_cuda_keeps_one_session_per_kind() -> None:
     """The sharing is a CPU decision: CUDA captures decode as a graph of its own."""
-    from loopcast.ort_runtime.artifact import _cpu_shared_sessions
+    from loopcast.ort_runtime.loading.artifact import _cpu_shared_sessions
+
     from loopcast.manifest import Manifest
 
     manifest = Manifest.read(artifact("demo"))
@@ -102,8 +107,10 @@ def test_share_weights_declares_stock_matmul_inexact_on_cpu() -> None:
     assert not all(np.array_equal(out.logits[i], rows[i]) for i in range(5))  # the reason for the declaration
     with pytest.raises(RequestError, match="not exact"):
         shared.generate([5, 6, 7, 5, 6, 7], 8, speculative="prompt-lookup", gate="none")
-    assert (shared.generate([5, 6, 7], 12, stop_ids=(), speculative="none").tokens
-            == plain.generate([5, 6, 7], 12, stop_ids=(), speculative="none").tokens)
+    assert (
+        shared.generate([5, 6, 7], 12, stop_ids=(), speculative="none").tokens
+        == plain.generate([5, 6, 7], 12, stop_ids=(), speculative="none").tokens
+    )
 
 
 def test_share_weights_keeps_loopcast_matmul_exact() -> None:
@@ -115,7 +122,7 @@ def test_share_weights_keeps_loopcast_matmul_exact() -> None:
 
 def test_loopcast_ops_share_one_copy_of_the_weights() -> None:
     """Nothing prepacks in the loopcast op set: every session gets the same weight values
-    (ort_runtime/shared_weights.py), and the rows are those of sessions holding their own."""
+    (ort_runtime/loading/shared_weights.py), and the rows are those of sessions holding their own."""
     path = artifact("ouro-r3", batch_invariant=True)
     shared = open_artifact(path, "cpu")
     own = open_artifact(path, "cpu", shared_initializers=False)
@@ -124,8 +131,10 @@ def test_loopcast_ops_share_one_copy_of_the_weights() -> None:
     prompt = [3, 1, 4, 1, 5, 9]
     for a, b in zip(_decode_logits(shared, prompt, 10), _decode_logits(own, prompt, 10), strict=True):
         assert np.array_equal(a, b)
-    tokens = {mode: load(path).generate(prompt, 16, stop_ids=(), speculative=mode, gate="none").tokens
-              for mode in ("none", "self", "prompt-lookup")}
+    tokens = {
+        mode: load(path).generate(prompt, 16, stop_ids=(), speculative=mode, gate="none").tokens
+        for mode in ("none", "self", "prompt-lookup")
+    }
     assert tokens["self"] == tokens["none"] == tokens["prompt-lookup"]
 
 
@@ -193,11 +202,12 @@ def test_artifacts_from_before_logit_rows_keep_a_verify_session(tmp_path) -> Non
 def test_speculative_kinds_get_their_cpu_session_on_first_use() -> None:
     """Each CPU session of the stock MatMul prepacks its own copy of the weights: draft,
     verify_tail and the cycle wait until a speculative generation asks for them, and the tokens
-    do not change (ort_runtime/session_table.py)."""
+    do not change (ort_runtime/loading/session_table.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from loopcast.manifest import CYCLE, CYCLE_RUN, DRAFT, VERIFY_TAIL
     from loopcast.ort_runtime.api import LoopcastModel
+
+    from loopcast.manifest import CYCLE, CYCLE_RUN, DRAFT, VERIFY_TAIL
 
     path = artifact("demo")
     lazy = open_artifact(path, "cpu")
@@ -209,10 +219,14 @@ def test_speculative_kinds_get_their_cpu_session_on_first_use() -> None:
     prompt = model.encode("def add(a, b):")
     plain = model.generate(prompt, 24, stop_ids=()).tokens
     assert model.generate(prompt, 24, stop_ids=(), speculative="prompt-lookup", gate="none").tokens == plain
-    assert all(lazy.sessions.pending(k) for k in speculative)      # plain and prompt lookup: one packed copy
-    with ThreadPoolExecutor(4) as pool:                            # first use from several threads: one session
-        outs = list(pool.map(lambda _: model.generate(prompt, 24, stop_ids=(), speculative="self",
-                                                      gate="none").tokens, range(4)))
+    assert all(lazy.sessions.pending(k) for k in speculative)  # plain and prompt lookup: one packed copy
+    with ThreadPoolExecutor(4) as pool:  # first use from several threads: one session
+        outs = list(
+            pool.map(
+                lambda _: model.generate(prompt, 24, stop_ids=(), speculative="self", gate="none").tokens,
+                range(4),
+            )
+        )
     assert outs == [plain] * 4
     assert not lazy.sessions.pending(DRAFT) and lazy.sessions[DRAFT] is lazy.sessions[DRAFT]
     eager = open_artifact(path, "cpu", defer_sessions=False)

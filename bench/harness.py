@@ -1,0 +1,693 @@
+"""``loopcast bench``: ONNX Runtime step and end-to-end timings against PyTorch, in one run.
+
+For one checkpoint and each (dtype, graph variant) it exports an artifact and measures, on one
+device: per-step time of decode, verify(W) for several W, draft and verify_tail, captured
+(CUDA graphs) and uncaptured; whether verify rows equal the M=1 decode rows bit for bit;
+end-to-end tokens/s of plain greedy, prompt lookup and self-speculation with the tokens
+compared against plain greedy; a long run alternating draft, verify and decode with the
+graph-slot counters; where a decode step's GPU time goes by kernel family; and, as baselines
+measured in the same run, the same model's PyTorch decode step (eager and under a CUDA graph)
+and the memory-bandwidth floor (bytes read per step / measured device bandwidth).
+
+Variants: ``stock`` (MatMul / GroupQueryAttention) and ``batch-invariant`` (the loopcast
+custom ops). The result is one JSON document; ``bench/report.py`` renders and writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from loopcast.bench.pipeline import cycle_ms, oracle_rows
+from loopcast.ort_runtime.decoding.exactness import decode_rows
+
+from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, DRAFT, VERIFY, VERIFY_TAIL
+
+BENCH_PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "class Stack:\n    def __init__(self):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "    def __repr__(self):\n        return ",
+    "def merge(left, right):\n    result = []\n",
+    "class Queue:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    # edit workload: the answer repeats the prompt, as in code edits
+    "def area(width, height):\n    return width * height\n\n\n" * 3 + "def area(",
+]
+# The edit workload, reported apart: a function, then its first line again, so that the answer
+# re-emits (an edited copy of) text already in the prompt: the case prompt lookup is for.
+_EDIT_SOURCES = [
+    "def merge(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n"
+    "        else:\n            result.append(right[j])\n            j += 1\n"
+    "    result.extend(left[i:])\n    result.extend(right[j:])\n    return result\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def __len__(self):\n        return len(self.items)\n",
+    "def read_config(path):\n    values = {}\n    with open(path) as f:\n        for line in f:\n"
+    "            line = line.strip()\n            if not line or line.startswith('#'):\n                continue\n"
+    "            key, _, value = line.partition('=')\n            values[key.strip()] = value.strip()\n"
+    "    return values\n",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n"
+    "        mid = (lo + hi) // 2\n        if items[mid] == target:\n            return mid\n"
+    "        if items[mid] < target:\n            lo = mid + 1\n        else:\n            hi = mid - 1\n"
+    "    return -1\n",
+]
+EDIT_PROMPTS = [src + "\n\n" + src.split("\n", 1)[0] + "\n" for src in _EDIT_SOURCES]
+VARIANTS = ("stock", "batch-invariant")
+
+
+@dataclass
+class BenchOptions:
+    checkpoint: str  # a checkpoint dir, `demo`, or `preset:NAME` (random weights)
+    work_dir: Path
+    device: str = "cuda"
+    dtypes: tuple[str, ...] = ("fp16", "bf16")
+    variants: tuple[str, ...] = VARIANTS
+    past: int = 1024
+    widths: tuple[int, ...] = (2, 5, 8)
+    iters: int = 50
+    new_tokens: int = 128  # per prompt, end-to-end rows
+    end_to_end: bool = True
+    alternate_tokens: int = 1000
+    torch_baseline: bool = True
+    profile: bool = True
+    oracle_rejects: tuple[float, ...] = (0.0, 0.08)  # pipeline rows with oracle drafts (rejected fractions)
+    passes: int = 1  # end-to-end passes, modes interleaved (median ratio)
+
+
+@dataclass
+class StepTimes:
+    kind: str
+    rows: int
+    captured_ms: float | None  # None: not captured (CPU, or the slot fell back to eager)
+    uncaptured_ms: float | None  # None: not measured (extra verify widths on CUDA)
+    slot: dict | None = None  # the timed generator's graph-slot counters for this kind
+
+
+@dataclass
+class VariantResult:
+    dtype: str
+    variant: str
+    past: int
+    export_s: float
+    steps: list[StepTimes] = field(default_factory=list)
+    rows_identical: dict = field(default_factory=dict)
+    end_to_end: dict = field(default_factory=dict)
+    end_to_end_edit: dict = field(default_factory=dict)  # EDIT_PROMPTS: plain and prompt lookup
+    alternation: dict = field(default_factory=dict)
+    # Captured decode of the same artifact with one of the custom-op library's launch switches
+    # off, measured in the same run: LOOPCAST_PDL=0 (no programmatic dependent launch: what PDL
+    # buys) and LOOPCAST_SWIGLU_STAGE=0 (SwiGLU per chunk in the down projection, not staged).
+    decode_without_pdl_ms: float | None = None
+    decode_without_swiglu_stage_ms: float | None = None
+    profile_ms: dict = field(default_factory=dict)
+    top_kernels: list = field(default_factory=list)
+    graph_fallbacks: dict = field(default_factory=dict)
+    captured_fixed_position_only: bool = False  # stock graphs: captured timing at one position only
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+def _median_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def step_ms(model, kind: str, past: int, iters: int) -> tuple[float, dict | None]:
+    """Median wall time of one ``kind`` step at positions past.. (host pushes and id pull
+    included), and the generator's graph-slot counters for the kind (None: not captured)."""
+    gen = model.new_generator()
+    rows = gen.rows(kind)
+    if kind == VERIFY_TAIL:
+        hidden = np.zeros((rows, model.config.hidden_size), np.float32)
+        ms = _median_ms(lambda: gen.run(kind, past, hidden=hidden, want_logits=False), iters)
+    else:
+        tokens = [1] * rows
+        ms = _median_ms(lambda: gen.run(kind, past, tokens=tokens, want_logits=False), iters)
+    return ms, gen.graph_slots().get(kind)
+
+
+@contextlib.contextmanager
+def kernel_env(name: str, value: str):
+    """Set one of the custom-op library's launch switches (LOOPCAST_PDL) meanwhile. The
+    library reads it at each launch, and a captured graph keeps what it recorded."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+def pdl_off():
+    return kernel_env("LOOPCAST_PDL", "0")
+
+
+def decode_with_env(art: Path, device: str, past: int, iters: int, name: str, value: str) -> float | None:
+    """Captured decode step with one launch switch changed (the variable only has to be set
+    while this session warms up and captures)."""
+    from loopcast.ort_runtime import load
+
+    with kernel_env(name, value):
+        model = load(art, device, kinds=(DECODE,))
+        ms, slot = step_ms(model, DECODE, past, iters)
+    return _captured(ms, slot)
+
+
+def _captured(ms: float, slot: dict | None) -> float | None:
+    """A time counts as captured only if the slot captured and never fell back."""
+    return ms if slot is not None and slot["captures"] and slot["failure"] is None else None
+
+
+def rows_identical(model, prompts: list[list[int]]) -> dict:
+    """Per prompt: W decode steps (M=1) vs one verify(W) step over the same tokens."""
+    W = model.loaded.manifest.verify_width
+    same, total, worst = 0, 0, 0.0
+    for prompt in prompts:
+        gen = model.new_generator()
+        fed, rows = decode_rows(gen, prompt, W)
+        gen.rewind(len(prompt))
+        verify = gen.run(VERIFY, gen.n, tokens=fed).logits
+        for i in range(W):
+            total += 1
+            same += bool(np.array_equal(verify[i], rows[i]))
+            worst = max(worst, float(np.abs(verify[i] - rows[i]).max()))
+    return {"bit_identical_rows": same, "rows": total, "max_abs_diff": worst}
+
+
+def _first_divergence(model, prompt: list[int], plain: list[int], other: list[int]) -> dict:
+    """Where ``other`` leaves plain greedy, and plain greedy's top-1/top-2 margin there."""
+    j = next((i for i, (x, y) in enumerate(zip(plain, other)) if x != y), min(len(plain), len(other)))
+    if j >= len(plain):
+        return {"index": j, "margin": None}
+    # Token j of plain greedy comes from the step that fed the token before it.
+    context = prompt + plain[:j]
+    gen = model.new_generator()
+    if len(context) > 1:
+        gen.prefill(context[:-1])
+    top = np.sort(gen.run(DECODE, gen.n, tokens=[context[-1]]).logits[0])[-2:]
+    return {"index": j, "margin": float(top[1] - top[0])}
+
+
+def end_to_end(
+    model,
+    prompts: list[list[int]],
+    new_tokens: int,
+    oracle_rejects: tuple[float, ...] = (),
+    speculative: tuple[str, ...] = ("prompt-lookup", "self", "pipeline"),
+    passes: int = 1,
+) -> dict:
+    """tokens/s of plain greedy and of each ``speculative`` mode with the default gate (auto)
+    and ungated (gate none); tokens vs plain greedy. Stock artifacts are not exact, so their
+    modes run with allow_inexact and the divergent prompts are counted. With ``oracle_rejects``,
+    the pipeline also runs on oracle drafts (bench/pipeline.py).
+
+    ``passes`` passes over the prompts, the modes taking turns prompt by prompt, so that drift
+    on the machine (clocks, other jobs) hits every mode alike; a mode's ``speedup`` is the
+    median over passes of its rate against plain's in the same pass."""
+    exact = model.loaded.exact_verify
+    modes = [("plain", {})]
+    for mode in speculative:
+        if (mode == "self" and not model.loaded.has(DRAFT)) or (
+            mode == "pipeline" and not model.loaded.has(CYCLE)
+        ):
+            continue
+        base = {
+            "speculative": mode,
+            "num_draft_tokens": None if mode == "pipeline" else 4,
+            "allow_inexact": not exact,
+        }
+        modes += [(mode, {**base, "gate": "auto"}), (f"{mode} (gate none)", {**base, "gate": "none"})]
+        if mode == "pipeline" and model.loaded.has(CYCLE_RUN):  # the host-scheduled lanes, for comparison
+            modes.append(
+                (
+                    "pipeline (one cycle per call, gate none)",
+                    {**base, "gate": "none", "pipeline_device_lanes": False},
+                )
+            )
+    plain_tokens: dict[int, list[int]] = {}
+    runs = {name: [] for name, _ in modes}
+    for _ in range(passes):
+        acc = {
+            name: {
+                "tokens": 0,
+                "seconds": 0.0,
+                "divergent": 0,
+                "firsts": [],
+                "accepted": 0,
+                "proposed": 0,
+                "rounds": 0,
+                "reasons": [],
+                "gate_report": None,
+            }
+            for name, _ in modes
+        }
+        for i, prompt in enumerate(prompts):
+            for name, kwargs in modes:
+                a = acc[name]
+                model.generate(prompt, 8, stop_ids=(), **kwargs)  # warm the slots this mode uses
+                t0 = time.perf_counter()
+                out = model.generate(prompt, new_tokens, stop_ids=(), **kwargs)
+                a["seconds"] += time.perf_counter() - t0
+                a["tokens"] += len(out.tokens)
+                a["accepted"] += out.stats.accepted
+                a["proposed"] += out.stats.proposed
+                a["rounds"] += out.stats.rounds
+                if out.stats.gate_report:
+                    a["reasons"].append(out.stats.gate_report.get("reason"))
+                    a["gate_report"] = out.stats.gate_report
+                if name == "plain":
+                    plain_tokens.setdefault(i, out.tokens)
+                if out.tokens != plain_tokens[i]:
+                    a["divergent"] += 1
+                    a["firsts"].append(_first_divergence(model, prompt, plain_tokens[i], out.tokens))
+        for name, a in acc.items():
+            runs[name].append(a)
+    result = {}
+    for name, kwargs in modes:
+        rates = [a["tokens"] / a["seconds"] for a in runs[name]]
+        ratios = [r / (p["tokens"] / p["seconds"]) for r, p in zip(rates, runs["plain"], strict=True)]
+        mid = sorted(range(passes), key=lambda j: rates[j])[passes // 2]  # the median pass
+        a = runs[name][mid]
+        result[name] = {
+            "tokens_per_s": rates[mid],
+            "ms_per_token": 1e3 * a["seconds"] / a["tokens"],
+            "tokens": a["tokens"],
+            "seconds": a["seconds"],
+            "divergent_prompts": max(r["divergent"] for r in runs[name]),
+            "first_divergences": a["firsts"],
+            "rounds": a["rounds"],
+            "acceptance": a["accepted"] / a["proposed"] if a["proposed"] else None,
+            "gate": kwargs.get("gate"),
+            "gate_reasons": a["reasons"],
+            "gate_report": a["gate_report"],
+            "exact_verify": exact,
+            "speedup": statistics.median(ratios),
+            "pass_speedups": [round(x, 4) for x in ratios],
+        }
+    if oracle_rejects and model.loaded.has(CYCLE) and exact:
+        oracle = oracle_rows(model, prompts, plain_tokens, new_tokens, oracle_rejects)
+        for entry in oracle.values():
+            entry["speedup"] = entry["tokens_per_s"] / result["plain"]["tokens_per_s"]
+        result.update(oracle)
+    return result
+
+
+def alternation(model, prompt: list[int], tokens: int, chunk: int = 40) -> dict:
+    """One generator alternating self-speculation (draft, verify_tail), prompt lookup (verify,
+    decode) and plain decode in chunks for ``tokens`` tokens: after one warm-up chunk of each
+    mode every slot has captured once, and from then on it may only replay. When the context
+    fills up the generator rewinds to the prompt and goes on (``restarts``), so the run reaches
+    ``tokens`` on any context length."""
+    gen = model.new_generator()
+    # Ungated, so every chunk really runs its kinds; allow_inexact only matters on stock graphs.
+    inexact = not model.loaded.exact_verify
+    modes = [
+        {"speculative": "self", "num_draft_tokens": 4, "gate": "none", "allow_inexact": inexact},
+        {"speculative": "prompt-lookup", "num_draft_tokens": 4, "gate": "none", "allow_inexact": inexact},
+        {},
+    ]
+    ids = list(prompt)
+    if len(prompt) + 4 * (chunk + 8) > gen.max_length:
+        raise ValueError(
+            f"alternation needs room for 4 chunks of {chunk} tokens after the prompt; "
+            f"max length is {gen.max_length}"
+        )
+
+    def run_chunk(mode: dict) -> int:
+        nonlocal ids
+        if gen.n + chunk + 8 >= gen.max_length:  # rewind = move a length; the slots stay captured
+            gen.rewind(0)
+            ids = list(prompt)
+            restarts.append(gen.n)
+        out = list(model.stream_ids(ids, chunk, stop_ids=(), generator=gen, **mode))
+        ids = [out[-1]]
+        return len(out)
+
+    restarts: list[int] = []
+    for mode in modes:
+        run_chunk(mode)
+    warm = gen.graph_slots()
+    counts0, warm_secs = dict(gen.step_counts), dict(gen.step_seconds)
+    produced, t0 = 0, time.perf_counter()
+    while produced < tokens:
+        for mode in modes:
+            produced += run_chunk(mode)
+    end = gen.graph_slots()
+    # The slot counters are derived from ORT's capture rule; the measured evidence that no
+    # slot re-captured is the mean steady step time (a capture costs many steps).
+    secs0 = {k: v for k, v in warm_secs.items()}
+    return {
+        "tokens": produced,
+        "seconds": time.perf_counter() - t0,
+        "steps": {k: gen.step_counts[k] - counts0.get(k, 0) for k in gen.step_counts},
+        "mean_step_ms": {
+            k: round(
+                (gen.step_seconds[k] - secs0.get(k, 0.0))
+                * 1e3
+                / max(1, gen.step_counts[k] - counts0.get(k, 0)),
+                4,
+            )
+            for k in gen.step_counts
+        },
+        "restarts": len(restarts),
+        "slots_after_warmup": warm,
+        "slots_at_end": end,
+        "fallbacks": {k: end[k]["fallbacks"] for k in end},
+    }
+
+
+def profile_decode(model, past: int, iters: int = 20) -> dict:
+    """GPU time per decode step by kernel family (CUPTI through torch.profiler sees every
+    kernel in the process, ORT's included). Run uncaptured so that each kernel is a record, and
+    without PDL: a kernel launched early would count its wait for the previous one as its own."""
+    with pdl_off():
+        return _profile_decode(model, past, iters)
+
+
+def _profile_decode(model, past: int, iters: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = model.new_generator()
+    for _ in range(3):
+        gen.run(DECODE, past, tokens=[1], want_logits=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            gen.run(DECODE, past, tokens=[1], want_logits=False)
+        torch.cuda.synchronize()
+    families: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        families[kernel_family(event.name)] = families.get(kernel_family(event.name), 0.0) + event.device_time
+        kernels[event.name[:90]] = kernels.get(event.name[:90], 0.0) + event.device_time
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return (
+        {k: v / iters / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+        [(name, t / iters / 1e3) for name, t in top],
+    )
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    rules = [
+        ("loopcast", "loopcast custom ops"),
+        ("batch_invariant", "loopcast custom ops"),
+        ("flash", "attention"),
+        ("gemm", "matmul"),
+        ("gemv", "matmul"),
+        ("xmma", "matmul"),
+        ("cutlass", "matmul"),
+        ("sm90_", "matmul"),
+        ("cublas", "matmul"),
+        ("splitk", "matmul"),
+        ("norm", "rmsnorm"),
+        ("flash", "attention"),
+        ("attention", "attention"),
+        ("rotary", "attention"),
+        ("kv", "attention"),
+        ("concat", "attention"),
+        ("argmax", "sampling"),
+        ("topk", "sampling"),
+        ("memcpy", "memcpy"),
+    ]
+    for key, family in rules:
+        if key in low:
+            return family
+    return "elementwise/other"
+
+
+# -- orchestration --------------------------------------------------------------------------
+
+
+def _checkpoint(opts: BenchOptions, dtype: str) -> Path:
+    if not opts.checkpoint.startswith("preset:"):
+        from loopcast.exporter.checkpoint import resolve_checkpoint
+
+        return resolve_checkpoint(opts.checkpoint)
+    from loopcast.exporter.checkpoint import DTYPES
+    from loopcast.exporter.random_checkpoint import write_random_checkpoint
+
+    from loopcast.config import PRESETS
+
+    preset = opts.checkpoint.split(":", 1)[1]
+    out = opts.work_dir / f"ckpt-{preset}-{dtype}"
+    if not (out / "config.json").is_file():
+        write_random_checkpoint(PRESETS[preset], out, seed=0, dtype=DTYPES[dtype])
+    return out
+
+
+def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> VariantResult:
+    from loopcast.exporter.export import ExportOptions, export_checkpoint, with_verify_width
+    from loopcast.ort_runtime import load
+
+    from loopcast.config import load_config
+
+    checkpoint = _checkpoint(opts, dtype)
+    config = load_config(checkpoint)
+    widths = sorted(set(opts.widths) | {5})
+    max_length = min(config.max_position_embeddings, opts.past + max(widths) + 1)
+    past = max_length - max(widths) - 1
+    art = opts.work_dir / f"art-{Path(str(checkpoint)).name}-{dtype}-{variant}"
+    log(f"[{dtype}/{variant}] exporting {checkpoint} into {art} ...")
+    t0 = time.perf_counter()
+    # variants: stock ops, every loopcast op, or the exporter's default op set for this dtype
+    ops = {"stock": "stock", "batch-invariant": "loopcast", "default": "auto"}[variant]
+    export_checkpoint(
+        checkpoint,
+        art,
+        ExportOptions(dtype, max_length, 5, 1 if config.num_loops > 1 else None, ops=ops),
+        overwrite=True,
+    )
+    result = VariantResult(dtype, variant, past, time.perf_counter() - t0)
+    log(f"[{dtype}/{variant}] exported in {result.export_s:.1f}s; past {past}")
+    cuda = opts.device == "cuda"
+    from loopcast.manifest import Manifest
+
+    hot = tuple(k for k in (DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE) if k in Manifest.read(art).graphs)
+    # One model with every kind (captured where possible) serves the captured steps, the row
+    # check and generation; an uncaptured one (hot kinds only) the eager steps and the profile.
+    # Sessions are few on purpose: each CUDA session holds its own copy of the weights.
+    full = load(art, opts.device)
+    eager = load(art, opts.device, cuda_graphs=False, kinds=hot) if cuda else full
+    result.graph_fallbacks = dict(full.loaded.graph_fallbacks)
+    # Stock graphs are not captured for generation (GroupQueryAttention's host-side length would
+    # be frozen); their captured time is measured at one fixed position, for comparison only.
+    result.captured_fixed_position_only = cuda and not full.loaded.manifest.device_lengths
+    capt = (
+        load(art, opts.device, cuda_graphs="always", kinds=hot)
+        if result.captured_fixed_position_only
+        else full
+    )
+    log(f"  timing steps at past {past}, {opts.iters} runs each ...")
+    for kind in hot:
+        if not full.loaded.has(kind):
+            continue
+        rows = full.new_generator().rows(kind)
+        timer = cycle_ms if kind == CYCLE else step_ms
+        cap, slot = timer(capt, kind, past, opts.iters) if cuda else (None, None)
+        result.steps.append(
+            StepTimes(
+                kind,
+                rows,
+                _captured(cap, slot) if cuda else None,
+                timer(eager, kind, past, opts.iters)[0],
+                slot,
+            )
+        )
+        captured = f"captured {cap:.3f} ms, " if cap is not None else ""
+        log(f"  {kind}({rows}) {captured}uncaptured {result.steps[-1].uncaptured_ms:.3f} ms")
+    if opts.profile and cuda:
+        result.profile_ms, result.top_kernels = profile_decode(eager, past)
+    del eager, capt
+    if cuda and not result.captured_fixed_position_only:
+        result.decode_without_pdl_ms = decode_with_env(
+            art, opts.device, past, opts.iters, "LOOPCAST_PDL", "0"
+        )
+        log(f"  decode captured without PDL {result.decode_without_pdl_ms} ms")
+        result.decode_without_swiglu_stage_ms = decode_with_env(
+            art, opts.device, past, opts.iters, "LOOPCAST_SWIGLU_STAGE", "0"
+        )
+        log(f"  decode captured without SwiGLU staging {result.decode_without_swiglu_stage_ms} ms")
+    for width in widths:
+        if width == 5:
+            continue
+        with_verify_width(art, opts.work_dir / f"{art.name}-w{width}", width, overwrite=True)
+        model = load(
+            opts.work_dir / f"{art.name}-w{width}",
+            opts.device,
+            kinds=(VERIFY,),
+            cuda_graphs="always" if result.captured_fixed_position_only else True,
+        )
+        ms, slot = step_ms(model, VERIFY, past, opts.iters)
+        captured = _captured(ms, slot) if cuda else None
+        result.steps.append(StepTimes(VERIFY, width, captured, None if captured is not None else ms, slot))
+        del model
+        log(f"  verify({width}) {ms:.3f} ms ({'captured' if captured is not None else 'uncaptured'})")
+    if full.tokenizer is not None:
+        prompts = [full.encode(p) for p in BENCH_PROMPTS]
+    else:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, config.vocab_size, 24).tolist() for _ in range(4)]
+    log(f"  comparing verify rows with decode rows on {len(prompts)} prompts ...")
+    result.rows_identical = rows_identical(full, prompts)
+    log(f"  verify rows bit-identical to decode rows: {result.rows_identical}")
+    new_tokens = min(opts.new_tokens, max_length - max(len(p) for p in prompts) - 8)
+    if opts.end_to_end and new_tokens < 8:
+        log(f"  end-to-end skipped: --past {opts.past} leaves no room after the prompts")
+    elif opts.end_to_end:
+        log(
+            f"  end-to-end: {len(prompts)} prompts x {new_tokens} tokens x {opts.passes} pass(es), plain and "
+            "speculative ..."
+        )
+        result.end_to_end = end_to_end(full, prompts, new_tokens, opts.oracle_rejects, passes=opts.passes)
+        for name, entry in result.end_to_end.items():
+            log(
+                f"  {name}: {entry['tokens_per_s']:.1f} tok/s (x{entry['speedup']:.2f}), "
+                f"divergent prompts {entry['divergent_prompts']}"
+            )
+        if full.tokenizer is not None:
+            edits = [full.encode(p) for p in EDIT_PROMPTS]
+            edit_tokens = min(opts.new_tokens, max_length - max(len(p) for p in edits) - 8)
+            if edit_tokens >= 8:
+                log(f"  end-to-end, edit workload: {len(edits)} prompts x {edit_tokens} tokens ...")
+                result.end_to_end_edit = end_to_end(
+                    full, edits, edit_tokens, speculative=("prompt-lookup",), passes=opts.passes
+                )
+                for name, entry in result.end_to_end_edit.items():
+                    log(
+                        f"  edit, {name}: {entry['tokens_per_s']:.1f} tok/s (x{entry['speedup']:.2f}), "
+                        f"divergent prompts {entry['divergent_prompts']}"
+                    )
+    if opts.alternate_tokens and full.loaded.has(DRAFT) and cuda:
+        log(f"  alternating modes for {opts.alternate_tokens} tokens ...")
+        result.alternation = alternation(full, prompts[0], opts.alternate_tokens)
+        log(
+            f"  alternation: {result.alternation['tokens']} tokens, steady mean ms per kind "
+            f"{result.alternation['mean_step_ms']}"
+        )
+    return result
+
+
+def torch_baseline(opts: BenchOptions, dtype: str, past: int) -> dict:
+    import torch
+    from loopcast.exporter import torch_bench
+
+    checkpoint = _checkpoint(opts, dtype)
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    model = torch_bench.load_reference(checkpoint, torch_dtype, opts.device)
+    max_length = past + 8
+    out = {
+        "eager_ms": torch_bench.decode_step_ms(
+            model, past=past, max_length=max_length, cuda_graph=False, iters=min(opts.iters, 20)
+        )
+    }
+    if opts.device == "cuda":
+        out["cuda_graph_ms"] = torch_bench.decode_step_ms(
+            model, past=past, max_length=max_length, cuda_graph=True, iters=opts.iters
+        )
+    del model
+    if opts.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
+    """Every (dtype, variant) in turn; ``on_progress(report)`` after each, so a run cut short
+    still leaves what it measured."""
+    import onnxruntime as ort
+
+    from loopcast.config import load_config
+    from loopcast.devices import check_device
+
+    check_device(opts.device)  # before anything is exported
+    opts.work_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": _machine(opts.device),
+        "onnxruntime": ort.__version__,
+        "runs": [],
+        "baselines": {},
+    }
+    for dtype in opts.dtypes:
+        for variant in opts.variants:
+            result = bench_variant(opts, dtype, variant, log)
+            report["runs"].append(asdict(result))
+            if on_progress is not None:
+                on_progress(report)
+        past = report["runs"][-1]["past"]
+        config = load_config(_checkpoint(opts, dtype))
+        baseline: dict = {"past": past}
+        if opts.torch_baseline:
+            log(f"[{dtype}] PyTorch baseline and memory bandwidth ...")
+            try:
+                baseline.update(torch_baseline(opts, dtype, past))
+            except Exception as exc:  # the baseline is optional; say why it is missing
+                baseline["error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            from loopcast.exporter import torch_bench
+
+            bandwidth = torch_bench.device_bandwidth_gbs(opts.device)
+            nbytes = torch_bench.bytes_per_decode_step(config, 4 if dtype == "fp32" else 2, past)
+            baseline.update(
+                {
+                    "bandwidth_gbs": bandwidth,
+                    "bytes_per_step": nbytes,
+                    "floor_ms": torch_bench.floor_ms(nbytes["total"], bandwidth),
+                    "cache_bytes": _cache_bytes(opts.device),
+                }
+            )
+        except ImportError as exc:
+            baseline["error"] = f"no torch for the floor: {exc}"
+        report["baselines"][dtype] = baseline
+        log(f"[{dtype}] baselines {baseline}")
+        if on_progress is not None:
+            on_progress(report)
+    return report
+
+
+def _cache_bytes(device: str) -> int:
+    """Bytes a step can keep in cache between steps: the GPU's L2, or on the CPU the copy size
+    the bandwidth is measured with (chosen past the caches). A step whose bytes fit reads them
+    from cache, faster than the measured memory bandwidth: its floor is no floor."""
+    from loopcast.exporter import torch_bench
+
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).L2_cache_size)
+    return torch_bench._CPU_BANDWIDTH_BYTES
+
+
+def _machine(device: str) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if device == "cuda" and torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return info

@@ -1,0 +1,49 @@
+"""The demo checkpoint exported into the user's cache on first use (fp32, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loopcast.demo_checkpoint import demo_checkpoint_dir
+
+
+def demo_artifact_dir(cache_dir: Path | None = None, *, progress: bool = False) -> Path:
+    """The demo model exported (fp32, CPU) into the cache, exporting on first use."""
+    import hashlib
+    import os
+
+    from loopcast import __version__
+    from loopcast.manifest import SCHEMA_VERSION
+
+    checkpoint = demo_checkpoint_dir()
+    digest = hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest()[:12]
+    root = cache_dir or Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
+    artifact = Path(root) / f"demo-{__version__}-s{SCHEMA_VERSION}-{digest}"
+    if not _usable(artifact):
+        from loopcast.exporter.export import ExportOptions, export_checkpoint
+
+        export_checkpoint(
+            checkpoint,
+            artifact,
+            ExportOptions(dtype="fp32", max_length=1024, verify_width=5, draft_depth=1),
+            progress=progress,
+            overwrite=True,
+        )
+    return artifact
+
+
+def _usable(artifact: Path) -> bool:
+    """A cached demo artifact that reads cleanly and records every file it names (an older or
+    damaged cache entry is exported again rather than refused on every run)."""
+    from loopcast.errors import ArtifactError
+    from loopcast.manifest import CYCLE, CYCLE_RUN, Manifest, has_cycle
+
+    if not (artifact / "manifest.json").is_file():
+        return False
+    try:
+        manifest = Manifest.read(artifact)
+    except ArtifactError:
+        return False
+    if not {CYCLE, CYCLE_RUN} <= set(manifest.graphs) and has_cycle(manifest.config, manifest.op_set):
+        return False  # exported before the pipeline's cycle graphs existed
+    return manifest.custom_op_library is None or manifest.custom_op_library in manifest.files

@@ -1,0 +1,522 @@
+"""Continuous batching: requests join and leave a running batch between decode steps.
+
+One engine thread owns a BatchGenerator (ort_runtime/binding/batch_generator.py) and loops:
+
+    cancel → admit (waiting requests into free slots: prefill each in place, emit its first
+    token) → one decode_batch step over every running request → emit, finish, free slots
+
+- **Admission control.** A request needs one sequence slot (each slot holds the full max
+  length of KV); it waits in a bounded FIFO while every slot is busy, and ``submit`` refuses it
+  (``CapacityError``) when the queue is full. A prompt that does not fit the KV capacity is
+  refused at submission (``RequestError``); generation stops with "length" when a sequence
+  reaches it.
+- **Per request**: max tokens, stop ids (the stop token is emitted, as in
+  ``ort_runtime/decoding/speculate.py``), sampling parameters (``ort_runtime/decoding/sampling.py``: the row's
+  logits are pulled and drawn on the host with the request's own RNG; greedy rows use the
+  device argmax), cancellation (takes effect at the next step boundary). Stop *strings* are
+  text: the caller watches the text (``StopStringMatcher``) and cancels.
+- **Speculation per request** (``speculative="prompt-lookup"``, greedy requests): each step,
+  requests whose prompt-lookup proposer (ort_runtime/decoding/proposers.py) offers drafts are verified in
+  one ``verify_batch`` step together with every other running request (one real row each);
+  ``greedy_accept`` takes the accepted prefix and the verifier's token, and the slot commits
+  1 + accepted rows. ``BatchGate`` decides per step, from measured step costs per width and the
+  observed acceptance, whether that verify step yields more tokens per second than a decode
+  step. Sampled requests (and artifacts whose verify rows are not exact on the device) decode
+  plainly; ``Completion.speculative`` says which applied and why. Greedy tokens equal plain
+  greedy's of ``loopcast generate`` either way (tests/ort_runtime/test_batching.py).
+- ``SequentialEngine`` is the same interface over one Generator, one request at a time
+  (the baseline the load generator compares against); a request's speculation runs there
+  through the one-sequence engine (ort_runtime/decoding/speculate.py) and its gate.
+
+Events reach a request's ``on_event(kind, value)`` from the engine thread: ``("token", id)``,
+then one ``("done", finish_reason)`` or ``("error", message)``. ``Completion`` also offers a
+blocking iterator over them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
+from loopcast.ort_runtime.decoding.greedy_accept import greedy_accept
+from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer
+from loopcast.ort_runtime.decoding.sampling import SamplingParams, make_rng, probabilities, sample
+
+from loopcast.errors import LoopcastError, RequestError
+from loopcast.manifest import DECODE_BATCH, VERIFY_BATCH
+
+EventSink = Callable[[str, object], None]
+
+
+SPECULATIVE_MODES = ("none", "prompt-lookup")
+
+
+class CapacityError(LoopcastError):
+    """Every slot is busy and the waiting queue is full: retry later (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    ids: list[int]
+    max_new_tokens: int = 64
+    stop_ids: tuple[int, ...] = ()
+    sampling: SamplingParams | None = None
+    speculative: str = "none"  # "none" | "prompt-lookup"
+
+    def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE_MODES:
+            raise RequestError(
+                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}"
+            )
+        if not self.ids:
+            raise RequestError("prompt is empty: give at least one token")
+        if self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+            raise RequestError(
+                f"sampling must be a SamplingParams or None, got {type(self.sampling).__name__}"
+            )
+
+
+@dataclass(eq=False)
+class Completion:
+    """One submitted request: its tokens so far, how it finished, and a cancel switch."""
+
+    request: BatchRequest
+    on_event: EventSink | None = None
+    id: int = 0
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    speculative: str = "none"
+    proposed: int = 0  # drafts offered by this request's proposer and verified
+    accepted: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+    _cancel: threading.Event = field(default_factory=threading.Event)
+    _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def _emit(self, kind: str, value) -> None:
+        if kind == "token":
+            self.tokens.append(value)
+            self.token_times.append(time.perf_counter())
+        elif kind == "done":
+            self.finish_reason = value
+        else:
+            self.error = value
+        self._events.put((kind, value))
+        if self.on_event is not None:
+            self.on_event(kind, value)
+        if kind != "token":
+            self._done.set()
+
+    def events(self, timeout: float | None = None) -> Iterator[tuple[str, object]]:
+        """Blocking iterator over this request's events, ending after "done"/"error"."""
+        while True:
+            kind, value = self._events.get(timeout=timeout)
+            yield kind, value
+            if kind != "token":
+                return
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Wait for the end; the tokens, or RequestError if the request failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("request did not finish in time")
+        if self.error is not None:
+            raise RequestError(self.error)
+        return list(self.tokens)
+
+
+@dataclass
+class _Running:
+    completion: Completion
+    slot: int
+    pending: int  # last emitted token: its KV is written by the next step
+    context: list[int]  # prompt + emitted tokens (repetition penalty's and the proposer's context)
+    rng: object | None
+    proposer: PromptLookupProposer | None = None
+
+
+class BatchGate:
+    """Whether a step verifies drafts (verify_batch) or decodes (decode_batch).
+
+    Verify when (running + proposing·α) / t_verify(w) > running / t_decode(w): tokens per second
+    of either step at width w, with α the observed accepted drafts per proposing request (an
+    exponential average, starting optimistic so that the first proposals are tried). Costs are
+    exponential averages of steady runs per (kind, width); a binding's first run is left out.
+    While verify is off, α cannot move, so every ``probe_every`` steps one verify step is taken
+    anyway. Decisions change which kernels run, never the greedy tokens.
+    """
+
+    def __init__(self, probe_every: int = 32, smoothing: float = 0.2) -> None:
+        self.probe_every, self.smoothing = probe_every, smoothing
+        self.cost: dict[tuple[str, int], float] = {}
+        self._seen: set[tuple[str, int]] = set()
+        self.alpha = 2.0
+        self.off_steps = 0
+
+    def engage(self, width: int, running: int, proposing: int) -> bool:
+        t_verify, t_decode = self.cost.get((VERIFY_BATCH, width)), self.cost.get((DECODE_BATCH, width))
+        if t_decode is None:  # measure the plain step at this width first
+            on = False
+        elif t_verify is None:
+            on = True
+        else:
+            on = (running + proposing * self.alpha) / t_verify > running / t_decode
+        if not on:
+            self.off_steps += 1
+            if self.off_steps >= self.probe_every:
+                on = True
+        if on:
+            self.off_steps = 0
+        return on
+
+    def observe_cost(self, kind: str, width: int, seconds: float) -> None:
+        key = (kind, width)
+        if key not in self._seen:  # warm-up run of a fresh binding
+            self._seen.add(key)
+            return
+        old = self.cost.get(key)
+        self.cost[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def observe_accept(self, accepted_per_proposer: float) -> None:
+        self.alpha += self.smoothing * (accepted_per_proposer - self.alpha)
+
+
+class _EngineBase:
+    def __init__(self, max_length: int, max_waiting: int) -> None:
+        self.max_length, self.max_waiting = max_length, max_waiting
+        self._waiting: deque[Completion] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
+        self.steps = 0
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def submit(self, request: BatchRequest, on_event: EventSink | None = None) -> Completion:
+        if len(request.ids) >= self.max_length:
+            raise RequestError(
+                f"prompt of {len(request.ids)} tokens does not fit the KV capacity "
+                f"({self.max_length} tokens, one of them for the first generated token)"
+            )
+        completion = Completion(request, on_event, next(self._ids))
+        with self._cv:
+            if self._stopping:
+                raise CapacityError("the engine is shutting down")
+            if len(self._waiting) >= self.max_waiting:
+                raise CapacityError(
+                    f"{len(self._waiting)} requests are already waiting for a slot "
+                    f"(max_waiting={self.max_waiting}); retry later"
+                )
+            self._waiting.append(completion)
+            self._cv.notify()
+        return completion
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, let running requests finish (up to ``timeout`` s), cancel the rest."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._cancel_all()
+            self._thread.join(5.0)
+
+    def _cancel_all(self) -> None:
+        with self._cv:
+            waiting = list(self._waiting)
+        for c in waiting + self._active_completions():
+            c.cancel()
+
+    def _take_waiting(self) -> Completion | None:
+        with self._cv:
+            return self._waiting.popleft() if self._waiting else None
+
+    def _idle_wait(self) -> bool:
+        """Block until there is work; False when the engine should exit."""
+        with self._cv:
+            while not self._waiting and not self._stopping:
+                self._cv.wait(0.5)
+            return not (self._stopping and not self._waiting)
+
+    def _active_completions(self) -> list[Completion]:
+        return []
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+
+def _first_token(out_id: int, logits, running: _Running, request: BatchRequest) -> int:
+    if request.sampling is None or request.sampling.greedy:
+        return out_id
+    return sample(probabilities(logits, request.sampling, running.context), running.rng)
+
+
+class BatchingEngine(_EngineBase):
+    """Continuous batching over a BatchGenerator of ``max_batch`` slots."""
+
+    def __init__(
+        self,
+        generator: BatchGenerator,
+        *,
+        max_waiting: int = 256,
+        gate: BatchGate | None = None,
+        proposer_factory: Callable[[], object] = PromptLookupProposer,
+    ) -> None:
+        super().__init__(generator.max_length, max_waiting)
+        self.gen = generator
+        self.gate = gate or BatchGate()
+        self.proposer_factory = proposer_factory  # one proposer per speculating request
+        self._running: dict[int, _Running] = {}  # slot -> request
+        self.peak_batch = 0
+        self.stats = {"decode_steps": 0, "verify_steps": 0, "proposed": 0, "accepted": 0}
+        model = generator.model
+        # Speculation needs verify rows bit-identical to decode rows on this device (manifest exact_verify).
+        self.speculation = (
+            None
+            if generator.verify_width is None
+            else ""
+            if model.exact_verify
+            else f"verify rows are not exact on {model.device} for this artifact (manifest exact_verify)"
+        )
+
+    def _speculation_for(self, request: BatchRequest) -> tuple[PromptLookupProposer | None, str]:
+        if request.speculative == "none":
+            return None, "none"
+        if request.sampling is not None and not request.sampling.greedy:
+            return None, "none (batched speculation is greedy-only; this request samples)"
+        if self.speculation is None:
+            return None, "none (the artifact has no verify_batch graph)"
+        if self.speculation:
+            return None, f"none ({self.speculation})"
+        return self.proposer_factory(), "prompt-lookup"
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def _active_completions(self) -> list[Completion]:
+        return [r.completion for r in list(self._running.values())]
+
+    def _loop(self) -> None:
+        while True:
+            if not self._running and not self._idle_wait():
+                return
+            self._drop_cancelled()
+            self._admit()
+            if self._running:
+                try:
+                    self._step()
+                except Exception as exc:  # a failed step fails its requests, not the server
+                    message = f"decode step failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    for slot in list(self._running):
+                        self._finish(slot, error=message)
+            elif self._stopping and not self._waiting:
+                return
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            for c in [c for c in self._waiting if c.cancelled]:
+                self._waiting.remove(c)
+                c._emit("done", "cancelled")
+        for slot, r in list(self._running.items()):
+            if r.completion.cancelled:
+                self._finish(slot, "cancelled")
+
+    def _admit(self) -> None:
+        free = [s for s in range(self.gen.max_batch) if s not in self._running]
+        while free:
+            completion = self._take_waiting()
+            if completion is None:
+                return
+            if completion.cancelled:
+                completion._emit("done", "cancelled")
+                continue
+            slot, request = free.pop(0), completion.request  # lowest free slot: keeps the prefix short
+            sampled = request.sampling is not None and not request.sampling.greedy
+            proposer, completion.speculative = self._speculation_for(request)
+            running = _Running(
+                completion,
+                slot,
+                -1,
+                list(request.ids),
+                make_rng(request.sampling) if sampled else None,
+                proposer,
+            )
+            self._running[slot] = running
+            try:
+                out_id, logits = self.gen.prefill(slot, request.ids, want_logits=sampled)
+            except Exception as exc:
+                self._finish(slot, error=f"prefill failed: {str(exc).splitlines()[0][:300]}")
+                free.insert(0, slot)
+                continue
+            self._deliver(slot, _first_token(out_id, logits, running, request), self.gen.lengths[slot])
+        self.peak_batch = max(self.peak_batch, len(self._running))
+
+    def _step(self) -> None:
+        proposals = self._proposals()
+        width = max(self._running) + 1
+        if proposals and self.gate.engage(width, len(self._running), len(proposals)):
+            self._verify_step(proposals, width)
+            return
+        sampled = any(r.rng is not None for r in self._running.values())
+        t0 = time.perf_counter()
+        out = self.gen.decode({slot: r.pending for slot, r in self._running.items()}, want_logits=sampled)
+        self.gate.observe_cost(DECODE_BATCH, width, time.perf_counter() - t0)
+        self.steps += 1
+        self.stats["decode_steps"] += 1
+        for slot, token in out.next_ids.items():
+            r = self._running[slot]
+            if r.rng is not None:
+                token = sample(
+                    probabilities(out.logits[slot], r.completion.request.sampling, r.context), r.rng
+                )
+            self._deliver(slot, token, self.gen.lengths[slot])
+
+    def _proposals(self) -> dict[int, list[int]]:
+        """Drafts per slot from the requests' proposers, when a verify step fits every running slot."""
+        W = self.gen.verify_width
+        if not W or not any(r.proposer for r in self._running.values()):
+            return {}
+        if any(self.gen.lengths[s] + W > self.max_length for s in self._running):
+            return {}  # verify rows would pass some slot's KV capacity: decode this step
+        proposals = {}
+        for slot, r in self._running.items():
+            k = min(W - 1, r.completion.request.max_new_tokens - len(r.completion.tokens) - 1)
+            if r.proposer is not None and k > 0:
+                drafts = r.proposer.propose(r.context, k)
+                if drafts:
+                    proposals[slot] = [int(t) for t in drafts]
+        return proposals
+
+    def _verify_step(self, proposals: dict[int, list[int]], width: int) -> None:
+        """One verify_batch step: every running slot's pending token, plus drafts where proposed.
+        Invariant: a slot commits 1 + accepted rows; its rows past those hold stale KV that its next
+        step rewrites before any row reads it (positions >= its committed length are never read)."""
+        sampled = any(r.rng is not None for r in self._running.values())
+        rows = {slot: [r.pending] + proposals.get(slot, []) for slot, r in self._running.items()}
+        t0 = time.perf_counter()
+        targets, logits = self.gen.verify(rows, want_logits=sampled)
+        self.gate.observe_cost(VERIFY_BATCH, width, time.perf_counter() - t0)
+        self.steps += 1
+        self.stats["verify_steps"] += 1
+        accepted_total = 0
+        for slot, r in list(self._running.items()):
+            drafts = proposals.get(slot, [])
+            if r.rng is not None:
+                emit = [
+                    sample(probabilities(logits[slot][0], r.completion.request.sampling, r.context), r.rng)
+                ]
+            else:
+                result = greedy_accept(drafts, targets[slot][: len(drafts) + 1])
+                emit = drafts[: result.accepted] + [result.next_token]
+                accepted_total += result.accepted
+                r.completion.proposed += len(drafts)
+                r.completion.accepted += result.accepted
+                self.stats["proposed"] += len(drafts)
+                self.stats["accepted"] += result.accepted
+            base = self.gen.lengths[slot]
+            self.gen.advance(slot, len(emit))
+            for i, token in enumerate(emit):  # as plain greedy would emit them, one committed row at a time
+                self._deliver(slot, token, base + 1 + i)
+                if slot not in self._running:
+                    break
+        self.gate.observe_accept(accepted_total / len(proposals))
+
+    def _deliver(self, slot: int, token: int, committed: int) -> None:
+        """Emit ``token`` for the request in ``slot`` and finish it if it is done (as Finisher does);
+        ``committed`` is the slot's length once the rows before ``token`` are written."""
+        r = self._running[slot]
+        r.pending = token
+        r.context.append(token)
+        c = r.completion
+        c._emit("token", token)
+        if token in c.request.stop_ids:
+            self._finish(slot, "eos")
+        elif len(c.tokens) >= c.request.max_new_tokens or committed >= self.max_length:
+            self._finish(slot, "length")  # or no room left for the pending token's KV
+
+    def _finish(self, slot: int, reason: str | None = None, *, error: str | None = None) -> None:
+        r = self._running.pop(slot)
+        self.gen.release(slot)
+        r.completion._emit("error", error) if error is not None else r.completion._emit("done", reason)
+
+
+class SequentialEngine(_EngineBase):
+    """One request at a time on one Generator (``ort_runtime/speculate.stream``): the baseline."""
+
+    def __init__(self, model, *, max_waiting: int = 256) -> None:
+        self.model = model  # a LoopcastModel (api.py, the layer above, builds and passes it)
+        self.generator = self.model.new_generator()
+        super().__init__(self.generator.max_length, max_waiting)
+        self._current: Completion | None = None
+
+    def _active_completions(self) -> list[Completion]:
+        return [self._current] if self._current is not None else []
+
+    def _loop(self) -> None:
+        while self._idle_wait():
+            completion = self._take_waiting()
+            if completion is None:
+                continue
+            if completion.cancelled:
+                completion._emit("done", "cancelled")
+                continue
+            self._current, request = completion, completion.request
+            try:
+                self.generator.rewind(0)
+                mode = request.speculative
+                if mode != "none" and not self.model.loaded.exact_verify:
+                    mode, completion.speculative = "none", "none (verify rows are not exact on this device)"
+                else:
+                    completion.speculative = (
+                        mode  # the engine's own gate (ort_runtime/decoding/gates.py) decides per step
+                    )
+                tokens = self.model.stream_ids(
+                    request.ids,
+                    request.max_new_tokens,
+                    stop_ids=request.stop_ids,
+                    generator=self.generator,
+                    sampling=request.sampling,
+                    speculative=mode,
+                )
+                reason = None
+                for token in tokens:
+                    completion._emit("token", token)
+                    self.steps += 1
+                    if completion.cancelled:
+                        tokens.close()
+                        reason = "cancelled"
+                        break
+                if reason is None:
+                    reason = (
+                        "eos" if completion.tokens and completion.tokens[-1] in request.stop_ids else "length"
+                    )
+                completion._emit("done", reason)
+            except Exception as exc:
+                completion._emit("error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            finally:
+                self.generator.rewind(0)
+                self._current = None

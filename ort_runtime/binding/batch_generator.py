@@ -1,0 +1,318 @@
+"""A batch generator: the KV buffers, IO bindings and lengths of up to ``max_batch`` sequences.
+
+KV slot model (docs/serving.md): every per-(loop, layer) K and V buffer is one
+``[max_batch, H_kv, S_max, D]`` array; *sequence slot* b owns batch entry b of every one of them
+and has its own committed length ``n_b`` (docs/architecture.md §2, per entry). Entry b is a
+contiguous ``[1, H_kv, S_max, D]`` block, so
+
+- a joining sequence is prefilled **in place**: the ordinary one-sequence prefill graph runs
+  with its past/present buffers bound to entry b's block (a pointer and a shape; nothing is
+  copied, and the prefill is exactly the one ``loopcast generate`` runs);
+- a decode step runs the ``decode_batch`` graph over the occupied prefix ``0..w-1`` of the
+  slots (w = highest occupied slot + 1; the batch dimension is symbolic), with the buffers bound
+  as ``[w, ...]`` views of the same arrays. One IO binding per (kind, width), made on first use
+  and reused: nothing is bound or allocated per token.
+- a verify step runs ``verify_batch``: W rows per slot (the pending token and up to W-1 drafts,
+  padded by repeating the last) at positions n_b..n_b+W-1, and does not commit; the caller
+  commits the accepted rows with ``advance``. Rows past the accepted ones hold stale KV that the
+  next step rewrites before any row reads it (the speculation invariant of
+  ort_runtime/decoding/speculate.py, per entry).
+
+CUDA graphs (opt-in, ``cuda_graphs=True``; loopcast-op artifacts, whose attention reads every
+length on the device): each (kind, width) binding gets its own ``gpu_graph_id`` on a capture
+session of the kind, so ORT warms up and captures a width's graph on its first run and replays
+it after (the buffers' addresses are fixed per width). If a kind's first captured run fails,
+that kind runs eagerly from then on, with the same kernels and so the same tokens
+(``graph_fallbacks`` says why).
+
+A free slot inside the prefix runs a dummy row at position 0 of its own entry (id 0); that
+row writes only the free entry, which the next prefill there rewrites before any row reads it.
+``release(b)`` only sets ``n_b = 0``, as rewind does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
+from loopcast.ort_runtime.loading.artifact import LoadedModel
+
+from loopcast.errors import ArtifactError, RequestError
+from loopcast.manifest import DECODE_BATCH, PREFILL, VERIFY_BATCH
+
+
+@dataclass(frozen=True)
+class BatchStepOutput:
+    next_ids: dict[int, int]  # slot -> argmax of its row
+    logits: dict[int, np.ndarray] | None  # slot -> [V] float32 row (copies), when asked
+
+
+class _DeviceKV:
+    """A KV buffer on the GPU without a host mirror (a generator's ``_Buffer`` keeps one; for
+    max_batch sequences that would be gigabytes of host memory copied once for nothing). Left
+    uninitialised: a row reads only positions its sequence (or its dummy row) has written."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, device: str) -> None:
+        self.device, self.dtype = device, np.dtype(dtype)
+        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype.type, device, 0)
+
+    def pull(self) -> np.ndarray:
+        return self.value.numpy()
+
+
+def _ptr(buf, offset_bytes: int = 0) -> int:
+    base = buf.host.ctypes.data if buf.device == "cpu" else buf.value.data_ptr()
+    return base + offset_bytes
+
+
+class BatchGenerator:
+    """Up to ``max_batch`` sequences stepped together. Not thread-safe: one thread drives it
+    (ort_runtime/batching/engine.py's engine loop)."""
+
+    def __init__(
+        self, model: LoadedModel, max_batch: int | None = None, *, cuda_graphs: bool | str = False
+    ) -> None:
+        """``cuda_graphs``: capture the batched kinds per width on CUDA (loopcast-op artifacts);
+        "always" also off CUDA (tests, with stand-in sessions that ignore ``gpu_graph_id``)."""
+        manifest = model.manifest
+        if DECODE_BATCH not in model.sessions or PREFILL not in model.sessions:
+            have = (
+                "no batched graphs (export with --max-batch B)"
+                if DECODE_BATCH not in manifest.graphs
+                else "them not opened (kinds=...)"
+            )
+            raise ArtifactError(
+                f"{model.path}: batched decoding needs the prefill and decode_batch graphs; "
+                f"this artifact has {have}"
+            )
+        if manifest.dtype == "bf16":
+            raise ArtifactError(
+                f"{model.path}: batched decoding binds KV blocks by address, which ORT's Python "
+                "binding takes for fp32/fp16 only; export --dtype fp16 or fp32"
+            )
+        if manifest.dtype != "fp32" and model.device == "cpu":
+            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device")
+        limit = manifest.max_batch or 1
+        self.max_batch = limit if max_batch is None else max_batch
+        if not 1 <= self.max_batch <= limit:
+            raise RequestError(
+                f"max_batch must be in 1..{limit} (the artifact's --max-batch), got {max_batch}"
+            )
+        cfg, device, B = model.config, model.device, self.max_batch
+        self.model, self.max_length, self.vocab = model, manifest.max_length, cfg.vocab_size
+        self._dtype = np.dtype(_NP_DTYPES[manifest.dtype])
+        self._entry_shape = (cfg.num_kv_heads, self.max_length, cfg.head_dim)
+        self._entry_bytes = int(np.prod(self._entry_shape)) * self._dtype.itemsize
+        kv_buffer = _Buffer if device == "cpu" else _DeviceKV  # on the CPU the array is the buffer
+        self._kv = {
+            s: (
+                kv_buffer((B, *self._entry_shape), self._dtype.type, device),
+                kv_buffer((B, *self._entry_shape), self._dtype.type, device),
+            )
+            for s in range(cfg.num_kv_slots)
+        }
+        lengths_device = device if manifest.device_lengths else "cpu"
+        # batched kinds' inputs/outputs: fixed buffers of max_batch entries, bound as [w, ...] prefixes
+        self.verify_width = manifest.graphs[VERIFY_BATCH].rows if VERIFY_BATCH in model.sessions else None
+        self._seqlens = _Buffer((B,), np.int32, device)
+        self._total = _Buffer((), np.int32, lengths_device)
+        self._io = {
+            kind: (
+                _Buffer((B, rows), np.int64, device),
+                _Buffer((B, rows), np.int64, device),
+                _Buffer((B, rows, self.vocab), np.float32, device),
+            )
+            for kind, rows in ((DECODE_BATCH, 1), (VERIFY_BATCH, self.verify_width))
+            if rows
+        }
+        # prefill of one slot: its own small buffers
+        self._p_seqlens = _Buffer((1,), np.int32, device)
+        self._p_total = _Buffer((), np.int32, lengths_device)
+        self._p_next = _Buffer((1, 1), np.int64, device)
+        self._p_logits = _Buffer((1, 1, self.vocab), np.float32, device)
+        self._bindings: dict[tuple[str, int], tuple[ort.IOBinding, ort.RunOptions | None]] = {}
+        self._sessions = {kind: model.sessions[kind] for kind in self._io}
+        self.captured: set[str] = set()  # kinds running as captured CUDA graphs
+        self.graph_fallbacks: dict[str, str] = {}
+        self.graph_runs: dict[tuple[str, int], int] = {}
+        if cuda_graphs == "always" or (cuda_graphs and device == "cuda" and manifest.device_lengths):
+            for kind in self._io:
+                session = model.capture_session(kind)
+                if session is not None:
+                    self._sessions[kind] = session
+                    self.captured.add(kind)
+                else:
+                    self.graph_fallbacks[kind] = model.graph_fallbacks.get(kind, "no capture session")
+        self.lengths = [0] * B  # n_b: tokens whose KV is committed in slot b
+        self.step_counts = {PREFILL: 0, DECODE_BATCH: 0, VERIFY_BATCH: 0}
+        self.step_seconds = {PREFILL: 0.0, DECODE_BATCH: 0.0, VERIFY_BATCH: 0.0}
+        self.rows_run = 0  # decode rows computed, occupied or not
+
+    # -- binding helpers -------------------------------------------------------------------
+    def _bind_kv(self, binding: ort.IOBinding, first: int, count: int) -> None:
+        device = self.model.device
+        shape = [count, *self._entry_shape]
+        for slot, (key, value) in self._kv.items():
+            for name, buf in ((f"key.{slot}", key), (f"value.{slot}", value)):
+                ptr = _ptr(buf, first * self._entry_bytes)
+                binding.bind_input(f"past_{name}", device, 0, self._dtype.type, shape, ptr)
+                binding.bind_output(f"present_{name}", device, 0, self._dtype.type, shape, ptr)
+
+    @staticmethod
+    def _bind_prefix(binding: ort.IOBinding, name: str, buf: _Buffer, shape: list[int], output: bool) -> None:
+        bind = binding.bind_output if output else binding.bind_input
+        bind(name, buf.device, 0, buf.host.dtype.type, shape, _ptr(buf))
+
+    def _binding(self, kind: str, width: int) -> tuple[ort.IOBinding, ort.RunOptions | None]:
+        bound = self._bindings.get((kind, width))
+        if bound is None:
+            ids, next_ids, logits = self._io[kind]
+            rows = ids.host.shape[1]
+            binding = self._sessions[kind].io_binding()
+            self._bind_prefix(binding, "input_ids_BS", ids, [width, rows], False)
+            self._bind_prefix(binding, "seqlens_k", self._seqlens, [width], False)
+            self._bind_prefix(binding, "total_sequence_length", self._total, [], False)
+            self._bind_kv(binding, 0, width)
+            self._bind_prefix(binding, "next_token_ids_BS", next_ids, [width, rows], True)
+            self._bind_prefix(binding, "logits_BSV", logits, [width, rows, self.vocab], True)
+            options = None
+            if kind in self.captured:  # a captured graph bakes in this width's shapes and addresses
+                options = ort.RunOptions()
+                options.add_run_config_entry("gpu_graph_id", str(self.model.allocate_graph_id(kind)))
+            bound = self._bindings[(kind, width)] = (binding, options)
+        return bound
+
+    def _run(self, kind: str, width: int) -> None:
+        binding, options = self._binding(kind, width)
+        key = (kind, width)
+        try:
+            self._sessions[kind].run_with_iobinding(binding, options)
+        except Exception as exc:
+            if options is None or self.graph_runs.get(key):  # not a capture problem: surface it
+                raise
+            # The first run of a graph id is where ORT captures: fall back to the eager session
+            # (the same kernels, so the same tokens) for every width of this kind.
+            self.graph_fallbacks[kind] = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+            self.captured.discard(kind)
+            self._sessions[kind] = self.model.sessions[kind]
+            self._bindings = {k: v for k, v in self._bindings.items() if k[0] != kind}
+            binding, _ = self._binding(kind, width)
+            self._sessions[kind].run_with_iobinding(binding)
+        self.graph_runs[key] = self.graph_runs.get(key, 0) + 1
+
+    # -- steps -----------------------------------------------------------------------------
+    def prefill(
+        self, slot: int, ids: list[int], *, want_logits: bool = False
+    ) -> tuple[int, np.ndarray | None]:
+        """Write ``ids`` at positions 0.. of ``slot`` (a fresh sequence), commit them and return the
+        next token (and its logits row when asked)."""
+        if not 0 <= slot < self.max_batch:
+            raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
+        if not ids:
+            raise RequestError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= int(t) < self.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        if len(ids) > self.max_length:
+            raise RequestError(f"prompt of {len(ids)} tokens is longer than the max length {self.max_length}")
+        binding = self.model.sessions[PREFILL].io_binding()
+        binding.bind_cpu_input("input_ids_BS", np.asarray([ids], dtype=np.int64))
+        self._p_seqlens.host[0] = len(ids) - 1
+        self._p_seqlens.push()
+        self._p_total.host[...] = len(ids)
+        self._p_total.push()
+        self._bind_prefix(binding, "seqlens_k", self._p_seqlens, [1], False)
+        self._bind_prefix(binding, "total_sequence_length", self._p_total, [], False)
+        self._bind_kv(binding, slot, 1)
+        self._bind_prefix(binding, "next_token_ids_BS", self._p_next, [1, 1], True)
+        self._bind_prefix(binding, "logits_BSV", self._p_logits, [1, 1, self.vocab], True)
+        t0 = time.perf_counter()
+        self.model.sessions[PREFILL].run_with_iobinding(binding)
+        self.step_seconds[PREFILL] += time.perf_counter() - t0
+        self.step_counts[PREFILL] += 1
+        self.lengths[slot] = len(ids)
+        logits = self._p_logits.pull()[0, 0].copy() if want_logits else None
+        return int(self._p_next.pull()[0, 0]), logits
+
+    def decode(self, tokens: dict[int, int], *, want_logits: bool = False) -> BatchStepOutput:
+        """One row per slot in ``tokens`` (slot -> its pending token, written at position n_b);
+        commits each and returns each slot's next token."""
+        out, logits = self._step(DECODE_BATCH, {s: [t] for s, t in tokens.items()}, want_logits)
+        for slot in tokens:
+            self.lengths[slot] += 1
+        return BatchStepOutput(
+            {s: ids[0] for s, ids in out.items()},
+            {s: rows[0] for s, rows in logits.items()} if logits is not None else None,
+        )
+
+    def verify(
+        self, rows: dict[int, list[int]], *, want_logits: bool = False
+    ) -> tuple[dict[int, list[int]], dict[int, np.ndarray] | None]:
+        """W rows per slot (slot -> pending token + drafts, 1..W ids) at positions n_b..; returns each
+        slot's argmax per given row (and [rows, V] logits when asked). Commits nothing: ``advance``."""
+        if self.verify_width is None:
+            raise RequestError(
+                "this artifact has no verify_batch graph (export with --max-batch and a verify width)"
+            )
+        for _slot, ids in rows.items():
+            if not 1 <= len(ids) <= self.verify_width:
+                raise RequestError(f"verify takes 1..{self.verify_width} rows per sequence, got {len(ids)}")
+        return self._step(VERIFY_BATCH, rows, want_logits)
+
+    def advance(self, slot: int, count: int) -> None:
+        """Commit the first ``count`` rows of ``slot``'s last verify step."""
+        if not 0 <= count <= (self.verify_width or 1) or self.lengths[slot] + count > self.max_length:
+            raise RequestError(f"cannot commit {count} rows on slot {slot} at length {self.lengths[slot]}")
+        self.lengths[slot] += count
+
+    def _step(self, kind: str, rows: dict[int, list[int]], want_logits: bool):
+        if not rows:
+            raise RequestError("a step needs at least one sequence")
+        ids_buf, next_buf, logits_buf = self._io[kind]
+        width_rows = ids_buf.host.shape[1]
+        for slot, ids in rows.items():
+            if not 0 <= slot < self.max_batch:
+                raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
+            if self.lengths[slot] < 1 or self.lengths[slot] + width_rows > self.max_length:
+                raise RequestError(
+                    f"slot {slot} has {self.lengths[slot]} committed tokens; a {kind} step needs a "
+                    f"prefilled sequence with room for {width_rows} more (max length {self.max_length})"
+                )
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        width = max(rows) + 1
+        ids, seqlens = ids_buf.host, self._seqlens.host
+        ids[:width] = 0
+        # free slots in the prefix: dummy rows at positions 0.. of their own entry
+        seqlens[:width] = width_rows - 1
+        for slot, tokens in rows.items():
+            ids[slot, : len(tokens)] = tokens
+            ids[slot, len(tokens) :] = tokens[-1]
+            seqlens[slot] = self.lengths[slot] + width_rows - 1
+        self._total.host[...] = int(seqlens[:width].max()) + 1
+        for buf in (ids_buf, self._seqlens, self._total):
+            buf.push()
+        t0 = time.perf_counter()
+        self._run(kind, width)
+        self.step_seconds[kind] += time.perf_counter() - t0
+        self.step_counts[kind] += 1
+        self.rows_run += width * width_rows
+        next_ids = next_buf.pull()[:width]
+        logits = logits_buf.pull() if want_logits else None
+        out = {s: [int(t) for t in next_ids[s, : len(tokens)]] for s, tokens in rows.items()}
+        return out, (
+            {s: logits[s, : len(tokens)].copy() for s, tokens in rows.items()} if logits is not None else None
+        )
+
+    def release(self, slot: int) -> None:
+        """Free ``slot``: only its length is reset (its KV is rewritten by the next prefill)."""
+        self.lengths[slot] = 0
+
+    def kv_arrays(self, kv_slot: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of one sequence slot's K and V ``[1, H_kv, S_max, D]`` in one KV slot (checks)."""
+        key, value = self._kv[kv_slot]
+        return key.pull()[slot : slot + 1].copy(), value.pull()[slot : slot + 1].copy()

@@ -1,0 +1,391 @@
+"""A generator: KV buffers, IO bindings and the committed length ``n`` of one sequence.
+
+Everything a step touches is allocated once, when the generator is made: one K and one V
+buffer per slot ``[1, H_kv, S_max, D]`` bound as both past and present of every graph that
+reads the slot (GroupQueryAttention updates it in place), and per graph kind fixed input and
+output buffers bound once. A step writes its inputs into those buffers and runs; nothing is
+allocated per token. Prefill (dynamic rows) rebinds its token ids per call; it is not hot.
+
+The host owns ``n`` (docs/architecture.md §2): a step over M rows at positions s..s+M-1 writes exactly those
+positions of the slots it binds. ``rewind(n')`` only moves ``n``; data past ``n`` is never read
+again before it is rewritten, because every row attends only to positions ≤ its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, StepOutput, _Buffer, _KindBinding, _RowsBinding
+from loopcast.ort_runtime.binding.cycle_bindings import CycleBinding, CycleRunBinding
+from loopcast.ort_runtime.loading.artifact import LoadedModel
+
+from loopcast.errors import ArtifactError, RequestError
+from loopcast.manifest import BATCH_KINDS, CYCLE, CYCLE_RUN, DECODE, DRAFT, PREFILL, TREE_DRAFT, TREE_KINDS
+
+_PIPELINE_KINDS = (CYCLE, CYCLE_RUN)
+
+
+class _Bindings(dict):
+    """kind -> binding, for the given kinds; a binding is made on its first lookup."""
+
+    def __init__(self, kinds: list[str], make) -> None:
+        super().__init__()
+        self.kinds, self._make = list(kinds), make
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self.kinds
+
+    def __missing__(self, kind: str):
+        if kind not in self.kinds:
+            raise KeyError(kind)
+        self[kind] = binding = self._make(kind)
+        return binding
+
+    def made(self) -> list[str]:
+        return [kind for kind in self.kinds if dict.__contains__(self, kind)]
+
+
+class Generator:
+    """One sequence's state on a loaded model; several generators share the model's sessions."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        manifest = model.manifest
+        if manifest.dtype not in _NP_DTYPES:
+            raise ArtifactError(f"{model.path}: unknown dtype {manifest.dtype!r} in the manifest")
+        if manifest.dtype != "fp32" and model.device == "cpu":
+            raise ArtifactError(
+                f"{model.path}: {manifest.dtype} artifacts need the CUDA device (the CPU "
+                "execution provider lacks kernels for these graphs); export fp32 for the CPU"
+            )
+        cfg = model.config
+        self.model = model
+        self.max_length = manifest.max_length
+        dtype = _NP_DTYPES[manifest.dtype]
+        shape = (1, cfg.num_kv_heads, self.max_length, cfg.head_dim)
+        self._kv = {
+            s: (_Buffer(shape, dtype, model.device), _Buffer(shape, dtype, model.device))
+            for s in range(cfg.num_kv_slots)
+        }
+
+        # The batched kinds belong to a BatchGenerator (ort_runtime/binding/batch_generator.py). A kind
+        # whose session is still deferred (ort_runtime/loading/session_table.py) is bound on first use.
+        def bind(kind: str):
+            if kind in _PIPELINE_KINDS:  # two bindings each, on one pair of lane-state buffers
+                cls = CycleBinding if kind == CYCLE else CycleRunBinding
+                other = [dict.get(self._cycle, k) for k in _PIPELINE_KINDS if k != kind]
+                return cls(
+                    model.sessions[kind],
+                    manifest.graphs[kind],
+                    self._kv,
+                    model,
+                    dtype,
+                    other[0].shared if other[0] is not None else None,
+                )
+            cls = _RowsBinding if kind in TREE_KINDS else _KindBinding
+            return cls(model.sessions[kind], manifest.graphs[kind], self._kv, model, dtype)
+
+        self._kinds = _Bindings(
+            [k for k in model.sessions if k not in _PIPELINE_KINDS and k not in BATCH_KINDS], bind
+        )
+        self._cycle = _Bindings([k for k in _PIPELINE_KINDS if k in model.sessions], bind)
+        pending = getattr(model.sessions, "pending", lambda kind: False)
+        for kind in [*self._kinds.kinds, *self._cycle.kinds]:
+            if not pending(kind):
+                (self._cycle if kind in _PIPELINE_KINDS else self._kinds)[kind]
+        self._tokens: list[int] = []  # ids whose KV is committed; len == n
+        self._move = None  # CUDA: the op library's KV position copy (move_kv)
+        self.step_counts: dict[str, int] = defaultdict(int)
+        self.step_seconds: dict[str, float] = defaultdict(float)
+        # Steady runs only (no warm-up/capture, no fallback set-up): what the cost gate averages.
+        self.timed_counts: dict[str, int] = defaultdict(int)
+        self.timed_seconds: dict[str, float] = defaultdict(float)
+        # What the speculation gates learned on this generator ((gate, proposer, strategy) -> state),
+        # carried from one generation to the next like the step timers.
+        self.gate_memory: dict[tuple[str, str, str], dict] = {}
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    def rewind(self, n: int) -> None:
+        """Forget everything after the first ``n`` committed tokens. Never copies KV."""
+        if not 0 <= n <= self.n:
+            raise RequestError(f"rewind({n}) outside 0..{self.n} (the committed length)")
+        del self._tokens[n:]
+
+    def commit(self, ids: list[int]) -> None:
+        """Declare that the KV of ``ids`` at positions n.. has been written by a step."""
+        if self.n + len(ids) > self.max_length:
+            raise RequestError(f"commit past the KV capacity {self.max_length}")
+        self._tokens.extend(int(t) for t in ids)
+
+    @property
+    def cycle(self) -> CycleBinding | None:
+        """The pipeline's cycle binding (made on first use where its session is deferred)."""
+        # dict.get first: the pipeline reads this three times a cycle
+        return dict.get(self._cycle, CYCLE) or (self._cycle[CYCLE] if CYCLE in self._cycle else None)
+
+    @property
+    def cycle_run(self) -> CycleRunBinding | None:
+        """The pipeline's cycle-run binding (K cycles per call), where the artifact has the graph."""
+        return dict.get(self._cycle, CYCLE_RUN) or (
+            self._cycle[CYCLE_RUN] if CYCLE_RUN in self._cycle else None
+        )
+
+    def has_kind(self, kind: str) -> bool:
+        return kind in self._kinds or kind in self._cycle
+
+    def rows(self, kind: str) -> int | None:
+        return self.model.manifest.graphs[kind].rows
+
+    def kv_arrays(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of one slot's K and V buffers ``[1, H_kv, S_max, D]`` (for checks)."""
+        key, value = self._kv[slot]
+        return key.pull().copy(), value.pull().copy()
+
+    def graph_slots(self) -> dict[str, dict]:
+        """Per kind: this generator's CUDA-graph counters (empty when nothing is captured)."""
+        slots = {kind: kb.slot.as_dict() for kind, kb in sorted(self._kinds.items()) if kb.slot is not None}
+        for kind in self._cycle.made():
+            slots.update(
+                {
+                    f"{kind}/{i}": h.slot.as_dict()
+                    for i, h in enumerate(self._cycle[kind].halves)
+                    if h.slot is not None
+                }
+            )
+        return slots
+
+    def bound_objects(self) -> list[object]:
+        objs = [x for k, v in self._kv.values() for x in (k.host, k.value, v.host, v.value)]
+        for kind in sorted(self._kinds.made()):
+            objs += self._kinds[kind].bound_objects()
+        for kind in self._cycle.made():
+            objs += self._cycle[kind].bound_objects()
+        return objs
+
+    # -- steps (write KV at positions start.., never move n) ---------------------------------
+    def run(
+        self,
+        kind: str,
+        start: int,
+        *,
+        tokens: list[int] | None = None,
+        hidden: np.ndarray | None = None,
+        want_logits: bool = True,
+    ) -> StepOutput:
+        """Run one graph over rows at positions ``start..``; padded rows repeat the last input.
+
+        ``next_ids`` is a copy; ``logits`` is a view of the bound buffer that the next step
+        overwrites (``want_logits=False`` skips the device→host copy on CUDA).
+        """
+        kb = self._kinds[kind]
+        if kind in TREE_KINDS:
+            raise RequestError(f"{kind} rows carry their own addresses: run it with run_rows()")
+        used = len(tokens) if tokens is not None else hidden.shape[0]
+        rows = kb.spec.rows or used
+        if used < 1 or used > rows:
+            raise RequestError(f"{kind} takes 1..{rows} rows, got {used}")
+        if start + rows > self.max_length:
+            raise RequestError(
+                f"{kind} at position {start} with {rows} rows passes the KV capacity {self.max_length}"
+            )
+        if tokens is not None:
+            if kb.spec.rows is None:  # prefill: dynamic rows, bound per call
+                ids = np.asarray([tokens], dtype=np.int64)
+                kb.binding.bind_cpu_input("input_ids_BS", ids)
+            else:
+                kb.ids.host[0, :used] = tokens
+                kb.ids.host[0, used:] = tokens[-1]
+                kb.ids.push()
+        else:
+            kb.hidden.host[0, :used] = hidden
+            kb.hidden.host[0, used:] = hidden[-1]
+            kb.hidden.push()
+        kb.seqlens.host[0] = start + rows - 1
+        kb.seqlens.push()
+        kb.total.host[...] = start + rows
+        kb.total.push()
+        self._execute(kind, kb)
+        out_rows = 1 if kind == PREFILL else used
+        next_ids = kb.next_ids.pull()[0, :out_rows].copy()
+        logits = kb.logits.pull()[0, :out_rows] if want_logits or kb.logits.device == "cpu" else None
+        if kind == DRAFT:
+            return StepOutput(next_ids, logits, kb.hidden_out.pull()[0].copy(), float(kb.gap.pull()[0, 0]))
+        return StepOutput(next_ids, logits)
+
+    def _execute(self, kind: str, runner) -> None:
+        t0 = time.perf_counter()
+        steady = runner.execute(self.model)
+        elapsed = time.perf_counter() - t0
+        self.step_seconds[kind] += elapsed
+        self.step_counts[kind] += 1
+        if steady:
+            self.timed_seconds[kind] += elapsed
+            self.timed_counts[kind] += 1
+
+    def run_rows(
+        self,
+        kind: str,
+        addresses: list[tuple[int, int, int]],
+        *,
+        tokens: list[int] | None = None,
+        hidden: np.ndarray | None = None,
+        want_logits: bool = False,
+    ) -> StepOutput:
+        """Run a tree kind over rows at their own addresses (cache position, masked lo, masked hi):
+        row i writes its KV at its position and attends to keys 0..position outside [lo, hi),
+        rotated at its position less the masked keys below it (docs/architecture.md §5,
+        "Alternate suffix"). Rows past ``addresses`` are inactive: they write nothing."""
+        kb = self._kinds[kind]
+        used, rows = len(addresses), kb.spec.rows
+        if not 1 <= used <= rows or used != (len(tokens) if tokens is not None else len(hidden)):
+            raise RequestError(f"{kind} takes 1..{rows} rows, one address each; got {used} addresses")
+        for p, _lo, _hi in addresses:
+            if not 0 <= p < self.max_length:
+                raise RequestError(f"{kind} row at position {p} is outside the KV capacity {self.max_length}")
+        if tokens is not None:
+            kb.ids.host[0, :used] = tokens
+            kb.ids.host[0, used:] = 0
+            kb.ids.push()
+        else:
+            kb.hidden.host[0, :used] = hidden
+            kb.hidden.host[0, used:] = 0
+            kb.hidden.push()
+        kb.address.host[:used] = addresses
+        kb.address.host[used:] = (-1, 0, 0)
+        kb.address.push()
+        self._execute(kind, kb)
+        next_ids = kb.next_ids.pull()[0, :used].copy()
+        logits = kb.logits.pull()[0, :used] if want_logits or kb.logits.device == "cpu" else None
+        if kind != TREE_DRAFT:
+            return StepOutput(next_ids, logits)
+        return StepOutput(
+            next_ids,
+            logits,
+            kb.hidden_out.pull()[0, :used].copy(),
+            top2_ids=kb.top2_ids.pull()[0, 0].copy(),
+            top2_probs=kb.top2_probs.pull()[0, 0].copy(),
+        )
+
+    def move_kv(self, src: int, dst: int, count: int) -> None:
+        """Copy the K and V of positions src..src+count-1 to dst.. in every slot: a surviving
+        branch's rows, written at scratch positions, into place (already rotated at their logical
+        positions, so the copy is exact). 2 · slots · H_kv · count · D values: a host memcpy on the
+        CPU, one device copy per buffer on CUDA (the op library's loopcast_cuda_move_positions)."""
+        if (
+            min(src, dst) < 0
+            or max(src, dst) + count > self.max_length
+            or (src < dst + count and dst < src + count)
+        ):
+            raise RequestError(
+                f"move_kv({src}, {dst}, {count}): ranges must be disjoint and inside the KV "
+                f"capacity {self.max_length}"
+            )
+        if self.model.device == "cpu":
+            for key, value in self._kv.values():
+                for buf in (key, value):
+                    buf.host[:, :, dst : dst + count] = buf.host[:, :, src : src + count]
+            return
+        move, cfg = self._device_move(), self.model.config
+        row_bytes = cfg.head_dim * np.dtype(_NP_DTYPES[self.model.manifest.dtype]).itemsize
+        for key, value in self._kv.values():
+            for buf in (key, value):
+                code = move(
+                    buf.value.data_ptr(), cfg.num_kv_heads, self.max_length, row_bytes, src, dst, count, None
+                )
+                if code:
+                    raise ArtifactError(
+                        f"moving KV positions on {self.model.device} failed (CUDA error {code})"
+                    )
+
+    def _device_move(self):
+        """The op library's device copy (already loaded by the sessions: the graphs that write
+        branch rows need it, so it passed the trust rule, docs/trust.md)."""
+        if self._move is None:
+            import ctypes
+
+            from loopcast.manifest import resolve_inside
+
+            manifest = self.model.manifest
+            if not manifest.custom_op_library:
+                raise RequestError("moving KV on the device needs the artifact's custom-op library")
+            path = resolve_inside(self.model.path, manifest.custom_op_library, "custom-op library").resolve()
+            fn = getattr(ctypes.CDLL(str(path)), "loopcast_cuda_move_positions", None)
+            if fn is None:
+                raise RequestError(
+                    f"{path}: this op library has no device KV move; re-export the artifact "
+                    "with this loopcast"
+                )
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            self._move = fn
+        return self._move
+
+    def run_cycle(self, token: int, positions: list[int]) -> np.ndarray:
+        """One pipeline cycle (docs/architecture.md §5): the lane entering loop 0 reads ``token``;
+        row r runs loop r at ``positions[r]`` (-1: no lane). Returns each row's argmax [R]."""
+        cycle = self.cycle
+        if min(positions) < -1 or max(positions) >= self.max_length:
+            raise RequestError(
+                f"cycle rows at positions {positions} outside the KV capacity {self.max_length}"
+            )
+        cycle.load(token, positions)
+        self._execute(CYCLE, cycle)
+        return cycle.next_ids.pull()[0]
+
+    def run_cycles(self, state: np.ndarray) -> np.ndarray:
+        """K pipeline cycles in one call (docs/architecture.md §5): ``state`` is the lanes' state
+        (manifest.lane_state_length); returns the log (K records, then the state after them)."""
+        run = self.cycle_run
+        positions = state[: run.rows]
+        limit = int(state[2 * run.rows])
+        if positions.min() < -1 or positions.max() >= self.max_length or not -1 <= limit < self.max_length:
+            raise RequestError(
+                f"cycle run lanes at positions {positions.tolist()} (limit {limit}) outside the "
+                f"KV capacity {self.max_length}"
+            )
+        run.state.host[...] = state
+        run.state.push()
+        self._execute(CYCLE_RUN, run)
+        return run.log.pull()
+
+    # -- committing steps --------------------------------------------------------------------
+    def prefill(self, ids: list[int], chunk: int | None = None) -> int:
+        """Write ``ids`` at n.. (in chunks of ``chunk`` rows if given), commit, return the next token."""
+        if not ids:
+            raise RequestError("prompt is empty: give at least one token")
+        if PREFILL not in self._kinds:
+            raise RequestError(
+                "this model was opened without the prefill graph (kinds=...); generation needs it"
+            )
+        chunk = chunk or len(ids)
+        out = None
+        for i in range(0, len(ids), chunk):
+            part = ids[i : i + chunk]
+            out = self.run(PREFILL, self.n, tokens=part, want_logits=False)
+            self.commit(part)
+        return int(out.next_ids[-1])
+
+    def decode(self, token: int) -> int:
+        out = self.run(DECODE, self.n, tokens=[token], want_logits=False)
+        self.commit([token])
+        return int(out.next_ids[0])
+
+    def validate_ids(self, ids: list[int]) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if self.n + len(ids) > self.max_length:
+            raise RequestError(
+                f"prompt of {len(ids)} tokens after {self.n} committed ones is longer than "
+                f"the max length {self.max_length}"
+            )

@@ -1,0 +1,364 @@
+"""Gates: per step, run a speculative round (and with how many drafts) or plain decode.
+
+- ``none``: speculate on every step the proposer has drafts for (for measurements).
+- ``hit-density``: engage while the recent fraction of steps whose first draft was right is high.
+- ``cost``: price a round with the step costs measured on this machine and the running
+  acceptance α; engage with the k that maximises expected tokens per second when that beats
+  plain decode by a margin.
+- ``auto`` (the default): the cost gate, calibrated for this artifact and device — the costs
+  are the generator's own steady step timers (captured replays on CUDA, warm-up and capture
+  excluded), updated every step, and the host work a round adds around its graph runs
+  (``StepCosts.host_factor``, from the engine's round wall times); its probes are priced so
+  that a workload where speculation never pays spends at most ``probe_budget`` of its time
+  finding that out.
+
+Every gate reports what it did (``report()``): rounds on, steps off, probes, the measured
+costs and the reason it engaged or stood down; ``GenerationStats.gate_report`` carries it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from loopcast.errors import RequestError
+from loopcast.manifest import DECODE
+
+GATES = ("auto", "none", "hit-density", "cost")
+# Wall-time timers the engine keeps beside the step timers (StepCosts.host_factor): speculative
+# rounds' wall time, their steps' timed time and their graph calls; plain rounds' wall time.
+SPEC_ROUND, SPEC_ROUND_DEVICE, SPEC_ROUND_CALLS = "spec_round", "spec_round_device", "spec_round_calls"
+DECODE_ROUND = "decode_round"
+
+
+class StepCosts:
+    """Mean steady step time per graph kind on this generator (seconds). A CUDA slot's first
+    run (warm-up + capture) costs many steps and is not counted."""
+
+    def __init__(self, gen, draft_share: float) -> None:
+        self.gen, self.draft_share = gen, draft_share
+
+    def mean(self, kind: str) -> float | None:
+        count = self.gen.timed_counts.get(kind, 0)
+        return self.gen.timed_seconds[kind] / count if count else None
+
+    def decode(self) -> float:
+        return self.mean(DECODE) or 1e-3
+
+    def host_factor(self) -> float:
+        """How much dearer a speculative round is on the wall than its steps' timers say,
+        relative to a plain step (1.0 until measured). The step timers time the graph runs only;
+        a round also pays host work per call (pushes, pulls, proposer, accept), and on a small
+        model that work is a large share of a round of six calls against one for plain decode
+        (the demo on the H200: self rounds priced at 1.05x plain ran at 0.69x). Measured by the
+        engine over steady rounds (``SPEC_ROUND`` timers) and plain rounds (``DECODE_ROUND``);
+        before any plain round, a plain step is priced with the speculative rounds' host time
+        per call."""
+        g = self.gen
+        calls = g.timed_counts.get(SPEC_ROUND_CALLS, 0)
+        device = g.timed_seconds.get(SPEC_ROUND_DEVICE, 0.0)
+        if not calls or device <= 0:
+            return 1.0
+        wall = g.timed_seconds[SPEC_ROUND]
+        spec = wall / device
+        plain_round, plain_step = self.mean(DECODE_ROUND), self.mean(DECODE)
+        if plain_round and plain_step:
+            plain = plain_round / plain_step
+        else:
+            plain = 1.0 + max(wall - device, 0.0) / calls / self.decode()
+        return spec / plain
+
+    def snapshot_ms(self) -> dict[str, float]:
+        return {
+            k: round(1e3 * self.gen.timed_seconds[k] / c, 4) for k, c in self.gen.timed_counts.items() if c
+        }
+
+
+class _Counters:
+    """What every gate reports."""
+
+    def __init__(self, name: str, chosen_by: str) -> None:
+        self.name, self.chosen_by = name, chosen_by
+        self.rounds_on = self.steps_off = self.probes = self.transitions = 0
+        self.engaged = False
+        self.reason = "no step yet"
+
+    def _switch(self, now: bool) -> None:
+        if now != self.engaged:
+            self.transitions += 1
+            self.engaged = now
+
+    def _count(self, k: int | None, probe: bool = False) -> int | None:
+        if k:
+            self.rounds_on += 1
+            self.probes += int(probe)
+        else:
+            self.steps_off += 1
+        return k or None
+
+    def report(self) -> dict:
+        return {
+            "name": self.name,
+            "chosen_by": self.chosen_by,
+            "rounds_on": self.rounds_on,
+            "steps_off": self.steps_off,
+            "probes": self.probes,
+            "transitions": self.transitions,
+            "reason": self.reason,
+        }
+
+
+class AlwaysGate(_Counters):
+    """Speculate on every step the proposer has drafts for."""
+
+    def wants_evidence(self, step: int) -> bool:
+        return True
+
+    def __init__(self, k: int, chosen_by: str = "caller") -> None:
+        super().__init__("none", chosen_by)
+        self.k = k
+        self.reason = "gate off: every step speculates"
+
+    def engage(self, step: int) -> int | None:
+        self._switch(True)
+        return self._count(self.k)
+
+    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+        pass
+
+
+class HitDensityGate(_Counters):
+    """Engage while the fraction of recent steps whose proposal would have hit is high.
+
+    Steps run as plain decode still count: the proposer's first draft is compared with the
+    token decode produced (``would_hit``), which costs nothing for prompt lookup.
+    """
+
+    def wants_evidence(self, step: int) -> bool:
+        return True
+
+    def __init__(
+        self,
+        k: int,
+        window: int = 16,
+        threshold: float = 0.35,
+        probe_every: int = 16,
+        chosen_by: str = "caller",
+    ) -> None:
+        super().__init__("hit-density", chosen_by)
+        self.k, self.threshold, self.probe_every = k, threshold, probe_every
+        self.hits: deque[bool] = deque(maxlen=window)
+        self._last_info = 0
+        self._base_probe, self._probing = probe_every, False
+
+    def engage(self, step: int) -> int | None:
+        density = sum(self.hits) / len(self.hits) if self.hits else 1.0
+        now = density >= self.threshold
+        self._switch(now)
+        self.reason = f"hit density {density:.2f} {'>=' if now else '<'} {self.threshold}"
+        if not now and step - self._last_info >= self.probe_every:
+            # Proposers without a free would-hit signal (self-drafts) learn only from rounds;
+            # the interval doubles while probes keep missing.
+            self._last_info = step
+            self._probing = True
+            return self._count(self.k, probe=True)
+        return self._count(self.k if now else None)
+
+    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+        if would_hit is not None:
+            self.hits.append(would_hit)
+            self._last_info = step
+        elif proposed:
+            self.hits.append(accepted > 0)
+            self._last_info = step
+            if self._probing:
+                self.probe_every = self._base_probe if accepted > 0 else min(2 * self.probe_every, 256)
+        self._probing = False
+
+
+class CostGate(_Counters):
+    """Choose per step between plain decode and a speculative round of k drafts.
+
+    With per-draft acceptance α (running estimate), a round of k drafts commits on average
+    E(k) = 1 + α + … + α^k tokens at ``strategy.round_cost(costs, k)``. Engage with the k that
+    maximises E(k)/cost when that beats 1/decode by ``margin`` (hysteresis: staying engaged
+    only needs to lose less than ``margin``, so one unlucky round does not flip the gate).
+
+    Disengaged, the gate still learns: from the free one-token guess of proposers that declare
+    ``free_guess`` (prompt lookup), otherwise from probe rounds of one draft, the cheapest
+    round that measures α. A probe wastes its wall price less the (1 + α) tokens it commits at
+    decode's price; the next probe waits until that waste is at most ``probe_budget`` of the
+    decode time spent since, and the wait doubles while probes leave the gate standing down,
+    so a workload where speculation never pays loses at most about ``probe_budget`` to probing.
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        costs: StepCosts,
+        strategy,
+        *,
+        free_guess: bool = False,
+        margin: float = 0.05,
+        prior_alpha: float = 0.6,
+        probe_budget: float = 0.02,
+        name: str = "cost",
+        chosen_by: str = "caller",
+        memory: dict | None = None,
+    ) -> None:
+        super().__init__(name, chosen_by)
+        self.k_max, self.costs, self.strategy, self.margin = k_max, costs, strategy, margin
+        self.free_guess, self.probe_budget = free_guess, probe_budget
+        # α = accepted / (accepted + rejections), as decayed counts: a ratio of sums, not a
+        # mean of per-round ratios (which undercounts long accepted runs).
+        self._accepted, self._trials = 2.0 * prior_alpha, 2.0
+        self._next_probe, self._backoff = 0, 1
+        # What earlier generations on this generator learned (α, the probe schedule): a new
+        # request should not pay again to find out what the last one measured.
+        self.memory = memory if memory is not None else {}
+        if self.memory:
+            self._accepted, self._trials = self.memory["accepted"], self.memory["trials"]
+            self._next_probe, self._backoff = self.memory["probe_in"], self.memory["backoff"]
+        self._probing = False
+        self._step = 0
+        self._decision, self._decided_at, self.refresh_every = None, 0, 16
+        self._measuring, self.evidence_every = False, 4
+        self.last_rate_ratio = None
+
+    @property
+    def alpha(self) -> float:
+        return self._accepted / self._trials
+
+    def best_k(self) -> tuple[int, float]:
+        """The k with the best expected tokens/s (0: plain decode) and its rate over decode's."""
+        plain = 1.0 / self.costs.decode()
+        need = plain * (1 - self.margin if self.engaged else 1 + self.margin)
+        if hasattr(self.strategy, "token_rate"):  # a continuous strategy prices itself per token
+            rate = self.strategy.token_rate(self.costs, self.alpha)
+            return (1 if rate > need else 0), max(rate, plain) / plain
+        best_k, best_rate = 0, need
+        host = self.costs.host_factor() if hasattr(self.costs, "host_factor") else 1.0
+        for k in range(1, self.k_max + 1):
+            expected = sum(self.alpha**i for i in range(k + 1))
+            rate = expected / (self.strategy.round_cost(self.costs, k) * host)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, max(best_rate, plain) / plain
+
+    def engage(self, step: int) -> int | None:
+        self._step = step
+        if self._decision is None or step >= self._decided_at + self.refresh_every:
+            # Re-priced when a round moved α or every refresh_every steps (the costs drift
+            # slowly): a standing decision costs the host almost nothing per token, which
+            # matters when a step takes half a millisecond.
+            self._decision, self._decided_at = self._decide(), step
+            self.reason = self._decision[1]
+        k = self._decision[0]
+        self._switch(k > 0)
+        if k:
+            return self._count(k)
+        if (self._measuring or not self.free_guess) and step >= self._next_probe:
+            self._probing = True
+            return self._count(1, probe=True)
+        return self._count(None)
+
+    def plain_streak(self, step: int) -> int:
+        """How many plain steps from ``step`` on (this one included) need no decision: the
+        gate stands down and nothing is due before then (re-pricing, a probe, or for a
+        free-guess proposer the next evidence step). The engine runs them back to back."""
+        if self._decision is None or self._decision[0] or self._measuring:
+            return 1
+        until = self._decided_at + self.refresh_every
+        if self.free_guess:
+            until = min(until, step + self.evidence_every - step % self.evidence_every)
+        else:
+            until = min(until, max(self._next_probe, step + 1))
+        return max(1, until - step)
+
+    def wants_evidence(self, step: int) -> bool:
+        """Whether a plain step should take the proposer's free one-token guess: every step
+        while engaged, every ``evidence_every`` steps while stood down (enough to notice a
+        workload turning predictable, at a quarter of the host work)."""
+        return self.engaged or step % self.evidence_every == 0
+
+    def _decide(self) -> tuple[int, str]:
+        # Decode is the price to beat: a generator that has not timed a decode step yet would
+        # compare against a guess (on the demo's GPU a 1 ms guess against a 0.44 ms step kept
+        # self-speculation engaged at 0.68x plain).
+        self._measuring = any(self.costs.mean(kind) is None for kind in self.strategy.kinds)
+        if self._measuring:
+            # Unmeasured kinds: price nothing on guesses; probe rounds of one draft time them.
+            self._next_probe = min(self._next_probe, self._step)
+            return 0, "measuring: rounds of one draft time the speculative kinds first"
+        if self.costs.mean(DECODE) is None:
+            return 0, "measuring: plain steps time decode first"
+        k, ratio = self.best_k()
+        self.last_rate_ratio = ratio
+        if k:
+            return k, f"engaged: α={self.alpha:.2f}, k={k} expected at {ratio:.2f}x plain decode"
+        return 0, f"stood down: α={self.alpha:.2f}, no k beats plain decode by {self.margin:.0%}"
+
+    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+        # A strategy whose rounds carry one draft each (the pipeline) remembers more rounds.
+        decay = getattr(self.strategy, "alpha_decay", 0.8)
+        if proposed:  # a round moved α (and timed its kinds): re-price on the next step
+            self._decision = None
+            self._accepted = decay * self._accepted + accepted
+            self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
+            if self._probing:
+                # Every probe schedules the next one. A probe that leaves the gate standing down
+                # stretches the wait (doubling), even when its draft was accepted: on the H200
+                # demo self-speculation's drafts hit at α ≈ 0.6 without paying, and probes that
+                # reset the wait on every hit cost 1-4% of plain's speed. Except a hit of a
+                # continuous strategy (the pipeline): its α remembers ~50 drafts and moves only
+                # through probes, one draft each, so hits must keep them coming (on the CPU demo
+                # it stayed down at α̂ 0.41 while its drafts were accepted at ~0.58). The waste
+                # is the round's wall price (host work in) less the tokens it commits.
+                keep = self.best_k()[0] or (accepted and getattr(self.strategy, "continuous", False))
+                self._backoff = 1 if keep else min(self._backoff * 2, 16)
+                host = self.costs.host_factor() if hasattr(self.costs, "host_factor") else 1.0
+                price = self.strategy.round_cost(self.costs, 1) * host / self.costs.decode()
+                waste = max(price - 1.0 - self.alpha, 0.05)
+                self._next_probe = step + int(self._backoff * waste / self.probe_budget)
+        elif would_hit is not None:
+            # Free evidence from a plain step (prompt lookup): one draft, hit or miss.
+            self._accepted = decay * self._accepted + float(would_hit)
+            self._trials = decay * self._trials + 1.0
+        self._probing = False
+
+    def report(self) -> dict:
+        out = super().report()
+        host = self.costs.host_factor() if hasattr(self.costs, "host_factor") else 1.0
+        out.update(
+            alpha=round(self.alpha, 4),
+            costs_ms=self.costs.snapshot_ms(),
+            host_factor=round(host, 3),
+            expected_ratio=None if self.last_rate_ratio is None else round(self.last_rate_ratio, 4),
+        )
+        return out
+
+    def remember(self) -> None:
+        """Keep what this generation learned for the next one on the same generator."""
+        self.memory.update(
+            accepted=self._accepted,
+            trials=self._trials,
+            backoff=self._backoff,
+            probe_in=max(self._next_probe - self._step, 0),
+        )
+
+
+def make_gate(
+    name: str, k_max: int, costs: StepCosts, strategy, *, free_guess: bool, memory: dict | None = None
+):
+    """The gate called ``name``; ``auto`` is the calibrated cost gate (see the module doc).
+    ``memory``: the state earlier generations of this generator left (cost gates only)."""
+    if name == "auto":
+        return CostGate(
+            k_max, costs, strategy, free_guess=free_guess, name="cost", chosen_by="auto", memory=memory
+        )
+    if name == "cost":
+        return CostGate(k_max, costs, strategy, free_guess=free_guess, memory=memory)
+    if name == "hit-density":
+        return HitDensityGate(k_max)
+    if name == "none":
+        return AlwaysGate(k_max)
+    raise RequestError(f"unknown gate {name!r}; choose from {', '.join(GATES)}")

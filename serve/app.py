@@ -1,0 +1,287 @@
+"""The OpenAI-compatible HTTP API (docs/serving.md) on FastAPI, over one ServingState.
+
+    GET  /health                 liveness and engine counters
+    GET  /v1/models              the one served model
+    POST /v1/completions         prompt (text or token ids) -> text; stream: server-sent events
+    POST /v1/chat/completions    messages through the artifact's chat template -> assistant message
+
+Every refusal is a JSON error in OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``: malformed JSON or fields 400, an unknown model 404, a prompt longer than the KV
+capacity 400 (``context_length_exceeded``), a full queue 503. Unexpected failures are 500 with
+the same shape; nothing a client sends can crash the server. Extensions (vLLM-style): a
+request may ask for ``return_token_ids`` (token ids in each choice), ``skip_special_tokens``
+(default true, as ``loopcast generate``), ``ignore_eos``, ``top_k``/``min_p``/``repetition_penalty``
+and ``speculative`` ("none" | "prompt-lookup"); a response's ``loopcast`` field says which
+speculation served it (or why none) and its draft counts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from loopcast.ort_runtime.batching.engine import CapacityError
+from loopcast.ort_runtime.decoding.sampling import SamplingParams
+from loopcast.serve.state import ServingState, TextResult
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from loopcast.errors import LoopcastError, RequestError
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(
+        extra="ignore"
+    )  # unknown OpenAI fields (user, logit_bias=None, ...) are ignored
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # extension (vLLM): 0 = off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)  # not supported: only the default
+    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    return_token_ids: bool = False
+    skip_special_tokens: bool = True
+    ignore_eos: bool = False  # extension (vLLM): generate max_tokens whatever comes
+    speculative: Literal["none", "prompt-lookup"] | None = (
+        None  # extension: default the server's --speculative
+    )
+
+    def sampling(self) -> SamplingParams | None:
+        if self.temperature == 0:
+            return None
+        return SamplingParams(
+            self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty, self.seed
+        )
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise RequestError("stop strings must be non-empty")
+        return stops
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = Field(default=False, le=False)
+    logprobs: int | None = Field(default=None, le=0)
+    suffix: None = None
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise RequestError("one prompt per request (n=1); send several requests for several prompts")
+            p = p[0]
+        return p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = Field(default=False, le=False)
+
+
+def _error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    *,
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def create_app(state: ServingState, *, close_on_shutdown: bool = True) -> FastAPI:
+    """The app over ``state``; on shutdown it drains the engine unless someone else owns it (Ray)."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if close_on_shutdown:
+            state.close()
+
+    app = FastAPI(title="loopcast", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return _error(
+            400, f"invalid request: {where or 'body'}: {first.get('msg', 'malformed')}", param=where or None
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return _error(500, f"internal error: {type(exc).__name__}: {str(exc)[:300]}", "server_error")
+
+    async def parse(request: Request, kind: type[BaseModel]):
+        try:
+            raw = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            return _error(400, f"request body is not valid JSON ({exc})")
+        if not isinstance(raw, dict):
+            return _error(400, "request body must be a JSON object")
+        try:
+            body = kind.model_validate(raw)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        if body.model != state.name:
+            return _error(
+                404,
+                f"the model '{body.model}' does not exist; this server serves '{state.name}'",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    @app.get("/health")
+    async def health():
+        return state.health()
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": state.name, "object": "model", "created": state.created, "owned_by": "loopcast"}],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse(request, CompletionRequest)
+        if isinstance(body, JSONResponse):
+            return body
+        return await _respond(state, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse(request, ChatRequest)
+        if isinstance(body, JSONResponse):
+            return body
+        return await _respond(state, body, chat=True)
+
+    return app
+
+
+async def _respond(state: ServingState, body: _Common, *, chat: bool):
+    try:
+        if chat:
+            ids = state.chat_ids([m.model_dump(exclude_none=True) for m in body.messages])
+            max_tokens = body.max_completion_tokens or body.max_tokens
+        else:
+            ids = state.prompt_ids(body.single_prompt())
+            max_tokens = body.max_tokens or 16  # OpenAI's default for completions
+        max_tokens = max_tokens or state.max_length - len(ids)
+        state.check_fits(ids, max_tokens)
+        sampling, stops = body.sampling(), body.stops()
+    except RequestError as exc:
+        code = "context_length_exceeded" if "context length" in str(exc) else None
+        return _error(400, str(exc), code=code)
+    except LoopcastError as exc:
+        return _error(400, str(exc))
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    result = TextResult(len(ids))
+    kwargs = dict(
+        sampling=sampling,
+        stop=stops,
+        skip_special_tokens=body.skip_special_tokens,
+        result=result,
+        ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
+    )
+    pieces = state.stream(ids, max_tokens, **kwargs)
+    try:
+        first = await anext(pieces, None)  # submission errors (a full queue) surface here, before any byte
+    except CapacityError as exc:
+        return _error(503, str(exc), "server_busy", code="server_busy")
+    envelope = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": state.name,
+    }
+    if body.stream:
+        return StreamingResponse(
+            _sse(envelope, first, pieces, result, body, chat),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    text = (first.text if first else "") + "".join([p.text async for p in pieces])
+    choice = (
+        {"index": 0, "message": {"role": "assistant", "content": text}}
+        if chat
+        else {"index": 0, "text": text, "logprobs": None}
+    )
+    choice["finish_reason"] = result.finish_reason
+    if body.return_token_ids:
+        choice["token_ids"] = result.tokens
+    usage = {
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(result.tokens),
+        "total_tokens": len(ids) + len(result.tokens),
+    }
+    return {**envelope, "choices": [choice], "usage": usage, "loopcast": _speculation(result)}
+
+
+def _speculation(result: TextResult) -> dict:
+    """Which speculation served the request (or why none), and its draft counts."""
+    c = result.speculative
+    return {
+        "speculative": getattr(c, "speculative", "none"),
+        "proposed": getattr(c, "proposed", 0),
+        "accepted": getattr(c, "accepted", 0),
+    }
+
+
+async def _sse(envelope: dict, first, pieces, result: TextResult, body: _Common, chat: bool):
+    """OpenAI's stream: one ``data: {chunk}`` per text piece, a last chunk with the finish reason,
+    then ``data: [DONE]``. A client that disconnects closes this generator, which cancels."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        if chat:
+            delta = (
+                {"role": "assistant", "content": ""}
+                if role
+                else ({"content": text} if text is not None else {})
+            )
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if finish is not None and body.return_token_ids:
+            choice["token_ids"] = result.tokens
+        return f"data: {json.dumps({**envelope, 'object': kind, 'choices': [choice]})}\n\n"
+
+    try:
+        if chat:
+            yield chunk(None, None, role=True)
+        if first is not None:
+            yield chunk(first.text, None)
+        async for piece in pieces:
+            yield chunk(piece.text, None)
+        yield chunk(None if chat else "", result.finish_reason or "stop")
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # mid-stream failure: the status is sent already; say so in the stream
+        yield f"data: {json.dumps({'error': {'message': str(exc)[:300], 'type': 'server_error'}})}\n\n"
+    finally:
+        await pieces.aclose()

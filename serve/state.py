@@ -1,0 +1,189 @@
+"""What a server replica holds: the loaded artifact, its batching engine, and text streaming.
+
+``open_serving`` loads an artifact and starts one engine (ort_runtime/batching/engine.py): continuous
+batching over the ``decode_batch`` graph when the artifact has one (``export --max-batch``),
+else one request at a time. ``ServingState.stream`` submits token ids and yields text pieces
+as the engine commits tokens, asyncio-side: the engine thread hands events to the event loop
+with ``call_soon_threadsafe``. Stop strings are matched on the text (ort_runtime/text/stopping.py)
+and cancel the request, which frees its slot at the next step boundary. Torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loopcast.ort_runtime.api import LoopcastModel, load
+from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest, SequentialEngine
+from loopcast.ort_runtime.decoding.sampling import SamplingParams
+from loopcast.ort_runtime.text.stopping import StopStringMatcher
+
+from loopcast.errors import RequestError
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    device: str = "cpu"
+    max_batch: int | None = None  # None: the artifact's max_batch (1 sequence at a time without one)
+    max_waiting: int = 256  # requests queued for a slot before 503s
+    sequential: bool = False  # one request at a time even when batched graphs exist
+    threads: int | None = None
+    trust_ops: bool = False
+    model_name: str | None = None  # default: the artifact directory's name
+    speculative: str = "none"  # default per request: "none" or "prompt-lookup" (docs/serving.md)
+    cuda_graphs: bool = False  # capture the batched kinds per width on CUDA (opt-in)
+
+
+@dataclass
+class TextPiece:
+    text: str
+    token: int | None
+
+
+@dataclass
+class TextResult:
+    """How a request ended, filled in as it streams."""
+
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # OpenAI's: "stop" (EOS or a stop string) or "length"
+    first_token_s: float | None = None
+    speculative: object | None = None  # the engine's Completion: its speculation mode and counts
+
+
+class ServingState:
+    def __init__(self, model: LoopcastModel, engine, name: str, mode: str, speculative: str = "none") -> None:
+        self.model, self.engine, self.name, self.mode = model, engine, name, mode
+        self.speculative = speculative
+        self.created = int(time.time())
+        self.max_length = model.loaded.manifest.max_length
+
+    # -- prompts -------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.model.encode(prompt)
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        return self.model.apply_chat_template(messages)
+
+    def check_fits(self, ids: list[int], max_tokens: int) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_length:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_length} tokens; the prompt has "
+                f"{len(ids)} (room is needed for at least one generated token)"
+            )
+
+    # -- generation ----------------------------------------------------------------------
+    async def stream(
+        self,
+        ids: list[int],
+        max_tokens: int,
+        *,
+        sampling: SamplingParams | None,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        ignore_eos: bool = False,
+        speculative: str | None = None,
+        result: TextResult | None = None,
+    ) -> AsyncIterator[TextPiece]:
+        """Yield text pieces of the completion of ``ids``; ``result`` is filled in on the way.
+        Closing the iterator (a client that went away) cancels the request."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(kind: str, value) -> None:  # engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+            except RuntimeError:  # the loop is gone (server shutting down)
+                pass
+
+        matcher = StopStringMatcher(stop) if stop else None
+        result = result if result is not None else TextResult(len(ids))
+        start = time.perf_counter()
+        stop_ids = () if ignore_eos else tuple(self.model.eos_token_ids)
+        mode = self.speculative if speculative is None else speculative
+        completion = self.engine.submit(BatchRequest(ids, max_tokens, stop_ids, sampling, mode), on_event)
+        result.speculative = completion
+        shown = ""
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind == "error":
+                    raise RuntimeError(value)
+                if kind == "done":
+                    if value == "cancelled":  # only we cancel: a stop string already ended it
+                        return
+                    if matcher is not None and (rest := matcher.flush()):
+                        yield TextPiece(rest, None)
+                    result.finish_reason = "stop" if value == "eos" else "length"
+                    return
+                result.tokens.append(value)
+                if result.first_token_s is None:
+                    result.first_token_s = time.perf_counter() - start
+                text = self.model.decode(result.tokens, skip_special_tokens) or ""
+                if text.endswith("\ufffd"):  # a byte-level token split a character: wait for the rest
+                    continue
+                delta, shown = text[len(shown) :], text
+                if matcher is not None:
+                    delta = matcher.feed(delta)
+                    if matcher.stopped:
+                        completion.cancel()
+                        result.finish_reason = "stop"
+                        if delta:
+                            yield TextPiece(delta, value)
+                        return
+                if delta:
+                    yield TextPiece(delta, value)
+        finally:
+            completion.cancel()  # no-op once finished
+
+    def health(self) -> dict:
+        engine = self.engine
+        return {
+            "status": "ok",
+            "model": self.name,
+            "mode": self.mode,
+            "pid": os.getpid(),
+            "running": getattr(engine, "running", 0),
+            "waiting": engine.waiting,
+            "steps": engine.steps,
+            "speculation": getattr(engine, "stats", None),
+        }
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.engine.shutdown(timeout)
+
+
+def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -> ServingState:
+    """Load ``artifact`` and start its engine (batched when it has the batched graphs)."""
+    from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
+
+    from loopcast.manifest import DECODE_BATCH
+
+    model = load(artifact, options.device, threads=options.threads, trust_ops=options.trust_ops)
+    manifest = model.loaded.manifest
+    name = options.model_name or Path(artifact).resolve().name
+    if DECODE_BATCH in manifest.graphs and not options.sequential:
+        generator = BatchGenerator(model.loaded, options.max_batch, cuda_graphs=options.cuda_graphs)
+        engine = BatchingEngine(generator, max_waiting=options.max_waiting)
+        mode = f"batched (up to {generator.max_batch} sequences per step)"
+    else:
+        if options.max_batch not in (None, 1) and not options.sequential:
+            raise RequestError(
+                f"{artifact}: --max-batch {options.max_batch} needs the batched graphs; "
+                "re-export with loopcast export --max-batch B"
+            )
+        engine = SequentialEngine(model, max_waiting=options.max_waiting)
+        mode = "sequential (one request at a time)"
+    return ServingState(model, engine.start(), name, mode, options.speculative)
