@@ -1,0 +1,129 @@
+"""What a caller asks of one generation, as one object: limits, stops, sampling, speculation.
+
+The CLI builds a :class:`GenerationConfig` from its flags, the Python API from its keyword
+arguments (``model.generate(prompt, max_new_tokens=64, speculative="self")`` is
+``model.generate(prompt, config=GenerationConfig(64, speculation=SpeculationConfig("self")))``),
+and the engine reads it. Validation happens here, once, with messages that name the parameter;
+the CLI maps parameter names to its flags (``num_draft_tokens`` is ``--num-draft-tokens``).
+Test hooks are not options: tests inject proposer, verifier or acceptor objects into the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from loopcast.ort_runtime.decoding.greedy_accept import TieGuard
+from loopcast.ort_runtime.decoding.sampling import SamplingParams
+
+from loopcast.errors import RequestError
+from loopcast.vocab import GateKind, SpeculativeMode, parse
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How a generation speculates. Every mode returns plain decoding's tokens."""
+
+    mode: SpeculativeMode = SpeculativeMode.NONE
+    num_draft_tokens: int | None = None  # K drafts per round; default: the verify width - 1
+    gate: GateKind = GateKind.AUTO
+    min_ngram: int = 1  # prompt lookup's n-gram range
+    max_ngram: int = 3
+    tie_guard: TieGuard = field(default_factory=TieGuard)
+    allow_inexact: bool = False  # speculate even where verify rows are not decode rows bit for bit
+    pipeline_exit: int = 1  # pipeline: the loop whose head drafts the next lane's token
+    pipeline_device_lanes: bool = True  # pipeline: greedy lanes scheduled on the device (cycle_run)
+    alternate_gap: float | None = None  # self: fork an alternate suffix below this top-1/top-2 gap
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", parse(SpeculativeMode, self.mode, "speculative"))
+        object.__setattr__(self, "gate", parse(GateKind, self.gate, "gate"))
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise RequestError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise RequestError(
+                f"min_ngram and max_ngram must satisfy 1 <= min_ngram <= max_ngram, "
+                f"got {self.min_ngram} and {self.max_ngram}"
+            )
+        if self.pipeline_exit < 1:
+            raise RequestError(f"pipeline_exit must be >= 1, got {self.pipeline_exit}")
+        if self.alternate_gap is not None and not (
+            math.isfinite(self.alternate_gap) and 0.0 < self.alternate_gap <= 1.0
+        ):
+            raise RequestError(f"alternate_gap must be in (0, 1], got {self.alternate_gap}")
+        if not isinstance(self.tie_guard, TieGuard):
+            raise RequestError(f"tie_guard must be a TieGuard, got {type(self.tie_guard).__name__}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One generation's options (transformers' GenerationConfig, for this engine)."""
+
+    max_new_tokens: int = 64
+    sampling: SamplingParams | None = None  # None or temperature 0: greedy
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    stop_ids: tuple[int, ...] | None = None  # None: the artifact's EOS ids
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text
+    skip_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise RequestError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+        if self.max_new_tokens < 0:
+            raise RequestError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+            raise RequestError(f"sampling must be a SamplingParams or None, got {type(self.sampling).__name__}")
+        if not isinstance(self.speculation, SpeculationConfig):
+            raise RequestError(
+                f"speculation must be a SpeculationConfig, got {type(self.speculation).__name__}"
+            )
+        if self.stop_ids is not None:
+            object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+    @property
+    def sampled(self) -> bool:
+        return self.sampling is not None and not self.sampling.greedy
+
+    # The keyword form of the public API: each keyword is a field of this config or of its
+    # SpeculationConfig (``speculative`` is ``speculation.mode``).
+    _SPECULATION_KEYWORDS = {
+        "speculative": "mode",
+        "num_draft_tokens": "num_draft_tokens",
+        "gate": "gate",
+        "min_ngram": "min_ngram",
+        "max_ngram": "max_ngram",
+        "tie_guard": "tie_guard",
+        "allow_inexact": "allow_inexact",
+        "pipeline_exit": "pipeline_exit",
+        "pipeline_device_lanes": "pipeline_device_lanes",
+        "alternate_gap": "alternate_gap",
+    }
+
+    def replace(self, **options: object) -> GenerationConfig:
+        """This config with keyword options applied (``None`` for a speculation option keeps it)."""
+        spec_changes: dict[str, object] = {}
+        own: dict[str, object] = {}
+        fields = {f.name for f in dataclasses.fields(self)}
+        for name, value in options.items():
+            if name in self._SPECULATION_KEYWORDS:
+                if value is not None or name in ("num_draft_tokens", "alternate_gap"):
+                    spec_changes[self._SPECULATION_KEYWORDS[name]] = value
+            elif name in fields:
+                own[name] = value
+            else:
+                known = sorted(fields | set(self._SPECULATION_KEYWORDS))
+                raise RequestError(f"unknown generation option {name!r}; known: {', '.join(known)}")
+        if spec_changes:
+            own["speculation"] = dataclasses.replace(self.speculation, **spec_changes)
+        return dataclasses.replace(self, **own) if own else self
+
+    @classmethod
+    def from_options(cls, config: GenerationConfig | None = None, **options: object) -> GenerationConfig:
+        base = config if config is not None else cls()
+        if not isinstance(base, GenerationConfig):
+            raise RequestError(f"config must be a GenerationConfig, got {type(base).__name__}")
+        return base.replace(**options)
