@@ -234,12 +234,12 @@ def end_to_end(
             "num_draft_tokens": None if mode == "pipeline" else 4,
             "allow_inexact": not exact,
         }
-        modes += [(mode, {**base, "gate": "auto"}), (f"{mode} (gate none)", {**base, "gate": "none"})]
+        modes += [(mode, {**base, "gate": "auto"}), (f"{mode} (gate none)", {**base, "gate": "always"})]
         if mode == "pipeline" and model.loaded.has(CYCLE_RUN):  # the host-scheduled lanes, for comparison
             modes.append(
                 (
                     "pipeline (one cycle per call, gate none)",
-                    {**base, "gate": "none", "pipeline_device_lanes": False},
+                    {**base, "gate": "always", "pipeline_device_lanes": False},
                 )
             )
     plain_tokens: dict[int, list[int]] = {}
@@ -320,8 +320,8 @@ def alternation(model, prompt: list[int], tokens: int, chunk: int = 40) -> dict:
     # Ungated, so every chunk really runs its kinds; allow_inexact only matters on stock graphs.
     inexact = not model.loaded.exact_verify
     modes = [
-        {"speculative": "self", "num_draft_tokens": 4, "gate": "none", "allow_inexact": inexact},
-        {"speculative": "prompt-lookup", "num_draft_tokens": 4, "gate": "none", "allow_inexact": inexact},
+        {"speculative": "self", "num_draft_tokens": 4, "gate": "always", "allow_inexact": inexact},
+        {"speculative": "prompt-lookup", "num_draft_tokens": 4, "gate": "always", "allow_inexact": inexact},
         {},
     ]
     ids = list(prompt)
@@ -345,7 +345,7 @@ def alternation(model, prompt: list[int], tokens: int, chunk: int = 40) -> dict:
     for mode in modes:
         run_chunk(mode)
     warm = gen.graph_slots()
-    counts0, warm_secs = dict(gen.step_counts), dict(gen.step_seconds)
+    before = gen.clock.reading()
     produced, t0 = 0, time.perf_counter()
     while produced < tokens:
         for mode in modes:
@@ -353,20 +353,12 @@ def alternation(model, prompt: list[int], tokens: int, chunk: int = 40) -> dict:
     end = gen.graph_slots()
     # The slot counters are derived from ORT's capture rule; the measured evidence that no
     # slot re-captured is the mean steady step time (a capture costs many steps).
-    secs0 = {k: v for k, v in warm_secs.items()}
+    ran = gen.clock.since(before)
     return {
         "tokens": produced,
         "seconds": time.perf_counter() - t0,
-        "steps": {k: gen.step_counts[k] - counts0.get(k, 0) for k in gen.step_counts},
-        "mean_step_ms": {
-            k: round(
-                (gen.step_seconds[k] - secs0.get(k, 0.0))
-                * 1e3
-                / max(1, gen.step_counts[k] - counts0.get(k, 0)),
-                4,
-            )
-            for k in gen.step_counts
-        },
+        "steps": dict(ran.runs),
+        "mean_step_ms": {k: round(ran.seconds[k] * 1e3 / max(1, n), 4) for k, n in ran.runs.items()},
         "restarts": len(restarts),
         "slots_after_warmup": warm,
         "slots_at_end": end,

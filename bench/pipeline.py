@@ -44,7 +44,9 @@ def oracle_rows(
     fractions: tuple[float, ...],
 ) -> dict:
     """Per rejected fraction: ms per committed token, tokens/s, core calls per token, acceptance."""
-    from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+    from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
+    from loopcast.ort_runtime.decoding.pipeline import ExitDrafts
+    from loopcast.ort_runtime.decoding.speculate import GenerationStats, stream
 
     gen = model.new_generator()
     vocab = model.config.vocab_size
@@ -60,18 +62,21 @@ def oracle_rows(
                 truth = sequence[position] if position < len(sequence) else draft
                 return (truth + 1) % vocab if rejects(position, fraction) else truth
 
-            spec = SpeculationConfig(mode="pipeline", gate="none", draft_hook=hook)
+            warm = GenerationConfig.from_options(
+                max_new_tokens=8, stop_ids=(), speculative="pipeline", gate="always"
+            )
+            config = warm.replace(max_new_tokens=new_tokens)
             gen.rewind(0)
-            list(stream(gen, prompt, 8, stop_ids=(), spec=spec))  # warm both cycle halves
+            list(stream(gen, prompt, warm, proposer=ExitDrafts(hook)))  # warm both cycle halves
             gen.rewind(0)
             stats = GenerationStats()
-            before = gen.step_seconds.get(CYCLE, 0.0)
-            prefill = gen.step_seconds.get(PREFILL, 0.0)
+            before = gen.clock.seconds(CYCLE)
+            prefill = gen.clock.seconds(PREFILL)
             t0 = time.perf_counter()
-            out = list(stream(gen, prompt, new_tokens, stop_ids=(), spec=spec, stats=stats))
+            out = list(stream(gen, prompt, config, stats=stats, proposer=ExitDrafts(hook)))
             seconds += time.perf_counter() - t0
-            exec_s += gen.step_seconds.get(CYCLE, 0.0) - before
-            cycle_wall += time.perf_counter() - t0 - (gen.step_seconds.get(PREFILL, 0.0) - prefill)
+            exec_s += gen.clock.seconds(CYCLE) - before
+            cycle_wall += time.perf_counter() - t0 - (gen.clock.seconds(PREFILL) - prefill)
             tokens += len(out)
             divergent += out != plain[i][: len(out)]
             proposed += stats.proposed
@@ -88,7 +93,7 @@ def oracle_rows(
             "acceptance": accepted / proposed if proposed else None,
             "cycles": cycles,
             "core_calls_per_token": passes / tokens,
-            "gate": "none",
+            "gate": "always",
             "gate_reasons": [],
             # Host work per cycle (the input push, the id pull, the scheduler, the engine) as a
             # share of the generation's wall time without its prefill.

@@ -25,9 +25,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from loopcast.ort_runtime.binding.generator import Generator
-from loopcast.ort_runtime.decoding.greedy_accept import TieGuard
+from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
-from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.decoding.speculate import GenerationStats, stream
 from loopcast.ort_runtime.loading.artifact import LoadedModel, open_artifact
 from loopcast.ort_runtime.text.chat import ChatTemplate, load_chat_template
 from loopcast.ort_runtime.text.stopping import StopStringMatcher, artifact_eos_ids, trim_at_stop
@@ -151,64 +151,39 @@ class LoopcastModel:
     def stream_ids(
         self,
         prompt: str | list[int] | None = None,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         *,
-        stop_ids=None,
-        speculative: str = "none",
-        num_draft_tokens: int | None = None,
-        gate: str = "auto",
-        tie_guard: TieGuard | None = None,
-        proposer=None,
-        allow_inexact: bool = False,
+        config: GenerationConfig | None = None,
+        messages: Sequence[dict] | None = None,
         generator: Generator | None = None,
         stats: GenerationStats | None = None,
-        messages: Sequence[dict] | None = None,
-        sampling: SamplingParams | None = None,
-        pipeline_exit: int = 1,
-        alternate_gap: float | None = None,
-        pipeline_device_lanes: bool = True,
+        proposer: object | None = None,
+        **options: object,
     ) -> Iterator[int]:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
         (then the prompt continues after its committed prefix; otherwise a pooled generator
         serves the call, so concurrent calls never share one).
 
-        ``speculative``: "none", "prompt-lookup", "self", "pipeline" (lanes at every depth share
-        one pass over the core layers; ``pipeline_exit`` is the loop whose head drafts; greedy lanes
-        run K cycles per call with their schedule on the device where the artifact has the
-        cycle_run graph, one cycle per call with ``pipeline_device_lanes=False``), or a
-        ``proposer`` of your own (``ort_runtime/decoding/proposers.py``); ``alternate_gap`` (with "self", on
-        artifacts exported with ``--tree-verify``): also verify one alternate suffix from the
-        runner-up token where the draft's top-1/top-2 probability gap is below it; ``gate``: "auto" (calibrated on this device), "cost",
-        "hit-density" or "none" (always speculate). Speculation is refused on an artifact whose
-        verify rows are not bit-identical to its decode rows on this device unless
-        ``allow_inexact=True``."""
+        Options come as one ``config`` (:class:`GenerationConfig`) or as keywords, each a field
+        of it or of its ``SpeculationConfig`` (keywords override the config's fields):
+        ``sampling``, ``stop_ids`` (default: the artifact's EOS ids), ``speculative``: "none",
+        "prompt-lookup", "self", "pipeline" (lanes at every depth share one pass over the core
+        layers; ``pipeline_exit`` is the loop whose head drafts; greedy lanes run K cycles per
+        call with their schedule on the device where the artifact has the cycle_run graph, one
+        cycle per call with ``pipeline_device_lanes=False``), or a ``proposer`` of your own
+        (``ort_runtime/decoding/proposers.py``); ``alternate_gap`` (with "self", on artifacts
+        exported with ``--tree-verify``): also verify one alternate suffix from the runner-up
+        token where the draft's top-1/top-2 probability gap is below it; ``gate``: "auto"
+        (calibrated on this device), "cost", "hit-density" or "always". Speculation is refused
+        on an artifact whose verify rows are not bit-identical to its decode rows on this device
+        unless ``allow_inexact=True``."""
+        config = self.generation_config(config, max_new_tokens, **options)
         ids = self._prompt_ids(prompt, messages)
-        stops = tuple(self.eos_token_ids if stop_ids is None else stop_ids)
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise RequestError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
-        sampled = sampling is not None and not sampling.greedy
-        spec = SpeculationConfig(
-            speculative,
-            num_draft_tokens,
-            gate,
-            tie_guard=tie_guard or TieGuard(),
-            proposer=proposer,
-            allow_inexact=allow_inexact,
-            pipeline_exit=pipeline_exit,
-            alternate_gap=alternate_gap,
-            device_lanes=pipeline_device_lanes,
-        )
+        if config.stop_ids is None:
+            config = config.replace(stop_ids=self.eos_token_ids)
 
         def run(gen: Generator) -> Iterator[int]:
-            return stream(
-                gen,
-                ids,
-                max_new_tokens,
-                stop_ids=stops,
-                spec=spec,
-                stats=stats,
-                sampling=sampling if sampled else None,
-            )
+            return stream(gen, ids, config, stats=stats, proposer=proposer)
 
         if generator is not None:
             return run(generator)
@@ -221,6 +196,17 @@ class LoopcastModel:
             raise
         return self._returning(tokens, pooled)
 
+    @staticmethod
+    def generation_config(
+        config: GenerationConfig | None, max_new_tokens: int | None = None, **options: object
+    ) -> GenerationConfig:
+        """The config a call runs with: ``config`` (or the defaults) with the keyword options."""
+        if max_new_tokens is not None:
+            options["max_new_tokens"] = max_new_tokens
+        if "stop" in options and options["stop"] is None:
+            options["stop"] = ()
+        return GenerationConfig.from_options(config, **options)
+
     def _returning(self, tokens: Iterator[int], pooled: Generator) -> Iterator[int]:
         try:
             yield from tokens
@@ -230,21 +216,24 @@ class LoopcastModel:
     def stream(
         self,
         prompt: str | list[int] | None = None,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         *,
-        stop: Sequence[str] | None = None,
-        skip_special_tokens: bool = False,
-        **kwargs,
+        config: GenerationConfig | None = None,
+        stats: GenerationStats | None = None,
+        **options: object,
     ) -> Iterator[StreamPiece]:
         """Yield each committed token with the text it completes (UTF-8 safe). With ``stop``
         strings, text that could start one is held back until the next tokens decide, and the
         stream ends at a match (the text cut before it, finish reason "stop")."""
-        if stop and self.tokenizer is None:
+        passthrough = {k: options.pop(k) for k in ("messages", "generator", "proposer") if k in options}
+        config = self.generation_config(config, max_new_tokens, **options)
+        if config.stop and self.tokenizer is None:
             raise RequestError(f"{self.loaded.path}: stop strings need the tokenizer (tokenizer.json)")
-        matcher = StopStringMatcher(stop) if stop else None
-        stats = kwargs.pop("stats", None) or GenerationStats()
+        matcher = StopStringMatcher(config.stop) if config.stop else None
+        stats = stats or GenerationStats()
         start = time.perf_counter()
-        tokens = self.stream_ids(prompt, max_new_tokens, stats=stats, **kwargs)
+        tokens = self.stream_ids(prompt, config=config, stats=stats, **passthrough)
+        skip_special_tokens = config.skip_special_tokens
         produced: list[int] = []
         shown = ""
         try:
@@ -274,30 +263,29 @@ class LoopcastModel:
     def generate(
         self,
         prompt: str | list[int] | None = None,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         *,
-        stop: Sequence[str] | None = None,
-        skip_special_tokens: bool = False,
-        **kwargs,
+        config: GenerationConfig | None = None,
+        stats: GenerationStats | None = None,
+        **options: object,
     ) -> GenerationResult:
-        stats = kwargs.pop("stats", None) or GenerationStats()
-        if stop:
+        """The whole generation at once: tokens, text, finish reason and stats. Takes what
+        :meth:`stream_ids` takes (one ``config`` or keywords), and ``stop`` strings and
+        ``skip_special_tokens`` for the text."""
+        passthrough = {k: options.pop(k) for k in ("messages", "generator", "proposer") if k in options}
+        config = self.generation_config(config, max_new_tokens, **options)
+        stats = stats or GenerationStats()
+        if config.stop:
             tokens = [
                 p.token
-                for p in self.stream(
-                    prompt,
-                    max_new_tokens,
-                    stats=stats,
-                    stop=stop,
-                    skip_special_tokens=skip_special_tokens,
-                    **kwargs,
-                )
+                for p in self.stream(prompt, config=config, stats=stats, **passthrough)
                 if p.token is not None
             ]
-            text, _ = trim_at_stop(self.decode(tokens, skip_special_tokens), stop)
+            text, _ = trim_at_stop(self.decode(tokens, config.skip_special_tokens), list(config.stop))
             return GenerationResult(tokens, text, stats.finish_reason, stats)
-        tokens = list(self.stream_ids(prompt, max_new_tokens, stats=stats, **kwargs))
-        return GenerationResult(tokens, self.decode(tokens, skip_special_tokens), stats.finish_reason, stats)
+        tokens = list(self.stream_ids(prompt, config=config, stats=stats, **passthrough))
+        text = self.decode(tokens, config.skip_special_tokens)
+        return GenerationResult(tokens, text, stats.finish_reason, stats)
 
 
 def _finish_on_stop(stats: GenerationStats, start: float) -> None:

@@ -81,8 +81,8 @@ if mode != "baseline" and ("kinds" not in kw or "verify" in model.sessions):
     gen.rewind(32)
     v = [gen.run("verify", gen.n, tokens=fed[:width]) for _ in range(16)][-1]
     out["exact_rows"] = all(np.array_equal(v.logits[i], rows[i]) for i in range(width))
-    out["decode_ms"] = round(1000 * np.median(gen.step_seconds["decode"] / gen.step_counts["decode"]), 2)
-    out["verify_ms"] = round(1000 * gen.step_seconds["verify"] / gen.step_counts["verify"], 2)
+    out["decode_ms"] = round(1000 * np.median(gen.clock.seconds("decode") / gen.clock.runs("decode")), 2)
+    out["verify_ms"] = round(1000 * gen.clock.seconds("verify") / gen.clock.runs("verify"), 2)
 status = {l.split(":")[0]: int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith(("VmHWM", "VmRSS"))}
 smaps = {l.split(":")[0]: int(l.split()[1]) // 1024 for l in open("/proc/self/smaps_rollup") if ":" in l and l.split()[1].isdigit()}
 out.update(peak_rss_mib=status["VmHWM"], rss_mib=status["VmRSS"], pss_mib=smaps["Pss"],

@@ -54,7 +54,7 @@ def _runs(model, prompt: list[int], plain: list[int]) -> list[tuple[str, dict]]:
     runs += [
         (
             f"custom-spoil{p}",
-            {"speculative": "custom", "gate": "none", "proposer": _Spoiling(prompt + plain, vocab, p)},
+            {"speculative": "custom", "gate": "always", "proposer": _Spoiling(prompt + plain, vocab, p)},
         )
         for p in (1, 2, 5)
     ]
@@ -67,7 +67,7 @@ def _runs(model, prompt: list[int], plain: list[int]) -> list[tuple[str, dict]]:
                 "self-perturbed",
                 {
                     "speculative": "self",
-                    "gate": "none",
+                    "gate": "always",
                     "proposer": SelfDraftProposer(lambda i, t: t if i % 2 else (t + 3) % vocab),
                 },
             )

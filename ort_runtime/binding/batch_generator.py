@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
+from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
@@ -147,8 +148,7 @@ class BatchGenerator:
                 else:
                     self.graph_fallbacks[kind] = model.graph_fallbacks.get(kind, "no capture session")
         self.lengths = [0] * B  # n_b: tokens whose KV is committed in slot b
-        self.step_counts = {PREFILL: 0, DECODE_BATCH: 0, VERIFY_BATCH: 0}
-        self.step_seconds = {PREFILL: 0.0, DECODE_BATCH: 0.0, VERIFY_BATCH: 0.0}
+        self.clock = StepClock()
         self.rows_run = 0  # decode rows computed, occupied or not
 
     # -- binding helpers -------------------------------------------------------------------
@@ -231,8 +231,7 @@ class BatchGenerator:
         self._bind_prefix(binding, "logits_BSV", self._p_logits, [1, 1, self.vocab], True)
         t0 = time.perf_counter()
         self.model.sessions[PREFILL].run_with_iobinding(binding)
-        self.step_seconds[PREFILL] += time.perf_counter() - t0
-        self.step_counts[PREFILL] += 1
+        self.clock.record(PREFILL, time.perf_counter() - t0, steady=False)
         self.lengths[slot] = len(ids)
         logits = self._p_logits.pull()[0, 0].copy() if want_logits else None
         return int(self._p_next.pull()[0, 0]), logits
@@ -298,8 +297,7 @@ class BatchGenerator:
             buf.push()
         t0 = time.perf_counter()
         self._run(kind, width)
-        self.step_seconds[kind] += time.perf_counter() - t0
-        self.step_counts[kind] += 1
+        self.clock.record(kind, time.perf_counter() - t0, steady=True)
         self.rows_run += width * width_rows
         next_ids = next_buf.pull()[:width]
         logits = logits_buf.pull() if want_logits else None

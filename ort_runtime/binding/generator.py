@@ -14,10 +14,10 @@ again before it is rewritten, because every row attends only to positions ≤ it
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 
 import numpy as np
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, StepOutput, _Buffer, _KindBinding, _RowsBinding
+from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.binding.cycle_bindings import CycleBinding, CycleRunBinding
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
@@ -96,14 +96,7 @@ class Generator:
                 (self._cycle if kind in _PIPELINE_KINDS else self._kinds)[kind]
         self._tokens: list[int] = []  # ids whose KV is committed; len == n
         self._move = None  # CUDA: the op library's KV position copy (move_kv)
-        self.step_counts: dict[str, int] = defaultdict(int)
-        self.step_seconds: dict[str, float] = defaultdict(float)
-        # Steady runs only (no warm-up/capture, no fallback set-up): what the cost gate averages.
-        self.timed_counts: dict[str, int] = defaultdict(int)
-        self.timed_seconds: dict[str, float] = defaultdict(float)
-        # What the speculation gates learned on this generator ((gate, proposer, strategy) -> state),
-        # carried from one generation to the next like the step timers.
-        self.gate_memory: dict[tuple[str, str, str], dict] = {}
+        self.clock = StepClock()  # every run's time; the gates' means and memory (step_clock.py)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -225,11 +218,7 @@ class Generator:
         t0 = time.perf_counter()
         steady = runner.execute(self.model)
         elapsed = time.perf_counter() - t0
-        self.step_seconds[kind] += elapsed
-        self.step_counts[kind] += 1
-        if steady:
-            self.timed_seconds[kind] += elapsed
-            self.timed_counts[kind] += 1
+        self.clock.record(kind, elapsed, bool(steady))
 
     def run_rows(
         self,

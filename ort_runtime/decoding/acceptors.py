@@ -55,7 +55,7 @@ class GreedyAcceptor:
 
     def accept(self, context: Sequence[int], proposal, verified) -> AcceptResult:
         guard = self.tie_guard
-        if getattr(proposal, "branch", None) is not None:
+        if proposal.branch is not None:
             return greedy_accept_tree(
                 proposal.tokens,
                 verified.target_ids,

@@ -1,6 +1,6 @@
 """Gates: per step, run a speculative round (and with how many drafts) or plain decode.
 
-- ``none``: speculate on every step the proposer has drafts for (for measurements).
+- ``always``: speculate on every step the proposer has drafts for (for measurements).
 - ``hit-density``: engage while the recent fraction of steps whose first draft was right is high.
 - ``cost``: price a round with the step costs measured on this machine and the running
   acceptance α; engage with the k that maximises expected tokens per second when that beats
@@ -20,17 +20,20 @@ from __future__ import annotations
 
 from collections import deque
 
+from loopcast.ort_runtime.decoding.protocols import CostsBase
+
 from loopcast.errors import RequestError
 from loopcast.manifest import DECODE
+from loopcast.vocab import GateKind, choices
 
-GATES = ("auto", "none", "hit-density", "cost")
+GATES = tuple(choices(GateKind))
 # Wall-time timers the engine keeps beside the step timers (StepCosts.host_factor): speculative
 # rounds' wall time, their steps' timed time and their graph calls; plain rounds' wall time.
 SPEC_ROUND, SPEC_ROUND_DEVICE, SPEC_ROUND_CALLS = "spec_round", "spec_round_device", "spec_round_calls"
 DECODE_ROUND = "decode_round"
 
 
-class StepCosts:
+class StepCosts(CostsBase):
     """Mean steady step time per graph kind on this generator (seconds). A CUDA slot's first
     run (warm-up + capture) costs many steps and is not counted."""
 
@@ -38,8 +41,7 @@ class StepCosts:
         self.gen, self.draft_share = gen, draft_share
 
     def mean(self, kind: str) -> float | None:
-        count = self.gen.timed_counts.get(kind, 0)
-        return self.gen.timed_seconds[kind] / count if count else None
+        return self.gen.clock.mean(kind)
 
     def decode(self) -> float:
         return self.mean(DECODE) or 1e-3
@@ -53,12 +55,12 @@ class StepCosts:
         engine over steady rounds (``SPEC_ROUND`` timers) and plain rounds (``DECODE_ROUND``);
         before any plain round, a plain step is priced with the speculative rounds' host time
         per call."""
-        g = self.gen
-        calls = g.timed_counts.get(SPEC_ROUND_CALLS, 0)
-        device = g.timed_seconds.get(SPEC_ROUND_DEVICE, 0.0)
+        clock = self.gen.clock
+        calls = clock.steady(SPEC_ROUND_CALLS)
+        device = clock.steady_seconds(SPEC_ROUND_DEVICE)
         if not calls or device <= 0:
             return 1.0
-        wall = g.timed_seconds[SPEC_ROUND]
+        wall = clock.steady_seconds(SPEC_ROUND)
         spec = wall / device
         plain_round, plain_step = self.mean(DECODE_ROUND), self.mean(DECODE)
         if plain_round and plain_step:
@@ -68,9 +70,7 @@ class StepCosts:
         return spec / plain
 
     def snapshot_ms(self) -> dict[str, float]:
-        return {
-            k: round(1e3 * self.gen.timed_seconds[k] / c, 4) for k, c in self.gen.timed_counts.items() if c
-        }
+        return self.gen.clock.means_ms()
 
 
 class _Counters:
@@ -95,6 +95,16 @@ class _Counters:
             self.steps_off += 1
         return k or None
 
+    def wants_evidence(self, step: int) -> bool:
+        return False
+
+    def plain_streak(self, step: int) -> int:
+        """Steps from this one on that are sure to be plain (1: only this one)."""
+        return 1
+
+    def remember(self) -> None:
+        """Keep what this generation learned for the next one (gates with memory)."""
+
     def report(self) -> dict:
         return {
             "name": self.name,
@@ -114,7 +124,7 @@ class AlwaysGate(_Counters):
         return True
 
     def __init__(self, k: int, chosen_by: str = "caller") -> None:
-        super().__init__("none", chosen_by)
+        super().__init__("always", chosen_by)
         self.k = k
         self.reason = "gate off: every step speculates"
 
@@ -236,7 +246,7 @@ class CostGate(_Counters):
             rate = self.strategy.token_rate(self.costs, self.alpha)
             return (1 if rate > need else 0), max(rate, plain) / plain
         best_k, best_rate = 0, need
-        host = self.costs.host_factor() if hasattr(self.costs, "host_factor") else 1.0
+        host = self.costs.host_factor()
         for k in range(1, self.k_max + 1):
             expected = sum(self.alpha**i for i in range(k + 1))
             rate = expected / (self.strategy.round_cost(self.costs, k) * host)
@@ -299,7 +309,7 @@ class CostGate(_Counters):
 
     def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
         # A strategy whose rounds carry one draft each (the pipeline) remembers more rounds.
-        decay = getattr(self.strategy, "alpha_decay", 0.8)
+        decay = self.strategy.caps.alpha_decay
         if proposed:  # a round moved α (and timed its kinds): re-price on the next step
             self._decision = None
             self._accepted = decay * self._accepted + accepted
@@ -313,9 +323,9 @@ class CostGate(_Counters):
                 # through probes, one draft each, so hits must keep them coming (on the CPU demo
                 # it stayed down at α̂ 0.41 while its drafts were accepted at ~0.58). The waste
                 # is the round's wall price (host work in) less the tokens it commits.
-                keep = self.best_k()[0] or (accepted and getattr(self.strategy, "continuous", False))
+                keep = self.best_k()[0] or (accepted and self.strategy.caps.persistent_lanes)
                 self._backoff = 1 if keep else min(self._backoff * 2, 16)
-                host = self.costs.host_factor() if hasattr(self.costs, "host_factor") else 1.0
+                host = self.costs.host_factor()
                 price = self.strategy.round_cost(self.costs, 1) * host / self.costs.decode()
                 waste = max(price - 1.0 - self.alpha, 0.05)
                 self._next_probe = step + int(self._backoff * waste / self.probe_budget)
@@ -327,7 +337,7 @@ class CostGate(_Counters):
 
     def report(self) -> dict:
         out = super().report()
-        host = self.costs.host_factor() if hasattr(self.costs, "host_factor") else 1.0
+        host = self.costs.host_factor()
         out.update(
             alpha=round(self.alpha, 4),
             costs_ms=self.costs.snapshot_ms(),
@@ -359,6 +369,6 @@ def make_gate(
         return CostGate(k_max, costs, strategy, free_guess=free_guess, memory=memory)
     if name == "hit-density":
         return HitDensityGate(k_max)
-    if name == "none":
+    if name == "always":
         return AlwaysGate(k_max)
-    raise RequestError(f"unknown gate {name!r}; choose from {', '.join(GATES)}")
+    raise RequestError(f"gate must be one of {', '.join(GATES)}, got {name!r}")

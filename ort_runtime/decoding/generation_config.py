@@ -73,7 +73,9 @@ class GenerationConfig:
         if self.max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
-            raise RequestError(f"sampling must be a SamplingParams or None, got {type(self.sampling).__name__}")
+            raise RequestError(
+                f"sampling must be a SamplingParams or None, got {type(self.sampling).__name__}"
+            )
         if not isinstance(self.speculation, SpeculationConfig):
             raise RequestError(
                 f"speculation must be a SpeculationConfig, got {type(self.speculation).__name__}"

@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from loopcast.ort_runtime.decoding.gates import DECODE_ROUND
+from loopcast.ort_runtime.decoding.protocols import ProposerBase, ProposerCaps, VerifierBase, VerifierCaps
 
 from loopcast.errors import RequestError
 from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, lane_record_length, lane_state_length
@@ -81,18 +82,16 @@ class PipelineStats:
     trace: list | None = None  # per cycle (positions, argmax per row, entering token), for tests
 
 
-class PipelineCycles:
+class PipelineCycles(VerifierBase):
     """The lane scheduler, an engine strategy (ort_runtime/decoding/speculate.py): each round runs cycles
     until a lane finishes and returns that token. Lanes live across rounds; a round that finds
     the generator moved on (plain steps in between, a new generation) starts cold from ``pending``."""
 
     name = "pipeline"
     kinds = (CYCLE,)
-    continuous = True
-    # One draft per round: the cost gate's α remembers ~50 of them. At 0.95 (~20) the estimate's
-    # noise (±0.08) decided: on the H200 demo run 4 the gate stood down at α=0.46 while the
-    # run's drafts were accepted at 0.59 and ungated ran at 1.28x plain (docs/perf.md).
-    alpha_decay = 0.98
+    # One draft per round: the cost gate's α must remember ~50 of them (a shorter memory's
+    # noise, ±0.08 at ~20, decides the gate instead of the acceptance). Lanes live across rounds.
+    caps = VerifierCaps(alpha_decay=0.98, persistent_lanes=True)
 
     def __init__(self, exit_depth: int = 1, *, trace: bool = False, device_lanes: bool = True) -> None:
         self.exit_depth, self.loops = exit_depth, 2
@@ -106,7 +105,14 @@ class PipelineCycles:
         self._end: tuple[int, int] | None = None  # (n, pending token) where the last round left off
         self._n = 0  # the committed length while a host-scheduled round runs
 
-    def validate(self, gen) -> None:
+    def run_round(self, engine, pending: int, step: int, remaining: int) -> list[int]:
+        """The pipeline's own round: its lanes run until one finishes (the engine's lane round)."""
+        return engine.lane_round(pending, step, remaining)
+
+    def close(self) -> None:
+        self.stop()  # lanes still in flight when the generation ends
+
+    def prepare(self, gen) -> None:
         """The schedule must fit the model: R rows (one per loop) and an exit depth in 1..R-1."""
         R = self.loops = gen.model.config.num_loops
         if gen.cycle is None:
@@ -188,7 +194,7 @@ class PipelineCycles:
         if (
             self.device_lanes
             and not acceptor.sampled
-            and getattr(drafts, "hook", None) is None
+            and not drafts.replaces_drafts
             and gen.has_kind(CYCLE_RUN)
             and (resumed or gen.cycle is None)
         ):
@@ -198,7 +204,7 @@ class PipelineCycles:
             gen.commit([done.committed])
             self._end = (gen.n, done.token)
             return done
-        cycles, t0, steady0 = 0, time.perf_counter(), gen.timed_counts[CYCLE]
+        cycles, t0, steady0 = 0, time.perf_counter(), gen.clock.steady(CYCLE)
         self._n = gen.n
         while True:
             ids, logits = self._run_cycle(gen, acceptor.sampled)
@@ -208,9 +214,8 @@ class PipelineCycles:
                 done.cycles = cycles
                 gen.commit([done.committed])
                 self._end = (gen.n, done.token)
-                if gen.timed_counts[CYCLE] - steady0 == cycles:  # no warm-up or capture inside
-                    gen.timed_seconds[ROUND_TIMER] += time.perf_counter() - t0
-                    gen.timed_counts[ROUND_TIMER] += cycles
+                if gen.clock.steady(CYCLE) - steady0 == cycles:  # no warm-up or capture inside
+                    gen.clock.add(ROUND_TIMER, time.perf_counter() - t0, cycles)
                 return done
 
     def _run_cycles(self, gen, limit: int, drafts) -> None:
@@ -224,7 +229,7 @@ class PipelineCycles:
         for lane in self.lanes:
             state[lane.depth], state[R + lane.depth] = lane.position, lane.token
         state[2 * R], state[2 * R + 1] = limit, self.exit_depth
-        t0, steady0 = time.perf_counter(), gen.timed_counts[CYCLE_RUN]
+        t0, steady0 = time.perf_counter(), gen.clock.steady(CYCLE_RUN)
         log = gen.run_cycles(state)
         width = lane_record_length(R)
         records, final = log[: K * width].reshape(K, width).tolist(), log[K * width :]
@@ -259,9 +264,8 @@ class PipelineCycles:
         self.lanes = [
             Lane(int(final[r]), int(final[R + r]), depth=r) for r in range(R - 1, -1, -1) if final[r] >= 0
         ]
-        if gen.timed_counts[CYCLE_RUN] > steady0:  # a steady call: no warm-up or capture inside
-            gen.timed_seconds[ROUND_TIMER] += time.perf_counter() - t0
-            gen.timed_counts[ROUND_TIMER] += K
+        if gen.clock.steady(CYCLE_RUN) > steady0:  # a steady call: no warm-up or capture inside
+            gen.clock.add(ROUND_TIMER, time.perf_counter() - t0, K)
 
     def _run_cycle(self, gen, want_logits: bool):
         R = gen.cycle.rows
@@ -328,18 +332,23 @@ class PipelineCycles:
         return done
 
 
-@dataclass
-class ExitDrafts:
-    """The pipeline's proposer: the argmax of the exit loop's head, as the cycle computed it.
+class ExitDrafts(ProposerBase):
+    """The pipeline's drafter: the argmax of the exit loop's head, as the cycle computed it. Its
+    drafts come out of the cycles (``draft``), so it offers none to a draft round (``propose``).
 
     ``hook(position, draft) -> token`` replaces a draft (tests force rejections with it; the
-    bench's oracle mode replays a known continuation)."""
+    bench's oracle mode replays a known continuation); a hooked drafter runs host-scheduled
+    cycles, where each draft passes through the hook."""
 
-    hook: object | None = None
-    name: str = "exit"
-    drafts_hidden: bool = True
-    free_guess: bool = False
-    drafted: int = field(default=0)
+    name = "exit"
+    caps = ProposerCaps(drafts_hidden=True)
+
+    def __init__(self, hook=None) -> None:
+        self.hook, self.drafted = hook, 0
+
+    @property
+    def replaces_drafts(self) -> bool:
+        return self.hook is not None
 
     def draft(self, position: int, token: int) -> int:
         self.drafted += 1
@@ -348,8 +357,5 @@ class ExitDrafts:
     def reset(self, gen) -> None:
         self.drafted = 0
 
-    def advance(self, committed: list[int]) -> None:
-        pass
-
-    def propose(self, context, k):
-        raise RequestError("the pipeline drafts inside its cycles; it takes no proposals")
+    def propose(self, context, k) -> list[int]:
+        return []

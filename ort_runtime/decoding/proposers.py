@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from loopcast.ort_runtime.decoding.protocols import ProposerBase, ProposerCaps
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DRAFT
@@ -56,13 +57,12 @@ class Proposal:
     fork_skipped: bool = False  # a near tie whose branch did not fit the width or the KV
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(ProposerBase):
     """Drafts by n-gram match: find the latest earlier occurrence of the last n tokens
     (n from ``max_ngram`` down to ``min_ngram``) and propose what followed it."""
 
     name = "prompt-lookup"
-    free_guess = True
-    drafts_hidden = False
+    caps = ProposerCaps(free_guess=True)
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -103,11 +103,8 @@ class PromptLookupProposer:
                 return seq[start + n : start + n + k]
         return []
 
-    def advance(self, committed: Sequence[int]) -> None:
-        pass
 
-
-class SelfDraftProposer:
+class SelfDraftProposer(ProposerBase):
     """Shallow-loop self-speculation: the draft graph runs loops 0..d-1 for the pending token
     and then each draft, one row at a time at positions n, n+1, …, writing their depth<d KV
     and keeping each row's depth-d state for verify_tail (``ort_runtime/decoding/verifiers.py``).
@@ -117,15 +114,15 @@ class SelfDraftProposer:
     """
 
     name = "self"
-    free_guess = False
-    drafts_hidden = True
+    caps = ProposerCaps(drafts_hidden=True, draws=True)
 
     def __init__(self, perturb=None) -> None:
         self.perturb = perturb
         self._gen = None
-        self.acceptor = (
-            None  # the engine's (ort_runtime/decoding/acceptors.py): greedy drafts, or sampled ones
-        )
+        self.acceptor = None  # the engine's (acceptors.py): greedy drafts, or sampled ones
+
+    def bind(self, acceptor) -> None:
+        self.acceptor = acceptor
 
     def reset(self, generator) -> None:
         if not generator.has_kind(DRAFT):
@@ -134,9 +131,6 @@ class SelfDraftProposer:
                 "(it needs a looped model, R > 1)"
             )
         self._gen = generator
-
-    def advance(self, committed: Sequence[int]) -> None:
-        pass
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         gen = self._gen
@@ -160,7 +154,7 @@ class SelfDraftProposer:
         return Proposal(rows_in[1:], np.stack(hidden), probs if sampled else None)
 
 
-class AlternateDraftProposer:
+class AlternateDraftProposer(ProposerBase):
     """Self-speculation with one fallback branch per round (docs/architecture.md §5,
     "Alternate suffix"). The primary chain is drafted as SelfDraftProposer drafts it, row by
     row through the ``tree_draft`` graph at positions n, n+1, …; at the first draft row whose
@@ -180,8 +174,7 @@ class AlternateDraftProposer:
     """
 
     name = "self+alternate"
-    free_guess = False
-    drafts_hidden = True
+    caps = ProposerCaps(drafts_hidden=True)
 
     def __init__(self, gap: float, *, fork_hook=None, perturb=None) -> None:
         if not 0.0 < gap <= 1.0:
@@ -199,9 +192,6 @@ class AlternateDraftProposer:
                 "lacks them (re-export with --tree-verify)"
             )
         self._gen = generator
-
-    def advance(self, committed: Sequence[int]) -> None:
-        pass
 
     def _token(self, token: int, branch: str, position: int) -> int:
         if self.perturb is not None:
@@ -265,17 +255,24 @@ class AlternateDraftProposer:
         return Branch(fork, tokens, np.stack(hidden))
 
 
-class UserProposer:
-    """Adapts a user's object that has only ``propose`` (and maybe ``advance``/``reset``) and
-    validates what it offers at the boundary."""
+class UserProposer(ProposerBase):
+    """Adapts a user's object and validates what it offers at the boundary. The user's object
+    is foreign, so this is the one place that reads what it has: ``propose`` (required),
+    ``advance``/``reset`` (optional), and its declared ``name``, ``free_guess`` and
+    ``drafts_hidden`` (the documented user protocol, module doc); inside the engine the
+    adapter's own ``caps`` say what it offers."""
 
     def __init__(self, inner, vocab_size: int) -> None:
-        if not callable(getattr(inner, "propose", None)):
+        declared = {name: getattr(inner, name, None) for name in _USER_PROTOCOL}
+        if not callable(declared["propose"]):
             raise RequestError(f"proposer {inner!r} has no propose(context, k) method")
         self.inner, self.vocab_size = inner, vocab_size
-        self.name = str(getattr(inner, "name", type(inner).__name__))
-        self.free_guess = bool(getattr(inner, "free_guess", False))
-        self.drafts_hidden = bool(getattr(inner, "drafts_hidden", False))
+        self.name = str(declared["name"] or type(inner).__name__)
+        self.caps = ProposerCaps(
+            drafts_hidden=bool(declared["drafts_hidden"]), free_guess=bool(declared["free_guess"])
+        )
+        self._advance = declared["advance"] if callable(declared["advance"]) else None
+        self._reset = declared["reset"] if callable(declared["reset"]) else None
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         raw = self.inner.propose(list(context), k)
@@ -285,7 +282,7 @@ class UserProposer:
             raise RequestError(
                 f"proposer {self.name!r} offered a token outside the vocabulary [0, {self.vocab_size})"
             )
-        if self.drafts_hidden and (proposal.hidden is None or len(proposal.hidden) < len(tokens) + 1):
+        if self.caps.drafts_hidden and (proposal.hidden is None or len(proposal.hidden) < len(tokens) + 1):
             raise RequestError(
                 f"proposer {self.name!r} declares drafts_hidden but gave no hidden state per row"
             )
@@ -293,9 +290,13 @@ class UserProposer:
         return Proposal(tokens, hidden)
 
     def advance(self, committed: Sequence[int]) -> None:
-        if hasattr(self.inner, "advance"):
-            self.inner.advance(list(committed))
+        if self._advance is not None:
+            self._advance(list(committed))
 
     def reset(self, generator) -> None:
-        if hasattr(self.inner, "reset"):
-            self.inner.reset(generator)
+        if self._reset is not None:
+            self._reset(generator)
+
+
+# What a user's proposer may have (the module doc): read once, by UserProposer.
+_USER_PROTOCOL = ("propose", "advance", "reset", "name", "free_guess", "drafts_hidden")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from loopcast.ort_runtime.decoding.proposers import Proposal
+from loopcast.ort_runtime.decoding.protocols import VerifierBase, VerifierCaps
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DECODE, DRAFT, TREE_DRAFT, TREE_TAIL, VERIFY, VERIFY_TAIL
@@ -35,7 +36,7 @@ class Verified:
     branch_ids: np.ndarray | None = None  # [len(branch.tokens)]: the argmax after each branch row
 
 
-class PlainDecode:
+class PlainDecode(VerifierBase):
     name = "decode"
     kinds = (DECODE,)
 
@@ -57,7 +58,7 @@ class PlainDecode:
         return costs.decode()
 
 
-class VerifyRows:
+class VerifyRows(VerifierBase):
     name = "verify"
     kinds = (VERIFY,)
 
@@ -75,7 +76,7 @@ class VerifyRows:
         return costs.mean(VERIFY) or costs.decode() * 1.2
 
 
-class DraftTail:
+class DraftTail(VerifierBase):
     name = "draft+verify_tail"
     kinds = (DRAFT, VERIFY_TAIL)
 
@@ -96,14 +97,14 @@ class DraftTail:
         return (k + 1) * draft + tail
 
 
-class TreeTail:
+class TreeTail(VerifierBase):
     """Primary rows and one branch in one ``tree_tail`` call (docs/architecture.md §5,
     "Alternate suffix"). Rows past those used are inactive and write nothing, so a round needs
     only the positions its rows use (``writes_padding = False``)."""
 
     name = "tree_draft+tree_tail"
     kinds = (TREE_DRAFT, TREE_TAIL)
-    writes_padding = False
+    caps = VerifierCaps(writes_padding=False)
 
     def __init__(self) -> None:
         self.branch_rows = 0.0  # running mean of branch rows per round (what the gate pays for)

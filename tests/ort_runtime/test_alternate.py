@@ -21,7 +21,9 @@ from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.greedy_accept import greedy_accept_tree
 from loopcast.ort_runtime.decoding.proposers import AlternateDraftProposer, Branch
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
-from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.decoding.speculate import GenerationStats
+
+from tests.ort_runtime.stream_helpers import engine_stream, run_fresh
 
 from loopcast.errors import ExportError, RequestError
 from tests.artifacts import artifact, checkpoint, require_exact_cpu_artifacts
@@ -42,10 +44,7 @@ def tree():
 def run(
     gen: Generator, prompt: list[int], n: int, *, stop_ids=(), **spec
 ) -> tuple[list[int], GenerationStats]:
-    gen.rewind(0)
-    stats = GenerationStats()
-    tokens = list(stream(gen, prompt, n, stop_ids=stop_ids, spec=SpeculationConfig(**spec), stats=stats))
-    return tokens, stats
+    return run_fresh(gen, prompt, n, stop_ids=stop_ids, **spec)
 
 
 class Oracle:
@@ -104,12 +103,12 @@ def test_every_gap_and_gate_equals_plain(name: str) -> None:
     ):
         plain, _ = run(gen, prompt, 40)
         for gap in (0.02, 0.3, 1.0):
-            for gate in ("none", "auto"):
+            for gate in ("always", "auto"):
                 got, stats = run(gen, prompt, 40, mode="self", gate=gate, alternate_gap=gap)
                 assert got == plain, (gap, gate)
                 assert gen.n == len(prompt) + len(plain) - 1
                 assert stats.forks == stats.alternate_selected + stats.alternate_discarded + stats.fork_misses
-                if gap == 1.0 and gate == "none":  # every draft row is a near tie: every round forks
+                if gap == 1.0 and gate == "always":  # every draft row is a near tie: every round forks
                     assert stats.forks > 0
 
 
@@ -130,7 +129,7 @@ def test_forced_branches_equal_plain_tokens_and_kv(tree, case, primary, alternat
     oracle = Oracle(prompt + plain, tree.config.vocab_size, primary, alternate, continuation)
     # k = 2 of width 5: a fork at the first draft row has room for a branch of two rows.
     got, stats = run(
-        gen, prompt, 40, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2
+        gen, prompt, 40, mode="self", gate="always", proposer=oracle.proposer(), num_draft_tokens=2
     )
     assert got == plain
     assert_plain_kv(gen, reference)
@@ -171,7 +170,7 @@ def test_fork_after_the_first_draft_and_rejection_before_the_fork(tree) -> None:
         return token
 
     proposer = AlternateDraftProposer(0.5, fork_hook=fork, perturb=perturb)
-    got, stats = run(gen, prompt, 40, mode="self", gate="none", proposer=proposer, num_draft_tokens=3)
+    got, stats = run(gen, prompt, 40, mode="self", gate="always", proposer=proposer, num_draft_tokens=3)
     assert got == plain
     assert_plain_kv(gen, reference)
     assert stats.alternate_selected > 0 and stats.alternate_discarded > 0
@@ -184,7 +183,7 @@ def test_no_room_for_the_branch_falls_back_to_the_primary_chain(tree) -> None:
     oracle = Oracle(prompt + plain, tree.config.vocab_size, False, True)
     # k = 4 fills the width of 5: every fork is skipped, counted, and the round stays exact.
     got, stats = run(
-        gen, prompt, 30, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=4
+        gen, prompt, 30, mode="self", gate="always", proposer=oracle.proposer(), num_draft_tokens=4
     )
     assert got == plain
     # Rounds of 4 drafts skip their fork; only the last rounds, shortened by the length limit, fit one.
@@ -201,7 +200,7 @@ def test_at_the_kv_capacity() -> None:
     assert plain_stats.finish_reason == "length" and reference.n == 40
     oracle = Oracle(prompt + plain, model.config.vocab_size, False, True, True)
     got, stats = run(
-        gen, prompt, 100, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2
+        gen, prompt, 100, mode="self", gate="always", proposer=oracle.proposer(), num_draft_tokens=2
     )
     assert got == plain and stats.finish_reason == "length"
     assert_plain_kv(gen, reference)
@@ -230,7 +229,7 @@ def test_eos_inside_either_branch(tree, inside: str) -> None:
         proposer = Oracle(sequence, vocab, not selected, selected, True).proposer()
     want, want_stats = run(reference, prompt, 40, stop_ids=(eos,))
     got, stats = run(
-        gen, prompt, 40, stop_ids=(eos,), mode="self", gate="none", proposer=proposer, num_draft_tokens=2
+        gen, prompt, 40, stop_ids=(eos,), mode="self", gate="always", proposer=proposer, num_draft_tokens=2
     )
     assert got == want and stats.finish_reason == want_stats.finish_reason
     assert_plain_kv(gen, reference)
@@ -245,7 +244,7 @@ def test_length_limits(tree) -> None:
     for limit in (1, 2, 3, 4, 7, 13):
         want, _ = run(reference, prompt, limit)
         got, stats = run(
-            gen, prompt, limit, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2
+            gen, prompt, limit, mode="self", gate="always", proposer=oracle.proposer(), num_draft_tokens=2
         )
         assert got == plain[:limit] == want and stats.finish_reason == "length"
         assert_plain_kv(gen, reference)
@@ -258,15 +257,15 @@ def test_a_consumer_that_stops_early_leaves_plain_state(tree) -> None:
     oracle = Oracle(prompt + plain, tree.config.vocab_size, False, True, True)
     for stop_after in (1, 2, 5, 8):
         gen.rewind(0)
-        tokens = stream(
-            gen, prompt, 30, spec=SpeculationConfig("self", 2, "none", proposer=oracle.proposer())
+        tokens = engine_stream(
+            gen, prompt, 30, mode="self", num_draft_tokens=2, gate="always", proposer=oracle.proposer()
         )
         got = [t for _, t in zip(range(stop_after), tokens)]
         tokens.close()
         assert got == plain[:stop_after]
         assert gen.n == len(prompt) + stop_after - 1
     # The generator goes on as plain decoding would from there.
-    got, _ = run(gen, prompt, 30, mode="self", gate="none", alternate_gap=1.0)
+    got, _ = run(gen, prompt, 30, mode="self", gate="always", alternate_gap=1.0)
     assert got == plain
 
 
@@ -293,9 +292,9 @@ def test_bad_requests_name_the_problem_and_leave_the_generator_usable(tree) -> N
     for spec, fragment in (
         (dict(mode="self", alternate_gap=0.0), r"in \(0, 1\]"),
         (dict(mode="self", alternate_gap=1.5), r"in \(0, 1\]"),
-        (dict(mode="prompt-lookup", alternate_gap=0.1), "--speculative self"),
-        (dict(mode="none", alternate_gap=0.1), "--speculative self"),
-        (dict(mode="pipeline", alternate_gap=0.1), "--speculative self"),
+        (dict(mode="prompt-lookup", alternate_gap=0.1), "speculative='self'"),
+        (dict(mode="none", alternate_gap=0.1), "speculative='self'"),
+        (dict(mode="pipeline", alternate_gap=0.1), "speculative='self'"),
         (dict(mode="self", alternate_gap=0.1, proposer=AlternateDraftProposer(0.1)), "not both"),
     ):
         with pytest.raises(RequestError, match=fragment):
@@ -303,11 +302,12 @@ def test_bad_requests_name_the_problem_and_leave_the_generator_usable(tree) -> N
     with pytest.raises(RequestError, match="greedy-only"):
         gen.rewind(0)
         list(
-            stream(
+            engine_stream(
                 gen,
                 prompt,
                 10,
-                spec=SpeculationConfig("self", alternate_gap=0.1),
+                mode="self",
+                alternate_gap=0.1,
                 sampling=SamplingParams(temperature=0.8, seed=1),
             )
         )
@@ -322,7 +322,9 @@ def test_cli_option_and_errors() -> None:
     art = str(artifact("ouro-r3", tree_verify=True))
     base = ["generate", art, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "12", "--json"]
     plain = CliRunner().invoke(main, base)
-    alt = CliRunner().invoke(main, base + ["--speculative", "self", "--gate", "none", "--alternate-gap", "1"])
+    alt = CliRunner().invoke(
+        main, base + ["--speculative", "self", "--gate", "always", "--alternate-gap", "1"]
+    )
     assert plain.exit_code == alt.exit_code == 0, alt.output
     import json
 
@@ -376,13 +378,13 @@ def test_demo_model_near_ties_and_forced_branches() -> None:
     for text in BENCH_PROMPTS[:3]:
         prompt = demo.encode(text)
         plain, _ = run(reference, prompt, 48)
-        got, stats = run(gen, prompt, 48, mode="self", gate="none", alternate_gap=0.3)
+        got, stats = run(gen, prompt, 48, mode="self", gate="always", alternate_gap=0.3)
         assert got == plain and stats.forks > 0
         assert_plain_kv(gen, reference)
         selected += stats.alternate_selected
         oracle = Oracle(prompt + plain, demo.config.vocab_size, False, True)
         got, stats = run(
-            gen, prompt, 48, mode="self", gate="none", proposer=oracle.proposer(), num_draft_tokens=2
+            gen, prompt, 48, mode="self", gate="always", proposer=oracle.proposer(), num_draft_tokens=2
         )
         assert got == plain and stats.alternate_selected == stats.forks > 0
         assert_plain_kv(gen, reference)

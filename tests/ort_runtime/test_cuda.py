@@ -137,7 +137,7 @@ def test_batch_invariant_rows_and_speculation_are_exact(dtype: str) -> None:
         plain = model.generate(prompt, 96).tokens
         for mode in ("prompt-lookup", "self", "pipeline"):
             assert model.generate(prompt, 96, speculative=mode).tokens == plain, (mode, prompt)
-            assert model.generate(prompt, 96, speculative=mode, gate="none").tokens == plain, (mode, prompt)
+            assert model.generate(prompt, 96, speculative=mode, gate="always").tokens == plain, (mode, prompt)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -181,7 +181,7 @@ def test_one_device_copy_of_the_weights_gives_the_same_bits(dtype: str, ops: str
     if ops == "loopcast":
         model = load(path, "cuda")
         plain = model.generate(prompt, 32, stop_ids=(), speculative="none").tokens
-        assert model.generate(prompt, 32, stop_ids=(), speculative="self", gate="none").tokens == plain
+        assert model.generate(prompt, 32, stop_ids=(), speculative="self", gate="always").tokens == plain
 
 
 def test_exact_device_allocations_hold_their_bytes() -> None:
@@ -216,7 +216,9 @@ def test_alternate_suffix_is_exact(dtype: str) -> None:
     discarded, fork miss) and the model's own near ties return plain greedy's tokens and leave its
     KV, bit for bit (the winning branch's KV moved on the device)."""
     from loopcast.ort_runtime.decoding.exactness import tree_rows_match
-    from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+    from loopcast.ort_runtime.decoding.speculate import GenerationStats
+
+    from tests.ort_runtime.stream_helpers import engine_stream
 
     from tests.ort_runtime.test_alternate import Oracle, assert_plain_kv
 
@@ -231,7 +233,7 @@ def test_alternate_suffix_is_exact(dtype: str) -> None:
     for prompt in DEMO_PROMPTS[:3]:
         ids = model.encode(prompt)
         gen, reference = model.new_generator(), model.new_generator()
-        plain = list(stream(reference, ids, 48))
+        plain = list(engine_stream(reference, ids, 48))
         for primary, alternate, continuation in (
             (False, True, True),
             (False, True, False),
@@ -242,14 +244,18 @@ def test_alternate_suffix_is_exact(dtype: str) -> None:
             stats = GenerationStats()
             proposer = Oracle(ids + plain, vocab, primary, alternate, continuation).proposer()
             got = list(
-                stream(
-                    gen, ids, 48, spec=SpeculationConfig("self", 2, "none", proposer=proposer), stats=stats
+                engine_stream(
+                    gen,
+                    ids,
+                    48,
+                    **dict(mode="self", num_draft_tokens=2, gate="always", proposer=proposer),
+                    stats=stats,
                 )
             )
             assert got == plain and stats.forks > 0, (dtype, prompt, primary, alternate)
             assert_plain_kv(gen, reference)
         for gap in (0.1, 1.0):
             assert (
-                model.generate(prompt, 96, speculative="self", alternate_gap=gap, gate="none").tokens
+                model.generate(prompt, 96, speculative="self", alternate_gap=gap, gate="always").tokens
                 == model.generate(prompt, 96).tokens
             ), (dtype, prompt, gap)

@@ -46,15 +46,15 @@ def test_device_schedule_is_the_host_schedule_cycle_for_cycle(name: str) -> None
     drafts = draft_reference(gen, sequence, len(prompt))
     for exit_depth in range(1, R):
         device, d_stats = run(
-            gen, prompt, 48, speculative="pipeline", gate="none", pipeline_exit=exit_depth, trace=True
+            gen, prompt, 48, speculative="pipeline", gate="always", pipeline_exit=exit_depth, trace=True
         )
-        calls = gen.step_counts[CYCLE_RUN]
+        calls = gen.clock.runs(CYCLE_RUN)
         host, h_stats = run(
             gen,
             prompt,
             48,
             speculative="pipeline",
-            gate="none",
+            gate="always",
             pipeline_exit=exit_depth,
             trace=True,
             device_lanes=False,
@@ -78,15 +78,15 @@ def test_demo_equals_plain_and_counts_every_cycle(demo) -> None:
     K = None
     for prompt in DEMO_PROMPTS[:6]:
         plain = demo.generate(prompt, 64)
-        for gate in ("none", "auto"):
+        for gate in ("always", "auto"):
             got = demo.generate(prompt, 64, speculative="pipeline", gate=gate)
             assert got.tokens == plain.tokens and got.finish_reason == plain.finish_reason, (prompt, gate)
         gen = demo.new_generator()
-        got, stats = run(gen, demo.encode(prompt), 64, speculative="pipeline", gate="none")
+        got, stats = run(gen, demo.encode(prompt), 64, speculative="pipeline", gate="always")
         K = gen.cycle_run.cycles
         # the first round (from plain decoding) cycle by cycle, every later one in runs
         R = demo.config.num_loops
-        assert gen.step_counts[CYCLE] == R and stats.cycles == K * gen.step_counts[CYCLE_RUN] + R
+        assert gen.clock.runs(CYCLE) == R and stats.cycles == K * gen.clock.runs(CYCLE_RUN) + R
         assert stats.core_calls_per_token == pytest.approx(stats.cycles / len(got), abs=1e-4)
     assert K is not None and K >= demo.config.num_loops
 
@@ -99,14 +99,14 @@ def test_eos_and_length_limit_inside_a_run(demo) -> None:
         eos = plain[i]
         want, want_stats = run(gen, prompt, 48, stop_ids=(eos,))
         n_after = gen.n
-        got, stats = run(gen, prompt, 48, stop_ids=(eos,), speculative="pipeline", gate="none")
+        got, stats = run(gen, prompt, 48, stop_ids=(eos,), speculative="pipeline", gate="always")
         assert got == want and stats.finish_reason == want_stats.finish_reason == "eos"
         assert gen.n == n_after
         # the rounds the run finished past the stop are dropped: plain decoding goes on exactly
         cont = list(demo.stream_ids([want[-1]], 12, stop_ids=(), generator=gen))
         assert want + cont == plain[: len(want) + 12]
     for limit in (1, 2, 5, 17):
-        got, stats = run(gen, prompt, limit, speculative="pipeline", gate="none")
+        got, stats = run(gen, prompt, limit, speculative="pipeline", gate="always")
         assert got == plain[:limit] and stats.finish_reason == "length"
         assert gen.n == len(prompt) + limit - 1
     assert run(gen, prompt, 48)[0] == plain
@@ -119,8 +119,8 @@ def test_kv_capacity_inside_a_run() -> None:
     prompt = [5, 9, 2, 11]
     plain, plain_stats = run(gen, prompt, 100)
     assert plain_stats.finish_reason == "length"
-    got, stats = run(gen, prompt, 100, speculative="pipeline", gate="none", trace=True)
-    assert got == plain and stats.finish_reason == "length" and gen.step_counts[CYCLE_RUN] > 0
+    got, stats = run(gen, prompt, 100, speculative="pipeline", gate="always", trace=True)
+    assert got == plain and stats.finish_reason == "length" and gen.clock.runs(CYCLE_RUN) > 0
     assert all(p < 24 for positions, _, _ in stats.pipeline_trace for p in positions)
 
 
@@ -130,5 +130,5 @@ def test_without_the_run_graph_lanes_go_one_cycle_per_call(demo) -> None:
     gen = model.new_generator()
     prompt = demo.encode("def add(a, b):\n")
     plain, _ = run(gen, prompt, 24)
-    got, stats = run(gen, prompt, 24, speculative="pipeline", gate="none")
-    assert got == plain and gen.step_counts[CYCLE] > 0 and not gen.has_kind(CYCLE_RUN)
+    got, stats = run(gen, prompt, 24, speculative="pipeline", gate="always")
+    assert got == plain and gen.clock.runs(CYCLE) > 0 and not gen.has_kind(CYCLE_RUN)

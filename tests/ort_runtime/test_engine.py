@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, SelfDraftProposer
-from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.decoding.speculate import GenerationStats
+
+from loopcast.ort_runtime.decoding.protocols import CostsBase, VerifierBase, VerifierCaps
+
+from tests.ort_runtime.stream_helpers import engine_stream
 
 from loopcast.errors import RequestError
 from loopcast.manifest import Manifest
@@ -52,7 +56,7 @@ def test_user_proposer_through_the_public_api(tiny) -> None:
     proposer = RecordingProposer(prompt + plain.tokens)
     gen = tiny.new_generator()
     out = tiny.generate(
-        prompt, 40, stop_ids=(), speculative="custom", proposer=proposer, gate="none", generator=gen
+        prompt, 40, stop_ids=(), speculative="custom", proposer=proposer, gate="always", generator=gen
     )
     assert out.tokens == plain.tokens and out.stats.exact_greedy
     assert out.stats.speculative == "custom" and out.stats.strategy == "verify"
@@ -99,7 +103,7 @@ def test_default_fp32_export_is_exact_on_the_cpu() -> None:
     assert manifest.op_set == "loopcast-attention" and manifest.exact_verify["cpu"]
 
 
-class Costs:
+class Costs(CostsBase):
     """Fixed step costs (decode 1, draft 0.3, verify_tail 0.9): the gate's decisions then do not
     depend on this machine's timing noise."""
 
@@ -122,10 +126,10 @@ def test_auto_gate_stands_down_and_bounds_its_probes_when_drafts_always_miss(tin
     prompt = [7, 1, 8, 2]
     plain = tiny.generate(prompt, 200, stop_ids=()).tokens
     vocab = tiny.config.vocab_size
-    spec = SpeculationConfig("self", proposer=SelfDraftProposer(lambda i, t: (t + 1) % vocab), costs=Costs())
+    spec = dict(mode="self", proposer=SelfDraftProposer(lambda i, t: (t + 1) % vocab), costs=Costs())
     stats = GenerationStats()
     gen = tiny.new_generator()
-    tokens = list(stream(gen, prompt, len(plain), spec=spec, stats=stats))
+    tokens = list(engine_stream(gen, prompt, len(plain), **spec, stats=stats))
     assert tokens == plain
     report = stats.gate_report
     assert stats.gate == "auto" and report["name"] == "cost" and report["chosen_by"] == "auto"
@@ -136,9 +140,9 @@ def test_auto_gate_stands_down_and_bounds_its_probes_when_drafts_always_miss(tin
     assert stats.steps["decode"] >= len(plain) - 20
 
 
-def _stood_down_self(tiny) -> SpeculationConfig:
+def _stood_down_self(tiny) -> dict:
     vocab = tiny.config.vocab_size
-    return SpeculationConfig("self", proposer=SelfDraftProposer(lambda i, t: (t + 1) % vocab), costs=Costs())
+    return dict(mode="self", proposer=SelfDraftProposer(lambda i, t: (t + 1) % vocab), costs=Costs())
 
 
 def test_stood_down_gate_runs_plain_streaks_that_stop_where_plain_decoding_stops(tiny, monkeypatch) -> None:
@@ -161,25 +165,25 @@ def test_stood_down_gate_runs_plain_streaks_that_stop_where_plain_decoding_stops
     plain = tiny.generate(prompt, 120, stop_ids=()).tokens
     gen = tiny.new_generator()
     stats = GenerationStats()
-    assert list(stream(gen, prompt, 120, spec=_stood_down_self(tiny), stats=stats)) == plain
+    assert list(engine_stream(gen, prompt, 120, **_stood_down_self(tiny), stats=stats)) == plain
     assert max(streaks) > 4 and stats.gate_report["steps_off"] >= 100
     # the gate is asked once per streak, not once per step
     assert len(streaks) + stats.gate_report["rounds_on"] < 60
     for stop in [t for i, t in enumerate(plain) if i > 20 and t not in plain[:i]][:8]:
         first = plain.index(stop)
         gen = tiny.new_generator()
-        out = list(stream(gen, prompt, 120, stop_ids=(stop,), spec=_stood_down_self(tiny)))
+        out = list(engine_stream(gen, prompt, 120, stop_ids=(stop,), **_stood_down_self(tiny)))
         assert out == plain[: first + 1] and gen.n == len(prompt) + first
     for budget in range(1, 40, 3):
         gen = tiny.new_generator()
-        assert list(stream(gen, prompt, budget, spec=_stood_down_self(tiny))) == plain[:budget]
+        assert list(engine_stream(gen, prompt, budget, **_stood_down_self(tiny))) == plain[:budget]
         assert gen.n == len(prompt) + budget - 1
         assert gen.run("decode", gen.n, tokens=[plain[budget - 1]]).next_ids[0] == plain[budget]
     # The KV capacity: a prompt that leaves room for fewer tokens than asked
     room = tiny.loaded.manifest.max_length - 60
     long_prompt = (prompt * 40)[:room]
     want = tiny.generate(long_prompt, 80, stop_ids=()).tokens
-    got = list(stream(tiny.new_generator(), long_prompt, 80, spec=_stood_down_self(tiny)))
+    got = list(engine_stream(tiny.new_generator(), long_prompt, 80, **_stood_down_self(tiny)))
     assert got == want and len(got) < 80
 
 
@@ -188,9 +192,9 @@ def test_auto_gate_engages_when_drafts_are_right(tiny) -> None:
     plain = tiny.generate(prompt, 60, stop_ids=()).tokens
     oracle = RecordingProposer(prompt + plain)
     oracle.propose = lambda context, k: (prompt + plain)[len(context) : len(context) + k]
-    spec = SpeculationConfig("custom", proposer=oracle, costs=Costs())
+    spec = dict(mode="custom", proposer=oracle, costs=Costs())
     stats = GenerationStats()
-    assert list(stream(tiny.new_generator(), prompt, 60, spec=spec, stats=stats)) == plain
+    assert list(engine_stream(tiny.new_generator(), prompt, 60, **spec, stats=stats)) == plain
     assert stats.accepted == stats.proposed and stats.tokens_per_round > 3
     assert stats.gate_report["reason"].startswith("engaged")
 
@@ -208,8 +212,8 @@ def test_auto_gate_prices_the_host_work_of_a_round(tiny) -> None:
     oracle = RecordingProposer(prompt + plain)
     oracle.propose = lambda context, k: (prompt + plain)[len(context) : len(context) + k]
     stats = GenerationStats()
-    spec = SpeculationConfig("custom", proposer=oracle, costs=HostBound())
-    assert list(stream(tiny.new_generator(), prompt, 60, spec=spec, stats=stats)) == plain
+    spec = dict(mode="custom", proposer=oracle, costs=HostBound())
+    assert list(engine_stream(tiny.new_generator(), prompt, 60, **spec, stats=stats)) == plain
     assert stats.gate_report["reason"].startswith("stood down"), stats.gate_report
     assert stats.rounds <= 8
 
@@ -228,13 +232,14 @@ def test_host_factor_follows_the_engine_round_timers(tiny) -> None:
     gen = tiny.new_generator()
     costs = StepCosts(gen, 0.3)
     assert costs.host_factor() == 1.0  # nothing measured yet
-    gen.timed_seconds["decode"], gen.timed_counts["decode"] = 1.0, 10  # decode 0.1 s
-    gen.timed_seconds[SPEC_ROUND], gen.timed_seconds[SPEC_ROUND_DEVICE] = 3.0, 2.0
-    gen.timed_counts[SPEC_ROUND], gen.timed_counts[SPEC_ROUND_CALLS] = 2, 10  # 0.1 s host per call
+    gen.clock.add("decode", 1.0, 10)  # decode 0.1 s
+    gen.clock.add(SPEC_ROUND, 3.0, 2)
+    gen.clock.add(SPEC_ROUND_DEVICE, 2.0, 0)
+    gen.clock.add(SPEC_ROUND_CALLS, 0.0, 10)  # 0.1 s host per call
     assert abs(costs.host_factor() - 1.5 / 2.0) < 1e-9  # plain priced with the same 0.1 s per call
-    gen.timed_seconds[DECODE_ROUND], gen.timed_counts[DECODE_ROUND] = 1.1, 10  # plain: 0.11 per 0.1 step
+    gen.clock.add(DECODE_ROUND, 1.1, 10)  # plain: 0.11 per 0.1 step
     assert abs(costs.host_factor() - 1.5 / 1.1) < 1e-9
-    tokens = list(stream(tiny.new_generator(), [4, 4, 6], 24, spec=SpeculationConfig("self", gate="auto")))
+    tokens = list(engine_stream(tiny.new_generator(), [4, 4, 6], 24, mode="self", gate="auto"))
     assert tokens == tiny.generate([4, 4, 6], 24, stop_ids=()).tokens
 
 
@@ -299,7 +304,7 @@ def test_probes_that_leave_the_gate_down_space_out_even_when_they_hit() -> None:
     doubles up to its cap instead of restarting at every hit."""
     from loopcast.ort_runtime.decoding.gates import CostGate
 
-    class Dear:
+    class Dear(VerifierBase):
         kinds = ("draft", "verify_tail")
 
         def round_cost(self, costs, k: int) -> float:
@@ -319,7 +324,7 @@ def test_probes_that_leave_the_gate_down_space_out_even_when_they_hit() -> None:
     assert len(probes) < 12
     # A continuous strategy (the pipeline: one draft per probe, α remembered over ~50) keeps
     # probing at the base wait while its probes hit.
-    Dear.continuous, Dear.alpha_decay = True, 0.98
+    Dear.caps = VerifierCaps(alpha_decay=0.98, persistent_lanes=True)
     gate, probes = CostGate(4, Costs(), Dear()), []
     for step in range(6000):
         if gate.engage(step):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.decoding.speculate import stream
+from tests.ort_runtime.stream_helpers import engine_stream
 
 from tests.artifacts import TINY, artifact, reference
 
@@ -75,23 +75,23 @@ def test_capacity_stops_with_length_and_state_stays_valid() -> None:
 def test_rewind_equals_fresh_run_from_prefix(demo) -> None:
     gen = demo.new_generator()
     prompt = demo.encode("def parse(text):\n    ")
-    first = list(stream(gen, prompt, 30))
+    first = list(engine_stream(gen, prompt, 30))
     keep = len(prompt) + 10
     gen.rewind(keep)
     assert gen.n == keep
-    again = list(stream(gen, [first[10]], 20))
-    fresh = list(stream(demo.new_generator(), prompt + first[:11], 20))
+    again = list(engine_stream(gen, [first[10]], 20))
+    fresh = list(engine_stream(demo.new_generator(), prompt + first[:11], 20))
     assert again == fresh
     assert again[:19] == first[11:30]
     gen.rewind(0)
     assert gen.n == 0
-    assert list(stream(gen, prompt, 30)) == first
+    assert list(engine_stream(gen, prompt, 30)) == first
 
 
 def test_no_allocation_per_token(demo) -> None:
     gen = demo.new_generator()
     before = [id(x) for x in gen.bound_objects()]
-    tokens = list(stream(gen, demo.encode("import re\n"), 100))
+    tokens = list(engine_stream(gen, demo.encode("import re\n"), 100))
     assert len(tokens) == 100
     after = [id(x) for x in gen.bound_objects()]
     assert before == after
@@ -100,10 +100,10 @@ def test_no_allocation_per_token(demo) -> None:
 
 def test_two_generators_interleaved_equal_alone(demo) -> None:
     a_ids, b_ids = demo.encode("class Node:\n"), demo.encode("def walk(tree):\n")
-    alone_a = list(stream(demo.new_generator(), a_ids, 40))
-    alone_b = list(stream(demo.new_generator(), b_ids, 40))
+    alone_a = list(engine_stream(demo.new_generator(), a_ids, 40))
+    alone_b = list(engine_stream(demo.new_generator(), b_ids, 40))
     ga, gb = demo.new_generator(), demo.new_generator()
-    sa, sb = stream(ga, a_ids, 40), stream(gb, b_ids, 40)
+    sa, sb = engine_stream(ga, a_ids, 40), engine_stream(gb, b_ids, 40)
     got_a, got_b = [], []
     for _ in range(40):
         got_a.append(next(sa))

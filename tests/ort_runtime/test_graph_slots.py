@@ -67,7 +67,7 @@ def test_counters_follow_warmup_capture_replay(demo) -> None:
     model = _as_captured(demo)
     gen = model.new_generator()
     out = model.generate(
-        PROMPT, 40, stop_ids=(), speculative="self", generator=gen, gate="none", allow_inexact=True
+        PROMPT, 40, stop_ids=(), speculative="self", generator=gen, gate="always", allow_inexact=True
     )
     slots = gen.graph_slots()
     assert set(slots) == set(HOT)
@@ -88,11 +88,11 @@ def test_each_generator_gets_its_own_graph_id_per_kind(demo) -> None:
 
 @pytest.mark.parametrize("mode", ["none", "self", "prompt-lookup"])
 def test_failed_capture_falls_back_to_eager_with_the_same_tokens(demo, mode: str) -> None:
-    plain = demo.generate(PROMPT, 48, stop_ids=(), speculative=mode, gate="none", allow_inexact=True)
+    plain = demo.generate(PROMPT, 48, stop_ids=(), speculative=mode, gate="always", allow_inexact=True)
     model = _as_captured(demo, failing=frozenset({DECODE, VERIFY_TAIL, VERIFY}))
     gen = model.new_generator()
     out = model.generate(
-        PROMPT, 48, stop_ids=(), speculative=mode, generator=gen, gate="none", allow_inexact=True
+        PROMPT, 48, stop_ids=(), speculative=mode, generator=gen, gate="always", allow_inexact=True
     )
     assert out.tokens == plain.tokens
     slots = gen.graph_slots()
@@ -119,4 +119,4 @@ def test_cost_measurements_skip_a_slots_first_run(demo) -> None:
     model = _as_captured(demo)
     gen = model.new_generator()
     model.generate(PROMPT, 12, stop_ids=(), generator=gen)
-    assert gen.step_counts[DECODE] == gen.timed_counts[DECODE] + 1
+    assert gen.clock.runs(DECODE) == gen.clock.steady(DECODE) + 1

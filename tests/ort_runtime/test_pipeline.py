@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.binding.generator import Generator
-from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.decoding.speculate import GenerationStats
+
+from tests.ort_runtime.stream_helpers import engine_stream, run_fresh
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DRAFT
@@ -32,11 +34,7 @@ def run(
     gen: Generator, prompt: list[int], n: int, *, stop_ids=(), **spec
 ) -> tuple[list[int], GenerationStats]:
     """A fresh generation on ``gen`` (rewound first); ``gen.n`` is left as the generation leaves it."""
-    gen.rewind(0)
-    stats = GenerationStats()
-    spec = {("mode" if k == "speculative" else k): v for k, v in spec.items()}
-    tokens = list(stream(gen, prompt, n, stop_ids=stop_ids, spec=SpeculationConfig(**spec), stats=stats))
-    return tokens, stats
+    return run_fresh(gen, prompt, n, stop_ids=stop_ids, **spec)
 
 
 def draft_reference(gen: Generator, sequence: list[int], prompt_len: int) -> dict[int, int]:
@@ -91,14 +89,14 @@ def test_tiny_ouro_every_exit_and_gate_equals_plain(name: str) -> None:
         sequence = prompt + plain
         drafts = draft_reference(gen, sequence, len(prompt))
         for exit_depth in range(1, R):
-            for gate in ("none", "auto"):
+            for gate in ("always", "auto"):
                 got, stats = run(
                     gen, prompt, 40, speculative="pipeline", gate=gate, pipeline_exit=exit_depth, trace=True
                 )
                 assert got == plain, (exit_depth, gate)
                 assert gen.n == len(sequence) - 1  # the last token is pending, as after plain decoding
                 gen.rewind(0)
-                if gate == "none":
+                if gate == "always":
                     trace = stats.pipeline_trace
                     assert (
                         check_cycles(
@@ -138,7 +136,7 @@ def test_forced_rejections_on_the_demo(demo, pattern: str) -> None:
     sequence = prompt + plain
     drafts = draft_reference(gen, sequence, len(prompt))
     hook = _oracle(sequence, PATTERNS[pattern], demo.config.vocab_size)
-    got, stats = run(gen, prompt, 64, speculative="pipeline", gate="none", draft_hook=hook, trace=True)
+    got, stats = run(gen, prompt, 64, speculative="pipeline", gate="always", draft_hook=hook, trace=True)
     assert got == plain
     R = demo.config.num_loops
     check_cycles(stats.pipeline_trace, sequence, len(prompt), R, 1, drafts)
@@ -162,12 +160,12 @@ def test_eos_and_length_limit_with_outstanding_lanes(demo) -> None:
     want, want_stats = run(gen, prompt, 48, stop_ids=(eos,))
     n_after = gen.n
     gen.rewind(0)
-    got, stats = run(gen, prompt, 48, stop_ids=(eos,), speculative="pipeline", gate="none", draft_hook=hook)
+    got, stats = run(gen, prompt, 48, stop_ids=(eos,), speculative="pipeline", gate="always", draft_hook=hook)
     assert got == want and stats.finish_reason == want_stats.finish_reason == "eos"
     assert gen.n == n_after and stats.discarded_lanes > 0
     gen.rewind(0)
     for limit in (1, 2, 5, 17):
-        got, stats = run(gen, prompt, limit, speculative="pipeline", gate="none", draft_hook=hook)
+        got, stats = run(gen, prompt, limit, speculative="pipeline", gate="always", draft_hook=hook)
         assert got == plain[:limit] and stats.finish_reason == "length"
         assert gen.n == len(prompt) + limit - 1
         gen.rewind(0)
@@ -184,7 +182,7 @@ def test_kv_capacity_with_outstanding_lanes(pattern: str) -> None:
     assert plain_stats.finish_reason == "length" and len(prompt) + len(plain) == 24 + 1
     gen.rewind(0)
     hook = _oracle(prompt + plain, PATTERNS[pattern], model.config.vocab_size)
-    got, stats = run(gen, prompt, 100, speculative="pipeline", gate="none", draft_hook=hook, trace=True)
+    got, stats = run(gen, prompt, 100, speculative="pipeline", gate="always", draft_hook=hook, trace=True)
     assert got == plain and stats.finish_reason == "length"
     assert all(p < 24 for positions, _, _ in stats.pipeline_trace for p in positions)
 
@@ -195,10 +193,10 @@ def test_demo_pipeline_equals_plain_with_its_own_drafts(demo) -> None:
     accepted = proposed = 0
     for prompt in DEMO_PROMPTS[:8]:
         plain = demo.generate(prompt, 64)
-        for gate in ("none", "auto"):
+        for gate in ("always", "auto"):
             got = demo.generate(prompt, 64, speculative="pipeline", gate=gate)
             assert got.tokens == plain.tokens and got.finish_reason == plain.finish_reason, (prompt, gate)
-            if gate == "none":
+            if gate == "always":
                 accepted += got.stats.accepted
                 proposed += got.stats.proposed
                 assert got.stats.core_calls_per_token < demo.config.num_loops

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from loopcast.ort_runtime import SamplingParams, load
 from loopcast.ort_runtime.decoding.greedy_accept import AcceptResult
-from loopcast.ort_runtime.decoding.sampled_decoding import SampledAcceptor, sampled_stream
+from loopcast.ort_runtime.decoding.acceptors import SampledAcceptor
+
+from tests.ort_runtime.stream_helpers import engine_stream
 from loopcast.ort_runtime.decoding.sampling import probabilities, sample
 from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
@@ -21,10 +23,10 @@ from tests.ort_runtime.test_sampling import chi_square
 
 MODES = ["none", "prompt-lookup", "self", "pipeline"]
 GATED = [
-    ("none", "none"),
-    ("prompt-lookup", "none"),
-    ("self", "none"),
-    ("pipeline", "none"),
+    ("none", "always"),
+    ("prompt-lookup", "always"),
+    ("self", "always"),
+    ("pipeline", "always"),
     ("prompt-lookup", "hit-density"),
     ("self", "hit-density"),
     ("pipeline", "hit-density"),
@@ -94,7 +96,7 @@ def test_bad_requests_are_refused(demo) -> None:
 def test_early_close_leaves_n_at_the_yielded_tokens(demo) -> None:
     gen = demo.new_generator()
     ids = demo.encode(DEMO_PROMPT)
-    it = sampled_stream(gen, ids, 40, sampling=SamplingParams(seed=3), mode="prompt-lookup")
+    it = engine_stream(gen, ids, 40, sampling=SamplingParams(seed=3), mode="prompt-lookup")
     got = [next(it) for _ in range(7)]
     it.close()
     assert gen.n == len(ids) + len(got) - 1
@@ -147,7 +149,7 @@ def exact_distribution(model, prompt: list[int]) -> dict[tuple[int, ...], float]
     return frontier
 
 
-def _draws(tiny, prompt, mode, acceptor_factory=None, gate="none"):
+def _draws(tiny, prompt, mode, acceptor_factory=None, gate="always"):
     gen = tiny.new_generator()
     out, stats = [], GenerationStats()
     for seed in range(TRIALS):
@@ -161,7 +163,7 @@ def _draws(tiny, prompt, mode, acceptor_factory=None, gate="none"):
         acceptor = acceptor_factory(sp) if acceptor_factory else None
         out.append(
             tuple(
-                sampled_stream(
+                engine_stream(
                     gen,
                     prompt,
                     HORIZON,
@@ -187,7 +189,7 @@ def test_speculative_modes_sample_plain_distribution(tiny, tiny_case, mode: str,
     # (the gate drops self-drafts after the first round misses; the random tiny model's depth-1
     # head, which drafts the pipeline's lanes, shares no top-3 token with the full depth, so its
     # drafts are all rejected here: test_top_k_1_sampling_equals_greedy_in_every_mode keeps some)
-    if mode in ("prompt-lookup", "self") and gate == "none":
+    if mode in ("prompt-lookup", "self") and gate == "always":
         assert stats.accepted > 0
 
 

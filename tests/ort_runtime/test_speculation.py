@@ -6,17 +6,21 @@ import numpy as np
 import pytest
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.decoding.proposers import SelfDraftProposer
-from loopcast.ort_runtime.decoding.speculate import GenerationStats, SpeculationConfig, stream
+from loopcast.ort_runtime.decoding.speculate import GenerationStats
+
+from loopcast.ort_runtime.decoding.protocols import CostsBase
+
+from tests.ort_runtime.stream_helpers import engine_stream
 
 from loopcast.errors import RequestError
 from tests.artifacts import TINY, artifact, require_exact_cpu_artifacts
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
 MODES = [
-    ("prompt-lookup", "none"),
+    ("prompt-lookup", "always"),
     ("prompt-lookup", "hit-density"),
     ("prompt-lookup", "cost"),
-    ("self", "none"),
+    ("self", "always"),
     ("self", "hit-density"),
     ("self", "cost"),
 ]
@@ -109,7 +113,13 @@ def test_adversarial_token_proposers(demo, kind: str, k: int) -> None:
     plain = demo.generate(prompt, 80, stop_ids=())
     oracle = Oracle(prompt, plain.tokens, WRONG[kind])
     spec = demo.generate(
-        prompt, 80, stop_ids=(), speculative="prompt-lookup", proposer=oracle, num_draft_tokens=k, gate="none"
+        prompt,
+        80,
+        stop_ids=(),
+        speculative="prompt-lookup",
+        proposer=oracle,
+        num_draft_tokens=k,
+        gate="always",
     )
     assert spec.tokens == plain.tokens
     if kind == "always-right":
@@ -137,7 +147,7 @@ def test_self_drafts_with_forced_rejections(demo, kind: str) -> None:
         speculative="self",
         num_draft_tokens=4,
         proposer=SelfDraftProposer(perturb),
-        gate="none",
+        gate="always",
     )
     assert spec.tokens == plain.tokens
     assert spec.stats.rounds >= 16
@@ -150,7 +160,7 @@ def test_draft_crossing_eos(demo) -> None:
     expected = plain.tokens[:6]
     oracle = Oracle(prompt, plain.tokens)
     spec = demo.generate(
-        prompt, 30, stop_ids=(eos,), speculative="prompt-lookup", proposer=oracle, gate="none"
+        prompt, 30, stop_ids=(eos,), speculative="prompt-lookup", proposer=oracle, gate="always"
     )
     want = demo.generate(prompt, 30, stop_ids=(eos,))
     assert spec.tokens == want.tokens == expected[: want.tokens.__len__()]
@@ -169,10 +179,10 @@ def test_draft_crossing_max_new_tokens(demo, limit: int) -> None:
         stop_ids=(),
         speculative="prompt-lookup",
         proposer=Oracle(prompt, plain.tokens),
-        gate="none",
+        gate="always",
     )
     assert spec.tokens == plain.tokens[:limit]
-    spec = demo.generate(prompt, limit, stop_ids=(), speculative="self", gate="none")
+    spec = demo.generate(prompt, limit, stop_ids=(), speculative="self", gate="always")
     assert spec.tokens == plain.tokens[:limit]
 
 
@@ -183,11 +193,11 @@ def test_draft_crossing_kv_capacity(mode: str) -> None:
     plain = model.generate(ids, 100, stop_ids=())
     assert len(plain.tokens) == 23 - len(ids) + 1
     proposer = Oracle(ids, plain.tokens + [1] * 10) if mode == "prompt-lookup" else None
-    spec = model.generate(ids, 100, stop_ids=(), speculative=mode, proposer=proposer, gate="none")
+    spec = model.generate(ids, 100, stop_ids=(), speculative=mode, proposer=proposer, gate="always")
     assert spec.tokens == plain.tokens and spec.finish_reason == "length"
 
 
-class FixedCosts:
+class FixedCosts(CostsBase):
     """Step costs as measured on CPU for the demo (verify W=5 ≈ 1.25× decode), fixed so the
     gate's decisions do not depend on this machine's timing noise."""
 
@@ -208,9 +218,9 @@ def test_gates_disengage_when_drafts_keep_missing(demo, gate: str, max_rounds: i
     prompt = demo.encode("def scan(tokens):\n")
     plain = demo.generate(prompt, 120, stop_ids=())
     oracle = Oracle(prompt, plain.tokens, WRONG["always-wrong"])
-    spec = SpeculationConfig("prompt-lookup", gate=gate, proposer=oracle, costs=FixedCosts())
+    spec = dict(mode="prompt-lookup", gate=gate, proposer=oracle, costs=FixedCosts())
     stats = GenerationStats()
-    tokens = list(stream(demo.new_generator(), prompt, 120, spec=spec, stats=stats))
+    tokens = list(engine_stream(demo.new_generator(), prompt, 120, **spec, stats=stats))
     assert tokens == plain.tokens
     assert stats.rounds <= max_rounds, stats.rounds  # learns within a few rounds, then rare probes
     if gate == "cost":
@@ -218,12 +228,13 @@ def test_gates_disengage_when_drafts_keep_missing(demo, gate: str, max_rounds: i
 
 
 def test_bad_speculation_requests(demo) -> None:
-    with pytest.raises(RequestError, match="num-draft-tokens"):
+    # Library errors name the parameter (the CLI maps it to its flag).
+    with pytest.raises(RequestError, match="num_draft_tokens must be in 1..4"):
         demo.generate("x", 5, speculative="self", num_draft_tokens=5)
-    with pytest.raises(RequestError, match="speculative mode"):
+    with pytest.raises(RequestError, match="speculative must be one of"):
         demo.generate("x", 5, speculative="medusa")
-    with pytest.raises(RequestError, match="gate"):
-        demo.generate("x", 5, speculative="self", gate="always")
+    with pytest.raises(RequestError, match="gate must be one of"):
+        demo.generate("x", 5, speculative="self", gate="sometimes")
     llama = load(artifact("llama-tied-gqa"))
     with pytest.raises(RequestError, match="verify_tail"):
         llama.generate([1, 2], 5, speculative="self")
