@@ -1,0 +1,4 @@
+"""The server tests' helpers: a real uvicorn server on a free loopback port (serve/launch.py)."""
+
+from loopcast.serve.launch import background_server as running_server  # noqa: F401
+from loopcast.serve.launch import free_port  # noqa: F401
