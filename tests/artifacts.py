@@ -28,7 +28,9 @@ def scratch_root() -> Path:
     try:
         return Path(os.environ[SCRATCH_ENV])
     except KeyError:
-        raise RuntimeError(f"${SCRATCH_ENV} unset: tests/conftest.py's isolation fixture did not run") from None
+        raise RuntimeError(
+            f"${SCRATCH_ENV} unset: tests/conftest.py's isolation fixture did not run"
+        ) from None
 
 
 @cache
@@ -73,7 +75,10 @@ def _artifact(
     tree_verify: bool = False,
 ) -> Path:
     source = "demo" if name == "demo" else checkpoint(name)
-    out = scratch_root() / f"art-{name}-{dtype}-{verify_width}-{draft_depth}-{max_length}-{int(batch_invariant)}-{ops}"
+    out = (
+        scratch_root()
+        / f"art-{name}-{dtype}-{verify_width}-{draft_depth}-{max_length}-{int(batch_invariant)}-{ops}"
+    )
     out = out.with_name(out.name + (f"-b{max_batch}" if max_batch else "") + ("-tree" if tree_verify else ""))
     export_checkpoint(
         source,

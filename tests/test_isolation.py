@@ -19,7 +19,12 @@ def _inside(path: Path, root: Path) -> bool:
 
 def test_user_dirs_point_into_the_session_temp_dir(isolation) -> None:
     assert isolation.home != isolation.real_home
-    for path in (Path.home(), Path(os.environ["LOOPCAST_CACHE"]), registry_path(), Path(tempfile.gettempdir())):
+    for path in (
+        Path.home(),
+        Path(os.environ["LOOPCAST_CACHE"]),
+        registry_path(),
+        Path(tempfile.gettempdir()),
+    ):
         assert _inside(path, isolation.root), path
         assert not _inside(path, isolation.real_home), path
     assert not _inside(os.environ["RAY_TMPDIR"], isolation.real_home)

@@ -16,7 +16,9 @@ _OURO, _LLAMA = PRESETS["tiny-ouro"], PRESETS["tiny-llama"]
 TINY_MODELS: dict[str, ModelConfig] = {
     "ouro-r3": _OURO,
     "ouro-r2-gqa": _OURO.replace(num_loops=2, num_kv_heads=2, vocab_size=89),
-    "ouro-r2-gqa-v100": _OURO.replace(num_loops=2, num_kv_heads=2, vocab_size=100, max_position_embeddings=64),
+    "ouro-r2-gqa-v100": _OURO.replace(
+        num_loops=2, num_kv_heads=2, vocab_size=100, max_position_embeddings=64
+    ),
     "ouro-r4-1layer": _OURO.replace(num_loops=4, num_layers=1, max_position_embeddings=64),
     "ouro-r4-1layer-mqa": _OURO.replace(
         num_loops=4, num_layers=1, num_kv_heads=1, vocab_size=89, max_position_embeddings=96

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from tests.custom_ops import fused_reference  # numpy and torch only
+from tests.custom_ops import fused_reference  # noqa: E402  (after the module-level CUDA skip)
 
 try:  # the CPU op as a second reference, when onnxruntime (and onnx, ml_dtypes) are there
     from tests.custom_ops.ops_models import (

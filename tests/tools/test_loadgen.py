@@ -12,6 +12,7 @@ from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
 def test_loadgen_small(tmp_path):
     require_exact_cpu_artifacts()
     path = artifact("ouro-r3", max_batch=4)

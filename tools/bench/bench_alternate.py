@@ -149,8 +149,8 @@ def main() -> None:
             }
         )
     print(
-        "| config | gate | tok/s | vs self k=4 | vs plain | rounds | tok/round | fork rate | forks | selected "
-        "| gained | misses | skipped |"
+        "| config | gate | tok/s | vs self k=4 | vs plain | rounds | tok/round | fork rate | forks "
+        "| selected | gained | misses | skipped |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

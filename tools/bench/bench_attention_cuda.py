@@ -8,7 +8,8 @@ rotary + KV-cache write; SDPA is attention only (no rotary, no cache write, no c
 the S new rows: the same positions read). Also checks, on every shape, that the S-row call gives
 the bits of S one-row calls, and that graph replays give the eager bits.
 
-    python3 -m tools.bench.bench_attention_cuda --lib new=custom_ops/build/libloopcast_ops.so [--lib old=...] [--out DIR]
+    python3 -m tools.bench.bench_attention_cuda --lib new=custom_ops/build/libloopcast_ops.so \
+        [--lib old=...] [--out DIR]
 """
 
 from __future__ import annotations

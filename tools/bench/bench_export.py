@@ -1,8 +1,10 @@
 """Export time against a plain copy of the checkpoint's weights, measured side by side.
 
-    python -m tools.bench.bench_export CHECKPOINT [--repeats 5] [--work /tmp/bench-export] [-- EXPORT OPTIONS...]
+    python -m tools.bench.bench_export CHECKPOINT [--repeats 5] [--work /tmp/bench-export] \
+        [-- EXPORT OPTIONS...]
     python -m tools.bench.bench_export --preset smollm-135m            (writes a random checkpoint first)
-    python -m tools.bench.bench_export --preset smollm-135m --genai-python /work/venv/bin/python   (+ ORT-GenAI's builder)
+    python -m tools.bench.bench_export --preset smollm-135m --genai-python /work/venv/bin/python
+        (+ ORT-GenAI's builder)
 
 Each repeat runs, in alternating order so that drift in a shared machine hits both alike:
 ``cp`` of every ``*.safetensors`` file of the checkpoint into a fresh directory, and

@@ -5,7 +5,8 @@ Each timing replays a captured CUDA graph of many calls that cycle through enoug
 buffers (>= 8x the 50 MB L2) that every call reads its weight from HBM. Also checks, on the real
 shapes, that rows are bit-identical whatever M (M = 32 and M = 5 against M = 1 row by row).
 
-    python3 -m tools.bench.bench_matmul_cuda --lib new=custom_ops/build/libloopcast_ops.so [--lib old=...] [--out DIR]
+    python3 -m tools.bench.bench_matmul_cuda --lib new=custom_ops/build/libloopcast_ops.so \
+        [--lib old=...] [--out DIR]
         [--ms 1,5,16] [--variant nostage:LOOPCAST_SWIGLU_STAGE=0]
 
 The calls of one graph run back to back, as a decode step's kernels do, so a library that
@@ -139,7 +140,8 @@ def main() -> None:
                     )
                     if not ok or err > 2e-2:
                         print(
-                            f"!! {name} {dname} [{K},{N}] tb={tb} swiglu={sw}: identical={ok} rel_err={err:.2e}",
+                            f"!! {name} {dname} [{K},{N}] tb={tb} swiglu={sw}: "
+                            f"identical={ok} rel_err={err:.2e}",
                             flush=True,
                         )
                 for M in (int(m) for m in args.ms.split(",")):
@@ -172,7 +174,8 @@ def main() -> None:
                         for k in [*(c[0] for c in columns), "cublas"]
                     )
                     print(
-                        f"{dname:8s} [{K:5d},{N:5d}]{' swiglu' if sw else '       '} tb={tb} M={M:2d}  {cells}",
+                        f"{dname:8s} [{K:5d},{N:5d}]{' swiglu' if sw else '       '} "
+                        f"tb={tb} M={M:2d}  {cells}",
                         flush=True,
                     )
         del pool

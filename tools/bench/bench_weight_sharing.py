@@ -38,7 +38,8 @@ from loopcast.ort_runtime.loading.artifact import open_artifact
 from loopcast.ort_runtime.decoding.exactness import decode_rows
 from loopcast.ort_runtime.binding.generator import Generator
 path, device, mode = sys.argv[1:4]
-kw = {"separate": {"share_sessions": False, "defer_sessions": False}, "share_weights": {"share_weights": True},
+kw = {"separate": {"share_sessions": False, "defer_sessions": False},
+      "share_weights": {"share_weights": True},
       "per_session": {"shared_initializers": False}, "eager": {"defer_sessions": False},
       "verify_own": {"share_sessions": ("decode",), "defer_sessions": False}}.get(mode, {})
 if mode.startswith("kinds="):
@@ -57,7 +58,9 @@ if mode == "baseline":
         ort.preload_dlls()
     model = helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
     s = ort.InferenceSession(model.SerializeToString(),
-                             providers=["CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"])
+                             providers=[
+                                 "CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"
+                             ])
     s.run(None, {"x": np.zeros(1, np.float32)})
 else:
     t0 = time.perf_counter()
@@ -83,8 +86,10 @@ if mode != "baseline" and ("kinds" not in kw or "verify" in model.sessions):
     out["exact_rows"] = all(np.array_equal(v.logits[i], rows[i]) for i in range(width))
     out["decode_ms"] = round(1000 * np.median(gen.step_seconds["decode"] / gen.step_counts["decode"]), 2)
     out["verify_ms"] = round(1000 * gen.step_seconds["verify"] / gen.step_counts["verify"], 2)
-status = {l.split(":")[0]: int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith(("VmHWM", "VmRSS"))}
-smaps = {l.split(":")[0]: int(l.split()[1]) // 1024 for l in open("/proc/self/smaps_rollup") if ":" in l and l.split()[1].isdigit()}
+status = {l.split(":")[0]: int(l.split()[1]) // 1024
+          for l in open("/proc/self/status") if l.startswith(("VmHWM", "VmRSS"))}
+smaps = {l.split(":")[0]: int(l.split()[1]) // 1024
+         for l in open("/proc/self/smaps_rollup") if ":" in l and l.split()[1].isdigit()}
 out.update(peak_rss_mib=status["VmHWM"], rss_mib=status["VmRSS"], pss_mib=smaps["Pss"],
            private_mib=smaps["Private_Clean"] + smaps["Private_Dirty"])
 if device == "cuda":
@@ -184,9 +189,10 @@ def main() -> None:
             + " | ".join(cells)
             + " |"
         )
-    med = lambda artifact, mode, key: statistics.median(
-        r[key] for r in runs.get((artifact, mode), [{key: float("nan")}])
-    )
+
+    def med(artifact, mode, key):
+        return statistics.median(r[key] for r in runs.get((artifact, mode), [{key: float("nan")}]))
+
     for artifact in args.artifacts:
         if (artifact, "default") not in runs or (artifact, "baseline") not in runs:
             continue
@@ -205,7 +211,8 @@ def main() -> None:
         if (artifact, "speculative") in runs:
             spec = med(artifact, "speculative", used_key)
             print(
-                f"  after a speculative generation opened its kinds: {spec:g} MiB, {spec / budget:.2f} of the budget"
+                f"  after a speculative generation opened its kinds: {spec:g} MiB, "
+                f"{spec / budget:.2f} of the budget"
             )
     if args.json:
         with open(args.json, "w") as f:

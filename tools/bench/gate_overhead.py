@@ -73,7 +73,10 @@ def main() -> None:
             rows[name].append(dict(acc[name]))
     report = {}
     for name, passes in rows.items():
-        per = lambda key: statistics.median(1e6 * r[key] / r["tokens"] for r in passes)  # noqa: E731
+
+        def per(key, passes=passes):
+            return statistics.median(1e6 * r[key] / r["tokens"] for r in passes)
+
         report[name] = {
             "ratio": statistics.median(
                 p0["tokens"] / p0["wall"] / (pl["tokens"] / pl["wall"])
@@ -90,7 +93,8 @@ def main() -> None:
             "probes": statistics.median(r["probes"] for r in passes),
         }
     print(
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} {args.device} {path}: {len(prompts)} prompts x "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} {args.device} {path}: "
+        f"{len(prompts)} prompts x "
         f"{args.new_tokens} tokens, {args.passes} interleaved passes (medians), per token in us"
     )
     print(

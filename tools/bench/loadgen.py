@@ -8,9 +8,9 @@ CUDA) on the same prompts, and reports aggregate tokens/s, per-token latency (th
 a request's consecutive tokens) p50/p99, time to first token p50/p99, and whether the two modes
 produced the same greedy tokens for every request.
 
-    python -m tools.bench.loadgen ART --concurrency 1,4,16,64                    # an artifact with --max-batch
+    python -m tools.bench.loadgen ART --concurrency 1,4,16,64        # an artifact with --max-batch
     python -m tools.bench.loadgen preset:ouro-1.4b --device cuda --dtype fp16 --max-batch 64 --out r.json
-    python -m tools.bench.loadgen ART --via http                                 # through loopcast serve's app
+    python -m tools.bench.loadgen ART --via http                     # through loopcast serve's app
 
 ``--via engine`` (default) drives the engines in-process; ``--via http`` starts the FastAPI app
 on 127.0.0.1 (a free port, nothing else is ever contacted) and streams through it, timing SSE
@@ -73,7 +73,8 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def run_level(submit, work: list[list[int]], clients: int, max_tokens: int, time_limit: float) -> dict:
-    """C closed-loop clients over ``work``; ``submit(ids, max_tokens) -> (tokens, submit_time, token_times)``."""
+    """C closed-loop clients over ``work``;
+    ``submit(ids, max_tokens) -> (tokens, submit_time, token_times)``."""
     lock, next_index = threading.Lock(), [0]
     results: dict[int, tuple] = {}
     start = time.perf_counter()
@@ -240,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                     level["captured"] = sorted(engine.gen.captured)
                     level["graph_fallbacks"] = dict(engine.gen.graph_fallbacks)
                 print(
-                    f"{mode:<10} C={clients:<3} {level['requests']:>4} req {level['tokens_per_s']:8.1f} tok/s  "
+                    f"{mode:<10} C={clients:<3} {level['requests']:>4} req "
+                    f"{level['tokens_per_s']:8.1f} tok/s  "
                     f"token p50 {level['token_latency_ms_p50'] or 0:7.1f} ms "
                     f"p99 {level['token_latency_ms_p99'] or 0:7.1f} ms  "
                     f"ttft p50 {level['ttft_ms_p50'] or 0:7.1f} ms",

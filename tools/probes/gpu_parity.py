@@ -79,10 +79,13 @@ def main() -> None:
                 "max_abs_logit_diff_vs_fp32_first_step": worst_first_step,
                 "rows": rows,
             }
+            divergences = [
+                (r["first_divergence"], round(r["reference_margin"], 4)) for r in rows if not r["identical"]
+            ]
             print(
                 f"{dtype}/{variant}: {same}/{len(rows)} prompts identical to the torch {dtype} reference; "
                 f"first-step max |logit - fp32| {worst_first_step:.4f}; divergences "
-                f"{[(r['first_divergence'], round(r['reference_margin'], 4)) for r in rows if not r['identical']]}",
+                f"{divergences}",
                 flush=True,
             )
             del model

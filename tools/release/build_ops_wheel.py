@@ -38,7 +38,10 @@ INIT = '"""Prebuilt loopcast custom-op library (data only): libloopcast_ops.so a
 def fetch_headers() -> Path:
     out = (
         subprocess.run(
-            [str(ROOT / "tools" / "release" / "fetch_ort_headers.sh")], check=True, capture_output=True, text=True
+            [str(ROOT / "tools" / "release" / "fetch_ort_headers.sh")],
+            check=True,
+            capture_output=True,
+            text=True,
         )
         .stdout.strip()
         .splitlines()[-1]
