@@ -10,10 +10,10 @@ import sys
 import pytest
 from click.testing import CliRunner
 from loopcast.cli import _parse_ids, main
-from tests.test_cli_foundation import _console_script, assert_one_error_line
 
 from loopcast.errors import RequestError
 from tests.artifacts import artifact
+from tests.cli.test_cli_foundation import _console_script, assert_one_error_line
 
 
 def invoke(*args):

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.ort_runtime import load
-from tests.test_cli_foundation import assert_one_error_line
 
 from loopcast.errors import ExportError
 from loopcast.swap import Staging, recover
 from tests.artifacts import checkpoint
+from tests.cli.test_cli_foundation import assert_one_error_line
 
 
 def _export_cli(ckpt: Path, out: Path, *extra: str, env: dict | None = None, preexec=None, cwd=None):
