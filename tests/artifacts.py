@@ -1,8 +1,12 @@
-"""Cached tiny checkpoints and exported artifacts shared by the exporter and runtime tests."""
+"""Cached tiny checkpoints and exported artifacts shared by the exporter and runtime tests.
+
+They are written once per test session under ``scratch_root()``, a directory in pytest's
+session temp dir that tests/conftest.py's isolation fixture names (``$LOOPCAST_TEST_SCRATCH``).
+"""
 
 from __future__ import annotations
 
-import tempfile
+import os
 from functools import cache
 from pathlib import Path
 
@@ -11,22 +15,29 @@ from loopcast.exporter.checkpoint import load_checkpoint
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.exporter.random_checkpoint import write_random_checkpoint
 
-from loopcast.config import PRESETS, ModelConfig
+from loopcast.config import ModelConfig
+from tests.tiny_models import ARTIFACT_CHECKPOINT_STD, ARTIFACT_MODELS, TINY_MODELS
 
-# Random weights with std 0.02 give near-uniform logits; 0.15 keeps argmax margins clear.
-TINY = {
-    "ouro-r3": PRESETS["tiny-ouro"],
-    "ouro-r2-gqa": PRESETS["tiny-ouro"].replace(num_loops=2, num_kv_heads=2, vocab_size=89),
-    "ouro-r4-1layer": PRESETS["tiny-ouro"].replace(num_loops=4, num_layers=1, max_position_embeddings=64),
-    "llama-tied-gqa": PRESETS["tiny-llama"],
-    "llama-untied": PRESETS["tiny-llama"].replace(tie_word_embeddings=False, num_kv_heads=4),
-}
-_ROOT = Path(tempfile.mkdtemp(prefix="loopcast-tests-"))
+# The shapes a test "over every tiny artifact" runs on (any name of TINY_MODELS exports).
+TINY = {name: TINY_MODELS[name] for name in ARTIFACT_MODELS}
+SCRATCH_ENV = "LOOPCAST_TEST_SCRATCH"
+
+
+def scratch_root() -> Path:
+    """The session's directory for cached test files (set by tests/conftest.py)."""
+    try:
+        return Path(os.environ[SCRATCH_ENV])
+    except KeyError:
+        raise RuntimeError(
+            f"${SCRATCH_ENV} unset: tests/conftest.py's isolation fixture did not run"
+        ) from None
 
 
 @cache
 def checkpoint(name: str, seed: int = 0) -> Path:
-    return write_random_checkpoint(TINY[name], _ROOT / f"ckpt-{name}-{seed}", seed=seed, std=0.15)
+    return write_random_checkpoint(
+        TINY_MODELS[name], scratch_root() / f"ckpt-{name}-{seed}", seed=seed, std=ARTIFACT_CHECKPOINT_STD
+    )
 
 
 @cache
@@ -64,7 +75,10 @@ def _artifact(
     tree_verify: bool = False,
 ) -> Path:
     source = "demo" if name == "demo" else checkpoint(name)
-    out = _ROOT / f"art-{name}-{dtype}-{verify_width}-{draft_depth}-{max_length}-{int(batch_invariant)}-{ops}"
+    out = (
+        scratch_root()
+        / f"art-{name}-{dtype}-{verify_width}-{draft_depth}-{max_length}-{int(batch_invariant)}-{ops}"
+    )
     out = out.with_name(out.name + (f"-b{max_batch}" if max_batch else "") + ("-tree" if tree_verify else ""))
     export_checkpoint(
         source,

@@ -1,52 +1,87 @@
-"""Shared fixtures: a handful of tiny model shapes and cached random-weight checkpoints.
+"""Shared fixtures: the suite's isolation from the user's files, the tiny model shapes
+(tests/tiny_models.py) and cached random-weight checkpoints.
 
 Keep this file small: fixtures that only one part of the suite needs live in that part's own
-conftest (tests/ort_runtime/conftest.py, ...).
+conftest (tests/custom_ops/conftest.py, ...).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from loopcast.exporter.random_checkpoint import write_random_checkpoint
 
-from loopcast.config import PRESETS, ModelConfig
+from loopcast.config import ModelConfig
+from tests.artifacts import SCRATCH_ENV
+from tests.tiny_models import FIXTURE_MODELS, TEST_CHECKPOINT_STD, TINY_MODELS
 
-# head_dim stays 16 (the ONNX exporter needs a multiple of 16), hidden 64, vocab ~100.
-TINY_CONFIGS: dict[str, ModelConfig] = {
-    "ouro-r3": PRESETS["tiny-ouro"],
-    "ouro-r2-gqa": PRESETS["tiny-ouro"].replace(
-        num_loops=2, num_kv_heads=2, vocab_size=100, max_position_embeddings=64
-    ),
-    "ouro-r4-1layer": PRESETS["tiny-ouro"].replace(
-        num_loops=4, num_layers=1, num_kv_heads=1, vocab_size=89, max_position_embeddings=96
-    ),
-    "llama-tied": PRESETS["tiny-llama"],
-    "llama-untied-gqa": PRESETS["tiny-llama"].replace(
-        tie_word_embeddings=False, num_kv_heads=1, vocab_size=96, max_position_embeddings=64
-    ),
-}
 
-# Init std of the test checkpoints. 0.02 (the training init) gives near-uniform logits whose
-# top-1/top-2 gap falls to ~5e-4; 0.1 keeps logits finite and |logit| < 4, and over 20-token
-# generations the smallest gap stays >= 7e-4 while fp32 cached-vs-recompute noise stays <= 4e-6
-# (at 0.2 the noise reaches 3e-5: sandwich norms amplify fp32 rounding of large activations).
-TEST_CHECKPOINT_STD = 0.1
+@dataclass(frozen=True)
+class Isolation:
+    """Where this session's user files go, and the user's own that it must not touch."""
+
+    root: Path  # pytest's session temp dir (basetemp): removed after a passing run
+    home: Path
+    cache: Path  # $LOOPCAST_CACHE: op-library builds, the trusted-ops registry, the demo artifact
+    real_home: Path
+    real_cache: Path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolation(tmp_path_factory) -> Isolation:
+    """HOME (and the XDG dirs, ~/.ray/auth_token, ~/.cache/huggingface, ...), the loopcast
+    cache with its trusted-ops registry, the temp dir and Ray's temp dir point into pytest's
+    session temp dir for the whole run, subprocesses included. The loopcast cache is one per
+    session, so the custom-op library is built once per run and shared by every export."""
+    real_home = Path.home()
+    real_cache = Path(os.environ.get("LOOPCAST_CACHE", real_home / ".cache" / "loopcast"))
+    root = tmp_path_factory.getbasetemp()
+    home = tmp_path_factory.mktemp("home", numbered=False)
+    cache = home / ".cache" / "loopcast"
+    tmp = tmp_path_factory.mktemp("tmp", numbered=False)
+    # Ray's unix sockets live under its temp dir and their paths may not exceed 107 bytes: a
+    # short directory of its own, removed at the end of the session.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="lc-ray-"))
+    env = {
+        "HOME": home,
+        "XDG_CACHE_HOME": home / ".cache",
+        "XDG_CONFIG_HOME": home / ".config",
+        "XDG_DATA_HOME": home / ".local" / "share",
+        "LOOPCAST_CACHE": cache,
+        "TMPDIR": tmp,
+        "RAY_TMPDIR": ray_tmp,
+        SCRATCH_ENV: tmp_path_factory.mktemp("artifacts", numbered=False),
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, str(value))
+        mp.delenv("HF_HOME", raising=False)
+        mp.delenv("HF_HUB_CACHE", raising=False)
+        mp.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+        try:
+            yield Isolation(root, home, cache, real_home, real_cache)
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_configs() -> list[ModelConfig]:
-    """All tiny shapes: Ouro R=3 / R=2 GQA / R=4 one layer, Llama tied / untied GQA."""
-    return list(TINY_CONFIGS.values())
+    """The fixture shapes: Ouro R=3 / R=2 GQA / R=4 one layer, Llama tied / untied GQA."""
+    return [TINY_MODELS[name] for name in FIXTURE_MODELS]
 
 
-@pytest.fixture(scope="session", params=list(TINY_CONFIGS))
+@pytest.fixture(scope="session", params=list(FIXTURE_MODELS))
 def tiny_config(request) -> ModelConfig:
-    """Parametrizes a test over every tiny shape (id = its name). A test can narrow the set:
-    ``@pytest.mark.parametrize("tiny_config", ["ouro-r3", "llama-tied"], indirect=True)``."""
-    return TINY_CONFIGS[request.param]
+    """Parametrizes a test over every fixture shape (id = its name in tests/tiny_models.py). A
+    test can narrow the set (to any registry name):
+    ``@pytest.mark.parametrize("tiny_config", ["ouro-r3", "llama-tied-gqa"], indirect=True)``."""
+    return TINY_MODELS[request.param]
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The `loopcast` custom-op library: BatchInvariantMatMul (B[K, N] and trans_b B[N, K]) against\nnumpy, row invariance, CPU-only and CUDA builds, and loading from Python and from the C example."""
+"""The `loopcast` custom-op library: BatchInvariantMatMul (B[K, N] and trans_b B[N, K]) against
+numpy, row invariance, CPU-only and CUDA builds, and loading from Python and from the C example."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ tensors (no onnxruntime-gpu needed): against a torch reference (float64 for matm
 the ops' own roundings for ResidualRMSNorm and SwiGLU) and the CPU op of the same library when
 onnxruntime is importable, and row invariance: every row of an S-row call is bit-identical to the
 same row computed by S one-row calls. The ORT-level CUDA checks are
-tests/ort_runtime/test_cuda.py; tools/bench_matmul_cuda.py and tools/bench_attention_cuda.py time
+tests/ort_runtime/test_cuda.py; tools/bench/bench_matmul_cuda.py and tools/bench/bench_attention_cuda.py time
 the kernels.
 
 Runs on a GPU machine without onnxruntime or the editable install: set LOOPCAST_OPS_LIB to a built
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from tests.custom_ops import fused_reference  # numpy and torch only
+from tests.custom_ops import fused_reference  # noqa: E402  (after the module-level CUDA skip)
 
 try:  # the CPU op as a second reference, when onnxruntime (and onnx, ml_dtypes) are there
     from tests.custom_ops.ops_models import (

@@ -1,4 +1,4 @@
-"""The prebuilt library: tools/build_ops_wheel.py makes an installable wheel, exports use its
+"""The prebuilt library: tools/release/build_ops_wheel.py makes an installable wheel, exports use its
 library when it matches the kernel sources, and fall back to a local build, announced on
 stderr, when it does not. CPU kernels only (the CUDA wheel is built on release, see
 docs/install.md); each export runs in a fresh interpreter
@@ -40,7 +40,7 @@ def installed_wheel(tmp_path_factory) -> Path:
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tools" / "build_ops_wheel.py"),
+            str(ROOT / "tools" / "release" / "build_ops_wheel.py"),
             "--no-cuda",
             "--out",
             str(tmp / "dist"),

@@ -21,7 +21,7 @@ from loopcast.ort_runtime import load
 from loopcast.errors import ExportError
 from loopcast.swap import Staging, recover
 from tests.artifacts import checkpoint
-from tests.test_cli_foundation import assert_one_error_line
+from tests.cli.test_cli_foundation import assert_one_error_line
 
 
 def _export_cli(ckpt: Path, out: Path, *extra: str, env: dict | None = None, preexec=None, cwd=None):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from loopcast.ort_runtime.loading.artifact import open_artifact  # noqa: E402
 
 from loopcast.config import load_config  # noqa: E402
 from loopcast.errors import ExportError  # noqa: E402
+from tests.artifacts import scratch_root  # noqa: E402
 
 ATOL = RTOL = 1e-4
 SHAPE = dict(
@@ -42,7 +42,6 @@ SHAPE = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-_ROOT = Path(tempfile.mkdtemp(prefix="loopcast-hf-"))
 
 # name -> (transformers config class name, config kwargs). Positions reach 40, so every scaled
 # band of llama3/yarn (original context 32) is exercised.
@@ -123,7 +122,7 @@ def hf_checkpoint(name: str) -> Path:
     model_class = getattr(transformers, class_name.replace("Config", "ForCausalLM"))
     model = model_class(config)
     _randomize(model)
-    path = _ROOT / name
+    path = scratch_root() / "hf" / name
     model.save_pretrained(path)
     return path
 
@@ -136,7 +135,7 @@ def hf_model(name: str):
 
 @cache
 def exported(name: str) -> Path:
-    out = _ROOT / f"{name}-artifact"
+    out = scratch_root() / "hf" / f"{name}-artifact"
     export_checkpoint(hf_checkpoint(name), out, ExportOptions(max_length=64, verify_width=4))
     return out
 
@@ -232,7 +231,7 @@ def test_old_format_config_reads_the_same() -> None:
     """transformers 4 spelling (rope_theta + rope_scaling with ``type``, torch_dtype) of the
     llama3 checkpoint gives the same config."""
     new = hf_checkpoint("llama-llama3")
-    old = _ROOT / "llama3-old-format"
+    old = scratch_root() / "hf" / "llama3-old-format"
     shutil.copytree(new, old, dirs_exist_ok=True)
     raw = json.loads((old / "config.json").read_text())
     params = raw.pop("rope_parameters")

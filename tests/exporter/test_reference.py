@@ -15,7 +15,7 @@ from loopcast.errors import LoopcastError, RequestError
 
 # fp32 on CPU: the cached and recomputed paths differ only in summation order.
 ATOL = 1e-5
-OURO = ["ouro-r3", "ouro-r2-gqa", "ouro-r4-1layer"]
+OURO = ["ouro-r3", "ouro-r2-gqa-v100", "ouro-r4-1layer-mqa"]
 # Not in the shared set (the ONNX exporter may not take it): P/C > 0 must cost nothing here.
 PRELUDE_CODA = PRESETS["tiny-ouro"].replace(num_loops=2, num_prelude_layers=1, num_coda_layers=1)
 GENERATORS = [greedy_generate, greedy_generate_recompute]
@@ -84,7 +84,7 @@ def test_generation_stops_at_capacity_identically(model, prompt_len):
     close(torch.stack(cached.step_logits), torch.stack(full.step_logits))
 
 
-@pytest.mark.parametrize("tiny_config", ["ouro-r2-gqa", "llama-untied-gqa"], indirect=True)
+@pytest.mark.parametrize("tiny_config", ["ouro-r2-gqa-v100", "llama-untied-gqa"], indirect=True)
 @pytest.mark.parametrize("room", [0, 2])
 def test_default_max_length_is_max_position_embeddings(model, room):
     limit = model.config.max_position_embeddings
@@ -95,7 +95,7 @@ def test_default_max_length_is_max_position_embeddings(model, room):
     assert results[0].finish_reason == results[1].finish_reason == "capacity"
 
 
-@pytest.mark.parametrize("tiny_config", ["ouro-r3", "llama-tied"], indirect=True)
+@pytest.mark.parametrize("tiny_config", ["ouro-r3", "llama-tied-gqa"], indirect=True)
 def test_max_new_tokens_bounds_before_capacity(model):
     prompt = prompt_of(10, model.config.vocab_size)
     for gen in GENERATORS:
@@ -105,7 +105,7 @@ def test_max_new_tokens_bounds_before_capacity(model):
         assert (none.tokens, none.finish_reason) == ([], "length")
 
 
-@pytest.mark.parametrize("tiny_config", ["ouro-r4-1layer", "llama-untied-gqa"], indirect=True)
+@pytest.mark.parametrize("tiny_config", ["ouro-r4-1layer-mqa", "llama-untied-gqa"], indirect=True)
 def test_stop_id_ends_both_paths_and_is_kept(model):
     prompt = prompt_of(4, model.config.vocab_size)
     free = greedy_generate(model, prompt, 12).tokens
@@ -296,7 +296,7 @@ def test_exit_gate_reads_the_loop_normed_state(model):
     np.testing.assert_allclose(probs.sum(-1).numpy(), 1.0, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("tiny_config", ["llama-tied", "llama-untied-gqa"], indirect=True)
+@pytest.mark.parametrize("tiny_config", ["llama-tied-gqa", "llama-untied-gqa"], indirect=True)
 def test_llama_has_one_loop_and_no_gate(model):
     with torch.no_grad():
         out = model(torch.tensor([[1, 2, 3]]))

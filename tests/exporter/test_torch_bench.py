@@ -75,7 +75,7 @@ def test_step_refuses_a_position_outside_the_cache(model):
         decode_step_fn(model, cache, 8)
 
 
-@pytest.mark.parametrize("tiny_config", ["ouro-r3", "llama-tied"], indirect=True)
+@pytest.mark.parametrize("tiny_config", ["ouro-r3", "llama-tied-gqa"], indirect=True)
 def test_eager_step_time_is_positive_on_cpu(model):
     ms = decode_step_ms(model, past=7, max_length=16, cuda_graph=False, iters=3, warmup=1)
     assert isinstance(ms, float) and ms > 0
@@ -136,7 +136,7 @@ def test_floor_refuses_zero_bandwidth():
 
 
 @needs_cuda
-@pytest.mark.parametrize("tiny_config", ["ouro-r2-gqa"], indirect=True)
+@pytest.mark.parametrize("tiny_config", ["ouro-r2-gqa-v100"], indirect=True)
 def test_cuda_graph_step_times_are_positive(model):
     model = model.to("cuda")
     for cuda_graph in (False, True):

@@ -1,5 +1,5 @@
 """Batched decode on CUDA (needs onnxruntime-gpu and a GPU; skipped elsewhere, as in CI; the H200
-phase `tools/h200_run.sh serve` runs it).
+phase `tools/gpu_machine/h200_run.sh serve` runs it).
 
 Captured per-width graphs give the tokens of eager batched runs (the same kernels); a width-1
 batched step is the single-sequence decode graph's ops, so its greedy tokens equal plain greedy.

@@ -22,7 +22,8 @@ DEMO = Path(__file__).resolve().parents[2] / "loopcast" / "demo_model"
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "'<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 # Qwen2.5-style: a default system prompt when the conversation has none.
 DEFAULT_SYSTEM = """{%- if messages[0]['role'] == 'system' %}
@@ -48,7 +49,7 @@ FEATURES = """{{ bos_token }}{% set ns = namespace(turns=0) %}
 {{ m.role }}: {{ m.content | tojson }}{{ eos_token }}
     {% if loop.index >= 3 %}{% break %}{% endif %}
 {% endfor %}
-{% if add_generation_prompt %}assistant ({{ ns.turns }} turns):{% endif %}"""
+{% if add_generation_prompt %}assistant ({{ ns.turns }} turns):{% endif %}"""  # noqa: E501
 
 MESSAGES = [
     [{"role": "user", "content": "def add(a, b):"}],

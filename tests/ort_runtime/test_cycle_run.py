@@ -72,7 +72,7 @@ def test_device_schedule_is_the_host_schedule_cycle_for_cycle(name: str) -> None
         assert d_stats.cycles == len(d_trace) > 0 and calls > 0
 
 
-def test_demo_equals_plain_and_counts_every_cycle(demo) -> None:
+def test_demo_equals_plain_and_counts_every_cycle(demo) -> None:  # noqa: F811  (the fixture imported above)
     from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
     K = None
@@ -91,7 +91,7 @@ def test_demo_equals_plain_and_counts_every_cycle(demo) -> None:
     assert K is not None and K >= demo.config.num_loops
 
 
-def test_eos_and_length_limit_inside_a_run(demo) -> None:
+def test_eos_and_length_limit_inside_a_run(demo) -> None:  # noqa: F811  (the fixture imported above)
     gen = demo.new_generator()
     prompt = demo.encode("class Queue:\n    def __init__(self):\n")
     plain, _ = run(gen, prompt, 48)
@@ -124,7 +124,7 @@ def test_kv_capacity_inside_a_run() -> None:
     assert all(p < 24 for positions, _, _ in stats.pipeline_trace for p in positions)
 
 
-def test_without_the_run_graph_lanes_go_one_cycle_per_call(demo) -> None:
+def test_without_the_run_graph_lanes_go_one_cycle_per_call(demo) -> None:  # noqa: F811  (the fixture imported above)
     """An artifact opened without cycle_run (or exported before it) schedules lanes on the host."""
     model = load(artifact("demo"), kinds=(PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE))
     gen = model.new_generator()

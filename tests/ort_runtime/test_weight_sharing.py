@@ -1,5 +1,6 @@
 """Fewer copies of the weights on the CPU: decode and verify run on prefill's session (one
-prepacked copy for the three kinds) with bit-identical rows; ``share_weights=True`` (no prepacking) is declared inexact
+prepacked copy for the three kinds) with bit-identical rows; ``share_weights=True`` (no prepacking)
+is declared inexact
 where the stock MatMul's one-row path differs from its multi-row path."""
 
 from __future__ import annotations

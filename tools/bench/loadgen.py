@@ -1,0 +1,272 @@
+"""Load generator for the serving path (docs/serving.md, docs/perf.md "Serving").
+
+Closed loop, bounded, loopback only: C clients each send a request, wait for its last token, and
+send the next, until the level's request budget (``--requests``, at least 2 per client) or its
+time limit is spent. Each level runs the batched engine (continuous batching over decode_batch)
+and the one-sequence-at-a-time engine (one Generator, the captured single-sequence decode on
+CUDA) on the same prompts, and reports aggregate tokens/s, per-token latency (the gaps between
+a request's consecutive tokens) p50/p99, time to first token p50/p99, and whether the two modes
+produced the same greedy tokens for every request.
+
+    python -m tools.bench.loadgen ART --concurrency 1,4,16,64        # an artifact with --max-batch
+    python -m tools.bench.loadgen preset:ouro-1.4b --device cuda --dtype fp16 --max-batch 64 --out r.json
+    python -m tools.bench.loadgen ART --via http                     # through loopcast serve's app
+
+``--via engine`` (default) drives the engines in-process; ``--via http`` starts the FastAPI app
+on 127.0.0.1 (a free port, nothing else is ever contacted) and streams through it, timing SSE
+chunks (a chunk is about one token). Prompts are random token ids (seeded); EOS is ignored so
+every request generates ``--max-tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+# R=1 Llama of Ouro-1.4B's shape: 1.43B parameters (untied head), the issue's comparison model.
+LLAMA_143B = dict(model_type="llama", num_loops=1)
+
+
+def prepare(source: str, device: str, dtype: str, max_batch: int, max_length: int, work: Path) -> Path:
+    """An artifact with batched graphs: ``source`` itself, or a random checkpoint of a preset exported."""
+    if not source.startswith("preset:"):
+        return Path(source)
+    from loopcast.exporter.checkpoint import DTYPES
+    from loopcast.exporter.export import ExportOptions, export_checkpoint
+    from loopcast.exporter.random_checkpoint import write_random_checkpoint
+
+    from loopcast.config import PRESETS
+
+    name = source.split(":", 1)[1]
+    config = PRESETS["ouro-1.4b"].replace(**LLAMA_143B) if name == "llama-1.43b" else PRESETS[name]
+    ckpt = work / f"ckpt-{name}-{dtype}"
+    if not (ckpt / "config.json").is_file():
+        write_random_checkpoint(config, ckpt, seed=0, dtype=DTYPES[dtype])
+    art = work / f"art-{name}-{dtype}-{device}-b{max_batch}-L{max_length}"
+    if not (art / "manifest.json").is_file():
+        export_checkpoint(
+            ckpt,
+            art,
+            ExportOptions(dtype, max_length, batch_invariant=device == "cuda", max_batch=max_batch),
+            overwrite=True,
+        )
+    return art
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, length).tolist() for _ in range(n)]
+
+
+def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return float(np.percentile(values, 50)), float(np.percentile(values, 99))
+
+
+def run_level(submit, work: list[list[int]], clients: int, max_tokens: int, time_limit: float) -> dict:
+    """C closed-loop clients over ``work``;
+    ``submit(ids, max_tokens) -> (tokens, submit_time, token_times)``."""
+    lock, next_index = threading.Lock(), [0]
+    results: dict[int, tuple] = {}
+    start = time.perf_counter()
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next_index[0]
+                if i >= len(work) or time.perf_counter() - start > time_limit:
+                    return
+                next_index[0] += 1
+            results[i] = submit(work[i], max_tokens)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    gaps = [b - a for _, _, times in results.values() for a, b in zip(times, times[1:])]
+    ttft = [times[0] - t0 for _, t0, times in results.values() if times]
+    tokens = sum(len(toks) for toks, _, _ in results.values())
+    p50, p99 = _percentiles(gaps)
+    f50, f99 = _percentiles(ttft)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "token_latency_ms_p50": p50 and p50 * 1e3,
+        "token_latency_ms_p99": p99 and p99 * 1e3,
+        "ttft_ms_p50": f50 and f50 * 1e3,
+        "ttft_ms_p99": f99 and f99 * 1e3,
+        "outputs": {i: toks for i, (toks, _, _) in results.items()},
+    }
+
+
+def engine_submitter(engine):
+    from loopcast.ort_runtime.batching.engine import BatchRequest
+
+    def submit(ids: list[int], max_tokens: int):
+        c = engine.submit(BatchRequest(ids, max_tokens, ()))
+        tokens = c.result(timeout=600)
+        return tokens, c.submitted, c.token_times
+
+    return submit
+
+
+def http_submitter(url: str, model: str):
+    import httpx
+
+    client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=256))
+
+    def submit(ids: list[int], max_tokens: int):
+        body = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        t0, times, tokens = time.perf_counter(), [], []
+        with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if choice.get("finish_reason") is None:
+                    times.append(time.perf_counter())
+                else:
+                    tokens = choice.get("token_ids", [])
+        return tokens, t0, times
+
+    return submit
+
+
+def make_engine(model, mode: str, max_batch: int, cuda_graphs: bool = False):
+    from loopcast.ort_runtime.batching.engine import BatchingEngine, SequentialEngine
+    from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
+
+    if mode == "batched":
+        generator = BatchGenerator(model.loaded, max_batch, cuda_graphs=cuda_graphs)
+        return BatchingEngine(generator, max_waiting=4096).start()
+    return SequentialEngine(model, max_waiting=4096).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "source", help="an artifact exported with --max-batch, or preset:NAME (ouro-1.4b, llama-1.43b, ...)"
+    )
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"])
+    ap.add_argument("--max-batch", type=int, default=64, help="slots (presets: exported with it)")
+    ap.add_argument("--max-length", type=int, default=512, help="presets: KV capacity")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--modes", default="batched,sequential")
+    ap.add_argument(
+        "--requests", type=int, default=0, help="requests per level (default: 2 per client, >= 8)"
+    )
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--time-limit", type=float, default=120.0, help="seconds per level before clients stop sending"
+    )
+    ap.add_argument("--via", default="engine", choices=["engine", "http"])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cuda-graphs", action="store_true", help="capture the batched graphs per width (CUDA)")
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/loopcast-loadgen"))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from loopcast.ort_runtime import load
+
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    art = prepare(args.source, args.device, args.dtype, args.max_batch, args.max_length, args.work_dir)
+    model = load(art, args.device, threads=args.threads)
+    max_batch = min(args.max_batch, model.loaded.manifest.max_batch or 1)
+    vocab = model.config.vocab_size
+    report = {
+        "source": args.source,
+        "artifact": str(art),
+        "device": args.device,
+        "dtype": model.loaded.manifest.dtype,
+        "op_set": model.loaded.manifest.op_set,
+        "max_batch": max_batch,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "via": args.via,
+        "host": platform.node(),
+        "cuda_graphs": args.cuda_graphs,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "levels": [],
+    }
+    outputs: dict[tuple[int, int], dict[str, list[int]]] = {}
+    for mode in args.modes.split(","):
+        engine = make_engine(model, mode, max_batch, args.cuda_graphs)
+        server = None
+        try:
+            if args.via == "http":
+                from loopcast.serve.launch import background_server
+                from loopcast.serve.state import ServingState
+
+                server = background_server(ServingState(model, engine, "loadgen", mode))
+                submit = http_submitter(server.__enter__(), "loadgen")
+            else:
+                submit = engine_submitter(engine)
+            submit(prompts(1, args.prompt_len, vocab, seed=99)[0], 4)  # warm-up: first runs stay out
+            for clients in levels:
+                n = args.requests or max(8, 2 * clients)
+                level = run_level(
+                    submit, prompts(n, args.prompt_len, vocab), clients, args.max_tokens, args.time_limit
+                )
+                for i, toks in level.pop("outputs").items():
+                    outputs.setdefault((clients, i), {})[mode] = toks
+                level["mode"] = mode
+                report["levels"].append(level)
+                if mode == "batched":
+                    level["captured"] = sorted(engine.gen.captured)
+                    level["graph_fallbacks"] = dict(engine.gen.graph_fallbacks)
+                print(
+                    f"{mode:<10} C={clients:<3} {level['requests']:>4} req "
+                    f"{level['tokens_per_s']:8.1f} tok/s  "
+                    f"token p50 {level['token_latency_ms_p50'] or 0:7.1f} ms "
+                    f"p99 {level['token_latency_ms_p99'] or 0:7.1f} ms  "
+                    f"ttft p50 {level['ttft_ms_p50'] or 0:7.1f} ms",
+                    flush=True,
+                )
+        finally:
+            if server is not None:
+                server.__exit__(None, None, None)
+            engine.shutdown()
+    both = [v for v in outputs.values() if len(v) > 1]
+    report["compared_requests"] = len(both)
+    report["mismatched_requests"] = sum(len({tuple(t) for t in v.values()}) > 1 for v in both)
+    for clients in levels:
+        rate = {lv["mode"]: lv["tokens_per_s"] for lv in report["levels"] if lv["clients"] == clients}
+        if "batched" in rate and rate.get("sequential"):
+            print(f"C={clients}: batched / sequential = {rate['batched'] / rate['sequential']:.2f}x")
+    print(
+        f"greedy tokens equal across modes: {len(both) - report['mismatched_requests']}/{len(both)} requests"
+    )
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

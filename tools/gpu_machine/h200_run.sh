@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# One call on the lent H200 (docs/perf.md): `tools/gpu_machine/h200_run.sh PHASE...` with PHASE in
+# setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
+# | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead
+# (kernels needs no setup). Results go to /root/res and are packed into
+# $OUT/results.tgz after every phase (the device returns only a few files per call).
+# setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
+# and the pure-Python wheels the machine lacks under .ortgpu/wheels.
+set -uo pipefail
+[ -n "${OUT:-}" ] || { echo "tools/gpu_machine/h200_run.sh runs on the lent GPU machine (\$OUT unset)" >&2; exit 2; }
+export PYTHONPATH=/tmp/site:$PWD
+# The repository maps exporter/, graphs/, ... into loopcast.*; plain PYTHONPATH imports need
+# the same view (links inside this throwaway copy of the work tree).
+for d in exporter graphs ort_runtime custom_ops; do [ -e loopcast/$d ] || ln -s ../$d loopcast/$d; done
+export LOOPCAST_CACHE=$PWD/.lccache   # carries the custom-op library built on the dev machine
+# Bytecode cached between runs, as an installed package has it (without this, every timed
+# export round recompiled the package: 2 s of a 6 s export on this host)
+unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pycache
+RES=/root/res; mkdir -p "$RES"
+phase_setup() {
+  cat /root/og/p? > /root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/onnxruntime_gpu-*.whl
+  for w in .ortgpu/wheels/*.whl; do
+    mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z'); mod=${mod/onnx_ir/onnx_ir}
+    python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
+  done
+  # The prebuilt op library, when staged (.ortgpu/opswheel): no build on this machine.
+  for w in .ortgpu/opswheel/loopcast_ops-*.whl; do
+    [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
+  done
+  # ORT-GenAI (issue 21's export comparison) when its wheel was staged by a call of its own into
+  # /root/og/genai; the host's Python has the torch and transformers its model builder needs
+  for w in /root/og/genai/onnxruntime_genai*.whl; do
+    [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
+  done
+  python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" | tee "$RES/setup.txt"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$RES/setup.txt"
+}
+phase_tests() {
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  LOOPCAST_OPS_LIB=$LIB timeout 240 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py \
+    2>&1 | tail -30 > "$RES/gpu-tests.txt"   # the kernel tests run in the kernels phase
+  # RowAttention's per-row launches (the fallback of its one-launch path) must give the same bits
+  LOOPCAST_ROW_ATTENTION=per-row LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider \
+    tests/ort_runtime/test_cuda.py -k "pipeline or batch_invariant" 2>&1 | tail -8 >> "$RES/gpu-tests.txt"
+}
+phase_kernels() {  # ctypes microbenchmarks; needs no onnxruntime-gpu. baseline = a build of an earlier commit
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  local libs=(--lib "new=$LIB")
+  [ -f .lccache/baseline/libloopcast_ops.so ] && libs+=(--lib "baseline=$PWD/.lccache/baseline/libloopcast_ops.so")
+  timeout 150 python3 -m tools.bench.bench_matmul_cuda "${libs[@]}" --ms 1,5,16 --variant nopdl:LOOPCAST_PDL=0 \
+    --variant nostage:LOOPCAST_SWIGLU_STAGE=0 --calls 96 --out "$RES" > "$RES/bench-matmul.txt" 2>&1
+  LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
+    2>&1 | tail -30 > "$RES/gpu-kernel-tests.txt"
+}
+phase_parity() {
+  timeout 150 python3 -m tools.probes.gpu_parity --new-tokens 48 --checkpoint demo --out "$RES/parity.json" > "$RES/parity.txt" 2>&1
+}
+phase_bench_demo() {
+  timeout 420 python3 -m loopcast.cli bench demo --device cuda --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \
+    --past 1000 --widths 2,5,8 --passes 3 --work-dir /root/bw --out "$RES/bench-demo.json" > "$RES/bench-demo.txt" 2>&1
+}
+phase_gate_overhead() {  # issue 19: where a stood-down default gate's time goes on the demo (tools/bench/gate_overhead.py)
+  for dt in fp16 bf16; do
+    timeout 200 python3 -m tools.bench.gate_overhead demo --device cuda --dtype $dt --passes 4 \
+      --json "$RES/gate-overhead-$dt.json" > "$RES/gate-overhead-$dt.txt" 2>&1
+  done
+}
+phase_gate_1p4b() {  # the speculation gate table on random Ouro-1.4B weights (end to end, loopcast ops)
+  timeout 420 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --dtype bf16 \
+    --variant batch-invariant --iters 10 --past 400 --widths 5 --new-tokens 64 --alternate-tokens 0 --no-profile \
+    --no-torch --work-dir /root/bw14 --out "$RES/gate-1p4b.json" > "$RES/gate-1p4b.txt" 2>&1
+}
+phase_bench_1p4b() {
+  timeout 360 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --dtype bf16 --iters 20 \
+    --past 1024 --widths 5 --no-end-to-end --alternate-tokens 0 --work-dir /root/bw14 \
+    --out "$RES/bench-1p4b.json" > "$RES/bench-1p4b.txt" 2>&1
+}
+phase_serve() {  # batched vs one-at-a-time serving (tools/bench/loadgen.py, in-process engines; docs/serving.md)
+  # Random Ouro-1.4B and 1.43B-Llama (Ouro's shape, R=1) checkpoints, fp16, --target cuda ops, 64 slots;
+  # the batched graphs eager and captured per width (--cuda-graphs).
+  local common=(--device cuda --dtype fp16 --max-batch 64 --max-length 512 --concurrency 1,4,16,64 --prompt-len 64
+                --max-tokens 64 --time-limit 20 --work-dir /root/lg)
+  timeout 280 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --out "$RES/serve-ouro-1.4b.json" \
+    > "$RES/serve-ouro-1.4b.txt" 2>&1
+  timeout 200 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --cuda-graphs \
+    --out "$RES/serve-ouro-1.4b-graphs.json" > "$RES/serve-ouro-1.4b-graphs.txt" 2>&1
+  timeout 240 python3 -m tools.bench.loadgen preset:llama-1.43b "${common[@]}" --cuda-graphs \
+    --out "$RES/serve-llama-1.43b.json" > "$RES/serve-llama-1.43b.txt" 2>&1
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  LOOPCAST_OPS_LIB=$LIB timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_batch_cuda.py \
+    2>&1 | tail -20 > "$RES/serve-gpu-tests.txt"
+}
+phase_sampling() {  # seeded sampling reproducible run to run, on the GPU (fp16) and the CPU (fp32)
+  { python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp16 --dtype fp16 --target cuda --overwrite
+    python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp32 --overwrite; } > "$RES/sampling-export.txt" 2>&1
+  timeout 200 python3 -m tools.probes.sampling_repro /root/art-demo-fp16 --device cuda --out "$RES/sampling-cuda.json" > "$RES/sampling.txt" 2>&1
+  timeout 200 python3 -m tools.probes.sampling_repro /root/art-demo-fp32 --device cpu --out "$RES/sampling-cpu.json" >> "$RES/sampling.txt" 2>&1
+}
+phase_fresh_install() {  # a fresh install (loopcast + the prebuilt loopcast-ops wheel) exports --target cuda without nvcc
+  local log="$RES/fresh-install.txt" wheel
+  wheel=$(ls .ortgpu/opswheel/loopcast_ops-*.whl | head -1)
+  rm -rf /tmp/fresh /tmp/fresh-cache /tmp/fresh-art; mkdir -p /tmp/fresh-home
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/fresh . "$wheel" > "$log" 2>&1
+  du -sh /tmp/fresh "$wheel" >> "$log"
+  ( cd /tmp && export HOME=/tmp/fresh-home LOOPCAST_CACHE=/tmp/fresh-cache PYTHONPATH=/tmp/fresh:/tmp/site
+    export PATH=$(echo "$PATH" | tr ':' '\n' | grep -v -i cuda | paste -sd: -)
+    echo "nvcc on PATH: $(command -v nvcc || echo none)"
+    t0=$(date +%s.%N)
+    timeout 120 python3 -m loopcast.cli export /tmp/fresh/loopcast/demo_model -o /tmp/fresh-art --dtype fp16 --target cuda
+    echo "export --target cuda wall: $(python3 -c "import time; print(round(time.time() - $t0, 2))") s"
+    ls /tmp/fresh-cache 2>/dev/null | sed 's/^/cache entry: /'
+    timeout 120 python3 -m loopcast.cli generate /tmp/fresh-art --device cuda --prompt "def add(a, b):" \
+      --max-new-tokens 32 --speculative pipeline --json | head -c 600 ) >> "$log" 2>&1
+}
+phase_export_mem() {  # issue 21: a 1.43B fp16 Llama export against cp (and ORT-GenAI's builder when this
+  # Python has onnxruntime-genai), 3 interleaved rounds; then device memory of the loaded artifact per number
+  # of graph kinds opened (each CUDA session holds its own device copy of its initializers).
+  local genai=(); python3 -c "import onnxruntime_genai" 2>/dev/null && genai=(--genai-python python3 --genai-ep cuda)
+  timeout 420 python3 -m tools.bench.bench_export --preset llama-1.4b --dtype fp16 --repeats 3 --work /root/bx \
+    --json "$RES/export-1p4b.json" "${genai[@]}" -- --dtype fp16 > "$RES/export-1p4b.txt" 2>&1
+  nproc >> "$RES/export-1p4b.txt"; df -h /root | tail -1 >> "$RES/export-1p4b.txt"
+  timeout 240 python3 -m tools.bench.bench_weight_sharing /root/bx/artifact --device cuda --repeats 1 \
+    --json "$RES/weight-memory-cuda.json" > "$RES/weight-memory-cuda.txt" 2>&1
+}
+phase_weight_mem() {  # issue 21: one device copy of the weights for every session (ort_runtime/loading/shared_weights.py)
+  # 1.43B Llama (stock fp16 and --target cuda) and Ouro-1.4B (--target cuda: six kinds), random weights
+  { python3 -m loopcast.cli random-checkpoint /root/llama --preset llama-1.4b --dtype fp16
+    python3 -m loopcast.cli random-checkpoint /root/ouro --preset ouro-1.4b --dtype fp16
+    python3 -m loopcast.cli export /root/llama -o /root/wm-llama-stock --dtype fp16 --max-length 2048 --overwrite
+    python3 -m loopcast.cli export /root/llama -o /root/wm-llama-ops --dtype fp16 --target cuda --max-length 2048 --overwrite
+    python3 -m loopcast.cli export /root/ouro -o /root/wm-ouro-ops --dtype fp16 --target cuda --max-length 2048 \
+      --overwrite; } > "$RES/weight-mem-export.txt" 2>&1
+  timeout 560 python3 -m tools.bench.bench_weight_sharing /root/wm-llama-stock /root/wm-llama-ops /root/wm-ouro-ops \
+    --device cuda --repeats 2 --json "$RES/weight-mem-cuda.json" > "$RES/weight-mem-cuda.txt" 2>&1
+}
+phase_export_profile() {  # issue 21: where a 1.43B fp16 export spends its time on this host (after weight-mem)
+  local log="$RES/export-profile.txt"
+  python3 -c "
+import hashlib, os, time
+b = os.urandom(256 << 20)
+for algo in ('sha256', 'sha1', 'blake2b'):
+    t = time.perf_counter(); hashlib.new(algo, b).digest(); print(algo, round(256 / (time.perf_counter() - t)), 'MiB/s')
+" > "$log" 2>&1
+  grep -o -m1 -w sha_ni /proc/cpuinfo >> "$log"; grep -m1 "model name" /proc/cpuinfo >> "$log"
+  { /usr/bin/time -f "cp %e s" cp /root/llama/model.safetensors /root/cp-test.safetensors; rm -f /root/cp-test.safetensors
+    python3 -m cProfile -o /root/export.prof -m loopcast.cli export /root/llama -o /root/prof-art --dtype fp16 \
+      --overwrite 2>&1 | tail -1
+    python3 -c "import pstats; p = pstats.Stats('/root/export.prof'); p.sort_stats('cumulative').print_stats(30); p.sort_stats('tottime').print_stats(15)"
+  } >> "$log" 2>&1
+}
+phase_export_speed() {  # issue 21: a 1.43B fp16 export against cp (and ORT-GenAI's builder when staged),
+  # 3 interleaved rounds (no memory table)
+  local genai=(); python3 -c "import onnxruntime_genai" 2>/dev/null && genai=(--genai-python python3 --genai-ep cuda)
+  timeout 400 python3 -m tools.bench.bench_export --preset llama-1.4b --dtype fp16 --repeats 3 --work /root/bx \
+    --json "$RES/export-speed.json" "${genai[@]}" -- --dtype fp16 > "$RES/export-speed.txt" 2>&1
+  nproc >> "$RES/export-speed.txt"
+}
+phase_host_loop() {  # plain decode end to end: a 1.43B Llama (Ouro-1.4B layer shapes, R=1), 1000-token prompt
+  { python3 -m loopcast.cli random-checkpoint /root/llama --preset llama-1.4b --dtype fp16
+    python3 -m loopcast.cli export /root/llama -o /root/llama-art --dtype fp16 --target cuda --max-length 1536 \
+      --overwrite; } > "$RES/host-loop.txt" 2>&1
+  timeout 240 python3 -m tools.bench.host_loop /root/llama-art --device cuda --prompt-len 1000 --new-tokens 256 \
+    --out "$RES/host-loop.json" >> "$RES/host-loop.txt" 2>&1
+}
+phase_alternate() {  # issue 26: tree verify on CUDA (masked kernel rows, engine exactness), then the table
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  { LOOPCAST_OPS_LIB=$LIB timeout 100 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
+      -k "masked or move_positions" 2>&1 | tail -8
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py -k alternate 2>&1 | tail -8
+  } > "$RES/alternate-tests.txt"
+  for dt in fp16 bf16; do
+    timeout 200 python3 -m tools.bench.bench_alternate --device cuda --dtype $dt --json "$RES/alternate-$dt.json" \
+      > "$RES/alternate-$dt.txt" 2>&1
+  done
+}
+for p in "$@"; do
+  echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
+  "phase_${p//-/_}"
+  tar czf "$OUT/results.tgz" -C "$RES" .   # after every phase: a call cut short keeps what ran
+done
+echo "== done $(date -u +%T)" >> "$RES/phases.txt"
+tar czf "$OUT/results.tgz" -C "$RES" .
+tail -n 5 "$RES"/*.txt
