@@ -215,7 +215,7 @@ def end_to_end(
     passes: int = 1,
 ) -> dict:
     """tokens/s of plain greedy and of each ``speculative`` mode with the default gate (auto)
-    and ungated (gate none); tokens vs plain greedy. Stock artifacts are not exact, so their
+    and ungated (gate always); tokens vs plain greedy. Stock artifacts are not exact, so their
     modes run with allow_inexact and the divergent prompts are counted. With ``oracle_rejects``,
     the pipeline also runs on oracle drafts (bench/pipeline.py).
 
@@ -234,11 +234,11 @@ def end_to_end(
             "num_draft_tokens": None if mode == "pipeline" else 4,
             "allow_inexact": not exact,
         }
-        modes += [(mode, {**base, "gate": "auto"}), (f"{mode} (gate none)", {**base, "gate": "always"})]
+        modes += [(mode, {**base, "gate": "auto"}), (f"{mode} (gate always)", {**base, "gate": "always"})]
         if mode == "pipeline" and model.loaded.has(CYCLE_RUN):  # the host-scheduled lanes, for comparison
             modes.append(
                 (
-                    "pipeline (one cycle per call, gate none)",
+                    "pipeline (one cycle per call, gate always)",
                     {**base, "gate": "always", "pipeline_device_lanes": False},
                 )
             )

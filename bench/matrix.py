@@ -43,7 +43,7 @@ ARTIFACTS = {"w5d1": (5, 1), "w7d1": (7, 1), "w5d2": (5, 2)}
 class Config:
     mode: str  # "none", "prompt-lookup", "self"
     k: int | None = None  # drafts per round
-    gate: str = "none"
+    gate: str = "always"
     artifact: str = "w5d1"
 
     @property
@@ -64,10 +64,10 @@ PLAIN = Config("none")
 def matrix() -> list[Config]:
     """Every row of the speculation matrix, plain first (the order they are measured in)."""
     rows = [PLAIN]
-    rows += [Config("prompt-lookup", k, gate) for k in (2, 4) for gate in ("none", "hit-density")]
-    rows += [Config("self", k, gate, "w5d1") for k in (2, 4) for gate in ("none", "cost")]
-    rows += [Config("self", 6, gate, "w7d1") for gate in ("none", "cost")]
-    rows += [Config("self", k, gate, "w5d2") for k in (2, 4) for gate in ("none", "cost")]
+    rows += [Config("prompt-lookup", k, gate) for k in (2, 4) for gate in ("always", "hit-density")]
+    rows += [Config("self", k, gate, "w5d1") for k in (2, 4) for gate in ("always", "cost")]
+    rows += [Config("self", 6, gate, "w7d1") for gate in ("always", "cost")]
+    rows += [Config("self", k, gate, "w5d2") for k in (2, 4) for gate in ("always", "cost")]
     return rows
 
 
