@@ -38,14 +38,14 @@ def test_tiny_report_on_cpu(tmp_path) -> None:
         kinds = {(s["kind"], s["rows"]) for s in run["steps"]}
         assert {("decode", 1), ("verify", 2), ("verify", 5), ("draft", 1), ("verify_tail", 5)} <= kinds
         assert all(s["uncaptured_ms"] > 0 and s["captured_ms"] is None for s in run["steps"])
-        modes = {"plain", "prompt-lookup", "self", "prompt-lookup (gate none)", "self (gate none)"}
+        modes = {"plain", "prompt-lookup", "self", "prompt-lookup (gate always)", "self (gate always)"}
         if run["variant"] == "batch-invariant":  # the loopcast ops: the cycle graph and oracle rows too
             modes |= {
                 "pipeline",
-                "pipeline (gate none)",
+                "pipeline (gate always)",
                 "pipeline oracle 100%",
                 "pipeline oracle 92%",
-                "pipeline (one cycle per call, gate none)",
+                "pipeline (one cycle per call, gate always)",
             }
             kinds_cycle = {s["kind"] for s in run["steps"]}
             assert "cycle" in kinds_cycle
@@ -102,10 +102,10 @@ def test_edit_workload_rows_are_plain_and_prompt_lookup(tmp_path) -> None:
     model = load(artifact("ouro-r3"), "cpu")
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10]]
     rows = end_to_end(model, prompts, 12, speculative=("prompt-lookup",), passes=3)
-    assert set(rows) == {"plain", "prompt-lookup", "prompt-lookup (gate none)"}
+    assert set(rows) == {"plain", "prompt-lookup", "prompt-lookup (gate always)"}
     assert all(e["divergent_prompts"] == 0 and e["tokens"] == 24 for e in rows.values())
     # three interleaved passes: the ratio is the median of the per-pass ratios against plain
     assert rows["plain"]["pass_speedups"] == [1.0] * 3
     ratios = rows["prompt-lookup"]["pass_speedups"]
     assert len(ratios) == 3 and abs(rows["prompt-lookup"]["speedup"] - sorted(ratios)[1]) < 1e-3
-    assert rows["prompt-lookup (gate none)"]["rounds"] > 0
+    assert rows["prompt-lookup (gate always)"]["rounds"] > 0
