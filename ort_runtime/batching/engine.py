@@ -18,8 +18,9 @@ One engine thread owns a BatchGenerator (ort_runtime/binding/batch_generator.py)
 - **Speculation per request** (``speculative="prompt-lookup"``, greedy requests): each step,
   requests whose prompt-lookup proposer (ort_runtime/decoding/proposers.py) offers drafts are verified in
   one ``verify_batch`` step together with every other running request (one real row each);
-  ``greedy_accept`` takes the accepted prefix and the verifier's token, and the slot commits
-  1 + accepted rows. ``BatchGate`` decides per step, from measured step costs per width and the
+  ``accept_round`` (the one accept path of both engines) takes the accepted prefix and the
+  verifier's token, and the slot commits
+  1 + accepted rows. ``BatchCostGate`` decides per step, from measured step costs per width and the
   observed acceptance, whether that verify step yields more tokens per second than a decode
   step. Sampled requests (and artifacts whose verify rows are not exact on the device) decode
   plainly; ``Completion.speculative`` says which applied and why. Greedy tokens equal plain
@@ -43,18 +44,31 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
-from loopcast.ort_runtime.decoding.greedy_accept import greedy_accept
-from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer
-from loopcast.ort_runtime.decoding.sampling import SamplingParams, make_rng, probabilities, sample
+from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
+from loopcast.ort_runtime.decoding.finish import FinishRule
+from loopcast.ort_runtime.decoding.gates import BatchCostGate
+from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Proposal
+from loopcast.ort_runtime.decoding.sampling import SamplingParams
+from loopcast.ort_runtime.decoding.verifiers import Verified
 
 from loopcast.errors import LoopcastError, RequestError
 from loopcast.manifest import DECODE_BATCH, VERIFY_BATCH
+from loopcast.vocab import SpeculativeMode
 
 EventSink = Callable[[str, object], None]
 
 
-SPECULATIVE_MODES = ("none", "prompt-lookup")
+SPECULATIVE_MODES = (SpeculativeMode.NONE.value, SpeculativeMode.PROMPT_LOOKUP.value)
+__all__ = [
+    "BatchCostGate",
+    "BatchRequest",
+    "BatchingEngine",
+    "CapacityError",
+    "Completion",
+    "SequentialEngine",
+]
 
 
 class CapacityError(LoopcastError):
@@ -143,58 +157,20 @@ class Completion:
 
 @dataclass
 class _Running:
+    """A running request: the same acceptor (greedy or sampled: its tokens, its rejection rule,
+    its random stream) and finish rule as a one-sequence generation (ort_runtime/decoding/)."""
+
     completion: Completion
     slot: int
     pending: int  # last emitted token: its KV is written by the next step
     context: list[int]  # prompt + emitted tokens (repetition penalty's and the proposer's context)
-    rng: object | None
+    acceptor: GreedyAcceptor | SampledAcceptor
+    rule: FinishRule
     proposer: PromptLookupProposer | None = None
 
-
-class BatchGate:
-    """Whether a step verifies drafts (verify_batch) or decodes (decode_batch).
-
-    Verify when (running + proposing·α) / t_verify(w) > running / t_decode(w): tokens per second
-    of either step at width w, with α the observed accepted drafts per proposing request (an
-    exponential average, starting optimistic so that the first proposals are tried). Costs are
-    exponential averages of steady runs per (kind, width); a binding's first run is left out.
-    While verify is off, α cannot move, so every ``probe_every`` steps one verify step is taken
-    anyway. Decisions change which kernels run, never the greedy tokens.
-    """
-
-    def __init__(self, probe_every: int = 32, smoothing: float = 0.2) -> None:
-        self.probe_every, self.smoothing = probe_every, smoothing
-        self.cost: dict[tuple[str, int], float] = {}
-        self._seen: set[tuple[str, int]] = set()
-        self.alpha = 2.0
-        self.off_steps = 0
-
-    def engage(self, width: int, running: int, proposing: int) -> bool:
-        t_verify, t_decode = self.cost.get((VERIFY_BATCH, width)), self.cost.get((DECODE_BATCH, width))
-        if t_decode is None:  # measure the plain step at this width first
-            on = False
-        elif t_verify is None:
-            on = True
-        else:
-            on = (running + proposing * self.alpha) / t_verify > running / t_decode
-        if not on:
-            self.off_steps += 1
-            if self.off_steps >= self.probe_every:
-                on = True
-        if on:
-            self.off_steps = 0
-        return on
-
-    def observe_cost(self, kind: str, width: int, seconds: float) -> None:
-        key = (kind, width)
-        if key not in self._seen:  # warm-up run of a fresh binding
-            self._seen.add(key)
-            return
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else old + self.smoothing * (seconds - old)
-
-    def observe_accept(self, accepted_per_proposer: float) -> None:
-        self.alpha += self.smoothing * (accepted_per_proposer - self.alpha)
+    @property
+    def sampled(self) -> bool:
+        return self.acceptor.sampled
 
 
 class _EngineBase:
@@ -268,12 +244,6 @@ class _EngineBase:
         raise NotImplementedError
 
 
-def _first_token(out_id: int, logits, running: _Running, request: BatchRequest) -> int:
-    if request.sampling is None or request.sampling.greedy:
-        return out_id
-    return sample(probabilities(logits, request.sampling, running.context), running.rng)
-
-
 class BatchingEngine(_EngineBase):
     """Continuous batching over a BatchGenerator of ``max_batch`` slots."""
 
@@ -282,12 +252,12 @@ class BatchingEngine(_EngineBase):
         generator: BatchGenerator,
         *,
         max_waiting: int = 256,
-        gate: BatchGate | None = None,
+        gate: BatchCostGate | None = None,
         proposer_factory: Callable[[], object] = PromptLookupProposer,
     ) -> None:
         super().__init__(generator.max_length, max_waiting)
         self.gen = generator
-        self.gate = gate or BatchGate()
+        self.gate = gate or BatchCostGate()
         self.proposer_factory = proposer_factory  # one proposer per speculating request
         self._running: dict[int, _Running] = {}  # slot -> request
         self.peak_batch = 0
@@ -357,14 +327,9 @@ class BatchingEngine(_EngineBase):
             slot, request = free.pop(0), completion.request  # lowest free slot: keeps the prefix short
             sampled = request.sampling is not None and not request.sampling.greedy
             proposer, completion.speculative = self._speculation_for(request)
-            running = _Running(
-                completion,
-                slot,
-                -1,
-                list(request.ids),
-                make_rng(request.sampling) if sampled else None,
-                proposer,
-            )
+            acceptor = SampledAcceptor(request.sampling) if sampled else GreedyAcceptor()
+            rule = FinishRule(request.max_new_tokens, frozenset(request.stop_ids), self.max_length)
+            running = _Running(completion, slot, -1, list(request.ids), acceptor, rule, proposer)
             self._running[slot] = running
             try:
                 out_id, logits = self.gen.prefill(slot, request.ids, want_logits=sampled)
@@ -372,7 +337,7 @@ class BatchingEngine(_EngineBase):
                 self._finish(slot, error=f"prefill failed: {str(exc).splitlines()[0][:300]}")
                 free.insert(0, slot)
                 continue
-            self._deliver(slot, _first_token(out_id, logits, running, request), self.gen.lengths[slot])
+            self._deliver(slot, acceptor.choose(out_id, logits, running.context), self.gen.lengths[slot])
         self.peak_batch = max(self.peak_batch, len(self._running))
 
     def _step(self) -> None:
@@ -381,7 +346,7 @@ class BatchingEngine(_EngineBase):
         if proposals and self.gate.engage(width, len(self._running), len(proposals)):
             self._verify_step(proposals, width)
             return
-        sampled = any(r.rng is not None for r in self._running.values())
+        sampled = any(r.sampled for r in self._running.values())
         t0 = time.perf_counter()
         out = self.gen.decode({slot: r.pending for slot, r in self._running.items()}, want_logits=sampled)
         self.gate.observe_cost(DECODE_BATCH, width, time.perf_counter() - t0)
@@ -389,11 +354,8 @@ class BatchingEngine(_EngineBase):
         self.stats["decode_steps"] += 1
         for slot, token in out.next_ids.items():
             r = self._running[slot]
-            if r.rng is not None:
-                token = sample(
-                    probabilities(out.logits[slot], r.completion.request.sampling, r.context), r.rng
-                )
-            self._deliver(slot, token, self.gen.lengths[slot])
+            logits = out.logits[slot] if r.sampled else None
+            self._deliver(slot, r.acceptor.choose(token, logits, r.context), self.gen.lengths[slot])
 
     def _proposals(self) -> dict[int, list[int]]:
         """Drafts per slot from the requests' proposers, when a verify step fits every running slot."""
@@ -415,7 +377,7 @@ class BatchingEngine(_EngineBase):
         """One verify_batch step: every running slot's pending token, plus drafts where proposed.
         Invariant: a slot commits 1 + accepted rows; its rows past those hold stale KV that its next
         step rewrites before any row reads it (positions >= its committed length are never read)."""
-        sampled = any(r.rng is not None for r in self._running.values())
+        sampled = any(r.sampled for r in self._running.values())
         rows = {slot: [r.pending] + proposals.get(slot, []) for slot, r in self._running.items()}
         t0 = time.perf_counter()
         targets, logits = self.gen.verify(rows, want_logits=sampled)
@@ -424,14 +386,16 @@ class BatchingEngine(_EngineBase):
         self.stats["verify_steps"] += 1
         accepted_total = 0
         for slot, r in list(self._running.items()):
+            # Sampled requests propose nothing (batched speculation is greedy-only): their round is
+            # the pending row alone, drawn by the same rule as a one-sequence round.
             drafts = proposals.get(slot, [])
-            if r.rng is not None:
-                emit = [
-                    sample(probabilities(logits[slot][0], r.completion.request.sampling, r.context), r.rng)
-                ]
-            else:
-                result = greedy_accept(drafts, targets[slot][: len(drafts) + 1])
-                emit = drafts[: result.accepted] + [result.next_token]
+            rows_used = len(drafts) + 1
+            verified = Verified(
+                np.asarray(targets[slot][:rows_used]),
+                logits[slot][:rows_used] if r.sampled else None,
+            )
+            result, emit = accept_round(r.acceptor, r.context, Proposal(drafts), verified)
+            if drafts:
                 accepted_total += result.accepted
                 r.completion.proposed += len(drafts)
                 r.completion.accepted += result.accepted
@@ -446,17 +410,17 @@ class BatchingEngine(_EngineBase):
         self.gate.observe_accept(accepted_total / len(proposals))
 
     def _deliver(self, slot: int, token: int, committed: int) -> None:
-        """Emit ``token`` for the request in ``slot`` and finish it if it is done (as Finisher does);
-        ``committed`` is the slot's length once the rows before ``token`` are written."""
+        """Emit ``token`` for the request in ``slot`` and finish it by the request's FinishRule
+        (the one of one-sequence generation); ``committed`` is the slot's length once the rows
+        before ``token`` are written."""
         r = self._running[slot]
         r.pending = token
         r.context.append(token)
         c = r.completion
         c._emit("token", token)
-        if token in c.request.stop_ids:
-            self._finish(slot, "eos")
-        elif len(c.tokens) >= c.request.max_new_tokens or committed >= self.max_length:
-            self._finish(slot, "length")  # or no room left for the pending token's KV
+        reason = r.rule.after(token, len(c.tokens), committed)
+        if reason is not None:
+            self._finish(slot, reason)
 
     def _finish(self, slot: int, reason: str | None = None, *, error: str | None = None) -> None:
         r = self._running.pop(slot)

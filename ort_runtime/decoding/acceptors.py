@@ -9,6 +9,10 @@ place where greedy decoding and sampling differ:
     accept(context, proposal, ver.) a round's accepted prefix and next token (``greedy_accept`` /
                                     the rejection rule of ort_runtime/decoding/sampling.py)
     check(draft, q, target, logits, context)   the same rule for one draft (the pipeline's lanes)
+    choose(argmax, logits, context) a plain row's token (the batching engine's rows)
+
+``accept_round`` is the one accept path of both engines (ort_runtime/decoding/speculate.py and
+ort_runtime/batching/engine.py); ``SampledAcceptor.draw`` the one place a token is drawn.
 
 ``context`` is always the sequence before the token being decided (the repetition penalty
 reads it). Greedy never pulls logits it does not need: its tokens are the device's argmax.
@@ -37,6 +41,14 @@ from loopcast.ort_runtime.decoding.verifiers import PlainDecode
 from loopcast.manifest import PREFILL
 
 
+def accept_round(acceptor, context: Sequence[int], proposal, verified) -> tuple[AcceptResult, list[int]]:
+    """A round's verdict, for one sequence and for each request of a batch alike: the accept
+    result and the tokens emitted after the pending one (accepted drafts + the next token).
+    ``context`` ends with the pending token."""
+    result = acceptor.accept(context, proposal, verified)
+    return result, list(proposal.tokens[: result.accepted]) + [result.next_token]
+
+
 class GreedyAcceptor:
     sampled = False
 
@@ -52,6 +64,10 @@ class GreedyAcceptor:
 
     def draft(self, token: int, logits: np.ndarray | None, context: Sequence[int]) -> tuple[int, None]:
         return int(token), None
+
+    def choose(self, argmax_id: int, logits_V: np.ndarray | None, context: Sequence[int]) -> int:
+        """A plain row's token: the device's argmax (greedy pulls no logits)."""
+        return int(argmax_id)
 
     def accept(self, context: Sequence[int], proposal, verified) -> AcceptResult:
         guard = self.tie_guard
@@ -93,7 +109,12 @@ class SampledAcceptor:
         return probabilities(logits_V, self.params, context)
 
     def draw(self, logits_V: np.ndarray, context: Sequence[int]) -> int:
+        """The one place a token is drawn from a row's processed distribution."""
         return sample(self.distribution(logits_V, context), self.rng)
+
+    def choose(self, argmax_id: int, logits_V: np.ndarray | None, context: Sequence[int]) -> int:
+        """A plain row's token: a draw from its logits (the argmax is not used)."""
+        return self.draw(logits_V, context)
 
     def first(self, gen, ids: list[int]) -> int:
         out = gen.run(PREFILL, gen.n, tokens=ids, want_logits=True)

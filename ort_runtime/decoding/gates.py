@@ -23,7 +23,7 @@ from collections import deque
 from loopcast.ort_runtime.decoding.protocols import CostsBase
 
 from loopcast.errors import RequestError
-from loopcast.manifest import DECODE
+from loopcast.manifest import DECODE, DECODE_BATCH, VERIFY_BATCH
 from loopcast.vocab import GateKind, choices
 
 GATES = tuple(choices(GateKind))
@@ -354,6 +354,57 @@ class CostGate(_Counters):
             backoff=self._backoff,
             probe_in=max(self._next_probe - self._step, 0),
         )
+
+
+class BatchCostGate(_Counters):
+    """Whether a step verifies drafts (verify_batch) or decodes (decode_batch).
+
+    Verify when (running + proposing·α) / t_verify(w) > running / t_decode(w): tokens per second
+    of either step at width w, with α the observed accepted drafts per proposing request (an
+    exponential average, starting optimistic so that the first proposals are tried). Costs are
+    exponential averages of steady runs per (kind, width); a binding's first run is left out.
+    While verify is off, α cannot move, so every ``probe_every`` steps one verify step is taken
+    anyway. Decisions change which kernels run, never the greedy tokens.
+    """
+
+    def __init__(self, probe_every: int = 32, smoothing: float = 0.2) -> None:
+        super().__init__("batch-cost", "batching engine")
+        self.probe_every, self.smoothing = probe_every, smoothing
+        self.cost: dict[tuple[str, int], float] = {}
+        self._seen: set[tuple[str, int]] = set()
+        self.alpha = 2.0
+        self.off_steps = 0
+
+    def engage(self, width: int, running: int, proposing: int) -> bool:
+        t_verify, t_decode = self.cost.get((VERIFY_BATCH, width)), self.cost.get((DECODE_BATCH, width))
+        if t_decode is None:  # measure the plain step at this width first
+            on = False
+        elif t_verify is None:
+            on = True
+        else:
+            on = (running + proposing * self.alpha) / t_verify > running / t_decode
+        probe = False
+        if not on:
+            self.off_steps += 1
+            if self.off_steps >= self.probe_every:
+                on = probe = True
+        if on:
+            self.off_steps = 0
+        self._switch(on)
+        self._count(1 if on else None, probe)
+        self.reason = f"α={self.alpha:.2f} at width {width}: {'verify' if on else 'decode'}"
+        return on
+
+    def observe_cost(self, kind: str, width: int, seconds: float) -> None:
+        key = (kind, width)
+        if key not in self._seen:  # warm-up run of a fresh binding
+            self._seen.add(key)
+            return
+        old = self.cost.get(key)
+        self.cost[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def observe_accept(self, accepted_per_proposer: float) -> None:
+        self.alpha += self.smoothing * (accepted_per_proposer - self.alpha)
 
 
 def make_gate(

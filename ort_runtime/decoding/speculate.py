@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loopcast.ort_runtime.binding.generator import Generator
-from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor
+from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
 from loopcast.ort_runtime.decoding.finish import Finisher, FinishRule
 from loopcast.ort_runtime.decoding.gates import (
     DECODE_ROUND,
@@ -443,9 +443,9 @@ class _Engine:
         gen, plan = self.gen, self.plan
         verified = plan.strategy.verify(gen, pending, proposal)
         self.context.append(pending)
-        result = self.acceptor.accept(self.context, proposal, verified)
+        result, emitted = accept_round(self.acceptor, self.context, proposal, verified)
         self.context.pop()
-        drafts = proposal.tokens[: result.accepted]
+        drafts = emitted[:-1]
         if result.branch_accepted:
             # The branch won: its rows' KV (scratch positions n+K+1..) moves into place at
             # n+fork+1.. before n passes it (docs/architecture.md §5, "Alternate suffix").

@@ -9,7 +9,7 @@ import threading
 import pytest
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.batching.engine import (
-    BatchGate,
+    BatchCostGate,
     BatchingEngine,
     BatchRequest,
     CapacityError,
@@ -145,7 +145,7 @@ def test_sequential_engine_matches(model):
         engine.shutdown()
 
 
-class _AlwaysVerify(BatchGate):
+class _AlwaysVerify(BatchCostGate):
     def engage(self, width: int, running: int, proposing: int) -> bool:
         return True
 
@@ -194,7 +194,7 @@ def test_speculation_per_request_equals_plain_greedy(model, proposer):
 
 
 def test_gate_turns_verify_off_when_it_does_not_pay():
-    gate = BatchGate(probe_every=4)
+    gate = BatchCostGate(probe_every=4)
     assert not gate.engage(2, 2, 1)  # no decode cost at this width yet: measure it
     for seconds in (1.0, 0.01, 0.01):  # the first run of a binding is left out
         gate.observe_cost("decode_batch", 2, seconds)
