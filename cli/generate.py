@@ -121,6 +121,8 @@ def generate(
 ) -> None:
     """Generate from a prompt: greedy, or sampled with --temperature/--top-p/... ."""
     source = prompt_source(prompt, prompt_file, prompt_ids, chat, system)
+    if any(not s for s in stop):  # GenerationConfig drops empty stops; on the command line one is a typo
+        raise RequestError(f"--stop strings must be non-empty, got {list(stop)!r}")
     from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 
     # The keyword form is the flags' own names: an error names the keyword, cli/flags.py the flag.
