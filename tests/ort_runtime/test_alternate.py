@@ -322,7 +322,7 @@ def test_cli_option_and_errors() -> None:
     art = str(artifact("ouro-r3", tree_verify=True))
     base = ["generate", art, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "12", "--json"]
     plain = CliRunner().invoke(main, base)
-    alt = CliRunner().invoke(main, base + ["--speculative", "self", "--gate", "none", "--alternate-gap", "1"])
+    alt = CliRunner().invoke(main, base + ["--speculative", "self", "--gate", "always", "--alternate-gap", "1"])
     assert plain.exit_code == alt.exit_code == 0, alt.output
     import json
 
