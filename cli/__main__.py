@@ -1,4 +1,4 @@
-"""`python -m loopcast.cli`: the command line."""
+"""``python -m loopcast.cli``: the same command line as the ``loopcast`` script."""
 
 from loopcast.cli import main
 

@@ -1,71 +1,56 @@
-"""`loopcast generate` on an artifact (the default ORT backend)."""
+"""``loopcast generate`` on an artifact (the ORT backend): one GenerationConfig in, a JSON-able dict out."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 
+from loopcast.cli.options import PromptSource
 from loopcast.ort_runtime.api import load
-from loopcast.ort_runtime.decoding.sampling import SamplingParams
+from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.text.stopping import trim_at_stop
 
 from loopcast.errors import RequestError
+from loopcast.vocab import GateKind
 
 
 def generate_with_ort(
     path: str,
-    prompt: str | None,
-    prompt_ids: list[int] | None,
-    max_new_tokens: int,
+    source: PromptSource,
+    config: GenerationConfig,
     *,
     device: str = "cpu",
-    speculative: str = "none",
-    num_draft_tokens: int | None = None,
-    draft_depth: int | None = None,
-    gate: str = "auto",
-    allow_inexact: bool = False,
-    on_text=None,
-    messages: list[dict] | None = None,
-    stop: tuple[str, ...] = (),
-    sampling: SamplingParams | None = None,
-    skip_special_tokens: bool = False,
     trust_ops: bool = False,
-    pipeline_exit: int = 1,
-    alternate_gap: float | None = None,
+    draft_depth: int | None = None,
+    on_text: Callable[[str], None] | None = None,
 ) -> dict:
+    """Run ``config`` on the artifact at ``path``; ``on_text`` gets the text as it is committed
+    (the token ids, comma-terminated, when the artifact has no tokenizer). ``draft_depth`` is a
+    check, not an option: the depth of the draft graph is fixed at export."""
     model = load(path, device, trust_ops=trust_ops)
     if draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
         raise RequestError(
             f"--draft-depth {draft_depth}: this artifact's draft graph runs "
             f"{model.loaded.manifest.draft_depth} loops (re-export with --draft-depth {draft_depth})"
         )
-    source = prompt if prompt is not None else prompt_ids
-    kwargs = dict(
-        speculative=speculative,
-        num_draft_tokens=num_draft_tokens,
-        gate=gate,
-        messages=messages,
-        sampling=sampling,
-        allow_inexact=allow_inexact,
-        pipeline_exit=pipeline_exit,
-        alternate_gap=alternate_gap,
-    )
-    if messages is not None:
-        source = None
-    text_kwargs = dict(stop=list(stop), skip_special_tokens=skip_special_tokens)
+    prompt = source.text if source.text is not None else source.ids
+    if source.messages is not None:
+        prompt = None
+    options = _api_keywords(config)
     if on_text is not None:
         from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
         stats = GenerationStats()
         tokens = []
-        for piece in model.stream(source, max_new_tokens, stats=stats, **text_kwargs, **kwargs):
+        for piece in model.stream(prompt, messages=source.messages, stats=stats, **options):
             if piece.token is not None:
                 tokens.append(piece.token)
             on_text(piece.text if model.tokenizer is not None else f"{piece.token},")
-        text = model.decode(tokens, skip_special_tokens)
-        if stop and text is not None:
-            text = trim_at_stop(text, stop)[0]
+        text = model.decode(tokens, config.skip_special_tokens)
+        if config.stop and text is not None:
+            text = trim_at_stop(text, config.stop)[0]
     else:
-        result = model.generate(source, max_new_tokens, **text_kwargs, **kwargs)
+        result = model.generate(prompt, messages=source.messages, **options)
         tokens, text, stats = result.tokens, result.text, result.stats
     return {
         "tokens": tokens,
@@ -75,6 +60,31 @@ def generate_with_ort(
             "backend": "ort",
             "device": device,
             **stats.as_dict(),
-            "sampling": asdict(sampling) if sampling is not None else None,
+            "sampling": asdict(config.sampling) if config.sampling is not None else None,
         },
     }
+
+
+def _api_keywords(config: GenerationConfig) -> dict:
+    """``config`` as today's keyword arguments of LoopcastModel.generate/stream.
+
+    MERGE: once LoopcastModel.generate/stream take ``config=``, this function goes and its two
+    callers above pass ``config=config`` instead of ``**_api_keywords(config)``.
+    """
+    spec = config.speculation
+    return dict(
+        max_new_tokens=config.max_new_tokens,
+        stop_ids=config.stop_ids,
+        stop=list(config.stop),
+        skip_special_tokens=config.skip_special_tokens,
+        sampling=config.sampling,
+        speculative=spec.mode.value,
+        num_draft_tokens=spec.num_draft_tokens,
+        # today's gates.py spells GateKind.ALWAYS "none"
+        gate="none" if spec.gate == GateKind.ALWAYS else spec.gate.value,
+        tie_guard=spec.tie_guard,
+        allow_inexact=spec.allow_inexact,
+        pipeline_exit=spec.pipeline_exit,
+        alternate_gap=spec.alternate_gap,
+        pipeline_device_lanes=spec.pipeline_device_lanes,
+    )

@@ -22,4 +22,11 @@ class ExportError(LoopcastError):
 
 
 class RequestError(LoopcastError):
-    """A generation request that cannot be served (prompt, ids, lengths)."""
+    """A generation request that cannot be served (prompt, ids, lengths).
+
+    ``parameter`` names the option at fault as the library spells it (``num_draft_tokens``), so
+    that a front end can say it its own way (the CLI's ``--num-draft-tokens``, cli/flags.py)."""
+
+    def __init__(self, *args: object, parameter: str | None = None) -> None:
+        super().__init__(*args)
+        self.parameter = parameter

@@ -11,8 +11,8 @@ capacity 400 (``context_length_exceeded``), a full queue 503. Unexpected failure
 the same shape; nothing a client sends can crash the server. Extensions (vLLM-style): a
 request may ask for ``return_token_ids`` (token ids in each choice), ``skip_special_tokens``
 (default true, as ``loopcast generate``), ``ignore_eos``, ``top_k``/``min_p``/``repetition_penalty``
-and ``speculative`` ("none" | "prompt-lookup"); a response's ``loopcast`` field says which
-speculation served it (or why none) and its draft counts.
+and ``speculative`` (one of ``SERVED_MODES``: "none" | "prompt-lookup"); a response's
+``loopcast`` field says which speculation served it (or why none) and its draft counts.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from loopcast.ort_runtime.batching.engine import CapacityError
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
+from loopcast.serve import SERVED_MODES
 from loopcast.serve.state import ServingState, TextResult
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from loopcast.errors import LoopcastError, RequestError
+from loopcast.vocab import SpeculativeMode
 
 
 class _Common(BaseModel):
@@ -54,9 +56,14 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     ignore_eos: bool = False  # extension (vLLM): generate max_tokens whatever comes
-    speculative: Literal["none", "prompt-lookup"] | None = (
-        None  # extension: default the server's --speculative
-    )
+    speculative: str | None = None  # extension: one of SERVED_MODES; default: the server's --speculative
+
+    @field_validator("speculative")
+    @classmethod
+    def _served(cls, value: str | None) -> SpeculativeMode | None:
+        if value is None or value in SERVED_MODES:
+            return None if value is None else SpeculativeMode(value)
+        raise ValueError(f"must be one of {', '.join(SERVED_MODES)}, got {value!r}")
 
     def sampling(self) -> SamplingParams | None:
         if self.temperature == 0:

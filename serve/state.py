@@ -4,8 +4,9 @@
 batching over the ``decode_batch`` graph when the artifact has one (``export --max-batch``),
 else one request at a time. ``ServingState.stream`` submits token ids and yields text pieces
 as the engine commits tokens, asyncio-side: the engine thread hands events to the event loop
-with ``call_soon_threadsafe``. Stop strings are matched on the text (ort_runtime/text/stopping.py)
-and cancel the request, which frees its slot at the next step boundary. Torch-free.
+with ``call_soon_threadsafe``. The text comes from a TextStreamer (ort_runtime/text/streamer.py,
+as the Python API's): stop strings are matched on it and cancel the request, which frees its
+slot at the next step boundary. Torch-free.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from pathlib import Path
 from loopcast.ort_runtime.api import LoopcastModel, load
 from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest, SequentialEngine
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
-from loopcast.ort_runtime.text.stopping import StopStringMatcher
+from loopcast.ort_runtime.text.streamer import TextStreamer
+from loopcast.serve import SERVED_MODES
 
 from loopcast.errors import RequestError
+from loopcast.vocab import SpeculativeMode, parse
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,11 @@ class ServeOptions:
     threads: int | None = None
     trust_ops: bool = False
     model_name: str | None = None  # default: the artifact directory's name
-    speculative: str = "none"  # default per request: "none" or "prompt-lookup" (docs/serving.md)
+    speculative: SpeculativeMode = SpeculativeMode.NONE  # default per request, one of SERVED_MODES
     cuda_graphs: bool = False  # capture the batched kinds per width on CUDA (opt-in)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", served_mode(self.speculative))
 
 
 @dataclass
@@ -56,9 +62,16 @@ class TextResult:
 
 
 class ServingState:
-    def __init__(self, model: LoopcastModel, engine, name: str, mode: str, speculative: str = "none") -> None:
+    def __init__(
+        self,
+        model: LoopcastModel,
+        engine,
+        name: str,
+        mode: str,
+        speculative: SpeculativeMode | str = SpeculativeMode.NONE,
+    ) -> None:
         self.model, self.engine, self.name, self.mode = model, engine, name, mode
-        self.speculative = speculative
+        self.speculative = served_mode(speculative)
         self.created = int(time.time())
         self.max_length = model.loaded.manifest.max_length
 
@@ -94,7 +107,7 @@ class ServingState:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         ignore_eos: bool = False,
-        speculative: str | None = None,
+        speculative: SpeculativeMode | str | None = None,
         result: TextResult | None = None,
     ) -> AsyncIterator[TextPiece]:
         """Yield text pieces of the completion of ``ids``; ``result`` is filled in on the way.
@@ -108,14 +121,13 @@ class ServingState:
             except RuntimeError:  # the loop is gone (server shutting down)
                 pass
 
-        matcher = StopStringMatcher(stop) if stop else None
+        streamer = TextStreamer(self.model.decode, stop, skip_special_tokens)
         result = result if result is not None else TextResult(len(ids))
         start = time.perf_counter()
         stop_ids = () if ignore_eos else tuple(self.model.eos_token_ids)
-        mode = self.speculative if speculative is None else speculative
+        mode = self.speculative if speculative is None else served_mode(speculative)
         completion = self.engine.submit(BatchRequest(ids, max_tokens, stop_ids, sampling, mode), on_event)
         result.speculative = completion
-        shown = ""
         try:
             while True:
                 kind, value = await events.get()
@@ -124,25 +136,20 @@ class ServingState:
                 if kind == "done":
                     if value == "cancelled":  # only we cancel: a stop string already ended it
                         return
-                    if matcher is not None and (rest := matcher.flush()):
+                    if rest := streamer.flush():
                         yield TextPiece(rest, None)
                     result.finish_reason = "stop" if value == "eos" else "length"
                     return
                 result.tokens.append(value)
                 if result.first_token_s is None:
                     result.first_token_s = time.perf_counter() - start
-                text = self.model.decode(result.tokens, skip_special_tokens) or ""
-                if text.endswith("\ufffd"):  # a byte-level token split a character: wait for the rest
-                    continue
-                delta, shown = text[len(shown) :], text
-                if matcher is not None:
-                    delta = matcher.feed(delta)
-                    if matcher.stopped:
-                        completion.cancel()
-                        result.finish_reason = "stop"
-                        if delta:
-                            yield TextPiece(delta, value)
-                        return
+                delta, stopped = streamer.feed(value)
+                if stopped:
+                    completion.cancel()
+                    result.finish_reason = "stop"
+                    if delta:
+                        yield TextPiece(delta, value)
+                    return
                 if delta:
                     yield TextPiece(delta, value)
         finally:
@@ -163,6 +170,17 @@ class ServingState:
 
     def close(self, timeout: float = 30.0) -> None:
         self.engine.shutdown(timeout)
+
+
+def served_mode(value: object) -> SpeculativeMode:
+    """``value`` as one of the SERVED_MODES, or a RequestError that names ``speculative``."""
+    mode = parse(SpeculativeMode, value, "speculative")
+    if mode not in SERVED_MODES:
+        raise RequestError(
+            f"speculative must be one of {', '.join(SERVED_MODES)} when serving, got {value!r}",
+            parameter="speculative",
+        )
+    return mode
 
 
 def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -> ServingState:

@@ -1,0 +1,157 @@
+"""``loopcast bench``: time ORT steps and generation against PyTorch and the bandwidth floor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("checkpoint", default="demo")
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default=None,
+    help="Default: cuda when onnxruntime has the CUDA provider and the driver sees a GPU, else cpu.",
+)
+@click.option(
+    "--dtype",
+    "dtypes",
+    multiple=True,
+    type=click.Choice(["fp32", "fp16", "bf16"]),
+    help="Repeatable (default: fp16 and bf16 on cuda, fp32 on cpu).",
+)
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    type=click.Choice(["stock", "batch-invariant", "default"]),
+    help="Graph variants to compare: stock ops, every loopcast op, or the exporter's default op set "
+    "(default: stock and batch-invariant).",
+)
+@click.option("--past", type=int, default=1024, show_default=True, help="KV length the steps attend over.")
+@click.option("--widths", default="2,5,8", show_default=True, help="Verify widths W (comma-separated).")
+@click.option("--iters", type=int, default=50, show_default=True, help="Timed runs per step kind.")
+@click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens per end-to-end prompt.")
+@click.option(
+    "--alternate-tokens",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="Length of the decode/draft/verify alternation run (CUDA).",
+)
+@click.option("--no-end-to-end", is_flag=True, help="Skip the end-to-end tokens/s rows.")
+@click.option(
+    "--oracle-reject",
+    "oracle_reject",
+    default="0,0.08",
+    show_default=True,
+    help="Pipeline rows with oracle drafts (plain greedy's continuation replayed through the drafts "
+    "hook) that spoil these fractions of positions (comma-separated; empty: none).",
+)
+@click.option(
+    "--passes",
+    type=int,
+    default=1,
+    show_default=True,
+    help="End-to-end passes over the prompts, the modes taking turns prompt by prompt; the ratios "
+    "reported are the median over passes of each mode against plain in the same pass.",
+)
+@click.option("--no-torch", is_flag=True, help="Skip the PyTorch baseline.")
+@click.option("--no-profile", is_flag=True, help="Skip the per-kernel-family decode profile (CUDA).")
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where checkpoints and artifacts are exported (default: $LOOPCAST_CACHE/bench/work, "
+    "LOOPCAST_CACHE defaulting to ~/.cache/loopcast).",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="JSON report, a PNG beside it when matplotlib is installed (default: a new timestamped "
+    "file under $LOOPCAST_CACHE/bench).",
+)
+def bench(
+    checkpoint: str,
+    device: str | None,
+    dtypes: tuple[str, ...],
+    variants: tuple[str, ...],
+    past: int,
+    widths: str,
+    iters: int,
+    new_tokens: int,
+    alternate_tokens: int,
+    no_end_to_end: bool,
+    oracle_reject: str,
+    passes: int,
+    no_torch: bool,
+    no_profile: bool,
+    work_dir: Path | None,
+    out: Path | None,
+) -> None:
+    """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""  # noqa: E501 (one line: click's help)
+    from loopcast.bench.harness import BenchOptions, run_bench
+    from loopcast.bench.report import default_report_path, format_table, write_report
+
+    from loopcast.config import PRESETS
+    from loopcast.devices import cache_root, check_device, default_device
+    from loopcast.errors import RequestError
+
+    if checkpoint.startswith("preset:") and checkpoint.split(":", 1)[1] not in PRESETS:
+        raise RequestError(
+            f"unknown preset {checkpoint!r}; choose from {', '.join('preset:' + name for name in PRESETS)}"
+        )
+    # Checked before anything is exported: a CPU-only install refuses --device cuda at once.
+    device = check_device(device) if device is not None else default_device()
+    work_dir = work_dir if work_dir is not None else cache_root() / "bench" / "work"
+    out = out if out is not None else default_report_path(checkpoint, device)
+    if out.suffix != ".json":
+        raise RequestError(f"--out must name a .json file, got {out}")
+
+    try:
+        width_list = tuple(int(w) for w in widths.split(",") if w)
+    except ValueError:
+        raise RequestError(f"--widths must be comma-separated integers, got {widths!r}") from None
+    if past < 1 or iters < 1 or passes < 1:
+        raise RequestError("--past, --iters and --passes must be positive")
+    from loopcast.exporter.export import MAX_VERIFY_WIDTH
+
+    if not width_list or any(not 2 <= w <= MAX_VERIFY_WIDTH for w in width_list):
+        raise RequestError(f"--widths must be verify widths in 2..{MAX_VERIFY_WIDTH}, got {widths!r}")
+    try:
+        rejects = tuple(float(f) for f in oracle_reject.split(",") if f)
+    except ValueError:
+        raise RequestError(
+            f"--oracle-reject must be comma-separated fractions, got {oracle_reject!r}"
+        ) from None
+    if any(not 0 <= f <= 1 for f in rejects):
+        raise RequestError(f"--oracle-reject fractions must be in 0..1, got {oracle_reject!r}")
+    opts = BenchOptions(
+        checkpoint,
+        work_dir,
+        device,
+        dtypes or (("fp16", "bf16") if device == "cuda" else ("fp32",)),
+        variants or ("stock", "batch-invariant"),
+        past,
+        width_list,
+        iters,
+        new_tokens,
+        not no_end_to_end,
+        alternate_tokens,
+        not no_torch,
+        not no_profile,
+        rejects,
+        passes,
+    )
+    click.echo(f"bench on {device}: artifacts in {work_dir}, report {out}", err=True)
+    report = run_bench(
+        opts,
+        log=lambda line: click.echo(line, err=True),
+        on_progress=lambda partial: write_report(partial, out, plot=False),
+    )
+    click.echo(format_table(report))
+    for path in write_report(report, out):
+        click.echo(f"wrote {path}")

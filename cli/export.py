@@ -1,0 +1,107 @@
+"""``loopcast export``: a checkpoint into an ONNX artifact directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("checkpoint")
+@click.option(
+    "-o",
+    "--output",
+    "out_dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Artifact directory to create.",
+)
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option(
+    "--max-length", type=int, default=None, help="KV capacity S_max (default: min(max positions, 4096))."
+)
+@click.option("--verify-width", type=int, default=5, show_default=True, help="Rows W of verify/verify_tail.")
+@click.option(
+    "--draft-depth", type=int, default=None, help="Loops of the draft graph (default 1 when R > 1)."
+)
+@click.option(
+    "--ops",
+    type=click.Choice(["auto", "stock", "loopcast-attention", "loopcast"]),
+    default="auto",
+    show_default=True,
+    help="Op set of the graphs. auto: for fp32, loopcast-attention (the loopcast attention op with "
+    "stock MatMul: verify rows equal decode rows bit for bit on the CPU at stock speed) when "
+    "the custom-op library can be built, else stock; loopcast: every hot op from the library.",
+)
+@click.option("--batch-invariant", is_flag=True, help="Same as --ops loopcast.")
+@click.option(
+    "--target",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Device the artifact is for. cuda implies --ops loopcast: on a GPU the loopcast ops are "
+    "faster than the stock ones, exact, and only their graphs can be captured (docs/perf.md).",
+)
+@click.option(
+    "--genai",
+    is_flag=True,
+    help="Also write genai_decoder.onnx and genai_config.json, so that ONNX Runtime GenAI "
+    "(og.Model(ART)) runs the artifact; stock ops, sharing weights.safetensors.",
+)
+@click.option(
+    "--max-batch",
+    type=int,
+    default=None,
+    help="Also write the batched decode graph for up to this many sequences (loopcast serve; "
+    "docs/serving.md).",
+)
+@click.option(
+    "--tree-verify",
+    is_flag=True,
+    help="Also write the tree kinds (tree_draft, tree_tail) that generate --alternate-gap needs "
+    "(looped models, loopcast attention op).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
+def export(
+    checkpoint: str,
+    out_dir: Path,
+    dtype: str,
+    max_length: int | None,
+    verify_width: int,
+    draft_depth: int | None,
+    ops: str,
+    batch_invariant: bool,
+    target: str,
+    genai: bool,
+    max_batch: int | None,
+    tree_verify: bool,
+    overwrite: bool,
+) -> None:
+    """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
+    from loopcast.exporter.export import ExportOptions, export_checkpoint
+
+    from loopcast.manifest import BATCH_KINDS
+
+    options = ExportOptions(
+        dtype,
+        max_length,
+        verify_width,
+        draft_depth,
+        batch_invariant or target == "cuda",
+        ops,
+        genai,
+        max_batch,
+        tree_verify,
+    )
+    manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
+    kinds = ", ".join(
+        f"{k}({v.rows or 'M'})" if k not in BATCH_KINDS else f"{k}({v.rows} x B<={manifest.max_batch})"
+        for k, v in manifest.graphs.items()
+    )
+    exact = ", ".join(d for d, ok in manifest.exact_verify.items() if ok) or "no device"
+    genai_note = "; ONNX Runtime GenAI model (genai_config.json)" if manifest.genai_files else ""
+    click.echo(
+        f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}, "
+        f"ops {manifest.op_set}, exact speculation on {exact}{genai_note}"
+    )

@@ -1,0 +1,34 @@
+"""``loopcast inspect``: explain a checkpoint or an artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("path")
+@click.option(
+    "--verify", is_flag=True, help="Artifact: also check the SHA-256 of every file the manifest records."
+)
+def inspect(path: str, verify: bool) -> None:
+    """Explain a checkpoint directory (or `demo`) or an exported artifact."""
+    if not Path(path).exists():
+        from loopcast.swap import recover
+
+        recover(Path(path), clean=False)  # an export killed mid-swap: put the artifact back
+    if (Path(path) / "manifest.json").is_file():
+        from loopcast.ort_runtime.loading.artifact import describe_artifact
+
+        click.echo(describe_artifact(Path(path), verify=verify))
+        return
+    if verify:
+        from loopcast.errors import RequestError
+
+        raise RequestError(
+            f"{path}: --verify checks an exported artifact; this is not one (no manifest.json)"
+        )
+    from loopcast.exporter.inspect_checkpoint import describe_checkpoint
+
+    click.echo(describe_checkpoint(path))

@@ -1,0 +1,160 @@
+"""Option groups and parsers that more than one command shares: prompts, sampling, speculation."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from loopcast.errors import RequestError
+from loopcast.vocab import SpeculativeMode, choices
+
+# The modes a user picks by name; "custom" is a proposer object of the Python API.
+CLI_MODES = [mode for mode in choices(SpeculativeMode) if mode != SpeculativeMode.CUSTOM]
+
+DTYPE = click.Choice(["fp32", "fp16", "bf16"])
+
+
+def stack(*decorators: Callable) -> Callable:
+    """Several click options as one decorator, in the order they are listed (and shown in --help)."""
+
+    def apply(func: Callable) -> Callable:
+        for decorator in reversed(decorators):
+            func = decorator(func)
+        return func
+
+    return apply
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    """What the model continues: text, token ids or chat messages (exactly one is set)."""
+
+    text: str | None = None
+    ids: list[int] | None = None
+    messages: list[dict] | None = None
+
+
+prompt_options = stack(
+    click.option("--prompt", help="Prompt text (needs the tokenizer); `-` reads it from stdin."),
+    click.option(
+        "--prompt-file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Read the prompt text from this file (UTF-8).",
+    ),
+    click.option("--prompt-ids", help='Prompt as token ids separated by commas or spaces: 1,2,3 or "1 2 3".'),
+    click.option(
+        "--chat",
+        "chat",
+        multiple=True,
+        help="A user message, rendered with the artifact's chat template (repeatable: several user turns).",
+    ),
+    click.option("--system", help="A system message before the --chat messages."),
+)
+
+
+def prompt_source(
+    prompt: str | None,
+    prompt_file: Path | None,
+    prompt_ids: str | None,
+    chat: tuple[str, ...],
+    system: str | None,
+) -> PromptSource:
+    """The one prompt that ``prompt_options``' flags give (exactly one source, or a RequestError)."""
+    given = [
+        name
+        for name, value in (
+            ("--prompt", prompt),
+            ("--prompt-file", prompt_file),
+            ("--prompt-ids", prompt_ids),
+            ("--chat", chat or None),
+        )
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise RequestError(
+            "give exactly one of --prompt and --prompt-ids (or --prompt-file, or --chat)"
+            + (f"; got {', '.join(given)}" if given else "")
+        )
+    if system is not None and not chat:
+        raise RequestError("--system goes with --chat")
+    if chat:
+        from loopcast.ort_runtime.text.chat import chat_messages
+
+        return PromptSource(messages=chat_messages(chat, system))
+    if prompt_ids is not None:
+        return PromptSource(ids=parse_ids(prompt_ids))
+    return PromptSource(text=read_prompt(prompt, prompt_file))
+
+
+def parse_ids(text: str) -> list[int]:
+    """Token ids separated by commas ("1,2,3", "1, 2, 3") or by whitespace ("1 2 3"). A piece
+    that is not one integer (e.g. "1 2,3": is it 1,2,3 or 12,3?) is refused, never guessed."""
+    pieces = [p.strip() for p in text.split(",")] if "," in text else text.split()
+    if text.strip() and not all(re.fullmatch(r"-?[0-9]+", p) for p in pieces):
+        raise RequestError(
+            f"--prompt-ids must be comma-separated or space-separated integers (not both, "
+            f"no empty entries), got {text!r}"
+        )
+    return [int(p) for p in pieces if p]
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
+    """--prompt TEXT, --prompt - (stdin) or --prompt-file PATH → the prompt text."""
+    try:
+        if prompt_file is not None:
+            return prompt_file.read_text(encoding="utf-8")
+        if prompt == "-":
+            return sys.stdin.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RequestError(
+            f"--prompt-file {prompt_file}: cannot read it ({exc})"
+            if prompt_file is not None
+            else f"--prompt -: cannot read stdin ({exc})"
+        ) from None
+    return prompt
+
+
+sampling_options = stack(
+    click.option(
+        "--temperature",
+        type=float,
+        default=None,
+        help="Sample instead of greedy (any sampling option turns sampling on at temperature 1; "
+        "0 is greedy).",
+    ),
+    click.option("--top-k", type=int, default=None, help="Sample from the k most likely tokens."),
+    click.option("--top-p", type=float, default=None, help="Sample from the most likely tokens of mass p."),
+    click.option(
+        "--min-p", type=float, default=None, help="Drop tokens below min-p times the top probability."
+    ),
+    click.option(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="transformers' repetition penalty (> 1 discourages).",
+    ),
+    click.option("--seed", type=int, default=None, help="Seed of the sampling RNG (same seed, same tokens)."),
+)
+
+
+def sampling_params(temperature, top_k, top_p, min_p, repetition_penalty, seed):
+    """SamplingParams when any ``sampling_options`` flag is given, else None (greedy)."""
+    values = dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+    )
+    given = {k: v for k, v in values.items() if v is not None}
+    if not given:
+        return None
+    from loopcast.ort_runtime.decoding.sampling import SamplingParams
+
+    return SamplingParams(**given)

@@ -1,0 +1,132 @@
+"""``loopcast serve``: an OpenAI-compatible HTTP server over an artifact (uvicorn or Ray Serve)."""
+
+from __future__ import annotations
+
+import click
+from loopcast.serve import SERVED_MODES
+
+from loopcast.vocab import SpeculativeMode
+
+_SERVE_EPILOG = """\b
+Examples:
+  loopcast export demo -o art --max-batch 8 && loopcast serve art --port 8000
+  curl localhost:8000/v1/completions -d '{"model": "art", "prompt": "def main():", "max_tokens": 32}'
+  loopcast serve art --ray --replicas 2 --replica-cpus 1
+"""
+
+
+@click.command(epilog=_SERVE_EPILOG)
+@click.argument("artifact")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option(
+    "--max-batch",
+    type=int,
+    default=None,
+    help="Sequences per decode step (default: the artifact's --max-batch; without batched graphs "
+    "one request at a time).",
+)
+@click.option(
+    "--max-waiting",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Requests queued for a free slot; more get HTTP 503.",
+)
+@click.option(
+    "--sequential", is_flag=True, help="One request at a time even with batched graphs (a baseline)."
+)
+@click.option(
+    "--speculative",
+    type=click.Choice([mode.value for mode in SERVED_MODES]),
+    default=SpeculativeMode.NONE.value,
+    show_default=True,
+    help="Default speculation per request (a request's `speculative` field overrides it); greedy "
+    "requests only, with a cost gate per step (docs/serving.md).",
+)
+@click.option(
+    "--cuda-graphs",
+    is_flag=True,
+    help="Capture the batched graphs per batch width on CUDA (opt-in; eager otherwise).",
+)
+@click.option("--model-name", default=None, help="Name in the API (default: the artifact directory's name).")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--trust-ops", is_flag=True, help="Load the artifact's op library even if not built here.")
+@click.option("--ray", "use_ray", is_flag=True, help="Run as a Ray Serve application (docs/serving.md).")
+@click.option(
+    "--replicas",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Ray: replicas (0: autoscale between --min-replicas and --max-replicas).",
+)
+@click.option("--min-replicas", type=int, default=1, show_default=True)
+@click.option("--max-replicas", type=int, default=4, show_default=True)
+@click.option(
+    "--target-ongoing-requests",
+    type=float,
+    default=8.0,
+    show_default=True,
+    help="Ray autoscaling: ongoing requests per replica it aims for.",
+)
+@click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="Ray: CPUs per replica.")
+@click.option("--replica-gpus", type=float, default=0.0, show_default=True, help="Ray: GPUs per replica.")
+@click.option("--ray-address", default=None, help="Ray: an existing cluster (default: start a local one).")
+def serve(
+    artifact: str,
+    host: str,
+    port: int,
+    device: str,
+    max_batch: int | None,
+    max_waiting: int,
+    sequential: bool,
+    speculative: str,
+    cuda_graphs: bool,
+    model_name: str | None,
+    threads: int | None,
+    trust_ops: bool,
+    use_ray: bool,
+    replicas: int,
+    min_replicas: int,
+    max_replicas: int,
+    target_ongoing_requests: float,
+    replica_cpus: float,
+    replica_gpus: float,
+    ray_address: str | None,
+) -> None:
+    """Serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from loopcast.serve.launch import RayOptions, require_extra, serve_ray, serve_uvicorn
+    from loopcast.serve.state import ServeOptions
+
+    from loopcast.errors import RequestError
+
+    require_extra("fastapi", "uvicorn", *(["ray"] if use_ray else []))
+    if max_waiting < 0 or replicas < 0 or not 1 <= min_replicas <= max_replicas:
+        raise RequestError(
+            "--max-waiting and --replicas must be >= 0 and 1 <= --min-replicas <= --max-replicas"
+        )
+    options = ServeOptions(
+        device, max_batch, max_waiting, sequential, threads, trust_ops, model_name, speculative, cuda_graphs
+    )
+    echo = lambda line: click.echo(line, err=True)  # noqa: E731
+    if use_ray:
+        serve_ray(
+            artifact,
+            options,
+            RayOptions(
+                replicas or None,
+                min_replicas,
+                max_replicas,
+                target_ongoing_requests,
+                max_ongoing_requests=max(64, max_waiting),
+                replica_cpus=replica_cpus,
+                replica_gpus=replica_gpus,
+                address=ray_address,
+            ),
+            host,
+            port,
+            echo,
+        )
+    else:
+        serve_uvicorn(artifact, options, host, port, echo)

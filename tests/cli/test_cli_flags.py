@@ -1,0 +1,102 @@
+"""Library errors name parameters (``num_draft_tokens``); the CLI names its flags (``--num-draft-tokens``)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+from loopcast.cli import main
+from loopcast.cli.flags import with_flags
+
+from loopcast.errors import ConfigError, RequestError
+from tests.artifacts import artifact
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    assert result.stdout == "" and "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@click.command()
+@click.option("--num-draft-tokens", type=int)
+@click.option("-o", "--output")
+@click.option("--speculative")
+@click.option("--skip-special-tokens/--keep-special-tokens", default=True)
+def _command(**_):
+    pass
+
+
+@pytest.mark.parametrize(
+    "error,message",
+    [
+        # a leading "NAME must" names the parameter
+        (RequestError("num_draft_tokens must be >= 1, got 0"), "--num-draft-tokens must be >= 1, got 0"),
+        (
+            RequestError("speculative must be one of none, self, got 'x'"),
+            "--speculative must be one of none, self, got 'x'",
+        ),
+        # the parameter attribute, wherever the name stands (or a prefix when it does not)
+        (RequestError("cannot write output here", parameter="output"), "cannot write --output here"),
+        (RequestError("unwritable", parameter="output"), "--output: unwritable"),
+        (RequestError("bad", parameter="skip_special_tokens"), "--skip-special-tokens: bad"),
+        # a config field spelled otherwise than its flag
+        (
+            RequestError("mode must be one of none, self", parameter="mode"),
+            "--speculative must be one of none, self",
+        ),
+        # no flag of this command, a flag named already, or no parameter: the message as written
+        (RequestError("max_new_tokens must be >= 0, got -1"), "max_new_tokens must be >= 0, got -1"),
+        (ConfigError("head_dim must be even"), "head_dim must be even"),
+        (RequestError("--output x: taken", parameter="output"), "--output x: taken"),
+        (RequestError("sampling top_p must be in (0, 1], got 0"), "sampling top_p must be in (0, 1], got 0"),
+    ],
+)
+def test_with_flags(error, message) -> None:
+    assert with_flags(error, _command) == message
+
+
+def test_request_error_stays_backwards_compatible() -> None:
+    assert str(RequestError("x")) == "x" and RequestError("x").parameter is None
+    assert RequestError("x", parameter="gate").parameter == "gate"
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--num-draft-tokens", "0"], "error: --num-draft-tokens must be >= 1, got 0"),
+        (["--pipeline-exit", "0"], "error: --pipeline-exit must be >= 1, got 0"),
+        (["--alternate-gap", "2"], "error: --alternate-gap must be in (0, 1], got 2.0"),
+        (["--max-new-tokens", "-1"], "error: --max-new-tokens must be >= 0, got -1"),
+    ],
+)
+def test_generate_config_errors_name_the_flag(args, line) -> None:
+    result = invoke("generate", artifact("ouro-r3"), "--prompt-ids", "5 6", *args)
+    assert error_line(result) == line
+
+
+def test_gate_choices_are_the_enum() -> None:
+    result = invoke("generate", "x", "--prompt-ids", "1", "--gate", "none")
+    assert "'none' is not one of 'auto', 'always', 'hit-density', 'cost'" in error_line(result)
+    help_text = invoke("generate", "--help").output
+    assert "[auto|always|hit-density|cost]" in help_text
+    assert "[none|prompt-lookup|self|pipeline]" in help_text  # custom is the API's proposer objects
+
+
+def test_serve_speculative_choices_are_the_served_modes() -> None:
+    result = invoke("serve", "x", "--speculative", "self")
+    assert "'self' is not one of 'none', 'prompt-lookup'" in error_line(result)
+
+
+def test_gate_always_runs() -> None:
+    base = ["generate", artifact("ouro-r3"), "--prompt-ids", "5 6 5 6", "--max-new-tokens", "6", "--json"]
+    plain = invoke(*base)
+    always = invoke(*base, "--speculative", "prompt-lookup", "--gate", "always", "--allow-inexact")
+    assert plain.exit_code == 0 and always.exit_code == 0, always.output
+    assert plain.stdout.split('"finish_reason"')[0] == always.stdout.split('"finish_reason"')[0]
