@@ -11,7 +11,6 @@ from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.text.stopping import trim_at_stop
 
 from loopcast.errors import RequestError
-from loopcast.vocab import GateKind
 
 
 def generate_with_ort(
@@ -36,13 +35,12 @@ def generate_with_ort(
     prompt = source.text if source.text is not None else source.ids
     if source.messages is not None:
         prompt = None
-    options = _api_keywords(config)
     if on_text is not None:
         from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
         stats = GenerationStats()
         tokens = []
-        for piece in model.stream(prompt, messages=source.messages, stats=stats, **options):
+        for piece in model.stream(prompt, config=config, messages=source.messages, stats=stats):
             if piece.token is not None:
                 tokens.append(piece.token)
             on_text(piece.text if model.tokenizer is not None else f"{piece.token},")
@@ -50,7 +48,7 @@ def generate_with_ort(
         if config.stop and text is not None:
             text = trim_at_stop(text, config.stop)[0]
     else:
-        result = model.generate(prompt, messages=source.messages, **options)
+        result = model.generate(prompt, config=config, messages=source.messages)
         tokens, text, stats = result.tokens, result.text, result.stats
     return {
         "tokens": tokens,
@@ -63,28 +61,3 @@ def generate_with_ort(
             "sampling": asdict(config.sampling) if config.sampling is not None else None,
         },
     }
-
-
-def _api_keywords(config: GenerationConfig) -> dict:
-    """``config`` as today's keyword arguments of LoopcastModel.generate/stream.
-
-    MERGE: once LoopcastModel.generate/stream take ``config=``, this function goes and its two
-    callers above pass ``config=config`` instead of ``**_api_keywords(config)``.
-    """
-    spec = config.speculation
-    return dict(
-        max_new_tokens=config.max_new_tokens,
-        stop_ids=config.stop_ids,
-        stop=list(config.stop),
-        skip_special_tokens=config.skip_special_tokens,
-        sampling=config.sampling,
-        speculative=spec.mode.value,
-        num_draft_tokens=spec.num_draft_tokens,
-        # today's gates.py spells GateKind.ALWAYS "none"
-        gate="none" if spec.gate == GateKind.ALWAYS else spec.gate.value,
-        tie_guard=spec.tie_guard,
-        allow_inexact=spec.allow_inexact,
-        pipeline_exit=spec.pipeline_exit,
-        alternate_gap=spec.alternate_gap,
-        pipeline_device_lanes=spec.pipeline_device_lanes,
-    )

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
-from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.decoding.speculate import GenerationStats, stream
 from loopcast.ort_runtime.loading.artifact import LoadedModel, open_artifact
 from loopcast.ort_runtime.text.chat import ChatTemplate, load_chat_template
-from loopcast.ort_runtime.text.stopping import StopStringMatcher, artifact_eos_ids, trim_at_stop
+from loopcast.ort_runtime.text.stopping import artifact_eos_ids, trim_at_stop
+from loopcast.ort_runtime.text.streamer import TextStreamer
 
 from loopcast.errors import RequestError
 
@@ -229,33 +229,21 @@ class LoopcastModel:
         config = self.generation_config(config, max_new_tokens, **options)
         if config.stop and self.tokenizer is None:
             raise RequestError(f"{self.loaded.path}: stop strings need the tokenizer (tokenizer.json)")
-        matcher = StopStringMatcher(config.stop) if config.stop else None
         stats = stats or GenerationStats()
         start = time.perf_counter()
+        streamer = TextStreamer(self.decode, config.stop, config.skip_special_tokens)
         tokens = self.stream_ids(prompt, config=config, stats=stats, **passthrough)
-        skip_special_tokens = config.skip_special_tokens
-        produced: list[int] = []
-        shown = ""
         try:
             for token in tokens:
-                produced.append(token)
-                text = self.decode(produced, skip_special_tokens) or ""
-                if text.endswith("\ufffd"):  # a byte-level token split a character: wait for the rest
-                    yield StreamPiece(token, "")
-                    continue
-                delta, shown = text[len(shown) :], text
-                if matcher is None:
-                    yield StreamPiece(token, delta)
-                    continue
-                visible = matcher.feed(delta)
-                if matcher.stopped:
+                delta, stopped = streamer.feed(token)
+                if stopped:
                     # Closing the token stream rewinds the generator to the yielded tokens.
                     tokens.close()
                     _finish_on_stop(stats, start)
-                    yield StreamPiece(token, visible)
+                    yield StreamPiece(token, delta)
                     return
-                yield StreamPiece(token, visible)
-            if matcher is not None and (rest := matcher.flush()):
+                yield StreamPiece(token, delta)
+            if rest := streamer.flush():
                 yield StreamPiece(None, rest)
         finally:
             tokens.close()

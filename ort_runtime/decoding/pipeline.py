@@ -125,7 +125,7 @@ class PipelineCycles(VerifierBase):
                 raise RequestError(f"the {kind} graph has {binding.rows} rows but the model runs {R} loops")
         if not 1 <= self.exit_depth < R:
             raise RequestError(
-                f"--pipeline-exit must be in 1..{R - 1} (the model runs {R} loops), got {self.exit_depth}"
+                f"pipeline_exit must be in 1..{R - 1} (the model runs {R} loops), got {self.exit_depth}"
             )
 
     def max_drafts(self, gen) -> int:

@@ -178,7 +178,7 @@ class AlternateDraftProposer(ProposerBase):
 
     def __init__(self, gap: float, *, fork_hook=None, perturb=None) -> None:
         if not 0.0 < gap <= 1.0:
-            raise RequestError(f"--alternate-gap must be a probability gap in (0, 1], got {gap}")
+            raise RequestError(f"alternate_gap must be a probability gap in (0, 1], got {gap}")
         self.gap, self.fork_hook, self.perturb = gap, fork_hook, perturb
         self._gen = None
 

@@ -9,7 +9,7 @@ A round (gpt-fast's loop; ORT-GenAI's Propose / Advance / Reset):
                 strategy.verify ─▶ the verifier's argmax per row (pending + drafts)
                       ▼
                 acceptor.accept ─▶ a accepted drafts + the correction / bonus token
-                      │  (greedy_accept, or the rejection rule when sampling: ort_runtime/decoding/acceptors.py)
+                      │  (greedy_accept, or sampling's rejection rule: ort_runtime/decoding/acceptors.py)
                       ▼
                 commit pending + a drafts (n += a + 1), proposer.advance, gate.observe, stats
 
@@ -203,7 +203,8 @@ def require_exact(gen: Generator, allow_inexact: bool) -> None:
         raise RequestError(
             f"speculation is not exact on this artifact on {gen.model.device}: its verify rows are not "
             "bit-identical to its decode rows (manifest exact_verify), so speculative tokens could differ "
-            f"from plain greedy; {fix}, or pass allow_inexact=True (--allow-inexact) to accept that"
+            f"from plain greedy; {fix}, or pass allow_inexact=True (--allow-inexact on the command "
+            "line) to accept that"
         )
 
 
@@ -241,8 +242,9 @@ def stream(
             # Greedy tokens do not depend on which steps speculate; sampled ones do (the modes use
             # the random stream differently), and the cost gate decides on measured times.
             raise RequestError(
-                "gate='cost' decides on measured step times, so seeded sampling would not be "
-                "reproducible; use gate='hit-density' or 'always' with a seed (or drop the seed)"
+                "gate cost decides on measured step times, so seeded sampling would not be "
+                "reproducible; use gate hit-density or always with a seed (or drop the seed)",
+                parameter="gate",
             )
     else:
         chosen = GreedyAcceptor(spec.tie_guard)
