@@ -35,11 +35,10 @@ class GateKind(StrEnum):
     COST = "cost"
 
 
-
 def parse(enum: type[E], value: object, parameter: str) -> E:
     """``value`` as a member of ``enum``, or a RequestError that names ``parameter`` and the choices."""
     try:
-        return enum(value)
+        return enum(value if isinstance(value, str) else str(value))
     except ValueError:
         raise RequestError(f"{parameter} must be one of {', '.join(choices(enum))}, got {value!r}") from None
 

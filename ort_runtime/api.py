@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator as TokenStream
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loopcast.ort_runtime.binding.generator import Generator
@@ -33,6 +34,8 @@ from loopcast.ort_runtime.text.stopping import artifact_eos_ids, trim_at_stop
 from loopcast.ort_runtime.text.streamer import TextStreamer
 
 from loopcast.errors import RequestError
+
+TokenIds = TokenStream[int, None, None]  # a token stream: close() it to end the generation early
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class LoopcastModel:
             return self.tokenizer.encode(prompt).ids
         return [int(t) for t in prompt]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str | None:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str | None:
         return (
             self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
             if self.tokenizer is not None
@@ -159,7 +162,7 @@ class LoopcastModel:
         stats: GenerationStats | None = None,
         proposer: object | None = None,
         **options: object,
-    ) -> Iterator[int]:
+    ) -> TokenIds:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
         (then the prompt continues after its committed prefix; otherwise a pooled generator
         serves the call, so concurrent calls never share one).
@@ -182,7 +185,7 @@ class LoopcastModel:
         if config.stop_ids is None:
             config = config.replace(stop_ids=self.eos_token_ids)
 
-        def run(gen: Generator) -> Iterator[int]:
+        def run(gen: Generator) -> TokenIds:
             return stream(gen, ids, config, stats=stats, proposer=proposer)
 
         if generator is not None:
@@ -207,7 +210,7 @@ class LoopcastModel:
             options["stop"] = ()
         return GenerationConfig.from_options(config, **options)
 
-    def _returning(self, tokens: Iterator[int], pooled: Generator) -> Iterator[int]:
+    def _returning(self, tokens: TokenIds, pooled: Generator) -> TokenIds:
         try:
             yield from tokens
         finally:
@@ -219,20 +222,24 @@ class LoopcastModel:
         max_new_tokens: int | None = None,
         *,
         config: GenerationConfig | None = None,
+        messages: Sequence[dict] | None = None,
+        generator: Generator | None = None,
+        proposer: object | None = None,
         stats: GenerationStats | None = None,
         **options: object,
-    ) -> Iterator[StreamPiece]:
+    ) -> TokenStream[StreamPiece, None, None]:
         """Yield each committed token with the text it completes (UTF-8 safe). With ``stop``
         strings, text that could start one is held back until the next tokens decide, and the
         stream ends at a match (the text cut before it, finish reason "stop")."""
-        passthrough = {k: options.pop(k) for k in ("messages", "generator", "proposer") if k in options}
         config = self.generation_config(config, max_new_tokens, **options)
         if config.stop and self.tokenizer is None:
             raise RequestError(f"{self.loaded.path}: stop strings need the tokenizer (tokenizer.json)")
         stats = stats or GenerationStats()
         start = time.perf_counter()
         streamer = TextStreamer(self.decode, config.stop, config.skip_special_tokens)
-        tokens = self.stream_ids(prompt, config=config, stats=stats, **passthrough)
+        tokens = self.stream_ids(
+            prompt, config=config, stats=stats, messages=messages, generator=generator, proposer=proposer
+        )
         try:
             for token in tokens:
                 delta, stopped = streamer.feed(token)
@@ -254,26 +261,39 @@ class LoopcastModel:
         max_new_tokens: int | None = None,
         *,
         config: GenerationConfig | None = None,
+        messages: Sequence[dict] | None = None,
+        generator: Generator | None = None,
+        proposer: object | None = None,
         stats: GenerationStats | None = None,
         **options: object,
     ) -> GenerationResult:
         """The whole generation at once: tokens, text, finish reason and stats. Takes what
         :meth:`stream_ids` takes (one ``config`` or keywords), and ``stop`` strings and
         ``skip_special_tokens`` for the text."""
-        passthrough = {k: options.pop(k) for k in ("messages", "generator", "proposer") if k in options}
         config = self.generation_config(config, max_new_tokens, **options)
         stats = stats or GenerationStats()
         if config.stop:
             tokens = [
                 p.token
-                for p in self.stream(prompt, config=config, stats=stats, **passthrough)
+                for p in self.stream(
+                    prompt,
+                    config=config,
+                    stats=stats,
+                    messages=messages,
+                    generator=generator,
+                    proposer=proposer,
+                )
                 if p.token is not None
             ]
-            text, _ = trim_at_stop(self.decode(tokens, config.skip_special_tokens), list(config.stop))
+            text, _ = trim_at_stop(self.decode(tokens, config.skip_special_tokens) or "", list(config.stop))
             return GenerationResult(tokens, text, stats.finish_reason, stats)
-        tokens = list(self.stream_ids(prompt, config=config, stats=stats, **passthrough))
-        text = self.decode(tokens, config.skip_special_tokens)
-        return GenerationResult(tokens, text, stats.finish_reason, stats)
+        tokens = list(
+            self.stream_ids(
+                prompt, config=config, stats=stats, messages=messages, generator=generator, proposer=proposer
+            )
+        )
+        decoded = self.decode(tokens, config.skip_special_tokens)
+        return GenerationResult(tokens, decoded, stats.finish_reason, stats)
 
 
 def _finish_on_stop(stats: GenerationStats, start: float) -> None:

@@ -81,7 +81,8 @@ class Finisher:
         since = gen.clock.since(self.clock0)
         ran = since.runs
         graphs = gen.model.manifest.graphs
-        per_call = {CYCLE: 1, CYCLE_RUN: gen.cycle_run.cycles if ran.get(CYCLE_RUN) else 0}
+        cycle_run = gen.cycle_run.cycles if ran.get(CYCLE_RUN) and gen.cycle_run is not None else 0
+        per_call = {CYCLE: 1, CYCLE_RUN: cycle_run}
         passes = sum(
             n * per_call.get(k, graphs[k].last_loop - graphs[k].first_loop)
             for k, n in ran.items()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from loopcast.ort_runtime.decoding.greedy_accept import TieGuard
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
@@ -107,8 +108,8 @@ class GenerationConfig:
 
     def replace(self, **options: object) -> GenerationConfig:
         """This config with keyword options applied (``None`` for a speculation option keeps it)."""
-        spec_changes: dict[str, object] = {}
-        own: dict[str, object] = {}
+        spec_changes: dict[str, Any] = {}
+        own: dict[str, Any] = {}
         fields = {f.name for f in dataclasses.fields(self)}
         for name, value in options.items():
             if name in self._SPECULATION_KEYWORDS:

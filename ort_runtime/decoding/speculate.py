@@ -36,6 +36,7 @@ then ``stats.exact_greedy`` is false.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator as Generator_
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -218,7 +219,7 @@ def stream(
     verifier: Verifier | None = None,
     acceptor: Acceptor | None = None,
     costs: Costs | None = None,
-) -> Iterator[int]:
+) -> Generator_[int, None, None]:
     """Feed ``ids`` after the committed prefix and yield tokens as they are committed: greedy,
     or drawn with ``config.sampling`` (every speculative mode then keeps plain sampling's
     distribution). Injected parts replace the defaults the config implies: a ``proposer``
