@@ -51,7 +51,7 @@ _EDIT_SOURCES = [
     "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
     "    def __len__(self):\n        return len(self.items)\n",
     "def read_config(path):\n    values = {}\n    with open(path) as f:\n        for line in f:\n"
-    "            line = line.strip()\n            if not line or line.startswith('#'):\n                continue\n"
+    "            line = line.strip()\n            if not line or line.startswith('#'):\n                continue\n"  # noqa: E501 (a prompt's source lines)
     "            key, _, value = line.partition('=')\n            values[key.strip()] = value.strip()\n"
     "    return values\n",
     "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n"

@@ -58,7 +58,7 @@ def oracle_rows(
         for i, prompt in enumerate(prompts):
             sequence = prompt + plain[i]
 
-            def hook(position: int, draft: int, sequence=sequence) -> int:
+            def hook(position: int, draft: int, sequence=sequence, fraction=fraction) -> int:
                 truth = sequence[position] if position < len(sequence) else draft
                 return (truth + 1) % vocab if rejects(position, fraction) else truth
 

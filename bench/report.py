@@ -17,7 +17,8 @@ def format_table(report: dict) -> str:
     """The report as text. Columns and lines that only mean something on a GPU (captured
     times, CUDA-graph baselines) appear only when the run measured them."""
     lines = [
-        f"loopcast bench — {report['options']['checkpoint']} on {report['machine'].get('gpu', report['options']['device'])}"
+        f"loopcast bench — {report['options']['checkpoint']} on "
+        f"{report['machine'].get('gpu', report['options']['device'])}"
         f", onnxruntime {report['onnxruntime']}, {report['date']}"
     ]
     for run in report["runs"]:
@@ -102,7 +103,8 @@ def bandwidth_line(base: dict, decode_ms: float) -> str:
     total = base["bytes_per_step"]["total"]
     floor = f"floor {base['floor_ms']:.3f} ms ({total / 1e6:.1f} MB at {base['bandwidth_gbs']:.0f} GB/s)"
     if total <= base.get("cache_bytes", 0):
-        return f"{floor}: not a floor here, the step's bytes fit in cache ({base['cache_bytes'] / 2**20:.0f} MiB)"
+        cache_mib = base["cache_bytes"] / 2**20
+        return f"{floor}: not a floor here, the step's bytes fit in cache ({cache_mib:.0f} MiB)"
     share = base["floor_ms"] / decode_ms
     if share > 1:  # the copy measurement undershoots what the step's reads reach: no ratio to print
         return f"{floor}: decode {decode_ms:.3f} ms beats it, so the measured copy bandwidth is no bound here"

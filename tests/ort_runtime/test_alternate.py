@@ -23,10 +23,9 @@ from loopcast.ort_runtime.decoding.proposers import AlternateDraftProposer, Bran
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
-from tests.ort_runtime.stream_helpers import engine_stream, run_fresh
-
 from loopcast.errors import ExportError, RequestError
 from tests.artifacts import artifact, checkpoint, require_exact_cpu_artifacts
+from tests.ort_runtime.stream_helpers import engine_stream, run_fresh
 
 LOOPED = ["ouro-r2-gqa", "ouro-r3", "ouro-r4-1layer"]
 

@@ -219,7 +219,6 @@ def test_alternate_suffix_is_exact(dtype: str) -> None:
     from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
     from tests.ort_runtime.stream_helpers import engine_stream
-
     from tests.ort_runtime.test_alternate import Oracle, assert_plain_kv
 
     model = load(

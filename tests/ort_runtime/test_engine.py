@@ -11,15 +11,13 @@ import numpy as np
 import pytest
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, SelfDraftProposer
-from loopcast.ort_runtime.decoding.speculate import GenerationStats
-
 from loopcast.ort_runtime.decoding.protocols import CostsBase, VerifierBase, VerifierCaps
-
-from tests.ort_runtime.stream_helpers import engine_stream
+from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
 from loopcast.errors import RequestError
 from loopcast.manifest import Manifest
 from tests.artifacts import artifact, require_exact_cpu_artifacts
+from tests.ort_runtime.stream_helpers import engine_stream
 
 
 class RecordingProposer:

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.ort_runtime import load
-from tests.ort_runtime.stream_helpers import engine_stream
 
 from tests.artifacts import TINY, artifact, reference
+from tests.ort_runtime.stream_helpers import engine_stream
 
 DEMO_PROMPTS = [
     "def fibonacci(n):\n",

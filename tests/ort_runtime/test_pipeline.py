@@ -16,11 +16,10 @@ from loopcast.ort_runtime import load
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
-from tests.ort_runtime.stream_helpers import engine_stream, run_fresh
-
 from loopcast.errors import RequestError
 from loopcast.manifest import DRAFT
 from tests.artifacts import artifact, require_exact_cpu_artifacts
+from tests.ort_runtime.stream_helpers import run_fresh
 
 LOOPED = ["ouro-r2-gqa", "ouro-r3", "ouro-r4-1layer"]  # R = 2, 3, 4
 

@@ -9,16 +9,15 @@ import itertools
 import numpy as np
 import pytest
 from loopcast.ort_runtime import SamplingParams, load
-from loopcast.ort_runtime.decoding.greedy_accept import AcceptResult
 from loopcast.ort_runtime.decoding.acceptors import SampledAcceptor
-
-from tests.ort_runtime.stream_helpers import engine_stream
+from loopcast.ort_runtime.decoding.greedy_accept import AcceptResult
 from loopcast.ort_runtime.decoding.sampling import probabilities, sample
 from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
 from loopcast.errors import RequestError
 from loopcast.manifest import PREFILL
 from tests.artifacts import artifact
+from tests.ort_runtime.stream_helpers import engine_stream
 from tests.ort_runtime.test_sampling import chi_square
 
 MODES = ["none", "prompt-lookup", "self", "pipeline"]

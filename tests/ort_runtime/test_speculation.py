@@ -6,14 +6,12 @@ import numpy as np
 import pytest
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.decoding.proposers import SelfDraftProposer
-from loopcast.ort_runtime.decoding.speculate import GenerationStats
-
 from loopcast.ort_runtime.decoding.protocols import CostsBase
-
-from tests.ort_runtime.stream_helpers import engine_stream
+from loopcast.ort_runtime.decoding.speculate import GenerationStats
 
 from loopcast.errors import RequestError
 from tests.artifacts import TINY, artifact, require_exact_cpu_artifacts
+from tests.ort_runtime.stream_helpers import engine_stream
 from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
 MODES = [
