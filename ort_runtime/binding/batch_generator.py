@@ -19,11 +19,13 @@ contiguous ``[1, H_kv, S_max, D]`` block, so
   ort_runtime/decoding/speculate.py, per entry).
 
 CUDA graphs (opt-in, ``cuda_graphs=True``; loopcast-op artifacts, whose attention reads every
-length on the device): each (kind, width) binding gets its own ``gpu_graph_id`` on a capture
-session of the kind, so ORT warms up and captures a width's graph on its first run and replays
-it after (the buffers' addresses are fixed per width). If a kind's first captured run fails,
-that kind runs eagerly from then on, with the same kernels and so the same tokens
-(``graph_fallbacks`` says why).
+length on the device): each (kind, width) binding is a ``CapturedRunner``
+(ort_runtime/binding/graph_runner.py) with its own ``gpu_graph_id`` on a capture session of the
+kind, so ORT warms up and captures a width's graph on its first run and replays it after (the
+buffers' addresses are fixed per width). If a width's first captured run fails, that width runs
+eagerly from then on, with the same kernels and so the same tokens, and the kind's later widths
+are made eager (``graph_fallbacks`` says why); widths already captured keep replaying (slots
+never evict each other). ``close()`` (or garbage collection) gives the graph ids back.
 
 A free slot inside the prefix runs a dummy row at position 0 of its own entry (id 0); that
 row writes only the free entry, which the next prefill there rewrites before any row reads it.
@@ -37,8 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
-from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
+from loopcast.ort_runtime.binding.graph_runner import CapturedRunner
+from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.errors import ArtifactError, RequestError
@@ -134,11 +137,11 @@ class BatchGenerator:
         self._p_total = _Buffer((), np.int32, lengths_device)
         self._p_next = _Buffer((1, 1), np.int64, device)
         self._p_logits = _Buffer((1, 1, self.vocab), np.float32, device)
-        self._bindings: dict[tuple[str, int], tuple[ort.IOBinding, ort.RunOptions | None]] = {}
+        self._runners: dict[tuple[str, int], CapturedRunner] = {}  # (kind, width) -> its runner
         self._sessions = {kind: model.sessions[kind] for kind in self._io}
-        self.captured: set[str] = set()  # kinds running as captured CUDA graphs
+        self.captured: set[str] = set()  # kinds whose widths are made as captured CUDA graphs
         self.graph_fallbacks: dict[str, str] = {}
-        self.graph_runs: dict[tuple[str, int], int] = {}
+        self._closed = False
         if cuda_graphs == "always" or (cuda_graphs and device == "cuda" and manifest.device_lengths):
             for kind in self._io:
                 session = model.capture_session(kind)
@@ -166,42 +169,52 @@ class BatchGenerator:
         bind = binding.bind_output if output else binding.bind_input
         bind(name, buf.device, 0, buf.host.dtype.type, shape, _ptr(buf))
 
-    def _binding(self, kind: str, width: int) -> tuple[ort.IOBinding, ort.RunOptions | None]:
-        bound = self._bindings.get((kind, width))
-        if bound is None:
-            ids, next_ids, logits = self._io[kind]
-            rows = ids.host.shape[1]
-            binding = self._sessions[kind].io_binding()
-            self._bind_prefix(binding, "input_ids_BS", ids, [width, rows], False)
-            self._bind_prefix(binding, "seqlens_k", self._seqlens, [width], False)
-            self._bind_prefix(binding, "total_sequence_length", self._total, [], False)
-            self._bind_kv(binding, 0, width)
-            self._bind_prefix(binding, "next_token_ids_BS", next_ids, [width, rows], True)
-            self._bind_prefix(binding, "logits_BSV", logits, [width, rows, self.vocab], True)
-            options = None
-            if kind in self.captured:  # a captured graph bakes in this width's shapes and addresses
-                options = ort.RunOptions()
-                options.add_run_config_entry("gpu_graph_id", str(self.model.allocate_graph_id(kind)))
-            bound = self._bindings[(kind, width)] = (binding, options)
-        return bound
+    def _bind_step(self, kind: str, width: int, binding) -> None:
+        """A batched kind over the occupied prefix 0..width-1 of every buffer."""
+        ids, next_ids, logits = self._io[kind]
+        rows = ids.host.shape[1]
+        self._bind_prefix(binding, "input_ids_BS", ids, [width, rows], False)
+        self._bind_prefix(binding, "seqlens_k", self._seqlens, [width], False)
+        self._bind_prefix(binding, "total_sequence_length", self._total, [], False)
+        self._bind_kv(binding, 0, width)
+        self._bind_prefix(binding, "next_token_ids_BS", next_ids, [width, rows], True)
+        self._bind_prefix(binding, "logits_BSV", logits, [width, rows, self.vocab], True)
 
-    def _run(self, kind: str, width: int) -> None:
-        binding, options = self._binding(kind, width)
-        key = (kind, width)
-        try:
-            self._sessions[kind].run_with_iobinding(binding, options)
-        except Exception as exc:
-            if options is None or self.graph_runs.get(key):  # not a capture problem: surface it
-                raise
-            # The first run of a graph id is where ORT captures: fall back to the eager session
-            # (the same kernels, so the same tokens) for every width of this kind.
-            self.graph_fallbacks[kind] = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    def _runner(self, kind: str, width: int) -> CapturedRunner:
+        runner = self._runners.get((kind, width))
+        if runner is None:
+            model, captured = self.model, kind in self.captured
+            # a captured graph bakes in this width's shapes and addresses: one graph id per width
+            runner = self._runners[(kind, width)] = CapturedRunner(
+                kind,
+                self._sessions[kind] if captured else model.sessions[kind],
+                lambda binding: self._bind_step(kind, width, binding),
+                pool=model.graph_ids(kind) if captured else None,
+                eager_session=lambda: model.sessions[kind],
+            )
+        return runner
+
+    def _run(self, kind: str, width: int) -> bool:
+        runner = self._runner(kind, width)
+        steady = runner.run()
+        failure = runner.slot.failure if runner.slot is not None else None
+        if failure is not None and kind in self.captured:  # the kind's later widths run eagerly
+            self.graph_fallbacks[kind] = failure
             self.captured.discard(kind)
-            self._sessions[kind] = self.model.sessions[kind]
-            self._bindings = {k: v for k, v in self._bindings.items() if k[0] != kind}
-            binding, _ = self._binding(kind, width)
-            self._sessions[kind].run_with_iobinding(binding)
-        self.graph_runs[key] = self.graph_runs.get(key, 0) + 1
+        return steady
+
+    @property
+    def graph_runs(self) -> dict[tuple[str, int], int]:
+        """(kind, width) -> runs of its binding."""
+        return {key: runner.runs for key, runner in self._runners.items()}
+
+    def close(self) -> None:
+        """Give every binding's graph id back to its pool; the generator cannot step after."""
+        for runner in self._runners.values():
+            runner.close()
+        self._runners.clear()
+        self.captured.clear()
+        self._closed = True
 
     # -- steps -----------------------------------------------------------------------------
     def prefill(
@@ -268,6 +281,8 @@ class BatchGenerator:
         self.lengths[slot] += count
 
     def _step(self, kind: str, rows: dict[int, list[int]], want_logits: bool):
+        if self._closed:
+            raise RequestError("this batch generator was closed; make a new one")
         if not rows:
             raise RequestError("a step needs at least one sequence")
         ids_buf, next_buf, logits_buf = self._io[kind]
@@ -296,8 +311,8 @@ class BatchGenerator:
         for buf in (ids_buf, self._seqlens, self._total):
             buf.push()
         t0 = time.perf_counter()
-        self._run(kind, width)
-        self.clock.record(kind, time.perf_counter() - t0, steady=True)
+        steady = self._run(kind, width)
+        self.clock.record(kind, time.perf_counter() - t0, steady=steady)
         self.rows_run += width * width_rows
         next_ids = next_buf.pull()[:width]
         logits = logits_buf.pull() if want_logits else None

@@ -3,6 +3,8 @@
 Everything a step touches is allocated when the binding is made (docs/architecture.md §5): the
 KV buffers are bound as both past and present of every graph that reads the slot (the attention
 op updates them in place), and a step only writes its inputs into the bound buffers and runs.
+Running (eager, or capture / replay with the eager fallback) is the binding's
+``CapturedRunner`` (ort_runtime/binding/graph_runner.py).
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import onnxruntime as ort
+from loopcast.ort_runtime.binding.graph_runner import CapturedRunner, GraphSlot
 from loopcast.ort_runtime.loading import device_memory
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
-from loopcast.errors import ArtifactError
 from loopcast.manifest import DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, GraphSpec
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
@@ -62,36 +64,6 @@ class _Buffer:
         return self.host
 
 
-@dataclass
-class GraphSlot:
-    """One generator's captured CUDA graph of one kind (docs/architecture.md §5), and what happened to it.
-
-    ORT's CUDA provider does the warm-up run and the capture inside a graph id's first
-    ``Run`` (it re-runs itself until the graph is captured) and replays from the second call
-    on; the counters follow that rule per id — they are derived, ORT does not report them.
-    ``fallbacks`` counts runs that went to the eager session after the first run failed with
-    graphs but succeeded without.
-    """
-
-    graph_id: int
-    runs: int = 0
-    warmups: int = 0
-    captures: int = 0
-    replays: int = 0
-    fallbacks: int = 0
-    failure: str | None = None
-
-    def as_dict(self) -> dict:
-        return {
-            "graph_id": self.graph_id,
-            "warmups": self.warmups,
-            "captures": self.captures,
-            "replays": self.replays,
-            "fallbacks": self.fallbacks,
-            "failure": self.failure,
-        }
-
-
 @dataclass(frozen=True)
 class StepOutput:
     next_ids: np.ndarray  # [rows] int64, argmax of each row
@@ -124,7 +96,7 @@ class _KindBinding:
         dtype,
     ) -> None:
         cfg, device = model.config, model.device
-        self._open(session, spec, model)
+        self.spec = spec
         rows = spec.rows or 1
         out_rows = 1 if spec.kind == PREFILL else rows
         self.ids = _Buffer((1, rows), np.int64, device) if spec.first_loop == 0 else None
@@ -147,21 +119,32 @@ class _KindBinding:
             else None
         )
         self._kv = kv
-        self._bind(self.binding)
+        self._open(session, model)
 
-    def _open(self, session: ort.InferenceSession, spec: GraphSpec, model: LoadedModel) -> None:
-        """The session, its IO binding and, when the kind is captured, this binding's graph id."""
-        self.spec, self.session = spec, session
-        self.binding = session.io_binding()
-        self.slot = GraphSlot(model.allocate_graph_id(spec.kind)) if spec.kind in model.graph_kinds else None
-        self.run_options = None
-        # An eager binding's first run is not a steady one either: it follows the binding's
-        # (and, for a kind made on first use, its session's) creation inside the same round,
-        # and ORT allocates on a session's first run; the cost gate's timers must not see it.
-        self._warm = False
-        if self.slot is not None:
-            self.run_options = ort.RunOptions()
-            self.run_options.add_run_config_entry("gpu_graph_id", str(self.slot.graph_id))
+    def _open(self, session: ort.InferenceSession, model: LoadedModel) -> None:
+        """The runner: the session, an IO binding of this binding's buffers and, when the kind is
+        captured, a graph id from the kind's pool (returned when the runner is closed or dropped)."""
+        kind = self.spec.kind
+        captured = kind in model.graph_kinds
+        self.runner = CapturedRunner(
+            kind,
+            session,
+            self._bind,
+            pool=model.graph_ids(kind) if captured else None,
+            eager_session=lambda: model.eager_session(kind),
+        )
+
+    @property
+    def session(self) -> ort.InferenceSession:
+        return self.runner.session
+
+    @property
+    def binding(self) -> ort.IOBinding:
+        return self.runner.binding
+
+    @property
+    def slot(self) -> GraphSlot | None:
+        return self.runner.slot
 
     def _bind(self, b: ort.IOBinding) -> None:
         spec, kv = self.spec, self._kv
@@ -194,49 +177,14 @@ class _KindBinding:
         ]
         return [x for b in bufs if b is not None for x in (b.host, b.value)] + [self.binding]
 
-    def execute(self, model: LoadedModel) -> bool:
-        """Run once: eagerly, or as this slot's warm-up + capture / replay. Returns whether the
-        run was a steady one (not a slot's first run), which the cost measurements keep."""
-        slot = self.slot
-        if slot is None:
-            self.session.run_with_iobinding(self.binding)
-            warm, self._warm = self._warm, True
-            return warm
-        if slot.failure is not None:
-            slot.fallbacks += 1
-            self.session.run_with_iobinding(self.binding)
-            return True
-        try:
-            self.session.run_with_iobinding(self.binding, self.run_options)
-        except Exception as exc:
-            if slot.runs:  # a replay failing is not a capture problem: surface it
-                raise
-            self._fall_back(model, str(exc).splitlines()[0][:300])
-            return False
-        slot.runs += 1
-        if slot.runs == 1:
-            slot.warmups += 1
-            slot.captures += 1
-            return False
-        slot.replays += 1
-        return True
+    def execute(self, model: LoadedModel | None = None) -> bool:
+        """Run once (the runner holds its sessions; ``model`` is not needed). Returns whether the
+        run was a steady one, which the cost measurements keep (graph_runner.py)."""
+        return self.runner.run()
 
-    def _fall_back(self, model: LoadedModel, reason: str) -> None:
-        """The first run failed with graphs: try the same graph eagerly (the same kernels, so
-        the same tokens). Only if that works does this slot stay eager; otherwise the error is
-        not a capture problem and is raised, naming the kind."""
-        session = model.eager_session(self.spec.kind)
-        binding = session.io_binding()
-        self._bind(binding)
-        try:
-            session.run_with_iobinding(binding)
-        except Exception as exc:
-            raise ArtifactError(
-                f"the '{self.spec.kind}' graph failed on its first run ({str(exc).splitlines()[0][:300]})"
-            ) from None
-        self.session, self.binding = session, binding
-        self.slot.failure = reason
-        self.slot.fallbacks += 1
+    def close(self) -> None:
+        """Give this binding's graph id back to its pool; the binding cannot run after."""
+        self.runner.close()
 
 
 class _RowsBinding(_KindBinding):
@@ -252,7 +200,7 @@ class _RowsBinding(_KindBinding):
         dtype,
     ) -> None:
         cfg, device, rows = model.config, model.device, spec.rows
-        self._open(session, spec, model)
+        self.spec = spec
         self.ids = _Buffer((1, rows), np.int64, device) if spec.first_loop == 0 else None
         self.hidden = _Buffer((1, rows, cfg.hidden_size), dtype, device) if spec.first_loop > 0 else None
         self.address = _Buffer((rows, 3), np.int32, device)
@@ -263,7 +211,7 @@ class _RowsBinding(_KindBinding):
         self.top2_probs = _Buffer((1, rows, 2), np.float32, device) if drafts else None
         self.top2_ids = _Buffer((1, rows, 2), np.int64, device) if drafts else None
         self._kv = kv
-        self._bind(self.binding)
+        self._open(session, model)
 
     def _bind(self, b: ort.IOBinding) -> None:
         if self.ids is not None:

@@ -22,9 +22,9 @@ class _Half(_KindBinding):
     def __init__(
         self, session, spec: GraphSpec, kv, model: LoadedModel, io, carried_in: _Buffer, carried_out: _Buffer
     ) -> None:
-        self._open(session, spec, model)
+        self.spec = spec
         self._kv, self.io, self.carried_in, self.carried_out = kv, io, carried_in, carried_out
-        self._bind(self.binding)
+        self._open(session, model)
 
     def _bind(self, b: ort.IOBinding) -> None:
         b.bind_ortvalue_input("carried_BWH", self.carried_in.value)
@@ -64,6 +64,10 @@ class _LaneStates:
         steady = self.halves[shared.turn].execute(model)
         shared.turn ^= 1
         return steady
+
+    def close(self) -> None:
+        for half in self.halves:
+            half.close()
 
     def _buffers(self) -> list[_Buffer]:
         raise NotImplementedError

@@ -21,10 +21,10 @@ Several sessions alternate on the same cores, so their intra-op threads must not
 a run (spinning threads of one session starve the next session's run).
 
 CUDA graphs (docs/architecture.md §5): every fixed-width kind (decode, verify, draft, verify_tail) gets a
-session with ``enable_cuda_graph``; each generator takes its own ``gpu_graph_id`` per kind
-(a captured graph bakes in the addresses of that generator's buffers). Prefill has dynamic
-rows and runs in an ordinary session. A kind whose graph session cannot be made falls back to
-an eager session; the reason is kept in ``graph_fallbacks``.
+session with ``enable_cuda_graph``; each generator takes its own ``gpu_graph_id`` per kind from
+the kind's ``GraphIdPool`` (a captured graph bakes in the addresses of that generator's
+buffers). Prefill has dynamic rows and runs in an ordinary session. A kind whose graph session
+cannot be made falls back to an eager session; the reason is kept in ``graph_fallbacks``.
 
 Only graphs whose every per-step input lives on the device are captured: GroupQueryAttention
 reads ``total_sequence_length`` on the host, and a captured graph freezes that host value, so
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +65,63 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
 
 
+class GraphIdPool:
+    """The ``gpu_graph_id``s of one capture session (one graph kind): ids start at 1 (-1 means
+    uncaptured to ORT, 0 is its default id); an id is held by one binding at a time.
+
+    Reuse rule, from what ORT does with an id it has seen: its CUDA provider keeps one
+    instantiated graph per id (onnxruntime/core/providers/cuda/cuda_graph.cc:
+    ``CUDAGraphManager::IsGraphCaptured`` is ``cuda_graph_set_.Contains(id)``, ``Replay(id)``
+    launches ``cuda_graph_set_.Get(id)``; ``CaptureEnd`` puts it there), and
+    ``InferenceSession::Run`` (onnxruntime/core/session/inference_session.cc) replays a captured
+    id straight away, skipping the executor and so the IO binding it was given. A reused id
+    therefore replays the OLD graph, reading and writing the buffers of the binding it was
+    captured on. (ORT's own Python ``run_with_iobinding`` refuses a different binding under a
+    captured WebGPU id for that reason; for CUDA it checks nothing.) So a released id goes back
+    with the key of the buffers it was captured on (each bound name, address and shape) and is
+    handed only to a binding that binds exactly those: a later generator whose buffers landed
+    where a dropped one's were replays a graph that reads and writes its own buffers. An id that
+    never ran holds no graph (``buffers=None``) and goes to any binding.
+    """
+
+    def __init__(self) -> None:
+        self._next = 1
+        self._held: set[int] = set()
+        self._free: dict[Hashable, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, buffers: Hashable) -> int:
+        """An id for a binding of ``buffers``: one released with the same buffers, else one that
+        never ran, else a fresh one."""
+        with self._lock:
+            for key in (buffers, None):
+                free = self._free.get(key)
+                if free:
+                    graph_id = free.pop()
+                    break
+            else:
+                graph_id, self._next = self._next, self._next + 1
+            self._held.add(graph_id)
+            return graph_id
+
+    def release(self, graph_id: int, buffers: Hashable | None) -> None:
+        """Give ``graph_id`` back: ``buffers`` is the key it was captured on, None if it never ran."""
+        with self._lock:
+            if graph_id not in self._held:
+                raise ValueError(f"graph id {graph_id} is not held (released twice?)")
+            self._held.discard(graph_id)
+            self._free.setdefault(buffers, []).append(graph_id)
+
+    def held(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._held)
+
+    def issued(self) -> int:
+        """How many distinct ids this pool has handed out (the graphs ORT may hold at most)."""
+        with self._lock:
+            return self._next - 1
+
+
 @dataclass
 class LoadedModel:
     """An opened artifact: manifest, sessions (shared by every generator) and tokenizer."""
@@ -82,7 +139,7 @@ class LoadedModel:
     prepacked: bool = True  # False under share_weights=True
     # the one copy of the weights every session uses (ort_runtime/loading/shared_weights.py); None: each its own
     shared_weights: SharedWeights | None = None
-    _graph_ids: dict[str, int] = field(default_factory=dict, repr=False)
+    _graph_ids: dict[str, GraphIdPool] = field(default_factory=dict, repr=False)  # kind -> its pool
     _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
     _captured: dict[str, ort.InferenceSession | None] = field(default_factory=dict, repr=False)
     _session_factory: object = field(default=None, repr=False)
@@ -112,11 +169,14 @@ class LoadedModel:
     def has(self, kind: str) -> bool:
         return kind in self.sessions
 
-    def allocate_graph_id(self, kind: str) -> int:
-        """A fresh ``gpu_graph_id`` of ``kind``'s session (ids start at 1; -1 means uncaptured)."""
+    def graph_ids(self, kind: str) -> GraphIdPool:
+        """The ``gpu_graph_id`` pool of ``kind``'s capture session (one per kind: a kind has one
+        capture session, ``sessions[kind]`` or, for the batched kinds, ``capture_session(kind)``)."""
         with self._lock:
-            self._graph_ids[kind] = self._graph_ids.get(kind, 0) + 1
-            return self._graph_ids[kind]
+            pool = self._graph_ids.get(kind)
+            if pool is None:
+                pool = self._graph_ids[kind] = GraphIdPool()
+            return pool
 
     def capture_session(self, kind: str) -> ort.InferenceSession | None:
         """A CUDA-graph session of a batched kind (opened eagerly by default, docs/serving.md),
