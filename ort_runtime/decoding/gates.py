@@ -242,8 +242,8 @@ class CostGate(_Counters):
         """The k with the best expected tokens/s (0: plain decode) and its rate over decode's."""
         plain = 1.0 / self.costs.decode()
         need = plain * (1 - self.margin if self.engaged else 1 + self.margin)
-        if hasattr(self.strategy, "token_rate"):  # a continuous strategy prices itself per token
-            rate = self.strategy.token_rate(self.costs, self.alpha)
+        rate = self.strategy.token_rate(self.costs, self.alpha)  # None: priced per round below
+        if rate is not None:
             return (1 if rate > need else 0), max(rate, plain) / plain
         best_k, best_rate = 0, need
         host = self.costs.host_factor()

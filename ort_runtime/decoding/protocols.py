@@ -125,6 +125,7 @@ class Verifier(Protocol):
 
     def max_drafts(self, gen: Generator) -> int: ...
     def round_cost(self, costs: Costs, k: int) -> float: ...
+    def token_rate(self, costs: Costs, alpha: float) -> float | None: ...
     def prepare(self, gen: Generator) -> None: ...
     def run_round(self, engine: RoundHost, pending: int, step: int, remaining: int) -> list[int]: ...
     def close(self) -> None: ...
@@ -146,6 +147,11 @@ class VerifierBase:
 
     def prepare(self, gen: Generator) -> None:
         """Checks against the artifact before the generation starts (raise RequestError)."""
+
+    def token_rate(self, costs: Costs, alpha: float) -> float | None:
+        """Expected tokens per second at acceptance ``alpha``, for a strategy whose rounds are
+        not priced by draft count (the pipeline's lanes); None: the gate prices ``round_cost``."""
+        return None
 
     def run_round(self, engine: RoundHost, pending: int, step: int, remaining: int) -> list[int]:
         return engine.draft_round(pending, step, remaining)
