@@ -81,7 +81,9 @@ class GraphIdPool:
     with the key of the buffers it was captured on (each bound name, address and shape) and is
     handed only to a binding that binds exactly those: a later generator whose buffers landed
     where a dropped one's were replays a graph that reads and writes its own buffers. An id that
-    never ran holds no graph (``buffers=None``) and goes to any binding.
+    never ran holds no graph (``buffers=None``) and goes to any binding. (ORT's
+    ``InferenceSession.release_captured_graph(id)`` frees a graph where the provider supports it
+    and is a no-op elsewhere, so it cannot make an id safe for other buffers; it is not used.)
     """
 
     def __init__(self) -> None:
