@@ -17,9 +17,10 @@ import time
 
 import numpy as np
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, StepOutput, _Buffer, _KindBinding, _RowsBinding
-from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.binding.cycle_bindings import CycleBinding, CycleRunBinding
+from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
+from loopcast.ort_runtime.loading.session_table import SessionTable
 
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import BATCH_KINDS, CYCLE, CYCLE_RUN, DECODE, DRAFT, PREFILL, TREE_DRAFT, TREE_KINDS
@@ -90,7 +91,8 @@ class Generator:
             [k for k in model.sessions if k not in _PIPELINE_KINDS and k not in BATCH_KINDS], bind
         )
         self._cycle = _Bindings([k for k in _PIPELINE_KINDS if k in model.sessions], bind)
-        pending = getattr(model.sessions, "pending", lambda kind: False)
+        sessions = model.sessions
+        pending = sessions.pending if isinstance(sessions, SessionTable) else (lambda kind: False)
         for kind in [*self._kinds.kinds, *self._cycle.kinds]:
             if not pending(kind):
                 (self._cycle if kind in _PIPELINE_KINDS else self._kinds)[kind]
@@ -106,6 +108,13 @@ class Generator:
     @property
     def tokens(self) -> list[int]:
         return list(self._tokens)
+
+    def close(self) -> None:
+        """Give this generator's captured-graph ids back (its bindings' runners; garbage
+        collection does the same). The generator is not usable afterwards."""
+        for bindings in (self._kinds, self._cycle):
+            for kind in bindings.made():
+                dict.__getitem__(bindings, kind).close()
 
     def rewind(self, n: int) -> None:
         """Forget everything after the first ``n`` committed tokens. Never copies KV."""

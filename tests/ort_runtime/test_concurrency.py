@@ -12,7 +12,7 @@ from loopcast.ort_runtime import load
 
 from tests.artifacts import artifact
 
-MODES = [("none", "none"), ("prompt-lookup", "none"), ("self", "none")]
+MODES = [("none", "always"), ("prompt-lookup", "always"), ("self", "always")]
 
 
 @pytest.fixture(scope="module")

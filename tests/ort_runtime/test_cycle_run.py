@@ -57,7 +57,7 @@ def test_device_schedule_is_the_host_schedule_cycle_for_cycle(name: str) -> None
             gate="always",
             pipeline_exit=exit_depth,
             trace=True,
-            device_lanes=False,
+            pipeline_device_lanes=False,
         )
         assert device == host == plain, exit_depth
         d_trace, h_trace = d_stats.pipeline_trace, h_stats.pipeline_trace
