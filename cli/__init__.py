@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from loopcast.errors import LoopcastError
+from loopcast.vocab import GraphKind, OpSet
 
 
 def _friendly_errors(func):
@@ -163,7 +164,7 @@ def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_sha
 )
 @click.option(
     "--ops",
-    type=click.Choice(["auto", "stock", "loopcast-attention", "loopcast"]),
+    type=click.Choice(["auto", *OpSet]),
     default="auto",
     show_default=True,
     help="Op set of the graphs. auto: for fp32, loopcast-attention (the loopcast attention op with "
@@ -819,7 +820,7 @@ def demo(prompt: str | None, max_new_tokens: int, speculative: str) -> None:
         "self": ["self"],
         "pipeline": ["pipeline"],
     }[speculative]
-    if "pipeline" in modes and not model.loaded.manifest.graphs.get("cycle"):
+    if "pipeline" in modes and not model.loaded.manifest.graphs.get(GraphKind.CYCLE):
         modes.remove("pipeline")  # a stock-op artifact has no cycle graph
     if modes and not model.loaded.exact_verify:
         click.echo(

@@ -63,7 +63,7 @@ def lane_log_length(rows: int, cycles: int) -> int:
 class GraphSpec:
     """One ONNX file: which rows it takes, which loops it runs and which KV slots it binds."""
 
-    kind: str
+    kind: GraphKind
     file: str
     rows: int | None  # None = dynamic (prefill)
     first_loop: int  # loops first_loop .. last_loop-1 are run
@@ -74,7 +74,8 @@ class GraphSpec:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> GraphSpec:
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+        fields = {k: raw[k] for k in cls.__dataclass_fields__}
+        return cls(**{**fields, "kind": GraphKind(fields["kind"])})
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Manifest:
     verify_width: int | None
     draft_depth: int | None
     kv_layout: dict[str, Any]
-    graphs: dict[str, GraphSpec]
+    graphs: dict[GraphKind, GraphSpec]
     weights_file: str = WEIGHTS_FILE
     custom_ops: list[str] = field(default_factory=list)  # ops of the `loopcast` domain used
     custom_op_library: str | None = None
