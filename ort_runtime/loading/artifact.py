@@ -54,6 +54,7 @@ from loopcast.manifest import (
     CYCLE,
     CYCLE_RUN,
     DECODE,
+    LOGIT_ROWS,
     PREFILL,
     VERIFY,
     Manifest,
@@ -362,6 +363,13 @@ def open_artifact(
         for kind in deferred:
             make_session(kind, False, check_only=True)
     sessions.update(made)
+    if VERIFY in shared and LOGIT_ROWS not in {
+        v.name for v in sessions[PREFILL].get_overridable_initializers()
+    }:  # verify runs on prefill's session through that input
+        raise ArtifactError(
+            f"{path / manifest.graphs[PREFILL].file}: the prefill graph takes no {LOGIT_ROWS} input "
+            "(exported by an older loopcast); re-export the artifact"
+        )
     for kind, host in shared.items():
         sessions[kind] = sessions[host]
     sessions = SessionTable(

@@ -1,6 +1,6 @@
 """Fewer copies of the weights on the CPU: decode and verify run on prefill's session (one
-prepacked copy for the three kinds) with bit-identical rows; ``share_weights=True`` (no prepacking) is declared inexact
-where the stock MatMul's one-row path differs from its multi-row path."""
+prepacked copy for the three kinds) with bit-identical rows; ``share_weights=True`` (no prepacking)
+is declared inexact where the stock MatMul's one-row path differs from its multi-row path."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.exactness import decode_rows
 from loopcast.ort_runtime.loading.artifact import open_artifact
 
-from loopcast.errors import RequestError
+from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import DECODE, PREFILL, VERIFY
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
@@ -168,9 +168,9 @@ def test_a_graph_disagreeing_with_the_weights_file_is_refused(tmp_path) -> None:
         open_artifact(path, "cpu")
 
 
-def test_artifacts_from_before_logit_rows_keep_a_verify_session(tmp_path) -> None:
+def test_a_prefill_graph_without_logit_rows_is_refused(tmp_path) -> None:
     """A prefill graph without the overridable ``logit_rows`` (exported before it) cannot serve
-    verify: verify gets its own session, decode still shares prefill's, tokens unchanged."""
+    verify on its session: one error that says to re-export."""
     import hashlib
     import json
     import shutil
@@ -191,12 +191,8 @@ def test_artifacts_from_before_logit_rows_keep_a_verify_session(tmp_path) -> Non
     raw = json.loads((path / "manifest.json").read_text())
     raw["files"]["prefill.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(raw))
-    old = load(path)
-    assert old.loaded.shared_sessions == {DECODE: PREFILL}
-    assert old.loaded.sessions[VERIFY] is not old.loaded.sessions[PREFILL]
-    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    want = load(artifact("demo")).generate(prompt, 16, stop_ids=(), speculative="none").tokens
-    assert old.generate(prompt, 16, stop_ids=(), speculative="prompt-lookup", gate="none").tokens == want
+    with pytest.raises(ArtifactError, match="takes no logit_rows input.*re-export"):
+        load(path)
 
 
 def test_speculative_kinds_get_their_cpu_session_on_first_use() -> None:
