@@ -29,6 +29,7 @@ from loopcast.bench.pipeline import cycle_ms, oracle_rows
 from loopcast.ort_runtime.decoding.exactness import decode_rows
 
 from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, DRAFT, VERIFY, VERIFY_TAIL
+from loopcast.vocab import OpSet
 
 BENCH_PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -463,7 +464,7 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     log(f"[{dtype}/{variant}] exporting {checkpoint} into {art} ...")
     t0 = time.perf_counter()
     # variants: stock ops, every loopcast op, or the exporter's default op set for this dtype
-    ops = {"stock": "stock", "batch-invariant": "loopcast", "default": "auto"}[variant]
+    ops = {"stock": OpSet.STOCK, "batch-invariant": OpSet.LOOPCAST, "default": "auto"}[variant]
     export_checkpoint(
         checkpoint,
         art,

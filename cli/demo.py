@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from loopcast.cli.options import CLI_MODES
 
-from loopcast.vocab import SpeculativeMode
+from loopcast.vocab import GraphKind, SpeculativeMode
 
 
 @click.command()
@@ -35,7 +35,7 @@ def demo(prompt: str | None, max_new_tokens: int, speculative: str) -> None:
         modes = [mode for mode in CLI_MODES if mode != SpeculativeMode.NONE]
     else:
         modes = [] if speculative == SpeculativeMode.NONE else [speculative]
-    if SpeculativeMode.PIPELINE in modes and not model.loaded.manifest.graphs.get("cycle"):
+    if SpeculativeMode.PIPELINE in modes and not model.loaded.manifest.graphs.get(GraphKind.CYCLE):
         modes.remove(SpeculativeMode.PIPELINE)  # a stock-op artifact has no cycle graph
     if modes and not model.loaded.exact_verify:
         click.echo(

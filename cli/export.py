@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from loopcast.vocab import OpSet, choices
+
 
 @click.command()
 @click.argument("checkpoint")
@@ -27,7 +29,7 @@ import click
 )
 @click.option(
     "--ops",
-    type=click.Choice(["auto", "stock", "loopcast-attention", "loopcast"]),
+    type=click.Choice(["auto", *choices(OpSet)]),
     default="auto",
     show_default=True,
     help="Op set of the graphs. auto: for fp32, loopcast-attention (the loopcast attention op with "

@@ -28,17 +28,16 @@ from pathlib import Path
 
 import onnx_ir as ir
 from loopcast.graphs.builder import GraphBuilder, WeightRef
-from loopcast.graphs.kinds import build_kind, plan_kinds
+from loopcast.graphs.kinds import build_kind
 
 from loopcast.manifest import (
-    CYCLE_RUN,
     MANIFEST_FILE,
-    TREE_TAIL,
     FileRecord,
     Manifest,
     sampled_sha256,
     sha256_file,
 )
+from loopcast.vocab import BATCH_KINDS, TREE_KINDS, graph_plan
 
 _IR_DTYPES = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
 PROBE_DIR = ".exactness-probe"
@@ -54,53 +53,35 @@ def shallow_config(config, layers: int = 2):
     )
 
 
-def rows_match_shallow(artifact_dir: str | Path, layers: int = 2) -> bool:
-    """``rows_match_on_cpu`` of the artifact's shallow twin (the full check when the artifact
-    is no deeper than the twin, or when its weights file cannot be hard-linked)."""
+def rows_match_shallow(
+    artifact_dir: str | Path, layers: int = 2, *, manifest: Manifest | None = None
+) -> bool:
+    """``rows_match_on_cpu`` of the artifact's shallow twin (the artifact's own graphs when it is
+    no deeper than the twin). ``manifest``: the artifact's, when its manifest.json is not written
+    yet (the exporter probes its staging directory first and writes the manifest once, with the
+    answer). The twin lives in a directory of its own inside the artifact, on hard links of the
+    artifact's files (copies where the file system has no hard links), and is removed after."""
     from loopcast.exporter.weights import read_stored
     from loopcast.ort_runtime.decoding.exactness import rows_match_on_cpu
 
     path = Path(artifact_dir)
-    manifest = Manifest.read(path)
+    manifest = manifest if manifest is not None else Manifest.read(path)
     config = manifest.config
     shallow = shallow_config(config, layers)
-    if shallow == config:
-        return rows_match_on_cpu(path)
     probe = path / PROBE_DIR
     shutil.rmtree(probe, ignore_errors=True)
     probe.mkdir()
     try:
-        try:
-            os.link(path / manifest.weights_file, probe / manifest.weights_file)
-        except OSError:
-            return rows_match_on_cpu(path)  # e.g. a file system without hard links
-        if manifest.custom_op_library:
-            os.link(path / manifest.custom_op_library, probe / manifest.custom_op_library)
-        dtype = _IR_DTYPES[manifest.dtype]
-        refs = {
-            name: WeightRef(name, dtype, t.shape, t.offset, t.length)
-            for name, t in read_stored(path / manifest.weights_file).items()
-        }
-        graphs = {}
-        for plan in plan_kinds(
-            shallow,
-            manifest.verify_width,
-            manifest.draft_depth,
-            op_set=manifest.op_set,
-            tree=TREE_TAIL in manifest.graphs,
-        ):
-            if plan.kind == CYCLE_RUN:  # the cycle's rows are checked; the run repeats them
-                continue
-            model, spec = build_kind(
-                plan,
-                shallow,
-                dtype,
-                manifest.max_length,
-                GraphBuilder(refs, manifest.weights_file, probe),
-                op_set=manifest.op_set,
-            )
-            ir.save(model, probe / spec.file)
-            graphs[plan.kind] = spec
+        linked = [manifest.weights_file] + (
+            [manifest.custom_op_library] if manifest.custom_op_library else []
+        )
+        if shallow == config:  # the artifact's own graphs (the batched kinds are not declared)
+            graphs = {kind: spec for kind, spec in manifest.graphs.items() if kind not in BATCH_KINDS}
+            linked += [spec.file for spec in graphs.values()]
+        for name in linked:
+            _link(path / name, probe / name)
+        if shallow != config:
+            graphs = _build_twin(manifest, shallow, path, probe, read_stored)
         twin = dataclasses.replace(
             manifest,
             model=shallow.to_hf_dict(),
@@ -113,20 +94,12 @@ def rows_match_shallow(artifact_dir: str | Path, layers: int = 2) -> bool:
         )  # the batched kinds are not part of what exact_verify declares
         names = [spec.file for spec in graphs.values()] + [manifest.weights_file]
         names += [manifest.custom_op_library] if manifest.custom_op_library else []
-        # The weights file is the artifact's own (a hard link): its recorded hash stands.
-        recorded = manifest.files.get(manifest.weights_file)
+        # A linked file is the artifact's own: its recorded hash stands.
         files = {
-            name: (
-                FileRecord(
-                    (probe / name).stat().st_size,
-                    recorded.sha256,
-                    sampled_sha256(probe / name),
-                    recorded.hash,
-                )
-                if recorded and name == manifest.weights_file
-                else FileRecord(
-                    (probe / name).stat().st_size, sha256_file(probe / name), sampled_sha256(probe / name)
-                )
+            name: manifest.files[name]
+            if name in linked and name in manifest.files
+            else FileRecord(
+                (probe / name).stat().st_size, sha256_file(probe / name), sampled_sha256(probe / name)
             )
             for name in names
         }
@@ -134,3 +107,38 @@ def rows_match_shallow(artifact_dir: str | Path, layers: int = 2) -> bool:
         return rows_match_on_cpu(probe)
     finally:
         shutil.rmtree(probe, ignore_errors=True)
+
+
+def _build_twin(manifest: Manifest, shallow, path: Path, probe: Path, read_stored) -> dict:
+    """The twin's graphs, built with the artifact's op set on the artifact's weights file."""
+    dtype = _IR_DTYPES[manifest.dtype]
+    refs = {
+        name: WeightRef(name, dtype, t.shape, t.offset, t.length)
+        for name, t in read_stored(path / manifest.weights_file).items()
+    }
+    graphs = {}
+    for plan in graph_plan(
+        shallow,
+        manifest.op_set,
+        verify_width=manifest.verify_width,
+        draft_depth=manifest.draft_depth,
+        tree=any(kind in manifest.graphs for kind in TREE_KINDS),
+    ):
+        model, spec = build_kind(
+            plan,
+            shallow,
+            dtype,
+            manifest.max_length,
+            GraphBuilder(refs, manifest.weights_file, probe),
+            op_set=manifest.op_set,
+        )
+        ir.save(model, probe / spec.file)
+        graphs[plan.kind] = spec
+    return graphs
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # e.g. a file system without hard links
+        shutil.copy(src, dst)

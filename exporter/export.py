@@ -26,17 +26,15 @@ from loopcast.config import ModelConfig, generation_max_length, load_config
 from loopcast.errors import ExportError
 from loopcast.manifest import (
     MANIFEST_FILE,
-    OP_SETS,
     SCHEMA_VERSION,
-    TREE_TAIL,
     WEIGHTS_FILE,
     GraphSpec,
     Manifest,
-    can_tree_verify,
     chunked_sha256,
 )
-from loopcast.manifest_schema import MAX_BATCH, batch_plan
+from loopcast.manifest_schema import MAX_BATCH
 from loopcast.swap import Staging, output_path, recover
+from loopcast.vocab import BATCH_KINDS, TREE_KINDS, OpSet, can_tree_verify, graph_plan
 
 DTYPES = ("fp32", "fp16", "bf16")
 TOKENIZER_FILES = (
@@ -65,7 +63,8 @@ class ExportOptions:
 
     @property
     def op_set(self) -> str:
-        return "loopcast" if self.batch_invariant else self.ops
+        """An OpSet's value, or "auto"."""
+        return OpSet.LOOPCAST if self.batch_invariant else self.ops
 
     def resolved(self, config: ModelConfig, generation_length: int | None = None) -> ExportOptions:
         """Defaults filled in and checked; ``generation_length`` is generation_config.json's
@@ -103,8 +102,8 @@ class ExportOptions:
                 raise ExportError(
                     f"--draft-depth must be in 1..{config.num_loops - 1} (R={config.num_loops}), got {depth}"
                 )
-        if self.op_set not in ("auto", *OP_SETS):
-            raise ExportError(f"--ops must be one of auto, {', '.join(OP_SETS)}, got {self.ops!r}")
+        if self.op_set not in ("auto", *OpSet):
+            raise ExportError(f"--ops must be one of auto, {', '.join(OpSet)}, got {self.ops!r}")
         if self.max_batch is not None and not 1 <= self.max_batch <= MAX_BATCH:
             raise ExportError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
         if self.tree_verify and config.num_loops == 1:
@@ -125,17 +124,18 @@ class ExportOptions:
         )
 
 
-def check_supported(config: ModelConfig, op_set: str = "stock") -> None:
+def check_supported(config: ModelConfig, op_set: OpSet | str = OpSet.STOCK) -> None:
     """Limits of the ORT ops the graphs use, beyond what the config itself validates."""
+    op_set = OpSet(op_set)
     if config.head_dim % 2:
         raise ExportError(f"head_dim {config.head_dim} is not supported: rotary needs an even head_dim")
-    if op_set == "loopcast" and config.has_biases:
+    if op_set.batch_invariant and config.has_biases:
         # The loopcast MatMul op has no bias input; an Add after it would break the fused layer.
         raise ExportError(
             "--batch-invariant / --ops loopcast (and --target cuda) do not support projection "
             "biases (attention_bias, mlp_bias, Qwen2 q/k/v bias) yet; export without it"
         )
-    if config.head_dim % 16 and op_set == "stock":
+    if config.head_dim % 16 and not op_set.loopcast_attention:
         raise ExportError(
             f"head_dim {config.head_dim} is not supported: GroupQueryAttention's rotary "
             "needs a multiple of 16 (--batch-invariant graphs take any even head_dim on the "
@@ -161,22 +161,28 @@ def custom_op_library() -> Path:
     return path
 
 
-def _resolve_op_set(opts: ExportOptions, log) -> tuple[str, Path | None]:
+def _requested_op_set(opts: ExportOptions) -> OpSet | None:
+    """The op set the options ask for; None: "auto" for fp32, decided by whether the custom-op
+    library can be had (fp16/bf16 "auto" is stock)."""
+    if opts.op_set == "auto":
+        return OpSet.STOCK if opts.dtype != "fp32" else None
+    return OpSet(opts.op_set)
+
+
+def _resolve_op_set(opts: ExportOptions, log) -> tuple[OpSet, Path | None]:
     """The op set to build and the library it needs (built or found in the cache first, so a
     missing toolchain fails before minutes of writing)."""
-    op_set = opts.op_set
-    if op_set == "auto":
-        if opts.dtype != "fp32":
-            return "stock", None
+    op_set = _requested_op_set(opts)
+    if op_set is None:
         try:
-            return "loopcast-attention", custom_op_library()
+            return OpSet.LOOPCAST_ATTENTION, custom_op_library()
         except ExportError as exc:
             log(
                 f"note: exporting stock graphs: {exc}. Speculation on them is not exact and is refused "
                 "unless allowed (--allow-inexact)"
             )
-            return "stock", None
-    return op_set, custom_op_library() if op_set != "stock" else None
+            return OpSet.STOCK, None
+    return op_set, custom_op_library() if op_set.needs_library else None
 
 
 def _check_output_dir(out: Path) -> None:
@@ -202,23 +208,25 @@ def export_checkpoint(
     checkpoint_dir = resolve_checkpoint(checkpoint)
     config = load_config(checkpoint_dir)
     opts = options.resolved(config, generation_max_length(checkpoint_dir))
-    check_supported(config, "stock" if opts.op_set == "auto" and opts.dtype != "fp32" else opts.op_set)
+    # fp32 "auto" resolves to loopcast-attention unless the library cannot be had (checked again
+    # once resolved, before any writing)
+    check_supported(config, _requested_op_set(opts) or OpSet.LOOPCAST_ATTENTION)
     out = output_path(out_dir)
     recover(out)  # a killed earlier export: restore the artifact, remove its leftovers
     _check_output_dir(out)
     if (out / MANIFEST_FILE).is_file() and not overwrite:
         raise ExportError(f"{out}: an artifact is already there (pass --overwrite to replace it)")
-    validate_checkpoint(checkpoint_dir, config)
+    tensors = validate_checkpoint(checkpoint_dir, config)  # once: the writer reads these files
     with _os_errors(out):
         staging = Staging(out)
         try:
+            # Every file first, then manifest.json once, complete (file records and the measured
+            # exactness), and only then the swap: a failure at any point leaves no artifact.
             known: dict[str, str] = {}
-            manifest = _with_file_records(
-                _write_artifact(checkpoint_dir, config, opts, staging.path, progress, known),
-                staging.path,
-                known,
-            )
+            manifest = _write_artifact(checkpoint_dir, tensors, config, opts, staging.path, progress, known)
+            manifest = _with_file_records(manifest, staging.path, known)
             manifest = _with_exactness(manifest, staging.path)
+            (staging.path / MANIFEST_FILE).write_text(manifest.to_json())
             staging.install()
         except BaseException:
             staging.discard()
@@ -255,20 +263,24 @@ def _os_errors(out: Path):
 
 def _write_artifact(
     checkpoint_dir: Path,
+    tensors: dict[str, Path],
     config: ModelConfig,
     opts: ExportOptions,
     staging: Path,
     show_progress: bool,
     known_hashes: dict[str, str],
 ) -> Manifest:
-    """Write every file of the artifact into ``staging``; ``known_hashes`` gets the digest of
-    files hashed here (the weights, chunked: loopcast/manifest.py), so the file records skip a pass."""
+    """Write every file of the artifact but manifest.json into ``staging`` (``tensors``: the
+    validated checkpoint, name -> file) and return the manifest; ``known_hashes`` gets the digest
+    of files hashed here (the weights, chunked: loopcast/manifest.py), so the file records skip a
+    pass."""
     op_set, built_library = _resolve_op_set(
         opts, lambda line: print(line, file=sys.stderr) if show_progress else None
     )
+    check_supported(config, op_set)
     if opts.tree_verify and can_tree_verify(config, op_set):
         raise ExportError(f"--tree-verify: {can_tree_verify(config, op_set)}")
-    read, close = checkpoint_reader(validate_checkpoint(checkpoint_dir, config))
+    read, close = checkpoint_reader(tensors)
     layout = weight_layout(config, opts.max_length, opts.dtype, read)
     total = weights_nbytes(config, opts.max_length, opts.dtype, read)
     bar = tqdm(
@@ -353,7 +365,6 @@ def _write_artifact(
         genai_files=genai_files,
         max_batch=opts.max_batch,
     )
-    (staging / MANIFEST_FILE).write_text(manifest.to_json())
     return manifest
 
 
@@ -363,7 +374,7 @@ def _ir_dtype(name: str):
     return {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}[name]
 
 
-def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: str, layout: dict, staging: Path):
+def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: OpSet, layout: dict, staging: Path):
     """On the graph thread: the kinds to build, the weight references, every kind's model (not
     yet saved), its spec and the custom ops it uses."""
     from loopcast.graphs.builder import GraphBuilder, WeightRef
@@ -383,22 +394,20 @@ def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: str, layout:
 
 
 def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
-    """Declare per device whether verify rows are the decode rows bit for bit, and rewrite
-    manifest.json. Measured on the CPU (fp32 only: the CPU runs nothing else) by loading a
-    two-layer twin of the staged artifact on its own weights (exporter/exactness_probe.py: the
-    same kernels at the same shapes for a fraction of the prepacking), after the files are
-    recorded (the trust rule loads the op library only by recorded hash); on CUDA only the
+    """Declare per device whether verify rows are the decode rows bit for bit. Measured on the
+    CPU (fp32 only: the CPU runs nothing else) by loading a two-layer twin of the staged
+    artifact on its own weights (exporter/exactness_probe.py: the same kernels at the same
+    shapes for a fraction of the prepacking), after the files are recorded (the trust rule
+    loads the op library only by recorded hash), before manifest.json is written; on CUDA only the
     loopcast kernels are row-invariant (tested on the GPU: tests/ort_runtime/test_cuda.py),
     cuBLAS and GroupQueryAttention are not."""
     from loopcast.exporter.exactness_probe import rows_match_shallow
 
     exact = {
-        "cpu": manifest.dtype == "fp32" and rows_match_shallow(staging),
-        "cuda": manifest.op_set == "loopcast",
+        "cpu": manifest.dtype == "fp32" and rows_match_shallow(staging, manifest=manifest),
+        "cuda": OpSet(manifest.op_set).batch_invariant,
     }
-    declared = dataclasses.replace(manifest, exact_verify=exact)
-    (staging / MANIFEST_FILE).write_text(declared.to_json())
-    return declared
+    return dataclasses.replace(manifest, exact_verify=exact)
 
 
 def with_verify_width(
@@ -451,7 +460,11 @@ def with_verify_width(
                     shutil.copy(src / name, staging.path / name)
             graphs = {}
             for plan in plan_kinds(
-                config, width, manifest.draft_depth, op_set=manifest.op_set, tree=TREE_TAIL in manifest.graphs
+                config,
+                width,
+                manifest.draft_depth,
+                op_set=manifest.op_set,
+                tree=any(kind in manifest.graphs for kind in TREE_KINDS),
             ):
                 builder = GraphBuilder(refs, manifest.weights_file, staging.path)
                 model, spec = build_kind(
@@ -475,6 +488,7 @@ def with_verify_width(
             )
             derived = dataclasses.replace(manifest, graphs=graphs, verify_width=width, files={})
             derived = _with_file_records(derived, staging.path)
+            (staging.path / MANIFEST_FILE).write_text(derived.to_json())
             staging.install()
         except BaseException:
             staging.discard()
@@ -490,7 +504,7 @@ def _write_batched(
     verify_width: int | None,
     refs: dict,
     staging: Path,
-    op_set: str,
+    op_set: OpSet,
     custom_ops: set[str],
     weights_file: str = WEIGHTS_FILE,
 ) -> dict[str, GraphSpec]:
@@ -500,19 +514,22 @@ def _write_batched(
     from loopcast.graphs.builder import GraphBuilder
 
     graphs = {}
-    for kind, (rows, _, _) in batch_plan(max_batch, config.num_loops, verify_width).items():
+    plans = graph_plan(config, op_set, verify_width=verify_width, draft_depth=None, max_batch=max_batch)
+    for plan in (p for p in plans if p.kind in BATCH_KINDS):
         builder = GraphBuilder(refs, weights_file, staging)
-        model, spec = build_batched_kind(kind, config, dtype, max_length, builder, op_set=op_set, rows=rows)
+        model, spec = build_batched_kind(
+            plan.kind, config, dtype, max_length, builder, op_set=op_set, rows=plan.rows
+        )
         ir.save(model, staging / spec.file)
-        graphs[kind] = spec
+        graphs[plan.kind] = spec
         custom_ops.update(builder.custom_ops())
     return graphs
 
 
 def _with_file_records(manifest: Manifest, staging: Path, known: dict[str, str] | None = None) -> Manifest:
-    """Record size and SHA-256 of every file the manifest names and (re)write manifest.json:
-    loading checks the sizes, ``inspect --verify`` the hashes, and the runtime loads the op
-    library only if its hash matches (docs/trust.md)."""
+    """Record size and SHA-256 of every file the manifest names: loading checks the sizes,
+    ``inspect --verify`` the hashes, and the runtime loads the op library only if its hash
+    matches (docs/trust.md)."""
     from loopcast.manifest import CHUNKED_SHA256, FileRecord, file_digest, sampled_sha256
 
     names = [spec.file for spec in manifest.graphs.values()] + [
@@ -529,7 +546,4 @@ def _with_file_records(manifest: Manifest, staging: Path, known: dict[str, str] 
         digest = known.get(name) or file_digest(staging / name, scheme)
         return FileRecord((staging / name).stat().st_size, digest, sampled_sha256(staging / name), scheme)
 
-    files = {name: record(name) for name in names}
-    recorded = dataclasses.replace(manifest, files=files)
-    (staging / MANIFEST_FILE).write_text(recorded.to_json())
-    return recorded
+    return dataclasses.replace(manifest, files={name: record(name) for name in names})

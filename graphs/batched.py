@@ -21,21 +21,23 @@ from __future__ import annotations
 import onnx_ir as ir
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
+from loopcast.graphs.ops import op_set_builders
 
 from loopcast.config import ModelConfig
-from loopcast.manifest import BATCH_KINDS, GraphSpec
+from loopcast.manifest import GraphSpec
+from loopcast.vocab import BATCH_KINDS, GraphKind, OpSet
 
 BATCH = "batch"  # the symbolic batch dimension (ort_runtime/loading/artifact.py BATCH_DIM)
 
 
 def build_batched_kind(
-    kind: str,
+    kind: GraphKind | str,
     config: ModelConfig,
     dtype: ir.DataType,
     max_length: int,
     b: GraphBuilder,
     *,
-    op_set: str = "stock",
+    op_set: OpSet | str = OpSet.STOCK,
     rows: int = 1,
 ) -> tuple[ir.Model, GraphSpec]:
     if kind not in BATCH_KINDS:
@@ -50,31 +52,15 @@ def build_batched_kind(
         cos_cache=b.weight("rotary.cos_SD2"),
         sin_cache=b.weight("rotary.sin_SD2"),
     )
-    batch_invariant = op_set == "loopcast"
-    ctx = blocks.BlockContext(
-        config,
-        dtype,
-        max_length,
-        step,
-        batch_invariant,
-        loopcast_attention=op_set == "loopcast-attention",
-        batch=BATCH,
-        batch_rows=rows,
-    )
-    x = blocks.embed(b, token_ids)
-    if batch_invariant:
-        x, _ = blocks.decoder_stack(b, x, blocks.layer_sites(config, 0, R, prelude=True), ctx)
-    else:
-        x = blocks.prelude(b, x, ctx)
-        for loop in range(R):
-            x = blocks.core_loop(b, x, loop, ctx)
-        x = blocks.coda(b, x, ctx)
+    ops = op_set_builders(op_set)
+    ctx = blocks.BlockContext(config, dtype, max_length, step, ops, batch=BATCH, batch_rows=rows)
+    x, _ = ops.stack(b, blocks.embed(b, token_ids), blocks.layer_sites(config, 0, R, prelude=True), ctx)
     logits = blocks.lm_head(b, x, ctx)
     blocks.greedy_outputs(b, logits, rows, config.vocab_size, batch=BATCH)
     model = b.build(kind, __doc__.split("\n\n")[0])
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
     spec = GraphSpec(
-        kind=kind,
+        kind=GraphKind(kind),
         file=f"{kind}.onnx",
         rows=rows,
         first_loop=0,

@@ -8,11 +8,15 @@ intermediate, V vocab, Hkv KV heads, T KV capacity (max length), D head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 from loopcast.graphs.builder import LOOPCAST_DOMAIN, MS_DOMAIN, GraphBuilder
 
 from loopcast.config import ModelConfig
+
+if TYPE_CHECKING:
+    from loopcast.graphs.ops import OpSetBuilders
 
 
 @dataclass(frozen=True)
@@ -30,34 +34,33 @@ class StepInputs:
 
 
 @dataclass(frozen=True)
+class RowAddresses:
+    """Row-addressed graphs (the pipeline cycle, the tree kinds; docs/architecture.md §3 "Row
+    addressing"): the attention blocks take one KV slot per row (RowAttention) instead of one
+    slot for all rows."""
+
+    positions: ir.Value  # per-row cache positions [S] int32 (-1: an inactive row)
+    # Tree kinds: per-row masked key ranges [S, 2] int32 (RowAttention input 3), and the rows S,
+    # every one at the layer's own slot.
+    masked: ir.Value | None = None
+    count: int = 1
+    # The cycle run (K cycles in one graph): RowAttention writes K/V into the bound input buffers
+    # and the graph declares no present outputs.
+    kv_in_place: bool = False
+
+
+@dataclass(frozen=True)
 class BlockContext:
     config: ModelConfig
     dtype: ir.DataType
     max_length: int
     step: StepInputs
-    # The loopcast custom ops instead of stock ones: BatchInvariantMatMul and
-    # BatchInvariantAttention (a row's result then does not depend on how many rows the step
-    # has, so every verify row equals the M=1 decode row bit for bit, docs/architecture.md §6), the fused
-    # ResidualRMSNorm, and the MLP activation inside the down projection: a layer is 7 nodes
-    # instead of ~15 (decoder_stack).
-    batch_invariant: bool = False
-    # Only the attention op from the loopcast library (op set "loopcast-attention"): rows are
-    # then exact on the CPU, whose stock MatMul is already row-invariant (docs/architecture.md).
-    loopcast_attention: bool = False
+    ops: OpSetBuilders  # the op set's linear, attention and norms (graphs/ops.py)
     # The batch dimension B of every activation and KV buffer: 1 for the single-sequence kinds;
     # the batched kinds (graphs/batched.py) take one row per sequence and a symbolic B.
     batch: int | str = 1
     batch_rows: int = 1  # rows per sequence in a batched kind (decode_batch 1, verify_batch W)
-    # Row-addressed graphs (the pipeline cycle, the tree kinds): per-row positions [S] int32; the
-    # attention blocks then take one KV slot per row (RowAttention) instead of one slot for all rows.
-    row_positions: ir.Value | None = None
-    # Tree kinds: per-row masked key ranges [S, 2] int32 (RowAttention input 3), and the rows S,
-    # every one at the layer's own slot.
-    row_masked: ir.Value | None = None
-    row_count: int = 1
-    # The cycle run (K cycles in one graph): RowAttention writes K/V into the bound input buffers
-    # (kv_in_place) and the graph declares no present outputs.
-    kv_in_place: bool = False
+    rows: RowAddresses | None = None  # row-addressed graphs only
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,9 @@ class LayerSite:
     slot: int | tuple[int, ...]  # KV slot; row-addressed graphs: one slot per row
     path: str  # node-name path, e.g. "/loop1/layer3"
     prefix: str  # value-name prefix
-    loop_norm: bool  # the loop-norm follows (last layer of a core loop)
+    # The loop-norm follows (last layer of a core loop): its node path and output name when it is
+    # a node of its own (the stock norms; the fused stack folds it into ResidualRMSNorm).
+    loop_norm: tuple[str, str] | None
 
 
 def layer_sites(config: ModelConfig, first_loop: int, last_loop: int, *, prelude: bool) -> list[LayerSite]:
@@ -81,7 +86,7 @@ def layer_sites(config: ModelConfig, first_loop: int, last_loop: int, *, prelude
                 config.prelude_slot(i),
                 f"/prelude/layer{i}",
                 f"prelude.layer{i}",
-                False,
+                None,
             )
             for i in range(config.num_prelude_layers)
         ]
@@ -92,47 +97,15 @@ def layer_sites(config: ModelConfig, first_loop: int, last_loop: int, *, prelude
                 config.core_slot(loop, i),
                 f"/loop{loop}/layer{i}",
                 f"loop{loop}.layer{i}",
-                i == config.num_layers - 1,
+                (f"/loop{loop}/loop_norm", f"loop{loop}.normed_BSH") if i == config.num_layers - 1 else None,
             )
             for i in range(config.num_layers)
         ]
     sites += [
-        LayerSite(f"coda_layers.{i}", config.coda_slot(i), f"/coda/layer{i}", f"coda.layer{i}", False)
+        LayerSite(f"coda_layers.{i}", config.coda_slot(i), f"/coda/layer{i}", f"coda.layer{i}", None)
         for i in range(config.num_coda_layers)
     ]
     return sites
-
-
-def linear(
-    b: GraphBuilder,
-    x: ir.Value,
-    weight: str,
-    ctx: BlockContext,
-    *,
-    path: str,
-    out: str,
-    trans_b: bool = False,
-    swiglu: bool = False,
-    bias: str | None = None,
-) -> ir.Value:
-    """``x @ W`` (``W`` stored [K, N]), or ``x @ Wᵀ`` for a [N, K] weight read in place; with
-    ``swiglu`` x is [gate | up] and the loopcast op multiplies silu(gate)·up, formed as it loads x.
-    ``bias`` ([N]) is added after the MatMul (stock graphs only: export refuses biases with the
-    loopcast ops, whose MatMul has no bias input)."""
-    w = b.weight(weight)
-    if bias is not None:
-        if ctx.batch_invariant:
-            raise ValueError("biases are not supported by the loopcast ops (export refuses them)")
-        y = b.op("MatMul", [x, w], path=path, out=f"{out}_nobias")
-        return b.op("Add", [y, b.weight(bias)], path=f"{path}/bias", out=out)
-    if ctx.batch_invariant:
-        attrs = {**({"trans_b": 1} if trans_b else {}), **({"swiglu": 1} if swiglu else {})}
-        return b.op("BatchInvariantMatMul", [x, w], path=path, out=out, domain=LOOPCAST_DOMAIN, **attrs)
-    if trans_b or swiglu:
-        raise ValueError(
-            "trans_b and swiglu are loopcast-op forms; stock graphs use Gemm / Split+Sigmoid+Mul"
-        )
-    return b.op("MatMul", [x, w], path=path, out=out)
 
 
 def rms_norm(
@@ -205,13 +178,15 @@ def fused_residual_norm(
 def decoder_stack(
     b: GraphBuilder, x_BSH: ir.Value, sites: list[LayerSite], ctx: BlockContext
 ) -> tuple[ir.Value, ir.Value | None]:
-    """The layers of ``sites`` with fused norms (loopcast ops); returns (x, x after the last loop-norm).
+    """The layers of ``sites`` with fused norms (loopcast.ResidualRMSNorm); returns (x, x after
+    the last loop-norm).
 
     Each residual add carries its neighbouring norms, and the norm that opens the next layer
     (the loop-norm too, at the end of a loop), so after the stack's first norm a layer is
     attention, one ResidualRMSNorm, the MLP, one ResidualRMSNorm:
 
-        x ─ n1 ─▶ h ─ attn ─▶ a ─ [x += n2(a); h = n3(x)] ─ mlp ─▶ m ─ [x += n4(m); (x = n_loop(x)); h = n1'(x)] ─▶
+        x ─ n1 ─▶ h ─ attn ─▶ a ─ [x += n2(a); h = n3(x)] ─ mlp ─▶ m ─
+                                          ─ [x += n4(m); (x = n_loop(x)); h = n1'(x)] ─▶
 
     The first norm is the same op without a residual, not a stock RMSNormalization: a
     verify_tail graph opens its stack on the hidden state that the full graph normalises inside
@@ -246,19 +221,19 @@ def decoder_stack(
             path=f"{site.path}/attn_residual_norm",
             prefix=f"{site.prefix}.res1",
         )
-        m = swiglu_mlp(b, h, layer, ctx, path=f"{site.path}/mlp", prefix=site.prefix)
+        m = ctx.ops.mlp(b, h, layer, ctx, path=f"{site.path}/mlp", prefix=site.prefix)
         x_BSH, h = fused_residual_norm(
             b,
             m,
             x_BSH,
             ctx,
             branch_weight=f"{layer}.post_attention_layernorm_2.weight" if sandwich else None,
-            loop_weight="norm.weight" if site.loop_norm else None,
+            loop_weight="norm.weight" if site.loop_norm is not None else None,
             out_weight=f"{nxt.weights}.input_layernorm.weight" if nxt else None,
             path=f"{site.path}/mlp_residual_norm",
             prefix=f"{site.prefix}.res2",
         )
-        if site.loop_norm:
+        if site.loop_norm is not None:
             depth_state = x_BSH
     return x_BSH, depth_state
 
@@ -283,24 +258,22 @@ def attention(
     """
     cfg = ctx.config
     # A q/k/v bias is added before GroupQueryAttention applies rotary, as upstream models do.
-    qkv = linear(
+    qkv = ctx.ops.linear(
         b,
         h_BSH,
         f"{layer}.qkv_proj.weight_T",
-        ctx,
         path=f"{path}/qkv_proj",
         out=f"{prefix}.qkv_BSQ",
         bias=f"{layer}.qkv_proj.bias" if cfg.qkv_bias else None,
     )
-    if ctx.row_positions is not None and isinstance(slot, int):
-        slot = (slot,) * ctx.row_count  # tree kinds: every row reads and writes the layer's slot
+    if ctx.rows is not None and isinstance(slot, int):
+        slot = (slot,) * ctx.rows.count  # tree kinds: every row reads and writes the layer's slot
     if isinstance(slot, tuple):
         attn = _row_attention(b, qkv, slot, ctx, path=path, prefix=prefix)
-        return linear(
+        return ctx.ops.linear(
             b,
             attn,
             f"{layer}.o_proj.weight_T",
-            ctx,
             path=f"{path}/o_proj",
             out=f"{prefix}.attn_out_BSH",
             bias=f"{layer}.o_proj.bias" if cfg.o_bias else None,
@@ -312,11 +285,7 @@ def attention(
     # past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache; trailing optional
     # inputs 9.. (position_ids, attention_bias, head_sink) are not used. The batch-invariant op
     # takes the same inputs and attributes.
-    op_type, domain = (
-        ("BatchInvariantAttention", LOOPCAST_DOMAIN)
-        if ctx.batch_invariant or ctx.loopcast_attention
-        else ("GroupQueryAttention", MS_DOMAIN)
-    )
+    op_type, domain = ctx.ops.attention_op
     attn, present_key, present_value = b.op_multi(
         op_type,
         [
@@ -341,11 +310,10 @@ def attention(
     )
     b.output(present_key, ctx.dtype, kv_shape)
     b.output(present_value, ctx.dtype, kv_shape)
-    return linear(
+    return ctx.ops.linear(
         b,
         attn,
         f"{layer}.o_proj.weight_T",
-        ctx,
         path=f"{path}/o_proj",
         out=f"{prefix}.attn_out_BSH",
         bias=f"{layer}.o_proj.bias" if cfg.o_bias else None,
@@ -355,8 +323,11 @@ def attention(
 def _row_attention(
     b: GraphBuilder, qkv_BSQ: ir.Value, slots: tuple[int, ...], ctx: BlockContext, *, path: str, prefix: str
 ) -> ir.Value:
-    """loopcast.RowAttention: row i writes and reads slot ``slots[i]`` at ``ctx.row_positions[i]``
+    """loopcast.RowAttention: row i writes and reads slot ``slots[i]`` at ``ctx.rows.positions[i]``
     (-1: an inactive row). Each distinct slot is one (key, value) pair of inputs."""
+    rows = ctx.rows
+    if rows is None or not ctx.ops.op_set.loopcast_attention:
+        raise ValueError("row-addressed attention needs the loopcast attention op (RowAttention)")
     cfg = ctx.config
     kv_shape = [1, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
     pairs = list(dict.fromkeys(slots))
@@ -367,11 +338,11 @@ def _row_attention(
             b.input(f"past_value.{s}", ctx.dtype, kv_shape),
         ]
         kv_out += [f"present_key.{s}", f"present_value.{s}"]
-    if ctx.kv_in_place:
+    if rows.kv_in_place:
         kv_out = [f"{prefix}.{name}_0" for name in kv_out]  # empty placeholders
     values = b.op_multi(
         "RowAttention",
-        [qkv_BSQ, ctx.row_positions, None, ctx.row_masked, ctx.step.cos_cache, ctx.step.sin_cache, *kv_in],
+        [qkv_BSQ, rows.positions, None, rows.masked, ctx.step.cos_cache, ctx.step.sin_cache, *kv_in],
         path=f"{path}/row_attention",
         outs=[f"{prefix}.attn_BSHD", *kv_out],
         domain=LOOPCAST_DOMAIN,
@@ -381,61 +352,12 @@ def _row_attention(
         rotary_interleaved=0,
         scale=cfg.head_dim**-0.5,
         row_buffers=[pairs.index(s) for s in slots],
-        **({"kv_in_place": 1} if ctx.kv_in_place else {}),
+        **({"kv_in_place": 1} if rows.kv_in_place else {}),
     )
-    if not ctx.kv_in_place:
+    if not rows.kv_in_place:
         for v in values[1:]:
             b.output(v, ctx.dtype, kv_shape)
     return values[0]
-
-
-def swiglu_mlp(
-    b: GraphBuilder, h_BSH: ir.Value, layer: str, ctx: BlockContext, *, path: str, prefix: str
-) -> ir.Value:
-    """``down(silu(gate(h)) · up(h))`` with gate and up fused into one MatMul.
-
-    h ─ gate_up_proj ─▶ [gate | up] ─ Split ─▶ gate ─ Sigmoid ─ Mul(gate) ─ Mul(up) ─ down_proj ─▶
-    """
-    inter = ctx.config.intermediate_size
-    mlp_bias = ctx.config.mlp_bias
-    gate_up = linear(
-        b,
-        h_BSH,
-        f"{layer}.gate_up_proj.weight_T",
-        ctx,
-        path=f"{path}/gate_up_proj",
-        out=f"{prefix}.gate_up_BS2I",
-        bias=f"{layer}.gate_up_proj.bias" if mlp_bias else None,
-    )
-    if ctx.batch_invariant:  # split, silu and gating happen as down_proj loads its input
-        return linear(
-            b,
-            gate_up,
-            f"{layer}.down_proj.weight_T",
-            ctx,
-            path=f"{path}/down_proj",
-            out=f"{prefix}.mlp_out_BSH",
-            swiglu=True,
-        )
-    gate, up = b.op_multi(
-        "Split",
-        [gate_up, b.const_i64("split_sizes_2I", [inter, inter])],
-        path=f"{path}/split",
-        outs=[f"{prefix}.gate_BSI", f"{prefix}.up_BSI"],
-        axis=-1,
-    )
-    sig = b.op("Sigmoid", [gate], path=f"{path}/sigmoid", out=f"{prefix}.sigmoid_BSI")
-    silu = b.op("Mul", [gate, sig], path=f"{path}/silu", out=f"{prefix}.silu_BSI")
-    act = b.op("Mul", [silu, up], path=f"{path}/gated", out=f"{prefix}.act_BSI")
-    return linear(
-        b,
-        act,
-        f"{layer}.down_proj.weight_T",
-        ctx,
-        path=f"{path}/down_proj",
-        out=f"{prefix}.mlp_out_BSH",
-        bias=f"{layer}.down_proj.bias" if mlp_bias else None,
-    )
 
 
 def decoder_layer(
@@ -470,7 +392,7 @@ def decoder_layer(
         path=f"{path}/attn_residual_norm",
         prefix=f"{prefix}.res1",
     )
-    m = swiglu_mlp(b, h3, layer, ctx, path=f"{path}/mlp", prefix=prefix)
+    m = ctx.ops.mlp(b, h3, layer, ctx, path=f"{path}/mlp", prefix=prefix)
     if sandwich:
         m = rms_norm(
             b,
@@ -483,50 +405,6 @@ def decoder_layer(
     return b.op("Add", [x1, m], path=f"{path}/mlp_residual", out=f"{prefix}.out_BSH")
 
 
-def core_loop(b: GraphBuilder, x_BSH: ir.Value, loop: int, ctx: BlockContext) -> ir.Value:
-    """The core stack at depth ``loop``, then the loop-norm (its output feeds the next loop)."""
-    cfg = ctx.config
-    for layer in range(cfg.num_layers):
-        x_BSH = decoder_layer(
-            b,
-            x_BSH,
-            f"layers.{layer}",
-            cfg.core_slot(loop, layer),
-            ctx,
-            path=f"/loop{loop}/layer{layer}",
-            prefix=f"loop{loop}.layer{layer}",
-        )
-    return rms_norm(b, x_BSH, "norm.weight", ctx, path=f"/loop{loop}/loop_norm", out=f"loop{loop}.normed_BSH")
-
-
-def prelude(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
-    for i in range(ctx.config.num_prelude_layers):
-        x_BSH = decoder_layer(
-            b,
-            x_BSH,
-            f"prelude_layers.{i}",
-            ctx.config.prelude_slot(i),
-            ctx,
-            path=f"/prelude/layer{i}",
-            prefix=f"prelude.layer{i}",
-        )
-    return x_BSH
-
-
-def coda(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
-    for i in range(ctx.config.num_coda_layers):
-        x_BSH = decoder_layer(
-            b,
-            x_BSH,
-            f"coda_layers.{i}",
-            ctx.config.coda_slot(i),
-            ctx,
-            path=f"/coda/layer{i}",
-            prefix=f"coda.layer{i}",
-        )
-    return x_BSH
-
-
 def embed(b: GraphBuilder, input_ids_BS: ir.Value) -> ir.Value:
     return b.op(
         "Gather", [b.weight("embed_tokens.weight"), input_ids_BS], path="/embed", out="embed_BSH", axis=0
@@ -535,32 +413,10 @@ def embed(b: GraphBuilder, input_ids_BS: ir.Value) -> ir.Value:
 
 def lm_head(b: GraphBuilder, x_BSH: ir.Value, ctx: BlockContext) -> ir.Value:
     """Logits in fp32 whatever the model dtype (the argmax and the host read them)."""
-    cfg = ctx.config
-    if cfg.tie_word_embeddings and ctx.batch_invariant:
-        logits = linear(
-            b, x_BSH, "embed_tokens.weight", ctx, path="/lm_head/matmul", out="logits_raw_BSV", trans_b=True
-        )
-    elif cfg.tie_word_embeddings:
-        # Gemm(transB) reads the [V, H] embedding in place instead of storing a transposed copy.
-        flat = b.op(
-            "Reshape",
-            [x_BSH, b.const_i64("shape_NH", [-1, cfg.hidden_size])],
-            path="/lm_head/flatten",
-            out="head_in_NH",
-        )
-        logits = b.op(
-            "Gemm", [flat, b.weight("embed_tokens.weight")], path="/lm_head/gemm", out="logits_NV", transB=1
-        )
-        # single sequence: [1, rows, V]; batched kinds: [B, rows per sequence, V]
-        shape_BSV = [1, -1, cfg.vocab_size] if ctx.batch == 1 else [-1, ctx.batch_rows, cfg.vocab_size]
-        logits = b.op(
-            "Reshape",
-            [logits, b.const_i64("shape_BSV", shape_BSV)],
-            path="/lm_head/unflatten",
-            out="logits_raw_BSV",
-        )
+    if ctx.config.tie_word_embeddings:
+        logits = ctx.ops.tied_head(b, x_BSH, ctx)
     else:
-        logits = linear(b, x_BSH, "lm_head.weight_T", ctx, path="/lm_head/matmul", out="logits_raw_BSV")
+        logits = ctx.ops.linear(b, x_BSH, "lm_head.weight_T", path="/lm_head/matmul", out="logits_raw_BSV")
     if ctx.dtype != ir.DataType.FLOAT:
         logits = b.op("Cast", [logits], path="/lm_head/cast", out="logits_f32_BSV", to=ir.DataType.FLOAT)
     return logits

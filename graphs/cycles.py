@@ -16,9 +16,11 @@ from __future__ import annotations
 import onnx_ir as ir
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import LOOPCAST_DOMAIN, GraphBuilder
+from loopcast.graphs.ops import op_set_builders
 
 from loopcast.config import ModelConfig
-from loopcast.manifest import CYCLE, CYCLE_RUN, GraphSpec, has_cycle, lane_log_length, lane_state_length
+from loopcast.manifest import GraphSpec, lane_log_length, lane_state_length
+from loopcast.vocab import GraphKind, OpSet, has_cycle
 
 # Cycles per cycle_run call: the host's per-call work (one input copy, one launch, one log pull)
 # is spread over this many cycles; a generation that stops mid-run wastes at most K - 1 cycles.
@@ -45,19 +47,17 @@ def _cycle_body(
         out="continuing_BRm1H",
     )
     x = b.op("Concat", [entering, continuing], path="/cycle/lanes", out="lanes_BWH", axis=1)
-    row_slots = [tuple(config.core_slot(r, l) for r in range(R)) for l in range(L)]
-    if ctx.batch_invariant:
-        sites = [
-            blocks.LayerSite(f"layers.{l}", row_slots[l], f"/cycle/layer{l}", f"cycle.layer{l}", l == L - 1)
-            for l in range(L)
-        ]
-        x, _ = blocks.decoder_stack(b, x, sites, ctx)
-    else:
-        for l in range(L):
-            x = blocks.decoder_layer(
-                b, x, f"layers.{l}", row_slots[l], ctx, path=f"/cycle/layer{l}", prefix=f"cycle.layer{l}"
-            )
-        x = blocks.rms_norm(b, x, "norm.weight", ctx, path="/cycle/loop_norm", out="cycle.normed_BWH")
+    sites = [
+        blocks.LayerSite(
+            f"layers.{l}",
+            tuple(config.core_slot(r, l) for r in range(R)),  # row r at loop r
+            f"/cycle/layer{l}",
+            f"cycle.layer{l}",
+            ("/cycle/loop_norm", "cycle.normed_BWH") if l == L - 1 else None,
+        )
+        for l in range(L)
+    ]
+    x, _ = ctx.ops.stack(b, x, sites, ctx)
     return x, blocks.lm_head(b, x, ctx)
 
 
@@ -66,7 +66,7 @@ def _context(
     dtype: ir.DataType,
     max_length: int,
     b: GraphBuilder,
-    op_set: str,
+    op_set: OpSet | str,
     positions_W: ir.Value,
     *,
     kv_in_place: bool,
@@ -86,14 +86,12 @@ def _context(
         dtype,
         max_length,
         step,
-        op_set == "loopcast",
-        loopcast_attention=op_set == "loopcast-attention",
-        row_positions=positions_W,
-        kv_in_place=kv_in_place,
+        op_set_builders(op_set),
+        rows=blocks.RowAddresses(positions_W, kv_in_place=kv_in_place),
     )
 
 
-def _spec(kind: str, b: GraphBuilder, R: int) -> GraphSpec:
+def _spec(kind: GraphKind, b: GraphBuilder, R: int) -> GraphSpec:
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
     return GraphSpec(
         kind=kind,
@@ -108,7 +106,7 @@ def _spec(kind: str, b: GraphBuilder, R: int) -> GraphSpec:
 
 
 def build_cycle(
-    config: ModelConfig, dtype: ir.DataType, max_length: int, b: GraphBuilder, *, op_set: str
+    config: ModelConfig, dtype: ir.DataType, max_length: int, b: GraphBuilder, *, op_set: OpSet | str
 ) -> tuple[ir.Model, GraphSpec]:
     """One cycle per call. ``lanes_W1`` = [entering token, position of row 0, ..., position of
     row R-1] (-1: no lane at that depth), one copy to the device per cycle; the host binds one
@@ -136,8 +134,8 @@ def build_cycle(
     x, logits = _cycle_body(b, ctx, token_ids, carried)
     b.output(x, dtype, [1, R, H], "carried_BWH_out")
     blocks.greedy_outputs(b, logits, R, config.vocab_size)
-    return b.build(CYCLE, "pipeline cycle: one pass over the core layers, row r at loop r"), _spec(
-        CYCLE, b, R
+    return b.build(GraphKind.CYCLE, "pipeline cycle: one pass over the core layers, row r at loop r"), _spec(
+        GraphKind.CYCLE, b, R
     )
 
 
@@ -147,7 +145,7 @@ def build_cycle_run(
     max_length: int,
     b: GraphBuilder,
     *,
-    op_set: str,
+    op_set: OpSet | str,
     cycles: int = CYCLE_RUN_LENGTH,
 ) -> tuple[ir.Model, GraphSpec]:
     """K cycles in one call, greedy: after each cycle ``loopcast.LaneStep`` (custom_ops/src/lane_step.h)
@@ -195,6 +193,6 @@ def build_cycle_run(
     log = b.op("Concat", [*records, state], path="/run/log", out="lane_log_N", axis=0)
     b.output(log, ir.DataType.INT32, [lane_log_length(R, cycles)])
     return (
-        b.build(CYCLE_RUN, f"pipeline cycle run: {cycles} cycles, the lane schedule on the device"),
-        _spec(CYCLE_RUN, b, R),
+        b.build(GraphKind.CYCLE_RUN, f"pipeline cycle run: {cycles} cycles, the lane schedule on the device"),
+        _spec(GraphKind.CYCLE_RUN, b, R),
     )

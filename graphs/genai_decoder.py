@@ -24,8 +24,10 @@ from __future__ import annotations
 import onnx_ir as ir
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
+from loopcast.graphs.ops import op_set_builders
 
 from loopcast.config import ModelConfig
+from loopcast.vocab import OpSet
 
 # B = 1, as in every loopcast graph (the blocks' KV buffers and tied head are batch-1); GenAI
 # refuses a larger batch_size with an input-shape error (docs/install.md).
@@ -60,11 +62,10 @@ def build_genai_decoder(
         sin_cache=b.weight("rotary.sin_SD2"),
     )
     # Stock ops only: GenAI runs the graph in its own sessions, which know no loopcast ops.
-    ctx = blocks.BlockContext(config, dtype, max_length, step, batch_invariant=False)
-    x = blocks.prelude(b, blocks.embed(b, input_ids), ctx)
-    for loop in range(config.num_loops):
-        x = blocks.core_loop(b, x, loop, ctx)
-    x = blocks.coda(b, x, ctx)
+    ops = op_set_builders(OpSet.STOCK)
+    ctx = blocks.BlockContext(config, dtype, max_length, step, ops)
+    sites = blocks.layer_sites(config, 0, config.num_loops, prelude=True)
+    x, _ = ops.stack(b, blocks.embed(b, input_ids), sites, ctx)
     logits = blocks.lm_head(b, x, ctx)
     b.output(logits, ir.DataType.FLOAT, [1, "sequence_length", config.vocab_size], LOGITS)
     _rename_kv(b)

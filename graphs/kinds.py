@@ -15,37 +15,17 @@ Loops are unrolled: no Loop/If/Scan, which would block CUDA-graph capture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import onnx_ir as ir
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
 from loopcast.graphs.cycles import build_cycle, build_cycle_run
+from loopcast.graphs.ops import op_set_builders
 
 from loopcast.config import ModelConfig
-from loopcast.manifest import (
-    CYCLE,
-    CYCLE_RUN,
-    DECODE,
-    DRAFT,
-    LOGIT_ROWS,
-    PREFILL,
-    TREE_DRAFT,
-    TREE_KINDS,
-    TREE_TAIL,
-    VERIFY,
-    VERIFY_TAIL,
-    GraphSpec,
-    has_cycle,
-)
+from loopcast.manifest import LOGIT_ROWS, GraphSpec
+from loopcast.vocab import BATCH_KINDS, TREE_KINDS, GraphKind, GraphPlan, OpSet, graph_plan
 
-
-@dataclass(frozen=True)
-class KindPlan:
-    kind: str
-    rows: int | None  # None: dynamic
-    first_loop: int
-    last_loop: int
+KindPlan = GraphPlan  # one graph's kind, rows and loops (loopcast/vocab.py)
 
 
 def plan_kinds(
@@ -53,32 +33,27 @@ def plan_kinds(
     verify_width: int,
     draft_depth: int | None,
     *,
-    op_set: str = "stock",
+    op_set: OpSet | str = OpSet.STOCK,
     tree: bool = False,
-) -> list[KindPlan]:
-    R = config.num_loops
-    plans = [KindPlan(PREFILL, None, 0, R), KindPlan(DECODE, 1, 0, R), KindPlan(VERIFY, verify_width, 0, R)]
-    if draft_depth is not None:
-        plans += [KindPlan(DRAFT, 1, 0, draft_depth), KindPlan(VERIFY_TAIL, verify_width, draft_depth, R)]
-    if tree and draft_depth is not None:
-        plans += [KindPlan(TREE_DRAFT, 1, 0, draft_depth), KindPlan(TREE_TAIL, verify_width, draft_depth, R)]
-    if has_cycle(config, op_set):
-        plans += [KindPlan(CYCLE, R, 0, R), KindPlan(CYCLE_RUN, R, 0, R)]
-    return plans
+) -> list[GraphPlan]:
+    """The single-sequence kinds of ``graph_plan`` (this module builds them; the batched kinds
+    are graphs/batched.py's)."""
+    plans = graph_plan(config, op_set, verify_width=verify_width, draft_depth=draft_depth, tree=tree)
+    return [plan for plan in plans if plan.kind not in BATCH_KINDS]
 
 
 def build_kind(
-    plan: KindPlan,
+    plan: GraphPlan,
     config: ModelConfig,
     dtype: ir.DataType,
     max_length: int,
     b: GraphBuilder,
     *,
-    op_set: str = "stock",
+    op_set: OpSet | str = OpSet.STOCK,
 ) -> tuple[ir.Model, GraphSpec]:
-    if plan.kind == CYCLE:
+    if plan.kind == GraphKind.CYCLE:
         return build_cycle(config, dtype, max_length, b, op_set=op_set)
-    if plan.kind == CYCLE_RUN:
+    if plan.kind == GraphKind.CYCLE_RUN:
         return build_cycle_run(config, dtype, max_length, b, op_set=op_set)
     rows: int | str = plan.rows if plan.rows is not None else "num_rows"
     if plan.first_loop == 0:
@@ -86,7 +61,8 @@ def build_kind(
     else:
         hidden_in = b.input("hidden_BSH", dtype, [1, rows, config.hidden_size])
     tree = plan.kind in TREE_KINDS
-    if tree and op_set == "stock":
+    ops = op_set_builders(op_set)
+    if tree and not ops.op_set.loopcast_attention:
         raise ValueError("the tree kinds need the loopcast attention op (RowAttention)")
     step = blocks.StepInputs(
         seqlens_k=None if tree else b.input("seqlens_k", ir.DataType.INT32, [1]),
@@ -94,29 +70,14 @@ def build_kind(
         cos_cache=b.weight("rotary.cos_SD2"),
         sin_cache=b.weight("rotary.sin_SD2"),
     )
-    batch_invariant = op_set == "loopcast"
     ctx = blocks.BlockContext(
-        config,
-        dtype,
-        max_length,
-        step,
-        batch_invariant,
-        loopcast_attention=op_set == "loopcast-attention",
-        **(_tree_addresses(b, plan.rows) if tree else {}),
+        config, dtype, max_length, step, ops, rows=_tree_addresses(b, plan.rows) if tree else None
     )
     x = blocks.embed(b, token_ids) if plan.first_loop == 0 else hidden_in
-    if batch_invariant:
-        sites = blocks.layer_sites(config, plan.first_loop, plan.last_loop, prelude=plan.first_loop == 0)
-        x, depth_state = blocks.decoder_stack(b, x, sites, ctx)
-    else:
-        if plan.first_loop == 0:
-            x = blocks.prelude(b, x, ctx)
-        for loop in range(plan.first_loop, plan.last_loop):
-            x = blocks.core_loop(b, x, loop, ctx)
-        depth_state = x
-        x = blocks.coda(b, x, ctx)
+    sites = blocks.layer_sites(config, plan.first_loop, plan.last_loop, prelude=plan.first_loop == 0)
+    x, depth_state = ops.stack(b, x, sites, ctx)
     out_rows: int | str = rows
-    if plan.kind == PREFILL:
+    if plan.kind == GraphKind.PREFILL:
         # Only the last row's next token is needed; slicing first keeps the head at one row.
         # ``logit_rows`` (default 1) asks for the last k rows instead: the CPU runs decode and
         # verify on this graph's session, so one session holds the packed weights
@@ -132,10 +93,10 @@ def build_kind(
         )
         out_rows = "logit_rows"
     logits = blocks.lm_head(b, x, ctx)
-    blocks.greedy_outputs(b, logits, out_rows, config.vocab_size, with_gap=plan.kind == DRAFT)
-    if plan.kind in (DRAFT, TREE_DRAFT):
+    blocks.greedy_outputs(b, logits, out_rows, config.vocab_size, with_gap=plan.kind == GraphKind.DRAFT)
+    if plan.kind in (GraphKind.DRAFT, GraphKind.TREE_DRAFT):
         b.output(depth_state, dtype, [1, rows, config.hidden_size], "hidden_BSH_out")
-    if plan.kind == TREE_DRAFT:
+    if plan.kind == GraphKind.TREE_DRAFT:
         _top2_probabilities(b, logits, rows)
     model = b.build(plan.kind, __doc__.split("\n\n")[0])
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
@@ -152,7 +113,7 @@ def build_kind(
     return model, spec
 
 
-def _tree_addresses(b: GraphBuilder, rows: int) -> dict:
+def _tree_addresses(b: GraphBuilder, rows: int) -> blocks.RowAddresses:
     """The tree kinds' per-row addresses from one int32 input (one host-to-device copy per step):
     ``row_address_S3[i]`` = (cache position, masked lo, masked hi) of row i; -1: inactive row.
 
@@ -185,7 +146,7 @@ def _tree_addresses(b: GraphBuilder, rows: int) -> dict:
         path="/rows/masked",
         out="masked_keys_S2",
     )
-    return {"row_positions": positions, "row_masked": masked, "row_count": rows}
+    return blocks.RowAddresses(positions, masked, rows)
 
 
 def _top2_probabilities(b: GraphBuilder, logits_BSV: ir.Value, rows: int) -> None:

@@ -14,31 +14,33 @@ from typing import Any
 
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError
+from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabulary)
+    BATCH_KINDS,
+    CYCLE_KINDS,
+    TREE_KINDS,
+    GraphKind,
+    OpSet,
+    can_tree_verify,
+    has_cycle,
+)
 
-SCHEMA_VERSION = 2  # 2: op_set and exact_verify declared
+# 3: every field written by the exporter is required (op_set, exact_verify, files, genai_files,
+# max_batch, ...), and an artifact has exactly the graphs of loopcast.vocab.graph_plan. Older
+# artifacts are refused with one line that says to re-export.
+SCHEMA_VERSION = 3
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 
-# Op sets a graph can be built with (docs/architecture.md, "Op sets and exactness"):
-#   stock               ONNX + com.microsoft ops only (GroupQueryAttention, MatMul)
-#   loopcast-attention  the loopcast attention op (row-invariant, lengths read on the device), stock
-#                       MatMul and norms: exact on the CPU at stock MatMul speed
-#   loopcast            every hot op from the loopcast library (batch-invariant on CPU and CUDA)
-OP_SETS = ("stock", "loopcast-attention", "loopcast")
-
-# Graph kinds (docs/architecture.md §3).
-PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL = "prefill", "decode", "verify", "draft", "verify_tail"
+# The vocabularies live in loopcast/vocab.py; these names are kept for the modules that import
+# them from here.
+OP_SETS = tuple(OpSet)
+PREFILL, DECODE, VERIFY = GraphKind.PREFILL, GraphKind.DECODE, GraphKind.VERIFY
+DRAFT, VERIFY_TAIL = GraphKind.DRAFT, GraphKind.VERIFY_TAIL
+CYCLE, CYCLE_RUN = GraphKind.CYCLE, GraphKind.CYCLE_RUN
+TREE_DRAFT, TREE_TAIL = GraphKind.TREE_DRAFT, GraphKind.TREE_TAIL
+DECODE_BATCH, VERIFY_BATCH = GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH
+GRAPH_KINDS = tuple(k for k in GraphKind if k not in BATCH_KINDS)  # the single-sequence kinds
 LOGIT_ROWS = "logit_rows"  # prefill's overridable input: how many last rows get logits (default 1)
-CYCLE = "cycle"  # the pipeline: R rows, row r runs loop r (docs/architecture.md §3)
-# The pipeline's K cycles in one call, the lane schedule (loopcast.LaneStep) on the device between
-# them (greedy; graphs/cycles.py). Optional: artifacts exported before it lack it.
-CYCLE_RUN = "cycle_run"
-# Tree verify (``export --tree-verify``; docs/architecture.md §5 "Alternate suffix"): draft and
-# verify_tail with row-addressed attention, each row at its own cache position with a masked key
-# range, so a branch's rows can sit at scratch positions past the other branch.
-TREE_DRAFT, TREE_TAIL = "tree_draft", "tree_tail"
-TREE_KINDS = (TREE_DRAFT, TREE_TAIL)
-GRAPH_KINDS = (PREFILL, DECODE, VERIFY, DRAFT, VERIFY_TAIL, CYCLE, CYCLE_RUN, *TREE_KINDS)
 
 
 def lane_state_length(rows: int) -> int:
@@ -57,41 +59,11 @@ def lane_log_length(rows: int, cycles: int) -> int:
     return cycles * lane_record_length(rows) + lane_state_length(rows)
 
 
-def has_cycle(config: ModelConfig, op_set: str) -> bool:
-    """Whether an artifact carries the pipeline's cycle graph: a looped model without prelude or
-    coda (a lane runs one core loop per cycle), built with the row-addressed attention op."""
-    return (
-        config.num_loops > 1
-        and config.num_prelude_layers == 0
-        and config.num_coda_layers == 0
-        and op_set != "stock"
-    )
-
-
-def can_tree_verify(config: ModelConfig, op_set: str) -> str | None:
-    """Why an artifact of ``config`` and ``op_set`` cannot carry the tree kinds (None: it can):
-    they split a looped model's stack at the draft depth, with the row-addressed attention op."""
-    if config.num_loops < 2:
-        return "tree verify needs a looped model (R > 1): its branches are drafted by the shallow loops"
-    if op_set == "stock":
-        return "tree verify needs the loopcast attention op (--ops loopcast-attention or loopcast), not stock graphs"
-    return None
-
-
-# Batched kinds (graphs/batched.py, docs/serving.md): the rows of one call belong to different
-# sequences (1 row each for decode_batch, verify_width rows each for verify_batch), batch entry b
-# reading and writing batch entry b of every KV buffer [B, H_kv, S_max, D]. B is a symbolic
-# dimension up to the manifest's ``max_batch``. Optional: an artifact exported without
-# ``--max-batch`` has none and no ``max_batch``.
-DECODE_BATCH, VERIFY_BATCH = "decode_batch", "verify_batch"
-BATCH_KINDS = (DECODE_BATCH, VERIFY_BATCH)
-
-
 @dataclass(frozen=True)
 class GraphSpec:
     """One ONNX file: which rows it takes, which loops it runs and which KV slots it binds."""
 
-    kind: str
+    kind: GraphKind
     file: str
     rows: int | None  # None = dynamic (prefill)
     first_loop: int  # loops first_loop .. last_loop-1 are run
@@ -102,7 +74,8 @@ class GraphSpec:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> GraphSpec:
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+        fields = {k: raw[k] for k in cls.__dataclass_fields__}
+        return cls(**{**fields, "kind": GraphKind(fields["kind"])})
 
 
 @dataclass(frozen=True)
@@ -126,7 +99,7 @@ class Manifest:
     verify_width: int | None
     draft_depth: int | None
     kv_layout: dict[str, Any]
-    graphs: dict[str, GraphSpec]
+    graphs: dict[GraphKind, GraphSpec]
     weights_file: str = WEIGHTS_FILE
     custom_ops: list[str] = field(default_factory=list)  # ops of the `loopcast` domain used
     custom_op_library: str | None = None
@@ -134,13 +107,12 @@ class Manifest:
     eos_token_ids: list[int] = field(default_factory=list)
     # ``export --genai``: the ONNX Runtime GenAI graph and genai_config.json (exporter/genai.py)
     genai_files: list[str] = field(default_factory=list)
-    # Optional (older artifacts lack them): file name -> size and SHA-256; device -> whether
-    # verify rows are bit-identical to the M=1 decode rows there (declared, never sniffed:
-    # docs/architecture.md §4, §6). Speculation returns plain greedy's tokens by construction
-    # only where exact_verify is true.
+    # file name -> size and SHA-256; device -> whether verify rows are bit-identical to the M=1
+    # decode rows there (declared, never sniffed: docs/architecture.md §4, §6). Speculation
+    # returns plain greedy's tokens by construction only where exact_verify is true.
     files: dict[str, FileRecord] = field(default_factory=dict)
     exact_verify: dict[str, bool] = field(default_factory=dict)
-    op_set: str = "stock"
+    op_set: OpSet = OpSet.STOCK
     # ``export --max-batch B``: the batched kinds (BATCH_KINDS) exist and take up to B sequences.
     max_batch: int | None = None
 
@@ -148,7 +120,7 @@ class Manifest:
     def device_lengths(self) -> bool:
         """The attention op reads both lengths on the device, so a step can be captured and
         replayed at any position (GroupQueryAttention reads total_sequence_length on the host)."""
-        return self.op_set != "stock"
+        return OpSet(self.op_set).loopcast_attention
 
     @functools.cached_property
     def config(self) -> ModelConfig:

@@ -21,29 +21,14 @@ from typing import Any
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError, LoopcastError
 from loopcast.manifest import (
-    BATCH_KINDS,
-    CYCLE,
-    CYCLE_RUN,
-    DECODE,
-    DECODE_BATCH,
-    DRAFT,
-    GRAPH_KINDS,
     HASH_SCHEMES,
-    OP_SETS,
-    PREFILL,
-    TREE_DRAFT,
-    TREE_KINDS,
-    TREE_TAIL,
-    VERIFY,
-    VERIFY_BATCH,
-    VERIFY_TAIL,
     FileRecord,
     GraphSpec,
     Manifest,
-    has_cycle,
     resolve_inside,
     sampled_sha256,
 )
+from loopcast.vocab import BATCH_KINDS, TREE_KINDS, GraphKind, OpSet, graph_plan
 
 DTYPES = ("fp32", "fp16", "bf16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -62,22 +47,26 @@ class _Fields:
         at = f"{self.where}.{name}" if self.where and name else (name or self.where)
         raise ArtifactError(f"{self.manifest}: corrupt manifest ({at} {message})")
 
-    def get(self, name: str, kind, *, optional: bool = False, default=None):
+    def get(self, name: str, kind, *, optional: bool = False, nullable: bool = False, default=None):
+        """The field's value, of type ``kind``. ``optional``: it may be absent or null (then
+        ``default``); ``nullable``: it must be present and may be null (then None)."""
         if name not in self.raw:
             if optional:
                 return default
             self.fail("is missing", name)
         value = self.raw[name]
-        if value is None and optional:
-            return default
+        if value is None and (optional or nullable):
+            return default if optional else None
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             self.fail(f"must be an integer, got {value!r:.80}", name)
         if kind is not int and not isinstance(value, kind):
             self.fail(f"must be a {kind.__name__}, got {value!r:.80}", name)
         return value
 
-    def int_in(self, name: str, lo: int, hi: int, *, optional: bool = False) -> int | None:
-        value = self.get(name, int, optional=optional)
+    def int_in(
+        self, name: str, lo: int, hi: int, *, optional: bool = False, nullable: bool = False
+    ) -> int | None:
+        value = self.get(name, int, optional=optional, nullable=nullable)
         if value is not None and not lo <= value <= hi:
             self.fail(f"must be in {lo}..{hi}, got {value}", name)
         return value
@@ -100,19 +89,19 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
     """The input and output names a graph of ``kind`` must have (graphs/kinds.py builds them)."""
     inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "seqlens_k", "total_sequence_length"}
     outputs = {"next_token_ids_BS", "logits_BSV"}
-    if kind == CYCLE:
+    if kind == GraphKind.CYCLE:
         inputs = {"lanes_W1", "carried_BWH"}
         outputs |= {"carried_BWH_out"}
-    if kind == CYCLE_RUN:  # writes its KV in place: no present outputs
+    if kind == GraphKind.CYCLE_RUN:  # writes its KV in place: no present outputs
         inputs = {"lane_state_N", "carried_BWH"} | {
             f"past_{kv}.{s}" for s in slots for kv in ("key", "value")
         }
         return inputs, {"carried_BWH_out", "lane_log_N"}
-    if kind == DRAFT:
+    if kind == GraphKind.DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
     if kind in TREE_KINDS:  # per row: cache position, masked key range [lo, hi)
         inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "row_address_S3"}
-    if kind == TREE_DRAFT:
+    if kind == GraphKind.TREE_DRAFT:
         outputs |= {"hidden_BSH_out", "top2_probs_BS2", "top2_ids_BS2"}
     for s in slots:
         inputs |= {f"past_key.{s}", f"past_value.{s}"}
@@ -145,9 +134,9 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         top.fail(f"must be one of {', '.join(DTYPES)}, got {dtype!r:.40}", "dtype")
     R = config.num_loops
     max_length = top.int_in("max_length", 1, config.max_position_embeddings)
-    verify_width = top.int_in("verify_width", 2, max_length, optional=True)
-    draft_depth = top.int_in("draft_depth", 1, R - 1, optional=True) if R > 1 else None
-    if R == 1 and top.raw.get("draft_depth") is not None:
+    verify_width = top.int_in("verify_width", 2, max_length, nullable=True)
+    draft_depth = top.int_in("draft_depth", 1, R - 1, nullable=True) if R > 1 else None
+    if R == 1 and top.get("draft_depth", int, nullable=True) is not None:
         top.fail("must be null for a model of one loop", "draft_depth")
 
     kv = _Fields(top.get("kv_layout", dict), "kv_layout", path)
@@ -157,58 +146,60 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     if kv.get("shape", list) != shape:
         kv.fail(f"must be {shape} (1, KV heads, max_length, head_dim), got {kv.raw['shape']!r:.80}", "shape")
 
+    op_set = top.get("op_set", str)
+    if op_set not in tuple(OpSet):
+        top.fail(f"must be one of {', '.join(OpSet)}, got {op_set!r:.40}", "op_set")
+    op_set = OpSet(op_set)
+    max_batch = top.int_in("max_batch", 1, MAX_BATCH, nullable=True)
     graphs_raw = top.get("graphs", dict)
-    unknown = sorted(set(graphs_raw) - set(GRAPH_KINDS) - set(BATCH_KINDS))
+    unknown = sorted(set(graphs_raw) - set(GraphKind))
     if unknown:
         top.fail(
-            f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are "
-            f"{', '.join(GRAPH_KINDS + BATCH_KINDS)}",
+            f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are {', '.join(GraphKind)}",
             "graphs",
         )
-    # kind -> (rows, first_loop, last_loop), from the model and the manifest's own widths.
-    plan = {PREFILL: (None, 0, R), DECODE: (1, 0, R)}
-    if verify_width is not None:
-        plan[VERIFY] = (verify_width, 0, R)
-    if draft_depth is not None:
-        plan[DRAFT] = (1, 0, draft_depth)
-        if verify_width is not None:
-            plan[VERIFY_TAIL] = (verify_width, draft_depth, R)
-    op_set = top.get("op_set", str, optional=True, default="stock")
-    if has_cycle(config, op_set if op_set in OP_SETS else "stock"):
-        plan[CYCLE] = plan[CYCLE_RUN] = (R, 0, R)
-    if draft_depth is not None and verify_width is not None and op_set != "stock":
-        plan[TREE_DRAFT], plan[TREE_TAIL] = (1, 0, draft_depth), (verify_width, draft_depth, R)
-        if (TREE_DRAFT in graphs_raw) != (TREE_TAIL in graphs_raw):
-            top.fail(f"has one of the tree kinds ({TREE_DRAFT}, {TREE_TAIL}) without the other", "graphs")
-    max_batch = top.int_in("max_batch", 1, MAX_BATCH, optional=True)
-    plan.update(batch_plan(max_batch, R, verify_width))
-    for kind in (PREFILL, DECODE, *batch_plan(max_batch, R, verify_width)):
-        if kind not in graphs_raw:
-            why = "every artifact needs" if kind in (PREFILL, DECODE) else f"max_batch {max_batch} declares"
-            top.fail(f"lacks the '{kind}' graph, which {why}", "graphs")
-    graphs = {}
-    for kind, spec_raw in graphs_raw.items():
+    # The graphs are exactly those of graph_plan (the tree kinds, an export option, both or neither).
+    tree = any(kind in graphs_raw for kind in TREE_KINDS)
+    plans = graph_plan(
+        config, op_set, verify_width=verify_width, draft_depth=draft_depth, tree=tree, max_batch=max_batch
+    )
+    plan = {p.kind: (p.rows, p.first_loop, p.last_loop) for p in plans}
+    for kind in graphs_raw:
         if kind not in plan:
             top.fail(
                 f"has a '{kind}' graph but verify_width/draft_depth/max_batch (or, for cycle and the tree "
                 "kinds, the model and op_set) say there is none",
                 "graphs",
             )
-        graphs[kind] = _parse_graph(kind, spec_raw, plan[kind], config, path)
+    for kind in plan:
+        if kind not in graphs_raw:
+            if kind in TREE_KINDS:
+                top.fail(f"has one of the tree kinds ({', '.join(TREE_KINDS)}) without the other", "graphs")
+            if kind in (GraphKind.PREFILL, GraphKind.DECODE):
+                why = "every artifact needs"
+            elif kind in BATCH_KINDS:
+                why = f"max_batch {max_batch} declares"
+            else:
+                why = "the model, op_set, verify_width and draft_depth declare"
+            top.fail(f"lacks the '{kind}' graph, which {why}", "graphs")
+    graphs = {
+        GraphKind(kind): _parse_graph(kind, spec_raw, plan[kind], config, path)
+        for kind, spec_raw in graphs_raw.items()
+    }
 
     weights_file = top.get("weights_file", str)
-    custom_ops = top.str_list("custom_ops", optional=True)
-    library = top.get("custom_op_library", str, optional=True)
+    custom_ops = top.str_list("custom_ops")
+    library = top.get("custom_op_library", str, nullable=True)
     if custom_ops and library is None:
         raise ArtifactError(
             f"{path}: the graphs use custom ops {custom_ops} but the manifest names no custom_op_library"
         )
     if library is not None and ("/" in library or library in ("", ".", "..")):
         top.fail(f"must be a plain file name inside the artifact, got {library!r:.80}", "custom_op_library")
-    tokenizer_files = top.str_list("tokenizer_files", optional=True)
-    eos = top.int_list("eos_token_ids", 0, config.vocab_size - 1, optional=True)
+    tokenizer_files = top.str_list("tokenizer_files")
+    eos = top.int_list("eos_token_ids", 0, config.vocab_size - 1)
     files = {}
-    for name, record in top.get("files", dict, optional=True, default={}).items():
+    for name, record in top.get("files", dict).items():
         entry = _Fields(record, f"files[{name!r:.60}]", path)
         size = entry.int_in("size", 0, 2**62)
         digest = entry.get("sha256", str)
@@ -220,12 +211,10 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         if scheme not in HASH_SCHEMES:
             entry.fail(f"must be one of {', '.join(HASH_SCHEMES)}, got {scheme!r:.40}", "hash")
         files[name] = FileRecord(size, digest, sampled, scheme)
-    exact = top.get("exact_verify", dict, optional=True, default={})
+    exact = top.get("exact_verify", dict)
     if not all(isinstance(k, str) and isinstance(v, bool) for k, v in exact.items()):
         top.fail("must map device names to true/false", "exact_verify")
-    if op_set not in OP_SETS:
-        top.fail(f"must be one of {', '.join(OP_SETS)}, got {op_set!r:.40}", "op_set")
-    genai_files = top.str_list("genai_files", optional=True)
+    genai_files = top.str_list("genai_files")
     return Manifest(
         schema_version=raw["schema_version"],
         exporter_version=exporter_version,
@@ -249,22 +238,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     )
 
 
-MAX_BATCH = (
-    1024  # sequences of a batched graph (docs/serving.md); the KV memory is max_batch x one sequence's
-)
-
-
-def batch_plan(
-    max_batch: int | None, num_loops: int, verify_width: int | None
-) -> dict[str, tuple[int, int, int]]:
-    """The batched kinds an artifact of ``max_batch`` has: kind -> (rows per sequence, first loop,
-    last loop). None (exported without --max-batch): none."""
-    if max_batch is None:
-        return {}
-    plan = {DECODE_BATCH: (1, 0, num_loops)}
-    if verify_width is not None:
-        plan[VERIFY_BATCH] = (verify_width, 0, num_loops)
-    return plan
+MAX_BATCH = 1024  # sequences of a batched graph (docs/serving.md); KV memory is max_batch x one sequence's
 
 
 def _parse_graph(kind: str, raw: Any, plan: tuple, config: ModelConfig, path: Path) -> GraphSpec:
@@ -287,10 +261,8 @@ def _parse_graph(kind: str, raw: Any, plan: tuple, config: ModelConfig, path: Pa
         )
     slots = g.int_list("kv_slots", 0, config.num_kv_slots - 1)
     if sorted(slots) != expected_slots(config, first, last) or len(set(slots)) != len(slots):
-        g.fail(
-            f"must be {expected_slots(config, first, last)} for loops {first}..{last - 1}, got {slots!r:.120}",
-            "kv_slots",
-        )
+        want = expected_slots(config, first, last)
+        g.fail(f"must be {want} for loops {first}..{last - 1}, got {slots!r:.120}", "kv_slots")
     inputs, outputs = g.str_list("inputs"), g.str_list("outputs")
     want_in, want_out = expected_io(kind, first, slots)
     for label, got, want in (("inputs", inputs, want_in), ("outputs", outputs, want_out)):
@@ -378,10 +350,7 @@ def verify_hashes(manifest: Manifest, artifact_dir: Path) -> list[str]:
     from loopcast.manifest import file_digest
 
     if not manifest.files:
-        raise ArtifactError(
-            f"{artifact_dir}: the manifest records no hashes (exported by an older loopcast); "
-            "re-export to verify it"
-        )
+        raise ArtifactError(f"{artifact_dir}: the manifest records no hashes; re-export to verify it")
     named = [spec.file for spec in manifest.graphs.values()] + [manifest.weights_file]
     named += [manifest.custom_op_library] if manifest.custom_op_library else []
     unrecorded = [name for name in named if name not in manifest.files]

@@ -1,17 +1,173 @@
-"""The project's vocabularies as enums: one place names each choice a user or an artifact makes.
+"""The project's vocabularies as enums, and the one plan of which graphs an artifact gets.
 
-They are ``StrEnum``s, so the strings of the CLI, the manifest and the JSON API stay what they
-were (``SpeculativeMode("self") == "self"``).
+Values are the strings the manifest, the CLI and the JSON output use (``StrEnum``: a member
+equals, hashes and formats as its string), so a manifest key read from JSON finds the member's
+entry and a member written to JSON is its string.
+
+- :class:`GraphKind`: the graph kinds (docs/architecture.md §3).
+- :class:`OpSet`: the op sets a graph can be built with, each declaring its capabilities
+  (graphs/ops.py gives each its block builders).
+- :class:`SpeculativeMode`, :class:`GateKind`: who drafts, and when a step speculates.
+- :func:`graph_plan`: which graphs an artifact of a model, op set and export options has, with
+  each graph's rows and loops. The exporter builds exactly these, the manifest schema accepts
+  exactly these (loopcast/manifest_schema.py), nothing else decides it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
+from loopcast.config import ModelConfig
 from loopcast.errors import RequestError
 
 E = TypeVar("E", bound=StrEnum)
+
+
+class GraphKind(StrEnum):
+    """One ONNX file of an artifact (docs/architecture.md §3)."""
+
+    PREFILL = "prefill"  # dynamic rows, all loops
+    DECODE = "decode"  # 1 row, all loops
+    VERIFY = "verify"  # W rows, all loops
+    DRAFT = "draft"  # 1 row, loops 0..d-1, + the hidden state at depth d
+    VERIFY_TAIL = "verify_tail"  # W hidden states at depth d, loops d..R-1
+    # The pipeline (graphs/cycles.py): R rows, row r runs loop r; cycle_run is K cycles in one
+    # call with the lane schedule (loopcast.LaneStep) on the device between them.
+    CYCLE = "cycle"
+    CYCLE_RUN = "cycle_run"
+    # Tree verify (``export --tree-verify``; docs/architecture.md §5 "Alternate suffix"): draft
+    # and verify_tail with row-addressed attention, each row at its own cache position with a
+    # masked key range, so a branch's rows can sit at scratch positions past the other branch.
+    TREE_DRAFT = "tree_draft"
+    TREE_TAIL = "tree_tail"
+    # Batched (graphs/batched.py, docs/serving.md; ``export --max-batch B``): the rows of one
+    # call belong to different sequences (1 row each for decode_batch, verify_width rows each
+    # for verify_batch), batch entry b reading and writing batch entry b of every KV buffer.
+    DECODE_BATCH = "decode_batch"
+    VERIFY_BATCH = "verify_batch"
+
+
+CYCLE_KINDS = (GraphKind.CYCLE, GraphKind.CYCLE_RUN)
+TREE_KINDS = (GraphKind.TREE_DRAFT, GraphKind.TREE_TAIL)
+BATCH_KINDS = (GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH)
+
+
+class OpSet(StrEnum):
+    """The ops a graph is built with (docs/architecture.md, "Op sets and exactness"). Code asks
+    an op set what it can do (the properties below), never which one it is."""
+
+    # ONNX + com.microsoft ops only (GroupQueryAttention, MatMul)
+    STOCK = "stock"
+    # the loopcast attention op (row-invariant, lengths read on the device), stock MatMul and
+    # norms: exact on the CPU at stock MatMul speed
+    LOOPCAST_ATTENTION = "loopcast-attention"
+    # every hot op from the loopcast library (batch-invariant on the CPU and CUDA)
+    LOOPCAST = "loopcast"
+
+    @property
+    def loopcast_attention(self) -> bool:
+        """Attention is the loopcast op (BatchInvariantAttention, RowAttention): a row's result
+        does not depend on the other rows of the call, it reads both lengths on the device (a
+        step can be captured and replayed at any position), and it can address rows one by one
+        (the pipeline's cycle, the tree kinds)."""
+        return self is not OpSet.STOCK
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Every hot op (MatMul, norms, attention) is a loopcast op: rows are bit-identical to
+        the M=1 decode rows on the CPU and on CUDA; the MatMul never prepacks its weights and
+        takes no bias input."""
+        return self is OpSet.LOOPCAST
+
+    @property
+    def needs_library(self) -> bool:
+        """Whether the graphs use ops of the loopcast custom-op library."""
+        return self is not OpSet.STOCK
+
+
+def has_cycle(config: ModelConfig, op_set: OpSet | str) -> bool:
+    """Whether an artifact carries the pipeline's cycle graphs: a looped model without prelude
+    or coda (a lane runs one core loop per cycle), built with the row-addressed attention op."""
+    return (
+        config.num_loops > 1
+        and config.num_prelude_layers == 0
+        and config.num_coda_layers == 0
+        and OpSet(op_set).loopcast_attention
+    )
+
+
+def can_tree_verify(config: ModelConfig, op_set: OpSet | str) -> str | None:
+    """Why an artifact of ``config`` and ``op_set`` cannot carry the tree kinds (None: it can):
+    they split a looped model's stack at the draft depth, with the row-addressed attention op."""
+    if config.num_loops < 2:
+        return "tree verify needs a looped model (R > 1): its branches are drafted by the shallow loops"
+    if not OpSet(op_set).loopcast_attention:
+        return (
+            "tree verify needs the loopcast attention op (--ops loopcast-attention or loopcast), "
+            "not stock graphs"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """One graph of an artifact: its kind, rows per sequence (None: dynamic) and the loops
+    ``first_loop .. last_loop-1`` it runs."""
+
+    kind: GraphKind
+    rows: int | None
+    first_loop: int
+    last_loop: int
+
+
+def graph_plan(
+    config: ModelConfig,
+    op_set: OpSet | str,
+    *,
+    verify_width: int | None,
+    draft_depth: int | None,
+    tree: bool = False,
+    max_batch: int | None = None,
+) -> tuple[GraphPlan, ...]:
+    """The graphs an artifact has, in the order the exporter writes them:
+
+    prefill, decode                       always
+    verify                                with a verify width W
+    draft, verify_tail                    with a draft depth d (verify_tail: and W)
+    tree_draft, tree_tail                 ``tree``, with d and W, where can_tree_verify allows
+    cycle, cycle_run                      where has_cycle (the model and the op set)
+    decode_batch, verify_batch            with ``max_batch`` (verify_batch: and W)
+    """
+    R = config.num_loops
+    plans = [GraphPlan(GraphKind.PREFILL, None, 0, R), GraphPlan(GraphKind.DECODE, 1, 0, R)]
+    if verify_width is not None:
+        plans.append(GraphPlan(GraphKind.VERIFY, verify_width, 0, R))
+    if draft_depth is not None:
+        plans.append(GraphPlan(GraphKind.DRAFT, 1, 0, draft_depth))
+        if verify_width is not None:
+            plans.append(GraphPlan(GraphKind.VERIFY_TAIL, verify_width, draft_depth, R))
+    if (
+        tree
+        and draft_depth is not None
+        and verify_width is not None
+        and can_tree_verify(config, op_set) is None
+    ):
+        plans += [
+            GraphPlan(GraphKind.TREE_DRAFT, 1, 0, draft_depth),
+            GraphPlan(GraphKind.TREE_TAIL, verify_width, draft_depth, R),
+        ]
+    if has_cycle(config, op_set):
+        plans += [GraphPlan(GraphKind.CYCLE, R, 0, R), GraphPlan(GraphKind.CYCLE_RUN, R, 0, R)]
+    if max_batch is not None:
+        plans.append(GraphPlan(GraphKind.DECODE_BATCH, 1, 0, R))
+        if verify_width is not None:
+            plans.append(GraphPlan(GraphKind.VERIFY_BATCH, verify_width, 0, R))
+    return tuple(plans)
+
+
+# -- Speculation: the modes a request can ask for and the gates that decide per step ----------
 
 
 class SpeculativeMode(StrEnum):

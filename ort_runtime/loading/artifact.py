@@ -60,6 +60,7 @@ from loopcast.manifest import (
     Manifest,
     resolve_inside,
 )
+from loopcast.vocab import OpSet
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
@@ -139,7 +140,8 @@ class LoadedModel:
     # kind -> the kind whose session (and packed weights) it runs on, e.g. {"decode": "prefill"}
     shared_sessions: dict[str, str] = field(default_factory=dict)
     prepacked: bool = True  # False under share_weights=True
-    # the one copy of the weights every session uses (ort_runtime/loading/shared_weights.py); None: each its own
+    # the one copy of the weights every session uses (ort_runtime/loading/shared_weights.py);
+    # None: each its own
     shared_weights: SharedWeights | None = None
     _graph_ids: dict[str, GraphIdPool] = field(default_factory=dict, repr=False)  # kind -> its pool
     _eager: dict[str, ort.InferenceSession] = field(default_factory=dict, repr=False)
@@ -164,7 +166,7 @@ class LoadedModel:
         measured with prepacked weights; without prepacking (``share_weights=True``) MLAS runs
         one-row MatMuls on its GEMV path and the rows differ, so it does not hold there for the
         op sets that use the stock MatMul (the loopcast MatMul never prepacks)."""
-        if self.device == "cpu" and not self.prepacked and self.manifest.op_set != "loopcast":
+        if self.device == "cpu" and not self.prepacked and not OpSet(self.manifest.op_set).batch_invariant:
             return False
         return bool(self.manifest.exact_verify.get(self.device, False))
 
@@ -326,7 +328,7 @@ def open_artifact(
             raise RequestError(
                 f"unknown graph kind(s) {', '.join(unknown)}; this artifact has {', '.join(manifest.graphs)}"
             )
-    if device == "cuda" and manifest.dtype == "fp32" and manifest.op_set == "stock":
+    if device == "cuda" and manifest.dtype == "fp32" and not OpSet(manifest.op_set).loopcast_attention:
         # Measured on an H200 (tests/ort_runtime/test_cuda.py): the first decode step's logits were
         # off by 7.7 against the CPU run of the same artifact.
         raise ArtifactError(
@@ -425,9 +427,11 @@ def open_artifact(
     sessions.update(made)
     if VERIFY in shared and LOGIT_ROWS not in {
         v.name for v in sessions[PREFILL].get_overridable_initializers()
-    }:
-        del shared[VERIFY]  # exported before prefill took logit_rows: verify keeps its own session
-        sessions[VERIFY] = make_session(VERIFY, False)
+    }:  # verify runs on prefill's session through that input
+        raise ArtifactError(
+            f"{path / manifest.graphs[PREFILL].file}: the prefill graph takes no {LOGIT_ROWS} input "
+            "(exported by an older loopcast); re-export the artifact"
+        )
     for kind, host in shared.items():
         sessions[kind] = sessions[host]
     sessions = SessionTable(
@@ -467,7 +471,7 @@ def uses_shared_initializers(manifest: Manifest, device: str, share_weights: boo
     prepacks), and on the CPU where nothing prepacks (the loopcast op set, or prepacking turned
     off); a prepacking CPU MatMul would keep the shared mapping resident besides its own packed
     copy per session (docs/perf.md, "Run-time memory")."""
-    return device == "cuda" or manifest.op_set == "loopcast" or share_weights
+    return device == "cuda" or OpSet(manifest.op_set).batch_invariant or share_weights
 
 
 def _deferred_kinds(kinds: list[str], shared: dict[str, str]) -> list[str]:
@@ -502,7 +506,7 @@ def _cpu_shared_sessions(manifest: Manifest, kinds: list[str]) -> dict[str, str]
             and set(prefill.outputs) == set(spec.outputs)
         )
 
-    # verify needs prefill's LOGIT_ROWS input (checked on the session: artifacts exported before it lack it)
+    # verify runs on prefill's session through prefill's LOGIT_ROWS input (graphs/kinds.py)
     return {kind: PREFILL for kind in (DECODE, VERIFY) if kind in kinds and same(kind)}
 
 
@@ -521,7 +525,9 @@ def _check_cuda_custom_ops(path: Path, manifest: Manifest, library: Path) -> Non
             "re-export with nvcc on the PATH to run on cuda"
         )
     cfg = manifest.config
-    if manifest.op_set != "stock" and (cfg.head_dim not in (16, 32, 64, 128) or manifest.max_length > 49152):
+    if OpSet(manifest.op_set).loopcast_attention and (
+        cfg.head_dim not in (16, 32, 64, 128) or manifest.max_length > 49152
+    ):
         raise ArtifactError(
             f"{path}: the CUDA BatchInvariantAttention kernel takes head_dim 16/32/64/128 "
             f"and max length <= 49152 (this artifact: {cfg.head_dim}, {manifest.max_length})"
@@ -559,7 +565,8 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         f"dtype           {manifest.dtype}",
         f"max length      {manifest.max_length} (KV slots: {manifest.kv_layout['slots']}, "
         f"each {manifest.kv_layout['shape']})",
-        f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB (artifact total {total / 2**20:.1f} MiB)",
+        f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB "
+        f"(artifact total {total / 2**20:.1f} MiB)",
         f"custom ops      {', '.join(manifest.custom_ops) or 'none'}{_library_status(Path(path), manifest)}",
         *(
             [f"max batch       {manifest.max_batch} sequences (batched kinds; docs/serving.md)"]

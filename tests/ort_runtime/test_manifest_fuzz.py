@@ -110,10 +110,12 @@ FIELD_CASES = [
     ("tokenizer-files-str", "tokenizer_files", "x"),
     ("schema-str", "schema_version", "1"),
     ("exporter-version-int", "exporter_version", 1),
+    ("no-files", "files", _MISSING),  # schema 3: every field is required
+    ("no-op-set", "op_set", _MISSING),
+    ("no-exact-verify", "exact_verify", _MISSING),
     # Valid edits: must run, with the tokens the edit implies.
     ("exact-verify-ok", "exact_verify", {"cpu": True}),
     ("eos-other", "eos_token_ids", []),
-    ("no-files", "files", _MISSING),
 ]
 
 # (id, graph file replaced, replacement source, update the size/hash records too).

@@ -1,7 +1,6 @@
 """Fewer copies of the weights on the CPU: decode and verify run on prefill's session (one
 prepacked copy for the three kinds) with bit-identical rows; ``share_weights=True`` (no prepacking)
-is declared inexact
-where the stock MatMul's one-row path differs from its multi-row path."""
+is declared inexact where the stock MatMul's one-row path differs from its multi-row path."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.exactness import decode_rows
 from loopcast.ort_runtime.loading.artifact import open_artifact
 
-from loopcast.errors import RequestError
+from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import DECODE, PREFILL, VERIFY
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
@@ -107,7 +106,7 @@ def test_share_weights_declares_stock_matmul_inexact_on_cpu() -> None:
     out = gen.run(VERIFY, gen.n, tokens=fed)
     assert not all(np.array_equal(out.logits[i], rows[i]) for i in range(5))  # the reason for the declaration
     with pytest.raises(RequestError, match="not exact"):
-        shared.generate([5, 6, 7, 5, 6, 7], 8, speculative="prompt-lookup", gate="always")
+        shared.generate([5, 6, 7, 5, 6, 7], 8, speculative="prompt-lookup", gate="none")
     assert (
         shared.generate([5, 6, 7], 12, stop_ids=(), speculative="none").tokens
         == plain.generate([5, 6, 7], 12, stop_ids=(), speculative="none").tokens
@@ -133,7 +132,7 @@ def test_loopcast_ops_share_one_copy_of_the_weights() -> None:
     for a, b in zip(_decode_logits(shared, prompt, 10), _decode_logits(own, prompt, 10), strict=True):
         assert np.array_equal(a, b)
     tokens = {
-        mode: load(path).generate(prompt, 16, stop_ids=(), speculative=mode, gate="always").tokens
+        mode: load(path).generate(prompt, 16, stop_ids=(), speculative=mode, gate="none").tokens
         for mode in ("none", "self", "prompt-lookup")
     }
     assert tokens["self"] == tokens["none"] == tokens["prompt-lookup"]
@@ -169,9 +168,9 @@ def test_a_graph_disagreeing_with_the_weights_file_is_refused(tmp_path) -> None:
         open_artifact(path, "cpu")
 
 
-def test_artifacts_from_before_logit_rows_keep_a_verify_session(tmp_path) -> None:
+def test_a_prefill_graph_without_logit_rows_is_refused(tmp_path) -> None:
     """A prefill graph without the overridable ``logit_rows`` (exported before it) cannot serve
-    verify: verify gets its own session, decode still shares prefill's, tokens unchanged."""
+    verify on its session: one error that says to re-export."""
     import hashlib
     import json
     import shutil
@@ -192,12 +191,8 @@ def test_artifacts_from_before_logit_rows_keep_a_verify_session(tmp_path) -> Non
     raw = json.loads((path / "manifest.json").read_text())
     raw["files"]["prefill.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(raw))
-    old = load(path)
-    assert old.loaded.shared_sessions == {DECODE: PREFILL}
-    assert old.loaded.sessions[VERIFY] is not old.loaded.sessions[PREFILL]
-    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    want = load(artifact("demo")).generate(prompt, 16, stop_ids=(), speculative="none").tokens
-    assert old.generate(prompt, 16, stop_ids=(), speculative="prompt-lookup", gate="always").tokens == want
+    with pytest.raises(ArtifactError, match="takes no logit_rows input.*re-export"):
+        load(path)
 
 
 def test_speculative_kinds_get_their_cpu_session_on_first_use() -> None:
@@ -219,12 +214,12 @@ def test_speculative_kinds_get_their_cpu_session_on_first_use() -> None:
     model = LoopcastModel(lazy)
     prompt = model.encode("def add(a, b):")
     plain = model.generate(prompt, 24, stop_ids=()).tokens
-    assert model.generate(prompt, 24, stop_ids=(), speculative="prompt-lookup", gate="always").tokens == plain
+    assert model.generate(prompt, 24, stop_ids=(), speculative="prompt-lookup", gate="none").tokens == plain
     assert all(lazy.sessions.pending(k) for k in speculative)  # plain and prompt lookup: one packed copy
     with ThreadPoolExecutor(4) as pool:  # first use from several threads: one session
         outs = list(
             pool.map(
-                lambda _: model.generate(prompt, 24, stop_ids=(), speculative="self", gate="always").tokens,
+                lambda _: model.generate(prompt, 24, stop_ids=(), speculative="self", gate="none").tokens,
                 range(4),
             )
         )
@@ -252,7 +247,7 @@ def test_first_run_of_a_binding_is_not_timed() -> None:
     gen.prefill([3, 1, 4, 1, 5])
     for kind, tokens in ((DECODE, [9]), (DRAFT, [9])):
         gen.run(kind, gen.n, tokens=tokens)
-        assert (gen.clock.runs(kind), gen.clock.steady(kind)) == (1, 0)
+        assert (gen.step_counts[kind], gen.timed_counts[kind]) == (1, 0)
         gen.run(kind, gen.n, tokens=tokens)
-        assert (gen.clock.runs(kind), gen.clock.steady(kind)) == (2, 1)
+        assert (gen.step_counts[kind], gen.timed_counts[kind]) == (2, 1)
     assert not model.sessions.pending(DRAFT)

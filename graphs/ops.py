@@ -1,0 +1,234 @@
+"""Op sets as objects: each knows how its graphs compute a linear layer, attention, the norms and
+so the decoder stack (docs/architecture.md, "Op sets and exactness"; loopcast/vocab.py OpSet).
+
+    StockOps               MatMul, GroupQueryAttention, RMSNormalization +
+                           SkipSimplifiedLayerNormalization, one decoder layer at a time
+    LoopcastAttentionOps   StockOps with the loopcast attention op (BatchInvariantAttention,
+                           RowAttention for row-addressed kinds)
+    LoopcastOps            every hot op from the loopcast library: BatchInvariantMatMul (the MLP
+                           activation inside the down projection, the tied head read in place),
+                           the fused ResidualRMSNorm, so a layer is 7 nodes instead of ~15
+
+A graph kind builds a :class:`blocks.BlockContext` with ``ops=op_set_builders(op_set)`` and
+composes the blocks; the blocks ask ``ctx.ops`` where the op sets differ.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import onnx_ir as ir
+from loopcast.graphs import blocks
+from loopcast.graphs.builder import LOOPCAST_DOMAIN, MS_DOMAIN, GraphBuilder
+
+from loopcast.vocab import OpSet
+
+
+class OpSetBuilders:
+    """The builders of one op set. The base class is the stock one; subclasses override what
+    their op set computes differently. Stateless: one instance serves every graph."""
+
+    op_set: ClassVar[OpSet] = OpSet.STOCK
+    # The single-sequence attention op (type, domain); the inputs and attributes are the same
+    # for both ops (blocks.attention).
+    attention_op: ClassVar[tuple[str, str]] = ("GroupQueryAttention", MS_DOMAIN)
+
+    def linear(
+        self,
+        b: GraphBuilder,
+        x: ir.Value,
+        weight: str,
+        *,
+        path: str,
+        out: str,
+        bias: str | None = None,
+    ) -> ir.Value:
+        """``x @ W`` (``W`` stored [K, N]), then ``+ bias`` ([N]) when given."""
+        w = b.weight(weight)
+        if bias is not None:
+            y = b.op("MatMul", [x, w], path=path, out=f"{out}_nobias")
+            return b.op("Add", [y, b.weight(bias)], path=f"{path}/bias", out=out)
+        return b.op("MatMul", [x, w], path=path, out=out)
+
+    def mlp(
+        self,
+        b: GraphBuilder,
+        h_BSH: ir.Value,
+        layer: str,
+        ctx: blocks.BlockContext,
+        *,
+        path: str,
+        prefix: str,
+    ) -> ir.Value:
+        """``down(silu(gate(h)) · up(h))`` with gate and up fused into one MatMul.
+
+        h ─ gate_up_proj ─▶ [gate | up] ─ Split ─▶ gate ─ Sigmoid ─ Mul(gate) ─ Mul(up) ─ down_proj ─▶
+        """
+        inter = ctx.config.intermediate_size
+        mlp_bias = ctx.config.mlp_bias
+        gate_up = self.linear(
+            b,
+            h_BSH,
+            f"{layer}.gate_up_proj.weight_T",
+            path=f"{path}/gate_up_proj",
+            out=f"{prefix}.gate_up_BS2I",
+            bias=f"{layer}.gate_up_proj.bias" if mlp_bias else None,
+        )
+        gate, up = b.op_multi(
+            "Split",
+            [gate_up, b.const_i64("split_sizes_2I", [inter, inter])],
+            path=f"{path}/split",
+            outs=[f"{prefix}.gate_BSI", f"{prefix}.up_BSI"],
+            axis=-1,
+        )
+        sig = b.op("Sigmoid", [gate], path=f"{path}/sigmoid", out=f"{prefix}.sigmoid_BSI")
+        silu = b.op("Mul", [gate, sig], path=f"{path}/silu", out=f"{prefix}.silu_BSI")
+        act = b.op("Mul", [silu, up], path=f"{path}/gated", out=f"{prefix}.act_BSI")
+        return self.linear(
+            b,
+            act,
+            f"{layer}.down_proj.weight_T",
+            path=f"{path}/down_proj",
+            out=f"{prefix}.mlp_out_BSH",
+            bias=f"{layer}.down_proj.bias" if mlp_bias else None,
+        )
+
+    def stack(
+        self, b: GraphBuilder, x_BSH: ir.Value, sites: list[blocks.LayerSite], ctx: blocks.BlockContext
+    ) -> tuple[ir.Value, ir.Value | None]:
+        """The layers of ``sites``, one decoder layer at a time with its own norms, and the
+        loop-norm after each core loop; returns (x, x after the last loop-norm)."""
+        depth_state = None
+        for site in sites:
+            x_BSH = blocks.decoder_layer(
+                b, x_BSH, site.weights, site.slot, ctx, path=site.path, prefix=site.prefix
+            )
+            if site.loop_norm is not None:
+                path, out = site.loop_norm
+                x_BSH = depth_state = blocks.rms_norm(b, x_BSH, "norm.weight", ctx, path=path, out=out)
+        return x_BSH, depth_state
+
+    def tied_head(self, b: GraphBuilder, x_BSH: ir.Value, ctx: blocks.BlockContext) -> ir.Value:
+        """Logits from the [V, H] embedding: Gemm(transB) reads it in place instead of storing
+        a transposed copy."""
+        cfg = ctx.config
+        flat = b.op(
+            "Reshape",
+            [x_BSH, b.const_i64("shape_NH", [-1, cfg.hidden_size])],
+            path="/lm_head/flatten",
+            out="head_in_NH",
+        )
+        logits = b.op(
+            "Gemm", [flat, b.weight("embed_tokens.weight")], path="/lm_head/gemm", out="logits_NV", transB=1
+        )
+        # single sequence: [1, rows, V]; batched kinds: [B, rows per sequence, V]
+        shape_BSV = [1, -1, cfg.vocab_size] if ctx.batch == 1 else [-1, ctx.batch_rows, cfg.vocab_size]
+        return b.op(
+            "Reshape",
+            [logits, b.const_i64("shape_BSV", shape_BSV)],
+            path="/lm_head/unflatten",
+            out="logits_raw_BSV",
+        )
+
+
+class StockOps(OpSetBuilders):
+    """ONNX and com.microsoft ops only."""
+
+
+class LoopcastAttentionOps(OpSetBuilders):
+    """The loopcast attention op with stock MatMul and norms: rows are exact on the CPU, whose
+    stock MatMul is already row-invariant (docs/architecture.md)."""
+
+    op_set = OpSet.LOOPCAST_ATTENTION
+    attention_op = ("BatchInvariantAttention", LOOPCAST_DOMAIN)
+
+
+class LoopcastOps(LoopcastAttentionOps):
+    """Every hot op from the loopcast library: BatchInvariantMatMul and BatchInvariantAttention
+    (a row's result then does not depend on how many rows the step has, so every verify row
+    equals the M=1 decode row bit for bit, docs/architecture.md §6), the fused ResidualRMSNorm,
+    and the MLP activation inside the down projection."""
+
+    op_set = OpSet.LOOPCAST
+
+    def linear(
+        self,
+        b: GraphBuilder,
+        x: ir.Value,
+        weight: str,
+        *,
+        path: str,
+        out: str,
+        bias: str | None = None,
+    ) -> ir.Value:
+        if bias is not None:  # the op has no bias input, and an Add would break the fused layer
+            raise ValueError("biases are not supported by the loopcast ops (export refuses them)")
+        return self._matmul(b, x, weight, path=path, out=out)
+
+    def _matmul(
+        self,
+        b: GraphBuilder,
+        x: ir.Value,
+        weight: str,
+        *,
+        path: str,
+        out: str,
+        trans_b: bool = False,
+        swiglu: bool = False,
+    ) -> ir.Value:
+        """``x @ W``, or ``x @ Wᵀ`` for a [N, K] weight read in place (``trans_b``); with
+        ``swiglu`` x is [gate | up] and the op multiplies silu(gate)·up as it loads x."""
+        attrs = {**({"trans_b": 1} if trans_b else {}), **({"swiglu": 1} if swiglu else {})}
+        return b.op(
+            "BatchInvariantMatMul", [x, b.weight(weight)], path=path, out=out, domain=LOOPCAST_DOMAIN, **attrs
+        )
+
+    def mlp(
+        self,
+        b: GraphBuilder,
+        h_BSH: ir.Value,
+        layer: str,
+        ctx: blocks.BlockContext,
+        *,
+        path: str,
+        prefix: str,
+    ) -> ir.Value:
+        """gate_up_proj, then down_proj forming silu(gate)·up as it loads its input."""
+        gate_up = self.linear(
+            b,
+            h_BSH,
+            f"{layer}.gate_up_proj.weight_T",
+            path=f"{path}/gate_up_proj",
+            out=f"{prefix}.gate_up_BS2I",
+            bias=f"{layer}.gate_up_proj.bias" if ctx.config.mlp_bias else None,  # refused
+        )
+        return self._matmul(
+            b,
+            gate_up,
+            f"{layer}.down_proj.weight_T",
+            path=f"{path}/down_proj",
+            out=f"{prefix}.mlp_out_BSH",
+            swiglu=True,
+        )
+
+    def stack(
+        self, b: GraphBuilder, x_BSH: ir.Value, sites: list[blocks.LayerSite], ctx: blocks.BlockContext
+    ) -> tuple[ir.Value, ir.Value | None]:
+        return blocks.decoder_stack(b, x_BSH, sites, ctx)
+
+    def tied_head(self, b: GraphBuilder, x_BSH: ir.Value, ctx: blocks.BlockContext) -> ir.Value:
+        return self._matmul(
+            b, x_BSH, "embed_tokens.weight", path="/lm_head/matmul", out="logits_raw_BSV", trans_b=True
+        )
+
+
+_BUILDERS: dict[OpSet, OpSetBuilders] = {
+    OpSet.STOCK: StockOps(),
+    OpSet.LOOPCAST_ATTENTION: LoopcastAttentionOps(),
+    OpSet.LOOPCAST: LoopcastOps(),
+}
+
+
+def op_set_builders(op_set: OpSet | str) -> OpSetBuilders:
+    """The builders of ``op_set`` (a ValueError names an unknown one)."""
+    return _BUILDERS[OpSet(op_set)]
