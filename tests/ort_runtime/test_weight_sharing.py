@@ -106,7 +106,7 @@ def test_share_weights_declares_stock_matmul_inexact_on_cpu() -> None:
     out = gen.run(VERIFY, gen.n, tokens=fed)
     assert not all(np.array_equal(out.logits[i], rows[i]) for i in range(5))  # the reason for the declaration
     with pytest.raises(RequestError, match="not exact"):
-        shared.generate([5, 6, 7, 5, 6, 7], 8, speculative="prompt-lookup", gate="none")
+        shared.generate([5, 6, 7, 5, 6, 7], 8, speculative="prompt-lookup", gate="always")
     assert (
         shared.generate([5, 6, 7], 12, stop_ids=(), speculative="none").tokens
         == plain.generate([5, 6, 7], 12, stop_ids=(), speculative="none").tokens
@@ -132,7 +132,7 @@ def test_loopcast_ops_share_one_copy_of_the_weights() -> None:
     for a, b in zip(_decode_logits(shared, prompt, 10), _decode_logits(own, prompt, 10), strict=True):
         assert np.array_equal(a, b)
     tokens = {
-        mode: load(path).generate(prompt, 16, stop_ids=(), speculative=mode, gate="none").tokens
+        mode: load(path).generate(prompt, 16, stop_ids=(), speculative=mode, gate="always").tokens
         for mode in ("none", "self", "prompt-lookup")
     }
     assert tokens["self"] == tokens["none"] == tokens["prompt-lookup"]
@@ -214,12 +214,12 @@ def test_speculative_kinds_get_their_cpu_session_on_first_use() -> None:
     model = LoopcastModel(lazy)
     prompt = model.encode("def add(a, b):")
     plain = model.generate(prompt, 24, stop_ids=()).tokens
-    assert model.generate(prompt, 24, stop_ids=(), speculative="prompt-lookup", gate="none").tokens == plain
+    assert model.generate(prompt, 24, stop_ids=(), speculative="prompt-lookup", gate="always").tokens == plain
     assert all(lazy.sessions.pending(k) for k in speculative)  # plain and prompt lookup: one packed copy
     with ThreadPoolExecutor(4) as pool:  # first use from several threads: one session
         outs = list(
             pool.map(
-                lambda _: model.generate(prompt, 24, stop_ids=(), speculative="self", gate="none").tokens,
+                lambda _: model.generate(prompt, 24, stop_ids=(), speculative="self", gate="always").tokens,
                 range(4),
             )
         )
@@ -247,7 +247,7 @@ def test_first_run_of_a_binding_is_not_timed() -> None:
     gen.prefill([3, 1, 4, 1, 5])
     for kind, tokens in ((DECODE, [9]), (DRAFT, [9])):
         gen.run(kind, gen.n, tokens=tokens)
-        assert (gen.step_counts[kind], gen.timed_counts[kind]) == (1, 0)
+        assert (gen.clock.runs(kind), gen.clock.steady(kind)) == (1, 0)
         gen.run(kind, gen.n, tokens=tokens)
-        assert (gen.step_counts[kind], gen.timed_counts[kind]) == (2, 1)
+        assert (gen.clock.runs(kind), gen.clock.steady(kind)) == (2, 1)
     assert not model.sessions.pending(DRAFT)

@@ -11,7 +11,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD
 # The repository maps exporter/, graphs/, ... into loopcast.*; plain PYTHONPATH imports need
 # the same view (links inside this throwaway copy of the work tree).
-for d in exporter graphs ort_runtime custom_ops; do [ -e loopcast/$d ] || ln -s ../$d loopcast/$d; done
+for d in exporter graphs ort_runtime custom_ops cli serve bench; do [ -e loopcast/$d ] || ln -s ../$d loopcast/$d; done
 export LOOPCAST_CACHE=$PWD/.lccache   # carries the custom-op library built on the dev machine
 # Bytecode cached between runs, as an installed package has it (without this, every timed
 # export round recompiled the package: 2 s of a 6 s export on this host)
