@@ -51,7 +51,7 @@ class StepCosts(CostsBase):
         relative to a plain step (1.0 until measured). The step timers time the graph runs only;
         a round also pays host work per call (pushes, pulls, proposer, accept), and on a small
         model that work is a large share of a round of six calls against one for plain decode
-        (the demo on the H200: self rounds priced at 1.05x plain ran at 0.69x). Measured by the
+        (rounds priced by their step timers alone can run well below plain). Measured by the
         engine over steady rounds (``SPEC_ROUND`` timers) and plain rounds (``DECODE_ROUND``);
         before any plain round, a plain step is priced with the speculative rounds' host time
         per call."""
@@ -291,9 +291,8 @@ class CostGate(_Counters):
         return self.engaged or step % self.evidence_every == 0
 
     def _decide(self) -> tuple[int, str]:
-        # Decode is the price to beat: a generator that has not timed a decode step yet would
-        # compare against a guess (on the demo's GPU a 1 ms guess against a 0.44 ms step kept
-        # self-speculation engaged at 0.68x plain).
+        # Decode is the price to beat: nothing is priced against a guessed decode time (a guess
+        # off by 2x keeps a losing mode engaged).
         self._measuring = any(self.costs.mean(kind) is None for kind in self.strategy.kinds)
         if self._measuring:
             # Unmeasured kinds: price nothing on guesses; probe rounds of one draft time them.
@@ -316,13 +315,12 @@ class CostGate(_Counters):
             self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
             if self._probing:
                 # Every probe schedules the next one. A probe that leaves the gate standing down
-                # stretches the wait (doubling), even when its draft was accepted: on the H200
-                # demo self-speculation's drafts hit at α ≈ 0.6 without paying, and probes that
-                # reset the wait on every hit cost 1-4% of plain's speed. Except a hit of a
-                # continuous strategy (the pipeline): its α remembers ~50 drafts and moves only
-                # through probes, one draft each, so hits must keep them coming (on the CPU demo
-                # it stayed down at α̂ 0.41 while its drafts were accepted at ~0.58). The waste
-                # is the round's wall price (host work in) less the tokens it commits.
+                # stretches the wait (doubling), even when its draft was accepted: drafts can hit
+                # often without paying, and a wait reset on every hit would make probing cost
+                # more than its budget. Except a hit of a strategy with persistent lanes (the
+                # pipeline): its α remembers ~50 drafts and moves only through probes, one draft
+                # each, so hits must keep them coming or α never reaches the acceptance. The
+                # waste is the round's wall price (host work in) less the tokens it commits.
                 keep = self.best_k()[0] or (accepted and self.strategy.caps.persistent_lanes)
                 self._backoff = 1 if keep else min(self._backoff * 2, 16)
                 host = self.costs.host_factor()

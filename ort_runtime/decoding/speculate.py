@@ -332,7 +332,7 @@ class _Engine:
                     memory=memory,
                 )
             stats.strategy, stats.gate = plan.strategy.name, spec.gate.value
-            # Read once, not per step: on a 0.4 ms step every microsecond of the loop is 0.25%.
+            # Read once, not per step: on a sub-millisecond step the loop's microseconds count.
             self._writes_padding = plan.strategy.caps.writes_padding
 
     def run(self, ids: list[int], finish: Finisher) -> Iterator[int]:
@@ -348,8 +348,8 @@ class _Engine:
             if self._streak:
                 # The gate has nothing to decide for these steps (CostGate.plain_streak): plain
                 # steps as plain decoding runs them, without the gate, the round clock and the
-                # fit check (a few microseconds each: ~1.5% of the demo's 0.42 ms step on the
-                # H200); each token is emitted as it comes, so stops and budgets act as always.
+                # fit check (a few microseconds each, a visible share of a sub-millisecond step);
+                # each token is emitted as it comes, so stops and budgets act as always.
                 self._streak -= 1
                 self.gate.steps_off += 1
                 token = self.acceptor.decode(self.gen, pending, self.context)

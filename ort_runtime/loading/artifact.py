@@ -329,8 +329,8 @@ def open_artifact(
                 f"unknown graph kind(s) {', '.join(unknown)}; this artifact has {', '.join(manifest.graphs)}"
             )
     if device == "cuda" and manifest.dtype == "fp32" and not OpSet(manifest.op_set).loopcast_attention:
-        # Measured on an H200 (tests/ort_runtime/test_cuda.py): the first decode step's logits were
-        # off by 7.7 against the CPU run of the same artifact.
+        # Refused, not warned: the CPU fallback between device-resident buffers gives wrong
+        # logits (tests/ort_runtime/test_cuda.py checks the refusal).
         raise ArtifactError(
             f"{path}: fp32 stock graphs do not run correctly on CUDA: GroupQueryAttention has "
             "no fp32 CUDA kernel, so ONNX Runtime runs it on the CPU between the device-resident "

@@ -8,7 +8,7 @@ The modes take turns prompt by prompt (bench/harness.py's prompts), each after a
 timers, prefill apart), the mean decode step, the host time (wall less every graph run: the
 pushes, pulls and the engine's Python) and the rounds and probes the gate ran. A
 default-gated mode that stands down should cost what plain decoding costs; this says which
-part does not (docs/perf.md, issue 19).
+part does not (docs/perf.md).
 """
 
 from __future__ import annotations

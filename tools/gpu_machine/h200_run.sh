@@ -28,7 +28,7 @@ phase_setup() {
   for w in .ortgpu/opswheel/loopcast_ops-*.whl; do
     [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
   done
-  # ORT-GenAI (issue 21's export comparison) when its wheel was staged by a call of its own into
+  # ORT-GenAI (the export comparison) when its wheel was staged by a call of its own into
   # /root/og/genai; the host's Python has the torch and transformers its model builder needs
   for w in /root/og/genai/onnxruntime_genai*.whl; do
     [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
@@ -60,7 +60,7 @@ phase_bench_demo() {
   timeout 420 python3 -m loopcast.cli bench demo --device cuda --dtype fp16 --dtype bf16 --iters 20 --new-tokens 64 \
     --past 1000 --widths 2,5,8 --passes 3 --work-dir /root/bw --out "$RES/bench-demo.json" > "$RES/bench-demo.txt" 2>&1
 }
-phase_gate_overhead() {  # issue 19: where a stood-down default gate's time goes on the demo (tools/bench/gate_overhead.py)
+phase_gate_overhead() {  # where a stood-down default gate's time goes on the demo (tools/bench/gate_overhead.py)
   for dt in fp16 bf16; do
     timeout 200 python3 -m tools.bench.gate_overhead demo --device cuda --dtype $dt --passes 4 \
       --json "$RES/gate-overhead-$dt.json" > "$RES/gate-overhead-$dt.txt" 2>&1
@@ -113,7 +113,7 @@ phase_fresh_install() {  # a fresh install (loopcast + the prebuilt loopcast-ops
     timeout 120 python3 -m loopcast.cli generate /tmp/fresh-art --device cuda --prompt "def add(a, b):" \
       --max-new-tokens 32 --speculative pipeline --json | head -c 600 ) >> "$log" 2>&1
 }
-phase_export_mem() {  # issue 21: a 1.43B fp16 Llama export against cp (and ORT-GenAI's builder when this
+phase_export_mem() {  # a 1.43B fp16 Llama export against cp (and ORT-GenAI's builder when this
   # Python has onnxruntime-genai), 3 interleaved rounds; then device memory of the loaded artifact per number
   # of graph kinds opened (each CUDA session holds its own device copy of its initializers).
   local genai=(); python3 -c "import onnxruntime_genai" 2>/dev/null && genai=(--genai-python python3 --genai-ep cuda)
@@ -123,7 +123,7 @@ phase_export_mem() {  # issue 21: a 1.43B fp16 Llama export against cp (and ORT-
   timeout 240 python3 -m tools.bench.bench_weight_sharing /root/bx/artifact --device cuda --repeats 1 \
     --json "$RES/weight-memory-cuda.json" > "$RES/weight-memory-cuda.txt" 2>&1
 }
-phase_weight_mem() {  # issue 21: one device copy of the weights for every session (ort_runtime/loading/shared_weights.py)
+phase_weight_mem() {  # one device copy of the weights for every session (ort_runtime/loading/shared_weights.py)
   # 1.43B Llama (stock fp16 and --target cuda) and Ouro-1.4B (--target cuda: six kinds), random weights
   { python3 -m loopcast.cli random-checkpoint /root/llama --preset llama-1.4b --dtype fp16
     python3 -m loopcast.cli random-checkpoint /root/ouro --preset ouro-1.4b --dtype fp16
@@ -134,7 +134,7 @@ phase_weight_mem() {  # issue 21: one device copy of the weights for every sessi
   timeout 560 python3 -m tools.bench.bench_weight_sharing /root/wm-llama-stock /root/wm-llama-ops /root/wm-ouro-ops \
     --device cuda --repeats 2 --json "$RES/weight-mem-cuda.json" > "$RES/weight-mem-cuda.txt" 2>&1
 }
-phase_export_profile() {  # issue 21: where a 1.43B fp16 export spends its time on this host (after weight-mem)
+phase_export_profile() {  # where a 1.43B fp16 export spends its time on this host (after weight-mem)
   local log="$RES/export-profile.txt"
   python3 -c "
 import hashlib, os, time
@@ -149,7 +149,7 @@ for algo in ('sha256', 'sha1', 'blake2b'):
     python3 -c "import pstats; p = pstats.Stats('/root/export.prof'); p.sort_stats('cumulative').print_stats(30); p.sort_stats('tottime').print_stats(15)"
   } >> "$log" 2>&1
 }
-phase_export_speed() {  # issue 21: a 1.43B fp16 export against cp (and ORT-GenAI's builder when staged),
+phase_export_speed() {  # a 1.43B fp16 export against cp (and ORT-GenAI's builder when staged),
   # 3 interleaved rounds (no memory table)
   local genai=(); python3 -c "import onnxruntime_genai" 2>/dev/null && genai=(--genai-python python3 --genai-ep cuda)
   timeout 400 python3 -m tools.bench.bench_export --preset llama-1.4b --dtype fp16 --repeats 3 --work /root/bx \
@@ -163,7 +163,7 @@ phase_host_loop() {  # plain decode end to end: a 1.43B Llama (Ouro-1.4B layer s
   timeout 240 python3 -m tools.bench.host_loop /root/llama-art --device cuda --prompt-len 1000 --new-tokens 256 \
     --out "$RES/host-loop.json" >> "$RES/host-loop.txt" 2>&1
 }
-phase_alternate() {  # issue 26: tree verify on CUDA (masked kernel rows, engine exactness), then the table
+phase_alternate() {  # tree verify on CUDA (masked kernel rows, engine exactness), then the table
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
   { LOOPCAST_OPS_LIB=$LIB timeout 100 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py \
       -k "masked or move_positions" 2>&1 | tail -8
