@@ -13,7 +13,7 @@ PTX, griddepcontrol and TMA) and link cudart statically, with its symbols kept p
 library has no libcudart dependency, still loads in a CPU-only runtime on a machine without a
 GPU, and never mixes its runtime with the host process's (torch, ORT).
 
-Prebuilt copies (``tools/build_ops_wheel.py``) are found by ``custom_ops/library.py``.
+Prebuilt copies (``tools/release/build_ops_wheel.py``) are found by ``custom_ops/library.py``.
 """
 
 from __future__ import annotations

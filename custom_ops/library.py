@@ -1,6 +1,6 @@
 """Which custom-op library an export uses: the prebuilt one when it fits, else a local build.
 
-A prebuilt library comes from the ``loopcast-ops`` platform wheel (``tools/build_ops_wheel.py``
+A prebuilt library comes from the ``loopcast-ops`` platform wheel (``tools/release/build_ops_wheel.py``
 builds it once per release: CPU kernels plus CUDA kernels for sm_90 and sm_100), installed
 as the data-only package ``loopcast_ops``: ``libloopcast_ops.so`` and ``build_info.json``
 beside it. Nothing in that package is imported or executed to find it.

@@ -484,7 +484,7 @@ PRESETS: dict[str, ModelConfig] = {
         qkv_bias=True,
     ),
     # Ouro-1.4B's shapes as a plain Llama (R=1, untied head): 1.43B parameters, 2.7 GiB in fp16,
-    # the size the issue timed against ORT-GenAI's builder on the H200 host (tools/h200_run.sh).
+    # the size timed against ORT-GenAI's builder on the H200 host (tools/gpu_machine/h200_run.sh).
     "llama-1.4b": ModelConfig(
         model_type="llama",
         vocab_size=49152,

@@ -65,7 +65,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def background_server(state, port: int | None = None, start_timeout: float = 30.0):
-    """The app over ``state`` on uvicorn in a thread, on 127.0.0.1 only (tests, tools/loadgen.py);
+    """The app over ``state`` on uvicorn in a thread, on 127.0.0.1 only (tests, tools/bench/loadgen.py);
     yields its URL once /health answers; on exit stops it as SIGTERM would (drain, then close)."""
     require_extra("fastapi", "uvicorn", "httpx")
     import threading

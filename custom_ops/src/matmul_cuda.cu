@@ -497,7 +497,7 @@ inline MmaPlan mma_plan(int K, int N) {
 // SwiGLU staging: at most this much shared memory per block, so two blocks still fit on an SM,
 // and only for few rows: staging moves the SwiGLU work ahead of the first MMA, where it no longer
 // overlaps the weight loads. H200, [5632, 2048] fp16, µs staged / per chunk: M = 1 11.0 / 13.8,
-// M = 5 14.2 / 14.4, M = 16 23.1 / 20.1 (tools/bench_matmul_cuda.py, docs/perf.md).
+// M = 5 14.2 / 14.4, M = 16 23.1 / 20.1 (tools/bench/bench_matmul_cuda.py, docs/perf.md).
 constexpr int kMaxStageBytes = 64 << 10;
 constexpr int kMaxStageRows = 5;
 

@@ -301,7 +301,7 @@ def open_artifact(
     shared prefill's (a tuple: only those kinds share it); ``shared_initializers`` (default:
     wherever no kernel prepacks, see ``uses_shared_initializers``) hands every session the same
     weight values (ort_runtime/loading/shared_weights.py); False gives each session its own copy (for
-    measurements: tools/bench_weight_sharing.py). ``defer_sessions`` makes the sessions of the
+    measurements: tools/bench/bench_weight_sharing.py). ``defer_sessions`` makes the sessions of the
     speculative-only kinds on first use where each session prepacks its own copy of the weights
     (ort_runtime/loading/session_table.py); their graphs are checked at load either way."""
     import time
