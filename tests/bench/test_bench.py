@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from loopcast.bench.harness import BenchOptions, alternation, kernel_family, run_bench
+from loopcast.bench.harness import BenchOptions, run_bench
+from loopcast.bench.profile import alternation, kernel_family
 from loopcast.bench.report import format_table, write_report
 from loopcast.cli import main
 from loopcast.custom_ops.build import find_ort_include

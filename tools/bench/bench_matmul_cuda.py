@@ -25,7 +25,7 @@ import json
 import os
 
 import torch
-from loopcast.bench.harness import kernel_env
+from loopcast.bench.profile import kernel_env
 
 from tools.bench.cuda_timing import graph_time_us, load_library
 
