@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.stats import GenerationStats
 
-from loopcast.manifest import CYCLE, CYCLE_RUN
+from loopcast.manifest import CYCLE, CYCLE_RUN, PREFILL
+from loopcast.vocab import GraphKind
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,13 @@ class Finisher:
         ran = since.runs
         graphs = gen.model.manifest.graphs
         cycle_run = gen.cycle_run.cycles if ran.get(CYCLE_RUN) and gen.cycle_run is not None else 0
-        per_call = {CYCLE: 1, CYCLE_RUN: cycle_run}
-        passes = sum(
-            n * per_call.get(k, graphs[k].last_loop - graphs[k].first_loop)
-            for k, n in ran.items()
-            if k != "prefill"
-        )
+        per_call: dict[str, int] = {CYCLE: 1, CYCLE_RUN: cycle_run}
+
+        def loops(kind: str) -> int:
+            spec = graphs[GraphKind(kind)]
+            return spec.last_loop - spec.first_loop
+
+        passes = sum(n * per_call.get(k, loops(k)) for k, n in ran.items() if k != PREFILL)
         stats.cycles = ran.get(CYCLE, 0) + ran.get(CYCLE_RUN, 0) * per_call[CYCLE_RUN]
         if stats.cycles:
             stats.tokens_per_round = 1.0 if stats.rounds else 0.0  # a pipeline round ends with one token
