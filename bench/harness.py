@@ -80,6 +80,7 @@ class BenchOptions:
     profile: bool = True
     oracle_rejects: tuple[float, ...] = (0.0, 0.08)  # pipeline rows with oracle drafts (rejected fractions)
     passes: int = 1  # end-to-end passes, modes interleaved (median ratio)
+    threads: int | None = None  # ONNX Runtime intra-op threads (None: its default)
 
 
 @dataclass
@@ -339,14 +340,14 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
     # One model with every kind (captured where possible) serves the captured steps, the row
     # check and generation; an uncaptured one (hot kinds only) the eager steps and the profile.
     # Sessions are few on purpose: each CUDA session holds its own copy of the weights.
-    full = load(art, opts.device)
-    eager = load(art, opts.device, cuda_graphs=False, kinds=hot) if cuda else full
+    full = load(art, opts.device, threads=opts.threads)
+    eager = load(art, opts.device, threads=opts.threads, cuda_graphs=False, kinds=hot) if cuda else full
     result.graph_fallbacks = dict(full.loaded.graph_fallbacks)
     # Stock graphs are not captured for generation (GroupQueryAttention's host-side length would
     # be frozen); their captured time is measured at one fixed position, for comparison only.
     result.captured_fixed_position_only = cuda and not full.loaded.manifest.device_lengths
     capt = (
-        load(art, opts.device, cuda_graphs="always", kinds=hot)
+        load(art, opts.device, threads=opts.threads, cuda_graphs="always", kinds=hot)
         if result.captured_fixed_position_only
         else full
     )
@@ -387,6 +388,7 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
         model = load(
             opts.work_dir / f"{art.name}-w{width}",
             opts.device,
+            threads=opts.threads,
             kinds=(VERIFY,),
             cuda_graphs="always" if result.captured_fixed_position_only else True,
         )

@@ -59,6 +59,9 @@ import click
     "reported are the median over passes of each mode against plain in the same pass.",
 )
 @click.option("--no-torch", is_flag=True, help="Skip the PyTorch baseline.")
+@click.option(
+    "--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: one per core)."
+)
 @click.option("--no-profile", is_flag=True, help="Skip the per-kernel-family decode profile (CUDA).")
 @click.option(
     "--work-dir",
@@ -88,6 +91,7 @@ def bench(
     oracle_reject: str,
     passes: int,
     no_torch: bool,
+    threads: int | None,
     no_profile: bool,
     work_dir: Path | None,
     out: Path | None,
@@ -115,6 +119,8 @@ def bench(
         width_list = tuple(int(w) for w in widths.split(",") if w)
     except ValueError:
         raise RequestError(f"--widths must be comma-separated integers, got {widths!r}") from None
+    if threads is not None and threads < 1:
+        raise RequestError(f"--threads must be >= 1, got {threads}")
     if past < 1 or iters < 1 or passes < 1:
         raise RequestError("--past, --iters and --passes must be positive")
     from loopcast.exporter.export import MAX_VERIFY_WIDTH
@@ -145,6 +151,7 @@ def bench(
         not no_profile,
         rejects,
         passes,
+        threads,
     )
     click.echo(f"bench on {device}: artifacts in {work_dir}, report {out}", err=True)
     report = run_bench(

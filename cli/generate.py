@@ -32,6 +32,9 @@ Examples:
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option(
+    "--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: one per core)."
+)
+@click.option(
     "--speculative",
     type=click.Choice(CLI_MODES),
     default=SpeculativeMode.NONE.value,
@@ -100,6 +103,7 @@ def generate(
     system,
     max_new_tokens: int,
     device: str,
+    threads: int | None,
     speculative: str,
     num_draft_tokens: int | None,
     draft_depth: int | None,
@@ -148,6 +152,7 @@ def generate(
             source,
             config,
             device=device,
+            threads=threads,
             trust_ops=trust_ops,
             draft_depth=draft_depth,
             on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None,

@@ -19,6 +19,7 @@ def generate_with_ort(
     config: GenerationConfig,
     *,
     device: str = "cpu",
+    threads: int | None = None,
     trust_ops: bool = False,
     draft_depth: int | None = None,
     on_text: Callable[[str], None] | None = None,
@@ -26,7 +27,7 @@ def generate_with_ort(
     """Run ``config`` on the artifact at ``path``; ``on_text`` gets the text as it is committed
     (the token ids, comma-terminated, when the artifact has no tokenizer). ``draft_depth`` is a
     check, not an option: the depth of the draft graph is fixed at export."""
-    model = load(path, device, trust_ops=trust_ops)
+    model = load(path, device, threads=threads, trust_ops=trust_ops)
     if draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
         raise RequestError(
             f"--draft-depth {draft_depth}: this artifact's draft graph runs "

@@ -295,7 +295,8 @@ def open_artifact(
     shared_initializers: bool | None = None,
     defer_sessions: bool = True,
 ) -> LoadedModel:
-    """Validate and open an artifact. ``trust_ops`` allows loading its custom-op library even
+    """Validate and open an artifact. ``threads``: ONNX Runtime's intra-op threads per session
+    (None: its default, one per core). ``trust_ops`` allows loading its custom-op library even
     when it is not one this user built (ort_runtime/loading/trust.py states the whole rule).
     ``share_sessions=False`` gives every kind its own CPU session, as before decode and verify
     shared prefill's (a tuple: only those kinds share it); ``shared_initializers`` (default:
@@ -304,6 +305,10 @@ def open_artifact(
     measurements: tools/bench/bench_weight_sharing.py). ``defer_sessions`` makes the sessions of the
     speculative-only kinds on first use where each session prepacks its own copy of the weights
     (ort_runtime/loading/session_table.py); their graphs are checked at load either way."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise RequestError(
+            f"threads must be a positive integer (intra-op threads per session), got {threads!r}"
+        )
     import time
 
     start = time.perf_counter()

@@ -100,3 +100,28 @@ def test_gate_always_runs() -> None:
     always = invoke(*base, "--speculative", "prompt-lookup", "--gate", "always", "--allow-inexact")
     assert plain.exit_code == 0 and always.exit_code == 0, always.output
     assert plain.stdout.split('"finish_reason"')[0] == always.stdout.split('"finish_reason"')[0]
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_threads_is_validated_by_generate_and_bench(command) -> None:
+    args = [command, "demo"] + (["--prompt", "x"] if command == "generate" else ["--device", "cpu"])
+    result = CliRunner().invoke(main, [*args, "--threads", "0"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1].startswith("error: --threads must be")
+
+
+def test_threads_reaches_the_sessions() -> None:
+    from loopcast.ort_runtime import load
+
+    from loopcast.manifest import PREFILL
+
+    path = artifact("llama-tied-gqa")
+    for bad in (-1, 0, True, 1.5):
+        with pytest.raises(RequestError, match="threads must be a positive integer"):
+            load(path, threads=bad)
+    one = load(path, threads=1)
+    assert one.loaded.sessions[PREFILL].get_session_options().intra_op_num_threads == 1
+    assert (
+        one.generate([1, 2, 3], 5, stop_ids=()).tokens
+        == load(path).generate([1, 2, 3], 5, stop_ids=()).tokens
+    )
