@@ -18,8 +18,10 @@ and ``speculative`` (one of ``SERVED_MODES``: "none" | "prompt-lookup"); a respo
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -33,6 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from loopcast.errors import LoopcastError, RequestError
 from loopcast.vocab import SpeculativeMode
+
+# uvicorn's own logger: the server's lines go where its start, access and shutdown lines go.
+log = logging.getLogger("uvicorn.error")
 
 
 class _Common(BaseModel):
@@ -140,7 +145,9 @@ def create_app(state: ServingState, *, close_on_shutdown: bool = True) -> FastAP
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        return _error(500, f"internal error: {type(exc).__name__}: {str(exc)[:300]}", "server_error")
+        log.exception("%s %s failed", request.method, request.url.path)
+        message = state.public(f"internal error: {type(exc).__name__}: {str(exc)[:300]}")
+        return _error(500, message, "server_error")
 
     async def parse(request: Request, kind: type[BaseModel]):
         try:
@@ -178,19 +185,20 @@ def create_app(state: ServingState, *, close_on_shutdown: bool = True) -> FastAP
         body = await parse(request, CompletionRequest)
         if isinstance(body, JSONResponse):
             return body
-        return await _respond(state, body, chat=False)
+        return await _respond(state, body, chat=False, route=request.url.path)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse(request, ChatRequest)
         if isinstance(body, JSONResponse):
             return body
-        return await _respond(state, body, chat=True)
+        return await _respond(state, body, chat=True, route=request.url.path)
 
     return app
 
 
-async def _respond(state: ServingState, body: _Common, *, chat: bool):
+async def _respond(state: ServingState, body: _Common, *, chat: bool, route: str):
+    start = time.perf_counter()
     try:
         if chat:
             ids = state.chat_ids([m.model_dump(exclude_none=True) for m in body.messages])
@@ -203,9 +211,9 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool):
         sampling, stops = body.sampling(), body.stops()
     except RequestError as exc:
         code = "context_length_exceeded" if "context length" in str(exc) else None
-        return _error(400, str(exc), code=code)
+        return _error(400, state.public(str(exc)), code=code)
     except LoopcastError as exc:
-        return _error(400, str(exc))
+        return _error(400, state.public(str(exc)))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     result = TextResult(len(ids))
     kwargs = dict(
@@ -227,9 +235,10 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool):
         "created": int(time.time()),
         "model": state.name,
     }
+    done = _RequestLog(route, len(ids), result, start, stream=body.stream)
     if body.stream:
         return StreamingResponse(
-            _sse(envelope, first, pieces, result, body, chat),
+            _sse(envelope, first, pieces, result, body, chat, state, done),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -247,7 +256,31 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool):
         "completion_tokens": len(result.tokens),
         "total_tokens": len(ids) + len(result.tokens),
     }
+    done()
     return {**envelope, "choices": [choice], "usage": usage, "loopcast": _speculation(result)}
+
+
+@dataclass
+class _RequestLog:
+    """One line per finished generation request, after uvicorn's access line: tokens and time."""
+
+    route: str
+    prompt_tokens: int
+    result: TextResult
+    start: float
+    stream: bool = False
+
+    def __call__(self, outcome: str = "") -> None:
+        log.info(
+            "%s: prompt %d tokens, completion %d tokens, finish %s, %.3f s%s%s",
+            self.route,
+            self.prompt_tokens,
+            len(self.result.tokens),
+            self.result.finish_reason or "-",
+            time.perf_counter() - self.start,
+            " (stream)" if self.stream else "",
+            f" ({outcome})" if outcome else "",
+        )
 
 
 def _speculation(result: TextResult) -> dict:
@@ -260,7 +293,16 @@ def _speculation(result: TextResult) -> dict:
     }
 
 
-async def _sse(envelope: dict, first, pieces, result: TextResult, body: _Common, chat: bool):
+async def _sse(
+    envelope: dict,
+    first,
+    pieces,
+    result: TextResult,
+    body: _Common,
+    chat: bool,
+    state: ServingState,
+    done: _RequestLog,
+):
     """OpenAI's stream: one ``data: {chunk}`` per text piece, a last chunk with the finish reason,
     then ``data: [DONE]``. A client that disconnects closes this generator, which cancels."""
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -289,6 +331,9 @@ async def _sse(envelope: dict, first, pieces, result: TextResult, body: _Common,
         yield chunk(None if chat else "", result.finish_reason or "stop")
         yield "data: [DONE]\n\n"
     except Exception as exc:  # mid-stream failure: the status is sent already; say so in the stream
-        yield f"data: {json.dumps({'error': {'message': str(exc)[:300], 'type': 'server_error'}})}\n\n"
+        log.exception("%s failed mid-stream", done.route)
+        message = state.public(str(exc)[:300])
+        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
     finally:
         await pieces.aclose()
+        done()

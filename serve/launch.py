@@ -47,7 +47,12 @@ def serve_uvicorn(artifact: str, options: ServeOptions, host: str, port: int, lo
     state = open_serving(artifact, options)
     log(f"serving '{state.name}' from {artifact}: {state.mode}; http://{host}:{port}/v1")
     config = uvicorn.Config(
-        create_app(state), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30
+        # uvicorn's conventional logging: start-up, one access line per request, shutdown
+        create_app(state),
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=30,
     )
     try:
         uvicorn.Server(config).run()

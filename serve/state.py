@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,10 @@ class TextPiece:
     token: int | None
 
 
+# An absolute POSIX path (or a Windows drive path) inside a message: at least two components.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])(?:/[\w.@+-]+){2,}/?|[A-Za-z]:\\[^\s'\"]+")
+
+
 @dataclass
 class TextResult:
     """How a request ended, filled in as it streams."""
@@ -76,6 +81,15 @@ class ServingState:
         self.max_length = model.loaded.manifest.max_length
 
     # -- prompts -------------------------------------------------------------------------
+    def public(self, message: str) -> str:
+        """``message`` as a client may see it: the artifact's location becomes the served model's
+        name and any other absolute path on this machine becomes ``<path>`` (a client learns
+        nothing about the server's file system from an error)."""
+        artifact = self.model.loaded.path
+        for where in sorted({str(artifact), str(Path(artifact).resolve())}, key=len, reverse=True):
+            message = message.replace(where, f"model '{self.name}'")
+        return _ABSOLUTE_PATH.sub("<path>", message)
+
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.model.encode(prompt)

@@ -125,3 +125,9 @@ def test_threads_reaches_the_sessions() -> None:
         one.generate([1, 2, 3], 5, stop_ids=()).tokens
         == load(path).generate([1, 2, 3], 5, stop_ids=()).tokens
     )
+
+
+def test_serve_help_example_is_greedy() -> None:
+    """The serve help's curl example asks for greedy tokens (OpenAI's default temperature samples)."""
+    result = CliRunner().invoke(main, ["serve", "--help"])
+    assert result.exit_code == 0 and '"temperature": 0' in result.output and "samples" in result.output

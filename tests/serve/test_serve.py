@@ -246,3 +246,47 @@ def test_sequential_without_batched_graphs():
     assert r.json()["choices"][0]["token_ids"] == list(state.model.stream_ids([1, 2, 3], 6))
     with pytest.raises(Exception, match="--max-batch"):
         open_serving(path, ServeOptions(max_batch=4))
+
+
+def test_error_bodies_name_the_model_not_the_servers_paths(tmp_path):
+    """An artifact without a chat template (the demo's own): the 400 says so about the served
+    model, never where the artifact lies on the server (nor any other absolute path)."""
+    require_exact_cpu_artifacts()
+    path = tmp_path / "demo"
+    shutil.copytree(artifact("demo", max_batch=8), path)
+    state = open_serving(path, ServeOptions(model_name="demo"))
+    with running_server(state) as url:
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "demo", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "chat template" in message and "model 'demo'" in message
+    assert str(path) not in r.text and str(path.resolve()) not in r.text
+    assert str(tmp_path) not in r.text and "/root" not in r.text
+
+
+def test_public_messages_scrub_paths(demo_batched):
+    state = open_serving(demo_batched, ServeOptions(model_name="demo"))
+    try:
+        where = str(demo_batched.resolve())
+        assert state.public(f"{where}: broken") == "model 'demo': broken"
+        assert state.public("read /etc/loopcast/x.json failed") == "read <path> failed"
+        assert state.public("need 1 <= k <= 4, got 5 (a/b ok)") == "need 1 <= k <= 4, got 5 (a/b ok)"
+    finally:
+        state.close()
+
+
+def test_requests_are_logged_with_tokens_and_time(server, caplog):
+    import logging
+
+    url, _ = server
+    with caplog.at_level(logging.INFO, logger="uvicorn.error"):
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 3}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "uvicorn.error"]
+    assert any("/v1/completions: prompt" in line and "completion 3 tokens" in line for line in lines), lines
