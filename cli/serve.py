@@ -10,7 +10,7 @@ from loopcast.vocab import SpeculativeMode
 _SERVE_EPILOG = """\b
 Examples:
   loopcast export demo -o art --max-batch 8 && loopcast serve art --port 8000
-  curl localhost:8000/v1/completions -d '{"model": "art", "prompt": "def main():", "max_tokens": 32, "temperature": 0}'
+  curl localhost:8000/v1/completions -d '{"model": "art", "prompt": "def f():", "temperature": 0}'
   (temperature 0 is greedy: the tokens of `loopcast generate`; OpenAI's default, 1, samples)
   loopcast serve art --ray --replicas 2 --replica-cpus 1
 """
