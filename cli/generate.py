@@ -124,6 +124,10 @@ def generate(
     trust_ops: bool,
 ) -> None:
     """Generate from a prompt: greedy, or sampled with --temperature/--top-p/... ."""
+    if stream and as_json:
+        raise RequestError(
+            "--stream and --json do not combine: --json prints one object when the generation ends"
+        )
     source = prompt_source(prompt, prompt_file, prompt_ids, chat, system)
     if any(not s for s in stop):  # GenerationConfig drops empty stops; on the command line one is a typo
         raise RequestError(f"--stop strings must be non-empty, got {list(stop)!r}")

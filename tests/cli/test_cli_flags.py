@@ -131,3 +131,11 @@ def test_serve_help_example_is_greedy() -> None:
     """The serve help's curl example asks for greedy tokens (OpenAI's default temperature samples)."""
     result = CliRunner().invoke(main, ["serve", "--help"])
     assert result.exit_code == 0 and '"temperature": 0' in result.output and "samples" in result.output
+
+
+def test_stream_with_json_is_refused_not_dropped() -> None:
+    result = CliRunner().invoke(main, ["generate", "demo", "--prompt", "x", "--stream", "--json"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        "error: --stream and --json do not combine: --json prints one object when the generation ends"
+    )
