@@ -110,6 +110,21 @@ def find_nvcc() -> Path | None:
     return Path(found) if found else None
 
 
+def gpu_present() -> bool:
+    """Whether this machine has an NVIDIA GPU driver (its device nodes or its proc entry)."""
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/version").exists()
+
+
+def cuda_on_first_use() -> bool:
+    """Whether a build made on first use (an export) compiles the CUDA kernels: only where nvcc
+    is here and a GPU is too, or ``LOOPCAST_CUDA=1`` asks for them (they take minutes to compile
+    and nothing on a GPU-less machine runs them). ``loopcast build-ops`` builds them whenever
+    nvcc is found."""
+    if find_nvcc() is None:
+        return False
+    return os.environ.get("LOOPCAST_CUDA") == "1" or gpu_present()
+
+
 def has_cuda(library: str | os.PathLike) -> bool:
     """Whether a built library carries the CUDA kernels (loading it touches no GPU)."""
     return bool(ctypes.CDLL(str(library)).loopcast_ops_has_cuda())

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from loopcast.custom_ops import build
 
+from loopcast.errors import LoopcastError
+
 PREBUILT_PACKAGE = "loopcast_ops"
 BUILD_INFO = "build_info.json"
 
@@ -55,11 +57,11 @@ def usable_prebuilt() -> tuple[Prebuilt | None, str]:
     """The prebuilt library if this export may use it, else None and the reason."""
     prebuilt = find_prebuilt()
     if prebuilt is None:
-        return None, "no prebuilt library installed (pip install loopcast-ops)"
+        return None, "no prebuilt library installed"
     if prebuilt.source_digest != build.source_digest():
         return None, "the installed prebuilt library was built from other kernel sources"
-    if not prebuilt.cuda_archs and build.find_nvcc() is not None:
-        return None, "the installed prebuilt library has no CUDA kernels and nvcc is here to build them"
+    if not prebuilt.cuda_archs and build.cuda_on_first_use():
+        return None, "the installed prebuilt library has no CUDA kernels and they can be built here"
     return prebuilt, ""
 
 
@@ -73,14 +75,26 @@ def custom_op_library() -> Path:
     digest = hashlib.sha256(build.source_digest().encode())
     # Whether CUDA kernels can be built is part of the key: a CPU-only library cached before
     # nvcc was installed must not be reused.
-    nvcc = build.find_nvcc()
+    nvcc = build.find_nvcc() if build.cuda_on_first_use() else None
     digest.update(f"nvcc={nvcc} cxx={os.environ.get('CXX', '')}".encode())
-    for var in ("LOOPCAST_NO_CUDA", "LOOPCAST_NVCC", "LOOPCAST_ORT_INCLUDE", "LOOPCAST_CUDA_ARCHS"):
+    for var in (
+        "LOOPCAST_NO_CUDA",
+        "LOOPCAST_CUDA",
+        "LOOPCAST_NVCC",
+        "LOOPCAST_ORT_INCLUDE",
+        "LOOPCAST_CUDA_ARCHS",
+    ):
         digest.update(f"{var}={os.environ.get(var, '')}".encode())
     root = Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
     out = root / f"ops-{digest.hexdigest()[:12]}"
     library = out / build.LIBRARY_NAME
     if not library.is_file():
+        if build.find_ort_include() is None:  # say it before announcing a build that cannot start
+            raise LoopcastError(
+                "the ONNX Runtime C headers it compiles against are missing: run "
+                "tools/c_generate/fetch_deps.sh (or set LOOPCAST_ORT_INCLUDE to a folder holding "
+                "onnxruntime_cxx_api.h)"
+            )
         what = (
             f"CPU kernels + CUDA kernels for sm_{', sm_'.join(build.cuda_archs())}: several minutes"
             if nvcc is not None
@@ -91,6 +105,6 @@ def custom_op_library() -> Path:
             file=sys.stderr,
             flush=True,
         )
-        build.build_library(out)
+        build.build_library(out, cuda=nvcc is not None)
         print(f"loopcast: built {library}", file=sys.stderr, flush=True)
     return library

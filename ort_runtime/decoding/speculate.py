@@ -196,11 +196,15 @@ def require_exact(gen: Generator, allow_inexact: bool) -> None:
     unless the caller accepts tokens that may differ from plain decoding."""
     if not gen.model.exact_verify and not allow_inexact:
         # Unprepacked CPU sessions (share_weights=True) lose the manifest's exactness, not the artifact.
-        fix = (
-            "open it without share_weights=True"
-            if not gen.model.prepacked
-            else "re-export with --batch-invariant (or --target cuda)"
-        )
+        if not gen.model.prepacked:
+            fix = "open it without share_weights=True"
+        elif gen.model.device == "cuda":
+            fix = "re-export it with --target cuda"
+        else:  # the CPU's exact graphs are the default export's, given the op library
+            fix = (
+                "re-export it with the loopcast op library available (run tools/c_generate/fetch_deps.sh, "
+                "then loopcast export: the default --ops auto then writes exact loopcast-attention graphs)"
+            )
         raise RequestError(
             f"speculation is not exact on this artifact on {gen.model.device}: its verify rows are not "
             "bit-identical to its decode rows (manifest exact_verify), so speculative tokens could differ "

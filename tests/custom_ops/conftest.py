@@ -1,5 +1,6 @@
-"""The custom-op library, built once per test session (CUDA kernels included when nvcc is found;
-LOOPCAST_NO_CUDA=1 builds the CPU-only library)."""
+"""The custom-op library, built once per test session: CPU kernels, plus the CUDA kernels only
+where they can run (nvcc and a GPU, or LOOPCAST_CUDA=1: ``cuda_on_first_use``); the CUDA tests
+build their own library (``cuda_library``) and skip without nvcc."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from loopcast.custom_ops.build import build_library, find_ort_include
+from loopcast.custom_ops.build import build_library, cuda_on_first_use, find_ort_include
 
 
 def require_c_toolchain() -> None:
@@ -21,7 +22,7 @@ def require_c_toolchain() -> None:
 @pytest.fixture(scope="session")
 def library(tmp_path_factory) -> Path:
     require_c_toolchain()
-    return build_library(tmp_path_factory.mktemp("ops"))
+    return build_library(tmp_path_factory.mktemp("ops"), cuda=cuda_on_first_use())
 
 
 @pytest.fixture(scope="module")

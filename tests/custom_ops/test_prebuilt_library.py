@@ -116,22 +116,36 @@ def test_a_prebuilt_library_from_other_sources_is_not_used(installed_wheel: Path
 
 
 def test_a_cpu_only_prebuilt_library_yields_to_a_local_cuda_build(installed_wheel: Path) -> None:
-    """With nvcc present the export would lack CUDA kernels it can have: build instead."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(installed_wheel), str(ROOT)]),
-        "LOOPCAST_NVCC": sys.executable,
-    }  # any executable: only its presence is asked
-    env.pop("LOOPCAST_NO_CUDA", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from loopcast.custom_ops.library import usable_prebuilt; print(usable_prebuilt())",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
-    assert "None" in proc.stdout and "no CUDA kernels and nvcc is here" in proc.stdout, proc.stderr
+    """With nvcc present and CUDA kernels wanted (a GPU, or LOOPCAST_CUDA=1) the export would lack
+    kernels it can have: build instead. On a machine without a GPU the prebuilt one serves."""
+
+    def usable(**extra: str) -> str:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(installed_wheel), str(ROOT)]),
+            "LOOPCAST_NVCC": sys.executable,  # any executable: only its presence is asked
+            **extra,
+        }
+        env.pop("LOOPCAST_NO_CUDA", None)
+        if not extra:
+            env.pop("LOOPCAST_CUDA", None)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from loopcast.custom_ops.library import usable_prebuilt; print(usable_prebuilt())",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    wanted = usable(LOOPCAST_CUDA="1")
+    assert "None" in wanted and "no CUDA kernels and they can be built here" in wanted
+    from loopcast.custom_ops.build import gpu_present
+
+    if not gpu_present():
+        assert "Prebuilt(" in usable()

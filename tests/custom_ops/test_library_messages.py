@@ -1,0 +1,37 @@
+"""The op library's first-use messages lead somewhere: a missing header set is said before any
+build is announced, with the one command that fixes it; no package that does not exist is
+suggested; CUDA kernels are compiled on first use only where a GPU is."""
+
+from __future__ import annotations
+
+import pytest
+from loopcast.custom_ops import build, library
+
+from loopcast.errors import LoopcastError
+
+
+def test_missing_headers_name_the_fix_before_any_build(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setenv("LOOPCAST_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "find_ort_include", lambda: None)  # a machine without the headers
+    with pytest.raises(LoopcastError, match=r"C headers .* missing: run tools/c_generate/fetch_deps.sh"):
+        library.custom_op_library()
+    err = capsys.readouterr().err
+    assert "building" not in err and "several minutes" not in err
+
+
+def test_no_prebuilt_reason_suggests_no_package() -> None:
+    prebuilt, why = library.usable_prebuilt()
+    if prebuilt is None:
+        assert "pip install" not in why and "loopcast-ops)" not in why
+
+
+def test_cuda_on_first_use_needs_nvcc_and_a_gpu_or_the_switch(monkeypatch) -> None:
+    monkeypatch.setenv("LOOPCAST_NO_CUDA", "1")
+    assert not build.cuda_on_first_use()  # no nvcc: never
+    monkeypatch.delenv("LOOPCAST_NO_CUDA")
+    if build.find_nvcc() is None:
+        pytest.skip("needs nvcc on the PATH")
+    monkeypatch.delenv("LOOPCAST_CUDA", raising=False)
+    assert build.cuda_on_first_use() == build.gpu_present()
+    monkeypatch.setenv("LOOPCAST_CUDA", "1")
+    assert build.cuda_on_first_use()
