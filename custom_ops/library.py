@@ -65,13 +65,9 @@ def usable_prebuilt() -> tuple[Prebuilt | None, str]:
     return prebuilt, ""
 
 
-def custom_op_library() -> Path:
-    """A path to the library an export copies into its artifact: the prebuilt one, else the
-    local build in the loopcast cache, compiled on first use (keyed by sources and switches,
-    so an edited kernel is rebuilt and an unchanged one is reused by every export)."""
-    prebuilt, why = usable_prebuilt()
-    if prebuilt is not None:
-        return prebuilt.library
+def _build_dir() -> tuple[Path, Path | None]:
+    """Where the local build for these sources and switches lives in the loopcast cache, and the
+    nvcc it compiles CUDA kernels with (None: CPU kernels only)."""
     digest = hashlib.sha256(build.source_digest().encode())
     # Whether CUDA kernels can be built is part of the key: a CPU-only library cached before
     # nvcc was installed must not be reused.
@@ -87,6 +83,23 @@ def custom_op_library() -> Path:
         digest.update(f"{var}={os.environ.get(var, '')}".encode())
     root = Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast"))
     out = root / f"ops-{digest.hexdigest()[:12]}"
+    return out, nvcc
+
+
+def cached_build() -> Path | None:
+    """The local build for these sources and switches, if one was made already."""
+    library = _build_dir()[0] / build.LIBRARY_NAME
+    return library if library.is_file() else None
+
+
+def custom_op_library() -> Path:
+    """A path to the library an export copies into its artifact: the prebuilt one, else the
+    local build in the loopcast cache, compiled on first use (keyed by sources and switches,
+    so an edited kernel is rebuilt and an unchanged one is reused by every export)."""
+    prebuilt, why = usable_prebuilt()
+    if prebuilt is not None:
+        return prebuilt.library
+    out, nvcc = _build_dir()
     library = out / build.LIBRARY_NAME
     if not library.is_file():
         if build.find_ort_include() is None:  # say it before announcing a build that cannot start

@@ -33,15 +33,29 @@ def demo_artifact_dir(cache_dir: Path | None = None, *, progress: bool = False) 
 
 
 def _usable(artifact: Path) -> bool:
-    """A cached demo artifact that reads cleanly (a damaged cache entry, or one of another schema,
-    is exported again rather than refused on every run; the schema is also in the name)."""
+    """A cached demo artifact that reads cleanly and is what an export would write now (a damaged
+    entry, one of another schema, or stock graphs cached while the op library could not be had
+    that can be had now, is exported again rather than refused or reused on every run)."""
     from loopcast.errors import ArtifactError
     from loopcast.manifest import Manifest
+    from loopcast.vocab import OpSet
 
     if not (artifact / "manifest.json").is_file():
         return False
     try:
-        Manifest.read(artifact)
+        manifest = Manifest.read(artifact)
     except ArtifactError:
         return False
-    return True
+    return manifest.op_set != OpSet.STOCK or not library_available()
+
+
+def library_available() -> bool:
+    """Whether the loopcast op library can be had without building blind: a matching prebuilt
+    one, a cached build, or the ONNX Runtime headers and a C++ compiler to build it."""
+    import shutil
+
+    from loopcast.custom_ops import build, library
+
+    if library.usable_prebuilt()[0] is not None or library.cached_build() is not None:
+        return True
+    return build.find_ort_include() is not None and shutil.which("c++") is not None
