@@ -90,16 +90,47 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
+def fetched_headers_dir() -> Path:
+    """Where ``fetch_ort_headers`` unpacks the headers on first use: the loopcast cache."""
+    return Path(os.environ.get("LOOPCAST_CACHE", Path.home() / ".cache" / "loopcast")) / "ort-headers"
+
+
 def find_ort_include() -> Path | None:
     candidates = [
         os.environ.get("LOOPCAST_ORT_INCLUDE"),
         _HERE.parent / ".cdeps" / "usr" / "include" / "onnxruntime",
+        fetched_headers_dir() / "usr" / "include" / "onnxruntime",
         "/usr/include/onnxruntime",
     ]
     for candidate in candidates:
         if candidate and (Path(candidate) / "onnxruntime_cxx_api.h").is_file():
             return Path(candidate)
     return None
+
+
+def fetch_ort_headers(log=print) -> Path:
+    """Fetch the ONNX Runtime headers from the machine's package sources into the cache
+    (``fetch_ort_headers.sh``: apt's configured sources, else Debian's package of them; no root,
+    nothing installed). ``LOOPCAST_NO_FETCH=1`` turns it off. Raises with the fixing command."""
+    fix = (
+        "run tools/c_generate/fetch_deps.sh, or set LOOPCAST_ORT_INCLUDE to a folder holding "
+        "onnxruntime_cxx_api.h"
+    )
+    if os.environ.get("LOOPCAST_NO_FETCH") == "1":
+        raise LoopcastError(f"the ONNX Runtime C headers the op library compiles against are missing: {fix}")
+    log("loopcast: fetching the ONNX Runtime C headers (libonnxruntime-dev, headers only) ...")
+    script = _HERE / "fetch_ort_headers.sh"
+    proc = subprocess.run(
+        ["bash", str(script), str(fetched_headers_dir())], capture_output=True, text=True, timeout=300
+    )
+    include = find_ort_include()
+    if proc.returncode != 0 or include is None:
+        lines = (proc.stderr or proc.stdout).strip().splitlines() or ["(no output)"]
+        raise LoopcastError(
+            f"the ONNX Runtime C headers the op library compiles against are missing and could not be "
+            f"fetched ({lines[-1][:200]}): {fix}"
+        )
+    return include
 
 
 def find_nvcc() -> Path | None:

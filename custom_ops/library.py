@@ -23,8 +23,6 @@ from pathlib import Path
 
 from loopcast.custom_ops import build
 
-from loopcast.errors import LoopcastError
-
 PREBUILT_PACKAGE = "loopcast_ops"
 BUILD_INFO = "build_info.json"
 
@@ -102,12 +100,8 @@ def custom_op_library() -> Path:
     out, nvcc = _build_dir()
     library = out / build.LIBRARY_NAME
     if not library.is_file():
-        if build.find_ort_include() is None:  # say it before announcing a build that cannot start
-            raise LoopcastError(
-                "the ONNX Runtime C headers it compiles against are missing: run "
-                "tools/c_generate/fetch_deps.sh (or set LOOPCAST_ORT_INCLUDE to a folder holding "
-                "onnxruntime_cxx_api.h)"
-            )
+        if build.find_ort_include() is None:  # before announcing a build that could not start
+            build.fetch_ort_headers(log=lambda line: print(line, file=sys.stderr, flush=True))
         what = (
             f"CPU kernels + CUDA kernels for sm_{', sm_'.join(build.cuda_archs())}: several minutes"
             if nvcc is not None

@@ -12,11 +12,31 @@ from loopcast.errors import LoopcastError
 
 def test_missing_headers_name_the_fix_before_any_build(monkeypatch, tmp_path, capsys) -> None:
     monkeypatch.setenv("LOOPCAST_CACHE", str(tmp_path))
+    monkeypatch.setenv("LOOPCAST_NO_FETCH", "1")
     monkeypatch.setattr(build, "find_ort_include", lambda: None)  # a machine without the headers
     with pytest.raises(LoopcastError, match=r"C headers .* missing: run tools/c_generate/fetch_deps.sh"):
         library.custom_op_library()
     err = capsys.readouterr().err
     assert "building" not in err and "several minutes" not in err
+
+
+def test_headers_are_fetched_on_first_use_or_the_failure_names_the_fix(monkeypatch, tmp_path, capsys) -> None:
+    """Without apt (not a Debian machine) the fetch fails at once and says what to do."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "bash").symlink_to(shutil.which("bash"))
+    for tool in ("dirname", "mktemp", "rm", "mkdir"):
+        if shutil.which(tool):
+            (bin_dir / tool).symlink_to(shutil.which(tool))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("LOOPCAST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LOOPCAST_NO_FETCH", raising=False)
+    monkeypatch.setattr(build, "find_ort_include", lambda: None)
+    with pytest.raises(LoopcastError, match=r"could not be fetched \(error: fetching .* needs apt-get"):
+        build.fetch_ort_headers(log=lambda line: print(line))
+    assert "fetching the ONNX Runtime C headers" in capsys.readouterr().out
 
 
 def test_no_prebuilt_reason_suggests_no_package() -> None:

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = [
     ROOT / "tools" / "c_generate" / "fetch_deps.sh",
-    ROOT / "tools" / "release" / "fetch_ort_headers.sh",
+    ROOT / "custom_ops" / "fetch_ort_headers.sh",
 ]
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what c_generate builds against: cJSON from the machine's configured apt sources
 # (installing a package needs root: without it this says which command to run), and the ONNX
-# Runtime C headers (tools/release/fetch_ort_headers.sh unpacks them into .cdeps/, no root needed).
+# Runtime C headers (custom_ops/fetch_ort_headers.sh unpacks them into .cdeps/, no root needed).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cjson="${LOOPCAST_CJSON_HEADER:-/usr/include/cjson/cJSON.h}"
@@ -13,9 +13,9 @@ if [ ! -f "$cjson" ]; then
     else
         echo "error: the C example needs cJSON, and installing it needs root:" \
              "run 'sudo apt-get install libcjson-dev' (the op library's headers need no root:" \
-             "tools/release/fetch_ort_headers.sh)" >&2
+             "custom_ops/fetch_ort_headers.sh)" >&2
         exit 2
     fi
 fi
-headers="$("$root/tools/release/fetch_ort_headers.sh")"
+headers="$("$root/custom_ops/fetch_ort_headers.sh")"
 echo "headers: $headers; cJSON: $(dirname "$cjson")"

@@ -6,7 +6,7 @@
     pip install dist/loopcast_ops-*.whl                   # exports then use it, no compiler needed
 
 The ONNX Runtime C headers come from a package registry (Debian's libonnxruntime-dev, through
-``tools/release/fetch_ort_headers.sh``) unless ``--ort-include`` names a directory. The wheel holds
+``custom_ops/fetch_ort_headers.sh``) unless ``--ort-include`` names a directory. The wheel holds
 ``loopcast_ops/libloopcast_ops.so`` and ``build_info.json`` (the kernel-source digest it was built
 from, the CUDA architectures, the header version), which ``custom_ops/library.py`` checks before
 using it. sm_80 is not offered: the kernels need sm_90 (griddepcontrol, TMA).
@@ -38,7 +38,7 @@ INIT = '"""Prebuilt loopcast custom-op library (data only): libloopcast_ops.so a
 def fetch_headers() -> Path:
     out = (
         subprocess.run(
-            [str(ROOT / "tools" / "release" / "fetch_ort_headers.sh")],
+            [str(ROOT / "custom_ops" / "fetch_ort_headers.sh")],
             check=True,
             capture_output=True,
             text=True,

@@ -6,7 +6,7 @@
 # The onnxruntime wheels carry no headers; the C API is forward compatible, so code built against
 # these (1.21 or newer) loads in the wheel's newer runtime. Prints the include directory.
 set -euo pipefail
-root="$(cd "$(dirname "$0")/../.." && pwd)"
+root="$(cd "$(dirname "$0")/.." && pwd)"
 deps="${1:-$root/.cdeps}"
 if [ -f "$deps/usr/include/onnxruntime/onnxruntime_c_api.h" ]; then
     echo "$deps/usr/include/onnxruntime"; exit 0
