@@ -404,7 +404,11 @@ def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> Va
         prompts = [rng.integers(3, config.vocab_size, 24).tolist() for _ in range(4)]
     log(f"  comparing verify rows with decode rows on {len(prompts)} prompts ...")
     result.rows_identical = rows_identical(full, prompts)
-    log(f"  verify rows bit-identical to decode rows: {result.rows_identical}")
+    same = result.rows_identical
+    log(
+        f"  verify rows bit-identical to decode rows: {same['bit_identical_rows']}/{same['rows']} "
+        f"(max |diff| {same['max_abs_diff']:g})"
+    )
     new_tokens = min(opts.new_tokens, max_length - max(len(p) for p in prompts) - 8)
     if opts.end_to_end and new_tokens < 8:
         log(f"  end-to-end skipped: --past {opts.past} leaves no room after the prompts")
@@ -496,8 +500,10 @@ def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
             log(f"[{dtype}] PyTorch baseline and memory bandwidth ...")
             try:
                 baseline.update(torch_baseline(opts, dtype, past))
-            except Exception as exc:  # the baseline is optional; say why it is missing
-                baseline["error"] = f"{type(exc).__name__}: {exc}"
+            except ImportError:  # the baseline is optional; say what it needs
+                baseline["error"] = "the PyTorch baseline needs torch (pip install torch); skipped"
+            except Exception as exc:  # say why it is missing
+                baseline["error"] = f"the PyTorch baseline failed: {type(exc).__name__}: {exc}"
         try:
             from loopcast.exporter import torch_bench
 
@@ -511,13 +517,37 @@ def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
                     "cache_bytes": _cache_bytes(opts.device),
                 }
             )
-        except ImportError as exc:
-            baseline["error"] = f"no torch for the floor: {exc}"
+        except ImportError:
+            baseline["floor_error"] = (
+                "the bandwidth floor is measured with torch (pip install torch); skipped"
+            )
         report["baselines"][dtype] = baseline
-        log(f"[{dtype}] baselines {baseline}")
+        for line in baseline_lines(baseline):
+            log(f"[{dtype}] {line}")
         if on_progress is not None:
             on_progress(report)
     return report
+
+
+def baseline_lines(baseline: dict) -> list[str]:
+    """The baselines as sentences: each measured one, else why it is missing."""
+    lines = []
+    for key, label in (("eager_ms", "PyTorch eager decode"), ("cuda_graph_ms", "PyTorch CUDA graph")):
+        if baseline.get(key):
+            lines.append(f"{label}: {baseline[key]:.3f} ms per step")
+    if baseline.get("floor_ms"):
+        lines.append(
+            f"bandwidth floor: {baseline['floor_ms']:.3f} ms per step "
+            f"({baseline['bytes_per_step']['total'] / 1e6:.1f} MB at {baseline['bandwidth_gbs']:.0f} GB/s)"
+        )
+    lines += [baseline[key] for key in ("error", "floor_error") if baseline.get(key)]
+    return lines
+
+
+def default_variants(device: str) -> tuple[str, ...]:
+    """What a user's export runs on ``device``: the exporter's default op set on the CPU (exact,
+    loopcast-attention), the loopcast ops of ``--target cuda`` on CUDA."""
+    return ("default",) if device == "cpu" else ("batch-invariant",)
 
 
 def _cache_bytes(device: str) -> int:

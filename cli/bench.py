@@ -28,7 +28,13 @@ import click
     multiple=True,
     type=click.Choice(["stock", "batch-invariant", "default"]),
     help="Graph variants to compare: stock ops, every loopcast op, or the exporter's default op set "
-    "(default: stock and batch-invariant).",
+    "(default: what a user's export runs on the device: default on cpu, batch-invariant on cuda).",
+)
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="A first look in about a minute on a CPU: past 128, width 5, 10 runs per step, 32 tokens "
+    "per prompt, no alternation, oracle rows, PyTorch baseline or profile.",
 )
 @click.option("--past", type=int, default=1024, show_default=True, help="KV length the steps attend over.")
 @click.option("--widths", default="2,5,8", show_default=True, help="Verify widths W (comma-separated).")
@@ -93,17 +99,21 @@ def bench(
     no_torch: bool,
     threads: int | None,
     no_profile: bool,
+    quick: bool,
     work_dir: Path | None,
     out: Path | None,
 ) -> None:
     """Time ORT steps and generation against PyTorch and the bandwidth floor (`preset:NAME` = random weights)."""  # noqa: E501 (one line: click's help)
-    from loopcast.bench.harness import BenchOptions, run_bench
+    from loopcast.bench.harness import BenchOptions, default_variants, run_bench
     from loopcast.bench.report import default_report_path, format_table, write_report
 
     from loopcast.config import PRESETS
     from loopcast.devices import cache_root, check_device, default_device
     from loopcast.errors import RequestError
 
+    if quick:
+        past, widths, iters, new_tokens, alternate_tokens = 128, "5", 10, 32, 0
+        oracle_reject, no_torch, no_profile, passes = "", True, True, 1
     if checkpoint.startswith("preset:") and checkpoint.split(":", 1)[1] not in PRESETS:
         raise RequestError(
             f"unknown preset {checkpoint!r}; choose from {', '.join('preset:' + name for name in PRESETS)}"
@@ -140,7 +150,7 @@ def bench(
         work_dir,
         device,
         dtypes or (("fp16", "bf16") if device == "cuda" else ("fp32",)),
-        variants or ("stock", "batch-invariant"),
+        variants or default_variants(device),
         past,
         width_list,
         iters,

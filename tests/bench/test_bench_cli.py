@@ -96,3 +96,21 @@ def test_bandwidth_share_only_where_it_is_one() -> None:
     base = {**base, "bytes_per_step": {"total": 2**30}, "floor_ms": 50.0}
     assert bandwidth_line(base, decode_ms=100.0).endswith("runs at 50% of bandwidth")
     assert "%" not in bandwidth_line(base, decode_ms=40.0)  # faster than the floor: no 125%
+
+
+def test_quick_measures_what_export_writes_and_says_what_needs_torch(cache) -> None:
+    """By default the bench measures the op set a user's export runs on the device, `--quick`
+    keeps to a first look, and every log line is a sentence (no raw dicts)."""
+    from loopcast.bench.harness import baseline_lines, default_variants
+
+    result = CliRunner().invoke(
+        main, ["bench", str(checkpoint("llama-tied-gqa")), "--device", "cpu", "--quick"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(next((cache / "cache" / "bench").glob("bench-*.json")).read_text())
+    assert [run["variant"] for run in report["runs"]] == ["default"] == list(default_variants("cpu"))
+    assert default_variants("cuda") == ("batch-invariant",)
+    assert report["options"]["past"] == 128 and report["options"]["widths"] == [5]
+    assert "{" not in result.stderr, result.stderr
+    needs = baseline_lines({"error": "the PyTorch baseline needs torch (pip install torch); skipped"})
+    assert needs == ["the PyTorch baseline needs torch (pip install torch); skipped"]
