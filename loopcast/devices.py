@@ -41,6 +41,11 @@ def default_device() -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
+# The one advice for a CPU-only onnxruntime asked for CUDA (both wheels install the module
+# `onnxruntime`, so the CPU one goes first).
+CUDA_INSTALL_ADVICE = "pip uninstall -y onnxruntime && pip install -e '.[cuda]' (onnxruntime-gpu replaces it)"
+
+
 def check_device(device: str) -> str:
     """``device`` if this install can run it; a one-line RequestError saying what is missing."""
     if device == "cpu":
@@ -51,8 +56,8 @@ def check_device(device: str) -> str:
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise RequestError(
-            "--device cuda: this onnxruntime has no CUDAExecutionProvider (a CPU-only install; "
-            "`pip install -e '.[cuda]'` after uninstalling onnxruntime), use --device cpu"
+            "--device cuda: this onnxruntime has no CUDAExecutionProvider (a CPU-only install): "
+            f"{CUDA_INSTALL_ADVICE}, or use --device cpu"
         )
     if gpu_count() == 0:
         raise RequestError("--device cuda: the CUDA driver reports no GPU on this machine, use --device cpu")

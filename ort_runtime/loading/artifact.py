@@ -48,6 +48,7 @@ from loopcast.ort_runtime.loading.session_table import SessionTable
 from loopcast.ort_runtime.loading.shared_weights import SharedWeights, load_shared_weights
 from loopcast.ort_runtime.loading.trust import op_library_to_load
 
+from loopcast.devices import CUDA_INSTALL_ADVICE
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import (
     BATCH_KINDS,
@@ -319,8 +320,8 @@ def open_artifact(
     provider = PROVIDERS[device]
     if provider not in ort.get_available_providers():
         raise RequestError(
-            f"device {device!r} needs {provider}, which this onnxruntime build lacks "
-            "(install the `cuda` extra: onnxruntime-gpu)"
+            f"device {device!r} needs {provider}, which this onnxruntime lacks (a CPU-only install): "
+            f"{CUDA_INSTALL_ADVICE}, or use the CPU"
         )
     if device == "cpu" and manifest.dtype != "fp32":
         raise ArtifactError(

@@ -139,3 +139,22 @@ def test_stream_with_json_is_refused_not_dropped() -> None:
     assert result.output.strip().splitlines()[-1] == (
         "error: --stream and --json do not combine: --json prints one object when the generation ends"
     )
+
+
+def test_generate_and_bench_give_the_same_cuda_advice() -> None:
+    """On a CPU-only onnxruntime, `generate --device cuda` and `bench --device cuda` say the same
+    thing: how onnxruntime-gpu replaces onnxruntime."""
+    from loopcast.devices import CUDA_INSTALL_ADVICE, cuda_available
+
+    if cuda_available():
+        pytest.skip("this install can run CUDA")
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu without a GPU: another message")
+    gen = CliRunner().invoke(
+        main, ["generate", str(artifact("llama-tied-gqa")), "--prompt-ids", "1", "--device", "cuda"]
+    )
+    bench = CliRunner().invoke(main, ["bench", "demo", "--device", "cuda", "--quick"])
+    for result in (gen, bench):
+        assert result.exit_code == 2 and CUDA_INSTALL_ADVICE in result.output, result.output
