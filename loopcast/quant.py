@@ -1,0 +1,109 @@
+"""The weight quantization scheme of an artifact, as data (docs/architecture.md, "Quantized weights").
+
+Weight-only round-to-nearest (RTN) block quantization: each output column of a linear layer is
+cut into blocks of ``block_size`` along K, each block stored as ``bits``-bit integers with one
+fp32 scale (and, asymmetric, one zero point). Norms, the exit gate and rope stay float. The
+embedding and the head have their own choice (an int8 head under int4 layers is the usual mixed
+recipe). The manifest records the scheme (``quantization``: null for float artifacts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from loopcast.errors import ExportError
+
+BLOCK_SIZES = (32, 64, 128)
+
+
+class WeightFormat(StrEnum):
+    """How one group of weight matrices is stored."""
+
+    FLOAT = "float"  # the artifact's dtype
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def bits(self) -> int:
+        return {WeightFormat.INT8: 8, WeightFormat.INT4: 4}[self]
+
+
+class QuantMethod(StrEnum):
+    RTN = "rtn"  # round to nearest, per block (absmax scale, or min/max scale and zero point)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Which weights are quantized and how. ``layers``: every projection of every decoder layer
+    (fused q|k|v and gate|up quantized after fusion); ``head``: the lm_head (a tied head gets a
+    quantized copy of the embedding, or reads the float embedding when ``head`` is float);
+    ``embedding``: the token embedding (float only for now: the Gather reads it as is)."""
+
+    layers: WeightFormat
+    block_size: int = 32
+    symmetric: bool = True
+    head: WeightFormat = WeightFormat.FLOAT
+    embedding: WeightFormat = WeightFormat.FLOAT
+    method: QuantMethod = QuantMethod.RTN
+    # MatMulNBits' accuracy_level: 0 and 1 compute in fp32 on the CPU, 4 quantizes the activations
+    # to int8 (faster, not within 1e-4 of the dequantized reference).
+    accuracy_level: int = 0
+
+    def __post_init__(self) -> None:
+        fields = {"layers": self.layers, "head": self.head, "embedding": self.embedding}
+        for name, value in fields.items():
+            if value not in tuple(WeightFormat):
+                raise ExportError(f"quantization {name} must be one of float, int8, int4, got {value!r}")
+            object.__setattr__(self, name, WeightFormat(value))
+        if self.layers is WeightFormat.FLOAT:
+            raise ExportError("--quantize must be int4 or int8 (float is no quantization)")
+        if self.embedding is not WeightFormat.FLOAT:
+            raise ExportError("--quantize-embedding: only float is supported (the embedding Gather stays float)")
+        if self.block_size not in BLOCK_SIZES:
+            raise ExportError(f"--block-size must be one of 32, 64, 128, got {self.block_size}")
+        if self.method not in tuple(QuantMethod):
+            raise ExportError(f"quantization method must be rtn, got {self.method!r}")
+        object.__setattr__(self, "method", QuantMethod(self.method))
+        if self.accuracy_level not in (0, 1, 4):
+            raise ExportError(f"--accuracy-level must be 0, 1 or 4, got {self.accuracy_level}")
+
+    def to_dict(self) -> dict:
+        return {
+            "method": str(self.method),
+            "layers": str(self.layers),
+            "block_size": self.block_size,
+            "symmetric": self.symmetric,
+            "head": str(self.head),
+            "embedding": str(self.embedding),
+            "accuracy_level": self.accuracy_level,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantScheme:
+        return cls(
+            layers=d["layers"],
+            block_size=d["block_size"],
+            symmetric=d["symmetric"],
+            head=d["head"],
+            embedding=d["embedding"],
+            method=d["method"],
+            accuracy_level=d["accuracy_level"],
+        )
+
+    def describe(self) -> str:
+        """One line for ``loopcast inspect``."""
+        zp = "symmetric" if self.symmetric else "asymmetric"
+        return (
+            f"{self.method} {self.layers} block {self.block_size} {zp}, head {self.head}, "
+            f"embedding {self.embedding}, accuracy_level {self.accuracy_level}"
+        )
+
+
+def parse_format(option: str, value: str, layers: WeightFormat) -> WeightFormat:
+    """A CLI choice of float|int8|int4|same (``same``: the layers' format)."""
+    if value == "same":
+        return layers
+    if value not in tuple(WeightFormat):
+        raise ExportError(f"{option} must be one of float, int8, int4, same, got {value!r}")
+    return WeightFormat(value)
