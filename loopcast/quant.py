@@ -59,7 +59,9 @@ class QuantScheme:
         if self.layers is WeightFormat.FLOAT:
             raise ExportError("--quantize must be int4 or int8 (float is no quantization)")
         if self.embedding is not WeightFormat.FLOAT:
-            raise ExportError("--quantize-embedding: only float is supported (the embedding Gather stays float)")
+            raise ExportError(
+                "--quantize-embedding: only float is supported (the embedding Gather stays float)"
+            )
         if self.block_size not in BLOCK_SIZES:
             raise ExportError(f"--block-size must be one of 32, 64, 128, got {self.block_size}")
         if self.method not in tuple(QuantMethod):
@@ -107,3 +109,57 @@ def parse_format(option: str, value: str, layers: WeightFormat) -> WeightFormat:
     if value not in tuple(WeightFormat):
         raise ExportError(f"{option} must be one of float, int8, int4, same, got {value!r}")
     return WeightFormat(value)
+
+
+@dataclass(frozen=True)
+class QuantLinear:
+    """One quantized matrix of the graphs: ``x @ W`` with ``W`` [K, N] stored as MatMulNBits
+    tensors ``{base}.weight_q`` (uint8 [N, blocks, blob]), ``{base}.scales`` (fp32) and, when
+    asymmetric, ``{base}.zero_points`` (uint8), where ``weight`` is ``{base}.weight_T``."""
+
+    weight: str  # the float name it replaces ("layers.0.qkv_proj.weight_T")
+    k: int
+    n: int
+    bits: int
+    block_size: int
+    symmetric: bool
+    accuracy_level: int
+
+    @property
+    def base(self) -> str:
+        return self.weight.removesuffix(".weight_T")
+
+    @property
+    def stored(self) -> dict[str, str]:
+        """Role → stored tensor name."""
+        out = {"packed": f"{self.base}.weight_q", "scales": f"{self.base}.scales"}
+        if not self.symmetric:
+            out["zero_points"] = f"{self.base}.zero_points"
+        return out
+
+
+def quantized_linears(config, scheme: QuantScheme | None) -> dict[str, QuantLinear]:
+    """Every matrix ``scheme`` quantizes in an artifact of ``config`` (a ``ModelConfig``), by the
+    float name the graphs know it by; the exporter's weights and every graph builder use this one
+    map, so the twin of the exactness probe and a re-widened artifact see the same weights."""
+    if scheme is None:
+        return {}
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * d
+    shapes = {"qkv_proj": (h, qkv), "o_proj": (config.num_heads * d, h)}
+    shapes |= {"gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
+    layers = [f"layers.{i}" for i in range(config.num_layers)]
+    layers += [f"prelude_layers.{i}" for i in range(config.num_prelude_layers)]
+    layers += [f"coda_layers.{i}" for i in range(config.num_coda_layers)]
+
+    def entry(weight: str, k: int, n: int, fmt: WeightFormat) -> QuantLinear:
+        return QuantLinear(weight, k, n, fmt.bits, scheme.block_size, scheme.symmetric, scheme.accuracy_level)
+
+    out = {}
+    for layer in layers:
+        for proj, (k, n) in shapes.items():
+            name = f"{layer}.{proj}.weight_T"
+            out[name] = entry(name, k, n, scheme.layers)
+    if scheme.head is not WeightFormat.FLOAT:
+        out["lm_head.weight_T"] = entry("lm_head.weight_T", h, config.vocab_size, scheme.head)
+    return out
