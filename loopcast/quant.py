@@ -46,16 +46,20 @@ class QuantScheme:
     head: WeightFormat = WeightFormat.FLOAT
     embedding: WeightFormat = WeightFormat.FLOAT
     method: QuantMethod = QuantMethod.RTN
-    # MatMulNBits' accuracy_level: 0 and 1 compute in fp32 on the CPU, 4 quantizes the activations
-    # to int8 (faster, not within 1e-4 of the dequantized reference).
-    accuracy_level: int = 0
+    # MatMulNBits' accuracy_level: 0 and 1 compute in fp32 on the CPU (within 1e-4 of the
+    # dequantized reference, but an M=1 row differs from the same row among M>1), 4 quantizes the
+    # activations to int8 per block (faster; row-invariant at block 32, and at 64 for int8:
+    # tools/probes/check_matmulnbits_rows.py, docs/architecture.md "Quantized weights").
+    accuracy_level: int = 4
 
     def __post_init__(self) -> None:
-        fields = {"layers": self.layers, "head": self.head, "embedding": self.embedding}
-        for name, value in fields.items():
+        fields = {"--quantize": self.layers, "--quantize-head": self.head}
+        fields["--quantize-embedding"] = self.embedding
+        for option, value in fields.items():
             if value not in tuple(WeightFormat):
-                raise ExportError(f"quantization {name} must be one of float, int8, int4, got {value!r}")
-            object.__setattr__(self, name, WeightFormat(value))
+                raise ExportError(f"{option} must be one of int4, int8 (or float), got {value!r}")
+        for name in ("layers", "head", "embedding"):
+            object.__setattr__(self, name, WeightFormat(getattr(self, name)))
         if self.layers is WeightFormat.FLOAT:
             raise ExportError("--quantize must be int4 or int8 (float is no quantization)")
         if self.embedding is not WeightFormat.FLOAT:
@@ -163,3 +167,41 @@ def quantized_linears(config, scheme: QuantScheme | None) -> dict[str, QuantLine
     if scheme.head is not WeightFormat.FLOAT:
         out["lm_head.weight_T"] = entry("lm_head.weight_T", h, config.vocab_size, scheme.head)
     return out
+
+
+def quant_scheme_from_options(
+    quantize: str | None,
+    block_size: int = 32,
+    asymmetric: bool = False,
+    head: str = "same",
+    embedding: str = "float",
+    accuracy_level: int = 4,
+) -> QuantScheme | None:
+    """The scheme ``loopcast export``'s options ask for (None: no --quantize, and then the other
+    quantization options must keep their defaults)."""
+    if quantize is None:
+        changed = [
+            option
+            for option, value, default in (
+                ("--block-size", block_size, 32),
+                ("--asymmetric", asymmetric, False),
+                ("--quantize-head", head, "same"),
+                ("--quantize-embedding", embedding, "float"),
+                ("--accuracy-level", accuracy_level, 4),
+            )
+            if value != default
+        ]
+        if changed:
+            raise ExportError(f"{changed[0]} needs --quantize int4|int8")
+        return None
+    if quantize not in (WeightFormat.INT4, WeightFormat.INT8):
+        raise ExportError(f"--quantize must be one of int4, int8, got {quantize!r}")
+    layers = WeightFormat(quantize)
+    return QuantScheme(
+        layers,
+        block_size,
+        not asymmetric,
+        parse_format("--quantize-head", head, layers),
+        parse_format("--quantize-embedding", embedding, layers),
+        accuracy_level=accuracy_level,
+    )
