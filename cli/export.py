@@ -69,10 +69,14 @@ from loopcast.vocab import OpSet, choices
     default=None,
     metavar="int4|int8",
     help="Weight-only RTN block quantization of every layer's projections (MatMulNBits, CPU, "
-    "fp32 activations; norms and rope stay float). docs/architecture.md, \"Quantized weights\".",
+    'fp32 activations; norms and rope stay float). docs/architecture.md, "Quantized weights".',
 )
-@click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block (32, 64, 128).")
-@click.option("--asymmetric", is_flag=True, help="Per-block zero points (min/max) instead of symmetric absmax.")
+@click.option(
+    "--block-size", type=int, default=32, show_default=True, help="Quantization block (32, 64, 128)."
+)
+@click.option(
+    "--asymmetric", is_flag=True, help="Per-block zero points (min/max) instead of symmetric absmax."
+)
 @click.option(
     "--quantize-head",
     default="same",

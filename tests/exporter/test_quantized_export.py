@@ -11,11 +11,11 @@ from click.testing import CliRunner
 from loopcast.cli import main
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.exporter.quantize import dequantize, quantize
+from loopcast.exporter.reference import KVCache
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.loading.artifact import open_artifact
 
 from loopcast.errors import ExportError
-from loopcast.exporter.reference import KVCache
 from loopcast.manifest import Manifest
 from loopcast.quant import QuantScheme, WeightFormat, quant_scheme_from_options
 from tests.artifacts import checkpoint, dequantized_reference, quantized_artifact
@@ -57,7 +57,9 @@ def test_int4_packing_puts_the_first_value_in_the_low_nibble() -> None:
     assert qt.packed[0, 0, 1] == 8 | (8 << 4)
 
 
-@pytest.mark.parametrize("bits,block,symmetric", [(4, 32, True), (4, 64, False), (8, 128, False), (8, 32, True)])
+@pytest.mark.parametrize(
+    "bits,block,symmetric", [(4, 32, True), (4, 64, False), (8, 128, False), (8, 32, True)]
+)
 def test_matmulnbits_reads_our_layout(bits: int, block: int, symmetric: bool) -> None:
     """One MatMulNBits node on our tensors equals x @ dequantize(W)ᵀ (fp32 compute)."""
     from tools.probes.check_matmulnbits_rows import session
@@ -152,7 +154,9 @@ def test_bad_options_give_one_line(tmp_path, extra: list[str], message: str) -> 
 def test_library_refuses_the_loopcast_op_set(tmp_path) -> None:
     scheme = quant_scheme_from_options("int4")
     with pytest.raises(ExportError, match="--quantize is not supported with --ops loopcast"):
-        export_checkpoint(checkpoint("ouro-r3"), tmp_path / "a", ExportOptions(batch_invariant=True, quantization=scheme))
+        export_checkpoint(
+            checkpoint("ouro-r3"), tmp_path / "a", ExportOptions(batch_invariant=True, quantization=scheme)
+        )
 
 
 def test_inspect_shows_the_scheme() -> None:
