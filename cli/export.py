@@ -64,6 +64,40 @@ from loopcast.vocab import OpSet, choices
     help="Also write the tree kinds (tree_draft, tree_tail) that generate --alternate-gap needs "
     "(looped models, loopcast attention op).",
 )
+@click.option(
+    "--quantize",
+    default=None,
+    metavar="int4|int8",
+    help="Weight-only RTN block quantization of every layer's projections (MatMulNBits, CPU, "
+    'fp32 activations; norms and rope stay float). docs/architecture.md, "Quantized weights".',
+)
+@click.option(
+    "--block-size", type=int, default=32, show_default=True, help="Quantization block (32, 64, 128)."
+)
+@click.option(
+    "--asymmetric", is_flag=True, help="Per-block zero points (min/max) instead of symmetric absmax."
+)
+@click.option(
+    "--quantize-head",
+    default="same",
+    show_default=True,
+    metavar="float|int8|int4|same",
+    help="The lm_head's format under --quantize (a tied head gets its own quantized copy).",
+)
+@click.option(
+    "--quantize-embedding",
+    default="float",
+    show_default=True,
+    metavar="float",
+    help="The embedding's format under --quantize (float only for now).",
+)
+@click.option(
+    "--accuracy-level",
+    type=int,
+    default=4,
+    show_default=True,
+    help="MatMulNBits accuracy_level: 4 = int8 activations (fast; rows exact at block 32), 0/1 = fp32.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at the output path.")
 def export(
     checkpoint: str,
@@ -78,12 +112,23 @@ def export(
     genai: bool,
     max_batch: int | None,
     tree_verify: bool,
+    quantize: str | None,
+    block_size: int,
+    asymmetric: bool,
+    quantize_head: str,
+    quantize_embedding: str,
+    accuracy_level: int,
     overwrite: bool,
 ) -> None:
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
 
     from loopcast.manifest import BATCH_KINDS
+    from loopcast.quant import quant_scheme_from_options
+
+    scheme = quant_scheme_from_options(
+        quantize, block_size, asymmetric, quantize_head, quantize_embedding, accuracy_level
+    )
 
     options = ExportOptions(
         dtype,
@@ -95,6 +140,7 @@ def export(
         genai,
         max_batch,
         tree_verify,
+        scheme,
     )
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(
@@ -103,6 +149,8 @@ def export(
     )
     exact = ", ".join(d for d, ok in manifest.exact_verify.items() if ok) or "no device"
     genai_note = "; ONNX Runtime GenAI model (genai_config.json)" if manifest.genai_files else ""
+    if manifest.quantization is not None:
+        genai_note += f"; weights {manifest.quantization.describe()}"
     click.echo(
         f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}, "
         f"ops {manifest.op_set}, exact speculation on {exact}{genai_note}"

@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 
 import onnx_ir as ir
-from loopcast.graphs.builder import GraphBuilder, WeightRef
+from loopcast.graphs.builder import GraphBuilder, weight_refs
 from loopcast.graphs.kinds import build_kind
 
 from loopcast.manifest import (
@@ -37,6 +37,7 @@ from loopcast.manifest import (
     sampled_sha256,
     sha256_file,
 )
+from loopcast.quant import quantized_linears
 from loopcast.vocab import BATCH_KINDS, TREE_KINDS, graph_plan
 
 _IR_DTYPES = {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
@@ -112,10 +113,10 @@ def rows_match_shallow(
 def _build_twin(manifest: Manifest, shallow, path: Path, probe: Path, read_stored) -> dict:
     """The twin's graphs, built with the artifact's op set on the artifact's weights file."""
     dtype = _IR_DTYPES[manifest.dtype]
-    refs = {
-        name: WeightRef(name, dtype, t.shape, t.offset, t.length)
-        for name, t in read_stored(path / manifest.weights_file).items()
-    }
+    refs = weight_refs(read_stored(path / manifest.weights_file))
+    # the artifact's quantized matrices, read through the same MatMulNBits nodes (the twin's
+    # first layers are the artifact's, so their names and shapes agree)
+    quantized = quantized_linears(shallow, manifest.quantization)
     graphs = {}
     for plan in graph_plan(
         shallow,
@@ -129,7 +130,7 @@ def _build_twin(manifest: Manifest, shallow, path: Path, probe: Path, read_store
             shallow,
             dtype,
             manifest.max_length,
-            GraphBuilder(refs, manifest.weights_file, probe),
+            GraphBuilder(refs, manifest.weights_file, probe, quantized),
             op_set=manifest.op_set,
         )
         ir.save(model, probe / spec.file)

@@ -33,6 +33,7 @@ from loopcast.manifest import (
     chunked_sha256,
 )
 from loopcast.manifest_schema import MAX_BATCH
+from loopcast.quant import QuantScheme, quantized_linears
 from loopcast.swap import Staging, output_path, recover
 from loopcast.vocab import BATCH_KINDS, TREE_KINDS, OpSet, can_tree_verify, graph_plan
 
@@ -60,6 +61,8 @@ class ExportOptions:
     genai: bool = False  # also write the ONNX Runtime GenAI graph + genai_config.json
     max_batch: int | None = None  # also write the batched kinds for up to this many sequences
     tree_verify: bool = False  # also write tree_draft and tree_tail (the alternate suffix)
+    # weight-only block quantization (loopcast/quant.py); None: float weights
+    quantization: QuantScheme | None = None
 
     @property
     def op_set(self) -> str:
@@ -111,6 +114,8 @@ class ExportOptions:
                 "--tree-verify needs a looped model (R > 1): its branches are drafted by the "
                 "shallow loops; this one has R=1"
             )
+        if self.quantization is not None:
+            _check_quantized(self)
         return ExportOptions(
             self.dtype,
             max_length,
@@ -121,7 +126,25 @@ class ExportOptions:
             self.genai,
             self.max_batch,
             self.tree_verify,
+            self.quantization,
         )
+
+
+def _check_quantized(opts: ExportOptions) -> None:
+    """What --quantize runs on now: the CPU's MatMulNBits in fp32 activations, in the stock and
+    loopcast-attention op sets (docs/architecture.md, "Quantized weights")."""
+    if opts.dtype != "fp32":
+        raise ExportError(
+            f"--quantize with --dtype {opts.dtype} is not supported: quantized artifacts run on the "
+            "CPU with fp32 activations (--dtype fp32)"
+        )
+    if opts.op_set == OpSet.LOOPCAST:
+        raise ExportError(
+            "--quantize is not supported with --ops loopcast / --batch-invariant (BatchInvariantMatMul "
+            "has no quantized form yet); use --ops loopcast-attention or stock"
+        )
+    if opts.genai:
+        raise ExportError("--quantize with --genai is not supported yet (the GenAI graph is float only)")
 
 
 def check_supported(config: ModelConfig, op_set: OpSet | str = OpSet.STOCK) -> None:
@@ -278,11 +301,14 @@ def _write_artifact(
         opts, lambda line: print(line, file=sys.stderr) if show_progress else None
     )
     check_supported(config, op_set)
+    if opts.quantization is not None and op_set.batch_invariant:
+        raise ExportError("--quantize is not supported with --ops loopcast (BatchInvariantMatMul)")
     if opts.tree_verify and can_tree_verify(config, op_set):
         raise ExportError(f"--tree-verify: {can_tree_verify(config, op_set)}")
     read, close = checkpoint_reader(tensors)
-    layout = weight_layout(config, opts.max_length, opts.dtype, read)
-    total = weights_nbytes(config, opts.max_length, opts.dtype, read)
+    quant = opts.quantization
+    layout = weight_layout(config, opts.max_length, opts.dtype, read, quant)
+    total = weights_nbytes(config, opts.max_length, opts.dtype, read, quant)
     bar = tqdm(
         total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not show_progress
     )
@@ -294,7 +320,13 @@ def _write_artifact(
         built = pool.submit(_build_graphs, config, opts, op_set, layout, staging)
         try:
             stored = write_weights(
-                staging / WEIGHTS_FILE, config, opts.max_length, opts.dtype, read, progress=bar.update
+                staging / WEIGHTS_FILE,
+                config,
+                opts.max_length,
+                opts.dtype,
+                read,
+                progress=bar.update,
+                quant=quant,
             )
         finally:
             close()
@@ -322,6 +354,7 @@ def _write_artifact(
             staging,
             op_set,
             custom_ops,
+            quant=quant,
         )
     )
     genai_files = (
@@ -364,6 +397,7 @@ def _write_artifact(
         op_set=op_set,
         genai_files=genai_files,
         max_batch=opts.max_batch,
+        quantization=quant,
     )
     return manifest
 
@@ -377,15 +411,16 @@ def _ir_dtype(name: str):
 def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: OpSet, layout: dict, staging: Path):
     """On the graph thread: the kinds to build, the weight references, every kind's model (not
     yet saved), its spec and the custom ops it uses."""
-    from loopcast.graphs.builder import GraphBuilder, WeightRef
+    from loopcast.graphs.builder import GraphBuilder, weight_refs
     from loopcast.graphs.kinds import build_kind, plan_kinds
 
     dtype = _ir_dtype(opts.dtype)
     plans = plan_kinds(config, opts.verify_width, opts.draft_depth, op_set=op_set, tree=opts.tree_verify)
-    refs = {name: WeightRef(name, dtype, t.shape, t.offset, t.length) for name, t in layout.items()}
+    refs = weight_refs(layout)
+    quantized = quantized_linears(config, opts.quantization)
     models, graphs, custom_ops = {}, {}, set()
     for plan in plans:
-        builder = GraphBuilder(refs, WEIGHTS_FILE, staging)
+        builder = GraphBuilder(refs, WEIGHTS_FILE, staging, quantized)
         models[plan.kind], graphs[plan.kind] = build_kind(
             plan, config, dtype, opts.max_length, builder, op_set=op_set
         )
@@ -395,6 +430,8 @@ def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: OpSet, layou
 
 def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
     """Declare per device whether verify rows are the decode rows bit for bit. Measured on the
+    CPU for quantized artifacts as for float ones (the twin reads the same quantized tensors
+    through the same MatMulNBits nodes; docs/architecture.md "Quantized weights"). Measured on the
     CPU (fp32 only: the CPU runs nothing else) by loading a two-layer twin of the staged
     artifact on its own weights (exporter/exactness_probe.py: the same kernels at the same
     shapes for a fraction of the prepacking), after the files are recorded (the trust rule
@@ -405,7 +442,8 @@ def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
 
     exact = {
         "cpu": manifest.dtype == "fp32" and rows_match_shallow(staging, manifest=manifest),
-        "cuda": OpSet(manifest.op_set).batch_invariant,
+        # quantized artifacts run on the CPU only for now
+        "cuda": OpSet(manifest.op_set).batch_invariant and manifest.quantization is None,
     }
     return dataclasses.replace(manifest, exact_verify=exact)
 
@@ -439,14 +477,12 @@ def with_verify_width(
     if (out / MANIFEST_FILE).is_file() and not overwrite:
         raise ExportError(f"{out}: an artifact is already there (pass overwrite=True to replace it)")
     import onnx_ir as ir
-    from loopcast.graphs.builder import GraphBuilder, WeightRef
+    from loopcast.graphs.builder import GraphBuilder, weight_refs
     from loopcast.graphs.kinds import build_kind, plan_kinds
 
     dtype = _ir_dtype(manifest.dtype)
-    refs = {
-        name: WeightRef(name, dtype, t.shape, t.offset, t.length)
-        for name, t in read_stored(src / manifest.weights_file).items()
-    }
+    refs = weight_refs(read_stored(src / manifest.weights_file))
+    quantized = quantized_linears(config, manifest.quantization)
     keep = [manifest.weights_file, *manifest.tokenizer_files, *manifest.genai_files]
     if manifest.custom_op_library:
         keep.append(manifest.custom_op_library)
@@ -466,7 +502,7 @@ def with_verify_width(
                 op_set=manifest.op_set,
                 tree=any(kind in manifest.graphs for kind in TREE_KINDS),
             ):
-                builder = GraphBuilder(refs, manifest.weights_file, staging.path)
+                builder = GraphBuilder(refs, manifest.weights_file, staging.path, quantized)
                 model, spec = build_kind(
                     plan, config, dtype, manifest.max_length, builder, op_set=manifest.op_set
                 )
@@ -484,6 +520,7 @@ def with_verify_width(
                     manifest.op_set,
                     set(),
                     manifest.weights_file,
+                    quant=manifest.quantization,
                 )
             )
             derived = dataclasses.replace(manifest, graphs=graphs, verify_width=width, files={})
@@ -507,6 +544,7 @@ def _write_batched(
     op_set: OpSet,
     custom_ops: set[str],
     weights_file: str = WEIGHTS_FILE,
+    quant: QuantScheme | None = None,
 ) -> dict[str, GraphSpec]:
     """The batched kinds (graphs/batched.py) when ``max_batch`` is set; adds their custom ops."""
     import onnx_ir as ir
@@ -516,7 +554,7 @@ def _write_batched(
     graphs = {}
     plans = graph_plan(config, op_set, verify_width=verify_width, draft_depth=None, max_batch=max_batch)
     for plan in (p for p in plans if p.kind in BATCH_KINDS):
-        builder = GraphBuilder(refs, weights_file, staging)
+        builder = GraphBuilder(refs, weights_file, staging, quantized_linears(config, quant))
         model, spec = build_batched_kind(
             plan.kind, config, dtype, max_length, builder, op_set=op_set, rows=plan.rows
         )

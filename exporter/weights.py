@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from loopcast.config import ModelConfig
+from loopcast.quant import QuantLinear, QuantScheme, quantized_linears
 from loopcast.safetensors_file import MappedFile
 
 # Artifact dtype name → (numpy dtype, safetensors code). Conversions round to nearest even,
@@ -31,17 +32,20 @@ NUMPY_DTYPES = {
     "fp32": (np.dtype(np.float32), "F32"),
     "fp16": (np.dtype(np.float16), "F16"),
     "bf16": (np.dtype(ml_dtypes.bfloat16), "BF16"),
+    "uint8": (np.dtype(np.uint8), "U8"),  # quantized weights and zero points (exporter/quantize.py)
 }
 _DTYPE_OF_CODE = {code: name for name, (_, code) in NUMPY_DTYPES.items()}
 _ALIGN = 64  # keeps every tensor's data aligned for vectorised loads after mmap
 
 Read = Callable[[str], np.ndarray]
+# (name, shape, producer, stored dtype name or None for the artifact's dtype)
+Spec = tuple[str, tuple[int, ...], Callable[[], np.ndarray], str | None]
 
 
 @dataclass(frozen=True)
 class StoredTensor:
     name: str
-    dtype: str  # fp32, fp16 or bf16
+    dtype: str  # fp32, fp16, bf16 or uint8 (quantized)
     shape: tuple[int, ...]
     offset: int  # absolute byte offset in the file
     length: int
@@ -83,13 +87,73 @@ def _cat_t(read: Read, names: list[str], dtype: np.dtype | None = None) -> Calla
 
 
 def artifact_tensors(
-    config: ModelConfig, max_length: int, read: Read, dtype: np.dtype | None = None
-) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
-    """Names, shapes and producers of every tensor the graphs use, in file order (transposed
-    ones already in ``dtype`` when given; the writer converts the rest)."""
+    config: ModelConfig,
+    max_length: int,
+    read: Read,
+    dtype: np.dtype | None = None,
+    quant: QuantScheme | None = None,
+) -> list[Spec]:
+    """Names, shapes, producers and stored dtypes of every tensor the graphs use, in file order
+    (transposed ones already in ``dtype`` when given; the writer converts the rest). Under
+    ``quant`` each quantized matrix becomes its MatMulNBits tensors (_quantized)."""
+    specs = _float_tensors(config, max_length, read, dtype)
+    linears = quantized_linears(config, quant)
+    if config.tie_word_embeddings and "lm_head.weight_T" in linears:
+        # a tied head under a quantized scheme: a quantized copy of the embedding ([V, H] is
+        # already MatMulNBits' [N, K]); the Gather keeps reading the float embedding
+        specs.append(("lm_head.weight_T", (config.hidden_size, config.vocab_size), lambda: None, None))
+    out: list[Spec] = []
+    for name, shape, produce, code in specs:
+        if name in linears:
+            out += _quantized(linears[name], config, read, name)
+        else:
+            out.append((name, shape, produce, code))
+    return out
+
+
+def _sources(config: ModelConfig, name: str) -> list[str]:
+    """The checkpoint matrices ([N_i, K]) stacked on N into the graphs' matrix ``name``."""
+    if name == "lm_head.weight_T":
+        return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    ours, proj = name.removesuffix(".weight_T").rsplit(".", 1)
+    theirs = dict(layer_prefixes(config))[ours]
+    parts = {
+        "qkv_proj": [f"{theirs}.self_attn.{p}_proj.weight" for p in "qkv"],
+        "o_proj": [f"{theirs}.self_attn.o_proj.weight"],
+        "gate_up_proj": [f"{theirs}.mlp.gate_proj.weight", f"{theirs}.mlp.up_proj.weight"],
+        "down_proj": [f"{theirs}.mlp.down_proj.weight"],
+    }
+    return parts[proj]
+
+
+def _quantized(linear: QuantLinear, config: ModelConfig, read: Read, name: str) -> list[Spec]:
+    """The MatMulNBits tensors of one matrix, quantized after fusion. Each is produced on its
+    own (the RTN pass runs once per stored tensor: cheap beside the copy, and no quantized
+    matrix outlives its write), so memory stays at one fused fp32 matrix per worker."""
+    from loopcast.exporter.quantize import quantize, shapes
+
+    sources = _sources(config, name)
+
+    def role(key: str) -> Callable[[], np.ndarray]:
+        def produce() -> np.ndarray:
+            w_NK = np.concatenate([np.asarray(read(s), np.float32) for s in sources], axis=0)
+            qt = quantize(w_NK, linear.bits, linear.block_size, linear.symmetric)
+            return {"packed": qt.packed, "scales": qt.scales, "zero_points": qt.zero_points}[key]
+
+        return produce
+
+    dims = shapes(linear.n, linear.k, linear.bits, linear.block_size, linear.symmetric)
+    return [
+        (stored, dims[key], role(key), "fp32" if key == "scales" else "uint8")
+        for key, stored in linear.stored.items()
+    ]
+
+
+def _float_tensors(config: ModelConfig, max_length: int, read: Read, dtype: np.dtype | None) -> list[Spec]:
+    """The float artifact's tensors (artifact_tensors without quantization)."""
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     qkv = (config.num_heads + 2 * config.num_kv_heads) * d
-    specs: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = [
+    specs: list = [
         ("embed_tokens.weight", (config.vocab_size, h), lambda: read("model.embed_tokens.weight")),
     ]
     norms = ["input_layernorm", "post_attention_layernorm"]
@@ -153,15 +217,15 @@ def artifact_tensors(
         ("rotary.cos_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[0]),
         ("rotary.sin_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[1]),
     ]
-    return specs
+    return [(name, shape, produce, None) for name, shape, produce in specs]
 
 
 def _layout(specs, dtype: str) -> tuple[dict[str, dict], bytes]:
     """The safetensors header (aligned offsets) for ``specs`` stored as ``dtype``."""
-    np_dtype, code = NUMPY_DTYPES[dtype]
     header: dict[str, dict] = {}
     cursor = 0
-    for name, shape, _ in specs:
+    for name, shape, _, stored in specs:
+        np_dtype, code = NUMPY_DTYPES[stored or dtype]
         cursor = -(-cursor // _ALIGN) * _ALIGN
         nbytes = math.prod(shape) * np_dtype.itemsize
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
@@ -172,19 +236,21 @@ def _layout(specs, dtype: str) -> tuple[dict[str, dict], bytes]:
     return header, header_bytes
 
 
-def weight_layout(config: ModelConfig, max_length: int, dtype: str, read: Read) -> dict[str, StoredTensor]:
+def weight_layout(
+    config: ModelConfig, max_length: int, dtype: str, read: Read, quant: QuantScheme | None = None
+) -> dict[str, StoredTensor]:
     """Where ``write_weights`` will put every tensor, known before a byte is written (so the
     graphs, which only need these offsets, can be built while the weights are copied)."""
-    specs = artifact_tensors(config, max_length, read)
+    specs = artifact_tensors(config, max_length, read, quant=quant)
     header, header_bytes = _layout(specs, dtype)
-    return _stored(header, 8 + len(header_bytes), dtype)
+    return _stored(header, 8 + len(header_bytes))
 
 
-def _stored(header: dict[str, dict], base: int, dtype: str) -> dict[str, StoredTensor]:
+def _stored(header: dict[str, dict], base: int) -> dict[str, StoredTensor]:
     return {
         name: StoredTensor(
             name,
-            dtype,
+            _DTYPE_OF_CODE[h["dtype"]],
             tuple(h["shape"]),
             base + h["data_offsets"][0],
             h["data_offsets"][1] - h["data_offsets"][0],
@@ -194,9 +260,11 @@ def _stored(header: dict[str, dict], base: int, dtype: str) -> dict[str, StoredT
     }
 
 
-def weights_nbytes(config: ModelConfig, max_length: int, dtype: str, read: Read) -> int:
+def weights_nbytes(
+    config: ModelConfig, max_length: int, dtype: str, read: Read, quant: QuantScheme | None = None
+) -> int:
     """Bytes of tensor data ``write_weights`` will write (for a progress bar in bytes)."""
-    header, _ = _layout(artifact_tensors(config, max_length, read), dtype)
+    header, _ = _layout(artifact_tensors(config, max_length, read, quant=quant), dtype)
     return max(h["data_offsets"][1] for n, h in header.items() if n != "__metadata__")
 
 
@@ -208,6 +276,7 @@ def write_weights(
     read: Read,
     progress: Callable[[int], None] | None = None,
     sha256=None,
+    quant: QuantScheme | None = None,
 ) -> dict[str, StoredTensor]:
     """Stream the artifact tensors into a safetensors file; return where each one lives.
 
@@ -219,16 +288,16 @@ def write_weights(
     manifest's file record needs no second pass over the file.
     """
     np_dtype, _ = NUMPY_DTYPES[dtype]
-    specs = artifact_tensors(config, max_length, read, np_dtype)
+    specs = artifact_tensors(config, max_length, read, np_dtype, quant)
     header, header_bytes = _layout(specs, dtype)
     base = 8 + len(header_bytes)
 
     def convert(spec) -> np.ndarray:
-        name, shape, produce = spec
+        name, shape, produce, stored = spec
         tensor = produce()
         if tuple(tensor.shape) != shape:
             raise AssertionError(f"{name}: produced {tuple(tensor.shape)}, expected {shape}")
-        return np.ascontiguousarray(tensor, dtype=np_dtype)
+        return np.ascontiguousarray(tensor, dtype=NUMPY_DTYPES[stored][0] if stored else np_dtype)
 
     def hash_parts(parts) -> None:
         for part in parts:
@@ -249,7 +318,7 @@ def write_weights(
         hashed = [hasher.submit(hash_parts, head)] if sha256 is not None else []
         cursor = base
         queued = collections.deque(pool.submit(convert, spec) for spec in specs[:workers])
-        for i, (name, _shape, _) in enumerate(specs):
+        for i, (name, _shape, _, _) in enumerate(specs):
             data = queued.popleft().result()
             if i + workers < len(specs):
                 queued.append(pool.submit(convert, specs[i + workers]))
@@ -271,7 +340,7 @@ def write_weights(
                 progress(stop - start)
         for job in hashed:
             job.result()
-    return _stored(header, base, dtype)
+    return _stored(header, base)
 
 
 def checkpoint_reader(files: dict[str, Path]) -> tuple[Read, Callable[[], None]]:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from loopcast.quant import QuantLinear
+
 OPSET = 23  # RMSNormalization is standard from opset 23
 MS_DOMAIN = "com.microsoft"
 LOOPCAST_DOMAIN = "loopcast"  # the custom-op library's domain (custom_ops/)
@@ -30,11 +32,32 @@ class WeightRef:
     length: int
 
 
+# A stored tensor's dtype name (exporter/weights.py) → its ONNX type
+IR_DTYPES = {
+    "fp32": ir.DataType.FLOAT,
+    "fp16": ir.DataType.FLOAT16,
+    "bf16": ir.DataType.BFLOAT16,
+    "uint8": ir.DataType.UINT8,
+}
+
+
+def weight_refs(stored: Mapping) -> dict[str, WeightRef]:
+    """References to the tensors of a weights file (``exporter/weights.py`` StoredTensor records:
+    name, dtype name, shape, offset, length), each in its own stored type."""
+    return {
+        name: WeightRef(name, IR_DTYPES[t.dtype], tuple(t.shape), t.offset, t.length)
+        for name, t in stored.items()
+    }
+
+
 @dataclass
 class GraphBuilder:
     weights: Mapping[str, WeightRef]
     weights_file: str
     base_dir: Path
+    # The matrices stored quantized (loopcast.quant.quantized_linears), by their float name:
+    # the op sets' ``linear`` reads them through MatMulNBits.
+    quantized: Mapping[str, QuantLinear] = field(default_factory=dict)
     tape: ir.tape.Tape = field(default_factory=ir.tape.Tape)
     inputs: list[ir.Value] = field(default_factory=list)
     outputs: list[ir.Value] = field(default_factory=list)

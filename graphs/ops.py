@@ -21,6 +21,7 @@ import onnx_ir as ir
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import LOOPCAST_DOMAIN, MS_DOMAIN, GraphBuilder
 
+from loopcast.quant import QuantLinear
 from loopcast.vocab import OpSet
 
 
@@ -43,12 +44,38 @@ class OpSetBuilders:
         out: str,
         bias: str | None = None,
     ) -> ir.Value:
-        """``x @ W`` (``W`` stored [K, N]), then ``+ bias`` ([N]) when given."""
-        w = b.weight(weight)
+        """``x @ W`` (``W`` stored [K, N], or quantized: _matmul_nbits), then ``+ bias`` ([N])
+        when given."""
+        mm_out = f"{out}_nobias" if bias is not None else out
+        if weight in b.quantized:
+            y = self._matmul_nbits(b, x, b.quantized[weight], path=path, out=mm_out)
+        else:
+            y = b.op("MatMul", [x, b.weight(weight)], path=path, out=mm_out)
         if bias is not None:
-            y = b.op("MatMul", [x, w], path=path, out=f"{out}_nobias")
             return b.op("Add", [y, b.weight(bias)], path=f"{path}/bias", out=out)
-        return b.op("MatMul", [x, w], path=path, out=out)
+        return y
+
+    def _matmul_nbits(self, b: GraphBuilder, x: ir.Value, q: QuantLinear, *, path: str, out: str) -> ir.Value:
+        """``x @ W`` for a block-quantized ``W`` (com.microsoft MatMulNBits, weights dequantized
+        per block inside the op; loopcast/quant.py). Inputs in schema order: A, B, scales,
+        zero_points (omitted when symmetric: the op's default 2^(bits-1)); g_idx and bias (4, 5)
+        are not used."""
+        names = q.stored
+        inputs = [x, b.weight(names["packed"]), b.weight(names["scales"])]
+        if "zero_points" in names:
+            inputs.append(b.weight(names["zero_points"]))
+        return b.op(
+            "MatMulNBits",
+            inputs,
+            path=path,
+            out=out,
+            domain=MS_DOMAIN,
+            K=q.k,
+            N=q.n,
+            bits=q.bits,
+            block_size=q.block_size,
+            accuracy_level=q.accuracy_level,
+        )
 
     def mlp(
         self,
@@ -110,8 +137,10 @@ class OpSetBuilders:
 
     def tied_head(self, b: GraphBuilder, x_BSH: ir.Value, ctx: blocks.BlockContext) -> ir.Value:
         """Logits from the [V, H] embedding: Gemm(transB) reads it in place instead of storing
-        a transposed copy."""
+        a transposed copy; a quantized head reads its own quantized copy instead."""
         cfg = ctx.config
+        if "lm_head.weight_T" in b.quantized:
+            return self.linear(b, x_BSH, "lm_head.weight_T", path="/lm_head/matmul", out="logits_raw_BSV")
         flat = b.op(
             "Reshape",
             [x_BSH, b.const_i64("shape_NH", [-1, cfg.hidden_size])],

@@ -14,6 +14,7 @@ from typing import Any
 
 from loopcast.config import ModelConfig
 from loopcast.errors import ArtifactError
+from loopcast.quant import QuantScheme
 from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabulary)
     BATCH_KINDS,
     CYCLE_KINDS,
@@ -27,7 +28,8 @@ from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabul
 # 3: every field written by the exporter is required (op_set, exact_verify, files, genai_files,
 # max_batch, ...), and an artifact has exactly the graphs of loopcast.vocab.graph_plan. Older
 # artifacts are refused with one line that says to re-export.
-SCHEMA_VERSION = 3
+# 4: `quantization` (required; null for float weights: loopcast/quant.py).
+SCHEMA_VERSION = 4
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 
@@ -115,6 +117,8 @@ class Manifest:
     op_set: OpSet = OpSet.STOCK
     # ``export --max-batch B``: the batched kinds (BATCH_KINDS) exist and take up to B sequences.
     max_batch: int | None = None
+    # weight-only block quantization of the projections (and maybe the head); None: float weights
+    quantization: QuantScheme | None = None
 
     @property
     def device_lengths(self) -> bool:

@@ -28,6 +28,7 @@ from loopcast.manifest import (
     resolve_inside,
     sampled_sha256,
 )
+from loopcast.quant import QuantScheme
 from loopcast.vocab import BATCH_KINDS, TREE_KINDS, GraphKind, OpSet, graph_plan
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -215,6 +216,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     if not all(isinstance(k, str) and isinstance(v, bool) for k, v in exact.items()):
         top.fail("must map device names to true/false", "exact_verify")
     genai_files = top.str_list("genai_files")
+    quantization = _quantization(top, dtype, op_set)
     return Manifest(
         schema_version=raw["schema_version"],
         exporter_version=exporter_version,
@@ -235,7 +237,30 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         op_set=op_set,
         genai_files=genai_files,
         max_batch=max_batch,
+        quantization=quantization,
     )
+
+
+def _quantization(top: _Fields, dtype: str, op_set: OpSet) -> QuantScheme | None:
+    """The ``quantization`` record (loopcast/quant.py): null, or a scheme the exporter writes."""
+    raw = top.get("quantization", dict, nullable=True)
+    if raw is None:
+        return None
+    q = _Fields(raw, "quantization", top.manifest)
+    keys = ("method", "layers", "block_size", "symmetric", "head", "embedding", "accuracy_level")
+    fields = {
+        k: q.get(k, bool if k == "symmetric" else int if k in ("block_size", "accuracy_level") else str)
+        for k in keys
+    }
+    if set(raw) - set(keys):
+        q.fail(f"unknown fields {sorted(set(raw) - set(keys))!r:.80}")
+    try:
+        scheme = QuantScheme.from_dict(fields)
+    except LoopcastError as exc:
+        q.fail(str(exc))
+    if dtype != "fp32" or op_set is OpSet.LOOPCAST:
+        q.fail("quantized weights need dtype fp32 and the stock or loopcast-attention op set")
+    return scheme
 
 
 MAX_BATCH = 1024  # sequences of a batched graph (docs/serving.md); KV memory is max_batch x one sequence's

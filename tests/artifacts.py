@@ -118,3 +118,54 @@ def require_exact_cpu_artifacts() -> None:
 
 def config_of(name: str) -> ModelConfig:
     return reference(name).config
+
+
+# -- quantized artifacts (loopcast/quant.py) --------------------------------------------------------
+
+
+@cache
+def quantized_artifact(name: str, scheme, ops: str = "auto") -> Path:
+    """``name``'s checkpoint exported under the QuantScheme ``scheme`` (fp32 activations)."""
+    out = scratch_root() / (f"qart-{name}-{ops}-" + "-".join(f"{v}" for v in scheme.to_dict().values()))
+    export_checkpoint(checkpoint(name), out, ExportOptions(ops=ops, quantization=scheme))
+    return out
+
+
+@cache
+def dequantized_reference(name: str, scheme):
+    """The torch reference of ``name`` on the weights ``scheme`` stands for: every quantized matrix
+    replaced by its dequantized RTN round trip (per output row, blocked along K, so quantizing
+    q|k|v fused or one by one is the same); a quantized tied head becomes an untied head holding
+    the dequantized embedding, the Gather keeping the float one."""
+    import json
+
+    from loopcast.exporter.quantize import dequantize, quantize
+    from safetensors.numpy import load_file, save_file
+
+    from loopcast.quant import WeightFormat
+
+    src = checkpoint(name)
+    out = scratch_root() / ("deq-" + name + "-" + "-".join(f"{v}" for v in scheme.to_dict().values()))
+    out.mkdir(exist_ok=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    config = json.loads((src / "config.json").read_text())
+
+    def roundtrip(w, fmt: WeightFormat):
+        qt = quantize(w, fmt.bits, scheme.block_size, scheme.symmetric)
+        return dequantize(qt).astype(w.dtype)
+
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for key in list(tensors):
+        if key.endswith(".weight") and key.split(".")[-2] in projections:
+            tensors[key] = roundtrip(tensors[key], scheme.layers)
+    if scheme.head is not WeightFormat.FLOAT:
+        if config.get("tie_word_embeddings"):
+            config["tie_word_embeddings"] = False
+            tensors["lm_head.weight"] = roundtrip(tensors["model.embed_tokens.weight"], scheme.head)
+        else:
+            tensors["lm_head.weight"] = roundtrip(tensors["lm_head.weight"], scheme.head)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return load_checkpoint(out, dtype=torch.float32)

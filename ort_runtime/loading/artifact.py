@@ -328,6 +328,11 @@ def open_artifact(
             f"{path}: {manifest.dtype} artifacts need the CUDA device; the CPU execution "
             f"provider lacks {manifest.dtype} kernels for these graphs (export --dtype fp32)"
         )
+    if device == "cuda" and manifest.quantization is not None:
+        raise ArtifactError(
+            f"{path}: quantized artifacts ({manifest.quantization.layers}) run on the CPU only for now "
+            "(MatMulNBits with fp32 activations); load it with device 'cpu'"
+        )
     if kinds is not None:
         unknown = sorted(set(kinds) - set(manifest.graphs))
         if unknown:
@@ -569,6 +574,8 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         f"model           {cfg.model_type}, R={cfg.num_loops} loops x {cfg.num_layers} layers, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
         f"dtype           {manifest.dtype}",
+        "quantization    "
+        + (manifest.quantization.describe() if manifest.quantization is not None else "none (float weights)"),
         f"max length      {manifest.max_length} (KV slots: {manifest.kv_layout['slots']}, "
         f"each {manifest.kv_layout['shape']})",
         f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB "

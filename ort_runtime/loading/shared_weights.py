@@ -35,7 +35,12 @@ from loopcast.manifest import WEIGHTS_FILE
 from loopcast.safetensors_file import MappedFile, SafetensorsFormatError
 
 _ONNX_BFLOAT16 = onnx.TensorProto.BFLOAT16  # ORT's numpy bridge has no bf16: bf16 moves as raw uint16
-_ONNX_TYPE_OF_CODE = {"F32": onnx.TensorProto.FLOAT, "F16": onnx.TensorProto.FLOAT16, "BF16": _ONNX_BFLOAT16}
+_ONNX_TYPE_OF_CODE = {
+    "F32": onnx.TensorProto.FLOAT,
+    "F16": onnx.TensorProto.FLOAT16,
+    "BF16": _ONNX_BFLOAT16,
+    "U8": onnx.TensorProto.UINT8,  # quantized weights (loopcast/quant.py)
+}
 
 
 @dataclass

@@ -110,9 +110,24 @@ FIELD_CASES = [
     ("tokenizer-files-str", "tokenizer_files", "x"),
     ("schema-str", "schema_version", "1"),
     ("exporter-version-int", "exporter_version", 1),
-    ("no-files", "files", _MISSING),  # schema 3: every field is required
+    ("no-files", "files", _MISSING),  # schema 3+: every field is required
     ("no-op-set", "op_set", _MISSING),
     ("no-exact-verify", "exact_verify", _MISSING),
+    ("no-quantization", "quantization", _MISSING),  # schema 4
+    ("quantization-str", "quantization", "int4"),
+    (
+        "quantization-block-48",
+        "quantization",
+        {
+            "method": "rtn",
+            "layers": "int4",
+            "block_size": 48,
+            "symmetric": True,
+            "head": "int4",
+            "embedding": "float",
+            "accuracy_level": 4,
+        },
+    ),
     # Valid edits: must run, with the tokens the edit implies.
     ("exact-verify-ok", "exact_verify", {"cpu": True}),
     ("eos-other", "eos_token_ids", []),

@@ -1,0 +1,207 @@
+"""The weight quantization scheme of an artifact, as data (docs/architecture.md, "Quantized weights").
+
+Weight-only round-to-nearest (RTN) block quantization: each output column of a linear layer is
+cut into blocks of ``block_size`` along K, each block stored as ``bits``-bit integers with one
+fp32 scale (and, asymmetric, one zero point). Norms, the exit gate and rope stay float. The
+embedding and the head have their own choice (an int8 head under int4 layers is the usual mixed
+recipe). The manifest records the scheme (``quantization``: null for float artifacts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from loopcast.errors import ExportError
+
+BLOCK_SIZES = (32, 64, 128)
+
+
+class WeightFormat(StrEnum):
+    """How one group of weight matrices is stored."""
+
+    FLOAT = "float"  # the artifact's dtype
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def bits(self) -> int:
+        return {WeightFormat.INT8: 8, WeightFormat.INT4: 4}[self]
+
+
+class QuantMethod(StrEnum):
+    RTN = "rtn"  # round to nearest, per block (absmax scale, or min/max scale and zero point)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Which weights are quantized and how. ``layers``: every projection of every decoder layer
+    (fused q|k|v and gate|up quantized after fusion); ``head``: the lm_head (a tied head gets a
+    quantized copy of the embedding, or reads the float embedding when ``head`` is float);
+    ``embedding``: the token embedding (float only for now: the Gather reads it as is)."""
+
+    layers: WeightFormat
+    block_size: int = 32
+    symmetric: bool = True
+    head: WeightFormat = WeightFormat.FLOAT
+    embedding: WeightFormat = WeightFormat.FLOAT
+    method: QuantMethod = QuantMethod.RTN
+    # MatMulNBits' accuracy_level: 0 and 1 compute in fp32 on the CPU (within 1e-4 of the
+    # dequantized reference, but an M=1 row differs from the same row among M>1), 4 quantizes the
+    # activations to int8 per block (faster; row-invariant at block 32, and at 64 for int8:
+    # tools/probes/check_matmulnbits_rows.py, docs/architecture.md "Quantized weights").
+    accuracy_level: int = 4
+
+    def __post_init__(self) -> None:
+        fields = {"--quantize": self.layers, "--quantize-head": self.head}
+        fields["--quantize-embedding"] = self.embedding
+        for option, value in fields.items():
+            if value not in tuple(WeightFormat):
+                raise ExportError(f"{option} must be one of int4, int8 (or float), got {value!r}")
+        for name in ("layers", "head", "embedding"):
+            object.__setattr__(self, name, WeightFormat(getattr(self, name)))
+        if self.layers is WeightFormat.FLOAT:
+            raise ExportError("--quantize must be int4 or int8 (float is no quantization)")
+        if self.embedding is not WeightFormat.FLOAT:
+            raise ExportError(
+                "--quantize-embedding: only float is supported (the embedding Gather stays float)"
+            )
+        if self.block_size not in BLOCK_SIZES:
+            raise ExportError(f"--block-size must be one of 32, 64, 128, got {self.block_size}")
+        if self.method not in tuple(QuantMethod):
+            raise ExportError(f"quantization method must be rtn, got {self.method!r}")
+        object.__setattr__(self, "method", QuantMethod(self.method))
+        if self.accuracy_level not in (0, 1, 4):
+            raise ExportError(f"--accuracy-level must be 0, 1 or 4, got {self.accuracy_level}")
+
+    def to_dict(self) -> dict:
+        return {
+            "method": str(self.method),
+            "layers": str(self.layers),
+            "block_size": self.block_size,
+            "symmetric": self.symmetric,
+            "head": str(self.head),
+            "embedding": str(self.embedding),
+            "accuracy_level": self.accuracy_level,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantScheme:
+        return cls(
+            layers=d["layers"],
+            block_size=d["block_size"],
+            symmetric=d["symmetric"],
+            head=d["head"],
+            embedding=d["embedding"],
+            method=d["method"],
+            accuracy_level=d["accuracy_level"],
+        )
+
+    def describe(self) -> str:
+        """One line for ``loopcast inspect``."""
+        zp = "symmetric" if self.symmetric else "asymmetric"
+        return (
+            f"{self.method} {self.layers} block {self.block_size} {zp}, head {self.head}, "
+            f"embedding {self.embedding}, accuracy_level {self.accuracy_level}"
+        )
+
+
+def parse_format(option: str, value: str, layers: WeightFormat) -> WeightFormat:
+    """A CLI choice of float|int8|int4|same (``same``: the layers' format)."""
+    if value == "same":
+        return layers
+    if value not in tuple(WeightFormat):
+        raise ExportError(f"{option} must be one of float, int8, int4, same, got {value!r}")
+    return WeightFormat(value)
+
+
+@dataclass(frozen=True)
+class QuantLinear:
+    """One quantized matrix of the graphs: ``x @ W`` with ``W`` [K, N] stored as MatMulNBits
+    tensors ``{base}.weight_q`` (uint8 [N, blocks, blob]), ``{base}.scales`` (fp32) and, when
+    asymmetric, ``{base}.zero_points`` (uint8), where ``weight`` is ``{base}.weight_T``."""
+
+    weight: str  # the float name it replaces ("layers.0.qkv_proj.weight_T")
+    k: int
+    n: int
+    bits: int
+    block_size: int
+    symmetric: bool
+    accuracy_level: int
+
+    @property
+    def base(self) -> str:
+        return self.weight.removesuffix(".weight_T")
+
+    @property
+    def stored(self) -> dict[str, str]:
+        """Role → stored tensor name."""
+        out = {"packed": f"{self.base}.weight_q", "scales": f"{self.base}.scales"}
+        if not self.symmetric:
+            out["zero_points"] = f"{self.base}.zero_points"
+        return out
+
+
+def quantized_linears(config, scheme: QuantScheme | None) -> dict[str, QuantLinear]:
+    """Every matrix ``scheme`` quantizes in an artifact of ``config`` (a ``ModelConfig``), by the
+    float name the graphs know it by; the exporter's weights and every graph builder use this one
+    map, so the twin of the exactness probe and a re-widened artifact see the same weights."""
+    if scheme is None:
+        return {}
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * d
+    shapes = {"qkv_proj": (h, qkv), "o_proj": (config.num_heads * d, h)}
+    shapes |= {"gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
+    layers = [f"layers.{i}" for i in range(config.num_layers)]
+    layers += [f"prelude_layers.{i}" for i in range(config.num_prelude_layers)]
+    layers += [f"coda_layers.{i}" for i in range(config.num_coda_layers)]
+
+    def entry(weight: str, k: int, n: int, fmt: WeightFormat) -> QuantLinear:
+        return QuantLinear(weight, k, n, fmt.bits, scheme.block_size, scheme.symmetric, scheme.accuracy_level)
+
+    out = {}
+    for layer in layers:
+        for proj, (k, n) in shapes.items():
+            name = f"{layer}.{proj}.weight_T"
+            out[name] = entry(name, k, n, scheme.layers)
+    if scheme.head is not WeightFormat.FLOAT:
+        out["lm_head.weight_T"] = entry("lm_head.weight_T", h, config.vocab_size, scheme.head)
+    return out
+
+
+def quant_scheme_from_options(
+    quantize: str | None,
+    block_size: int = 32,
+    asymmetric: bool = False,
+    head: str = "same",
+    embedding: str = "float",
+    accuracy_level: int = 4,
+) -> QuantScheme | None:
+    """The scheme ``loopcast export``'s options ask for (None: no --quantize, and then the other
+    quantization options must keep their defaults)."""
+    if quantize is None:
+        changed = [
+            option
+            for option, value, default in (
+                ("--block-size", block_size, 32),
+                ("--asymmetric", asymmetric, False),
+                ("--quantize-head", head, "same"),
+                ("--quantize-embedding", embedding, "float"),
+                ("--accuracy-level", accuracy_level, 4),
+            )
+            if value != default
+        ]
+        if changed:
+            raise ExportError(f"{changed[0]} needs --quantize int4|int8")
+        return None
+    if quantize not in (WeightFormat.INT4, WeightFormat.INT8):
+        raise ExportError(f"--quantize must be one of int4, int8, got {quantize!r}")
+    layers = WeightFormat(quantize)
+    return QuantScheme(
+        layers,
+        block_size,
+        not asymmetric,
+        parse_format("--quantize-head", head, layers),
+        parse_format("--quantize-embedding", embedding, layers),
+        accuracy_level=accuracy_level,
+    )
