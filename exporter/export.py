@@ -200,9 +200,10 @@ def _resolve_op_set(opts: ExportOptions, log) -> tuple[OpSet, Path | None]:
         try:
             return OpSet.LOOPCAST_ATTENTION, custom_op_library()
         except ExportError as exc:
+            # The advice fits every caller (export, demo, bench): what fixes it, not a flag of one.
             log(
-                f"note: exporting stock graphs: {exc}. Speculation on them is not exact and is refused "
-                "unless allowed (--allow-inexact)"
+                f"note: exporting stock graphs: {exc}. Their verify rows are not exact, so speculation "
+                "on them is refused (plain decoding runs as usual)"
             )
             return OpSet.STOCK, None
     return op_set, custom_op_library() if op_set.needs_library else None

@@ -55,3 +55,20 @@ def test_cuda_on_first_use_needs_nvcc_and_a_gpu_or_the_switch(monkeypatch) -> No
     assert build.cuda_on_first_use() == build.gpu_present()
     monkeypatch.setenv("LOOPCAST_CUDA", "1")
     assert build.cuda_on_first_use()
+
+
+def test_the_stock_fallback_note_names_no_flag_the_demo_lacks(monkeypatch, tmp_path) -> None:
+    """Without the library the export notes the stock fallback with the fix, and suggests no
+    flag (``--allow-inexact`` is generate's, and `loopcast demo` takes none)."""
+    from loopcast.exporter.export import ExportOptions, _resolve_op_set
+
+    from loopcast.vocab import OpSet
+
+    monkeypatch.setenv("LOOPCAST_CACHE", str(tmp_path))
+    monkeypatch.setenv("LOOPCAST_NO_FETCH", "1")
+    monkeypatch.setattr(build, "find_ort_include", lambda: None)
+    monkeypatch.setattr(library, "usable_prebuilt", lambda: (None, "no prebuilt library installed"))
+    notes: list[str] = []
+    op_set, lib = _resolve_op_set(ExportOptions(), notes.append)
+    assert (op_set, lib) == (OpSet.STOCK, None)
+    assert len(notes) == 1 and "tools/c_generate/fetch_deps.sh" in notes[0] and "--" not in notes[0]
