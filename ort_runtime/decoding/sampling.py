@@ -35,11 +35,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loopcast.errors import RequestError
+from loopcast.errors import LoopcastError, RequestError
 
 # top-p sorts only the most likely candidates first; the full sort is the fallback when they do
 # not reach top_p (a flat distribution).
 _TOP_P_CANDIDATES = 1024
+_LARGEST = 1e300  # penalised logits are clipped here: finite, and any subtraction of two stays finite
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,15 @@ def probabilities(
     """
     x = np.array(logits_V, dtype=np.float64)
     size = x.size
+    if not np.isfinite(x).all():
+        raise LoopcastError("the model's logits are not finite (NaN or inf): nothing to sample from")
     if params.repetition_penalty != 1.0 and len(context_ids):
         seen = np.unique(np.asarray(context_ids, dtype=np.int64))
         vals = x[seen]
-        x[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        with np.errstate(over="ignore", under="ignore"):
+            penalised = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        # An extreme penalty overflows: the extreme finite value keeps the order it means.
+        x[seen] = np.clip(penalised, -_LARGEST, _LARGEST)
     if params.temperature == 0:
         p = np.zeros_like(x)
         p[int(np.argmax(x))] = 1.0
@@ -112,8 +118,12 @@ def probabilities(
         kth = x[np.argpartition(x, size - params.top_k)[size - params.top_k]]
         keep = np.flatnonzero(x >= kth)  # ties with the k-th value stay, as in transformers
         x = x[keep]
-    x /= params.temperature
+    # Shift before scaling: every entry is then <= 0 and the top one exactly 0, so a tiny
+    # temperature sends the rest to -inf (probability 0), never to inf - inf = NaN.
     x -= x.max()
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        x /= params.temperature
+    x[np.isnan(x)] = -np.inf  # 0 / tiny is 0; -0.0 / tiny stays -0.0: only -inf / tiny could be NaN
     q = np.exp(x, out=x)
     q /= q.sum()
     if params.top_p < 1.0:
@@ -151,6 +161,8 @@ def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
 def sample(p_V: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from ``p_V`` with one uniform (inverse CDF in vocabulary order)."""
     cdf = np.cumsum(p_V, dtype=np.float64)
+    if not (np.isfinite(cdf[-1]) and cdf[-1] > 0):  # a NaN never becomes a token
+        raise LoopcastError("the sampling distribution is not a distribution (NaN or zero mass)")
     u = rng.random() * cdf[-1]
     # side="right" skips zero-probability tokens: cdf[i] > u needs p_i > 0 at the crossing.
     return int(min(np.searchsorted(cdf, u, side="right"), p_V.size - 1))

@@ -290,3 +290,15 @@ def test_requests_are_logged_with_tokens_and_time(server, caplog):
         assert r.status_code == 200, r.text
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "uvicorn.error"]
     assert any("/v1/completions: prompt" in line and "completion 3 tokens" in line for line in lines), lines
+
+
+def test_extreme_sampling_values_answer_normally(server):
+    url, _ = server
+    for extra in ({"temperature": 1e-320, "seed": 1}, {"temperature": 2, "seed": 1}):
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "demo", "prompt": "x", "max_tokens": 4, **extra},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
