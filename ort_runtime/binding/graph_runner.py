@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import onnxruntime as ort
-from loopcast.ort_runtime.loading.artifact import GraphIdPool
+from loopcast.ort_runtime.loading.graph_ids import GraphIdPool
 
 from loopcast.errors import ArtifactError, RequestError
 

@@ -13,7 +13,7 @@ import gc
 import numpy as np
 import pytest
 from loopcast.ort_runtime.binding.graph_runner import CapturedRunner
-from loopcast.ort_runtime.loading.artifact import GraphIdPool
+from loopcast.ort_runtime.loading.graph_ids import GraphIdPool
 
 from loopcast.errors import ArtifactError, RequestError
 
