@@ -21,6 +21,7 @@ phase_setup() {
   cat /root/og/p? > /root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/onnxruntime_gpu-*.whl
   for w in .ortgpu/wheels/*.whl; do
+    [ -f "$w" ] || continue
     mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z'); mod=${mod/onnx_ir/onnx_ir}
     python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
   done
