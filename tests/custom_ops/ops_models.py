@@ -312,10 +312,19 @@ def swiglu_model(width: int | str, dtype: str) -> bytes:
 
 
 def matmul_nbits_model(
-    K: int, N: int, bits: int, block_size: int, dtype: str, *, zero_points: bool, swiglu: bool = False
+    K: int,
+    N: int,
+    bits: int,
+    block_size: int,
+    dtype: str,
+    *,
+    zero_points: bool,
+    swiglu: bool = False,
+    symbolic: bool = False,
 ) -> bytes:
     """BatchInvariantMatMulNBits over fed quantized tensors B, scales (and zero_points): A [M, K]
-    (with `swiglu` [M, 2K] = gate | up) -> Y [M, N]."""
+    (with `swiglu` [M, 2K] = gate | up) -> Y [M, N]; `symbolic`: every input dim symbolic, so the
+    op's own shape checks see what is fed."""
     t = _io(dtype)
     nb = -(-K // block_size)
     names = ["A", "B", "scales", *(["zero_points"] if zero_points else [])]
@@ -338,4 +347,6 @@ def matmul_nbits_model(
     ]
     if zero_points:
         inputs.append(("zero_points", TensorProto.UINT8, [N * (-(-nb * bits // 8))]))
+    if symbolic:
+        inputs = [(name, ty, [f"{name}{i}" for i in range(len(shape))]) for name, ty, shape in inputs]
     return _wrap([node], inputs, [("Y", t, ["M", N])], dtype, {"A", "Y"})
