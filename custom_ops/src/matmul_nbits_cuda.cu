@@ -10,7 +10,8 @@
 //   K is cut into 256-wide steps; warp w owns steps [w·spw, (w+1)·spw) (spw = ceil(steps / 8)).
 //   In a step, lane l owns k = 256·s + 8l .. +8: per column one 4-byte (int4) or 8-byte (int8)
 //   weight load (a warp reads 128 or 256 contiguous bytes of a column) and, per row, one
-//   16-byte activation load (fp16/bf16; two for fp32) reused for all COLS columns.
+//   16-byte activation load (fp16/bf16; two for fp32) reused for all COLS columns. The next
+//   step's weight loads are issued before this step's products.
 //
 // M-invariance: output (m, n) is reduced as
 //   serial fmaf over the lane's k (ascending) -> xor butterfly over the 32 lanes of the warp ->
@@ -47,18 +48,14 @@ struct NBitsArgs {
 template <typename T, bool SW>
 __device__ __forceinline__ void load_a(float (&a)[8], const NBitsArgs& p, const T* row, int k) {
   if (p.a_vec && k + 8 <= p.K) {
-    T v[8], u[8];
-    if constexpr (sizeof(T) == 2) {
-      *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(row + k));
-      if (SW) *reinterpret_cast<uint4*>(u) = __ldg(reinterpret_cast<const uint4*>(row + p.K + k));
-    } else {
-      reinterpret_cast<float4*>(v)[0] = __ldg(reinterpret_cast<const float4*>(row + k));
-      reinterpret_cast<float4*>(v)[1] = __ldg(reinterpret_cast<const float4*>(row + k + 4));
-      if (SW) {
-        reinterpret_cast<float4*>(u)[0] = __ldg(reinterpret_cast<const float4*>(row + p.K + k));
-        reinterpret_cast<float4*>(u)[1] = __ldg(reinterpret_cast<const float4*>(row + p.K + k + 4));
-      }
+    uint4 raw[sizeof(T) / 2], raw_up[sizeof(T) / 2];  // 8 elements: one 16-byte granule (two for fp32)
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(T)) / 2; ++i) {
+      raw[i] = __ldg(reinterpret_cast<const uint4*>(row + k) + i);
+      if (SW) raw_up[i] = __ldg(reinterpret_cast<const uint4*>(row + p.K + k) + i);
     }
+    const T* v = reinterpret_cast<const T*>(raw);
+    const T* u = reinterpret_cast<const T*>(raw_up);
 #pragma unroll
     for (int e = 0; e < 8; ++e) a[e] = SW ? to_f(swiglu_value(v[e], u[e])) : to_f(v[e]);
     return;
@@ -70,42 +67,53 @@ __device__ __forceinline__ void load_a(float (&a)[8], const NBitsArgs& p, const 
   }
 }
 
-// Column n's eight weights at k .. k + 8 (k < K, a multiple of 8: inside one block), dequantized.
+// Column n's eight codes at k .. k + 8 (k < K, a multiple of 8: inside one block) with their
+// block's scale and zero point, as loaded (dequantised later: the next step's loads are issued
+// before this step's products).
 template <int BITS>
-__device__ __forceinline__ void load_w(float (&w)[8], const NBitsArgs& p, int n, int k) {
+struct Codes {
+  uint32_t q[BITS / 4];  // 8 codes: one word (4 bits) or two (8 bits)
+  float scale, zp;
+};
+
+template <int BITS>
+__device__ __forceinline__ void load_codes(Codes<BITS>& c, const NBitsArgs& p, int n, int k) {
   const int blk = k / p.block_size;
   const int index = n * p.nb + blk;
-  const float scale = __ldg(p.scales + index);
-  float zp = static_cast<float>(1 << (BITS - 1));
+  c.scale = __ldg(p.scales + index);
+  c.zp = static_cast<float>(1 << (BITS - 1));
   if (p.zp != nullptr) {
     const uint8_t z = __ldg(p.zp + static_cast<size_t>(n) * p.zp_row + (BITS == 4 ? blk / 2 : blk));
-    zp = static_cast<float>(BITS == 4 ? ((blk & 1) ? (z >> 4) : (z & 0xF)) : z);
+    c.zp = static_cast<float>(BITS == 4 ? ((blk & 1) ? (z >> 4) : (z & 0xF)) : z);
   }
   const uint8_t* src = p.B + static_cast<size_t>(n) * p.row_bytes + static_cast<size_t>(k) * BITS / 8;
-  if constexpr (BITS == 4) {
-    uint32_t q;
-    if (p.b_vec) q = __ldg(reinterpret_cast<const unsigned int*>(src));
-    else q = src[0] | (src[1] << 8) | (src[2] << 16) | (static_cast<uint32_t>(src[3]) << 24);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) w[e] = __fmul_rn(static_cast<float>((q >> (4 * e)) & 0xF) - zp, scale);
-  } else {
-    uint2 q;
-    if (p.b_vec) {
-      q = __ldg(reinterpret_cast<const uint2*>(src));
+  if (p.b_vec) {
+    if constexpr (BITS == 4) {
+      c.q[0] = __ldg(reinterpret_cast<const unsigned int*>(src));
     } else {
-      q.x = src[0] | (src[1] << 8) | (src[2] << 16) | (static_cast<uint32_t>(src[3]) << 24);
-      q.y = src[4] | (src[5] << 8) | (src[6] << 16) | (static_cast<uint32_t>(src[7]) << 24);
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
+      c.q[0] = v.x;
+      c.q[1] = v.y;
     }
+  } else {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const uint32_t word = e < 4 ? q.x : q.y;
-      w[e] = __fmul_rn(static_cast<float>((word >> (8 * (e & 3))) & 0xFF) - zp, scale);
-    }
+    for (int i = 0; i < BITS / 4; ++i)
+      c.q[i] = src[4 * i] | (src[4 * i + 1] << 8) | (src[4 * i + 2] << 16) | (static_cast<uint32_t>(src[4 * i + 3]) << 24);
+  }
+}
+
+// w = (q - zero_point) · scale, value e at k + e (4 bits: the low nibble first).
+template <int BITS>
+__device__ __forceinline__ void dequantize(float (&w)[8], const Codes<BITS>& c) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const uint32_t q = BITS == 4 ? (c.q[0] >> (4 * e)) & 0xF : (c.q[e / 4] >> (8 * (e % 4))) & 0xFF;
+    w[e] = __fmul_rn(static_cast<float>(q) - c.zp, c.scale);
   }
 }
 
 template <typename T, int BITS, int RPT, int COLS, bool SW>
-__global__ void __launch_bounds__(kNbThreads) nbits_kernel(NBitsArgs p) {
+__global__ void __launch_bounds__(kNbThreads, RPT <= 2 ? 3 : 2) nbits_kernel(NBitsArgs p) {
   __shared__ float red[kNbWarps][RPT][COLS];
   pdl_trigger();
   pdl_wait();
@@ -122,26 +130,53 @@ __global__ void __launch_bounds__(kNbThreads) nbits_kernel(NBitsArgs p) {
     for (int r = 0; r < RPT; ++r)
 #pragma unroll
       for (int c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
-    for (int s = s_begin; s < s_end; ++s) {
+    // Software pipeline: step s + 1's codes are loaded before step s's products (the order of
+    // the products, k ascending, is unchanged). Columns past N load nothing and are never stored.
+    Codes<BITS> cur[COLS] = {}, next[COLS] = {};
+    auto load_step = [&](Codes<BITS>(&c)[COLS], int s) {
       const int k = s * kStepK + 8 * lane;
-      if (k >= p.K) continue;
-      float w[COLS][8];
 #pragma unroll
-      for (int c = 0; c < COLS; ++c) {
-        if (n0 + c < p.N) load_w<BITS>(w[c], p, n0 + c, k);
-        else
+      for (int j = 0; j < COLS; ++j)
+        if (k < p.K && n0 + j < p.N) load_codes<BITS>(c[j], p, n0 + j, k);
+    };
+    if (s_begin < s_end) load_step(cur, s_begin);
+    for (int s = s_begin; s < s_end; ++s) {
+      if (s + 1 < s_end) load_step(next, s + 1);
+      const int k = s * kStepK + 8 * lane;
+      if (k < p.K) {
+        // Each acc[r][c] takes fmaf over e ascending either way; only the register footprint
+        // differs: few rows keep every row's activations, many rows every column's weights.
+        if constexpr (RPT <= 4) {
+          float a[RPT][8];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) w[c][e] = 0.0f;
+          for (int r = 0; r < RPT; ++r)
+            load_a<T, SW>(a[r], p, A + static_cast<size_t>(min(m0 + r, p.M - 1)) * p.a_stride, k);  // rows >= M: discarded
+#pragma unroll
+          for (int c = 0; c < COLS; ++c) {
+            float w[8];
+            dequantize<BITS>(w, cur[c]);
+#pragma unroll
+            for (int r = 0; r < RPT; ++r)
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[r][c] = fmaf(a[r][e], w[e], acc[r][c]);
+          }
+        } else {
+          float w[COLS][8];
+#pragma unroll
+          for (int c = 0; c < COLS; ++c) dequantize<BITS>(w[c], cur[c]);
+#pragma unroll
+          for (int r = 0; r < RPT; ++r) {
+            float a[8];
+            load_a<T, SW>(a, p, A + static_cast<size_t>(min(m0 + r, p.M - 1)) * p.a_stride, k);
+#pragma unroll
+            for (int c = 0; c < COLS; ++c)
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[r][c] = fmaf(a[e], w[c][e], acc[r][c]);
+          }
+        }
       }
 #pragma unroll
-      for (int r = 0; r < RPT; ++r) {
-        float a[8];
-        load_a<T, SW>(a, p, A + static_cast<size_t>(min(m0 + r, p.M - 1)) * p.a_stride, k);  // rows >= M: discarded
-#pragma unroll
-        for (int c = 0; c < COLS; ++c)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[r][c] = fmaf(a[e], w[c][e], acc[r][c]);
-      }
+      for (int c = 0; c < COLS; ++c) cur[c] = next[c];
     }
 #pragma unroll
     for (int r = 0; r < RPT; ++r)
@@ -167,7 +202,8 @@ __global__ void __launch_bounds__(kNbThreads) nbits_kernel(NBitsArgs p) {
 
 template <typename T, int BITS, int RPT, bool SW>
 int nbits_launch(const NBitsArgs& args, cudaStream_t stream) {
-  constexpr int COLS = RPT <= 4 ? 8 : 4;  // registers: acc[RPT][COLS] + w[COLS][8]
+  // registers: acc[RPT][COLS], two steps' codes per column, and a[RPT][8] or w[COLS][8] (nbits_kernel)
+  constexpr int COLS = RPT <= 8 ? 4 : 2;
   const int blocks = (args.N + COLS - 1) / COLS;
   return static_cast<int>(launch_kernel(nbits_kernel<T, BITS, RPT, COLS, SW>, dim3(blocks, 1, 1),
                                         dim3(kNbThreads, 1, 1), 0, stream, 0, args));
