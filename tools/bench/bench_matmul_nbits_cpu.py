@@ -2,11 +2,14 @@
 quantized tensors (docs/architecture.md, "Quantized weights").
 
     python -m tools.bench.bench_matmul_nbits_cpu [--rows 1,5] [--bits 4] [--block 32] [--threads 0]
+        [--cpu-time]
 
 One-node graphs per projection shape (a ~135M Llama's and Ouro-1.4B's), weights as initializers,
 M rows of fp32 activations; the contenders are timed interleaved (median of --repeats rounds of
 --iters calls each). Prints µs per call and our time over MatMulNBits' at accuracy_level 0 (fp32
-compute, like ours) and 4 (int8 activations). Needs a quiet machine for numbers worth quoting.
+compute, like ours) and 4 (int8 activations). Wall time needs a quiet machine; ``--cpu-time``
+times the process's CPU time instead (with ``--threads 1``: one core's work, what a shared VM can
+still measure).
 """
 
 from __future__ import annotations
@@ -82,11 +85,11 @@ def sessions(k: int, n: int, bits: int, block: int, symmetric: bool, library, th
     return out
 
 
-def time_calls(sess: ort.InferenceSession, feeds: dict, iters: int) -> float:
-    t0 = time.perf_counter()
+def time_calls(sess: ort.InferenceSession, feeds: dict, iters: int, clock=time.perf_counter) -> float:
+    t0 = clock()
     for _ in range(iters):
         sess.run(None, feeds)
-    return (time.perf_counter() - t0) / iters * 1e6
+    return (clock() - t0) / iters * 1e6
 
 
 def main() -> None:
@@ -96,12 +99,17 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--asymmetric", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: ORT's default)")
+    parser.add_argument("--cpu-time", action="store_true", help="process CPU time instead of wall time")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     library = custom_op_library()
     zp = "asym" if args.asymmetric else "sym"
-    print(f"onnxruntime {ort.__version__}; int{args.bits} block {args.block} {zp}; µs per call (median)")
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    what = "CPU" if args.cpu_time else "wall"
+    print(
+        f"onnxruntime {ort.__version__}; int{args.bits} block {args.block} {zp}; {what} µs per call (median)"
+    )
     print(f"{'shape':<14} {'M':>3} {'ours':>9} {'level 0':>9} {'level 4':>9} {'ours/l0':>8} {'ours/l4':>8}")
     for label, k, n in SHAPES:
         sess = sessions(k, n, args.bits, args.block, not args.asymmetric, library, args.threads)
@@ -112,7 +120,7 @@ def main() -> None:
             rounds: dict[str, list[float]] = {name: [] for name in sess}
             for _ in range(args.repeats):  # interleaved
                 for name, s in sess.items():
-                    rounds[name].append(time_calls(s, feeds, args.iters))
+                    rounds[name].append(time_calls(s, feeds, args.iters, clock))
             med = {name: float(np.median(v)) for name, v in rounds.items()}
             print(
                 f"{label:<14} {m:>3} {med['ours']:>9.1f} {med['nbits0']:>9.1f} {med['nbits4']:>9.1f} "
