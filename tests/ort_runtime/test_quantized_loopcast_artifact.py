@@ -119,9 +119,9 @@ def test_speculation_equals_plain_greedy_on_int4(demo_int4, mode: str) -> None:
     from tests.ort_runtime.test_generator import DEMO_PROMPTS
 
     accepted = 0
-    for prompt in DEMO_PROMPTS[:3]:
-        plain = demo_int4.generate(prompt, 48)
-        spec = demo_int4.generate(prompt, 48, speculative=mode, gate="always")
+    for prompt in DEMO_PROMPTS[:2]:
+        plain = demo_int4.generate(prompt, 40)
+        spec = demo_int4.generate(prompt, 40, speculative=mode, gate="always")
         assert spec.tokens == plain.tokens, (mode, prompt)
         accepted += spec.stats.accepted
     assert accepted > 0  # the int4 model still drafts tokens its full depth accepts
