@@ -9,6 +9,8 @@
     tree_draft  = draft, row-addressed (RowAttention: own position, masked key range)
                   + top-2 probabilities and ids                                (1 row)
     tree_tail   = verify_tail, row-addressed                                   (W rows)
+    prefill@k, decode@k, verify@k = prefill, decode, verify stopped after loop k-1 (static depth:
+                  loops 0..k-1, the loop-norm, the head; the deeper loops' KV is not written)
 
 Loops are unrolled: no Loop/If/Scan, which would block CUDA-graph capture.
 """
@@ -35,10 +37,18 @@ def plan_kinds(
     *,
     op_set: OpSet | str = OpSet.STOCK,
     tree: bool = False,
+    exit_depths: tuple[int, ...] = (),
 ) -> list[GraphPlan]:
     """The single-sequence kinds of ``graph_plan`` (this module builds them; the batched kinds
     are graphs/batched.py's)."""
-    plans = graph_plan(config, op_set, verify_width=verify_width, draft_depth=draft_depth, tree=tree)
+    plans = graph_plan(
+        config,
+        op_set,
+        verify_width=verify_width,
+        draft_depth=draft_depth,
+        tree=tree,
+        exit_depths=exit_depths,
+    )
     return [plan for plan in plans if plan.kind not in BATCH_KINDS]
 
 
@@ -98,11 +108,11 @@ def build_kind(
         b.output(depth_state, dtype, [1, rows, config.hidden_size], "hidden_BSH_out")
     if plan.kind == GraphKind.TREE_DRAFT:
         _top2_probabilities(b, logits, rows)
-    model = b.build(plan.kind, __doc__.split("\n\n")[0])
+    model = b.build(plan.key, __doc__.split("\n\n")[0])
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
     spec = GraphSpec(
         kind=plan.kind,
-        file=f"{plan.kind}.onnx",
+        file=graph_file(plan),
         rows=plan.rows,
         first_loop=plan.first_loop,
         last_loop=plan.last_loop,
@@ -111,6 +121,11 @@ def build_kind(
         outputs=[v.name for v in b.outputs],
     )
     return model, spec
+
+
+def graph_file(plan: GraphPlan) -> str:
+    """The ONNX file of a planned graph: ``decode.onnx``, ``decode_depth2.onnx`` (static depth 2)."""
+    return f"{plan.kind}.onnx" if plan.depth is None else f"{plan.kind}_depth{plan.depth}.onnx"
 
 
 def _tree_addresses(b: GraphBuilder, rows: int) -> blocks.RowAddresses:

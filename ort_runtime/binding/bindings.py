@@ -94,9 +94,11 @@ class _KindBinding:
         kv: dict[int, tuple[_Buffer, _Buffer]],
         model: LoadedModel,
         dtype,
+        key: str | None = None,
     ) -> None:
         cfg, device = model.config, model.device
         self.spec = spec
+        self.key = key or spec.kind  # the manifest's name: the kind, or kind@k (static depth)
         rows = spec.rows or 1
         out_rows = 1 if spec.kind == PREFILL else rows
         self.ids = _Buffer((1, rows), np.int64, device) if spec.first_loop == 0 else None
@@ -115,7 +117,7 @@ class _KindBinding:
         # last ``logit_rows`` rows: all of them (decode's one row is the default)
         self.logit_rows = (
             ort.OrtValue.ortvalue_from_numpy(np.array([rows], np.int64))
-            if model.shared_sessions.get(spec.kind) == PREFILL and rows > 1
+            if model.shared_sessions.get(self.key, "").partition("@")[0] == PREFILL and rows > 1
             else None
         )
         self._kv = kv
@@ -124,7 +126,7 @@ class _KindBinding:
     def _open(self, session: ort.InferenceSession, model: LoadedModel) -> None:
         """The runner: the session, an IO binding of this binding's buffers and, when the kind is
         captured, a graph id from the kind's pool (returned when the runner is closed or dropped)."""
-        kind = self.spec.kind
+        kind = getattr(self, "key", self.spec.kind)  # the cycle's halves carry no key of their own
         captured = kind in model.graph_kinds
         self.runner = CapturedRunner(
             kind,

@@ -191,6 +191,31 @@ def _plan_pipeline(
     return _Plan(drafter, strategy, 1, 1)
 
 
+def _set_depth(gen: Generator, config: GenerationConfig) -> None:
+    """The generation's static depth (``loops``) on the generator, or a refusal of what does
+    not compose with it: self-speculation and the pipeline verify at full depth (their tails and
+    lanes run loops d..R-1), prompt lookup verifies at depth k (``verify@k``) and composes."""
+    R = gen.model.config.num_loops
+    loops = config.loops
+    if config.gated:
+        raise RequestError(
+            "exit_threshold: the exit gate runs on the torch reference only so far "
+            "(loopcast generate --backend torch); use loops=k for a static depth",
+            parameter="exit_threshold",
+        )
+    if loops is not None and not 1 <= loops <= R:
+        raise RequestError(f"loops must be in 1..{R} (the model's loops), got {loops}")
+    shallow = loops is not None and loops < R
+    mode = config.speculation.mode
+    if shallow and mode in (SpeculativeMode.SELF, SpeculativeMode.PIPELINE):
+        raise RequestError(
+            f"speculative mode {mode.value!r} verifies at full depth (loops {R}); with loops={loops} "
+            "use speculative='prompt-lookup' or none",
+            parameter="loops",
+        )
+    gen.set_depth(loops)
+
+
 def require_exact(gen: Generator, allow_inexact: bool) -> None:
     """Speculation only where the artifact declares verify rows == decode rows on this device,
     unless the caller accepts tokens that may differ from plain decoding."""
@@ -256,6 +281,7 @@ def stream(
     if not ids:
         raise RequestError("prompt is empty: give at least one token")
     gen.validate_ids(ids)
+    _set_depth(gen, config)
     plan = _plan(gen, spec, sampled, proposer, verifier)
     stats.prompt_tokens = len(ids)
     stats.speculative = (
