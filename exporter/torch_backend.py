@@ -34,6 +34,9 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
 
     model = load_checkpoint(checkpoint_dir, dtype=torch.float32)
     stop = model.config.eos_token_ids
+    q = model.config.early_exit_threshold
+    if q is not None and q < 1.0 and config.loops is None and not config.gated:
+        config = config.replace(exit_threshold=q)  # the checkpoint's default (docs/adaptive-depth.md)
     start = time.perf_counter()
     result = depth_generate(model, prompt_ids, config, stop_ids=stop)
     seconds = time.perf_counter() - start

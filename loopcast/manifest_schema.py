@@ -100,6 +100,8 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
         return inputs, {"carried_BWH_out", "lane_log_N"}
     if kind == GraphKind.DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
+    if kind == GraphKind.EXITS:
+        outputs |= {"exit_gates_BR"}
     if kind in TREE_KINDS:  # per row: cache position, masked key range [lo, hi)
         inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "row_address_S3"}
     if kind == GraphKind.TREE_DRAFT:

@@ -47,6 +47,9 @@ class GraphKind(StrEnum):
     # for verify_batch), batch entry b reading and writing batch entry b of every KV buffer.
     DECODE_BATCH = "decode_batch"
     VERIFY_BATCH = "verify_batch"
+    # The exit gate (docs/adaptive-depth.md): 1 row through every loop, with the argmax and the
+    # exit-gate logit after each loop ([1, R] each), so the host picks the token at the exit.
+    EXITS = "exits"
 
 
 CYCLE_KINDS = (GraphKind.CYCLE, GraphKind.CYCLE_RUN)
@@ -95,6 +98,17 @@ def has_cycle(config: ModelConfig, op_set: OpSet | str) -> bool:
         and config.num_prelude_layers == 0
         and config.num_coda_layers == 0
         and OpSet(op_set).loopcast_attention
+    )
+
+
+def has_exits(config: ModelConfig) -> bool:
+    """Whether an artifact carries the exits graph: a looped model with an exit gate (Ouro) and
+    no prelude or coda (each loop's normed state feeds the gate and the head)."""
+    return (
+        config.num_loops > 1
+        and config.has_exit_gate
+        and config.num_prelude_layers == 0
+        and config.num_coda_layers == 0
     )
 
 
@@ -169,6 +183,7 @@ def graph_plan(
     cycle, cycle_run                      where has_cycle (the model and the op set)
     decode_batch, verify_batch            with ``max_batch`` (verify_batch: and W)
     prefill@k, decode@k, verify@k         for each exit depth k < R (verify@k: with W)
+    exits                                 where has_exits (a looped model with an exit gate)
     """
     R = config.num_loops
     plans = [GraphPlan(GraphKind.PREFILL, None, 0, R), GraphPlan(GraphKind.DECODE, 1, 0, R)]
@@ -198,6 +213,8 @@ def graph_plan(
         plans += [GraphPlan(GraphKind.PREFILL, None, 0, k, k), GraphPlan(GraphKind.DECODE, 1, 0, k, k)]
         if verify_width is not None:
             plans.append(GraphPlan(GraphKind.VERIFY, verify_width, 0, k, k))
+    if has_exits(config):
+        plans.append(GraphPlan(GraphKind.EXITS, 1, 0, R))
     return tuple(plans)
 
 

@@ -431,6 +431,44 @@ class Generator:
             self.commit(part)
         return int(out.next_ids[-1])
 
+    def run_exits(self, token: int, want_logits: bool = False) -> StepOutput:
+        """The exits graph at position ``n`` (writes every loop's KV there, commits nothing):
+        ``next_ids`` [R] is each loop's argmax, ``logits`` [R, V] (on request), ``gates`` [R]
+        each loop's exit-gate logit."""
+        from loopcast.vocab import GraphKind
+
+        kind = GraphKind.EXITS
+        if kind not in self._kinds:
+            raise RequestError(
+                "the exit gate needs the exits graph; this artifact has none (a looped model with an "
+                "exit gate, exported by this loopcast, has it)"
+            )
+        if self.n + 1 > self.max_length:
+            raise RequestError(f"exits at position {self.n} passes the KV capacity {self.max_length}")
+        kb = self._kinds[kind]
+        kb.ids.host[0, 0] = token
+        kb.ids.push()
+        kb.seqlens.host[0] = self.n
+        kb.seqlens.push()
+        kb.total.host[...] = self.n + 1
+        kb.total.push()
+        self._execute(kind, kb)
+        logits = kb.logits.pull()[0] if want_logits or kb.logits.device == "cpu" else None
+        return StepOutput(kb.next_ids.pull()[0].copy(), logits, gates=kb.gates.pull()[0].copy())
+
+    def fill_deeper_kv(self, position: int, exit_loop: int) -> None:
+        """KV policy last-exited: loop ``exit_loop``'s K/V at ``position`` copied into the slots of
+        the deeper loops (every core layer), so later tokens read it there."""
+        cfg = self.model.config
+        if self.model.device != "cpu":
+            raise RequestError("kv_policy 'last-exited' runs on the CPU only so far")
+        for layer in range(cfg.num_layers):
+            src_k, src_v = self._kv[cfg.core_slot(exit_loop, layer)]
+            for loop in range(exit_loop + 1, cfg.num_loops):
+                dst_k, dst_v = self._kv[cfg.core_slot(loop, layer)]
+                dst_k.host[:, :, position] = src_k.host[:, :, position]
+                dst_v.host[:, :, position] = src_v.host[:, :, position]
+
     def decode(self, token: int) -> int:
         out = self.run(DECODE, self.n, tokens=[token], want_logits=False)
         self.commit([token])

@@ -118,13 +118,18 @@ class GenerationConfig:
                     "give either loops (a static depth) or exit_threshold (the exit gate), not both"
                 )
         elif self.min_loops is not None or self.max_loops is not None:
-            raise RequestError("min_loops and max_loops clamp the exit gate: they need exit_threshold")
+            raise RequestError(
+                "min_loops and max_loops clamp the exit gate: they need exit_threshold",
+                parameter="min_loops" if self.min_loops is not None else "max_loops",
+            )
         elif self.kv_policy is not KVPolicy.FULL:
             raise RequestError(
                 f"kv_policy {self.kv_policy.value!r} applies to the exit gate: it needs exit_threshold"
             )
         if self.min_loops is not None and self.max_loops is not None and self.min_loops > self.max_loops:
-            raise RequestError(f"min_loops {self.min_loops} exceeds max_loops {self.max_loops}")
+            raise RequestError(
+                f"min_loops {self.min_loops} exceeds max_loops {self.max_loops}", parameter="min_loops"
+            )
 
     @property
     def gated(self) -> bool:
@@ -161,6 +166,14 @@ class GenerationConfig:
                     spec_changes[self._SPECULATION_KEYWORDS[name]] = value
             elif name in fields:
                 own[name] = value
+            elif name == "use_weighted_exit" and value:
+                raise RequestError(
+                    "use_weighted_exit (logits averaged under the exit distribution) is not supported; "
+                    "use exit_threshold (the token of the exit loop) or loops=k",
+                    parameter="use_weighted_exit",
+                )
+            elif name == "use_weighted_exit":
+                continue
             else:
                 known = sorted(fields | set(self._SPECULATION_KEYWORDS))
                 raise RequestError(f"unknown generation option {name!r}; known: {', '.join(known)}")

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
+from loopcast.ort_runtime.decoding.exits import ExitGate, GatedAcceptor
 from loopcast.ort_runtime.decoding.finish import Finisher, FinishRule
 from loopcast.ort_runtime.decoding.gates import (
     DECODE_ROUND,
@@ -67,7 +68,7 @@ from loopcast.ort_runtime.decoding.verifiers import DraftTail, TreeTail, VerifyR
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DECODE
-from loopcast.vocab import GateKind, SpeculativeMode
+from loopcast.vocab import GateKind, GraphKind, SpeculativeMode
 
 __all__ = ["GenerationConfig", "GenerationStats", "SpeculationConfig", "require_exact", "stream"]
 
@@ -198,11 +199,18 @@ def _set_depth(gen: Generator, config: GenerationConfig) -> None:
     R = gen.model.config.num_loops
     loops = config.loops
     if config.gated:
-        raise RequestError(
-            "exit_threshold: the exit gate runs on the torch reference only so far "
-            "(loopcast generate --backend torch); use loops=k for a static depth",
-            parameter="exit_threshold",
-        )
+        if config.speculation.mode != SpeculativeMode.NONE or config.sampled:
+            raise RequestError(
+                "exit_threshold runs greedy plain decoding so far: drop speculative and the "
+                "sampling options, or use loops=k (which composes with prompt lookup)",
+                parameter="exit_threshold",
+            )
+        if not gen.has_kind(GraphKind.EXITS):
+            raise RequestError(
+                "exit_threshold needs the exits graph, which this artifact lacks (a looped model "
+                "with an exit gate, such as Ouro, exported by this loopcast)",
+                parameter="exit_threshold",
+            )
     if loops is not None and not 1 <= loops <= R:
         raise RequestError(f"loops must be in 1..{R} (the model's loops), got {loops}")
     shallow = loops is not None and loops < R
@@ -276,6 +284,8 @@ def stream(
                 "reproducible; use gate hit-density or always with a seed (or drop the seed)",
                 parameter="gate",
             )
+    elif config.gated:
+        chosen = GatedAcceptor(ExitGate.of(config, gen.model.config.num_loops))
     else:
         chosen = GreedyAcceptor(spec.tie_guard)
     if not ids:
@@ -294,10 +304,23 @@ def stream(
     if config.max_new_tokens == 0:
         finish("length")
         return
+    stats.kv_policy = config.kv_policy.value if config.gated else ""
     try:
         yield from _Engine(gen, spec, plan, stats, chosen, costs).run(ids, finish)
     finally:
         finish.abandoned()
+        _depth_stats(stats, chosen.loops if isinstance(chosen, GatedAcceptor) else None, gen.depth)
+
+
+def _depth_stats(stats: GenerationStats, loops: list[int] | None, depth: int) -> None:
+    """The exit-depth histogram (loops a token was read at -> tokens) and the mean."""
+    emitted = stats.new_tokens
+    loops = loops[:emitted] if loops is not None else [depth] * emitted
+    histogram: dict[int, int] = {}
+    for k in loops:
+        histogram[k] = histogram.get(k, 0) + 1
+    stats.exit_histogram = dict(sorted(histogram.items()))
+    stats.mean_loops = round(sum(loops) / len(loops), 4) if loops else 0.0
 
 
 class _RoundClock:

@@ -62,7 +62,7 @@ from loopcast.manifest import (
     Manifest,
     resolve_inside,
 )
-from loopcast.vocab import OpSet, depth_key, parse_graph_key
+from loopcast.vocab import GraphKind, OpSet, depth_key, parse_graph_key
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
@@ -365,9 +365,9 @@ def open_artifact(
             except ArtifactError as exc:  # e.g. a node left on the CPU: run this kind eagerly
                 fallbacks[kind] = str(exc)
         eager.append(kind)
-    # The static-depth graphs (prefill@k, ...) are the full-depth graphs' code at fewer loops: they
-    # are checked when a generation at that depth first makes their session, not at every load.
-    checked = [kind for kind in deferred if parse_graph_key(kind)[1] is None]
+    # The static-depth graphs (prefill@k, ...) and the exits graph run only when a request asks
+    # for a depth: they are checked when a generation first makes their session, not at every load.
+    checked = [kind for kind in deferred if parse_graph_key(kind)[1] is None and kind != GraphKind.EXITS]
     if device == "cpu" and len(eager) > 1:
         # Session creation is mostly weight prepacking, which ORT does with the GIL released:
         # one thread per session and core (2 cores: 1.32 s -> 0.72 s for two 513 MiB sessions).

@@ -155,7 +155,8 @@ def test_cli_export_and_inspect(tmp_path: Path) -> None:
     depths = {f"{kind}@{k}" for k in manifest["exit_depths"] for kind in ("prefill", "decode", "verify")}
     assert manifest["exit_depths"] == list(range(1, manifest["model"]["total_ut_steps"]))
     assert (
-        set(manifest["graphs"]) == {"prefill", "decode", "verify", "draft", "verify_tail"} | pipeline | depths
+        set(manifest["graphs"])
+        == {"prefill", "decode", "verify", "draft", "verify_tail", "exits"} | pipeline | depths
     )
     proc = subprocess.run(
         [sys.executable, "-m", "loopcast.cli", "inspect", str(out)], capture_output=True, text=True
