@@ -106,3 +106,12 @@ def test_cli_loops_flag() -> None:
     )
     assert bad.exit_code == 2 and bad.output.strip().splitlines()[-1].startswith("error: ")
     assert "--loops" in bad.output
+
+
+def test_a_depth_graph_run_before_its_prefill_makes_the_shared_session() -> None:
+    """decode@k runs on prefill@k's CPU session; made first, its factory makes the host's."""
+    from loopcast.ort_runtime.loading.artifact import open_artifact
+
+    loaded = open_artifact(artifact("ouro-r3"), "cpu")
+    assert loaded.sessions.pending("decode@2") and loaded.sessions.pending("prefill@2")
+    assert loaded.sessions["decode@2"] is loaded.sessions["prefill@2"]
