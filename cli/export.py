@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from loopcast.errors import RequestError
 from loopcast.vocab import OpSet, choices
 
 
@@ -57,6 +58,13 @@ from loopcast.vocab import OpSet, choices
     default=None,
     help="Also write the batched decode graph for up to this many sequences (loopcast serve; "
     "docs/serving.md).",
+)
+@click.option(
+    "--exit-depths",
+    default="all",
+    show_default=True,
+    help="Static depths k < R that get their own graphs for generate --loops k: all, none, or a "
+    "list such as 2,3 (looped models).",
 )
 @click.option(
     "--tree-verify",
@@ -112,6 +120,7 @@ def export(
     target: str,
     genai: bool,
     max_batch: int | None,
+    exit_depths: str,
     tree_verify: bool,
     quantize: str | None,
     block_size: int,
@@ -142,6 +151,7 @@ def export(
         max_batch,
         tree_verify,
         scheme,
+        _exit_depths(exit_depths),
     )
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(
@@ -156,3 +166,15 @@ def export(
         f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}, "
         f"ops {manifest.op_set}, exact speculation on {exact}{genai_note}"
     )
+
+
+def _exit_depths(text: str) -> tuple[int, ...] | None:
+    """``--exit-depths``: None (every k < R), () or the listed depths."""
+    if text == "all":
+        return None
+    if text == "none":
+        return ()
+    try:
+        return tuple(int(part) for part in text.replace(" ", ",").split(",") if part)
+    except ValueError:
+        raise RequestError(f"--exit-depths must be all, none or depths like 2,3; got {text!r}") from None

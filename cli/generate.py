@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 
 import click
-from loopcast.cli.options import CLI_MODES, prompt_options, prompt_source, sampling_options, sampling_params
+from loopcast.cli.options import (
+    CLI_MODES,
+    depth_options,
+    depth_params,
+    prompt_options,
+    prompt_source,
+    sampling_options,
+    sampling_params,
+)
 
 from loopcast.errors import RequestError
 from loopcast.vocab import GateKind, SpeculativeMode, choices
@@ -73,6 +81,7 @@ Examples:
     "on this device (tokens may then differ from plain greedy).",
 )
 @sampling_options
+@depth_options
 @click.option(
     "--stop",
     "stop",
@@ -117,6 +126,11 @@ def generate(
     min_p,
     repetition_penalty,
     seed,
+    loops: int | None,
+    exit_threshold: float | None,
+    min_loops: int | None,
+    max_loops: int | None,
+    kv_policy: str | None,
     stop: tuple[str, ...],
     skip_special_tokens: bool,
     stream: bool,
@@ -145,6 +159,7 @@ def generate(
         allow_inexact=allow_inexact,
         pipeline_exit=pipeline_exit,
         alternate_gap=alternate_gap,
+        **depth_params(loops, exit_threshold, min_loops, max_loops, kv_policy),
     )
     if backend == "torch":
         result = _generate_with_torch(path, source, config, device)
@@ -183,4 +198,4 @@ def _generate_with_torch(path: str, source, config, device: str) -> dict:
     require_torch("--backend torch")
     from loopcast.exporter.torch_backend import generate_with_reference
 
-    return generate_with_reference(path, source.text, source.ids, config.max_new_tokens)
+    return generate_with_reference(path, source.text, source.ids, config)

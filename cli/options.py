@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from loopcast.errors import RequestError
-from loopcast.vocab import SpeculativeMode, choices
+from loopcast.vocab import KVPolicy, SpeculativeMode, choices
 
 # The modes a user picks by name; "custom" is a proposer object of the Python API.
 CLI_MODES = [mode for mode in choices(SpeculativeMode) if mode != SpeculativeMode.CUSTOM]
@@ -158,3 +158,42 @@ def sampling_params(temperature, top_k, top_p, min_p, repetition_penalty, seed):
     from loopcast.ort_runtime.decoding.sampling import SamplingParams
 
     return SamplingParams(**given)
+
+
+depth_options = stack(
+    click.option(
+        "--loops",
+        type=int,
+        default=None,
+        help="Static depth: k loop applications per token (Ouro's exit_at_step = k-1); default: "
+        "all R, or the exit gate.",
+    ),
+    click.option(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="Ouro's exit gate: each token leaves at the first loop whose cumulative exit "
+        "probability reaches this (0, 1]. Default: the checkpoint's early_exit_threshold.",
+    ),
+    click.option("--min-loops", type=int, default=None, help="The exit gate's fewest loops per token."),
+    click.option("--max-loops", type=int, default=None, help="The exit gate's most loops per token."),
+    click.option(
+        "--kv-policy",
+        type=click.Choice(choices(KVPolicy)),
+        default=None,
+        help="What a gated exit leaves in the skipped loops' KV. full: they still run (exact to "
+        "the model); last-exited: the exit loop's K/V is copied into them.",
+    ),
+)
+
+
+def depth_params(loops, exit_threshold, min_loops, max_loops, kv_policy) -> dict:
+    """The depth flags as GenerationConfig keywords (unset flags left out: the config's defaults)."""
+    values = dict(
+        loops=loops,
+        exit_threshold=exit_threshold,
+        min_loops=min_loops,
+        max_loops=max_loops,
+        kv_policy=kv_policy,
+    )
+    return {k: v for k, v in values.items() if v is not None}

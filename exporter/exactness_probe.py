@@ -77,7 +77,12 @@ def rows_match_shallow(
             [manifest.custom_op_library] if manifest.custom_op_library else []
         )
         if shallow == config:  # the artifact's own graphs (the batched kinds are not declared)
-            graphs = {kind: spec for kind, spec in manifest.graphs.items() if kind not in BATCH_KINDS}
+            # (nor the static-depth graphs: their rows are the full-depth graphs' code at fewer loops)
+            graphs = {
+                key: spec
+                for key, spec in manifest.graphs.items()
+                if key not in BATCH_KINDS and "@" not in key
+            }
             linked += [spec.file for spec in graphs.values()]
         for name in linked:
             _link(path / name, probe / name)
@@ -92,6 +97,7 @@ def rows_match_shallow(
             kv_layout={**manifest.kv_layout, "slots": shallow.num_kv_slots},
             exact_verify={},
             max_batch=None,
+            exit_depths=[],
         )  # the batched kinds are not part of what exact_verify declares
         names = [spec.file for spec in graphs.values()] + [manifest.weights_file]
         names += [manifest.custom_op_library] if manifest.custom_op_library else []

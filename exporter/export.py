@@ -63,6 +63,9 @@ class ExportOptions:
     tree_verify: bool = False  # also write tree_draft and tree_tail (the alternate suffix)
     # weight-only block quantization (loopcast/quant.py); None: float weights
     quantization: QuantScheme | None = None
+    # static depths k < R that get their own prefill/decode/verify graphs (``loops=k``,
+    # docs/adaptive-depth.md); None: every k in 1..R-1 (none for R = 1)
+    exit_depths: tuple[int, ...] | None = None
 
     @property
     def op_set(self) -> str:
@@ -116,6 +119,16 @@ class ExportOptions:
             )
         if self.quantization is not None:
             _check_quantized(self)
+        R = config.num_loops
+        exit_depths = tuple(range(1, R)) if self.exit_depths is None else tuple(sorted(set(self.exit_depths)))
+        bad = [k for k in exit_depths if not 1 <= k < R]
+        if bad:
+            raise ExportError(
+                f"--exit-depths must be in 1..{R - 1} (R={R}: full depth needs no graphs of its "
+                f"own), got {bad[0]}"
+                if R > 1
+                else "--exit-depths needs a looped model; this one has R=1"
+            )
         return ExportOptions(
             self.dtype,
             max_length,
@@ -127,6 +140,7 @@ class ExportOptions:
             self.max_batch,
             self.tree_verify,
             self.quantization,
+            exit_depths,
         )
 
 
@@ -337,7 +351,7 @@ def _write_artifact(
 
     library = None
     for plan in plans:
-        ir.save(models[plan.kind], staging / graphs[plan.kind].file)
+        ir.save(models[plan.key], staging / graphs[plan.key].file)
     graphs.update(
         _write_batched(
             config,
@@ -393,6 +407,7 @@ def _write_artifact(
         genai_files=genai_files,
         max_batch=opts.max_batch,
         quantization=quant,
+        exit_depths=list(opts.exit_depths or ()),
     )
     return manifest
 
@@ -410,13 +425,20 @@ def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: OpSet, layou
     from loopcast.graphs.kinds import build_kind, plan_kinds
 
     dtype = _ir_dtype(opts.dtype)
-    plans = plan_kinds(config, opts.verify_width, opts.draft_depth, op_set=op_set, tree=opts.tree_verify)
+    plans = plan_kinds(
+        config,
+        opts.verify_width,
+        opts.draft_depth,
+        op_set=op_set,
+        tree=opts.tree_verify,
+        exit_depths=opts.exit_depths or (),
+    )
     refs = weight_refs(layout)
     quantized = quantized_linears(config, opts.quantization)
     models, graphs, custom_ops = {}, {}, set()
     for plan in plans:
         builder = GraphBuilder(refs, WEIGHTS_FILE, staging, quantized)
-        models[plan.kind], graphs[plan.kind] = build_kind(
+        models[plan.key], graphs[plan.key] = build_kind(
             plan, config, dtype, opts.max_length, builder, op_set=op_set
         )
         custom_ops.update(builder.custom_ops())
@@ -497,13 +519,14 @@ def with_verify_width(
                 manifest.draft_depth,
                 op_set=manifest.op_set,
                 tree=any(kind in manifest.graphs for kind in TREE_KINDS),
+                exit_depths=tuple(manifest.exit_depths),
             ):
                 builder = GraphBuilder(refs, manifest.weights_file, staging.path, quantized)
                 model, spec = build_kind(
                     plan, config, dtype, manifest.max_length, builder, op_set=manifest.op_set
                 )
                 ir.save(model, staging.path / spec.file)
-                graphs[plan.kind] = spec
+                graphs[plan.key] = spec
             graphs.update(
                 _write_batched(
                     config,

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from loopcast.exporter.checkpoint import load_checkpoint, resolve_checkpoint
-from loopcast.exporter.reference_generate import greedy_generate
+from loopcast.exporter.reference_depth import depth_generate
 
 from loopcast.errors import RequestError
 
@@ -21,9 +21,9 @@ def load_tokenizer(directory: Path):
     return Tokenizer.from_file(str(path))
 
 
-def generate_with_reference(
-    path: str, prompt: str | None, prompt_ids: list[int] | None, max_new_tokens: int
-) -> dict:
+def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int] | None, config) -> dict:
+    """Plain greedy with the reference on ``config`` (a GenerationConfig: its length, static
+    depth ``loops`` or exit gate)."""
     checkpoint_dir = resolve_checkpoint(path)
     tokenizer = load_tokenizer(checkpoint_dir)
     if prompt is not None:
@@ -34,8 +34,11 @@ def generate_with_reference(
 
     model = load_checkpoint(checkpoint_dir, dtype=torch.float32)
     stop = model.config.eos_token_ids
+    q = model.config.early_exit_threshold
+    if q is not None and q < 1.0 and config.loops is None and not config.gated:
+        config = config.replace(exit_threshold=q)  # the checkpoint's default (docs/adaptive-depth.md)
     start = time.perf_counter()
-    result = greedy_generate(model, prompt_ids, max_new_tokens, stop_ids=stop)
+    result = depth_generate(model, prompt_ids, config, stop_ids=stop)
     seconds = time.perf_counter() - start
     text = tokenizer.decode(result.tokens, skip_special_tokens=False) if tokenizer else None
     return {
@@ -46,6 +49,7 @@ def generate_with_reference(
             "prompt_tokens": len(prompt_ids),
             "new_tokens": len(result.tokens),
             "finish_reason": result.finish_reason,
+            **result.depth_stats(),
             "seconds": round(seconds, 4),
             "tokens_per_second": round(len(result.tokens) / seconds, 2) if seconds > 0 else None,
         },

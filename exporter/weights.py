@@ -209,6 +209,11 @@ def _float_tensors(config: ModelConfig, max_length: int, read: Read, dtype: np.d
         if config.mlp_bias:
             specs.append((f"{ours}.down_proj.bias", (h,), lambda m=mlp: read(f"{m}.down_proj.bias")))
     specs.append(("norm.weight", (h,), lambda: read("model.norm.weight")))
+    if config.has_exit_gate:  # the exits graph's gate: Linear(H, 1) with bias, float
+        specs.append(
+            ("early_exit_gate.weight_T", (h, 1), _cat_t(read, ["model.early_exit_gate.weight"], dtype))
+        )
+        specs.append(("early_exit_gate.bias", (1,), lambda: read("model.early_exit_gate.bias")))
     if not config.tie_word_embeddings:
         specs.append(("lm_head.weight_T", (h, config.vocab_size), _cat_t(read, ["lm_head.weight"], dtype)))
     # Rotary tables with the config's rope scaling, computed here once (loopcast.rope).

@@ -9,6 +9,10 @@
     tree_draft  = draft, row-addressed (RowAttention: own position, masked key range)
                   + top-2 probabilities and ids                                (1 row)
     tree_tail   = verify_tail, row-addressed                                   (W rows)
+    prefill@k, decode@k, verify@k = prefill, decode, verify stopped after loop k-1 (static depth:
+                  loops 0..k-1, the loop-norm, the head; the deeper loops' KV is not written)
+    exits       = embed → loop 0 → … → loop R-1, the head and the exit gate on every loop's
+                  normed state                                                (1 row, R outputs)
 
 Loops are unrolled: no Loop/If/Scan, which would block CUDA-graph capture.
 """
@@ -35,10 +39,18 @@ def plan_kinds(
     *,
     op_set: OpSet | str = OpSet.STOCK,
     tree: bool = False,
+    exit_depths: tuple[int, ...] = (),
 ) -> list[GraphPlan]:
     """The single-sequence kinds of ``graph_plan`` (this module builds them; the batched kinds
     are graphs/batched.py's)."""
-    plans = graph_plan(config, op_set, verify_width=verify_width, draft_depth=draft_depth, tree=tree)
+    plans = graph_plan(
+        config,
+        op_set,
+        verify_width=verify_width,
+        draft_depth=draft_depth,
+        tree=tree,
+        exit_depths=exit_depths,
+    )
     return [plan for plan in plans if plan.kind not in BATCH_KINDS]
 
 
@@ -55,6 +67,8 @@ def build_kind(
         return build_cycle(config, dtype, max_length, b, op_set=op_set)
     if plan.kind == GraphKind.CYCLE_RUN:
         return build_cycle_run(config, dtype, max_length, b, op_set=op_set)
+    if plan.kind == GraphKind.EXITS:
+        return _build_exits(plan, config, dtype, max_length, b, op_set)
     rows: int | str = plan.rows if plan.rows is not None else "num_rows"
     if plan.first_loop == 0:
         token_ids = b.input("input_ids_BS", ir.DataType.INT64, [1, rows])
@@ -98,11 +112,11 @@ def build_kind(
         b.output(depth_state, dtype, [1, rows, config.hidden_size], "hidden_BSH_out")
     if plan.kind == GraphKind.TREE_DRAFT:
         _top2_probabilities(b, logits, rows)
-    model = b.build(plan.kind, __doc__.split("\n\n")[0])
+    model = b.build(plan.key, __doc__.split("\n\n")[0])
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
     spec = GraphSpec(
         kind=plan.kind,
-        file=f"{plan.kind}.onnx",
+        file=graph_file(plan),
         rows=plan.rows,
         first_loop=plan.first_loop,
         last_loop=plan.last_loop,
@@ -111,6 +125,69 @@ def build_kind(
         outputs=[v.name for v in b.outputs],
     )
     return model, spec
+
+
+def _build_exits(
+    plan: GraphPlan, config: ModelConfig, dtype: ir.DataType, max_length: int, b: GraphBuilder, op_set
+) -> tuple[ir.Model, GraphSpec]:
+    """One row through every loop; each loop's normed state goes to the head and the gate:
+
+        ids ─ embed ─ loop 0 ─▶ s0 ─ loop 1 ─▶ s1 … ─ loop R-1 ─▶ s_{R-1}
+                                 └──────── Concat [1, R, H] ─┬─ head ─ ArgMax ─▶ next_token_ids [1, R]
+                                                             └─ gate (MatMul + bias) ─▶ exit_gates [1, R]
+
+    Each loop is its own stack call, which opens with the norm a verify_tail graph opens with, so
+    every state carries the bits of the decode graph's (graphs/blocks.py decoder_stack).
+    """
+    R = config.num_loops
+    ops = op_set_builders(op_set)
+    token_ids = b.input("input_ids_BS", ir.DataType.INT64, [1, 1])
+    step = blocks.StepInputs(
+        seqlens_k=b.input("seqlens_k", ir.DataType.INT32, [1]),
+        total_sequence_length=b.input("total_sequence_length", ir.DataType.INT32, []),
+        cos_cache=b.weight("rotary.cos_SD2"),
+        sin_cache=b.weight("rotary.sin_SD2"),
+    )
+    ctx = blocks.BlockContext(config, dtype, max_length, step, ops)
+    x = blocks.embed(b, token_ids)
+    states = []
+    for loop in range(R):
+        x, state = ops.stack(b, x, blocks.layer_sites(config, loop, loop + 1, prelude=False), ctx)
+        states.append(state)
+    states_BRH = b.op("Concat", states, path="/exits/states", out="exit_states_BRH", axis=1)
+    logits = blocks.lm_head(b, states_BRH, ctx)
+    blocks.greedy_outputs(b, logits, R, config.vocab_size)
+    gate = b.op(
+        "MatMul",
+        [states_BRH, b.weight("early_exit_gate.weight_T")],
+        path="/exits/gate",
+        out="exit_gate_BR1_nobias",
+    )
+    gate = b.op("Add", [gate, b.weight("early_exit_gate.bias")], path="/exits/gate/bias", out="exit_gate_BR1")
+    if dtype != ir.DataType.FLOAT:
+        gate = b.op("Cast", [gate], path="/exits/gate/cast", out="exit_gate_f32_BR1", to=ir.DataType.FLOAT)
+    gate = b.op(
+        "Squeeze", [gate, b.const_i64("gate_axis", [-1])], path="/exits/gate/squeeze", out="exit_gates_BR"
+    )
+    b.output(gate, ir.DataType.FLOAT, [1, R])
+    model = b.build(plan.key, __doc__.split("\n\n")[0])
+    slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
+    spec = GraphSpec(
+        kind=plan.kind,
+        file=graph_file(plan),
+        rows=plan.rows,
+        first_loop=plan.first_loop,
+        last_loop=plan.last_loop,
+        kv_slots=slots,
+        inputs=[v.name for v in b.inputs],
+        outputs=[v.name for v in b.outputs],
+    )
+    return model, spec
+
+
+def graph_file(plan: GraphPlan) -> str:
+    """The ONNX file of a planned graph: ``decode.onnx``, ``decode_depth2.onnx`` (static depth 2)."""
+    return f"{plan.kind}.onnx" if plan.depth is None else f"{plan.kind}_depth{plan.depth}.onnx"
 
 
 def _tree_addresses(b: GraphBuilder, rows: int) -> blocks.RowAddresses:

@@ -138,6 +138,9 @@ class ModelConfig:
     mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
     sliding_window: int | None = None  # Mistral: exports only up to this length (full attention there)
     extra_eos_token_ids: tuple[int, ...] = ()  # further stop ids (config lists, generation_config.json)
+    # Ouro's default exit threshold (docs/adaptive-depth.md): below 1.0, plain greedy requests
+    # that name no depth run the exit gate at it; None or 1.0: every loop
+    early_exit_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -288,6 +291,11 @@ class ModelConfig:
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 sliding_window=_sliding_window(raw),
                 extra_eos_token_ids=tuple(eos_list[1:]),
+                early_exit_threshold=(
+                    float(raw["early_exit_threshold"])
+                    if model_type == "ouro" and raw.get("early_exit_threshold") is not None
+                    else None
+                ),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks the required field {exc.args[0]!r}") from None
@@ -333,6 +341,8 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         if self.model_type == "ouro":
             out["total_ut_steps"] = self.num_loops
+            if self.early_exit_threshold is not None:
+                out["early_exit_threshold"] = self.early_exit_threshold
             out["use_sliding_window"] = False
         if self.num_prelude_layers or self.num_coda_layers:
             out["num_prelude_layers"] = self.num_prelude_layers
@@ -355,10 +365,14 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
     for name in ("rope_interleaved", "use_mrope"):
         if raw.get(name):
             raise ConfigError(f"{name}={raw[name]!r} is not supported (only the half-split rotary of Llama)")
-    # loopcast runs every loop (full depth); Ouro's threshold 1.0 means the same thing.
+    # Ouro's exit threshold: 1.0 runs every loop; below it is the exit gate's default threshold.
     threshold = raw.get("early_exit_threshold")
-    if threshold is not None and float(threshold) != 1.0:
-        raise ConfigError(f"early_exit_threshold {threshold} is not supported (loopcast runs all loops: 1.0)")
+    if threshold is not None and (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, (int, float))
+        or not 0.0 < float(threshold) <= 1.0
+    ):
+        raise ConfigError(f"early_exit_threshold must be a number in (0, 1], got {threshold!r}")
     if raw.get("model_type") == "ouro" and raw.get("attention_bias"):
         raise ConfigError("attention_bias is not supported for Ouro models")
 

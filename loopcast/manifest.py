@@ -29,7 +29,9 @@ from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabul
 # max_batch, ...), and an artifact has exactly the graphs of loopcast.vocab.graph_plan. Older
 # artifacts are refused with one line that says to re-export.
 # 4: `quantization` (required; null for float weights: loopcast/quant.py).
-SCHEMA_VERSION = 4
+# 5: `exit_depths` (required; the static depths k < R with graphs `prefill@k`, `decode@k`,
+# `verify@k`: loopcast.vocab.graph_plan).
+SCHEMA_VERSION = 5
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 
@@ -101,7 +103,7 @@ class Manifest:
     verify_width: int | None
     draft_depth: int | None
     kv_layout: dict[str, Any]
-    graphs: dict[GraphKind, GraphSpec]
+    graphs: dict[str, GraphSpec]  # by name: the kind, or ``kind@k`` at static depth k (vocab.depth_key)
     weights_file: str = WEIGHTS_FILE
     custom_ops: list[str] = field(default_factory=list)  # ops of the `loopcast` domain used
     custom_op_library: str | None = None
@@ -119,6 +121,8 @@ class Manifest:
     max_batch: int | None = None
     # weight-only block quantization of the projections (and maybe the head); None: float weights
     quantization: QuantScheme | None = None
+    # static depths k < R whose prefill/decode/verify graphs exist (``loops=k``); R is always there
+    exit_depths: list[int] = field(default_factory=list)
 
     @property
     def device_lengths(self) -> bool:

@@ -29,7 +29,7 @@ from loopcast.manifest import (
     sampled_sha256,
 )
 from loopcast.quant import QuantScheme
-from loopcast.vocab import BATCH_KINDS, TREE_KINDS, GraphKind, OpSet, graph_plan
+from loopcast.vocab import BATCH_KINDS, TREE_KINDS, GraphKind, OpSet, graph_plan, parse_graph_key
 
 DTYPES = ("fp32", "fp16", "bf16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -100,6 +100,8 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
         return inputs, {"carried_BWH_out", "lane_log_N"}
     if kind == GraphKind.DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
+    if kind == GraphKind.EXITS:
+        outputs |= {"exit_gates_BR"}
     if kind in TREE_KINDS:  # per row: cache position, masked key range [lo, hi)
         inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "row_address_S3"}
     if kind == GraphKind.TREE_DRAFT:
@@ -153,7 +155,20 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     op_set = OpSet(op_set)
     max_batch = top.int_in("max_batch", 1, MAX_BATCH, nullable=True)
     graphs_raw = top.get("graphs", dict)
-    unknown = sorted(set(graphs_raw) - set(GraphKind))
+    exit_depths = top.int_list("exit_depths", 1, max(R - 1, 1))
+    if R == 1 and exit_depths:
+        top.fail("must be empty for a model of one loop", "exit_depths")
+    if exit_depths != sorted(set(exit_depths)):
+        top.fail(f"must be increasing without repeats, got {exit_depths!r:.80}", "exit_depths")
+
+    def known(key: str) -> bool:
+        try:
+            parse_graph_key(key)
+        except ValueError:
+            return False
+        return True
+
+    unknown = sorted(k for k in graphs_raw if not known(k))
     if unknown:
         top.fail(
             f"has unknown kind(s) {', '.join(map(repr, unknown))}; kinds are {', '.join(GraphKind)}",
@@ -162,9 +177,15 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     # The graphs are exactly those of graph_plan (the tree kinds, an export option, both or neither).
     tree = any(kind in graphs_raw for kind in TREE_KINDS)
     plans = graph_plan(
-        config, op_set, verify_width=verify_width, draft_depth=draft_depth, tree=tree, max_batch=max_batch
+        config,
+        op_set,
+        verify_width=verify_width,
+        draft_depth=draft_depth,
+        tree=tree,
+        max_batch=max_batch,
+        exit_depths=exit_depths,
     )
-    plan = {p.kind: (p.rows, p.first_loop, p.last_loop) for p in plans}
+    plan = {p.key: (p.rows, p.first_loop, p.last_loop) for p in plans}
     for kind in graphs_raw:
         if kind not in plan:
             top.fail(
@@ -180,12 +201,13 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
                 why = "every artifact needs"
             elif kind in BATCH_KINDS:
                 why = f"max_batch {max_batch} declares"
+            elif "@" in kind:
+                why = f"exit_depths {exit_depths} declares"
             else:
                 why = "the model, op_set, verify_width and draft_depth declare"
             top.fail(f"lacks the '{kind}' graph, which {why}", "graphs")
     graphs = {
-        GraphKind(kind): _parse_graph(kind, spec_raw, plan[kind], config, path)
-        for kind, spec_raw in graphs_raw.items()
+        key: _parse_graph(key, spec_raw, plan[key], config, path) for key, spec_raw in graphs_raw.items()
     }
 
     weights_file = top.get("weights_file", str)
@@ -238,6 +260,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         genai_files=genai_files,
         max_batch=max_batch,
         quantization=quantization,
+        exit_depths=exit_depths,
     )
 
 
@@ -268,8 +291,9 @@ def _quantization(top: _Fields, dtype: str, op_set: OpSet) -> QuantScheme | None
 MAX_BATCH = 1024  # sequences of a batched graph (docs/serving.md); KV memory is max_batch x one sequence's
 
 
-def _parse_graph(kind: str, raw: Any, plan: tuple, config: ModelConfig, path: Path) -> GraphSpec:
-    g = _Fields(raw, f"graphs.{kind}", path)
+def _parse_graph(key: str, raw: Any, plan: tuple, config: ModelConfig, path: Path) -> GraphSpec:
+    g = _Fields(raw, f"graphs.{key}", path)
+    kind = parse_graph_key(key)[0].value
     rows, first, last = plan
     if g.get("kind", str) != kind:
         g.fail(f"must be {kind!r}, got {raw['kind']!r:.40}", "kind")

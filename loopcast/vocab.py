@@ -47,6 +47,9 @@ class GraphKind(StrEnum):
     # for verify_batch), batch entry b reading and writing batch entry b of every KV buffer.
     DECODE_BATCH = "decode_batch"
     VERIFY_BATCH = "verify_batch"
+    # The exit gate (docs/adaptive-depth.md): 1 row through every loop, with the argmax and the
+    # exit-gate logit after each loop ([1, R] each), so the host picks the token at the exit.
+    EXITS = "exits"
 
 
 CYCLE_KINDS = (GraphKind.CYCLE, GraphKind.CYCLE_RUN)
@@ -98,6 +101,17 @@ def has_cycle(config: ModelConfig, op_set: OpSet | str) -> bool:
     )
 
 
+def has_exits(config: ModelConfig) -> bool:
+    """Whether an artifact carries the exits graph: a looped model with an exit gate (Ouro) and
+    no prelude or coda (each loop's normed state feeds the gate and the head)."""
+    return (
+        config.num_loops > 1
+        and config.has_exit_gate
+        and config.num_prelude_layers == 0
+        and config.num_coda_layers == 0
+    )
+
+
 def can_tree_verify(config: ModelConfig, op_set: OpSet | str) -> str | None:
     """Why an artifact of ``config`` and ``op_set`` cannot carry the tree kinds (None: it can):
     they split a looped model's stack at the draft depth, with the row-addressed attention op."""
@@ -114,12 +128,40 @@ def can_tree_verify(config: ModelConfig, op_set: OpSet | str) -> str | None:
 @dataclass(frozen=True)
 class GraphPlan:
     """One graph of an artifact: its kind, rows per sequence (None: dynamic) and the loops
-    ``first_loop .. last_loop-1`` it runs."""
+    ``first_loop .. last_loop-1`` it runs. ``depth``: a static-depth graph (``depth_key``):
+    the kind's graph stopped after that many loops."""
 
     kind: GraphKind
     rows: int | None
     first_loop: int
     last_loop: int
+    depth: int | None = None
+
+    @property
+    def key(self) -> str:
+        """The graph's name in the manifest, the sessions and the bindings."""
+        return self.kind.value if self.depth is None else depth_key(self.kind, self.depth)
+
+
+# Static depth (``loops=k``, docs/adaptive-depth.md): an artifact exported with exit depths has,
+# for each depth k < R, the prefill, decode and verify graphs stopped after k loops, named
+# ``prefill@k``, ``decode@k``, ``verify@k``; the full-depth graphs keep their plain names.
+DEPTH_KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.VERIFY)
+
+
+def depth_key(kind: GraphKind | str, depth: int) -> str:
+    """The manifest name of ``kind``'s graph at static depth ``depth`` (< R)."""
+    return f"{GraphKind(kind).value}@{depth}"
+
+
+def parse_graph_key(key: str) -> tuple[GraphKind, int | None]:
+    """A manifest graph name as (kind, static depth or None); ValueError if it is neither."""
+    kind, sep, depth = key.partition("@")
+    if not sep:
+        return GraphKind(kind), None
+    if GraphKind(kind) not in DEPTH_KINDS or not depth.isdigit() or depth != str(int(depth)):
+        raise ValueError(key)
+    return GraphKind(kind), int(depth)
 
 
 def graph_plan(
@@ -130,6 +172,7 @@ def graph_plan(
     draft_depth: int | None,
     tree: bool = False,
     max_batch: int | None = None,
+    exit_depths: tuple[int, ...] | list[int] = (),
 ) -> tuple[GraphPlan, ...]:
     """The graphs an artifact has, in the order the exporter writes them:
 
@@ -139,6 +182,8 @@ def graph_plan(
     tree_draft, tree_tail                 ``tree``, with d and W, where can_tree_verify allows
     cycle, cycle_run                      where has_cycle (the model and the op set)
     decode_batch, verify_batch            with ``max_batch`` (verify_batch: and W)
+    prefill@k, decode@k, verify@k         for each exit depth k < R (verify@k: with W)
+    exits                                 where has_exits (a looped model with an exit gate)
     """
     R = config.num_loops
     plans = [GraphPlan(GraphKind.PREFILL, None, 0, R), GraphPlan(GraphKind.DECODE, 1, 0, R)]
@@ -164,6 +209,12 @@ def graph_plan(
         plans.append(GraphPlan(GraphKind.DECODE_BATCH, 1, 0, R))
         if verify_width is not None:
             plans.append(GraphPlan(GraphKind.VERIFY_BATCH, verify_width, 0, R))
+    for k in exit_depths:
+        plans += [GraphPlan(GraphKind.PREFILL, None, 0, k, k), GraphPlan(GraphKind.DECODE, 1, 0, k, k)]
+        if verify_width is not None:
+            plans.append(GraphPlan(GraphKind.VERIFY, verify_width, 0, k, k))
+    if has_exits(config):
+        plans.append(GraphPlan(GraphKind.EXITS, 1, 0, R))
     return tuple(plans)
 
 
@@ -189,6 +240,16 @@ class GateKind(StrEnum):
     ALWAYS = "always"
     HIT_DENSITY = "hit-density"
     COST = "cost"
+
+
+class KVPolicy(StrEnum):
+    """What a token that exits the loops early leaves in the KV slots of the loops it skipped
+    (docs/adaptive-depth.md). ``FULL``: every loop still runs for the KV (Ouro's own
+    semantics: exact to the model); ``LAST_EXITED``: its exit loop's K/V is copied into the
+    deeper loops' slots at its position (an approximation whose quality is measured)."""
+
+    FULL = "full"
+    LAST_EXITED = "last-exited"
 
 
 def parse(enum: type[E], value: object, parameter: str) -> E:

@@ -34,6 +34,7 @@ from loopcast.ort_runtime.text.stopping import artifact_eos_ids, trim_at_stop
 from loopcast.ort_runtime.text.streamer import TextStreamer
 
 from loopcast.errors import RequestError
+from loopcast.vocab import GraphKind, SpeculativeMode
 
 TokenIds = TokenStream[int, None, None]  # a token stream: close() it to end the generation early
 
@@ -182,6 +183,7 @@ class LoopcastModel:
         unless ``allow_inexact=True``."""
         config = self.generation_config(config, max_new_tokens, **options)
         ids = self._prompt_ids(prompt, messages)
+        config = self._default_depth(config)
         if config.stop_ids is None:
             config = config.replace(stop_ids=self.eos_token_ids)
 
@@ -198,6 +200,23 @@ class LoopcastModel:
             self._pool.give(pooled)  # a rejected request leaves the generator as it found it
             raise
         return self._returning(tokens, pooled)
+
+    def _default_depth(self, config: GenerationConfig) -> GenerationConfig:
+        """The checkpoint's ``early_exit_threshold`` (below 1.0) as the exit gate's threshold of a
+        plain greedy request that names no depth (docs/adaptive-depth.md); speculative and sampled
+        requests run every loop unless they ask for a depth."""
+        q = self.config.early_exit_threshold
+        if (
+            q is None
+            or q >= 1.0
+            or config.loops is not None
+            or config.gated
+            or config.sampled
+            or config.speculation.mode != SpeculativeMode.NONE
+            or not self.loaded.has(GraphKind.EXITS)
+        ):
+            return config
+        return config.replace(exit_threshold=q)
 
     @staticmethod
     def generation_config(

@@ -19,6 +19,9 @@ from loopcast.ort_runtime.loading import device_memory
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.manifest import DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, GraphSpec
+from loopcast.vocab import GraphKind
+
+EXITS = GraphKind.EXITS
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 _ONNX_BFLOAT16 = 16  # TensorProto.BFLOAT16: ORT's numpy bridge has no bf16, so bf16 moves as raw uint16
@@ -72,6 +75,7 @@ class StepOutput:
     top2_gap: float | None = None  # draft only
     top2_ids: np.ndarray | None = None  # tree_draft only: [2] the two most likely tokens
     top2_probs: np.ndarray | None = None  # tree_draft only: [2] their softmax probabilities
+    gates: np.ndarray | None = None  # exits only: [R] each loop's exit-gate logit
 
 
 def _bind_kv(b: ort.IOBinding, kv: dict[int, tuple[_Buffer, _Buffer]], slots) -> None:
@@ -94,11 +98,14 @@ class _KindBinding:
         kv: dict[int, tuple[_Buffer, _Buffer]],
         model: LoadedModel,
         dtype,
+        key: str | None = None,
     ) -> None:
         cfg, device = model.config, model.device
         self.spec = spec
+        self.key = key or spec.kind  # the manifest's name: the kind, or kind@k (static depth)
         rows = spec.rows or 1
-        out_rows = 1 if spec.kind == PREFILL else rows
+        # prefill: the last row; exits: the head of every loop of its one row
+        out_rows = 1 if spec.kind == PREFILL else cfg.num_loops if spec.kind == EXITS else rows
         self.ids = _Buffer((1, rows), np.int64, device) if spec.first_loop == 0 else None
         self.hidden = _Buffer((1, rows, cfg.hidden_size), dtype, device) if spec.first_loop > 0 else None
         # GroupQueryAttention reads seqlens_k on the device and total_sequence_length on the
@@ -111,11 +118,12 @@ class _KindBinding:
         self.logits = _Buffer((1, out_rows, cfg.vocab_size), np.float32, device)
         self.gap = _Buffer((1, 1), np.float32, device) if spec.kind == DRAFT else None
         self.hidden_out = _Buffer((1, 1, cfg.hidden_size), dtype, device) if spec.kind == DRAFT else None
+        self.gates = _Buffer((1, cfg.num_loops), np.float32, device) if spec.kind == EXITS else None
         # verify on prefill's session (the CPU: ort_runtime/loading/artifact.py) asks for logits of its
         # last ``logit_rows`` rows: all of them (decode's one row is the default)
         self.logit_rows = (
             ort.OrtValue.ortvalue_from_numpy(np.array([rows], np.int64))
-            if model.shared_sessions.get(spec.kind) == PREFILL and rows > 1
+            if model.shared_sessions.get(self.key, "").partition("@")[0] == PREFILL and rows > 1
             else None
         )
         self._kv = kv
@@ -124,7 +132,7 @@ class _KindBinding:
     def _open(self, session: ort.InferenceSession, model: LoadedModel) -> None:
         """The runner: the session, an IO binding of this binding's buffers and, when the kind is
         captured, a graph id from the kind's pool (returned when the runner is closed or dropped)."""
-        kind = self.spec.kind
+        kind = getattr(self, "key", self.spec.kind)  # the cycle's halves carry no key of their own
         captured = kind in model.graph_kinds
         self.runner = CapturedRunner(
             kind,
@@ -162,6 +170,8 @@ class _KindBinding:
         if self.gap is not None:
             b.bind_ortvalue_output("top2_gap_BS", self.gap.value)
             b.bind_ortvalue_output("hidden_BSH_out", self.hidden_out.value)
+        if self.gates is not None:
+            b.bind_ortvalue_output("exit_gates_BR", self.gates.value)
 
     def bound_objects(self) -> list[object]:
         """Every buffer this binding holds (tests assert they never change identity)."""

@@ -23,7 +23,17 @@ from loopcast.ort_runtime.loading.artifact import LoadedModel
 from loopcast.ort_runtime.loading.session_table import SessionTable
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import BATCH_KINDS, CYCLE, CYCLE_RUN, DECODE, DRAFT, PREFILL, TREE_DRAFT, TREE_KINDS
+from loopcast.manifest import (
+    BATCH_KINDS,
+    CYCLE,
+    CYCLE_RUN,
+    DECODE,
+    DRAFT,
+    PREFILL,
+    TREE_DRAFT,
+    TREE_KINDS,
+    VERIFY,
+)
 
 _PIPELINE_KINDS = (CYCLE, CYCLE_RUN)
 
@@ -84,8 +94,9 @@ class Generator:
                     dtype,
                     other[0].shared if other[0] is not None else None,
                 )
-            cls = _RowsBinding if kind in TREE_KINDS else _KindBinding
-            return cls(model.sessions[kind], manifest.graphs[kind], self._kv, model, dtype)
+            if kind in TREE_KINDS:
+                return _RowsBinding(model.sessions[kind], manifest.graphs[kind], self._kv, model, dtype)
+            return _KindBinding(model.sessions[kind], manifest.graphs[kind], self._kv, model, dtype, kind)
 
         self._kinds = _Bindings(
             [k for k in model.sessions if k not in _PIPELINE_KINDS and k not in BATCH_KINDS], bind
@@ -97,6 +108,8 @@ class Generator:
             if not pending(kind):
                 (self._cycle if kind in _PIPELINE_KINDS else self._kinds)[kind]
         self._tokens: list[int] = []  # ids whose KV is committed; len == n
+        self._depth: int | None = None  # static depth of the generation (set_depth); None: R
+        self._kv_depth = cfg.num_loops  # the fewest loops any committed token's KV was written with
         self._move = None  # CUDA: the op library's KV position copy (move_kv)
         self.clock = StepClock()  # every run's time; the gates' means and memory (step_clock.py)
 
@@ -116,17 +129,61 @@ class Generator:
             for kind in bindings.made():
                 dict.__getitem__(bindings, kind).close()
 
+    @property
+    def depth(self) -> int:
+        """The loops a prefill, decode or verify step runs (``set_depth``)."""
+        return self._depth if self._depth is not None else self.model.config.num_loops
+
+    def set_depth(self, loops: int | None) -> None:
+        """Run prefill, decode and verify steps at static depth ``loops`` (loops 0..loops-1,
+        the artifact's ``prefill@k`` graphs; None or R: every loop) until set again.
+
+        KV invariant (docs/adaptive-depth.md): a step at depth k writes loops 0..k-1's slots at
+        its positions and leaves the deeper slots as they were. A generation keeps one depth
+        from its first prompt token on, and loop j only reads slot j, so no step ever reads a
+        deeper slot that its sequence did not write at the same depth. A sequence continued at
+        a greater depth than its committed tokens were written with would read such slots:
+        refused here."""
+        R = self.model.config.num_loops
+        if self.n and (loops or R) > self._kv_depth:
+            raise RequestError(
+                f"loops={loops or R}: the {self.n} committed tokens were written at depth "
+                f"{self._kv_depth}, so their deeper loops' KV is missing; start a new sequence"
+            )
+        if loops is None or loops == R:
+            self._depth = None
+            return
+        from loopcast.vocab import depth_key
+
+        if not 1 <= loops <= R or depth_key(PREFILL, loops) not in self._kinds:
+            have = [*self.model.manifest.exit_depths, R]
+            raise RequestError(
+                f"loops must be one of {', '.join(map(str, have))} on this artifact (static depths "
+                f"with graphs, manifest exit_depths; R={R}), got {loops}"
+            )
+        self._depth = loops
+
+    def resolve(self, kind: str) -> str:
+        """The graph a step of ``kind`` runs at the generation's depth (``decode@2``, or ``kind``)."""
+        if self._depth is None or kind not in (PREFILL, DECODE, VERIFY):
+            return kind
+        return f"{kind}@{self._depth}"
+
     def rewind(self, n: int) -> None:
         """Forget everything after the first ``n`` committed tokens. Never copies KV."""
         if not 0 <= n <= self.n:
             raise RequestError(f"rewind({n}) outside 0..{self.n} (the committed length)")
         del self._tokens[n:]
+        if not n:
+            self._kv_depth = self.model.config.num_loops
 
     def commit(self, ids: list[int]) -> None:
         """Declare that the KV of ``ids`` at positions n.. has been written by a step."""
         if self.n + len(ids) > self.max_length:
             raise RequestError(f"commit past the KV capacity {self.max_length}")
         self._tokens.extend(int(t) for t in ids)
+        if ids:
+            self._kv_depth = min(self._kv_depth, self.depth)
 
     @property
     def cycle(self) -> CycleBinding | None:
@@ -142,10 +199,11 @@ class Generator:
         )
 
     def has_kind(self, kind: str) -> bool:
+        kind = self.resolve(kind)
         return kind in self._kinds or kind in self._cycle
 
     def rows(self, kind: str) -> int | None:
-        return self.model.manifest.graphs[kind].rows
+        return self.model.manifest.graphs[self.resolve(kind)].rows
 
     def kv_arrays(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of one slot's K and V buffers ``[1, H_kv, S_max, D]`` (for checks)."""
@@ -188,9 +246,10 @@ class Generator:
         ``next_ids`` is a copy; ``logits`` is a view of the bound buffer that the next step
         overwrites (``want_logits=False`` skips the device→host copy on CUDA).
         """
-        kb = self._kinds[kind]
         if kind in TREE_KINDS:
             raise RequestError(f"{kind} rows carry their own addresses: run it with run_rows()")
+        kind = self.resolve(kind)
+        kb = self._kinds[kind]
         used = len(tokens) if tokens is not None else hidden.shape[0]
         rows = kb.spec.rows or used
         if used < 1 or used > rows:
@@ -216,7 +275,7 @@ class Generator:
         kb.total.host[...] = start + rows
         kb.total.push()
         self._execute(kind, kb)
-        out_rows = 1 if kind == PREFILL else used
+        out_rows = 1 if kb.spec.kind == PREFILL else used
         next_ids = kb.next_ids.pull()[0, :out_rows].copy()
         logits = kb.logits.pull()[0, :out_rows] if want_logits or kb.logits.device == "cpu" else None
         if kind == DRAFT:
@@ -360,7 +419,7 @@ class Generator:
         """Write ``ids`` at n.. (in chunks of ``chunk`` rows if given), commit, return the next token."""
         if not ids:
             raise RequestError("prompt is empty: give at least one token")
-        if PREFILL not in self._kinds:
+        if self.resolve(PREFILL) not in self._kinds:
             raise RequestError(
                 "this model was opened without the prefill graph (kinds=...); generation needs it"
             )
@@ -371,6 +430,44 @@ class Generator:
             out = self.run(PREFILL, self.n, tokens=part, want_logits=False)
             self.commit(part)
         return int(out.next_ids[-1])
+
+    def run_exits(self, token: int, want_logits: bool = False) -> StepOutput:
+        """The exits graph at position ``n`` (writes every loop's KV there, commits nothing):
+        ``next_ids`` [R] is each loop's argmax, ``logits`` [R, V] (on request), ``gates`` [R]
+        each loop's exit-gate logit."""
+        from loopcast.vocab import GraphKind
+
+        kind = GraphKind.EXITS
+        if kind not in self._kinds:
+            raise RequestError(
+                "the exit gate needs the exits graph; this artifact has none (a looped model with an "
+                "exit gate, exported by this loopcast, has it)"
+            )
+        if self.n + 1 > self.max_length:
+            raise RequestError(f"exits at position {self.n} passes the KV capacity {self.max_length}")
+        kb = self._kinds[kind]
+        kb.ids.host[0, 0] = token
+        kb.ids.push()
+        kb.seqlens.host[0] = self.n
+        kb.seqlens.push()
+        kb.total.host[...] = self.n + 1
+        kb.total.push()
+        self._execute(kind, kb)
+        logits = kb.logits.pull()[0] if want_logits or kb.logits.device == "cpu" else None
+        return StepOutput(kb.next_ids.pull()[0].copy(), logits, gates=kb.gates.pull()[0].copy())
+
+    def fill_deeper_kv(self, position: int, exit_loop: int) -> None:
+        """KV policy last-exited: loop ``exit_loop``'s K/V at ``position`` copied into the slots of
+        the deeper loops (every core layer), so later tokens read it there."""
+        cfg = self.model.config
+        if self.model.device != "cpu":
+            raise RequestError("kv_policy 'last-exited' runs on the CPU only so far")
+        for layer in range(cfg.num_layers):
+            src_k, src_v = self._kv[cfg.core_slot(exit_loop, layer)]
+            for loop in range(exit_loop + 1, cfg.num_loops):
+                dst_k, dst_v = self._kv[cfg.core_slot(loop, layer)]
+                dst_k.host[:, :, position] = src_k.host[:, :, position]
+                dst_v.host[:, :, position] = src_v.host[:, :, position]
 
     def decode(self, token: int) -> int:
         out = self.run(DECODE, self.n, tokens=[token], want_logits=False)

@@ -16,7 +16,7 @@ from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.stats import GenerationStats
 
 from loopcast.manifest import CYCLE, CYCLE_RUN, PREFILL
-from loopcast.vocab import GraphKind
+from loopcast.vocab import parse_graph_key
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,12 @@ class Finisher:
         per_call: dict[str, int] = {CYCLE: 1, CYCLE_RUN: cycle_run}
 
         def loops(kind: str) -> int:
-            spec = graphs[GraphKind(kind)]
+            spec = graphs[kind]
             return spec.last_loop - spec.first_loop
 
-        passes = sum(n * per_call.get(k, loops(k)) for k, n in ran.items() if k != PREFILL)
+        passes = sum(
+            n * per_call.get(k, loops(k)) for k, n in ran.items() if parse_graph_key(k)[0] != PREFILL
+        )
         stats.cycles = ran.get(CYCLE, 0) + ran.get(CYCLE_RUN, 0) * per_call[CYCLE_RUN]
         if stats.cycles:
             stats.tokens_per_round = 1.0 if stats.rounds else 0.0  # a pipeline round ends with one token

@@ -41,7 +41,7 @@ class StepCosts(CostsBase):
         self.gen, self.draft_share = gen, draft_share
 
     def mean(self, kind: str) -> float | None:
-        return self.gen.clock.mean(kind)
+        return self.gen.clock.mean(self.gen.resolve(kind))  # at the generation's static depth
 
     def decode(self) -> float:
         return self.mean(DECODE) or 1e-3

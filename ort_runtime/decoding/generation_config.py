@@ -19,7 +19,7 @@ from loopcast.ort_runtime.decoding.greedy_accept import TieGuard
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 
 from loopcast.errors import RequestError
-from loopcast.vocab import GateKind, SpeculativeMode, parse
+from loopcast.vocab import GateKind, KVPolicy, SpeculativeMode, parse
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,16 @@ class GenerationConfig:
     stop_ids: tuple[int, ...] | None = None  # None: the artifact's EOS ids
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded text
     skip_special_tokens: bool = False
+    # Adaptive depth (docs/adaptive-depth.md). ``loops``: static depth, k loop applications per
+    # token (Ouro's 0-based ``exit_at_step`` = k-1); None: every loop (R), or the gate below.
+    loops: int | None = None
+    # Ouro's exit gate: exit at the first loop whose cumulative exit probability reaches
+    # ``exit_threshold`` (None: no gate), clamped to min_loops..max_loops; ``kv_policy`` says
+    # what the skipped loops leave in the KV.
+    exit_threshold: float | None = None
+    min_loops: int | None = None
+    max_loops: int | None = None
+    kv_policy: KVPolicy = KVPolicy.FULL
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -86,6 +96,45 @@ class GenerationConfig:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        self._check_depth()
+
+    def _check_depth(self) -> None:
+        object.__setattr__(self, "kv_policy", parse(KVPolicy, self.kv_policy, "kv_policy"))
+        for name in ("loops", "min_loops", "max_loops"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise RequestError(f"{name} must be a positive integer (loop applications), got {value!r}")
+        q = self.exit_threshold
+        if q is not None:
+            if (
+                isinstance(q, bool)
+                or not isinstance(q, (int, float))
+                or not (math.isfinite(q) and 0.0 < q <= 1.0)
+            ):
+                raise RequestError(f"exit_threshold must be in (0, 1], got {q!r}")
+            object.__setattr__(self, "exit_threshold", float(q))
+            if self.loops is not None:
+                raise RequestError(
+                    "give either loops (a static depth) or exit_threshold (the exit gate), not both"
+                )
+        elif self.min_loops is not None or self.max_loops is not None:
+            raise RequestError(
+                "min_loops and max_loops clamp the exit gate: they need exit_threshold",
+                parameter="min_loops" if self.min_loops is not None else "max_loops",
+            )
+        elif self.kv_policy is not KVPolicy.FULL:
+            raise RequestError(
+                f"kv_policy {self.kv_policy.value!r} applies to the exit gate: it needs exit_threshold"
+            )
+        if self.min_loops is not None and self.max_loops is not None and self.min_loops > self.max_loops:
+            raise RequestError(
+                f"min_loops {self.min_loops} exceeds max_loops {self.max_loops}", parameter="min_loops"
+            )
+
+    @property
+    def gated(self) -> bool:
+        """Whether the exit gate picks each token's depth."""
+        return self.exit_threshold is not None
 
     @property
     def sampled(self) -> bool:
@@ -117,6 +166,14 @@ class GenerationConfig:
                     spec_changes[self._SPECULATION_KEYWORDS[name]] = value
             elif name in fields:
                 own[name] = value
+            elif name == "use_weighted_exit" and value:
+                raise RequestError(
+                    "use_weighted_exit (logits averaged under the exit distribution) is not supported; "
+                    "use exit_threshold (the token of the exit loop) or loops=k",
+                    parameter="use_weighted_exit",
+                )
+            elif name == "use_weighted_exit":
+                continue
             else:
                 known = sorted(fields | set(self._SPECULATION_KEYWORDS))
                 raise RequestError(f"unknown generation option {name!r}; known: {', '.join(known)}")

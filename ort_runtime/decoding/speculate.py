@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
+from loopcast.ort_runtime.decoding.exits import ExitGate, GatedAcceptor
 from loopcast.ort_runtime.decoding.finish import Finisher, FinishRule
 from loopcast.ort_runtime.decoding.gates import (
     DECODE_ROUND,
@@ -67,7 +68,7 @@ from loopcast.ort_runtime.decoding.verifiers import DraftTail, TreeTail, VerifyR
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DECODE
-from loopcast.vocab import GateKind, SpeculativeMode
+from loopcast.vocab import GateKind, GraphKind, SpeculativeMode
 
 __all__ = ["GenerationConfig", "GenerationStats", "SpeculationConfig", "require_exact", "stream"]
 
@@ -191,6 +192,38 @@ def _plan_pipeline(
     return _Plan(drafter, strategy, 1, 1)
 
 
+def _set_depth(gen: Generator, config: GenerationConfig) -> None:
+    """The generation's static depth (``loops``) on the generator, or a refusal of what does
+    not compose with it: self-speculation and the pipeline verify at full depth (their tails and
+    lanes run loops d..R-1), prompt lookup verifies at depth k (``verify@k``) and composes."""
+    R = gen.model.config.num_loops
+    loops = config.loops
+    if config.gated:
+        if config.speculation.mode != SpeculativeMode.NONE or config.sampled:
+            raise RequestError(
+                "exit_threshold runs greedy plain decoding so far: drop speculative and the "
+                "sampling options, or use loops=k (which composes with prompt lookup)",
+                parameter="exit_threshold",
+            )
+        if not gen.has_kind(GraphKind.EXITS):
+            raise RequestError(
+                "exit_threshold needs the exits graph, which this artifact lacks (a looped model "
+                "with an exit gate, such as Ouro, exported by this loopcast)",
+                parameter="exit_threshold",
+            )
+    if loops is not None and not 1 <= loops <= R:
+        raise RequestError(f"loops must be in 1..{R} (the model's loops), got {loops}")
+    shallow = loops is not None and loops < R
+    mode = config.speculation.mode
+    if shallow and mode in (SpeculativeMode.SELF, SpeculativeMode.PIPELINE):
+        raise RequestError(
+            f"speculative mode {mode.value!r} verifies at full depth (loops {R}); with loops={loops} "
+            "use speculative='prompt-lookup' or none",
+            parameter="loops",
+        )
+    gen.set_depth(loops)
+
+
 def require_exact(gen: Generator, allow_inexact: bool) -> None:
     """Speculation only where the artifact declares verify rows == decode rows on this device,
     unless the caller accepts tokens that may differ from plain decoding."""
@@ -251,11 +284,14 @@ def stream(
                 "reproducible; use gate hit-density or always with a seed (or drop the seed)",
                 parameter="gate",
             )
+    elif config.gated:
+        chosen = GatedAcceptor(ExitGate.of(config, gen.model.config.num_loops))
     else:
         chosen = GreedyAcceptor(spec.tie_guard)
     if not ids:
         raise RequestError("prompt is empty: give at least one token")
     gen.validate_ids(ids)
+    _set_depth(gen, config)
     plan = _plan(gen, spec, sampled, proposer, verifier)
     stats.prompt_tokens = len(ids)
     stats.speculative = (
@@ -268,10 +304,23 @@ def stream(
     if config.max_new_tokens == 0:
         finish("length")
         return
+    stats.kv_policy = config.kv_policy.value if config.gated else ""
     try:
         yield from _Engine(gen, spec, plan, stats, chosen, costs).run(ids, finish)
     finally:
         finish.abandoned()
+        _depth_stats(stats, chosen.loops if isinstance(chosen, GatedAcceptor) else None, gen.depth)
+
+
+def _depth_stats(stats: GenerationStats, loops: list[int] | None, depth: int) -> None:
+    """The exit-depth histogram (loops a token was read at -> tokens) and the mean."""
+    emitted = stats.new_tokens
+    loops = loops[:emitted] if loops is not None else [depth] * emitted
+    histogram: dict[int, int] = {}
+    for k in loops:
+        histogram[k] = histogram.get(k, 0) + 1
+    stats.exit_histogram = dict(sorted(histogram.items()))
+    stats.mean_loops = round(sum(loops) / len(loops), 4) if loops else 0.0
 
 
 class _RoundClock:

@@ -37,6 +37,11 @@ class GenerationStats:
     alternate_discarded: int = 0  # rounds the primary chain passed the fork (or broke before it)
     fork_misses: int = 0  # rounds whose fork had neither branch's token right
     alternate_tokens: int = 0  # tokens gained: branch tokens committed past the primary's
+    # adaptive depth (docs/adaptive-depth.md): loops each new token was read at -> tokens, the
+    # mean, and the gate's KV policy ("" without the gate)
+    exit_histogram: dict[int, int] = field(default_factory=dict)
+    mean_loops: float = 0.0
+    kv_policy: str = ""
     steps: dict[str, int] = field(default_factory=dict)
     step_seconds: dict[str, float] = field(default_factory=dict)
 

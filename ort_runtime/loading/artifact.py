@@ -62,7 +62,7 @@ from loopcast.manifest import (
     Manifest,
     resolve_inside,
 )
-from loopcast.vocab import OpSet
+from loopcast.vocab import GraphKind, OpSet, depth_key, parse_graph_key
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
@@ -366,17 +366,20 @@ def open_artifact(
             except ArtifactError as exc:  # e.g. a node left on the CPU: run this kind eagerly
                 fallbacks[kind] = str(exc)
         eager.append(kind)
+    # The static-depth graphs (prefill@k, ...) and the exits graph run only when a request asks
+    # for a depth: they are checked when a generation first makes their session, not at every load.
+    checked = [kind for kind in deferred if parse_graph_key(kind)[1] is None and kind != GraphKind.EXITS]
     if device == "cpu" and len(eager) > 1:
         # Session creation is mostly weight prepacking, which ORT does with the GIL released:
         # one thread per session and core (2 cores: 1.32 s -> 0.72 s for two 513 MiB sessions).
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=min(len(eager) + len(deferred), os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(eager) + len(checked), os.cpu_count() or 1)) as pool:
             made = dict(zip(eager, pool.map(lambda k: make_session(k, False), eager)))
-            list(pool.map(lambda k: make_session(k, False, check_only=True), deferred))
+            list(pool.map(lambda k: make_session(k, False, check_only=True), checked))
     else:
         made = {kind: make_session(kind, False) for kind in eager}
-        for kind in deferred:
+        for kind in checked:
             make_session(kind, False, check_only=True)
     sessions.update(made)
     if VERIFY in shared and LOGIT_ROWS not in {
@@ -387,12 +390,13 @@ def open_artifact(
             "(exported by an older loopcast); re-export the artifact"
         )
     for kind, host in shared.items():
-        sessions[kind] = sessions[host]
-    sessions = SessionTable(
-        {kind: sessions[kind] for kind in wanted if kind in sessions},
-        {kind: (lambda k=kind: make_session(k, False)) for kind in deferred},
-        wanted,
-    )
+        if host in sessions:
+            sessions[kind] = sessions[host]
+    factories = {kind: (lambda k=kind: make_session(k, False)) for kind in deferred}
+    # a kind sharing a deferred host's session (decode@k on prefill@k's) is made with it
+    factories |= {kind: (lambda h=host: table[h]) for kind, host in shared.items() if host not in sessions}
+    table = SessionTable({kind: sessions[kind] for kind in wanted if kind in sessions}, factories, wanted)
+    sessions = table
     tokenizer = None
     tokenizer_file = (
         resolve_inside(path, "tokenizer.json", "tokenizer") if (path / "tokenizer.json").exists() else None
@@ -430,11 +434,14 @@ def uses_shared_initializers(manifest: Manifest, device: str, share_weights: boo
 
 def _deferred_kinds(kinds: list[str], shared: dict[str, str]) -> list[str]:
     """The kinds whose CPU session waits for first use: those only speculation runs (plain
-    decoding and prompt lookup need prefill, decode and verify), each with its own session."""
+    decoding and prompt lookup need prefill, decode and verify), each with its own session, and
+    the static-depth graphs (only a generation at that depth runs them)."""
     return [
         kind
         for kind in kinds
-        if kind not in (PREFILL, DECODE, VERIFY) and kind not in shared and kind not in BATCH_KINDS
+        if (kind not in (PREFILL, DECODE, VERIFY) or parse_graph_key(kind)[1] is not None)
+        and kind not in shared
+        and kind not in BATCH_KINDS
     ]
 
 
@@ -444,24 +451,27 @@ def _cpu_shared_sessions(manifest: Manifest, kinds: list[str]) -> dict[str, str]
     last ``logit_rows`` rows is the identity when it is fed the kind's row count). Every session
     holds its own prepacked copy of the weights (ORT's Python API cannot share one), so one
     session fewer is one copy fewer."""
-    if PREFILL not in kinds:
-        return {}
-    prefill = manifest.graphs[PREFILL]
+    hosts = {}
+    for key in kinds:
+        kind, depth = parse_graph_key(key)
+        host = PREFILL if depth is None else depth_key(PREFILL, depth)
+        if kind in (DECODE, VERIFY) and host in kinds and _same_computation(manifest, host, key):
+            hosts[key] = host
+    return hosts
 
-    def same(kind: str) -> bool:
-        spec = manifest.graphs[kind]
-        return (
-            prefill.rows is None
-            and spec.rows is not None
-            and prefill.first_loop == spec.first_loop
-            and prefill.last_loop == spec.last_loop
-            and list(prefill.kv_slots) == list(spec.kv_slots)
-            and set(prefill.inputs) == set(spec.inputs)
-            and set(prefill.outputs) == set(spec.outputs)
-        )
 
+def _same_computation(manifest: Manifest, host: str, kind: str) -> bool:
     # verify runs on prefill's session through prefill's LOGIT_ROWS input (graphs/kinds.py)
-    return {kind: PREFILL for kind in (DECODE, VERIFY) if kind in kinds and same(kind)}
+    prefill, spec = manifest.graphs[host], manifest.graphs[kind]
+    return (
+        prefill.rows is None
+        and spec.rows is not None
+        and prefill.first_loop == spec.first_loop
+        and prefill.last_loop == spec.last_loop
+        and list(prefill.kv_slots) == list(spec.kv_slots)
+        and set(prefill.inputs) == set(spec.inputs)
+        and set(prefill.outputs) == set(spec.outputs)
+    )
 
 
 def _check_cuda_custom_ops(path: Path, manifest: Manifest, library: Path) -> None:

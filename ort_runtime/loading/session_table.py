@@ -30,7 +30,7 @@ class SessionTable(Mapping):
         self._made = dict(made)
         self._deferred = dict(deferred or {})
         self._order = list(order) if order is not None else [*self._made, *self._deferred]
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a shared kind's factory looks up its host (decode@k: prefill@k)
 
     def __getitem__(self, kind: str) -> ort.InferenceSession:
         session = self._made.get(kind)

@@ -102,6 +102,13 @@ def test_math_field_is_read(model_type, field, value):
         ("llama", "torch_dtype", "float16", lambda c: c.torch_dtype == "float16"),
         ("ouro", "total_ut_steps", 4, lambda c: c.num_loops == 4),
         ("ouro", "early_exit_threshold", 1.0, lambda c: c.num_loops == 3),
+        # the exit gate's default threshold (docs/adaptive-depth.md), kept through the manifest
+        (
+            "ouro",
+            "early_exit_threshold",
+            0.9,
+            lambda c: c.early_exit_threshold == 0.9 and c.to_hf_dict()["early_exit_threshold"] == 0.9,
+        ),
     ],
 )
 def test_field_sets_the_config(model_type, field, value, check):
@@ -145,7 +152,7 @@ REFUSED = [
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("ouro", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window=8"),
     ("ouro", {"attention_bias": True}, "attention_bias"),
-    ("ouro", {"early_exit_threshold": 0.9}, "early_exit_threshold 0.9"),
+    ("ouro", {"early_exit_threshold": 1.5}, "early_exit_threshold must be a number in (0, 1], got 1.5"),
     ("llama", {"early_exit_threshold": 1.0}, "'early_exit_threshold' is not understood"),
     ("qwen2", {"attention_bias": True}, "'attention_bias' is not understood"),
     ("mistral", {"mlp_bias": True}, "'mlp_bias' is not understood"),

@@ -152,7 +152,12 @@ def test_cli_export_and_inspect(tmp_path: Path) -> None:
     pipeline = (
         {"cycle", "cycle_run"} if manifest["op_set"] != "stock" else set()
     )  # stock ops: no row-addressed attention
-    assert set(manifest["graphs"]) == {"prefill", "decode", "verify", "draft", "verify_tail"} | pipeline
+    depths = {f"{kind}@{k}" for k in manifest["exit_depths"] for kind in ("prefill", "decode", "verify")}
+    assert manifest["exit_depths"] == list(range(1, manifest["model"]["total_ut_steps"]))
+    assert (
+        set(manifest["graphs"])
+        == {"prefill", "decode", "verify", "draft", "verify_tail", "exits"} | pipeline | depths
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "loopcast.cli", "inspect", str(out)], capture_output=True, text=True
     )

@@ -14,7 +14,7 @@ from loopcast.exporter.reference import KVCache
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.loading.artifact import open_artifact
 
-from loopcast.manifest import Manifest
+from loopcast.manifest import SCHEMA_VERSION, Manifest
 from loopcast.quant import QuantScheme, WeightFormat
 from tests.artifacts import checkpoint, dequantized_reference, quantized_artifact
 
@@ -81,7 +81,7 @@ def test_graphs_match_the_reference_on_dequantized_weights(name: str, scheme: Qu
     model = dequantized_reference(name, scheme)
     path = quantized_artifact(name, scheme)
     manifest = Manifest.read(path)
-    assert manifest.quantization == scheme and manifest.schema_version == 4
+    assert manifest.quantization == scheme and manifest.schema_version == SCHEMA_VERSION
     loaded = open_artifact(path)
     gen = Generator(loaded)
     cfg, W = model.config, manifest.verify_width

@@ -35,9 +35,11 @@ def test_decode_and_verify_on_prefill_session_are_bit_identical(name, kw) -> Non
     path = artifact(name, **kw)
     shared = open_artifact(path, "cpu")
     own = open_artifact(path, "cpu", kinds=(DECODE, VERIFY))  # no prefill: each kind its own session
-    assert shared.shared_sessions == {DECODE: PREFILL, VERIFY: PREFILL}
+    depths = shared.manifest.exit_depths  # static-depth graphs share their own prefill@k's session
+    hosted = {f"{kind}@{k}": f"prefill@{k}" for k in depths for kind in ("decode", "verify")}
+    assert shared.shared_sessions == {DECODE: PREFILL, VERIFY: PREFILL, **hosted}
     assert shared.sessions[DECODE] is shared.sessions[PREFILL] is shared.sessions[VERIFY]
-    assert len({id(s) for s in shared.sessions.values()}) == len(shared.sessions) - 2
+    assert len({id(s) for s in shared.sessions.values()}) == len(shared.sessions) - 2 - 2 * len(depths)
     assert own.shared_sessions == {} and own.sessions[DECODE] is not own.sessions[VERIFY]
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     decoded = _decode_logits(shared, prompt, 12)
@@ -88,7 +90,7 @@ def test_cuda_keeps_one_session_per_kind() -> None:
     from loopcast.manifest import Manifest
 
     manifest = Manifest.read(artifact("demo"))
-    assert _cpu_shared_sessions(manifest, list(manifest.graphs)) == {DECODE: PREFILL, VERIFY: PREFILL}
+    assert _cpu_shared_sessions(manifest, [PREFILL, DECODE, VERIFY]) == {DECODE: PREFILL, VERIFY: PREFILL}
     assert _cpu_shared_sessions(manifest, [DECODE, VERIFY]) == {}
 
 
