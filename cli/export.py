@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from loopcast.errors import ExportError
 from loopcast.vocab import OpSet, choices
 
 
@@ -123,6 +124,8 @@ def export(
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
 
+    _refuse_contradictions(ops, batch_invariant, target, quantize)
+
     from loopcast.manifest import BATCH_KINDS
     from loopcast.quant import quant_scheme_from_options
 
@@ -155,3 +158,18 @@ def export(
         f"wrote {out_dir}: {kinds}; dtype {manifest.dtype}, max length {manifest.max_length}, "
         f"ops {manifest.op_set}, exact speculation on {exact}{genai_note}"
     )
+
+
+def _refuse_contradictions(ops: str, batch_invariant: bool, target: str, quantize: str | None) -> None:
+    """Flags that ask for two op sets are refused, not resolved behind the user's back:
+    ``--batch-invariant`` and ``--target cuda`` both mean ``--ops loopcast``."""
+    if batch_invariant and ops not in ("auto", OpSet.LOOPCAST):
+        raise ExportError(f"--batch-invariant means --ops loopcast; it contradicts --ops {ops}")
+    if target == "cuda" and ops not in ("auto", OpSet.LOOPCAST):
+        raise ExportError(
+            f"--target cuda builds the loopcast ops (--ops loopcast); it contradicts --ops {ops}"
+        )
+    if target == "cuda" and quantize is not None:
+        raise ExportError(
+            "--quantize writes MatMulNBits, which runs on the CPU here; it contradicts --target cuda"
+        )

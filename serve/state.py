@@ -24,6 +24,7 @@ from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest, S
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.text.streamer import TextStreamer
 from loopcast.serve import SERVED_MODES
+from loopcast.serve.limits import DEFAULT_MAX_BODY_BYTES
 
 from loopcast.errors import RequestError
 from loopcast.vocab import SpeculativeMode, parse
@@ -40,9 +41,19 @@ class ServeOptions:
     model_name: str | None = None  # default: the artifact directory's name
     speculative: SpeculativeMode = SpeculativeMode.NONE  # default per request, one of SERVED_MODES
     cuda_graphs: bool = False  # capture the batched kinds per width on CUDA (opt-in)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get HTTP 413
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", served_mode(self.speculative))
+        if (
+            isinstance(self.max_body_bytes, bool)
+            or not isinstance(self.max_body_bytes, int)
+            or self.max_body_bytes < 1
+        ):
+            raise RequestError(
+                f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}",
+                parameter="max_body_bytes",
+            )
 
 
 @dataclass
