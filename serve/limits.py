@@ -66,19 +66,26 @@ async def off_loop(func: Callable[..., T], *args: Any) -> T:
 
 def lone_surrogate_at(value: object, where: str = "") -> str | None:
     """The dotted field (``messages.0.content``) of the first string in ``value`` that holds a lone
-    surrogate, or None. Keys are checked too; nesting is bounded by the JSON parser's own depth."""
+    surrogate, or None. Keys are checked too (a bad key is named with its surrogates escaped, so
+    the answer itself is valid UTF-8); nesting is bounded by the JSON parser's own depth."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return where or "body"
-        return None
+        return None if _encodable(value) else (where or "body")
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        field = f"{where}.{key}" if where else str(key)
-        if isinstance(key, str) and lone_surrogate_at(key) is not None:
+        bad_key = isinstance(key, str) and not _encodable(key)
+        name = key.encode("utf-8", "backslashreplace").decode() if bad_key else str(key)
+        field = f"{where}.{name}" if where else name
+        if bad_key:
             return field
         found = lone_surrogate_at(item, field)
         if found is not None:
             return found
     return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
