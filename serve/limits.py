@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from loopcast.errors import RequestError
@@ -70,10 +70,12 @@ def lone_surrogate_at(value: object, where: str = "") -> str | None:
     the answer itself is valid UTF-8); nesting is bounded by the JSON parser's own depth."""
     if isinstance(value, str):
         return None if _encodable(value) else (where or "body")
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    items: Iterable[tuple[Any, Any]] = (
+        value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    )
     for key, item in items:
         bad_key = isinstance(key, str) and not _encodable(key)
-        name = key.encode("utf-8", "backslashreplace").decode() if bad_key else str(key)
+        name = str(key).encode("utf-8", "backslashreplace").decode() if bad_key else str(key)
         field = f"{where}.{name}" if where else name
         if bad_key:
             return field
