@@ -206,7 +206,8 @@ def _validated(data: bytes, kind: type[BaseModel]) -> BaseModel | JSONResponse:
     if where is not None:
         return _error(400, f"invalid request: {where}: not valid UTF-8 text (a lone surrogate)", param=where)
     try:
-        return kind.model_validate(raw)
+        # strict, as OpenAI's API: true is not a token id, 16.0 not a max_tokens (ints pass as floats)
+        return kind.model_validate(raw, strict=True)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
 

@@ -23,6 +23,7 @@ from loopcast.ort_runtime.api import LoopcastModel, load
 from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest, SequentialEngine
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.text.streamer import TextStreamer
+from loopcast.ort_runtime.text.utf8 import checked_text
 from loopcast.serve import SERVED_MODES
 from loopcast.serve.limits import DEFAULT_MAX_BODY_BYTES
 
@@ -45,6 +46,8 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", served_mode(self.speculative))
+        if self.model_name is not None:
+            checked_text(self.model_name, "model_name")  # it is in every response
         if (
             isinstance(self.max_body_bytes, bool)
             or not isinstance(self.max_body_bytes, int)

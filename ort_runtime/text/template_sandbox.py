@@ -21,6 +21,7 @@ jinja2 is imported only when a template is compiled.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -77,7 +78,7 @@ class _Budget:
             raise self.fail(f"ran longer than {self.limits.max_seconds:g} s")
 
     def sized(self, value: object) -> object:
-        if isinstance(value, (str, bytes, list, tuple)) and len(value) > self.limits.max_chars:
+        if _weight(value, self.limits.max_chars) > self.limits.max_chars:
             raise self.fail(f"built a value of more than {self.limits.max_chars} characters or items")
         return value
 
@@ -91,6 +92,22 @@ class _Budget:
         for item in iterable:
             self.step()
             yield item
+
+
+def _weight(value: object, limit: int) -> int:
+    """Characters and items in ``value`` (strings inside lists counted), up to just past ``limit``:
+    what joining, printing or serializing it would cost."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if not isinstance(value, (list, tuple)):
+        return 0
+    total = len(value)
+    for item in value:
+        if total > limit:
+            break
+        if isinstance(item, (str, bytes, list, tuple)):
+            total += _weight(item, limit - total)
+    return total
 
 
 def render_bounded(template, limits: RenderLimits, **variables) -> str:
@@ -157,7 +174,7 @@ def compile_template(source: str, origin: str, limits: RenderLimits):
             if operator == "*":
                 for seq, times in ((left, right), (right, left)):
                     if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
-                        if len(seq) * max(times, 0) > limits.max_chars:
+                        if _weight(seq, limits.max_chars) * max(times, 0) > limits.max_chars:
                             raise budget.fail(
                                 f"multiplies a sequence of {len(seq)} by {times} (past "
                                 f"{limits.max_chars} characters or items)"
@@ -195,6 +212,7 @@ def compile_template(source: str, origin: str, limits: RenderLimits):
         # filters whose integer arguments size their output (|center(10**9))
         inner = jinja2.filters.FILTERS[name]
 
+        @functools.wraps(inner)  # keeps jinja2's pass_environment mark (truncate, wordwrap)
         def checked(value, *args, **kwargs):
             if name == "format" and isinstance(value, str):
                 budget.widths(value, "formats")

@@ -53,6 +53,20 @@ TEMPLATES = [
     ),
     case("api", "bounded-work", "one-20MB-product", "{{ 'x' * 20000000 }}", "multiplies a sequence"),
     case("api", "bounded-work", "list-product", "{{ ([1] * 100000000)|length }}", "multiplies a sequence"),
+    case(
+        "api",
+        "bounded-work",
+        "join-of-big-strings",
+        "{{ (['x' * 4000000] * 4000000)|join }}",
+        "multiplies a sequence",
+    ),
+    case(
+        "api",
+        "bounded-work",
+        "list-of-big-strings-grows",
+        "{% set a = ['x' * 3000000] %}{% set b = a + a %}{{ b|join|length }}",
+        "built a value",
+    ),
     case("api", "bounded-work", "huge-power", "{{ 2 ** 100000000 }}", "to the power"),
     case(
         "api",
@@ -136,6 +150,18 @@ def test_messages_that_render_past_the_size_limit_are_refused(tmp_path) -> None:
     assert small.render([{"role": "user", "content": "y" * 999}]) == "y" * 999
     with pytest.raises(RequestError, match="rendered more than 1000 characters"):
         small.render([{"role": "user", "content": "y" * 1001}])
+
+
+def test_the_width_checked_filters_still_work(tmp_path) -> None:
+    source = (
+        "{{ 'hello world foo'|truncate(9) }}|{{ 'aaa bbb'|wordwrap(3) }}|{{ 'x'|center(3) }}|"
+        "{{ [1, 2, 3]|batch(2)|list }}|{{ [1, 2, 3]|slice(2)|list }}|{{ 'a\nb'|indent(2) }}|"
+        "{{ '%s-%d'|format('a', 1) }}"
+    )
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    assert _template(tmp_path, source).render(HI) == plain.render(messages=HI, add_generation_prompt=True)
 
 
 def test_ordinary_templates_render_many_messages_within_the_limits(tmp_path) -> None:

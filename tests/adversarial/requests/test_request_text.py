@@ -5,6 +5,7 @@ stdin, a lone surrogate in a Python ``str`` or spelled in a JSON string (``"\\ud
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -34,6 +35,14 @@ CLI_ROWS = [
     case("cli", C, "stdin-bytes", ["--prompt", "-"], "--prompt -: cannot read stdin", stdin=b"ab\xffcd"),
     case("cli", C, "stdin-truncated-utf8", ["--prompt", "-"], "cannot read stdin", stdin="é".encode()[:1]),
     case("cli", C, "prompt-file-bytes", ["--prompt-file", "{file}"], "--prompt-file", file=b"\xfe\xff"),
+    case(
+        "cli",
+        C,
+        "serve-model-name",
+        ["--model-name", BAD_ARG],
+        "--model-name is not valid UTF-8",
+        command="serve",
+    ),
 ]
 
 
@@ -43,9 +52,16 @@ def test_cli_text(row, adversarial_artifact, tmp_path) -> None:
     if "file" in row.extra:
         (tmp_path / "p.txt").write_bytes(row.extra["file"])
         args = [a.replace("{file}", str(tmp_path / "p.txt")) for a in args]
-    result = invoke(
-        "generate", adversarial_artifact, *args, "--max-new-tokens", "2", input=row.extra.get("stdin")
-    )
+    if row.extra.get("command") == "serve":
+        pytest.importorskip("fastapi")
+        pytest.importorskip("uvicorn")
+        with socket.socket() as taken:  # should the name pass, the taken port ends the command
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            result = invoke("serve", adversarial_artifact, *args, "--port", taken.getsockname()[1])
+    else:
+        stdin = row.extra.get("stdin")
+        result = invoke("generate", adversarial_artifact, *args, "--max-new-tokens", "2", input=stdin)
     assert_one_error_line(result, row.expect)
 
 
