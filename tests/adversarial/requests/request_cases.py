@@ -1,10 +1,10 @@
-"""The request-side adversarial table: one row per (entry point, category, case).
+r"""The request-side adversarial table: one row per (entry point, category, case).
 
 Each test module of this folder lists its rows with :func:`case` and parametrizes over them, so
 ``pytest --collect-only -q tests/adversarial`` lists every case by id
-(``entry/category/name``) and :func:`count` totals them per category. A row is data: what to
-send and the fragment the one clean refusal must contain; the module's test says how to send it
-through the entry point's public interface (the CLI's ``main``, the Python API, HTTP), and
+(``entry/category/name``; ``| grep -o '\[[a-z]*/[a-z0-9-]*/' | sort | uniq -c`` counts them per
+entry point and category). A row is data: what to send and the fragment the one clean refusal
+must contain; the module's test says how to send it through the entry point's public interface (the CLI's ``main``, the Python API, HTTP), and
 asserts the refusal's form (one ``error:`` line and exit 2; a ``LoopcastError`` naming the
 parameter; a 4xx OpenAI error object) and that nothing hung.
 
@@ -21,7 +21,6 @@ Categories (the closing note of a pass counts cases per category):
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,10 +61,6 @@ def params(cases: Iterable[Case]) -> list:
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), [i for i in ids if ids.count(i) > 1]
     return [pytest.param(c, id=c.id) for c in cases]
-
-
-def count(cases: Iterable[Case]) -> Counter:
-    return Counter(c.category for c in cases)
 
 
 def client(state, **app_options):
