@@ -4,9 +4,10 @@ Each test module of this folder lists its rows with :func:`case` and parametrize
 ``pytest --collect-only -q tests/adversarial`` lists every case by id
 (``entry/category/name``; ``| grep -o '\[[a-z]*/[a-z0-9-]*/' | sort | uniq -c`` counts them per
 entry point and category). A row is data: what to send and the fragment the one clean refusal
-must contain; the module's test says how to send it through the entry point's public interface (the CLI's ``main``, the Python API, HTTP), and
-asserts the refusal's form (one ``error:`` line and exit 2; a ``LoopcastError`` naming the
-parameter; a 4xx OpenAI error object) and that nothing hung.
+must contain; the module's test says how to send it through the entry point's public interface
+(the CLI's ``main``, the Python API, HTTP), and asserts the refusal's form (one ``error:`` line
+and exit 2; a ``LoopcastError`` naming the parameter; a 4xx OpenAI error object) and that
+nothing hung.
 
 Categories (the closing note of a pass counts cases per category):
 
