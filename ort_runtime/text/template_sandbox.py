@@ -33,8 +33,11 @@ from loopcast.errors import ArtifactError, RequestError
 
 _GUARD_FILTER = "loopcast_counted"  # wraps every for-loop's iterable (added by the AST pass)
 _SIZE_FILTER = "loopcast_sized"  # wraps every ~ concatenation
-_CHECK_EVERY = 256
-_NUMBER = re.compile(r"[0-9]+")  # steps between two looks at the clock
+_CHECK_EVERY = 256  # steps between two looks at the clock
+# the width and precision of a printf-style field (%10.3f, %(name)5s) and a str.format spec ({:>10})
+_PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*([0-9]*)(?:\.([0-9]*))?[a-zA-Z%]")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+_NUMBER = re.compile(r"[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -82,11 +85,16 @@ class _Budget:
             raise self.fail(f"built a value of more than {self.limits.max_chars} characters or items")
         return value
 
-    def widths(self, fmt: str, what: str) -> None:
-        """A format string whose field widths or precisions would exceed the size limit."""
-        for digits in _NUMBER.findall(fmt):
+    def widths(self, fmt: str, braces: bool = False) -> None:
+        """A format string (printf-style, or str.format's with ``braces``) whose field widths or
+        precisions would exceed the size limit; other numbers in its text do not count."""
+        if braces:
+            numbers = [n for spec in _BRACE_SPEC.findall(fmt) for n in _NUMBER.findall(spec)]
+        else:
+            numbers = [n for field in _PERCENT_FIELD.findall(fmt) for n in field if n]
+        for digits in numbers:
             if len(digits) > 12 or int(digits) > self.limits.max_chars:
-                raise self.fail(f"{what} with a width of {digits}")
+                raise self.fail(f"formats with a width of {digits}")
 
     def counted(self, iterable: Iterable) -> Iterator:
         for item in iterable:
@@ -170,7 +178,11 @@ def compile_template(source: str, origin: str, limits: RenderLimits):
         def call_binop(self, context, operator, left, right):
             budget.step()
             if operator == "%" and isinstance(left, str):
-                budget.widths(left, "formats")
+                budget.widths(left)
+                if "*" in left:  # a width taken from the arguments: '%*s' % (10**9, 'x')
+                    for value in right if isinstance(right, tuple) else (right,):
+                        if isinstance(value, int) and value > limits.max_chars:
+                            raise budget.fail(f"formats with a width of {value}")
             if operator == "*":
                 for seq, times in ((left, right), (right, left)):
                     if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
@@ -189,7 +201,7 @@ def compile_template(source: str, origin: str, limits: RenderLimits):
             if getattr(value, "__name__", None) in ("format", "format_map"):
                 owner = getattr(value, "__self__", None)
                 if isinstance(owner, str):
-                    budget.widths(owner, "formats")
+                    budget.widths(owner, braces=True)
             return super().wrap_str_format(value)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
@@ -215,7 +227,7 @@ def compile_template(source: str, origin: str, limits: RenderLimits):
         @functools.wraps(inner)  # keeps jinja2's pass_environment mark (truncate, wordwrap)
         def checked(value, *args, **kwargs):
             if name == "format" and isinstance(value, str):
-                budget.widths(value, "formats")
+                budget.widths(value)
             for arg in (*args, *kwargs.values()):
                 if isinstance(arg, int) and not isinstance(arg, bool) and arg > limits.max_chars:
                     raise budget.fail(f"asks |{name} for a width of {arg}")

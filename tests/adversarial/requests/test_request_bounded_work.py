@@ -95,6 +95,8 @@ TEMPLATES = [
     case("api", "bounded-work", "ljust-1e9", "{{ 'x'.ljust(1000000000) }}", "calls ljust"),
     case("api", "bounded-work", "center-filter-1e9", "{{ 'x'|center(1000000000) }}", "width of"),
     case("api", "bounded-work", "percent-width-1e9", "{{ '%1000000000s' % 'x' }}", "width of"),
+    case("api", "bounded-work", "star-width-1e9", "{{ '%*s' % (1000000000, 'x') }}", "width of"),
+    case("api", "bounded-work", "nested-format-width", "{{ '{0:{1}}'.format('x', 1000000000) }}", "calls"),
     case("api", "bounded-work", "format-width-1e9", "{{ '{:>1000000000}'.format('x') }}", "width of"),
     case("api", "bounded-work", "format-filter-1e9", "{{ '%1000000000s'|format('x') }}", "width of"),
     case(
@@ -153,7 +155,11 @@ def test_messages_that_render_past_the_size_limit_are_refused(tmp_path) -> None:
 
 
 def test_the_width_checked_filters_still_work(tmp_path) -> None:
+    # numbers in a format string's text are not widths; small widths format as jinja2 does
     source = (
+        "{{ 'build 20261202: %s' % 'x' }}|{{ 'on 20261202 {}'.format('y') }}|"
+        "{{ '%5.2f|%-3d|%%' % (1.5, 2) }}|"
+        "{{ '%*s' % (3, 'z') }}|{{ '{0:{1}}'.format('w', 4) }}|"
         "{{ 'hello world foo'|truncate(9) }}|{{ 'aaa bbb'|wordwrap(3) }}|{{ 'x'|center(3) }}|"
         "{{ [1, 2, 3]|batch(2)|list }}|{{ [1, 2, 3]|slice(2)|list }}|{{ 'a\nb'|indent(2) }}|"
         "{{ '%s-%d'|format('a', 1) }}"
