@@ -118,6 +118,10 @@ def bench(
         raise RequestError(
             f"unknown preset {checkpoint!r}; choose from {', '.join('preset:' + name for name in PRESETS)}"
         )
+    if not checkpoint.startswith("preset:"):
+        from loopcast.exporter.checkpoint import resolve_checkpoint
+
+        resolve_checkpoint(checkpoint)  # a missing path: one error line, before any other output
     # Checked before anything is exported: a CPU-only install refuses --device cuda at once.
     device = check_device(device) if device is not None else default_device()
     work_dir = work_dir if work_dir is not None else cache_root() / "bench" / "work"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from loopcast.errors import RequestError
+from loopcast.errors import ExportError, RequestError
 from loopcast.vocab import OpSet, choices
 
 
@@ -133,6 +133,8 @@ def export(
     """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
 
+    _refuse_contradictions(ops, batch_invariant, target, quantize)
+
     from loopcast.manifest import BATCH_KINDS
     from loopcast.quant import quant_scheme_from_options
 
@@ -178,3 +180,14 @@ def _exit_depths(text: str) -> tuple[int, ...] | None:
         return tuple(int(part) for part in text.replace(" ", ",").split(",") if part)
     except ValueError:
         raise RequestError(f"--exit-depths must be all, none or depths like 2,3; got {text!r}") from None
+
+
+def _refuse_contradictions(ops: str, batch_invariant: bool, target: str, quantize: str | None) -> None:
+    """Flags that ask for two op sets are refused, not resolved behind the user's back:
+    ``--batch-invariant`` and ``--target cuda`` both mean ``--ops loopcast``."""
+    if batch_invariant and ops not in ("auto", OpSet.LOOPCAST):
+        raise ExportError(f"--batch-invariant means --ops loopcast; it contradicts --ops {ops}")
+    if target == "cuda" and ops not in ("auto", OpSet.LOOPCAST):
+        raise ExportError(
+            f"--target cuda builds the loopcast ops (--ops loopcast); it contradicts --ops {ops}"
+        )

@@ -9,11 +9,13 @@ from loopcast.cli.options import (
     CLI_MODES,
     depth_options,
     depth_params,
+    given,
     prompt_options,
     prompt_source,
     sampling_options,
     sampling_params,
 )
+from loopcast.ort_runtime.text.utf8 import checked_text
 
 from loopcast.errors import RequestError
 from loopcast.vocab import GateKind, SpeculativeMode, choices
@@ -145,6 +147,8 @@ def generate(
     source = prompt_source(prompt, prompt_file, prompt_ids, chat, system)
     if any(not s for s in stop):  # GenerationConfig drops empty stops; on the command line one is a typo
         raise RequestError(f"--stop strings must be non-empty, got {list(stop)!r}")
+    for s in stop:
+        checked_text(s, "stop")
     from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 
     # The keyword form is the flags' own names: an error names the keyword, cli/flags.py the flag.
@@ -161,6 +165,7 @@ def generate(
         alternate_gap=alternate_gap,
         **depth_params(loops, exit_threshold, min_loops, max_loops, kv_policy),
     )
+    refuse_contradictions(click.get_current_context())  # after the values' own checks
     if backend == "torch":
         result = _generate_with_torch(path, source, config, device)
     else:
@@ -184,6 +189,42 @@ def generate(
         )
     else:
         click.echo()
+
+
+# Flags that only mean something with a speculative mode: given without it, they are refused
+# rather than silently ignored.
+_SPECULATION_FLAGS = {
+    "num_draft_tokens": ("--num-draft-tokens", None),
+    "gate": ("--gate", None),
+    "allow_inexact": ("--allow-inexact", None),
+    "draft_depth": ("--draft-depth", None),
+    "pipeline_exit": ("--pipeline-exit", SpeculativeMode.PIPELINE),
+    "alternate_gap": ("--alternate-gap", SpeculativeMode.SELF),
+}
+_SAMPLING_SHAPERS = ("top_k", "top_p", "min_p", "repetition_penalty")
+_ORT_ONLY = ("threads", "trust_ops", "draft_depth")
+
+
+def refuse_contradictions(ctx: click.Context) -> None:
+    """One line for a combination of flags where one would silently lose (``--num-draft-tokens``
+    without speculation, ``--top-p`` at ``--temperature 0``, ``--threads`` on the torch backend)."""
+    params = ctx.params
+    mode = SpeculativeMode(params["speculative"])
+    for name, (flag, needs) in _SPECULATION_FLAGS.items():
+        if not given(ctx, name):
+            continue
+        if mode == SpeculativeMode.NONE:
+            raise RequestError(f"{flag} goes with --speculative (this run does not speculate)")
+        if needs is not None and mode != needs:
+            raise RequestError(f"{flag} goes with --speculative {needs.value}, not {mode.value}")
+    if params.get("temperature") == 0:
+        shaped = [f"--{n.replace('_', '-')}" for n in _SAMPLING_SHAPERS if params.get(n) is not None]
+        if shaped:
+            raise RequestError(f"{shaped[0]} shapes sampling, but --temperature 0 is greedy; drop one")
+    if params["backend"] == "torch":
+        ort = [f"--{n.replace('_', '-')}" for n in _ORT_ONLY if given(ctx, n)]
+        if ort:
+            raise RequestError(f"{ort[0]} is an ONNX Runtime option; --backend torch does not take it")
 
 
 def _generate_with_torch(path: str, source, config, device: str) -> dict:

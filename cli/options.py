@@ -57,6 +57,12 @@ prompt_options = stack(
 )
 
 
+def given(ctx: click.Context, name: str) -> bool:
+    """Whether the user gave option ``name`` (on the command line or its environment variable)."""
+    source = ctx.get_parameter_source(name)
+    return source in (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+
+
 def prompt_source(
     prompt: str | None,
     prompt_file: Path | None,
@@ -91,6 +97,16 @@ def prompt_source(
     return PromptSource(text=read_prompt(prompt, prompt_file))
 
 
+def _valid_text(text: str, where: str) -> str:
+    """Command-line text holds undecodable bytes as lone surrogates (Python's surrogateescape)."""
+    from loopcast.ort_runtime.text.utf8 import checked_text
+
+    try:
+        return checked_text(text, "prompt")
+    except RequestError as exc:
+        raise RequestError(f"{where} {str(exc).removeprefix('prompt ')}", parameter="prompt") from None
+
+
 def parse_ids(text: str) -> list[int]:
     """Token ids separated by commas ("1,2,3", "1, 2, 3") or by whitespace ("1 2 3"). A piece
     that is not one integer (e.g. "1 2,3": is it 1,2,3 or 12,3?) is refused, never guessed."""
@@ -107,16 +123,19 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     """--prompt TEXT, --prompt - (stdin) or --prompt-file PATH → the prompt text."""
     try:
         if prompt_file is not None:
-            return prompt_file.read_text(encoding="utf-8")
+            return _valid_text(prompt_file.read_text(encoding="utf-8"), f"--prompt-file {prompt_file}")
         if prompt == "-":
-            return sys.stdin.read()
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+            return _valid_text(
+                data.decode("utf-8") if isinstance(data, bytes) else data, "--prompt - (stdin)"
+            )
     except (OSError, UnicodeDecodeError) as exc:
         raise RequestError(
             f"--prompt-file {prompt_file}: cannot read it ({exc})"
             if prompt_file is not None
-            else f"--prompt -: cannot read stdin ({exc})"
+            else f"--prompt -: cannot read stdin as UTF-8 text ({exc})"
         ) from None
-    return prompt
+    return _valid_text(prompt, "--prompt") if prompt is not None else None
 
 
 sampling_options = stack(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 from loopcast.serve import SERVED_MODES
+from loopcast.serve.limits import DEFAULT_MAX_BODY_BYTES
 
 from loopcast.vocab import SpeculativeMode
 
@@ -19,7 +20,7 @@ Examples:
 @click.command(epilog=_SERVE_EPILOG)
 @click.argument("artifact")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option(
     "--max-batch",
@@ -52,7 +53,14 @@ Examples:
     help="Capture the batched graphs per batch width on CUDA (opt-in; eager otherwise).",
 )
 @click.option("--model-name", default=None, help="Name in the API (default: the artifact directory's name).")
-@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BODY_BYTES,
+    show_default=True,
+    help="Largest request body accepted; larger ones get HTTP 413 (checked before and while reading).",
+)
 @click.option("--trust-ops", is_flag=True, help="Load the artifact's op library even if not built here.")
 @click.option("--ray", "use_ray", is_flag=True, help="Run as a Ray Serve application (docs/serving.md).")
 @click.option(
@@ -86,6 +94,7 @@ def serve(
     cuda_graphs: bool,
     model_name: str | None,
     threads: int | None,
+    max_body_bytes: int,
     trust_ops: bool,
     use_ray: bool,
     replicas: int,
@@ -108,7 +117,16 @@ def serve(
             "--max-waiting and --replicas must be >= 0 and 1 <= --min-replicas <= --max-replicas"
         )
     options = ServeOptions(
-        device, max_batch, max_waiting, sequential, threads, trust_ops, model_name, speculative, cuda_graphs
+        device,
+        max_batch,
+        max_waiting,
+        sequential,
+        threads,
+        trust_ops,
+        model_name,
+        speculative,
+        cuda_graphs,
+        max_body_bytes=max_body_bytes,
     )
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     if use_ray:

@@ -25,6 +25,7 @@ from collections.abc import Generator as TokenStream
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.decoding.speculate import GenerationStats, stream
@@ -32,6 +33,7 @@ from loopcast.ort_runtime.loading.artifact import LoadedModel, open_artifact
 from loopcast.ort_runtime.text.chat import ChatTemplate, load_chat_template
 from loopcast.ort_runtime.text.stopping import artifact_eos_ids, trim_at_stop
 from loopcast.ort_runtime.text.streamer import TextStreamer
+from loopcast.ort_runtime.text.utf8 import checked_text
 
 from loopcast.errors import RequestError
 from loopcast.vocab import GraphKind, SpeculativeMode
@@ -106,12 +108,15 @@ class LoopcastModel:
     def new_generator(self) -> Generator:
         return Generator(self.loaded)
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of ``prompt``: text through the tokenizer, or ids checked as ids (integers in
+        the vocabulary; floats, bools, bytes and strings are refused, never converted)."""
         if isinstance(prompt, str):
+            checked_text(prompt, "prompt")
             if self.tokenizer is None:
                 raise RequestError(f"{self.loaded.path}: no tokenizer.json; pass token ids")
             return self.tokenizer.encode(prompt).ids
-        return [int(t) for t in prompt]
+        return _token_ids(prompt, self.config.vocab_size)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str | None:
         return (
@@ -144,7 +149,9 @@ class LoopcastModel:
             )
         if self.tokenizer is None:
             raise RequestError(f"{self.loaded.path}: no tokenizer.json; a chat prompt needs the tokenizer")
-        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = checked_text(
+            template.render(messages, add_generation_prompt=add_generation_prompt), "messages"
+        )
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _prompt_ids(self, prompt, messages) -> list[int]:
@@ -191,7 +198,7 @@ class LoopcastModel:
             return stream(gen, ids, config, stats=stats, proposer=proposer)
 
         if generator is not None:
-            return run(generator)
+            return run(self._own(generator))
         pooled = self._pool.take()
         try:
             pooled.rewind(0)
@@ -228,6 +235,22 @@ class LoopcastModel:
         if "stop" in options and options["stop"] is None:
             options["stop"] = ()
         return GenerationConfig.from_options(config, **options)
+
+    def _own(self, generator: object) -> Generator:
+        """``generator`` if it is one of this model's (its KV buffers and sessions are this
+        model's), else a RequestError: a generator of another loaded model would run that one."""
+        if not isinstance(generator, Generator):
+            raise RequestError(
+                f"generator must be a Generator (model.new_generator()), got {type(generator).__name__}",
+                parameter="generator",
+            )
+        if generator.model is not self.loaded:
+            raise RequestError(
+                f"generator belongs to another loaded model ({generator.model.path}); make one with "
+                "this model's new_generator()",
+                parameter="generator",
+            )
+        return generator
 
     def _returning(self, tokens: TokenIds, pooled: Generator) -> TokenIds:
         try:
@@ -313,6 +336,27 @@ class LoopcastModel:
         )
         decoded = self.decode(tokens, config.skip_special_tokens)
         return GenerationResult(tokens, decoded, stats.finish_reason, stats)
+
+
+def _token_ids(prompt: object, vocab: int) -> list[int]:
+    if isinstance(prompt, (bytes, bytearray, memoryview)) or not isinstance(prompt, (Sequence, np.ndarray)):
+        raise RequestError(
+            f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}", parameter="prompt"
+        )
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+            raise RequestError(
+                f"prompt token ids must be a 1-D integer array, got {prompt.dtype} {prompt.shape}",
+                parameter="prompt",
+            )
+        prompt = prompt.tolist()
+    ids: Sequence = prompt  # type: ignore[assignment]  # a Sequence or an array's list, checked above
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise RequestError(f"prompt token ids must be integers, got {t!r:.40}", parameter="prompt")
+        if not 0 <= t < vocab:
+            raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab})", parameter="prompt")
+    return [int(t) for t in ids]
 
 
 def _finish_on_stop(stats: GenerationStats, start: float) -> None:

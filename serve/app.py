@@ -6,9 +6,11 @@
     POST /v1/chat/completions    messages through the artifact's chat template -> assistant message
 
 Every refusal is a JSON error in OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``: malformed JSON or fields 400, an unknown model 404, a prompt longer than the KV
-capacity 400 (``context_length_exceeded``), a full queue 503. Unexpected failures are 500 with
-the same shape; nothing a client sends can crash the server. Extensions (vLLM-style): a
+"code"}}`` (serve/errors.py): malformed JSON or fields 400 (text that is not valid UTF-8
+included), an unknown model 404, a prompt longer than the KV capacity 400
+(``context_length_exceeded``), a body past ``--max-body-bytes`` 413 (``request_too_large``,
+serve/limits.py), an unknown route 404 and a wrong method 405, a full queue 503. Unexpected
+failures are 500 with the same shape; nothing a client sends can crash the server. Extensions (vLLM-style): a
 request may ask for ``return_token_ids`` (token ids in each choice), ``skip_special_tokens``
 (default true, as ``loopcast generate``), ``ignore_eos``, ``top_k``/``min_p``/``repetition_penalty``
 and ``speculative`` (one of ``SERVED_MODES``: "none" | "prompt-lookup"); a response's
@@ -30,6 +32,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from loopcast.ort_runtime.batching.engine import CapacityError
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.serve import SERVED_MODES
+from loopcast.serve.errors import error_response as _error
+from loopcast.serve.errors import install_http_errors
+from loopcast.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, lone_surrogate_at, off_loop, read_body
 from loopcast.serve.state import ServingState, TextResult
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -112,19 +117,11 @@ class ChatRequest(_Common):
     logprobs: bool = Field(default=False, le=False)
 
 
-def _error(
-    status: int,
-    message: str,
-    kind: str = "invalid_request_error",
-    *,
-    param: str | None = None,
-    code: str | None = None,
-) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
-
-
-def create_app(state: ServingState, *, close_on_shutdown: bool = True) -> FastAPI:
-    """The app over ``state``; on shutdown it drains the engine unless someone else owns it (Ray)."""
+def create_app(
+    state: ServingState, *, close_on_shutdown: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
+    """The app over ``state``; on shutdown it drains the engine unless someone else owns it (Ray).
+    Request bodies past ``max_body_bytes`` are refused (413, serve/limits.py)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -134,6 +131,7 @@ def create_app(state: ServingState, *, close_on_shutdown: bool = True) -> FastAP
             state.close()
 
     app = FastAPI(title="loopcast", lifespan=lifespan)
+    install_http_errors(app)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -151,15 +149,14 @@ def create_app(state: ServingState, *, close_on_shutdown: bool = True) -> FastAP
 
     async def parse(request: Request, kind: type[BaseModel]):
         try:
-            raw = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-            return _error(400, f"request body is not valid JSON ({exc})")
-        if not isinstance(raw, dict):
-            return _error(400, "request body must be a JSON object")
-        try:
-            body = kind.model_validate(raw)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
+            data = await read_body(request, max_body_bytes)
+        except BodyTooLarge as exc:
+            return _error(413, str(exc), code="request_too_large")
+        except RequestError as exc:
+            return _error(400, str(exc))
+        body = await off_loop(_validated, data, kind)  # parsing a large body is CPU work
+        if isinstance(body, JSONResponse):
+            return body
         if body.model != state.name:
             return _error(
                 404,
@@ -197,14 +194,33 @@ def create_app(state: ServingState, *, close_on_shutdown: bool = True) -> FastAP
     return app
 
 
+def _validated(data: bytes, kind: type[BaseModel]) -> BaseModel | JSONResponse:
+    """The request ``kind`` in ``data``, or the 400 that refuses it (runs off the event loop)."""
+    try:
+        raw = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        return _error(400, f"request body is not valid JSON ({exc})")
+    if not isinstance(raw, dict):
+        return _error(400, "request body must be a JSON object")
+    where = lone_surrogate_at(raw)
+    if where is not None:
+        return _error(400, f"invalid request: {where}: not valid UTF-8 text (a lone surrogate)", param=where)
+    try:
+        # strict, as OpenAI's API: true is not a token id, 16.0 not a max_tokens (ints pass as floats)
+        return kind.model_validate(raw, strict=True)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
 async def _respond(state: ServingState, body: _Common, *, chat: bool, route: str):
     start = time.perf_counter()
     try:
+        # tokenizing and rendering the chat template are CPU work: off the event loop
         if chat:
-            ids = state.chat_ids([m.model_dump(exclude_none=True) for m in body.messages])
+            ids = await off_loop(state.chat_ids, [m.model_dump(exclude_none=True) for m in body.messages])
             max_tokens = body.max_completion_tokens or body.max_tokens
         else:
-            ids = state.prompt_ids(body.single_prompt())
+            ids = await off_loop(state.prompt_ids, body.single_prompt())
             max_tokens = body.max_tokens or 16  # OpenAI's default for completions
         max_tokens = max_tokens or state.max_length - len(ids)
         state.check_fits(ids, max_tokens)

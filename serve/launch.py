@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from loopcast.serve.state import ServeOptions
 
-from loopcast.errors import LoopcastError
+from loopcast.errors import LoopcastError, RequestError
 
 
 @dataclass(frozen=True)
@@ -44,20 +44,53 @@ def serve_uvicorn(artifact: str, options: ServeOptions, host: str, port: int, lo
     from loopcast.serve.app import create_app
     from loopcast.serve.state import open_serving
 
-    state = open_serving(artifact, options)
+    sock = listening_socket(host, port)  # before loading: a taken port fails at once, one line
+    try:
+        state = open_serving(artifact, options)
+    except BaseException:
+        sock.close()
+        raise
     log(f"serving '{state.name}' from {artifact}: {state.mode}; http://{host}:{port}/v1")
     config = uvicorn.Config(
         # uvicorn's conventional logging: start-up, one access line per request, shutdown
-        create_app(state),
+        create_app(state, max_body_bytes=options.max_body_bytes),
         host=host,
         port=port,
         log_level="info",
         timeout_graceful_shutdown=30,
     )
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         state.close(5.0)
+
+
+def listening_socket(host: str, port: int):
+    """A socket bound to ``host:port`` for uvicorn to serve on, or a RequestError naming ``port``
+    (in use, not permitted, no such address): the failure is the CLI's one ``error:`` line, not
+    uvicorn's log lines and exit status. Binding here, not in uvicorn, leaves no window between
+    the check and the bind."""
+    import socket
+
+    if not 1 <= port <= 65535:
+        raise RequestError(f"port must be in 1..65535, got {port}", parameter="port")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise RequestError(f"--host {host!r}: not an address to listen on ({exc})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise RequestError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc})", parameter="port"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def free_port() -> int:

@@ -25,12 +25,13 @@ class LoopcastReplica:
     def __init__(self, artifact: str, options: dict) -> None:
         from loopcast.serve.state import open_serving
 
-        self.state = open_serving(artifact, ServeOptions(**options))
+        self.options = ServeOptions(**options)
+        self.state = open_serving(artifact, self.options)
 
     def __serve_build_asgi_app__(self):
         from loopcast.serve.app import create_app
 
-        return create_app(self.state, close_on_shutdown=False)
+        return create_app(self.state, close_on_shutdown=False, max_body_bytes=self.options.max_body_bytes)
 
     def __del__(self) -> None:
         state = getattr(self, "state", None)

@@ -23,7 +23,9 @@ from loopcast.ort_runtime.api import LoopcastModel, load
 from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest, SequentialEngine
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.text.streamer import TextStreamer
+from loopcast.ort_runtime.text.utf8 import checked_text
 from loopcast.serve import SERVED_MODES
+from loopcast.serve.limits import DEFAULT_MAX_BODY_BYTES
 
 from loopcast.errors import RequestError
 from loopcast.vocab import SpeculativeMode, parse
@@ -40,9 +42,21 @@ class ServeOptions:
     model_name: str | None = None  # default: the artifact directory's name
     speculative: SpeculativeMode = SpeculativeMode.NONE  # default per request, one of SERVED_MODES
     cuda_graphs: bool = False  # capture the batched kinds per width on CUDA (opt-in)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get HTTP 413
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", served_mode(self.speculative))
+        if self.model_name is not None:
+            checked_text(self.model_name, "model_name")  # it is in every response
+        if (
+            isinstance(self.max_body_bytes, bool)
+            or not isinstance(self.max_body_bytes, int)
+            or self.max_body_bytes < 1
+        ):
+            raise RequestError(
+                f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}",
+                parameter="max_body_bytes",
+            )
 
 
 @dataclass

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from loopcast.ort_runtime.decoding.greedy_accept import TieGuard
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
+from loopcast.ort_runtime.text.utf8 import checked_text
 
 from loopcast.errors import RequestError
 from loopcast.vocab import GateKind, KVPolicy, SpeculativeMode, parse
@@ -40,6 +43,19 @@ class SpeculationConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", parse(SpeculativeMode, self.mode, "speculative"))
         object.__setattr__(self, "gate", parse(GateKind, self.gate, "gate"))
+        for name in ("min_ngram", "max_ngram", "pipeline_exit"):
+            _integer(getattr(self, name), name)
+        for name in ("allow_inexact", "pipeline_device_lanes"):
+            _flag(getattr(self, name), name)
+        if self.num_draft_tokens is not None:
+            _integer(self.num_draft_tokens, "num_draft_tokens")
+        if self.alternate_gap is not None and (
+            isinstance(self.alternate_gap, bool) or not isinstance(self.alternate_gap, (int, float))
+        ):
+            raise RequestError(
+                f"alternate_gap must be a number in (0, 1], got {self.alternate_gap!r}",
+                parameter="alternate_gap",
+            )
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise RequestError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -54,7 +70,9 @@ class SpeculationConfig:
         ):
             raise RequestError(f"alternate_gap must be in (0, 1], got {self.alternate_gap}")
         if not isinstance(self.tie_guard, TieGuard):
-            raise RequestError(f"tie_guard must be a TieGuard, got {type(self.tie_guard).__name__}")
+            raise RequestError(
+                f"tie_guard must be a TieGuard, got {type(self.tie_guard).__name__}", parameter="tie_guard"
+            )
 
 
 @dataclass(frozen=True)
@@ -79,10 +97,11 @@ class GenerationConfig:
     kv_policy: KVPolicy = KVPolicy.FULL
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise RequestError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+        _integer(self.max_new_tokens, "max_new_tokens")
         if self.max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise RequestError(
+                f"max_new_tokens must be >= 0, got {self.max_new_tokens}", parameter="max_new_tokens"
+            )
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise RequestError(
                 f"sampling must be a SamplingParams or None, got {type(self.sampling).__name__}"
@@ -92,10 +111,28 @@ class GenerationConfig:
                 f"speculation must be a SpeculationConfig, got {type(self.speculation).__name__}"
             )
         if self.stop_ids is not None:
-            object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+            if isinstance(self.stop_ids, (str, bytes)) or not isinstance(self.stop_ids, Iterable):
+                raise RequestError(
+                    f"stop_ids must be a sequence of token ids, got {self.stop_ids!r:.60}",
+                    parameter="stop_ids",
+                )
+            ids = tuple(self.stop_ids)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
+                    raise RequestError(
+                        f"stop_ids must be token ids (integers >= 0), got {t!r}", parameter="stop_ids"
+                    )
+            object.__setattr__(self, "stop_ids", tuple(int(t) for t in ids))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.stop, bytes) or not isinstance(self.stop, Iterable):
+            raise RequestError(f"stop must be strings, got {self.stop!r:.60}", parameter="stop")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise RequestError(f"stop must be strings, got {s!r:.60}", parameter="stop")
+            checked_text(s, "stop")
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        _flag(self.skip_special_tokens, "skip_special_tokens")
         self._check_depth()
 
     def _check_depth(self) -> None:
@@ -187,3 +224,14 @@ class GenerationConfig:
         if not isinstance(base, GenerationConfig):
             raise RequestError(f"config must be a GenerationConfig, got {type(base).__name__}")
         return base.replace(**options)
+
+
+def _integer(value: object, name: str) -> None:
+    """``value`` is an integer (a bool or a float such as 1.5 is not), else a RequestError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise RequestError(f"{name} must be an integer, got {value!r:.60}", parameter=name)
+
+
+def _flag(value: object, name: str) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise RequestError(f"{name} must be True or False, got {value!r:.60}", parameter=name)

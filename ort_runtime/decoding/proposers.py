@@ -262,11 +262,11 @@ class UserProposer(ProposerBase):
     ``drafts_hidden`` (the documented user protocol, module doc); inside the engine the
     adapter's own ``caps`` say what it offers."""
 
-    def __init__(self, inner, vocab_size: int) -> None:
+    def __init__(self, inner, vocab_size: int, hidden_size: int | None = None) -> None:
         declared = {name: getattr(inner, name, None) for name in _USER_PROTOCOL}
         if not callable(declared["propose"]):
-            raise RequestError(f"proposer {inner!r} has no propose(context, k) method")
-        self.inner, self.vocab_size = inner, vocab_size
+            raise RequestError(f"proposer {inner!r} has no propose(context, k) method", parameter="proposer")
+        self.inner, self.vocab_size, self.hidden_size = inner, vocab_size, hidden_size
         self.name = str(declared["name"] or type(inner).__name__)
         self.caps = ProposerCaps(
             drafts_hidden=bool(declared["drafts_hidden"]), free_guess=bool(declared["free_guess"])
@@ -274,20 +274,62 @@ class UserProposer(ProposerBase):
         self._advance = declared["advance"] if callable(declared["advance"]) else None
         self._reset = declared["reset"] if callable(declared["reset"]) else None
 
+    def _refuse(self, what: str) -> RequestError:
+        return RequestError(f"proposer {self.name!r} {what}", parameter="proposer")
+
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         raw = self.inner.propose(list(context), k)
-        proposal = raw if isinstance(raw, Proposal) else Proposal([int(t) for t in (raw or [])])
-        tokens = proposal.tokens[:k]
-        if any(not 0 <= t < self.vocab_size for t in tokens):
-            raise RequestError(
-                f"proposer {self.name!r} offered a token outside the vocabulary [0, {self.vocab_size})"
+        if raw is None:
+            raw = []
+        if isinstance(raw, Proposal):
+            tokens_in, hidden_in = raw.tokens, raw.hidden
+        elif isinstance(raw, (list, tuple)) or (isinstance(raw, np.ndarray) and raw.ndim == 1):
+            tokens_in, hidden_in = raw, None
+        else:
+            raise self._refuse(
+                f"returned {type(raw).__name__}; propose(context, k) returns a list of token ids "
+                "(or a Proposal)"
             )
-        if self.caps.drafts_hidden and (proposal.hidden is None or len(proposal.hidden) < len(tokens) + 1):
-            raise RequestError(
-                f"proposer {self.name!r} declares drafts_hidden but gave no hidden state per row"
-            )
-        hidden = proposal.hidden[: len(tokens) + 1] if proposal.hidden is not None else None
+        tokens = self._token_ids(tokens_in)[:k]
+        if self.caps.drafts_hidden:
+            hidden_in = self._hidden(hidden_in, len(tokens))
+        hidden = hidden_in[: len(tokens) + 1] if hidden_in is not None else None
         return Proposal(tokens, hidden)
+
+    def _token_ids(self, raw) -> list[int]:
+        if isinstance(raw, np.ndarray):
+            if raw.ndim != 1 or not np.issubdtype(raw.dtype, np.integer):
+                raise self._refuse(f"offered an array of {raw.dtype} {raw.shape}; token ids are integers")
+            raw = raw.tolist()
+        if not isinstance(raw, (list, tuple)):
+            raise self._refuse(f"offered tokens as {type(raw).__name__}; token ids come as a list")
+        for t in raw:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise self._refuse(f"offered {t!r} ({type(t).__name__}); token ids are integers")
+            if not 0 <= t < self.vocab_size:
+                raise self._refuse(f"offered a token outside the vocabulary [0, {self.vocab_size})")
+        return [int(t) for t in raw]
+
+    def _hidden(self, hidden, drafts: int):
+        """The depth-d states a ``drafts_hidden`` proposer owes: [drafts + 1, H] floating point."""
+        if hidden is None:
+            raise self._refuse("declares drafts_hidden but gave no hidden state per row")
+        if not isinstance(hidden, np.ndarray) or not np.issubdtype(hidden.dtype, np.floating):
+            raise self._refuse(
+                f"gave hidden states as {type(hidden).__name__}"
+                + (f" of {hidden.dtype}" if isinstance(hidden, np.ndarray) else "")
+                + "; they are a floating-point numpy array [drafts + 1, hidden]"
+            )
+        width = self.hidden_size
+        if hidden.ndim != 2 or len(hidden) < drafts + 1 or (width is not None and hidden.shape[1] != width):
+            raise self._refuse(
+                f"gave hidden states of shape {hidden.shape}; {drafts} drafts need "
+                f"[{drafts + 1}, {width if width is not None else 'hidden'}] (one row per pending token "
+                "and draft)"
+            )
+        if not np.isfinite(hidden[: drafts + 1]).all():
+            raise self._refuse("gave hidden states that are not finite")
+        return hidden
 
     def advance(self, committed: Sequence[int]) -> None:
         if self._advance is not None:

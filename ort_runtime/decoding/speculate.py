@@ -112,7 +112,11 @@ def _plan(
     if spec.alternate_gap is not None and proposer is None:
         chosen = AlternateDraftProposer(spec.alternate_gap)
     elif proposer is not None:
-        chosen = proposer if isinstance(proposer, _BUILTIN_PROPOSERS) else UserProposer(proposer, vocab)
+        chosen = (
+            proposer
+            if isinstance(proposer, _BUILTIN_PROPOSERS)
+            else UserProposer(proposer, vocab, gen.model.config.hidden_size)
+        )
         if mode == SpeculativeMode.SELF and not chosen.caps.drafts_hidden:
             raise RequestError(
                 "speculative mode 'self' takes a proposer that drafts depth-d states "

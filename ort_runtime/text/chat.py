@@ -10,7 +10,8 @@ underscore names, and a ``tojson`` filter that does not HTML-escape — and with
 tokens (``bos_token``, ``eos_token``, …) as variables. The rendered text is tokenized without
 adding special tokens (the template places them), as transformers does.
 
-A template is untrusted code from the artifact: the sandbox is what makes rendering it safe.
+A template is untrusted code from the artifact: the sandbox is what makes rendering it safe, and
+its work (steps, time, output size) is bounded by ``RenderLimits`` (ort_runtime/text/template_sandbox.py).
 jinja2 is imported only when a template is rendered.
 """
 
@@ -19,8 +20,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
+
+from loopcast.ort_runtime.text.template_sandbox import RenderLimits, compile_template, render_bounded
+from loopcast.ort_runtime.text.utf8 import check_texts, checked_text
 
 from loopcast.errors import ArtifactError, RequestError
 
@@ -43,18 +46,27 @@ class ChatTemplate:
     origin: str  # the file it came from (for messages)
     special_tokens: Mapping[str, str] = field(default_factory=dict)
 
+    limits: RenderLimits = field(default_factory=RenderLimits)
+
     def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True, **variables) -> str:
-        """The prompt text for ``messages``; ``variables`` reach the template (e.g. tools=None)."""
+        """The prompt text for ``messages``; ``variables`` reach the template (e.g. tools=None).
+        The rendering's work is bounded by ``limits`` (ort_runtime/text/template_sandbox.py)."""
         chat = _checked_messages(messages)
-        template = _compile(self.source, self.origin)
+        template = compile_template(self.source, self.origin, self.limits)
         import jinja2
 
         try:
-            return template.render(
+            return render_bounded(
+                template,
+                self.limits,
                 messages=chat,
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **variables},
             )
+        except RecursionError:
+            raise RequestError(
+                f"{self.origin}: the chat template recursed too deeply", parameter="messages"
+            ) from None
         except jinja2.TemplateError as exc:
             raise RequestError(f"{self.origin}: the chat template refused these messages ({exc})") from None
 
@@ -92,6 +104,10 @@ def chat_messages(user: Sequence[str], system: str | None = None) -> list[dict]:
     """The CLI's messages: an optional system message, then each ``--chat`` as a user turn."""
     if not user:
         raise RequestError("--chat needs at least one user message")
+    if system is not None:
+        checked_text(system, "system")
+    for text in user:
+        checked_text(text, "chat")
     return ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": text} for text in user
     ]
@@ -116,64 +132,7 @@ def _checked_messages(messages) -> list[dict]:
             raise RequestError(
                 f"each message must be a dict with a string 'role' and a 'content', got {m!r:.80}"
             )
+        check_texts(m, "messages")
         # transformers drops None-valued keys: templates test for a missing key, not for None
         chat.append({k: v for k, v in m.items() if v is not None})
     return chat
-
-
-def _compile(source: str, origin: str):
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationBlock(Extension):
-        # transformers marks assistant spans with {% generation %}; here it renders its body.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    class Namespace(jinja2.utils.Namespace):
-        # no underscore attributes: keeps templates away from Python internals
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["namespace"] = Namespace
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ArtifactError(
-            f"{origin}: chat template does not parse (line {exc.lineno}: {exc.message})"
-        ) from None
