@@ -119,6 +119,8 @@ class Manifest:
     max_batch: int | None = None
     # weight-only block quantization of the projections (and maybe the head); None: float weights
     quantization: QuantScheme | None = None
+    # what the weights were exported from: "safetensors" (a Hugging Face directory) or "gguf"
+    source_format: str = "safetensors"
 
     @property
     def device_lengths(self) -> bool:
