@@ -158,11 +158,10 @@ def _check_quantized(opts: ExportOptions) -> None:
 
 
 def _check_half_precision_runs(opts: ExportOptions) -> None:
-    """fp16/bf16 artifacts run on CUDA only (the CPU execution provider has no fp16/bf16
-    GroupQueryAttention; the CPU runs fp32, or int8/int4 weights). Asked for with the default op
-    set on an install that cannot run CUDA, the artifact would only fail at load: refused here.
-    An explicit --ops or --target cuda says the artifact is for another machine's GPU."""
-    if opts.dtype == "fp32" or opts.op_set != "auto":
+    """fp16/bf16 artifacts run on CUDA only (the CPU runs fp32, or int8/int4 weights): asked for
+    with the default op set on an install without CUDA, one would only fail at load. An explicit
+    --ops or --target cuda means another machine's GPU; --genai's graph runs in CPU GenAI."""
+    if opts.dtype == "fp32" or opts.op_set != "auto" or opts.genai:
         return
     from loopcast.devices import cuda_available
 

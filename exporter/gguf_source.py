@@ -185,8 +185,11 @@ class GGUFSource:
                 kind = BlockType(int(t.tensor_type))
             except ValueError:
                 type_name = getattr(t.tensor_type, "name", t.tensor_type)
+                hint = ""
+                if name in ("output.weight", "token_embd.weight"):  # llama-quantize's K-quant default
+                    hint = " (llama-quantize --output-tensor-type q8_0 --token-embedding-type q8_0 avoids it)"
                 raise CheckpointError(
-                    f"{self.path}: tensor {name} has type {type_name}; loopcast reads {SUPPORTED_TYPES}"
+                    f"{self.path}: tensor {name} has type {type_name}; loopcast reads {SUPPORTED_TYPES}{hint}"
                 ) from None
             if kind.bits is not None:  # ggml's shape is [K, N]: N rows of K/32 blocks
                 data = t.data.reshape(int(np.prod(t.shape[1:])), -1, kind.block_bytes)

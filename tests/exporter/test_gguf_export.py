@@ -34,9 +34,9 @@ PROMPT = [5, 17, 42, 9, 33, 2, 71]
 
 
 @cache
-def _gguf(name: str, qtype: str, head_type: str | None = None) -> Path:
-    out = scratch_root() / f"{name}-{qtype}-{head_type}.gguf"
-    return write_gguf(checkpoint(name), TINY_MODELS[name], out, qtype, head_type)
+def _gguf(name: str, qtype: str, head_type: str | None = None, embed_type: str = "F32") -> Path:
+    out = scratch_root() / f"{name}-{qtype}-{head_type}-{embed_type}.gguf"
+    return write_gguf(checkpoint(name), TINY_MODELS[name], out, qtype, head_type, embed_type)
 
 
 @cache
@@ -93,27 +93,27 @@ def test_unpermute_undoes_llama_cpp_permute() -> None:
     assert not np.array_equal(permute(w, 4), w)
 
 
-def test_q8_0_gguf_equals_the_safetensors_int8_export() -> None:
+@pytest.mark.parametrize("name,embed", [(LLAMA, "F32"), (QWEN2, "Q8_0")])
+def test_q8_0_gguf_equals_the_safetensors_int8_export(name: str, embed: str) -> None:
     """Q8_0's grid is our int8 RTN grid: the same weights from safetensors quantized with
-    --quantize int8 --block-size 32 give the same codes and scales, so the same tokens."""
-    g = _gguf(LLAMA, "Q8_0")
-    from_gguf = _export(str(g), "llama-q8")
+    --quantize int8 --block-size 32 give the same codes and scales, so the same tokens (a
+    tied Q8_0 embedding: a float Gather of its values and an int8 head of its blocks)."""
+    g = _gguf(name, "Q8_0", embed_type=embed)
+    from_gguf = _export(str(g), f"{name}-q8")
     manifest = Manifest.read(from_gguf)
     assert manifest.source_format == "gguf" and manifest.quantization.method is QuantMethod.GGUF
-    assert (
-        manifest.quantization.layers is WeightFormat.INT8 and manifest.quantization.head is WeightFormat.INT8
-    )
-    deq = dequantized_checkpoint(g, TINY_MODELS[LLAMA], scratch_root() / "deq-llama-q8")
-    scheme = QuantScheme(WeightFormat.INT8, 32, True, WeightFormat.INT8)
-    from_st = _export(str(deq), "llama-q8-st", ExportOptions(quantization=scheme))
+    assert manifest.quantization.layers is WeightFormat.INT8
+    deq = dequantized_checkpoint(g, TINY_MODELS[name], scratch_root() / f"deq-{name}-q8")
+    head = WeightFormat.INT8 if embed == "Q8_0" or name == LLAMA else WeightFormat.FLOAT
+    assert manifest.quantization.head is head
+    scheme = QuantScheme(WeightFormat.INT8, 32, True, head)
+    from_st = _export(str(deq), f"{name}-q8-st", ExportOptions(quantization=scheme))
     a, b = read_stored(from_gguf / "weights.safetensors"), read_stored(from_st / "weights.safetensors")
     assert a.keys() == b.keys()
     bytes_a, bytes_b = (p.joinpath("weights.safetensors").read_bytes() for p in (from_gguf, from_st))
-    for name, s in a.items():
-        assert (
-            bytes_a[s.offset : s.offset + s.length]
-            == bytes_b[b[name].offset : b[name].offset + b[name].length]
-        ), name
+    for tensor, s in a.items():
+        t = b[tensor]
+        assert bytes_a[s.offset : s.offset + s.length] == bytes_b[t.offset : t.offset + t.length], tensor
     assert _tokens(from_gguf) == _tokens(from_st)
 
 
@@ -235,22 +235,21 @@ def _one_line(result, message: str) -> None:
     assert len(lines) == 1 and message in lines[0], result.output
 
 
+READS = "loopcast reads F32, F16, Q4_0, Q4_1, Q8_0, BF16"
+
+
 @pytest.mark.parametrize(
-    "qtype,extra,message",
+    "qtype,embed,extra,message",
     [
-        (
-            "Q5_0",
-            {},
-            "tensor output.weight has type Q5_0; loopcast reads F32, F16, Q4_0, Q4_1, Q8_0, BF16",
-        ),
-        ("F32", {"llama.rope.scaling.type": "yarn"}, "metadata key llama.rope.scaling.type is not supported"),
-        ("F32", {"llama.attention.sliding_window": 16.0}, "llama.attention.sliding_window is not supported"),
+        ("Q5_0", "F32", {}, f"tensor output.weight has type Q5_0; {READS} (llama-quantize"),
+        ("Q8_0", "Q6_K", {}, f"tensor token_embd.weight has type Q6_K; {READS}"),
+        ("F32", "F32", {"llama.rope.scaling.type": "yarn"}, "key llama.rope.scaling.type is not supported"),
+        ("F32", "F32", {"llama.attention.sliding_window": 16.0}, "llama.attention.sliding_window is not"),
     ],
 )
-def test_what_loopcast_cannot_read_is_refused_in_one_line(
-    tmp_path, qtype: str, extra: dict, message: str
-) -> None:
-    g = write_gguf(checkpoint(LLAMA), TINY_MODELS[LLAMA], tmp_path / "x.gguf", qtype, extra_metadata=extra)
+def test_what_loopcast_cannot_read_is_refused_in_one_line(tmp_path, qtype, embed, extra, message) -> None:
+    cfg = TINY_MODELS[LLAMA]
+    g = write_gguf(checkpoint(LLAMA), cfg, tmp_path / "x.gguf", qtype, embed_type=embed, extra_metadata=extra)
     _one_line(_cli("export", g, "-o", tmp_path / "a"), message)
     assert not (tmp_path / "a").exists()
 
