@@ -271,3 +271,50 @@ def test_inspect_explains_a_gguf_and_its_artifact() -> None:
     assert (
         "exported from gguf" in result.output and "gguf int4 block 32 symmetric, head int8" in result.output
     )
+
+
+def test_sentencepiece_tokenizer_from_metadata_gives_its_ids(tmp_path) -> None:
+    """A SentencePiece BPE model (byte fallback, no normalization: Llama's settings), written into
+    GGUF metadata the way llama.cpp's converter writes it (pieces, scores, token types), rebuilds
+    into a tokenizer giving sentencepiece's own ids, which Hugging Face's Llama tokenizer
+    reproduces; it decodes back to the text."""
+    import json as json_module
+
+    spm = pytest.importorskip("sentencepiece")
+    from tokenizers import Tokenizer
+
+    text = Path(json_module.__file__).read_text(encoding="utf-8")
+    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "corpus.txt"),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=600,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    n = sp.get_piece_size()
+    kinds = [
+        2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)
+    ]
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+        "tokenizer.ggml.token_type": kinds,
+        "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(),
+    }
+    files = tokenizer_files(metadata, "test.gguf")
+    ours = Tokenizer.from_str(files["tokenizer.json"])
+    texts = [line for line in text.splitlines() if line.strip()][:200]
+    texts += ["Hello world,  two  spaces", "émojis 🎉 and 中文", " leading", "tabs\tand\nnewlines"]
+    for line in texts:
+        ids = ours.encode(line, add_special_tokens=False).ids
+        assert ids == sp.encode(line), line
+        assert ours.decode(ids) == line
+    assert ours.encode("x").ids[0] == sp.bos_id()  # add_bos_token defaults to true for llama
