@@ -74,7 +74,7 @@ def tokenizer_files(metadata: dict[str, Any], where: str) -> dict[str, str]:
         tokenizer = _sentencepiece(metadata, tokens, types, where)
     else:
         tokenizer = _byte_level_bpe(metadata, tokens, types, where)
-    if add_bos:
+    if add_bos and bos is not None:
         tokenizer["post_processor"] = _prepend_bos(tokens[int(bos)], int(bos))
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
