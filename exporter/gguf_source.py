@@ -63,6 +63,15 @@ _GLOBAL_TENSORS = {
 SUPPORTED_TYPES = ", ".join(t.name for t in BlockType)
 
 
+def _gguf_name(upstream: str) -> str:
+    """The GGUF name of an upstream tensor name (for error lines)."""
+    for ours, theirs in _GLOBAL_TENSORS.items():
+        if theirs == upstream:
+            return ours
+    _, _, index, rest = upstream.split(".", 3)
+    return f"blk.{index}." + {v: k for k, v in _LAYER_TENSORS.items()}[rest]
+
+
 def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".gguf" and Path(path).is_file()
 
@@ -168,8 +177,11 @@ class GGUFSource:
     # --- tensors ------------------------------------------------------------------------------
 
     def _map_tensors(self, raw: dict) -> dict[str, _Tensor]:
+        from loopcast.exporter.checkpoint import expected_shapes
+
         out: dict[str, _Tensor] = {}
         cfg, llama = self.config, self.architecture == "llama"
+        expected = expected_shapes(cfg)
         for name, t in raw.items():
             upstream = _GLOBAL_TENSORS.get(name)
             permute = None
@@ -191,15 +203,25 @@ class GGUFSource:
                 raise CheckpointError(
                     f"{self.path}: tensor {name} has type {type_name}; loopcast reads {SUPPORTED_TYPES}{hint}"
                 ) from None
-            if kind.bits is not None:  # ggml's shape is [K, N]: N rows of K/32 blocks
-                data = t.data.reshape(int(np.prod(t.shape[1:])), -1, kind.block_bytes)
-            else:
-                data = t.data.reshape(tuple(int(d) for d in reversed(t.shape)))  # numpy order
-            if kind is BlockType.BF16:
+            shape = tuple(int(d) for d in reversed(t.shape))  # numpy order: [N, K]
+            if kind.bits is not None:  # N rows of K/32 blocks
+                data = t.data.reshape(int(np.prod(shape[:-1])), -1, kind.block_bytes)
+            elif kind is BlockType.BF16:  # the reader gives its bytes
                 import ml_dtypes
 
-                data = data.view(ml_dtypes.bfloat16)
+                data = np.ascontiguousarray(t.data).view(ml_dtypes.bfloat16).reshape(shape)
+            else:
+                data = t.data.reshape(shape)
+            if shape != expected.get(upstream, shape):
+                raise CheckpointError(
+                    f"{self.path}: tensor {name} has shape {list(shape)}, expected {list(expected[upstream])}"
+                )
             out[upstream] = _Tensor(name, kind, data, permute)
+        missing = sorted(set(expected) - set(out))
+        if missing:
+            raise CheckpointError(
+                f"{self.path}: no tensor for {missing[0]} (GGUF name {_gguf_name(missing[0])})"
+            )
         return out
 
     def tensor_names(self) -> set[str]:

@@ -83,6 +83,8 @@ def write_gguf(
             w.add_tensor(name, array)
         elif kind == "F16":
             w.add_tensor(name, array.astype(np.float16))
+        elif kind == "BF16":
+            w.add_tensor(name, gguf.quants.quantize(array, T.BF16), raw_dtype=T.BF16)
         elif kind.endswith("_K"):  # no Python quantizer: one zero block a row (refused unread)
             block = np.zeros((array.shape[0], gguf.GGML_QUANT_SIZES[T[kind]][1]), np.uint8)
             w.add_tensor(name, block, raw_dtype=T[kind])

@@ -149,15 +149,15 @@ def test_q4_gguf_holds_the_gguf_matrices_and_decodes_like_them(name: str, qtype:
     assert _tokens(art) == _tokens(float_art)
 
 
-@pytest.mark.parametrize("name,qtype", [(LLAMA, "F32"), (LLAMA, "F16"), (QWEN2, "F32")])
+@pytest.mark.parametrize("name,qtype", [(LLAMA, "F32"), (LLAMA, "F16"), (LLAMA, "BF16"), (QWEN2, "F32")])
 def test_float_gguf_equals_the_float_export(name: str, qtype: str) -> None:
     """A float GGUF (q/k permuted by the converter, permuted back here) writes the float export's
-    weights bit for bit (F16 through the same rounding), so the same tokens."""
+    weights bit for bit (F16/BF16: those of a checkpoint of the 16-bit values), so the same tokens."""
     g = _gguf(name, qtype)
     art = _export(str(g), f"{name}-{qtype}")
     src = checkpoint(name)
-    if qtype == "F16":
-        src = dequantized_checkpoint(g, TINY_MODELS[name], scratch_root() / f"deq-{name}-f16")
+    if qtype != "F32":
+        src = dequantized_checkpoint(g, TINY_MODELS[name], scratch_root() / f"deq-{name}-{qtype}")
     ref = _export(str(src), f"{name}-{qtype}-st")
     assert Manifest.read(art).quantization is None
     a, b = (p.joinpath("weights.safetensors").read_bytes() for p in (art, ref))
