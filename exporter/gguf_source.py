@@ -224,9 +224,6 @@ class GGUFSource:
             )
         return out
 
-    def tensor_names(self) -> set[str]:
-        return set(self._tensors)
-
     def read(self, name: str) -> np.ndarray:
         """The upstream tensor ``name`` as float (norms and biases 1-D), q/k rows un-permuted."""
         t = self._tensors[name]
