@@ -59,13 +59,14 @@ def heldout_tokens(data: Path) -> tuple[np.ndarray, float]:
 
 def window_logits(artifact: Path, windows: list[np.ndarray]) -> list[np.ndarray]:
     """Per window, the [seq, V] logits of each position given the ones before it (verify rows)."""
-    gen = Generator(open_artifact(artifact))
+    loaded = open_artifact(artifact)
+    gen, width = Generator(loaded), loaded.manifest.verify_width
     out = []
     for tokens in windows:
         gen.rewind(0)
         rows = []
-        for at in range(0, len(tokens), WIDTH):
-            chunk = tokens[at : at + WIDTH].tolist()
+        for at in range(0, len(tokens), width):
+            chunk = tokens[at : at + width].tolist()
             step = gen.run("verify", gen.n, tokens=chunk)
             rows.append(np.asarray(step.logits[: len(chunk)], np.float64))
             gen.commit(chunk)
