@@ -68,8 +68,9 @@ from loopcast.vocab import OpSet, choices
     "--quantize",
     default=None,
     metavar="int4|int8",
-    help="Weight-only RTN block quantization of every layer's projections (MatMulNBits, CPU, "
-    'fp32 activations; norms and rope stay float). docs/architecture.md, "Quantized weights".',
+    help="Weight-only RTN block quantization of every layer's projections (MatMulNBits on the CPU; "
+    "with --ops loopcast / --target cuda the row-invariant BatchInvariantMatMulNBits, CPU and CUDA; "
+    'norms and rope stay float). docs/architecture.md, "Quantized weights".',
 )
 @click.option(
     "--block-size", type=int, default=32, show_default=True, help="Quantization block (32, 64, 128)."

@@ -38,6 +38,7 @@ SOURCES = (
     "residual_norm_cpu.cc",
     "swiglu_cpu.cc",
     "lane_step_cpu.cc",
+    "matmul_nbits_cpu.cc",
 )
 CUDA_SOURCES = ("cuda_ops.cc",)  # host glue, compiled by the C++ compiler
 CUDA_KERNELS = (
@@ -47,9 +48,12 @@ CUDA_KERNELS = (
     "swiglu_cuda.cu",
     "kv_move_cuda.cu",
     "lane_step_cuda.cu",
+    "matmul_nbits_cuda.cu",
 )
 _HERE = Path(__file__).resolve().parent
-_CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-Wall", "-Werror"]
+# -ffp-contract=off: a kernel compiled for several ISAs (matmul_nbits_cpu.cc's target_clones)
+# gives the same bits on each, FMA hardware or not.
+_CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-Wall", "-Werror", "-ffp-contract=off"]
 _NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC,-Wall", "--cudart", "static"]
 DEFAULT_CUDA_ARCHS = ("90",)
 

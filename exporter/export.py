@@ -141,17 +141,13 @@ class ExportOptions:
 
 
 def _check_quantized(opts: ExportOptions) -> None:
-    """What --quantize runs on now: the CPU's MatMulNBits in fp32 activations, in the stock and
-    loopcast-attention op sets (docs/architecture.md, "Quantized weights")."""
-    if opts.dtype != "fp32":
+    """What --quantize runs on (docs/architecture.md, "Quantized weights"): the loopcast op set's
+    BatchInvariantMatMulNBits on the CPU and CUDA in any dtype; the stock and loopcast-attention
+    op sets' MatMulNBits on the CPU in fp32 activations."""
+    if opts.dtype != "fp32" and opts.op_set != OpSet.LOOPCAST:
         raise ExportError(
-            f"--quantize with --dtype {opts.dtype} is not supported: quantized artifacts run on the "
-            "CPU with fp32 activations (--dtype fp32)"
-        )
-    if opts.op_set == OpSet.LOOPCAST:
-        raise ExportError(
-            "--quantize is not supported with --ops loopcast / --batch-invariant (BatchInvariantMatMul "
-            "has no quantized form yet); use --ops loopcast-attention or stock"
+            f"--quantize with --dtype {opts.dtype} needs --ops loopcast (--target cuda): the stock "
+            "MatMulNBits graphs run on the CPU with fp32 activations (--dtype fp32)"
         )
     if opts.genai:
         raise ExportError("--quantize with --genai is not supported yet (the GenAI graph is float only)")
@@ -313,8 +309,6 @@ def _write_artifact(
         opts, lambda line: print(line, file=sys.stderr) if show_progress else None
     )
     check_supported(config, op_set)
-    if opts.quantization is not None and op_set.batch_invariant:
-        raise ExportError("--quantize is not supported with --ops loopcast (BatchInvariantMatMul)")
     if opts.tree_verify and can_tree_verify(config, op_set):
         raise ExportError(f"--tree-verify: {can_tree_verify(config, op_set)}")
     quant = opts.quantization
@@ -443,7 +437,8 @@ def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: OpSet, layou
 def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
     """Declare per device whether verify rows are the decode rows bit for bit. Measured on the
     CPU for quantized artifacts as for float ones (the twin reads the same quantized tensors
-    through the same MatMulNBits nodes; docs/architecture.md "Quantized weights"). Measured on the
+    through the same MatMulNBits / BatchInvariantMatMulNBits nodes; docs/architecture.md
+    "Quantized weights"). Measured on the
     CPU (fp32 only: the CPU runs nothing else) by loading a two-layer twin of the staged
     artifact on its own weights (exporter/exactness_probe.py: the same kernels at the same
     shapes for a fraction of the prepacking), after the files are recorded (the trust rule
@@ -454,8 +449,8 @@ def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
 
     exact = {
         "cpu": manifest.dtype == "fp32" and rows_match_shallow(staging, manifest=manifest),
-        # quantized artifacts run on the CPU only for now
-        "cuda": OpSet(manifest.op_set).batch_invariant and manifest.quantization is None,
+        # quantized: BatchInvariantMatMulNBits, row-invariant on CUDA as on the CPU
+        "cuda": OpSet(manifest.op_set).batch_invariant,
     }
     return dataclasses.replace(manifest, exact_verify=exact)
 

@@ -7,6 +7,7 @@ so the decoder stack (docs/architecture.md, "Op sets and exactness"; loopcast/vo
                            RowAttention for row-addressed kinds)
     LoopcastOps            every hot op from the loopcast library: BatchInvariantMatMul (the MLP
                            activation inside the down projection, the tied head read in place),
+                           or BatchInvariantMatMulNBits for quantized weights (the same fusion),
                            the fused ResidualRMSNorm, so a layer is 7 nodes instead of ~15
 
 A graph kind builds a :class:`blocks.BlockContext` with ``ops=op_set_builders(op_set)`` and
@@ -192,7 +193,33 @@ class LoopcastOps(LoopcastAttentionOps):
     ) -> ir.Value:
         if bias is not None:  # the op has no bias input, and an Add would break the fused layer
             raise ValueError("biases are not supported by the loopcast ops (export refuses them)")
+        if weight in b.quantized:
+            return self._matmul_nbits_invariant(b, x, b.quantized[weight], path=path, out=out)
         return self._matmul(b, x, weight, path=path, out=out)
+
+    def _matmul_nbits_invariant(
+        self, b: GraphBuilder, x: ir.Value, q: QuantLinear, *, path: str, out: str, swiglu: bool = False
+    ) -> ir.Value:
+        """``x @ W`` for a block-quantized ``W``: the loopcast BatchInvariantMatMulNBits, which reads
+        MatMulNBits' tensors (loopcast/quant.py) and keeps each row independent of the call's
+        row count on the CPU and CUDA; with ``swiglu`` x is [gate | up]. Inputs: A, B, scales,
+        zero_points (omitted when symmetric)."""
+        names = q.stored
+        inputs = [x, b.weight(names["packed"]), b.weight(names["scales"])]
+        if "zero_points" in names:
+            inputs.append(b.weight(names["zero_points"]))
+        return b.op(
+            "BatchInvariantMatMulNBits",
+            inputs,
+            path=path,
+            out=out,
+            domain=LOOPCAST_DOMAIN,
+            K=q.k,
+            N=q.n,
+            bits=q.bits,
+            block_size=q.block_size,
+            **({"swiglu": 1} if swiglu else {}),
+        )
 
     def _matmul(
         self,
@@ -231,13 +258,18 @@ class LoopcastOps(LoopcastAttentionOps):
             out=f"{prefix}.gate_up_BS2I",
             bias=f"{layer}.gate_up_proj.bias" if ctx.config.mlp_bias else None,  # refused
         )
+        down = f"{layer}.down_proj.weight_T"
+        if down in b.quantized:
+            return self._matmul_nbits_invariant(
+                b,
+                gate_up,
+                b.quantized[down],
+                path=f"{path}/down_proj",
+                out=f"{prefix}.mlp_out_BSH",
+                swiglu=True,
+            )
         return self._matmul(
-            b,
-            gate_up,
-            f"{layer}.down_proj.weight_T",
-            path=f"{path}/down_proj",
-            out=f"{prefix}.mlp_out_BSH",
-            swiglu=True,
+            b, gate_up, down, path=f"{path}/down_proj", out=f"{prefix}.mlp_out_BSH", swiglu=True
         )
 
     def stack(
@@ -246,6 +278,8 @@ class LoopcastOps(LoopcastAttentionOps):
         return blocks.decoder_stack(b, x_BSH, sites, ctx)
 
     def tied_head(self, b: GraphBuilder, x_BSH: ir.Value, ctx: blocks.BlockContext) -> ir.Value:
+        if "lm_head.weight_T" in b.quantized:  # its own quantized copy of the embedding
+            return self.linear(b, x_BSH, "lm_head.weight_T", path="/lm_head/matmul", out="logits_raw_BSV")
         return self._matmul(
             b, x_BSH, "embed_tokens.weight", path="/lm_head/matmul", out="logits_raw_BSV", trans_b=True
         )

@@ -267,8 +267,10 @@ def _quantization(top: _Fields, dtype: str, op_set: OpSet) -> QuantScheme | None
         scheme = QuantScheme.from_dict(fields)
     except LoopcastError as exc:
         q.fail(str(exc))
-    if dtype != "fp32" or op_set is OpSet.LOOPCAST:
-        q.fail("quantized weights need dtype fp32 and the stock or loopcast-attention op set")
+    if dtype != "fp32" and op_set is not OpSet.LOOPCAST:
+        q.fail(
+            f"quantized {dtype} weights need the loopcast op set (BatchInvariantMatMulNBits), got {op_set}"
+        )
     return scheme
 
 

@@ -124,10 +124,30 @@ def config_of(name: str) -> ModelConfig:
 
 
 @cache
-def quantized_artifact(name: str, scheme, ops: str = "auto") -> Path:
-    """``name``'s checkpoint exported under the QuantScheme ``scheme`` (fp32 activations)."""
-    out = scratch_root() / (f"qart-{name}-{ops}-" + "-".join(f"{v}" for v in scheme.to_dict().values()))
-    export_checkpoint(checkpoint(name), out, ExportOptions(ops=ops, quantization=scheme))
+def quantized_artifact(
+    name: str,
+    scheme,
+    ops: str = "auto",
+    max_batch: int | None = None,
+    tree_verify: bool = False,
+    dtype: str = "fp32",
+) -> Path:
+    """``name``'s checkpoint (or ``demo``) exported under the QuantScheme ``scheme`` (activations
+    in ``dtype``: fp16/bf16 need ``ops="loopcast"``)."""
+    out = scratch_root() / (
+        f"qart-{name}-{dtype}-{ops}-" + "-".join(f"{v}" for v in scheme.to_dict().values())
+    )
+    out = out.with_name(out.name + (f"-b{max_batch}" if max_batch else "") + ("-tree" if tree_verify else ""))
+    source = "demo" if name == "demo" else checkpoint(name)
+    options = ExportOptions(
+        dtype,
+        max_length=512 if name == "demo" else None,
+        ops=ops,
+        max_batch=max_batch,
+        tree_verify=tree_verify,
+        quantization=scheme,
+    )
+    export_checkpoint(source, out, options)
     return out
 
 

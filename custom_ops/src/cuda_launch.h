@@ -1,4 +1,4 @@
-// C entry points of the CUDA kernels (matmul_cuda.cu, attention_cuda.cu, residual_norm_cuda.cu,
+// C entry points of the CUDA kernels (matmul_cuda.cu, matmul_nbits_cuda.cu, attention_cuda.cu, residual_norm_cuda.cu,
 // swiglu_cuda.cu, kv_move_cuda.cu, lane_step_cuda.cu). They take raw device pointers and the
 // caller's stream, and only enqueue work: no allocation, no host sync, no host<->device copy, so
 // they can run inside a captured CUDA graph. Kept free of CUDA and ORT types so both the ORT glue
@@ -22,6 +22,13 @@ LOOPCAST_CUDA_API int loopcast_cuda_matmul(int dtype, const void* A, const void*
 // (the values of loopcast_cuda_swiglu, never written to memory).
 LOOPCAST_CUDA_API int loopcast_cuda_swiglu_matmul(int dtype, const void* A, const void* B, void* Y, int64_t M,
                                                   int64_t K, int64_t N, int trans_b, void* stream);
+
+// Y[M, N] = A[M, K] · Wᵀ for W [N, K] block-quantized in MatMulNBits' layout (matmul_nbits_op.h):
+// B uint8 [N, ceil(K/block_size), block_size·bits/8], scales fp32 [N·n_blocks], zero_points uint8
+// or null (symmetric); bits 4 or 8; swiglu = 1: A is [M, 2K] = [gate | up] and Y = SwiGLU(A) · Wᵀ.
+LOOPCAST_CUDA_API int loopcast_cuda_matmul_nbits(int dtype, const void* A, const void* B, const float* scales,
+                                                 const uint8_t* zero_points, void* Y, int64_t M, int64_t K, int64_t N,
+                                                 int bits, int block_size, int swiglu, void* stream);
 
 // Packed-QKV GQA with rotate-half rotary; see attention_cuda.cu. present_* may equal past_*.
 LOOPCAST_CUDA_API int loopcast_cuda_attention(int dtype, const void* qkv, const void* past_k, const void* past_v,

@@ -1,4 +1,4 @@
-// The CUDA execution provider's BatchInvariantMatMul, BatchInvariantAttention, RowAttention,
+// The CUDA execution provider's BatchInvariantMatMul (and its NBits form), BatchInvariantAttention, RowAttention,
 // ResidualRMSNorm, SwiGLU and LaneStep: shape checks on the host, then one call into the CUDA launchers on ORT's compute stream.
 // Inputs stay on the device (seqlens_k too: the kernels read it there), and Compute neither
 // allocates nor syncs, so the ops can run inside captured CUDA graphs.
@@ -11,6 +11,7 @@
 #include "cuda_launch.h"
 #include "cuda_ops.h"
 #include "lane_step_op.h"
+#include "matmul_nbits_op.h"
 #include "op_schemas.h"
 #include "row_attention.h"
 
@@ -38,6 +39,24 @@ struct MatMulCudaKernel {
                         y.GetTensorMutableRawData(), dims.rows, dims.K, dims.N, attrs.trans_b ? 1 : 0,
                         ctx.GetGPUComputeStream()),
                  "BatchInvariantMatMul");
+  }
+};
+
+template <typename T>
+struct NBitsCudaKernel {
+  NBitsAttrs attrs;
+  NBitsCudaKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {}
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext ctx(raw);
+    Ort::UnownedValue y(nullptr);
+    const NBitsCall call = nbits_call(ctx, attrs, &y);
+    if (call.rows == 0) return;
+    check_launch(loopcast_cuda_matmul_nbits(static_cast<int>(DTypeOf<T>::value), call.A, call.B, call.scales,
+                                            call.zero_points, y.GetTensorMutableRawData(), call.rows, attrs.K,
+                                            attrs.N, static_cast<int>(attrs.bits), static_cast<int>(attrs.block_size),
+                                            attrs.swiglu ? 1 : 0, ctx.GetGPUComputeStream()),
+                 "BatchInvariantMatMulNBits");
   }
 };
 
@@ -234,6 +253,9 @@ struct LaneStepCudaKernel {
 MatMulOp<MatMulCudaKernel<float>, float, true> g_mm_f32;
 MatMulOp<MatMulCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_mm_f16;
 MatMulOp<MatMulCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_mm_bf16;
+MatMulNBitsOp<NBitsCudaKernel<float>, float, true> g_nb_f32;
+MatMulNBitsOp<NBitsCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_nb_f16;
+MatMulNBitsOp<NBitsCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_nb_bf16;
 AttentionOp<AttentionCudaKernel<float>, float, true> g_at_f32;
 AttentionOp<AttentionCudaKernel<Ort::Float16_t>, Ort::Float16_t, true> g_at_f16;
 AttentionOp<AttentionCudaKernel<Ort::BFloat16_t>, Ort::BFloat16_t, true> g_at_bf16;
@@ -254,7 +276,7 @@ void add_cuda_ops(Ort::CustomOpDomain& domain) {
   for (OrtCustomOp* op : std::vector<OrtCustomOp*>{&g_mm_f32, &g_mm_f16, &g_mm_bf16, &g_at_f32, &g_at_f16, &g_at_bf16,
                                                    &g_ra_f32, &g_ra_f16, &g_ra_bf16,
                                                    &g_rn_f32, &g_rn_f16, &g_rn_bf16, &g_sg_f32, &g_sg_f16, &g_sg_bf16,
-                                                   &g_lane_step})
+                                                   &g_lane_step, &g_nb_f32, &g_nb_f16, &g_nb_bf16})
     domain.Add(op);
 }
 

@@ -7,6 +7,8 @@
 //   ResidualRMSNorm          residual_norm_cpu.cc, residual_norm_cuda.cu  residual add + RMSNorms, per row
 //   SwiGLU                   swiglu_cpu.cc, swiglu_cuda.cu                silu(gate) * up, elementwise
 //   LaneStep                 lane_step_cpu.cc, lane_step_cuda.cu          the pipeline's lane schedule
+//   BatchInvariantMatMulNBits matmul_nbits_cpu.cc, matmul_nbits_cuda.cu   int4/int8 weights (MatMulNBits
+//                                                                         layout), rows independent of M
 //
 // CPU kernels are always built; CUDA kernels only with LOOPCAST_WITH_CUDA (custom_ops/build.py
 // defines it when nvcc is found). cudart is linked statically and nothing calls CUDA before a
@@ -48,6 +50,7 @@ extern "C" ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOption
       loopcast::add_cpu_residual_norm(*g_domain);
       loopcast::add_cpu_swiglu(*g_domain);
       loopcast::add_cpu_lane_step(*g_domain);
+      loopcast::add_cpu_matmul_nbits(*g_domain);
 #ifdef LOOPCAST_WITH_CUDA
       loopcast::add_cuda_ops(*g_domain);
 #endif

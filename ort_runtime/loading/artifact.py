@@ -270,10 +270,11 @@ def open_artifact(
             f"{path}: {manifest.dtype} artifacts need the CUDA device; the CPU execution "
             f"provider lacks {manifest.dtype} kernels for these graphs (export --dtype fp32)"
         )
-    if device == "cuda" and manifest.quantization is not None:
+    if device == "cuda" and manifest.quantization is not None and not OpSet(manifest.op_set).batch_invariant:
         raise ArtifactError(
-            f"{path}: quantized artifacts ({manifest.quantization.layers}) run on the CPU only for now "
-            "(MatMulNBits with fp32 activations); load it with device 'cpu'"
+            f"{path}: quantized {manifest.op_set} artifacts ({manifest.quantization.layers}, MatMulNBits "
+            "with fp32 activations) run on the CPU only; load it with device 'cpu', or export with "
+            "--target cuda (BatchInvariantMatMulNBits)"
         )
     if kinds is not None:
         unknown = sorted(set(kinds) - set(manifest.graphs))

@@ -309,3 +309,44 @@ def swiglu_model(width: int | str, dtype: str) -> bytes:
     return _wrap(
         [node], [("gate_up", t, ["B", "S", width])], [("out", t, ["B", "S", half])], dtype, {"gate_up", "out"}
     )
+
+
+def matmul_nbits_model(
+    K: int,
+    N: int,
+    bits: int,
+    block_size: int,
+    dtype: str,
+    *,
+    zero_points: bool,
+    swiglu: bool = False,
+    symbolic: bool = False,
+) -> bytes:
+    """BatchInvariantMatMulNBits over fed quantized tensors B, scales (and zero_points): A [M, K]
+    (with `swiglu` [M, 2K] = gate | up) -> Y [M, N]; `symbolic`: every input dim symbolic, so the
+    op's own shape checks see what is fed."""
+    t = _io(dtype)
+    nb = -(-K // block_size)
+    names = ["A", "B", "scales", *(["zero_points"] if zero_points else [])]
+    node = helper.make_node(
+        "BatchInvariantMatMulNBits",
+        names,
+        ["Y"],
+        domain="loopcast",
+        name="/matmul_nbits",
+        K=K,
+        N=N,
+        bits=bits,
+        block_size=block_size,
+        **({"swiglu": 1} if swiglu else {}),
+    )
+    inputs = [
+        ("A", t, ["M", 2 * K if swiglu else K]),
+        ("B", TensorProto.UINT8, [N, nb, block_size * bits // 8]),
+        ("scales", TensorProto.FLOAT, [N * nb]),
+    ]
+    if zero_points:
+        inputs.append(("zero_points", TensorProto.UINT8, [N * (-(-nb * bits // 8))]))
+    if symbolic:
+        inputs = [(name, ty, [f"{name}{i}" for i in range(len(shape))]) for name, ty, shape in inputs]
+    return _wrap([node], inputs, [("Y", t, ["M", N])], dtype, {"A", "Y"})

@@ -9,15 +9,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 from loopcast.cli import main
-from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.exporter.quantize import dequantize, quantize
 from loopcast.exporter.reference import KVCache
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.loading.artifact import open_artifact
 
-from loopcast.errors import ExportError
 from loopcast.manifest import Manifest
-from loopcast.quant import QuantScheme, WeightFormat, quant_scheme_from_options
+from loopcast.quant import QuantScheme, WeightFormat
 from tests.artifacts import checkpoint, dequantized_reference, quantized_artifact
 
 # fp32 compute (accuracy_level 0) so the graphs match the dequantized reference to ~1e-4
@@ -135,8 +133,8 @@ def _cli(*args):
     [
         (["--quantize", "int4", "--block-size", "48"], "--block-size must be one of 32, 64, 128, got 48"),
         (["--quantize", "int3"], "--quantize must be one of int4, int8, got 'int3'"),
-        (["--quantize", "int4", "--ops", "loopcast"], "--quantize is not supported with --ops loopcast"),
-        (["--quantize", "int4", "--dtype", "fp16"], "--quantize with --dtype fp16 is not supported"),
+        (["--quantize", "int4", "--dtype", "fp16"], "--quantize with --dtype fp16 needs --ops loopcast"),
+        (["--quantize", "int4", "--dtype", "bf16", "--ops", "stock"], "--dtype bf16 needs --ops loopcast"),
         (["--quantize", "int8", "--quantize-embedding", "int8"], "--quantize-embedding: only float"),
         (["--quantize", "int8", "--quantize-head", "int2"], "--quantize-head must be one of"),
         (["--block-size", "64"], "--block-size needs --quantize int4|int8"),
@@ -151,12 +149,27 @@ def test_bad_options_give_one_line(tmp_path, extra: list[str], message: str) -> 
     assert not (tmp_path / "a" / "manifest.json").exists()
 
 
-def test_library_refuses_the_loopcast_op_set(tmp_path) -> None:
-    scheme = quant_scheme_from_options("int4")
-    with pytest.raises(ExportError, match="--quantize is not supported with --ops loopcast"):
-        export_checkpoint(
-            checkpoint("ouro-r3"), tmp_path / "a", ExportOptions(batch_invariant=True, quantization=scheme)
-        )
+def test_16_bit_quantized_artifacts_take_the_loopcast_ops(tmp_path) -> None:
+    """--target cuda --dtype fp16 --quantize int4: BatchInvariantMatMulNBits with fp16 activations
+    (fp32 scales, uint8 codes); exact_verify["cuda"] is declared by the op set (the CPU runs fp32
+    only)."""
+    result = _cli(
+        "export",
+        checkpoint("ouro-r3"),
+        "-o",
+        tmp_path / "a",
+        "--quantize",
+        "int4",
+        "--target",
+        "cuda",
+        "--dtype",
+        "fp16",
+    )
+    assert result.exit_code == 0, result.output
+    manifest = Manifest.read(tmp_path / "a")
+    assert manifest.op_set == "loopcast" and manifest.dtype == "fp16"
+    assert manifest.exact_verify == {"cpu": False, "cuda": True}
+    assert "BatchInvariantMatMulNBits" in manifest.custom_ops
 
 
 def test_inspect_shows_the_scheme() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (docs/perf.md): `tools/gpu_machine/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
-# | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead
+# | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -21,6 +21,7 @@ phase_setup() {
   cat /root/og/p? > /root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /root/onnxruntime_gpu-*.whl
   for w in .ortgpu/wheels/*.whl; do
+    [ -f "$w" ] || continue
     mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z'); mod=${mod/onnx_ir/onnx_ir}
     python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
   done
@@ -173,6 +174,16 @@ phase_alternate() {  # tree verify on CUDA (masked kernel rows, engine exactness
     timeout 200 python3 -m tools.bench.bench_alternate --device cuda --dtype $dt --json "$RES/alternate-$dt.json" \
       > "$RES/alternate-$dt.txt" 2>&1
   done
+}
+phase_nbits() {  # int4/int8 BatchInvariantMatMulNBits: ctypes kernel tests, the ORT-level tests, the microbenchmark
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  { LOOPCAST_OPS_LIB=$LIB timeout 200 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_nbits_kernels.py \
+      2>&1 | tail -12
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda_quantized.py 2>&1 | tail -12
+  } > "$RES/nbits-tests.txt"
+  { timeout 120 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --ms 1,5,16 --out "$RES"
+    timeout 100 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --bits 8 --ms 1,5,16 --out "$RES"
+  } > "$RES/bench-matmul-nbits.txt" 2>&1
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
