@@ -130,16 +130,24 @@ def export(
     accuracy_level: int,
     overwrite: bool,
 ) -> None:
-    """Export a checkpoint directory (or `demo`) into an ONNX artifact directory."""
+    """Export a checkpoint directory (or `demo`) or a GGUF file into an ONNX artifact directory."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
+    from loopcast.exporter.gguf_source import is_gguf
 
     _refuse_contradictions(ops, batch_invariant, target, quantize)
 
     from loopcast.manifest import BATCH_KINDS
     from loopcast.quant import quant_scheme_from_options
 
+    # A GGUF's quantized layers take --accuracy-level without --quantize (their scheme is the file's)
+    source_level = accuracy_level if is_gguf(checkpoint) and quantize is None else 4
     scheme = quant_scheme_from_options(
-        quantize, block_size, asymmetric, quantize_head, quantize_embedding, accuracy_level
+        quantize,
+        block_size,
+        asymmetric,
+        quantize_head,
+        quantize_embedding,
+        accuracy_level if source_level == 4 else 4,
     )
 
     options = ExportOptions(
@@ -154,6 +162,7 @@ def export(
         tree_verify,
         scheme,
         _exit_depths(exit_depths),
+        source_level,
     )
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(

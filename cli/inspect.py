@@ -13,7 +13,7 @@ import click
     "--verify", is_flag=True, help="Artifact: also check the SHA-256 of every file the manifest records."
 )
 def inspect(path: str, verify: bool) -> None:
-    """Explain a checkpoint directory (or `demo`) or an exported artifact."""
+    """Explain a checkpoint directory (or `demo`), a GGUF file or an exported artifact."""
     if not Path(path).exists():
         from loopcast.swap import recover
 
@@ -29,6 +29,11 @@ def inspect(path: str, verify: bool) -> None:
         raise RequestError(
             f"{path}: --verify checks an exported artifact; this is not one (no manifest.json)"
         )
+    from loopcast.exporter.gguf_source import GGUFSource, is_gguf
+
+    if is_gguf(path):
+        click.echo(GGUFSource(path).describe())
+        return
     from loopcast.exporter.inspect_checkpoint import describe_checkpoint
 
     click.echo(describe_checkpoint(path))

@@ -8,17 +8,24 @@ export or load): loopcast/swap.py.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import shutil
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from loopcast.exporter.artifact_output import check_output_dir, os_errors, prepare_output
 from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
-from loopcast.exporter.weights import checkpoint_reader, weight_layout, weights_nbytes, write_weights
+from loopcast.exporter.weights import (
+    Native,
+    Read,
+    checkpoint_reader,
+    weight_layout,
+    weights_nbytes,
+    write_weights,
+)
 from tqdm import tqdm
 
 from loopcast import __version__
@@ -66,6 +73,8 @@ class ExportOptions:
     # static depths k < R that get their own prefill/decode/verify graphs (``loops=k``,
     # docs/adaptive-depth.md); None: every k in 1..R-1 (none for R = 1)
     exit_depths: tuple[int, ...] | None = None
+    # MatMulNBits accuracy_level of weights that arrive quantized (a GGUF's blocks)
+    source_accuracy_level: int = 4
 
     @property
     def op_set(self) -> str:
@@ -141,6 +150,7 @@ class ExportOptions:
             self.tree_verify,
             self.quantization,
             exit_depths,
+            self.source_accuracy_level,
         )
 
 
@@ -155,6 +165,22 @@ def _check_quantized(opts: ExportOptions) -> None:
         )
     if opts.genai:
         raise ExportError("--quantize with --genai is not supported yet (the GenAI graph is float only)")
+
+
+def _check_half_precision_runs(opts: ExportOptions) -> None:
+    """fp16/bf16 artifacts run on CUDA only (the CPU runs fp32, or int8/int4 weights): asked for
+    with the default op set on an install without CUDA, one would only fail at load. An explicit
+    --ops or --target cuda means another machine's GPU; --genai's graph runs in CPU GenAI."""
+    if opts.dtype == "fp32" or opts.op_set != "auto" or opts.genai:
+        return
+    from loopcast.devices import cuda_available
+
+    if not cuda_available():
+        raise ExportError(
+            f"--dtype {opts.dtype}: {opts.dtype} artifacts run on the CUDA device only, and this "
+            "install has none; export --dtype fp32 for the CPU (--quantize int8|int4 for smaller "
+            "weights), or pass --target cuda to build a CUDA artifact here"
+        )
 
 
 def check_supported(config: ModelConfig, op_set: OpSet | str = OpSet.STOCK) -> None:
@@ -219,16 +245,17 @@ def _resolve_op_set(opts: ExportOptions, log) -> tuple[OpSet, Path | None]:
     return op_set, custom_op_library() if op_set.needs_library else None
 
 
-def _check_output_dir(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: output path exists and is a file")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ExportError(f"{out}: {parent} is not a directory")
-            break
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
-        raise ExportError(f"{out}: output directory is not empty and is not a loopcast artifact")
+@dataclass(frozen=True)
+class ExportSource:
+    """What an export reads: float tensors by upstream name (``read``), the blocks of weights
+    that arrive quantized (``native``: a GGUF's), and the directory holding the tokenizer files."""
+
+    config: ModelConfig
+    read: Read
+    close: Callable[[], None]
+    tokenizer_dir: Path | None
+    native: Native | None = None
+    format: str = "safetensors"
 
 
 def export_checkpoint(
@@ -239,25 +266,36 @@ def export_checkpoint(
     progress: bool = False,
     overwrite: bool = False,
 ) -> Manifest:
+    """Export a Hugging Face checkpoint directory (or ``demo``, or a hub id), or a ``.gguf`` file
+    (exporter/gguf_export.py), into an artifact directory."""
+    from loopcast.exporter.gguf_source import is_gguf
+
+    if is_gguf(checkpoint):
+        from loopcast.exporter.gguf_export import export_gguf
+
+        return export_gguf(Path(checkpoint), out_dir, options, progress=progress, overwrite=overwrite)
     checkpoint_dir = resolve_checkpoint(checkpoint)
     config = load_config(checkpoint_dir)
     opts = options.resolved(config, generation_max_length(checkpoint_dir))
     # fp32 "auto" resolves to loopcast-attention unless the library cannot be had (checked again
     # once resolved, before any writing)
     check_supported(config, _requested_op_set(opts) or OpSet.LOOPCAST_ATTENTION)
-    out = output_path(out_dir)
-    recover(out)  # a killed earlier export: restore the artifact, remove its leftovers
-    _check_output_dir(out)
-    if (out / MANIFEST_FILE).is_file() and not overwrite:
-        raise ExportError(f"{out}: an artifact is already there (pass --overwrite to replace it)")
+    out = prepare_output(out_dir, overwrite)
     tensors = validate_checkpoint(checkpoint_dir, config)  # once: the writer reads these files
-    with _os_errors(out):
+    read, close = checkpoint_reader(tensors)
+    return export_source(ExportSource(config, read, close, checkpoint_dir), out, opts, progress)
+
+
+def export_source(source: ExportSource, out: Path, opts: ExportOptions, progress: bool) -> Manifest:
+    """Write the artifact of ``source`` under resolved ``opts`` at ``out`` (prepare_output)."""
+    _check_half_precision_runs(opts)
+    with os_errors(out):
         staging = Staging(out)
         try:
             # Every file first, then manifest.json once, complete (file records and the measured
             # exactness), and only then the swap: a failure at any point leaves no artifact.
             known: dict[str, str] = {}
-            manifest = _write_artifact(checkpoint_dir, tensors, config, opts, staging.path, progress, known)
+            manifest = _write_artifact(source, opts, staging.path, progress, known)
             manifest = _with_file_records(manifest, staging.path, known)
             manifest = _with_exactness(manifest, staging.path)
             (staging.path / MANIFEST_FILE).write_text(manifest.to_json())
@@ -265,56 +303,28 @@ def export_checkpoint(
         except BaseException:
             staging.discard()
             raise
+        finally:
+            source.close()
     return manifest
 
 
-@contextlib.contextmanager
-def _os_errors(out: Path):
-    """An OS error while staging or swapping (full disk, permissions, read-only file system, a
-    busy mount point) is the environment's, not a bug: one ExportError line naming the file."""
-    try:
-        yield
-        return
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        hint = {
-            errno.ENOSPC: "; free some space",
-            errno.EDQUOT: "; over the disk quota",
-            errno.EFBIG: "; over the file-size limit",
-            errno.EROFS: "; the file system is read-only",
-            errno.EACCES: "; no permission",
-            errno.EPERM: "; no permission",
-            errno.EBUSY: "; is it a mount point or in use?",
-        }.get(exc.errno, "")
-        where = f"{exc.filename}: " if exc.filename and Path(exc.filename) != out else ""
-        message = f"{out}: cannot write the artifact ({where}{reason}{hint}); nothing was replaced"
-    # A progress bar left open by the failed write would redraw itself at exit, after the error
-    # line; finish it now so the error stays the last line.
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-    raise ExportError(message)
-
-
 def _write_artifact(
-    checkpoint_dir: Path,
-    tensors: dict[str, Path],
-    config: ModelConfig,
+    source: ExportSource,
     opts: ExportOptions,
     staging: Path,
     show_progress: bool,
     known_hashes: dict[str, str],
 ) -> Manifest:
-    """Write every file of the artifact but manifest.json into ``staging`` (``tensors``: the
-    validated checkpoint, name -> file) and return the manifest; ``known_hashes`` gets the digest
-    of files hashed here (the weights, chunked: loopcast/manifest.py), so the file records skip a
-    pass."""
+    """Write every file of the artifact but manifest.json into ``staging`` and return the
+    manifest; ``known_hashes`` gets the digest of files hashed here (the weights, chunked:
+    loopcast/manifest.py), so the file records skip a pass."""
+    config, read = source.config, source.read
     op_set, built_library = _resolve_op_set(
         opts, lambda line: print(line, file=sys.stderr) if show_progress else None
     )
     check_supported(config, op_set)
     if opts.tree_verify and can_tree_verify(config, op_set):
         raise ExportError(f"--tree-verify: {can_tree_verify(config, op_set)}")
-    read, close = checkpoint_reader(tensors)
     quant = opts.quantization
     layout = weight_layout(config, opts.max_length, opts.dtype, read, quant)
     total = weights_nbytes(config, opts.max_length, opts.dtype, read, quant)
@@ -336,9 +346,9 @@ def _write_artifact(
                 read,
                 progress=bar.update,
                 quant=quant,
+                native=source.native,
             )
         finally:
-            close()
             bar.close()
         plans, refs, models, graphs, custom_ops = built.result()
     if stored != layout:
@@ -377,8 +387,8 @@ def _write_artifact(
         shutil.copy(built_library, staging / library)
     tokenizer_files = []
     for name in TOKENIZER_FILES:
-        if (checkpoint_dir / name).is_file():
-            shutil.copy(checkpoint_dir / name, staging / name)
+        if source.tokenizer_dir is not None and (source.tokenizer_dir / name).is_file():
+            shutil.copy(source.tokenizer_dir / name, staging / name)
             tokenizer_files.append(name)
     manifest = Manifest(
         schema_version=SCHEMA_VERSION,
@@ -408,6 +418,7 @@ def _write_artifact(
         max_batch=opts.max_batch,
         quantization=quant,
         exit_depths=list(opts.exit_depths or ()),
+        source_format=source.format,
     )
     return manifest
 
@@ -491,7 +502,7 @@ def with_verify_width(
         )
     if out.exists() and out.resolve() == src.resolve():
         raise ExportError(f"{out}: the output must differ from the source artifact")
-    _check_output_dir(out)
+    check_output_dir(out)
     if (out / MANIFEST_FILE).is_file() and not overwrite:
         raise ExportError(f"{out}: an artifact is already there (pass overwrite=True to replace it)")
     import onnx_ir as ir
@@ -504,7 +515,7 @@ def with_verify_width(
     keep = [manifest.weights_file, *manifest.tokenizer_files, *manifest.genai_files]
     if manifest.custom_op_library:
         keep.append(manifest.custom_op_library)
-    with _os_errors(out):
+    with os_errors(out):
         staging = Staging(out)
         try:
             for name in keep:

@@ -12,6 +12,7 @@ MatMulNBits inputs (com.microsoft; docs/architecture.md "Quantized weights"):
     B            uint8 [N, n_blocks, block_size·b/8]   4 bits: two values a byte, the lower K first
     scales       fp32  [N · n_blocks]
     zero_points  uint8 [N · ceil(n_blocks·b/8)]         4 bits: two blocks a byte, the lower first
+                 or fp32 [N · n_blocks]                  (GGUF Q4_1: exporter/gguf_blocks.py)
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ def n_blocks(k: int, block_size: int) -> int:
     return -(-k // block_size)
 
 
-def shapes(n: int, k: int, bits: int, block_size: int, symmetric: bool) -> dict[str, tuple[int, ...]]:
+def shapes(
+    n: int, k: int, bits: int, block_size: int, symmetric: bool, float_zero_points: bool = False
+) -> dict[str, tuple[int, ...]]:
     """The shapes of the stored tensors ("packed", "scales", "zero_points" when asymmetric)."""
     nb = n_blocks(k, block_size)
     out = {"packed": (n, nb, block_size * bits // 8), "scales": (n * nb,)}
     if not symmetric:
-        out["zero_points"] = (n * (-(-nb * bits // 8)),)
+        out["zero_points"] = (n * nb,) if float_zero_points else (n * (-(-nb * bits // 8)),)
     return out
 
 
@@ -75,14 +78,18 @@ def _pack4(q: np.ndarray) -> np.ndarray:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
+def pack_zero_points(zp_NB: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 zero points [N, n_blocks] in MatMulNBits' layout (4 bits: two blocks a byte, each
+    row padded to a whole byte)."""
+    return (_pack4(zp_NB) if bits == 4 else zp_NB).reshape(-1)
+
+
 def quantize(w_NK: np.ndarray, bits: int, block_size: int, symmetric: bool) -> Quantized:
     """RTN-quantize ``w_NK`` (any float dtype, computed in fp32)."""
     n, k = w_NK.shape
     q, scale, zp = _codes(np.asarray(w_NK, np.float32), bits, block_size, symmetric)
     packed = _pack4(q) if bits == 4 else q
-    zero_points = None
-    if not symmetric:
-        zero_points = (_pack4(zp) if bits == 4 else zp).reshape(-1)
+    zero_points = None if symmetric else pack_zero_points(zp, bits)
     return Quantized(packed, scale.reshape(-1), zero_points, k, n, bits, block_size)
 
 
@@ -95,6 +102,8 @@ def dequantize(qt: Quantized) -> np.ndarray:
         q = qt.packed
     if qt.zero_points is None:
         zp = np.full((qt.n, nb), 1 << (qt.bits - 1), np.float32)
+    elif qt.zero_points.dtype == np.float32:  # fp32 zero points (a GGUF Q4_1 block's -m/d)
+        zp = qt.zero_points.reshape(qt.n, nb)
     elif qt.bits == 4:
         per_row = -(-nb // 2)
         z = qt.zero_points.reshape(qt.n, per_row)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from loopcast.exporter.quantize import Quantized
 
 from loopcast.config import ModelConfig
 from loopcast.quant import QuantLinear, QuantScheme, quantized_linears
@@ -38,6 +39,10 @@ _DTYPE_OF_CODE = {code: name for name, (_, code) in NUMPY_DTYPES.items()}
 _ALIGN = 64  # keeps every tensor's data aligned for vectorised loads after mmap
 
 Read = Callable[[str], np.ndarray]
+# The MatMulNBits tensors of one quantized matrix made from blocks the source already holds (a
+# GGUF's Q4_0/Q4_1/Q8_0: exporter/gguf_source.py), given the upstream matrices fused into it;
+# without one, the float reads are RTN-quantized (exporter/quantize.py).
+Native = Callable[[list[str], QuantLinear], Quantized]
 # (name, shape, producer, stored dtype name or None for the artifact's dtype)
 Spec = tuple[str, tuple[int, ...], Callable[[], np.ndarray], str | None]
 
@@ -92,6 +97,7 @@ def artifact_tensors(
     read: Read,
     dtype: np.dtype | None = None,
     quant: QuantScheme | None = None,
+    native: Native | None = None,
 ) -> list[Spec]:
     """Names, shapes, producers and stored dtypes of every tensor the graphs use, in file order
     (transposed ones already in ``dtype`` when given; the writer converts the rest). Under
@@ -105,7 +111,7 @@ def artifact_tensors(
     out: list[Spec] = []
     for name, shape, produce, code in specs:
         if name in linears:
-            out += _quantized(linears[name], config, read, name)
+            out += _quantized(linears[name], config, read, name, native)
         else:
             out.append((name, shape, produce, code))
     return out
@@ -126,27 +132,32 @@ def _sources(config: ModelConfig, name: str) -> list[str]:
     return parts[proj]
 
 
-def _quantized(linear: QuantLinear, config: ModelConfig, read: Read, name: str) -> list[Spec]:
-    """The MatMulNBits tensors of one matrix, quantized after fusion. Each is produced on its
-    own (the RTN pass runs once per stored tensor: cheap beside the copy, and no quantized
-    matrix outlives its write), so memory stays at one fused fp32 matrix per worker."""
+def _quantized(
+    linear: QuantLinear, config: ModelConfig, read: Read, name: str, native: Native | None
+) -> list[Spec]:
+    """The MatMulNBits tensors of one matrix, quantized after fusion (or ``native``'s blocks).
+    Each is produced on its own (the RTN pass runs once per stored tensor: cheap beside the
+    copy, and no quantized matrix outlives its write), so memory stays at one fused fp32 matrix
+    per worker."""
     from loopcast.exporter.quantize import quantize, shapes
 
     sources = _sources(config, name)
 
     def role(key: str) -> Callable[[], np.ndarray]:
         def produce() -> np.ndarray:
-            w_NK = np.concatenate([np.asarray(read(s), np.float32) for s in sources], axis=0)
-            qt = quantize(w_NK, linear.bits, linear.block_size, linear.symmetric)
+            if native is not None:
+                qt = native(sources, linear)
+            else:
+                w_NK = np.concatenate([np.asarray(read(s), np.float32) for s in sources], axis=0)
+                qt = quantize(w_NK, linear.bits, linear.block_size, linear.symmetric)
             return {"packed": qt.packed, "scales": qt.scales, "zero_points": qt.zero_points}[key]
 
         return produce
 
-    dims = shapes(linear.n, linear.k, linear.bits, linear.block_size, linear.symmetric)
-    return [
-        (stored, dims[key], role(key), "fp32" if key == "scales" else "uint8")
-        for key, stored in linear.stored.items()
-    ]
+    fzp = linear.float_zero_points
+    dims = shapes(linear.n, linear.k, linear.bits, linear.block_size, linear.symmetric, fzp)
+    dtypes = {"packed": "uint8", "scales": "fp32", "zero_points": "fp32" if fzp else "uint8"}
+    return [(stored, dims[key], role(key), dtypes[key]) for key, stored in linear.stored.items()]
 
 
 def _float_tensors(config: ModelConfig, max_length: int, read: Read, dtype: np.dtype | None) -> list[Spec]:
@@ -282,6 +293,7 @@ def write_weights(
     progress: Callable[[int], None] | None = None,
     sha256=None,
     quant: QuantScheme | None = None,
+    native: Native | None = None,
 ) -> dict[str, StoredTensor]:
     """Stream the artifact tensors into a safetensors file; return where each one lives.
 
@@ -293,7 +305,7 @@ def write_weights(
     manifest's file record needs no second pass over the file.
     """
     np_dtype, _ = NUMPY_DTYPES[dtype]
-    specs = artifact_tensors(config, max_length, read, np_dtype, quant)
+    specs = artifact_tensors(config, max_length, read, np_dtype, quant, native)
     header, header_bytes = _layout(specs, dtype)
     base = 8 + len(header_bytes)
 

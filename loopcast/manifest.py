@@ -123,6 +123,8 @@ class Manifest:
     quantization: QuantScheme | None = None
     # static depths k < R whose prefill/decode/verify graphs exist (``loops=k``); R is always there
     exit_depths: list[int] = field(default_factory=list)
+    # what the weights were exported from: "safetensors" (a Hugging Face directory) or "gguf"
+    source_format: str = "safetensors"
 
     @property
     def device_lengths(self) -> bool:

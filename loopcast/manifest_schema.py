@@ -239,6 +239,9 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         top.fail("must map device names to true/false", "exact_verify")
     genai_files = top.str_list("genai_files")
     quantization = _quantization(top, dtype, op_set)
+    source_format = top.get("source_format", str, optional=True, default="safetensors")
+    if source_format not in SOURCE_FORMATS:
+        top.fail(f"must be one of {', '.join(SOURCE_FORMATS)}, got {source_format!r:.40}", "source_format")
     return Manifest(
         schema_version=raw["schema_version"],
         exporter_version=exporter_version,
@@ -261,7 +264,11 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         max_batch=max_batch,
         quantization=quantization,
         exit_depths=exit_depths,
+        source_format=source_format,
     )
+
+
+SOURCE_FORMATS = ("safetensors", "gguf")
 
 
 def _quantization(top: _Fields, dtype: str, op_set: OpSet) -> QuantScheme | None:
@@ -275,6 +282,8 @@ def _quantization(top: _Fields, dtype: str, op_set: OpSet) -> QuantScheme | None
         k: q.get(k, bool if k == "symmetric" else int if k in ("block_size", "accuracy_level") else str)
         for k in keys
     }
+    fields["float_zero_points"] = q.get("float_zero_points", bool, optional=True, default=False)
+    keys += ("float_zero_points",)
     if set(raw) - set(keys):
         q.fail(f"unknown fields {sorted(set(raw) - set(keys))!r:.80}")
     try:

@@ -31,6 +31,7 @@ class WeightFormat(StrEnum):
 
 class QuantMethod(StrEnum):
     RTN = "rtn"  # round to nearest, per block (absmax scale, or min/max scale and zero point)
+    GGUF = "gguf"  # a GGUF file's Q4_0/Q4_1/Q8_0 blocks, copied (exporter/gguf_blocks.py)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class QuantScheme:
     # activations to int8 per block (faster; row-invariant at block 32, and at 64 for int8:
     # tools/probes/check_matmulnbits_rows.py, docs/architecture.md "Quantized weights").
     accuracy_level: int = 4
+    # fp32 zero points (MatMulNBits' T1 type) instead of uint8 ones: a GGUF Q4_1 block's
+    # ``q·d + m`` is ``(q - z)·d`` with ``z = -m/d``, rarely an integer. Asymmetric only.
+    float_zero_points: bool = False
 
     def __post_init__(self) -> None:
         fields = {"--quantize": self.layers, "--quantize-head": self.head}
@@ -73,6 +77,10 @@ class QuantScheme:
         object.__setattr__(self, "method", QuantMethod(self.method))
         if self.accuracy_level not in (0, 1, 4):
             raise ExportError(f"--accuracy-level must be 0, 1 or 4, got {self.accuracy_level}")
+        if self.float_zero_points and self.symmetric:
+            raise ExportError("float zero points need an asymmetric scheme")
+        if self.method is QuantMethod.GGUF and self.block_size != 32:
+            raise ExportError(f"GGUF blocks hold 32 values, got block_size {self.block_size}")
 
     def to_dict(self) -> dict:
         return {
@@ -83,6 +91,7 @@ class QuantScheme:
             "head": str(self.head),
             "embedding": str(self.embedding),
             "accuracy_level": self.accuracy_level,
+            "float_zero_points": self.float_zero_points,
         }
 
     @classmethod
@@ -95,11 +104,14 @@ class QuantScheme:
             embedding=d["embedding"],
             method=d["method"],
             accuracy_level=d["accuracy_level"],
+            float_zero_points=d.get("float_zero_points", False),
         )
 
     def describe(self) -> str:
         """One line for ``loopcast inspect``."""
         zp = "symmetric" if self.symmetric else "asymmetric"
+        if self.float_zero_points:
+            zp += " (fp32 zero points)"
         return (
             f"{self.method} {self.layers} block {self.block_size} {zp}, head {self.head}, "
             f"embedding {self.embedding}, accuracy_level {self.accuracy_level}"
@@ -128,6 +140,7 @@ class QuantLinear:
     block_size: int
     symmetric: bool
     accuracy_level: int
+    float_zero_points: bool = False
 
     @property
     def base(self) -> str:
@@ -157,7 +170,16 @@ def quantized_linears(config, scheme: QuantScheme | None) -> dict[str, QuantLine
     layers += [f"coda_layers.{i}" for i in range(config.num_coda_layers)]
 
     def entry(weight: str, k: int, n: int, fmt: WeightFormat) -> QuantLinear:
-        return QuantLinear(weight, k, n, fmt.bits, scheme.block_size, scheme.symmetric, scheme.accuracy_level)
+        return QuantLinear(
+            weight,
+            k,
+            n,
+            fmt.bits,
+            scheme.block_size,
+            scheme.symmetric,
+            scheme.accuracy_level,
+            scheme.float_zero_points,
+        )
 
     out = {}
     for layer in layers:

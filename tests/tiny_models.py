@@ -28,6 +28,9 @@ TINY_MODELS: dict[str, ModelConfig] = {
     "llama-untied-gqa": _LLAMA.replace(
         tie_word_embeddings=False, num_kv_heads=1, vocab_size=96, max_position_embeddings=64
     ),
+    # GGUF blocks hold 32 values along K: every projection's K (hidden 64, ffn 96) is a multiple
+    "llama-untied-k32": _LLAMA.replace(tie_word_embeddings=False, intermediate_size=96),
+    "qwen2-tied-k32": PRESETS["tiny-qwen2"].replace(intermediate_size=96),
 }
 
 # The shapes the ``tiny_config`` fixture runs over (Ouro R=3 / R=2 GQA / R=4 one layer, Llama

@@ -526,7 +526,7 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         f"schema          v{manifest.schema_version} (exporter {manifest.exporter_version})",
         f"model           {cfg.model_type}, R={cfg.num_loops} loops x {cfg.num_layers} layers, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
-        f"dtype           {manifest.dtype}",
+        f"dtype           {manifest.dtype} (exported from {manifest.source_format})",
         "quantization    "
         + (manifest.quantization.describe() if manifest.quantization is not None else "none (float weights)"),
         f"max length      {manifest.max_length} (KV slots: {manifest.kv_layout['slots']}, "

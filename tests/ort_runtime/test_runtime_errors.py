@@ -191,6 +191,21 @@ def test_cli_generate_json_and_stream() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_half_precision_artifact_on_cpu_gets_a_clear_error(dtype: str) -> None:
+def test_half_precision_artifact_on_cpu_gets_a_clear_error(dtype: str, tmp_path) -> None:
+    """Asked for on a CPU-only install with the default op set, fp16/bf16 is refused at export
+    (it could only fail at load); built anyway for a GPU (an explicit op set), the CPU refuses
+    it at load in one clear line."""
+    from loopcast.exporter.export import ExportOptions, export_checkpoint
+
+    from loopcast.devices import cuda_available
+    from loopcast.errors import ExportError
+    from tests.artifacts import checkpoint
+
+    if not cuda_available():
+        with pytest.raises(
+            ExportError, match=f"--dtype {dtype}: {dtype} artifacts run on the CUDA device only"
+        ):
+            export_checkpoint(checkpoint("ouro-r2-gqa"), tmp_path / "a", ExportOptions(dtype=dtype))
+        assert not (tmp_path / "a").exists()
     with pytest.raises(ArtifactError, match=f"{dtype} artifacts need the CUDA device"):
-        load(artifact("ouro-r2-gqa", dtype=dtype))
+        load(artifact("ouro-r2-gqa", dtype=dtype, ops="stock"))
