@@ -58,13 +58,6 @@ ROWS = [
     case(
         "cli",
         F,
-        "export-target-cuda-quantize",
-        [*EXPORT, "--target", "cuda", "--quantize", "int4"],
-        "--quantize writes MatMulNBits",
-    ),
-    case(
-        "cli",
-        F,
         "generate-draft-tokens-without-speculation",
         [*GEN, "--num-draft-tokens", "3"],
         "--num-draft-tokens goes with --speculative",
