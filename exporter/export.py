@@ -96,6 +96,8 @@ class ExportOptions:
         if self.verify_width > max_length:
             raise ExportError(f"--verify-width {self.verify_width} exceeds --max-length {max_length}")
         depth = self.draft_depth
+        if config.recurrent_depth:
+            return self._recurrent(max_length)
         if config.num_loops == 1:
             if depth is not None:
                 raise ExportError("--draft-depth needs a looped model; this one has R=1")
@@ -128,6 +130,24 @@ class ExportOptions:
             self.tree_verify,
             self.quantization,
         )
+
+    def _recurrent(self, max_length: int) -> ExportOptions:
+        """A recurrent-depth model (Huginn) exports prelude, core_step and coda, stock ops, float
+        weights; the options of the other kinds are refused rather than ignored."""
+        for on, flag in (
+            (self.draft_depth is not None, "--draft-depth"),
+            (self.tree_verify, "--tree-verify"),
+            (self.max_batch is not None, "--max-batch"),
+            (self.genai, "--genai"),
+            (self.quantization is not None, "--quantize"),
+            (self.op_set not in ("auto", OpSet.STOCK), "--ops/--batch-invariant"),
+        ):
+            if on:
+                raise ExportError(
+                    f"{flag} is not supported for recurrent-depth (huginn_raven) models yet: they "
+                    "export prelude, core_step and coda with the stock ops"
+                )
+        return dataclasses.replace(self, max_length=max_length, draft_depth=None, ops=OpSet.STOCK.value)
 
 
 def _check_quantized(opts: ExportOptions) -> None:
@@ -378,11 +398,12 @@ def _write_artifact(
         model=config.to_hf_dict(),
         dtype=opts.dtype,
         max_length=opts.max_length,
-        verify_width=opts.verify_width,
+        verify_width=None if config.recurrent_depth else opts.verify_width,
         draft_depth=opts.draft_depth,
         kv_layout={
             "slots": config.num_kv_slots,
-            "slot_of": "core loop r, layer l -> r*L + l; then prelude, then coda",
+            "slot_of": "core loop r, layer l -> r*L + l; then prelude, then coda"
+            + (" (core_step binds step r's slots to step 0's names)" if config.recurrent_depth else ""),
             "shape": [1, config.num_kv_heads, opts.max_length, config.head_dim],
             "names": {
                 "past": "past_key.{slot} / past_value.{slot}",
@@ -441,6 +462,8 @@ def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
     cuBLAS and GroupQueryAttention are not."""
     from loopcast.exporter.exactness_probe import rows_match_shallow
 
+    if manifest.config.recurrent_depth:  # no verify kinds to measure yet
+        return dataclasses.replace(manifest, exact_verify={"cpu": False, "cuda": False})
     exact = {
         "cpu": manifest.dtype == "fp32" and rows_match_shallow(staging, manifest=manifest),
         # quantized artifacts run on the CPU only for now

@@ -62,7 +62,7 @@ from loopcast.manifest import (
     Manifest,
     resolve_inside,
 )
-from loopcast.vocab import OpSet
+from loopcast.vocab import RECURRENT_KINDS, GraphKind, OpSet
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
@@ -202,6 +202,9 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
     elif spec.kind == CYCLE_RUN:  # one lane state per row, carried between calls
         first = "carried_BWH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
+    elif spec.kind in RECURRENT_KINDS:  # graphs/recurrent.py: dynamic rows of tokens or states
+        first = "input_ids_BS" if spec.kind == GraphKind.PRELUDE else "state_BSH"
+        rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
     else:
         first = "input_ids_BS" if spec.first_loop == 0 else "hidden_BSH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None

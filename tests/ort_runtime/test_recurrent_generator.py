@@ -1,0 +1,111 @@
+"""A recurrent-depth (Huginn) artifact through the runtime: prelude → r core steps → coda with r
+chosen per generator, against the torch reference and the independent numpy forward (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from loopcast.config import PRESETS
+from loopcast.errors import ExportError, RequestError
+from loopcast.recurrent_state import initial_state
+
+torch = pytest.importorskip("torch")
+
+from loopcast.exporter.checkpoint import load_checkpoint  # noqa: E402
+from loopcast.exporter.export import ExportOptions, export_checkpoint  # noqa: E402
+from loopcast.exporter.random_checkpoint import write_random_checkpoint  # noqa: E402
+from loopcast.exporter.reference_huginn import greedy_generate  # noqa: E402
+from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator  # noqa: E402
+from loopcast.ort_runtime.loading.artifact import open_artifact  # noqa: E402
+
+from tests.huginn_numpy import HuginnNumpy  # noqa: E402
+
+TINY = PRESETS["tiny-huginn"]
+PROMPT = [3, 17, 42, 8]
+MAX_LENGTH = 48
+
+
+@pytest.fixture(scope="module")
+def huginn(tmp_path_factory):
+    root = tmp_path_factory.mktemp("huginn-art")
+    # std 0.1: the random recurrence is contractive, as the trained one is
+    # (tests/exporter/test_huginn_reference.py)
+    ckpt = write_random_checkpoint(TINY, root / "ckpt", seed=4, std=0.1)
+    export_checkpoint(ckpt, root / "art", ExportOptions(max_length=MAX_LENGTH))
+    return ckpt, open_artifact(root / "art"), load_checkpoint(ckpt)
+
+
+def test_manifest_knows_the_family(huginn):
+    _, loaded, _ = huginn
+    manifest = json.loads((loaded.path / "manifest.json").read_text())
+    assert manifest["model"]["model_type"] == "huginn_raven"
+    assert set(manifest["graphs"]) == {"prelude", "core_step", "coda"}
+    assert manifest["graphs"]["core_step"]["kv_slots"] == [0, 1]  # step 0's names, rebound per step
+    assert manifest["kv_layout"]["slots"] == 32 * 2 + 2 + 2
+    assert manifest["verify_width"] is None and manifest["draft_depth"] is None
+
+
+@pytest.mark.parametrize("loops", [1, 4, 32])
+@pytest.mark.parametrize("seed", [None, 7])
+def test_plain_greedy_matches_the_reference(huginn, loops, seed):
+    ckpt, loaded, model = huginn
+    tokens, logits = RecurrentGenerator(loaded, loops=loops, state_seed=seed).greedy(PROMPT, 8)
+    want_tokens, want_logits = greedy_generate(
+        model, PROMPT, 8, loops=loops, seed=seed, max_length=MAX_LENGTH
+    )
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits):
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)
+    # the numpy forward recomputes the whole sequence; its rows are the runtime's steps
+    sequence = PROMPT + tokens[:-1]
+    state0 = initial_state(TINY.hidden_size, TINY.state_std, np.arange(len(sequence)), seed)
+    rows = HuginnNumpy(ckpt).logits(sequence, loops, state0)[len(PROMPT) - 1 :]
+    np.testing.assert_allclose(np.stack(logits), rows, atol=1e-4, rtol=0)
+
+
+def test_loops_per_call_and_rewind(huginn):
+    """A call may run another depth; rewinding and recomputing at the generator's depth gives
+    the plain tokens back (a shallower call's stale deep KV is rewritten before it is read)."""
+    _, loaded, _ = huginn
+    plain, _ = RecurrentGenerator(loaded, loops=4, state_seed=1).greedy(PROMPT, 6)
+    g = RecurrentGenerator(loaded, loops=4, state_seed=1)
+    first = int(g.step(PROMPT).next_ids[-1])
+    g.step([first], loops=2)  # a shallow look at the next position
+    g.rewind(len(PROMPT))
+    tokens = [first]
+    while len(tokens) < 6:
+        tokens.append(int(g.step([tokens[-1]]).next_ids[-1]))
+    assert tokens == plain
+
+
+def test_loops_and_seed_are_checked(huginn):
+    _, loaded, _ = huginn
+    for bad in (0, 33, 2.0):
+        with pytest.raises(RequestError, match="loops"):
+            RecurrentGenerator(loaded, loops=bad)
+    with pytest.raises(RequestError, match="state_seed"):
+        RecurrentGenerator(loaded, state_seed=-1)
+    assert RecurrentGenerator(loaded).loops == TINY.loops_default
+
+
+def test_other_kinds_options_are_refused(huginn, tmp_path):
+    ckpt, _, _ = huginn
+    with pytest.raises(ExportError, match="--max-batch"):
+        export_checkpoint(ckpt, tmp_path / "x", ExportOptions(max_length=MAX_LENGTH, max_batch=2))
+
+
+def test_graphs_are_unrolled_and_rotate_pairs(huginn):
+    import onnx
+
+    _, loaded, _ = huginn
+    for kind in ("prelude", "core_step", "coda"):
+        graph = onnx.load(loaded.path / f"{kind}.onnx", load_external_data=False).graph
+        ops = {node.op_type for node in graph.node}
+        assert not ops & {"Loop", "If", "Scan"}
+        attention = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
+        assert attention and all(
+            next(a.i for a in node.attribute if a.name == "rotary_interleaved") == 1 for node in attention
+        )
