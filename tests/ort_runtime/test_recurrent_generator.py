@@ -19,6 +19,7 @@ from loopcast.exporter.export import ExportOptions, export_checkpoint  # noqa: E
 from loopcast.exporter.random_checkpoint import write_random_checkpoint  # noqa: E402
 from loopcast.exporter.reference_huginn import greedy_generate  # noqa: E402
 from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator  # noqa: E402
+from loopcast.ort_runtime.decoding.recurrent_self_draft import self_draft_greedy  # noqa: E402
 from loopcast.ort_runtime.loading.artifact import open_artifact  # noqa: E402
 
 from tests.huginn_numpy import HuginnNumpy  # noqa: E402
@@ -109,3 +110,49 @@ def test_graphs_are_unrolled_and_rotate_pairs(huginn):
         assert attention and all(
             next(a.i for a in node.attribute if a.name == "rotary_interleaved") == 1 for node in attention
         )
+
+
+@pytest.mark.parametrize("loops, draft_loops, num_drafts", [(4, 1, 3), (32, 1, 4), (32, 8, 4), (32, 24, 2)])
+@pytest.mark.parametrize("seed", [None, 7])
+def test_self_draft_gives_plain_greedy(huginn, loops, draft_loops, num_drafts, seed):
+    _, loaded, _ = huginn
+    plain, _ = RecurrentGenerator(loaded, loops=loops, state_seed=seed).greedy(PROMPT, 12)
+    tokens, stats = self_draft_greedy(
+        RecurrentGenerator(loaded, loops=loops, state_seed=seed),
+        PROMPT,
+        12,
+        draft_loops=draft_loops,
+        num_drafts=num_drafts,
+        allow_inexact=True,
+    )
+    assert tokens == plain
+    assert stats.rounds > 0 and stats.proposed >= stats.accepted
+    assert stats.exact_greedy is False  # exact_verify is false for this family (module docstring)
+
+
+def test_self_draft_rejects_and_reaches_the_capacity(huginn):
+    """Shallow drafts are rejected (the rows past the accepted ones are rewritten next round),
+    and rounds shrink at the KV capacity: the tokens stay plain greedy's to the last position."""
+    _, loaded, _ = huginn
+    prompt = list(range(5, 5 + MAX_LENGTH - 10))
+    plain, _ = RecurrentGenerator(loaded, loops=32, state_seed=2).greedy(prompt, 50)
+    tokens, stats = self_draft_greedy(
+        RecurrentGenerator(loaded, loops=32, state_seed=2),
+        prompt,
+        50,
+        draft_loops=1,
+        num_drafts=4,
+        allow_inexact=True,
+    )
+    assert tokens == plain and len(tokens) == 11
+    assert stats.accepted < stats.proposed
+
+
+def test_self_draft_is_refused_where_rows_are_not_exact(huginn):
+    _, loaded, _ = huginn
+    generator = RecurrentGenerator(loaded, loops=4)
+    with pytest.raises(RequestError, match="allow_inexact"):
+        self_draft_greedy(generator, PROMPT, 4, draft_loops=2)
+    for bad in (0, 4):
+        with pytest.raises(RequestError, match="draft_loops"):
+            self_draft_greedy(generator, PROMPT, 4, draft_loops=bad, allow_inexact=True)
