@@ -26,6 +26,7 @@ from loopcast.exporter.reference import KVCache, RMSNorm, StepContext
 from torch import nn
 
 from loopcast.config import ModelConfig
+from loopcast.kl_exit import KLExit, step_kl, uniform_log_probs
 from loopcast.recurrent_state import initial_state
 
 
@@ -139,6 +140,7 @@ class RecurrentOutput:
     logits: torch.Tensor
     state: torch.Tensor
     step_logits: list[torch.Tensor]
+    exit_loops: int = 0  # the core steps the output was taken after (r without an exit)
 
 
 class RecurrentLM(nn.Module):
@@ -202,13 +204,17 @@ class RecurrentLM(nn.Module):
         cache: KVCache | None = None,
         seed: int | None = None,
         all_steps: bool = False,
+        kl_exit: KLExit | None = None,
     ) -> RecurrentOutput:
         """r = ``loops`` core steps (default: the config's) over new rows at positions start...
 
         ``seed`` draws the initial state (None: zero). With a cache, r must fit its slots
         (``config.num_loops``); ``all_steps`` (no cache: each step's coda would need its own
-        coda KV) adds the logits after every step.
+        coda KV) adds the logits after every step. ``kl_exit`` stops at the first step whose
+        KL to the previous step's distribution is below its threshold (loopcast/kl_exit.py).
         """
+        if kl_exit is not None:
+            return self._forward_kl_exit(input_ids_BS, loops, start, cache, seed, kl_exit)
         cfg = self.config
         r = cfg.loops_default if loops is None else loops
         if r < 1 or (cache is not None and r > cfg.num_loops):
@@ -226,7 +232,39 @@ class RecurrentLM(nn.Module):
         logits = self.coda(state, ctx)
         if all_steps:
             step_logits.append(logits)
-        return RecurrentOutput(logits, state, step_logits)
+        return RecurrentOutput(logits, state, step_logits, r)
+
+    def _forward_kl_exit(self, input_ids_BS, loops, start, cache, seed, kl_exit: KLExit) -> RecurrentOutput:
+        cfg = self.config
+        r = cfg.loops_default if loops is None else loops
+        if cache is None or not 1 <= r <= cfg.num_loops:
+            raise ValueError(f"the KL exit runs cached, with loops in 1..{cfg.num_loops}")
+        m = input_ids_BS.shape[1]
+        ctx = self.context(start, m, cache, input_ids_BS.device)
+        embedded = self.prelude(self.embed(input_ids_BS), ctx)
+        state = self.initial_state(start, m, seed, embedded)
+        previous = uniform_log_probs(cfg.vocab_size)
+        logits, exit_loops = None, r
+        for step in range(r):
+            state = self.core_step(state, embedded, step, ctx)
+            if step + 1 >= kl_exit.min_loops:
+                logits = self.coda(state, ctx)  # the check writes the coda KV, as the release's
+                kl, previous = step_kl(previous, logits[0, -1].double().numpy())
+                if kl < kl_exit.threshold:
+                    exit_loops = step + 1
+                    break
+        if logits is None:  # min_loops > r: no step was checked
+            logits = self.coda(state, ctx)
+        exited = state
+        for step in range(exit_loops, r):  # the steps the rows skipped
+            if kl_exit.kv_policy == "full":
+                state = self.core_step(state, embedded, step, ctx)  # for the KV only
+            else:  # last-exited: the exit step's K/V, layer by layer
+                for l in range(cfg.num_layers):
+                    src, dst = cfg.core_slot(exit_loops - 1, l), cfg.core_slot(step, l)
+                    cache.key[dst, :, :, start : start + m] = cache.key[src, :, :, start : start + m]
+                    cache.value[dst, :, :, start : start + m] = cache.value[src, :, :, start : start + m]
+        return RecurrentOutput(logits, exited, [], exit_loops)
 
 
 @torch.no_grad()
@@ -238,20 +276,25 @@ def greedy_generate(
     loops: int | None = None,
     seed: int | None = None,
     max_length: int | None = None,
+    kl_exit: KLExit | None = None,
+    exits: list[int] | None = None,
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Cached greedy decoding: the prompt in one call, then one token per call; returns the new
-    tokens and each step's logits ``[V]`` (the reference of the runtime's plain decoding)."""
+    tokens and each step's logits ``[V]`` (the reference of the runtime's plain decoding).
+    With ``kl_exit``, ``exits`` (if given) gets each call's exit step count."""
     cfg = model.config
     cache = KVCache(cfg, max_length or cfg.max_position_embeddings, dtype=model.transformer.wte.weight.dtype)
     ids = torch.tensor([prompt])
-    out = model(ids, loops=loops, cache=cache, seed=seed)
+    out = model(ids, loops=loops, cache=cache, seed=seed, kl_exit=kl_exit)
     n, tokens, logits = len(prompt), [], []
     for _ in range(max_new_tokens):
+        if exits is not None:
+            exits.append(out.exit_loops)
         logits.append(out.logits[0, -1])
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
         if len(tokens) == max_new_tokens:
             break
-        out = model(torch.tensor([[token]]), loops=loops, start=n, cache=cache, seed=seed)
+        out = model(torch.tensor([[token]]), loops=loops, start=n, cache=cache, seed=seed, kl_exit=kl_exit)
         n += 1
     return tokens, logits

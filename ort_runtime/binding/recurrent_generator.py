@@ -31,6 +31,7 @@ from loopcast.ort_runtime.binding.bindings import _Buffer
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.errors import RequestError
+from loopcast.kl_exit import KLExit, step_kl, uniform_log_probs
 from loopcast.recurrent_state import initial_state
 from loopcast.vocab import GraphKind
 
@@ -42,6 +43,7 @@ _ONNX_BFLOAT16 = 16
 class RecurrentStep:
     next_ids: np.ndarray  # [M] int64: each row's argmax
     logits: np.ndarray  # [M, V] float32
+    exit_loops: int  # the core steps the output was taken after (r without a KL exit)
 
 
 class RecurrentGenerator:
@@ -118,9 +120,14 @@ class RecurrentGenerator:
         # get_outputs lists the present KV (bound first) before the new outputs
         return list(values[len(values) - len(outputs) :])
 
-    def step(self, ids: list[int], *, loops: int | None = None) -> RecurrentStep:
+    def step(
+        self, ids: list[int], *, loops: int | None = None, kl_exit: KLExit | None = None
+    ) -> RecurrentStep:
         """Run ``ids`` at positions n.. through prelude, ``loops`` core steps (default the
-        generator's) and coda; commits them (n += M) and returns each row's argmax and logits."""
+        generator's) and coda; commits them (n += M) and returns each row's argmax and logits.
+        ``kl_exit`` (loopcast/kl_exit.py) takes the output at the first step whose KL to the
+        previous step's distribution (the last row's) is below its threshold; the skipped steps'
+        slots are filled as its ``kv_policy`` says."""
         r = self.loops if loops is None else self._check_loops(loops)
         m, n = len(ids), self.n
         if m < 1:
@@ -138,15 +145,39 @@ class RecurrentGenerator:
         state = self._value(
             initial_state(cfg.hidden_size, cfg.state_std, np.arange(n, n + m), self.state_seed)[None]
         )
+        out, exit_loops, previous = None, r, uniform_log_probs(cfg.vocab_size)
         for k in range(r):
-            (state,) = self._run(
-                self._steps[k], {"state_BSH": state, "embedded_BSH": embedded, **lengths}, ["state_BSH_out"]
-            )
+            state = self._core_step(k, state, embedded, lengths)
+            if kl_exit is not None and k + 1 >= kl_exit.min_loops:
+                out = self._coda_outputs(state, lengths)  # the check writes the coda KV, as the release's
+                kl, previous = step_kl(previous, out.logits[-1])
+                if kl < kl_exit.threshold:
+                    exit_loops = k + 1
+                    break
+        if out is None:
+            out = self._coda_outputs(state, lengths)
+        for k in range(exit_loops, r):  # the steps the rows skipped
+            if kl_exit is not None and kl_exit.kv_policy == "full":
+                state = self._core_step(k, state, embedded, lengths)  # for the KV only
+            else:  # last-exited: the exit step's K/V, layer by layer
+                for l in range(cfg.num_layers):
+                    src, dst = self.kv[cfg.core_slot(exit_loops - 1, l)], self.kv[cfg.core_slot(k, l)]
+                    for s_buf, d_buf in zip(src, dst):
+                        d_buf.host[:, :, n : n + m] = s_buf.host[:, :, n : n + m]
+        self.n = n + m
+        return RecurrentStep(out.next_ids, out.logits, exit_loops)
+
+    def _core_step(self, k: int, state: ort.OrtValue, embedded: ort.OrtValue, lengths: dict) -> ort.OrtValue:
+        (out,) = self._run(
+            self._steps[k], {"state_BSH": state, "embedded_BSH": embedded, **lengths}, ["state_BSH_out"]
+        )
+        return out
+
+    def _coda_outputs(self, state: ort.OrtValue, lengths: dict) -> RecurrentStep:
         next_ids, logits = self._run(
             self._coda, {"state_BSH": state, **lengths}, ["next_token_ids_BS", "logits_BSV"]
         )
-        self.n = n + m
-        return RecurrentStep(next_ids.numpy()[0].copy(), logits.numpy()[0].copy())
+        return RecurrentStep(next_ids.numpy()[0].copy(), logits.numpy()[0].copy(), 0)
 
     def rewind(self, n: int) -> None:
         """Forget positions n.. (only moves n: their KV is rewritten before it is read again)."""
@@ -155,18 +186,27 @@ class RecurrentGenerator:
         self.n = n
 
     def greedy(
-        self, prompt: list[int], max_new_tokens: int, *, stop_ids: tuple[int, ...] = ()
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        *,
+        stop_ids: tuple[int, ...] = (),
+        kl_exit: KLExit | None = None,
+        exits: list[int] | None = None,
     ) -> tuple[list[int], list[np.ndarray]]:
         """Plain greedy decoding from a reset: the prompt in one call, then one token per call.
-        Returns the new tokens and each one's logits ``[V]``."""
+        Returns the new tokens and each one's logits ``[V]``; with ``kl_exit``, ``exits`` (if
+        given) gets each call's exit step count."""
         self.rewind(0)
-        out = self.step(list(prompt))
+        out = self.step(list(prompt), kl_exit=kl_exit)
         tokens: list[int] = []
         logits: list[np.ndarray] = []
         while True:
             token = int(out.next_ids[-1])
             tokens.append(token)
             logits.append(out.logits[-1])
+            if exits is not None:
+                exits.append(out.exit_loops)
             if len(tokens) >= max_new_tokens or token in stop_ids or self.n >= self.max_length:
                 return tokens, logits
-            out = self.step([token])
+            out = self.step([token], kl_exit=kl_exit)

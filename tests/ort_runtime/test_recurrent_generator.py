@@ -10,6 +10,7 @@ import pytest
 
 from loopcast.config import PRESETS
 from loopcast.errors import ExportError, RequestError
+from loopcast.kl_exit import KLExit
 from loopcast.recurrent_state import initial_state
 
 torch = pytest.importorskip("torch")
@@ -156,3 +157,56 @@ def test_self_draft_is_refused_where_rows_are_not_exact(huginn):
     for bad in (0, 4):
         with pytest.raises(RequestError, match="draft_loops"):
             self_draft_greedy(generator, PROMPT, 4, draft_loops=bad, allow_inexact=True)
+
+
+# This random model's step-to-step KL settles around 0.1-0.35 (it never goes below 0.09), so
+# these thresholds exit at different steps for different tokens.
+@pytest.mark.parametrize("threshold", [0.15, 0.3])
+@pytest.mark.parametrize("kv_policy", ["full", "last-exited"])
+def test_kl_exit_matches_the_reference(huginn, threshold, kv_policy):
+    _, loaded, model = huginn
+    rule = KLExit(threshold, kv_policy=kv_policy)
+    exits, want_exits = [], []
+    tokens, logits = RecurrentGenerator(loaded, loops=32, state_seed=7).greedy(
+        PROMPT, 10, kl_exit=rule, exits=exits
+    )
+    want, want_logits = greedy_generate(
+        model, PROMPT, 10, loops=32, seed=7, max_length=MAX_LENGTH, kl_exit=rule, exits=want_exits
+    )
+    assert tokens == want and exits == want_exits
+    assert min(exits) < 32 and len(set(exits)) > 1  # exits happen, at different steps
+    for got, ref in zip(logits, want_logits):
+        np.testing.assert_allclose(got, ref.numpy(), atol=1e-4, rtol=0)
+
+
+def test_kl_exit_kv_policies(huginn):
+    """full: the skipped steps still run, so the core slots hold a plain run's KV bit for bit;
+    last-exited: each skipped step's slots hold the exit step's K/V of the same layer."""
+    _, loaded, _ = huginn
+    cfg, m = loaded.config, len(PROMPT)
+    plain = RecurrentGenerator(loaded, loops=8)
+    plain.step(PROMPT)
+    for policy in ("full", "last-exited"):
+        g = RecurrentGenerator(loaded, loops=8)
+        e = g.step(PROMPT, kl_exit=KLExit(0.5, kv_policy=policy)).exit_loops
+        assert e < 8
+        for k in range(8):
+            for l in range(cfg.num_layers):
+                got = g.kv[cfg.core_slot(k, l)][0].host[:, :, :m]
+                if policy == "full" or k < e:
+                    want = plain.kv[cfg.core_slot(k, l)][0].host[:, :, :m]
+                else:
+                    want = g.kv[cfg.core_slot(e - 1, l)][0].host[:, :, :m]
+                np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="kv_policy"):
+        KLExit(kv_policy="skip")
+    with pytest.raises(ValueError, match="exit_threshold"):
+        KLExit(-1.0)
+
+
+def test_kl_exit_never_below_zero_is_plain(huginn):
+    _, loaded, _ = huginn
+    plain, _ = RecurrentGenerator(loaded, loops=4).greedy(PROMPT, 6)
+    exits = []
+    tokens, _ = RecurrentGenerator(loaded, loops=4).greedy(PROMPT, 6, kl_exit=KLExit(0.0), exits=exits)
+    assert tokens == plain and exits == [4] * 6
