@@ -2,7 +2,9 @@
 
 The number of core steps r is chosen per generator (``loops``, 1..the artifact's
 ``max_recurrence``; default the release's ``mean_recurrence``), and may be changed per call, so
-a request picks its depth at run time without ONNX control flow (graphs/recurrent.py). Every
+a request picks its depth at run time without ONNX control flow (graphs/recurrent.py). On CUDA
+(fp16/bf16 artifacts) the state and the prelude output stay on the device between the calls;
+only the coda's ids and logits come back. Every
 call over M new tokens at positions n..n+M-1:
 
     prelude(ids)                          writes the prelude slots         → e
@@ -56,9 +58,7 @@ class RecurrentGenerator:
         cfg = loaded.config
         if not cfg.recurrent_depth:
             raise RequestError(f"RecurrentGenerator runs recurrent-depth artifacts, not {cfg.model_type}")
-        if loaded.device != "cpu":
-            raise RequestError("recurrent-depth artifacts run on the CPU only so far (device='cpu')")
-        self.loaded, self.config = loaded, cfg
+        self.loaded, self.config, self.device = loaded, cfg, loaded.device
         self.loops = self._check_loops(cfg.loops_default if loops is None else loops)
         if state_seed is not None and (not isinstance(state_seed, int) or state_seed < 0):
             raise RequestError(f"state_seed must be a non-negative integer or None, got {state_seed!r}")
@@ -67,7 +67,7 @@ class RecurrentGenerator:
         self.dtype = _NP_DTYPES[loaded.manifest.dtype]
         shape = (1, cfg.num_kv_heads, self.max_length, cfg.head_dim)
         self.kv = {
-            slot: (_Buffer(shape, self.dtype, "cpu"), _Buffer(shape, self.dtype, "cpu"))
+            slot: (_Buffer(shape, self.dtype, self.device), _Buffer(shape, self.dtype, self.device))
             for slot in range(cfg.num_kv_slots)
         }
         self.n = 0
@@ -106,7 +106,9 @@ class RecurrentGenerator:
             return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), _ONNX_BFLOAT16)
         return ort.OrtValue.ortvalue_from_numpy(array)
 
-    def _run(self, graph, inputs: dict, outputs: list[str]) -> list[ort.OrtValue]:
+    def _run(self, graph, inputs: dict, outputs: list[str], on_host: bool = False) -> list[ort.OrtValue]:
+        """Bind ``inputs`` (OrtValues as they are, numpy arrays from the host) and ``outputs``
+        (on the generator's device, or the host: the coda's ids and logits) and run."""
         session, binding = graph
         for name, value in inputs.items():
             if isinstance(value, ort.OrtValue):
@@ -114,7 +116,7 @@ class RecurrentGenerator:
             else:
                 binding.bind_cpu_input(name, value)
         for name in outputs:
-            binding.bind_output(name, "cpu")
+            binding.bind_output(name, "cpu" if on_host else self.device)
         session.run_with_iobinding(binding)
         values = binding.get_outputs()
         # get_outputs lists the present KV (bound first) before the new outputs
@@ -132,6 +134,8 @@ class RecurrentGenerator:
         m, n = len(ids), self.n
         if m < 1:
             raise RequestError("step needs at least one token")
+        if kl_exit is not None and kl_exit.kv_policy == "last-exited" and self.device != "cpu":
+            raise RequestError("kv_policy 'last-exited' runs on the CPU only so far (the copy is the host's)")
         if n + m > self.max_length:
             raise RequestError(f"{n + m} tokens exceed the artifact's max length {self.max_length}")
         lengths = {
@@ -175,7 +179,7 @@ class RecurrentGenerator:
 
     def _coda_outputs(self, state: ort.OrtValue, lengths: dict) -> RecurrentStep:
         next_ids, logits = self._run(
-            self._coda, {"state_BSH": state, **lengths}, ["next_token_ids_BS", "logits_BSV"]
+            self._coda, {"state_BSH": state, **lengths}, ["next_token_ids_BS", "logits_BSV"], on_host=True
         )
         return RecurrentStep(next_ids.numpy()[0].copy(), logits.numpy()[0].copy(), 0)
 
