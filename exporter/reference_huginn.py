@@ -27,6 +27,7 @@ from torch import nn
 
 from loopcast.config import ModelConfig
 from loopcast.kl_exit import KLExit, step_kl, uniform_log_probs
+from loopcast.kv_sharing import core_kv_slot
 from loopcast.recurrent_state import initial_state
 
 
@@ -174,13 +175,14 @@ class RecurrentLM(nn.Module):
         return torch.from_numpy(rows)[None].to(device=like.device, dtype=like.dtype)
 
     def core_step(
-        self, state: torch.Tensor, embedded: torch.Tensor, step: int, ctx: StepContext
+        self, state: torch.Tensor, embedded: torch.Tensor, step: int, ctx: StepContext, sharing=None
     ) -> torch.Tensor:
         """One application of the core block at step ``step`` (0-based), the prelude output
-        injected through the adapter on ``[state, embedded]``."""
+        injected through the adapter on ``[state, embedded]``; ``sharing``: the release's KV
+        sharing (loopcast/kv_sharing.py ``parse_sharing``), None for a slot per (step, layer)."""
         x = self.transformer.adapter(torch.cat([state, embedded], dim=-1))
         for l, block in enumerate(self.transformer.core_block):
-            x = block(x, ctx, self.config.core_slot(step, l))
+            x = block(x, ctx, core_kv_slot(self.config.num_layers, step, l, sharing))
         return x
 
     def coda(self, state: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -205,6 +207,7 @@ class RecurrentLM(nn.Module):
         seed: int | None = None,
         all_steps: bool = False,
         kl_exit: KLExit | None = None,
+        sharing: tuple[str, int] | None = None,
     ) -> RecurrentOutput:
         """r = ``loops`` core steps (default: the config's) over new rows at positions start...
 
@@ -213,6 +216,8 @@ class RecurrentLM(nn.Module):
         coda KV) adds the logits after every step. ``kl_exit`` stops at the first step whose
         KL to the previous step's distribution is below its threshold (loopcast/kl_exit.py).
         """
+        if sharing is not None and (cache is None or kl_exit is not None):
+            raise ValueError("KV sharing is a cached plain forward (no KL exit)")
         if kl_exit is not None:
             return self._forward_kl_exit(input_ids_BS, loops, start, cache, seed, kl_exit)
         cfg = self.config
@@ -226,7 +231,7 @@ class RecurrentLM(nn.Module):
         state = self.initial_state(start, input_ids_BS.shape[1], seed, embedded)
         step_logits = []
         for step in range(r):
-            state = self.core_step(state, embedded, step, ctx)
+            state = self.core_step(state, embedded, step, ctx, sharing)
             if all_steps and step < r - 1:
                 step_logits.append(self.coda(state, ctx))
         logits = self.coda(state, ctx)
@@ -278,6 +283,7 @@ def greedy_generate(
     max_length: int | None = None,
     kl_exit: KLExit | None = None,
     exits: list[int] | None = None,
+    sharing: tuple[str, int] | None = None,
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Cached greedy decoding: the prompt in one call, then one token per call; returns the new
     tokens and each step's logits ``[V]`` (the reference of the runtime's plain decoding).
@@ -285,7 +291,7 @@ def greedy_generate(
     cfg = model.config
     cache = KVCache(cfg, max_length or cfg.max_position_embeddings, dtype=model.transformer.wte.weight.dtype)
     ids = torch.tensor([prompt])
-    out = model(ids, loops=loops, cache=cache, seed=seed, kl_exit=kl_exit)
+    out = model(ids, loops=loops, cache=cache, seed=seed, kl_exit=kl_exit, sharing=sharing)
     n, tokens, logits = len(prompt), [], []
     for _ in range(max_new_tokens):
         if exits is not None:
@@ -295,6 +301,14 @@ def greedy_generate(
         tokens.append(token)
         if len(tokens) == max_new_tokens:
             break
-        out = model(torch.tensor([[token]]), loops=loops, start=n, cache=cache, seed=seed, kl_exit=kl_exit)
+        out = model(
+            torch.tensor([[token]]),
+            loops=loops,
+            start=n,
+            cache=cache,
+            seed=seed,
+            kl_exit=kl_exit,
+            sharing=sharing,
+        )
         n += 1
     return tokens, logits

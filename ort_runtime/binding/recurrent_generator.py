@@ -32,8 +32,9 @@ import onnxruntime as ort
 from loopcast.ort_runtime.binding.bindings import _Buffer
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
-from loopcast.errors import RequestError
+from loopcast.errors import ConfigError, RequestError
 from loopcast.kl_exit import KLExit, step_kl, uniform_log_probs
+from loopcast.kv_sharing import core_kv_slot, parse_sharing
 from loopcast.recurrent_state import initial_state
 from loopcast.vocab import GraphKind
 
@@ -53,7 +54,12 @@ class RecurrentGenerator:
     draws the initial state (None: zero, the deterministic start)."""
 
     def __init__(
-        self, loaded: LoadedModel, *, loops: int | None = None, state_seed: int | None = None
+        self,
+        loaded: LoadedModel,
+        *,
+        loops: int | None = None,
+        state_seed: int | None = None,
+        kv_sharing: str | None = None,
     ) -> None:
         cfg = loaded.config
         if not cfg.recurrent_depth:
@@ -63,12 +69,24 @@ class RecurrentGenerator:
         if state_seed is not None and (not isinstance(state_seed, int) or state_seed < 0):
             raise RequestError(f"state_seed must be a non-negative integer or None, got {state_seed!r}")
         self.state_seed = state_seed
+        # the release's compress-* lookups (loopcast/kv_sharing.py): fewer core slots, plain decoding
+        try:
+            self.sharing = parse_sharing(kv_sharing)
+        except ConfigError as exc:
+            raise RequestError(str(exc)) from None
+        core_slot = {
+            (k, l): core_kv_slot(cfg.num_layers, k, l, self.sharing)
+            for k in range(cfg.num_loops)
+            for l in range(cfg.num_layers)
+        }
         self.max_length = loaded.manifest.max_length
         self.dtype = _NP_DTYPES[loaded.manifest.dtype]
         shape = (1, cfg.num_kv_heads, self.max_length, cfg.head_dim)
+        used = sorted(set(core_slot.values())) + [cfg.prelude_slot(l) for l in range(cfg.num_prelude_layers)]
+        used += [cfg.coda_slot(l) for l in range(cfg.num_coda_layers)]
         self.kv = {
             slot: (_Buffer(shape, self.dtype, self.device), _Buffer(shape, self.dtype, self.device))
-            for slot in range(cfg.num_kv_slots)
+            for slot in used
         }
         self.n = 0
         prelude = {cfg.prelude_slot(l): cfg.prelude_slot(l) for l in range(cfg.num_prelude_layers)}
@@ -76,7 +94,7 @@ class RecurrentGenerator:
         self._prelude = self._bind(GraphKind.PRELUDE, prelude)
         self._steps = [
             self._bind(
-                GraphKind.CORE_STEP, {cfg.core_slot(0, l): cfg.core_slot(k, l) for l in range(cfg.num_layers)}
+                GraphKind.CORE_STEP, {cfg.core_slot(0, l): core_slot[k, l] for l in range(cfg.num_layers)}
             )
             for k in range(cfg.num_loops)
         ]
@@ -134,6 +152,8 @@ class RecurrentGenerator:
         m, n = len(ids), self.n
         if m < 1:
             raise RequestError("step needs at least one token")
+        if kl_exit is not None and self.sharing is not None:
+            raise RequestError("the KL exit needs a KV slot per (step, layer): kv_sharing must be None")
         if kl_exit is not None and kl_exit.kv_policy == "last-exited" and self.device != "cpu":
             raise RequestError("kv_policy 'last-exited' runs on the CPU only so far (the copy is the host's)")
         if n + m > self.max_length:

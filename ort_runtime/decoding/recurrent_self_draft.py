@@ -47,6 +47,8 @@ def self_draft_greedy(
         )
     if not isinstance(num_drafts, int) or num_drafts < 1:
         raise RequestError(f"num_drafts must be a positive integer, got {num_drafts!r}")
+    if generator.sharing is not None:
+        raise RequestError("self-speculation needs a KV slot per (step, layer): kv_sharing must be None")
     exact_verify = generator.loaded.exact_verify
     if not exact_verify and not allow_inexact:
         raise RequestError(

@@ -11,6 +11,7 @@ import pytest
 from loopcast.config import PRESETS
 from loopcast.errors import ExportError, RequestError
 from loopcast.kl_exit import KLExit
+from loopcast.kv_sharing import parse_sharing
 from loopcast.recurrent_state import initial_state
 
 torch = pytest.importorskip("torch")
@@ -210,3 +211,28 @@ def test_kl_exit_never_below_zero_is_plain(huginn):
     exits = []
     tokens, _ = RecurrentGenerator(loaded, loops=4).greedy(PROMPT, 6, kl_exit=KLExit(0.0), exits=exits)
     assert tokens == plain and exits == [4] * 6
+
+
+@pytest.mark.parametrize("sharing", ["compress-s2", "compress-s3", "compress-r2"])
+def test_kv_sharing_matches_the_reference(huginn, sharing):
+    """The release's compress-* lookups: fewer core slots (compress-s2: one per layer), tokens
+    and logits as the reference's under the same sharing, and not those of a slot per step."""
+    _, loaded, model = huginn
+    g = RecurrentGenerator(loaded, loops=8, state_seed=3, kv_sharing=sharing)
+    tokens, logits = g.greedy(PROMPT, 8)
+    want, want_logits = greedy_generate(
+        model, PROMPT, 8, loops=8, seed=3, max_length=MAX_LENGTH, sharing=parse_sharing(sharing)
+    )
+    assert tokens == want
+    for got, ref in zip(logits, want_logits):
+        np.testing.assert_allclose(got, ref.numpy(), atol=1e-4, rtol=0)
+    cfg = loaded.config
+    # core slots for the artifact's 32 steps x 2 layers, plus 2 prelude and 2 coda
+    assert len(g.kv) == {"compress-s2": 2, "compress-s3": 3, "compress-r2": 32}[sharing] + 4
+    _, plain_logits = RecurrentGenerator(loaded, loops=8, state_seed=3).greedy(PROMPT, 8)
+    assert np.abs(np.stack(plain_logits[1:]) - np.stack(logits[1:])).max() > 1e-3
+    assert cfg.num_kv_slots == 68
+    with pytest.raises(RequestError, match="kv_sharing"):
+        RecurrentGenerator(loaded, kv_sharing="latest-m4")
+    with pytest.raises(RequestError, match="kv_sharing"):
+        g.step([1], kl_exit=KLExit())
