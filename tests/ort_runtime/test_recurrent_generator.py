@@ -19,9 +19,12 @@ torch = pytest.importorskip("torch")
 from loopcast.exporter.checkpoint import load_checkpoint  # noqa: E402
 from loopcast.exporter.export import ExportOptions, export_checkpoint  # noqa: E402
 from loopcast.exporter.random_checkpoint import write_random_checkpoint  # noqa: E402
+from loopcast.exporter.reference import KVCache  # noqa: E402
 from loopcast.exporter.reference_huginn import greedy_generate  # noqa: E402
 from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator  # noqa: E402
+from loopcast.ort_runtime.decoding.recurrent_decode import decode_recurrent  # noqa: E402
 from loopcast.ort_runtime.decoding.recurrent_self_draft import self_draft_greedy  # noqa: E402
+from loopcast.ort_runtime.decoding.sampling import SamplingParams, make_rng, probabilities, sample  # noqa: E402
 from loopcast.ort_runtime.loading.artifact import open_artifact  # noqa: E402
 
 from tests.huginn_numpy import HuginnNumpy  # noqa: E402
@@ -236,3 +239,28 @@ def test_kv_sharing_matches_the_reference(huginn, sharing):
         RecurrentGenerator(loaded, kv_sharing="latest-m4")
     with pytest.raises(RequestError, match="kv_sharing"):
         g.step([1], kl_exit=KLExit())
+
+
+def test_sampled_decoding_follows_the_reference_distribution(huginn):
+    """Sampling draws from the project's processed distribution of each row: replaying the
+    reference's rows (teacher-forced on the sampled tokens) with the same seed gives the same
+    tokens; temperature 0 is greedy; a seed fixes the tokens."""
+    _, loaded, model = huginn
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    g = RecurrentGenerator(loaded, loops=4, state_seed=7)
+    tokens, stats, steps = decode_recurrent(g, PROMPT, 10, sampling=params)
+    again, _, _ = decode_recurrent(g, PROMPT, 10, sampling=params)
+    assert tokens == again and steps == [4] * 10 and stats.core_calls_per_token == 4
+    cache = KVCache(loaded.config, MAX_LENGTH)
+    rng, context, replay = make_rng(params), list(PROMPT), []
+    with torch.no_grad():
+        out = model(torch.tensor([PROMPT]), loops=4, cache=cache, seed=7)
+        for token in tokens:
+            replay.append(sample(probabilities(out.logits[0, -1].numpy(), params, context), rng))
+            context.append(token)
+            out = model(torch.tensor([[token]]), loops=4, start=len(context) - 1, cache=cache, seed=7)
+    assert replay == tokens
+    greedy, _ = RecurrentGenerator(loaded, loops=4, state_seed=7).greedy(PROMPT, 10)
+    assert decode_recurrent(g, PROMPT, 10, sampling=SamplingParams(temperature=0.0))[0] == greedy
+    exits = decode_recurrent(g, PROMPT, 10, sampling=params, kl_exit=KLExit(0.3))[2]
+    assert max(exits) <= 4
