@@ -132,22 +132,22 @@ class ExportOptions:
         )
 
     def _recurrent(self, max_length: int) -> ExportOptions:
-        """A recurrent-depth model (Huginn) exports prelude, core_step and coda, stock ops, float
-        weights; the options of the other kinds are refused rather than ignored."""
+        """A recurrent-depth model (Huginn) exports prelude, core_step and coda with float weights
+        (the stock or loopcast-attention ops); the other kinds' options are refused, not ignored."""
         for on, flag in (
             (self.draft_depth is not None, "--draft-depth"),
             (self.tree_verify, "--tree-verify"),
             (self.max_batch is not None, "--max-batch"),
             (self.genai, "--genai"),
             (self.quantization is not None, "--quantize"),
-            (self.op_set not in ("auto", OpSet.STOCK), "--ops/--batch-invariant"),
+            (self.op_set == OpSet.LOOPCAST, "--ops loopcast/--batch-invariant"),
         ):
             if on:
                 raise ExportError(
                     f"{flag} is not supported for recurrent-depth (huginn_raven) models yet: they "
-                    "export prelude, core_step and coda with the stock ops"
+                    "export prelude, core_step and coda with the stock or loopcast-attention ops"
                 )
-        return dataclasses.replace(self, max_length=max_length, draft_depth=None, ops=OpSet.STOCK.value)
+        return dataclasses.replace(self, max_length=max_length, draft_depth=None)
 
 
 def _check_quantized(opts: ExportOptions) -> None:
@@ -462,8 +462,6 @@ def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
     cuBLAS and GroupQueryAttention are not."""
     from loopcast.exporter.exactness_probe import rows_match_shallow
 
-    if manifest.config.recurrent_depth:  # no verify kinds to measure yet
-        return dataclasses.replace(manifest, exact_verify={"cpu": False, "cuda": False})
     exact = {
         "cpu": manifest.dtype == "fp32" and rows_match_shallow(staging, manifest=manifest),
         # quantized artifacts run on the CPU only for now

@@ -305,7 +305,7 @@ def attention(
         num_heads=cfg.num_heads,
         kv_num_heads=cfg.num_kv_heads,
         do_rotary=1,
-        rotary_interleaved=int(cfg.rope_interleaved),  # Huginn: adjacent pairs
+        rotary_interleaved=0,
         scale=cfg.head_dim**-0.5,
     )
     b.output(present_key, ctx.dtype, kv_shape)
@@ -349,7 +349,7 @@ def _row_attention(
         num_heads=cfg.num_heads,
         kv_num_heads=cfg.num_kv_heads,
         do_rotary=1,
-        rotary_interleaved=int(cfg.rope_interleaved),  # Huginn: adjacent pairs
+        rotary_interleaved=0,
         scale=cfg.head_dim**-0.5,
         row_buffers=[pairs.index(s) for s in slots],
         **({"kv_in_place": 1} if rows.kv_in_place else {}),

@@ -58,7 +58,7 @@ def build_kind(
     if plan.kind == GraphKind.CYCLE_RUN:
         return build_cycle_run(config, dtype, max_length, b, op_set=op_set)
     if plan.kind in RECURRENT_KINDS:
-        return build_recurrent_kind(plan, config, dtype, max_length, b)
+        return build_recurrent_kind(plan, config, dtype, max_length, b, op_set=op_set)
     rows: int | str = plan.rows if plan.rows is not None else "num_rows"
     if plan.first_loop == 0:
         token_ids = b.input("input_ids_BS", ir.DataType.INT64, [1, rows])

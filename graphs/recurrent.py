@@ -12,6 +12,10 @@ inputs are named for step 0's slots (``past_key.{l}``, l = 0..L-1); the host bin
 buffers, slots ``k*L + l``, to them for its k-th call (docs/architecture.md §2). The prelude
 and coda bind their own slots.
 
+The attention rotates halves: the exporter reorders each q and k head's dims so that the
+halves are the release's adjacent pairs (exporter/recurrent_weights.py), so the stock and the
+loopcast attention ops both apply (op sets ``stock`` and ``loopcast-attention``).
+
 Each block is Huginn's sandwich, the norms after the residual adds:
 
     x ─ n1 ─ attn ─(+x)─ n2 ─▶ x1 ─ n3 ─ mlp ─(+x1)─ n4 ─▶
@@ -59,7 +63,13 @@ def sandwich_block(
 
 
 def build_recurrent_kind(
-    plan: GraphPlan, config: ModelConfig, dtype: ir.DataType, max_length: int, b: GraphBuilder
+    plan: GraphPlan,
+    config: ModelConfig,
+    dtype: ir.DataType,
+    max_length: int,
+    b: GraphBuilder,
+    *,
+    op_set: OpSet | str = OpSet.STOCK,
 ) -> tuple[ir.Model, GraphSpec]:
     rows = "num_rows"
     hidden = [1, rows, config.hidden_size]
@@ -69,7 +79,7 @@ def build_recurrent_kind(
         cos_cache=b.weight("rotary.cos_SD2"),
         sin_cache=b.weight("rotary.sin_SD2"),
     )
-    ctx = blocks.BlockContext(config, dtype, max_length, step, op_set_builders(OpSet.STOCK))
+    ctx = blocks.BlockContext(config, dtype, max_length, step, op_set_builders(op_set))
     if plan.kind == GraphKind.PRELUDE:
         ids = b.input("input_ids_BS", ir.DataType.INT64, [1, rows])
         x = b.op("Mul", [blocks.embed(b, ids), b.weight(EMBED_SCALE)], path="/embed/scale", out="scaled_BSH")

@@ -4,12 +4,11 @@ The number of core steps r is chosen per generator (``loops``, 1..the artifact's
 ``max_recurrence``; default the release's ``mean_recurrence``), and may be changed per call, so
 a request picks its depth at run time without ONNX control flow (graphs/recurrent.py). On CUDA
 (fp16/bf16 artifacts) the state and the prelude output stay on the device between the calls;
-only the coda's ids and logits come back. Every
-call over M new tokens at positions n..n+M-1:
+only the coda's ids and logits come back. Every call over M new tokens at positions n..n+M-1:
 
     prelude(ids)                          writes the prelude slots         → e
     s_0 = initial_state(seed, positions)  (loopcast/recurrent_state.py)
-    core_step k = 0..r-1 (s_k, e)         writes slots k·L + l             → s_k+1
+    core_step k = 0..r-1 (s_k, e)         writes slots k·L + l (or shared) → s_k+1
     coda(s_r)                             writes the coda slots            → argmax, logits
 
 The KV buffers (one K and one V ``[1, H_kv, S_max, D]`` per slot, docs/architecture.md §2) are

@@ -13,8 +13,8 @@ its committed token at depth r. Rows past the accepted ones (n+a+1..n+K) hold th
 drafts' KV; the next round rewrites them before any row reads them (rewind only moves n).
 
 The committed tokens are greedy's at depth r when the verify rows equal the one-row decode
-rows; the stock CPU MatMul gives an M-row call rows that differ from one-row calls by ~1e-7,
-so artifacts of this family declare ``exact_verify`` false and this mode runs only with
+rows, which the exporter measures (``exact_verify``: true with the loopcast attention; with
+the stock ops M-row rows differ by ~1e-7). Elsewhere this mode runs only with
 ``allow_inexact=True`` (then ``stats.exact_greedy`` is false), as for any other mode (§6).
 """
 

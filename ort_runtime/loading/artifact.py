@@ -533,11 +533,17 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         ),
         "graphs:",
     ]
+    runs = {  # the recurrent kinds: the host composes them (graphs/recurrent.py)
+        GraphKind.PRELUDE: "once",
+        GraphKind.CORE_STEP: f"r = 1..{cfg.num_loops} times (default {cfg.loops_default})",
+        GraphKind.CODA: "once",
+    }
     for kind, spec in manifest.graphs.items():
         size = (Path(path) / spec.file).stat().st_size
+        loops = f"runs {runs[kind]}" if kind in runs else f"loops {spec.first_loop}..{spec.last_loop - 1}"
         lines.append(
-            f"  {kind:<12} {spec.file:<17} rows {spec.rows or 'dynamic':<8} loops "
-            f"{spec.first_loop}..{spec.last_loop - 1}  KV slots {len(spec.kv_slots):<3} {size / 1024:.0f} KiB"
+            f"  {kind:<12} {spec.file:<17} rows {spec.rows or 'dynamic':<8} {loops}  "
+            f"KV slots {len(spec.kv_slots):<3} {size / 1024:.0f} KiB"
         )
         others = [n for n in spec.inputs if not n.startswith("past_")]
         outs = [n for n in spec.outputs if not n.startswith("present_")]

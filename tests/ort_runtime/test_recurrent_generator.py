@@ -25,7 +25,7 @@ from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator 
 from loopcast.ort_runtime.decoding.recurrent_decode import decode_recurrent  # noqa: E402
 from loopcast.ort_runtime.decoding.recurrent_self_draft import self_draft_greedy  # noqa: E402
 from loopcast.ort_runtime.decoding.sampling import SamplingParams, make_rng, probabilities, sample  # noqa: E402
-from loopcast.ort_runtime.loading.artifact import open_artifact  # noqa: E402
+from loopcast.ort_runtime.loading.artifact import describe_artifact, open_artifact  # noqa: E402
 
 from tests.huginn_numpy import HuginnNumpy  # noqa: E402
 
@@ -52,6 +52,9 @@ def test_manifest_knows_the_family(huginn):
     assert manifest["graphs"]["core_step"]["kv_slots"] == [0, 1]  # step 0's names, rebound per step
     assert manifest["kv_layout"]["slots"] == 32 * 2 + 2 + 2
     assert manifest["verify_width"] is None and manifest["draft_depth"] is None
+    assert "core_step    core_step.onnx    rows dynamic  runs r = 1..32 times (default 4)" in (
+        describe_artifact(loaded.path)
+    )
 
 
 @pytest.mark.parametrize("loops", [1, 4, 32])
@@ -103,7 +106,9 @@ def test_other_kinds_options_are_refused(huginn, tmp_path):
         export_checkpoint(ckpt, tmp_path / "x", ExportOptions(max_length=MAX_LENGTH, max_batch=2))
 
 
-def test_graphs_are_unrolled_and_rotate_pairs(huginn):
+def test_graphs_are_unrolled_and_rotate_halves(huginn):
+    """No control flow; the attention rotates halves (the exporter reorders q/k so that they are
+    the release's pairs: the parity tests above check the result against pair rotation)."""
     import onnx
 
     _, loaded, _ = huginn
@@ -111,9 +116,11 @@ def test_graphs_are_unrolled_and_rotate_pairs(huginn):
         graph = onnx.load(loaded.path / f"{kind}.onnx", load_external_data=False).graph
         ops = {node.op_type for node in graph.node}
         assert not ops & {"Loop", "If", "Scan"}
-        attention = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
+        attention = [
+            node for node in graph.node if node.op_type in ("GroupQueryAttention", "BatchInvariantAttention")
+        ]
         assert attention and all(
-            next(a.i for a in node.attribute if a.name == "rotary_interleaved") == 1 for node in attention
+            next(a.i for a in node.attribute if a.name == "rotary_interleaved") == 0 for node in attention
         )
 
 
@@ -122,17 +129,17 @@ def test_graphs_are_unrolled_and_rotate_pairs(huginn):
 def test_self_draft_gives_plain_greedy(huginn, loops, draft_loops, num_drafts, seed):
     _, loaded, _ = huginn
     plain, _ = RecurrentGenerator(loaded, loops=loops, state_seed=seed).greedy(PROMPT, 12)
+    assert loaded.manifest.op_set == "loopcast-attention" and loaded.exact_verify  # measured at export
     tokens, stats = self_draft_greedy(
         RecurrentGenerator(loaded, loops=loops, state_seed=seed),
         PROMPT,
         12,
         draft_loops=draft_loops,
         num_drafts=num_drafts,
-        allow_inexact=True,
     )
     assert tokens == plain
     assert stats.rounds > 0 and stats.proposed >= stats.accepted
-    assert stats.exact_greedy is False  # exact_verify is false for this family (module docstring)
+    assert stats.exact_greedy  # verify rows are decode rows bit for bit: exact by construction
 
 
 def test_self_draft_rejects_and_reaches_the_capacity(huginn):
@@ -147,17 +154,26 @@ def test_self_draft_rejects_and_reaches_the_capacity(huginn):
         50,
         draft_loops=1,
         num_drafts=4,
-        allow_inexact=True,
     )
     assert tokens == plain and len(tokens) == 11
     assert stats.accepted < stats.proposed
 
 
-def test_self_draft_is_refused_where_rows_are_not_exact(huginn):
-    _, loaded, _ = huginn
-    generator = RecurrentGenerator(loaded, loops=4)
+def test_self_draft_is_refused_where_rows_are_not_exact(huginn, tmp_path):
+    """The stock attention's M-row rows differ from its one-row rows (measured at export):
+    self-speculation runs there only with allow_inexact, and then says it is not exact."""
+    ckpt, loaded, _ = huginn
+    export_checkpoint(ckpt, tmp_path / "stock", ExportOptions(max_length=MAX_LENGTH, ops="stock"))
+    stock = open_artifact(tmp_path / "stock")
+    assert not stock.exact_verify
     with pytest.raises(RequestError, match="allow_inexact"):
-        self_draft_greedy(generator, PROMPT, 4, draft_loops=2)
+        self_draft_greedy(RecurrentGenerator(stock, loops=4), PROMPT, 4, draft_loops=2)
+    plain, _ = RecurrentGenerator(stock, loops=4).greedy(PROMPT, 6)
+    tokens, stats = self_draft_greedy(
+        RecurrentGenerator(stock, loops=4), PROMPT, 6, draft_loops=2, allow_inexact=True
+    )
+    assert tokens == plain and not stats.exact_greedy  # equal here; not promised
+    generator = RecurrentGenerator(loaded, loops=4)
     for bad in (0, 4):
         with pytest.raises(RequestError, match="draft_loops"):
             self_draft_greedy(generator, PROMPT, 4, draft_loops=bad, allow_inexact=True)
