@@ -59,12 +59,17 @@ class RecurrentGenerator:
         loops: int | None = None,
         state_seed: int | None = None,
         kv_sharing: str | None = None,
+        max_loops: int | None = None,
     ) -> None:
         cfg = loaded.config
         if not cfg.recurrent_depth:
             raise RequestError(f"RecurrentGenerator runs recurrent-depth artifacts, not {cfg.model_type}")
         self.loaded, self.config, self.device = loaded, cfg, loaded.device
-        self.loops = self._check_loops(cfg.loops_default if loops is None else loops)
+        # KV buffers and bindings for steps 0..max_loops-1 only (default: the artifact's maximum)
+        self.max_loops = cfg.num_loops
+        self.max_loops = self._check_loops(cfg.num_loops if max_loops is None else max_loops, "max_loops")
+        default = cfg.loops_default if loops is None and cfg.loops_default <= self.max_loops else loops
+        self.loops = self._check_loops(self.max_loops if default is None else default)
         if state_seed is not None and (not isinstance(state_seed, int) or state_seed < 0):
             raise RequestError(f"state_seed must be a non-negative integer or None, got {state_seed!r}")
         self.state_seed = state_seed
@@ -75,7 +80,7 @@ class RecurrentGenerator:
             raise RequestError(str(exc)) from None
         core_slot = {
             (k, l): core_kv_slot(cfg.num_layers, k, l, self.sharing)
-            for k in range(cfg.num_loops)
+            for k in range(self.max_loops)
             for l in range(cfg.num_layers)
         }
         self.max_length = loaded.manifest.max_length
@@ -95,16 +100,16 @@ class RecurrentGenerator:
             self._bind(
                 GraphKind.CORE_STEP, {cfg.core_slot(0, l): core_slot[k, l] for l in range(cfg.num_layers)}
             )
-            for k in range(cfg.num_loops)
+            for k in range(self.max_loops)
         ]
         self._coda = self._bind(GraphKind.CODA, coda)
 
-    def _check_loops(self, loops: int) -> int:
-        if isinstance(loops, bool) or not isinstance(loops, int) or not 1 <= loops <= self.config.num_loops:
-            raise RequestError(
-                f"loops must be an integer in 1..{self.config.num_loops} (the artifact's max_recurrence), "
-                f"got {loops!r}"
+    def _check_loops(self, loops: int, name: str = "loops") -> int:
+        if isinstance(loops, bool) or not isinstance(loops, int) or not 1 <= loops <= self.max_loops:
+            bound = (
+                "the artifact's max_recurrence" if self.max_loops == self.config.num_loops else "max_loops"
             )
+            raise RequestError(f"{name} must be an integer in 1..{self.max_loops} ({bound}), got {loops!r}")
         return loops
 
     def _bind(self, kind: GraphKind, slots: dict[int, int]) -> tuple[ort.InferenceSession, ort.IOBinding]:

@@ -144,7 +144,8 @@ def _recurrent_rows_match(artifact_dir, prompt_lengths: tuple[int, ...], seed: i
     from loopcast.ort_runtime.loading.artifact import open_artifact
 
     loaded = open_artifact(artifact_dir, "cpu")
-    gen = RecurrentGenerator(loaded, loops=min(2, loaded.config.num_loops), state_seed=seed)
+    steps = min(2, loaded.config.num_loops)
+    gen = RecurrentGenerator(loaded, loops=steps, max_loops=steps, state_seed=seed)  # KV for 2 steps
     rng = np.random.default_rng(seed)
     for length in prompt_lengths:
         if length + width + 1 > loaded.manifest.max_length:

@@ -98,6 +98,10 @@ def test_loops_and_seed_are_checked(huginn):
     with pytest.raises(RequestError, match="state_seed"):
         RecurrentGenerator(loaded, state_seed=-1)
     assert RecurrentGenerator(loaded).loops == TINY.loops_default
+    small = RecurrentGenerator(loaded, max_loops=3)  # KV for 3 steps only: 3 x 2 core slots + 4
+    assert len(small.kv) == 10 and small.loops == 3
+    with pytest.raises(RequestError, match=r"1\.\.3 \(max_loops\)"):
+        small.step(PROMPT, loops=4)
 
 
 def test_other_kinds_options_are_refused(huginn, tmp_path):
