@@ -47,12 +47,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8)
     args = parser.parse_args()
 
-    from safetensors.torch import load_file
-
-    from loopcast.config import PRESETS
     from loopcast.exporter.checkpoint import load_checkpoint
     from loopcast.exporter.random_checkpoint import write_random_checkpoint
     from loopcast.exporter.reference import KVCache
+    from safetensors.torch import load_file
+
+    from loopcast.config import PRESETS
 
     ckpt = args.checkpoint
     if ckpt is None:
