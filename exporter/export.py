@@ -91,13 +91,13 @@ class ExportOptions:
                 f"{config.sliding_window}: sliding-window attention is not supported, and only "
                 "below the window does full attention compute the same thing"
             )
+        if config.recurrent_depth:  # no verify graphs: the width is not used
+            return self._recurrent(max_length)
         if not 2 <= self.verify_width <= MAX_VERIFY_WIDTH:
             raise ExportError(f"--verify-width must be in 2..{MAX_VERIFY_WIDTH}, got {self.verify_width}")
         if self.verify_width > max_length:
             raise ExportError(f"--verify-width {self.verify_width} exceeds --max-length {max_length}")
         depth = self.draft_depth
-        if config.recurrent_depth:
-            return self._recurrent(max_length)
         if config.num_loops == 1:
             if depth is not None:
                 raise ExportError("--draft-depth needs a looped model; this one has R=1")
@@ -134,6 +134,8 @@ class ExportOptions:
     def _recurrent(self, max_length: int) -> ExportOptions:
         """A recurrent-depth model (Huginn) exports prelude, core_step and coda with float weights
         (the stock or loopcast-attention ops); the other kinds' options are refused, not ignored."""
+        if self.op_set not in ("auto", *OpSet):
+            raise ExportError(f"--ops must be one of auto, {', '.join(OpSet)}, got {self.ops!r}")
         for on, flag in (
             (self.draft_depth is not None, "--draft-depth"),
             (self.tree_verify, "--tree-verify"),
