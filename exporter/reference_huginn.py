@@ -284,6 +284,7 @@ def greedy_generate(
     kl_exit: KLExit | None = None,
     exits: list[int] | None = None,
     sharing: tuple[str, int] | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Cached greedy decoding: the prompt in one call, then one token per call; returns the new
     tokens and each step's logits ``[V]`` (the reference of the runtime's plain decoding).
@@ -299,7 +300,7 @@ def greedy_generate(
         logits.append(out.logits[0, -1])
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
-        if len(tokens) == max_new_tokens:
+        if len(tokens) == max_new_tokens or token in stop_ids or n >= cache.max_length:
             break
         out = model(
             torch.tensor([[token]]),

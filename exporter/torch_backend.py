@@ -35,7 +35,15 @@ def generate_with_reference(
     model = load_checkpoint(checkpoint_dir, dtype=torch.float32)
     stop = model.config.eos_token_ids
     start = time.perf_counter()
-    result = greedy_generate(model, prompt_ids, max_new_tokens, stop_ids=stop)
+    if model.config.recurrent_depth:  # Huginn: r = the release's mean_recurrence, zero initial state
+        from loopcast.exporter.reference_generate import ReferenceResult
+        from loopcast.exporter.reference_huginn import greedy_generate as recurrent_greedy
+
+        max_length = min(model.config.max_position_embeddings, len(prompt_ids) + max_new_tokens)
+        tokens, _ = recurrent_greedy(model, prompt_ids, max_new_tokens, stop_ids=stop, max_length=max_length)
+        result = ReferenceResult(tokens, "eos" if tokens and tokens[-1] in stop else "length")
+    else:
+        result = greedy_generate(model, prompt_ids, max_new_tokens, stop_ids=stop)
     seconds = time.perf_counter() - start
     text = tokenizer.decode(result.tokens, skip_special_tokens=False) if tokenizer else None
     return {
