@@ -13,7 +13,10 @@ import click
     "--preset",
     default="tiny-ouro",
     show_default=True,
-    help="Shape preset: tiny-ouro, tiny-llama, tiny-qwen2, smollm-135m, ouro-1.4b or llama-1.4b.",
+    help=(
+        "Shape preset: tiny-ouro, tiny-llama, tiny-qwen2, tiny-huginn, smollm-135m, ouro-1.4b, "
+        "llama-1.4b or huginn-3.5b."
+    ),
 )
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)

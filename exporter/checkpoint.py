@@ -31,6 +31,7 @@ from loopcast.safetensors_file import (
 if TYPE_CHECKING:  # torch is needed only by the reference-model helpers below (the [torch] extra)
     import torch
     from loopcast.exporter.reference import LoopedLM
+    from loopcast.exporter.reference_huginn import RecurrentLM
 
 DTYPE_NAMES = {
     "fp32": "float32",
@@ -77,6 +78,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     Written out from the architecture so that reading a checkpoint needs no torch; a test
     checks it against the reference model's ``state_dict()``.
     """
+    if config.recurrent_depth:
+        return _recurrent_shapes(config)
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_heads * d, config.num_kv_heads * d
     layer: dict[str, tuple[int, ...]] = {
@@ -120,6 +123,46 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return dict(sorted(shapes.items()))
 
 
+def _recurrent_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Huginn/Raven's tensors (its modeling code's ``transformer.`` names)."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    block: dict[str, tuple[int, ...]] = {
+        "attn.Wqkv.weight": ((config.num_heads + 2 * config.num_kv_heads) * d, h),
+        "attn.proj.weight": (h, config.num_heads * d),
+        "mlp.fc.weight": (2 * inter, h),
+        "mlp.proj.weight": (h, inter),
+        **{f"norm_{i}.weight": (h,) for i in range(1, 5)},
+    }
+    if config.qkv_bias:
+        block["attn.qk_bias"] = (2, 1, config.num_heads, d)
+    shapes: dict[str, tuple[int, ...]] = {
+        "transformer.wte.weight": (config.vocab_size, h),
+        "transformer.adapter.weight": (h, 2 * h),
+        "transformer.ln_f.weight": (h,),
+    }
+    for stack, count in (
+        ("prelude", config.num_prelude_layers),
+        ("core_block", config.num_layers),
+        ("coda", config.num_coda_layers),
+    ):
+        for i in range(count):
+            shapes |= {f"transformer.{stack}.{i}.{name}": shape for name, shape in block.items()}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return dict(sorted(shapes.items()))
+
+
+def ignored_tensor(config: ModelConfig, name: str) -> bool:
+    """Tensors a checkpoint may carry that loopcast recomputes or shares: rotary tables
+    (``rotary_emb.inv_freq``; Huginn's ``freqs_cis`` buffer) and, for a tied Huginn head, the
+    saved copy of the embedding (``lm_head.weight``)."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return True
+    return config.recurrent_depth and (
+        name == "freqs_cis" or (name == "lm_head.weight" and config.tie_word_embeddings)
+    )
+
+
 def _header(path: Path) -> dict[str, TensorEntry]:
     try:
         return read_header(path)
@@ -149,7 +192,7 @@ def _weight_files(checkpoint_dir: Path) -> dict[str, Path]:
 def validate_checkpoint(checkpoint_dir: Path, config: ModelConfig) -> dict[str, Path]:
     """Check every tensor's presence, name, shape and dtype (headers only); return name → file."""
     files = _weight_files(checkpoint_dir)
-    files = {n: f for n, f in files.items() if not n.endswith(IGNORED_SUFFIXES)}
+    files = {n: f for n, f in files.items() if not ignored_tensor(config, n)}
     shapes = expected_shapes(config)
     missing = sorted(set(shapes) - set(files))
     if missing:
@@ -211,21 +254,25 @@ def iter_checkpoint_tensors(
                 yield name, tensor if dtype is None else tensor.to(dtype)
 
 
-def load_checkpoint(path_or_name: str | os.PathLike, dtype: torch.dtype | None = None) -> LoopedLM:
+def load_checkpoint(
+    path_or_name: str | os.PathLike, dtype: torch.dtype | None = None
+) -> LoopedLM | RecurrentLM:
     """Build the reference model from a checkpoint directory (or ``demo``).
 
     ``dtype`` defaults to the stored dtype. The model is created on the meta device and
-    filled tensor by tensor, so only one copy of the weights is ever held.
+    filled tensor by tensor, so only one copy of the weights is ever held. A Huginn checkpoint
+    gives ``exporter/reference_huginn.RecurrentLM`` (see ``load_recurrent_checkpoint``).
     """
     from loopcast.torch_extra import require_torch
 
     torch = require_torch("the torch reference model")
     from loopcast.exporter.reference import LoopedLM
+    from loopcast.exporter.reference_huginn import RecurrentLM
 
     checkpoint_dir = resolve_checkpoint(path_or_name)
     config = load_config(checkpoint_dir)
     with torch.device("meta"):
-        model = LoopedLM(config)
+        model = RecurrentLM(config) if config.recurrent_depth else LoopedLM(config)
     state = dict(iter_checkpoint_tensors(checkpoint_dir, config, dtype))
     model.load_state_dict(state, assign=True)
     return model.eval()

@@ -103,6 +103,8 @@ class ExportOptions:
                 f"{config.sliding_window}: sliding-window attention is not supported, and only "
                 "below the window does full attention compute the same thing"
             )
+        if config.recurrent_depth:  # no verify graphs: the width is not used
+            return self._recurrent(max_length)
         if not 2 <= self.verify_width <= MAX_VERIFY_WIDTH:
             raise ExportError(f"--verify-width must be in 2..{MAX_VERIFY_WIDTH}, got {self.verify_width}")
         if self.verify_width > max_length:
@@ -152,6 +154,26 @@ class ExportOptions:
             exit_depths,
             self.source_accuracy_level,
         )
+
+    def _recurrent(self, max_length: int) -> ExportOptions:
+        """A recurrent-depth model (Huginn) exports prelude, core_step and coda with float weights
+        (the stock or loopcast-attention ops); the other kinds' options are refused, not ignored."""
+        if self.op_set not in ("auto", *OpSet):
+            raise ExportError(f"--ops must be one of auto, {', '.join(OpSet)}, got {self.ops!r}")
+        for on, flag in (
+            (self.draft_depth is not None, "--draft-depth"),
+            (self.tree_verify, "--tree-verify"),
+            (self.max_batch is not None, "--max-batch"),
+            (self.genai, "--genai"),
+            (self.quantization is not None, "--quantize"),
+            (self.op_set == OpSet.LOOPCAST, "--ops loopcast/--batch-invariant"),
+        ):
+            if on:
+                raise ExportError(
+                    f"{flag} is not supported for recurrent-depth (huginn_raven) models yet: they "
+                    "export prelude, core_step and coda with the stock or loopcast-attention ops"
+                )
+        return dataclasses.replace(self, max_length=max_length, draft_depth=None)
 
 
 def _check_quantized(opts: ExportOptions) -> None:
@@ -396,11 +418,12 @@ def _write_artifact(
         model=config.to_hf_dict(),
         dtype=opts.dtype,
         max_length=opts.max_length,
-        verify_width=opts.verify_width,
+        verify_width=None if config.recurrent_depth else opts.verify_width,
         draft_depth=opts.draft_depth,
         kv_layout={
             "slots": config.num_kv_slots,
-            "slot_of": "core loop r, layer l -> r*L + l; then prelude, then coda",
+            "slot_of": "core loop r, layer l -> r*L + l; then prelude, then coda"
+            + (" (core_step binds step r's slots to step 0's names)" if config.recurrent_depth else ""),
             "shape": [1, config.num_kv_heads, opts.max_length, config.head_dim],
             "names": {
                 "past": "past_key.{slot} / past_value.{slot}",

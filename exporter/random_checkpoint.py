@@ -22,7 +22,7 @@ def random_tensors(
     """Deterministic per-tensor init: normal(0, std) matrices and projection biases (so that a
     bias the export dropped would show), unit norms, zero exit-gate bias."""
     for index, (name, shape) in enumerate(sorted(expected_shapes(config).items())):
-        if "norm" in name:
+        if "norm" in name or name.endswith("ln_f.weight"):
             tensor = torch.ones(shape)
         elif name.endswith("early_exit_gate.bias"):
             tensor = torch.zeros(shape)

@@ -38,7 +38,17 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
     if q is not None and q < 1.0 and config.loops is None and not config.gated:
         config = config.replace(exit_threshold=q)  # the checkpoint's default (docs/adaptive-depth.md)
     start = time.perf_counter()
-    result = depth_generate(model, prompt_ids, config, stop_ids=stop)
+    if model.config.recurrent_depth:  # Huginn: r = the release's mean_recurrence, zero initial state
+        from loopcast.exporter.reference_generate import ReferenceResult
+        from loopcast.exporter.reference_huginn import greedy_generate as recurrent_greedy
+
+        max_length = min(model.config.max_position_embeddings, len(prompt_ids) + config.max_new_tokens)
+        tokens, _ = recurrent_greedy(
+            model, prompt_ids, config.max_new_tokens, stop_ids=stop, max_length=max_length
+        )
+        result = ReferenceResult(tokens, "eos" if tokens and tokens[-1] in stop else "length")
+    else:
+        result = depth_generate(model, prompt_ids, config, stop_ids=stop)
     seconds = time.perf_counter() - start
     text = tokenizer.decode(result.tokens, skip_special_tokens=False) if tokenizer else None
     return {

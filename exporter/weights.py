@@ -162,6 +162,13 @@ def _quantized(
 
 def _float_tensors(config: ModelConfig, max_length: int, read: Read, dtype: np.dtype | None) -> list[Spec]:
     """The float artifact's tensors (artifact_tensors without quantization)."""
+    if config.recurrent_depth:
+        from loopcast.exporter.recurrent_weights import recurrent_tensors
+
+        specs = recurrent_tensors(
+            config, max_length, read, lambda names, source: _cat_t(source, names, dtype)
+        )
+        return [(name, shape, produce, None) for name, shape, produce in specs]
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     qkv = (config.num_heads + 2 * config.num_kv_heads) * d
     specs: list = [

@@ -6,6 +6,7 @@
     draft       = embed → prelude → loops 0..d-1 → coda → head, + hidden at depth d   (1 row)
     verify_tail = hidden at depth d → loops d..R-1 → coda → head              (W rows)
     cycle, cycle_run: the pipeline's (graphs/cycles.py)
+    prelude, core_step, coda: the recurrent-depth family's (graphs/recurrent.py)
     tree_draft  = draft, row-addressed (RowAttention: own position, masked key range)
                   + top-2 probabilities and ids                                (1 row)
     tree_tail   = verify_tail, row-addressed                                   (W rows)
@@ -24,10 +25,11 @@ from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
 from loopcast.graphs.cycles import build_cycle, build_cycle_run
 from loopcast.graphs.ops import op_set_builders
+from loopcast.graphs.recurrent import build_recurrent_kind
 
 from loopcast.config import ModelConfig
 from loopcast.manifest import LOGIT_ROWS, GraphSpec
-from loopcast.vocab import BATCH_KINDS, TREE_KINDS, GraphKind, GraphPlan, OpSet, graph_plan
+from loopcast.vocab import BATCH_KINDS, RECURRENT_KINDS, TREE_KINDS, GraphKind, GraphPlan, OpSet, graph_plan
 
 KindPlan = GraphPlan  # one graph's kind, rows and loops (loopcast/vocab.py)
 
@@ -69,6 +71,8 @@ def build_kind(
         return build_cycle_run(config, dtype, max_length, b, op_set=op_set)
     if plan.kind == GraphKind.EXITS:
         return _build_exits(plan, config, dtype, max_length, b, op_set)
+    if plan.kind in RECURRENT_KINDS:
+        return build_recurrent_kind(plan, config, dtype, max_length, b, op_set=op_set)
     rows: int | str = plan.rows if plan.rows is not None else "num_rows"
     if plan.first_loop == 0:
         token_ids = b.input("input_ids_BS", ir.DataType.INT64, [1, rows])

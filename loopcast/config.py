@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,9 @@ from loopcast import rope
 from loopcast.errors import ConfigError
 from loopcast.rope import RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("ouro", "llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("ouro", "llama", "qwen2", "mistral", "huginn_raven")
 ARCHITECTURES = {
+    "huginn_raven": "RavenForCausalLM",
     "ouro": "OuroForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -141,6 +143,12 @@ class ModelConfig:
     # Ouro's default exit threshold (docs/adaptive-depth.md): below 1.0, plain greedy requests
     # that name no depth run the exit gate at it; None or 1.0: every loop
     early_exit_threshold: float | None = None
+    # Recurrent depth (Huginn/Raven, loopcast/config_huginn.py): ``num_loops`` is the most core
+    # steps an artifact runs (its KV slots), ``default_loops`` the release's r (mean_recurrence).
+    default_loops: int | None = None
+    rope_interleaved: bool = False  # rotary on adjacent pairs (Huginn's complex-like rotary)
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (Huginn: sqrt(hidden))
+    state_std: float = 0.0  # the initial state's std before truncation at 3 std (Huginn)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -168,7 +176,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.model_type != "ouro" and self.num_loops != 1:
+        if self.model_type not in ("ouro", "huginn_raven") and self.num_loops != 1:
             raise ConfigError(f"{self.model_type} models run one loop, config asks for {self.num_loops}")
         # The bias pattern is fixed per architecture (what its config fields can express).
         biases = (self.qkv_bias, self.o_bias, self.mlp_bias)
@@ -176,6 +184,7 @@ class ModelConfig:
             "ouro": [(False, False, False)],
             "mistral": [(False, False, False)],
             "qwen2": [(True, False, False)],
+            "huginn_raven": [(False, False, False), (True, False, False)],  # qk_bias: q and k only
             "llama": [(a, a, m) for a in (False, True) for m in (False, True)],
         }[self.model_type]
         if biases not in allowed:
@@ -186,7 +195,23 @@ class ModelConfig:
         if self.sliding_window is not None and self.model_type != "mistral":
             raise ConfigError("sliding_window is only understood for mistral models")
 
+        if self.model_type == "huginn_raven":
+            from loopcast.config_huginn import check_recurrent
+
+            check_recurrent(self)
+
     # -- derived ---------------------------------------------------------------------------
+    @property
+    def recurrent_depth(self) -> bool:
+        """Huginn/Raven: prelude, a core block applied r times with the prelude output injected
+        into every step (an adapter on [state, embedded]), coda; r is chosen per request."""
+        return self.model_type == "huginn_raven"
+
+    @property
+    def loops_default(self) -> int:
+        """The number of core steps a request runs unless it asks for another."""
+        return self.default_loops if self.default_loops is not None else self.num_loops
+
     @property
     def sandwich_norm(self) -> bool:
         """Ouro layers normalise both the input and the output of attention and MLP."""
@@ -246,6 +271,10 @@ class ModelConfig:
                 f"unknown model_type {model_type!r} in config.json; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == "huginn_raven":
+            from loopcast.config_huginn import huginn_from_hf_dict
+
+            return huginn_from_hf_dict(cls, raw)
         unknown = sorted(set(raw) - KNOWN_FIELDS[model_type])
         if unknown:
             raise ConfigError(
@@ -303,6 +332,10 @@ class ModelConfig:
             raise ConfigError(f"config.json has a malformed field: {exc}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
+        if self.recurrent_depth:
+            from loopcast.config_huginn import huginn_to_hf_dict
+
+            return huginn_to_hf_dict(self)
         rope_parameters = {
             "rope_theta": self.rope_theta,
             "rope_type": "default",
@@ -496,6 +529,57 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_id=0,
         extra_eos_token_ids=(1,),
         qkv_bias=True,
+    ),
+    # Huginn-0125's shapes (tomg-group-umd/huginn-0125 config.json): 2 prelude + 4 core x r + 2
+    # coda layers, r = 32 by default; 3.5B parameters.
+    "huginn-3.5b": ModelConfig(
+        model_type="huginn_raven",
+        vocab_size=65536,
+        hidden_size=5280,
+        intermediate_size=17920,
+        num_layers=4,
+        num_heads=55,
+        num_kv_heads=55,
+        head_dim=96,
+        num_loops=32,
+        default_loops=32,
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        num_prelude_layers=2,
+        num_coda_layers=2,
+        bos_token_id=65504,
+        eos_token_id=65505,
+        torch_dtype="bfloat16",
+        qkv_bias=True,
+        rope_interleaved=True,
+        embed_scale=math.sqrt(5280),
+        state_std=math.sqrt(2 / (5 * 5280)) * math.sqrt(5280),
+    ),
+    # Huginn's structure at test size: up to 32 core steps (the release's r), 4 by default.
+    "tiny-huginn": ModelConfig(
+        model_type="huginn_raven",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        num_loops=32,
+        default_loops=4,
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        num_prelude_layers=2,
+        num_coda_layers=2,
+        eos_token_id=0,
+        qkv_bias=True,
+        rope_interleaved=True,
+        embed_scale=8.0,
+        state_std=math.sqrt(2 / (5 * 64)) * 8.0,
     ),
     # Ouro-1.4B's shapes as a plain Llama (R=1, untied head): 1.43B parameters, 2.7 GiB in fp16,
     # the size timed against ORT-GenAI's builder on the H200 host (tools/gpu_machine/h200_run.sh).

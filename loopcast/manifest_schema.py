@@ -29,7 +29,15 @@ from loopcast.manifest import (
     sampled_sha256,
 )
 from loopcast.quant import QuantScheme
-from loopcast.vocab import BATCH_KINDS, TREE_KINDS, GraphKind, OpSet, graph_plan, parse_graph_key
+from loopcast.vocab import (
+    BATCH_KINDS,
+    RECURRENT_KINDS,
+    TREE_KINDS,
+    GraphKind,
+    OpSet,
+    graph_plan,
+    parse_graph_key,
+)
 
 DTYPES = ("fp32", "fp16", "bf16")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -90,6 +98,13 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
     """The input and output names a graph of ``kind`` must have (graphs/kinds.py builds them)."""
     inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "seqlens_k", "total_sequence_length"}
     outputs = {"next_token_ids_BS", "logits_BSV"}
+    if kind in RECURRENT_KINDS:  # graphs/recurrent.py
+        inputs, outputs = {
+            GraphKind.PRELUDE: ({"input_ids_BS"}, {"embedded_BSH"}),
+            GraphKind.CORE_STEP: ({"state_BSH", "embedded_BSH"}, {"state_BSH_out"}),
+            GraphKind.CODA: ({"state_BSH"}, outputs),
+        }[GraphKind(kind)]
+        inputs = inputs | {"seqlens_k", "total_sequence_length"}
     if kind == GraphKind.CYCLE:
         inputs = {"lanes_W1", "carried_BWH"}
         outputs |= {"carried_BWH_out"}
@@ -112,9 +127,18 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
     return inputs, outputs
 
 
-def expected_slots(config: ModelConfig, first_loop: int, last_loop: int) -> list[int]:
+def expected_slots(
+    config: ModelConfig, first_loop: int, last_loop: int, kind: str | None = None
+) -> list[int]:
     """KV slots a graph running loops first..last-1 binds: those loops' core layers, the prelude
-    when it starts from tokens, and the coda (docs/architecture.md §2 slot numbering)."""
+    when it starts from tokens, and the coda (docs/architecture.md §2 slot numbering). The
+    recurrent kinds bind their part's slots only (core_step: step 0's, rebound per step)."""
+    if kind == GraphKind.PRELUDE:
+        return [config.prelude_slot(l) for l in range(config.num_prelude_layers)]
+    if kind == GraphKind.CORE_STEP:
+        return [config.core_slot(0, l) for l in range(config.num_layers)]
+    if kind == GraphKind.CODA:
+        return [config.coda_slot(l) for l in range(config.num_coda_layers)]
     slots = {config.core_slot(r, l) for r in range(first_loop, last_loop) for l in range(config.num_layers)}
     if first_loop == 0:
         slots |= {config.prelude_slot(l) for l in range(config.num_prelude_layers)}
@@ -320,8 +344,8 @@ def _parse_graph(key: str, raw: Any, plan: tuple, config: ModelConfig, path: Pat
             "first_loop/last_loop",
         )
     slots = g.int_list("kv_slots", 0, config.num_kv_slots - 1)
-    if sorted(slots) != expected_slots(config, first, last) or len(set(slots)) != len(slots):
-        want = expected_slots(config, first, last)
+    if sorted(slots) != expected_slots(config, first, last, kind) or len(set(slots)) != len(slots):
+        want = expected_slots(config, first, last, kind)
         g.fail(f"must be {want} for loops {first}..{last - 1}, got {slots!r:.120}", "kv_slots")
     inputs, outputs = g.str_list("inputs"), g.str_list("outputs")
     want_in, want_out = expected_io(kind, first, slots)

@@ -45,6 +45,10 @@ class GraphKind(StrEnum):
     # Batched (graphs/batched.py, docs/serving.md; ``export --max-batch B``): the rows of one
     # call belong to different sequences (1 row each for decode_batch, verify_width rows each
     # for verify_batch), batch entry b reading and writing batch entry b of every KV buffer.
+    # The recurrent-depth family (Huginn): the host composes prelude → r core steps → coda.
+    PRELUDE = "prelude"  # dynamic rows: embed and the prelude blocks
+    CORE_STEP = "core_step"  # dynamic rows: one core step with the injection, run r times
+    CODA = "coda"  # dynamic rows: ln_f, the coda blocks, ln_f, the head
     DECODE_BATCH = "decode_batch"
     VERIFY_BATCH = "verify_batch"
     # The exit gate (docs/adaptive-depth.md): 1 row through every loop, with the argmax and the
@@ -55,6 +59,7 @@ class GraphKind(StrEnum):
 CYCLE_KINDS = (GraphKind.CYCLE, GraphKind.CYCLE_RUN)
 TREE_KINDS = (GraphKind.TREE_DRAFT, GraphKind.TREE_TAIL)
 BATCH_KINDS = (GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH)
+RECURRENT_KINDS = (GraphKind.PRELUDE, GraphKind.CORE_STEP, GraphKind.CODA)
 
 
 class OpSet(StrEnum):
@@ -186,6 +191,14 @@ def graph_plan(
     exits                                 where has_exits (a looped model with an exit gate)
     """
     R = config.num_loops
+    if config.recurrent_depth:
+        # prelude, core_step (named for step 0; run as steps 0..r-1 with their KV), coda:
+        # every one with dynamic rows; no verify/draft kinds (their rows are these graphs').
+        return (
+            GraphPlan(GraphKind.PRELUDE, None, 0, 0),
+            GraphPlan(GraphKind.CORE_STEP, None, 0, 1),
+            GraphPlan(GraphKind.CODA, None, R, R),
+        )
     plans = [GraphPlan(GraphKind.PREFILL, None, 0, R), GraphPlan(GraphKind.DECODE, 1, 0, R)]
     if verify_width is not None:
         plans.append(GraphPlan(GraphKind.VERIFY, verify_width, 0, R))

@@ -419,6 +419,11 @@ class Generator:
         """Write ``ids`` at n.. (in chunks of ``chunk`` rows if given), commit, return the next token."""
         if not ids:
             raise RequestError("prompt is empty: give at least one token")
+        if self.model.config.recurrent_depth:
+            raise RequestError(
+                "recurrent-depth (huginn_raven) artifacts run through RecurrentGenerator "
+                "(ort_runtime/binding/recurrent_generator.py); this generation path does not run them yet"
+            )
         if self.resolve(PREFILL) not in self._kinds:
             raise RequestError(
                 "this model was opened without the prefill graph (kinds=...); generation needs it"

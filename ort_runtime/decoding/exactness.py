@@ -48,6 +48,10 @@ def rows_match_on_cpu(
     from loopcast.ort_runtime.binding.generator import Generator
     from loopcast.ort_runtime.loading.artifact import open_artifact
 
+    from loopcast.manifest import Manifest
+
+    if Manifest.read(Path(artifact_dir)).config.recurrent_depth:
+        return _recurrent_rows_match(artifact_dir, prompt_lengths, seed)
     model = open_artifact(
         artifact_dir,
         "cpu",
@@ -131,3 +135,28 @@ def _kinds(artifact_dir: str | Path) -> set[str]:
     from loopcast.manifest import Manifest
 
     return set(Manifest.read(Path(artifact_dir)).graphs)
+
+
+def _recurrent_rows_match(artifact_dir, prompt_lengths: tuple[int, ...], seed: int, width: int = 5) -> bool:
+    """A recurrent-depth artifact's M-row call (what self-speculation verifies with) against its
+    one-row calls (plain decoding), bit for bit, at two core steps (every kernel of every step)."""
+    from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator
+    from loopcast.ort_runtime.loading.artifact import open_artifact
+
+    loaded = open_artifact(artifact_dir, "cpu")
+    steps = min(2, loaded.config.num_loops)
+    gen = RecurrentGenerator(loaded, loops=steps, max_loops=steps, state_seed=seed)  # KV for 2 steps
+    rng = np.random.default_rng(seed)
+    for length in prompt_lengths:
+        if length + width + 1 > loaded.manifest.max_length:
+            continue
+        prompt = rng.integers(0, loaded.config.vocab_size, length).tolist()
+        fed = rng.integers(0, loaded.config.vocab_size, width).tolist()
+        gen.rewind(0)
+        gen.step(prompt)
+        rows = [gen.step([t]).logits[0] for t in fed]
+        gen.rewind(length)
+        out = gen.step(fed)
+        if any(not np.array_equal(out.logits[i], rows[i]) for i in range(width)):
+            return False
+    return True

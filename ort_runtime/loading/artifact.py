@@ -62,7 +62,7 @@ from loopcast.manifest import (
     Manifest,
     resolve_inside,
 )
-from loopcast.vocab import GraphKind, OpSet, depth_key, parse_graph_key
+from loopcast.vocab import RECURRENT_KINDS, GraphKind, OpSet, depth_key, parse_graph_key
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
@@ -202,6 +202,9 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
     elif spec.kind == CYCLE_RUN:  # one lane state per row, carried between calls
         first = "carried_BWH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
+    elif spec.kind in RECURRENT_KINDS:  # graphs/recurrent.py: dynamic rows of tokens or states
+        first = "input_ids_BS" if spec.kind == GraphKind.PRELUDE else "state_BSH"
+        rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
     else:
         first = "input_ids_BS" if spec.first_loop == 0 else "hidden_BSH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
@@ -541,11 +544,17 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         ),
         "graphs:",
     ]
+    runs = {  # the recurrent kinds: the host composes them (graphs/recurrent.py)
+        GraphKind.PRELUDE: "once",
+        GraphKind.CORE_STEP: f"r = 1..{cfg.num_loops} times (default {cfg.loops_default})",
+        GraphKind.CODA: "once",
+    }
     for kind, spec in manifest.graphs.items():
         size = (Path(path) / spec.file).stat().st_size
+        loops = f"runs {runs[kind]}" if kind in runs else f"loops {spec.first_loop}..{spec.last_loop - 1}"
         lines.append(
-            f"  {kind:<12} {spec.file:<17} rows {spec.rows or 'dynamic':<8} loops "
-            f"{spec.first_loop}..{spec.last_loop - 1}  KV slots {len(spec.kv_slots):<3} {size / 1024:.0f} KiB"
+            f"  {kind:<12} {spec.file:<17} rows {spec.rows or 'dynamic':<8} {loops}  "
+            f"KV slots {len(spec.kv_slots):<3} {size / 1024:.0f} KiB"
         )
         others = [n for n in spec.inputs if not n.startswith("past_")]
         outs = [n for n in spec.outputs if not n.startswith("present_")]

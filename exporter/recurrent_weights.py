@@ -1,0 +1,94 @@
+"""The artifact tensors of a recurrent-depth (Huginn) checkpoint, in the graphs' layout.
+
+The release's fused matrices keep their fusion: ``Wqkv`` is already the packed q|k|v that
+GroupQueryAttention takes and ``mlp.fc`` the gate|up pair; each is transposed for MatMul under
+the names the shared blocks read (``{layer}.qkv_proj.weight_T``, ``{layer}.gate_up_proj.weight_T``,
+...). ``qk_bias`` becomes the packed bias ``[q bias | k bias | 0]`` added before the rotary.
+
+The release rotates adjacent pairs (x[2i], x[2i+1]); the graphs' attention ops rotate halves
+(x[i], x[i + D/2]). Within every q and k head the rows of ``Wqkv`` (and the bias) are reordered
+evens first, then odds, so that the halves are the release's pairs: the rotation is the same,
+and q·k is unchanged because q and k are reordered alike (v is not). The stored K are in that
+order too, which nothing outside the graphs reads. One graph layout then serves the stock and
+the loopcast attention ops (whose kernels rotate halves only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from loopcast.config import ModelConfig
+
+Read = Callable[[str], np.ndarray]
+
+
+def recurrent_layer_prefixes(config: ModelConfig) -> list[tuple[str, str]]:
+    """(artifact prefix, checkpoint prefix) of every block: core, prelude, coda."""
+    out = [(f"layers.{i}", f"transformer.core_block.{i}") for i in range(config.num_layers)]
+    out += [(f"prelude_layers.{i}", f"transformer.prelude.{i}") for i in range(config.num_prelude_layers)]
+    out += [(f"coda_layers.{i}", f"transformer.coda.{i}") for i in range(config.num_coda_layers)]
+    return out
+
+
+def pairs_to_halves(config: ModelConfig, rows: np.ndarray) -> np.ndarray:
+    """``Wqkv`` rows (or the packed bias) with every q and k head's dims evens first, then odds."""
+    d = config.head_dim
+    q_heads = config.num_heads
+    order = np.arange(rows.shape[0])
+    within = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+    for head in range(q_heads + config.num_kv_heads):  # q heads, then k heads; v stays
+        order[head * d : (head + 1) * d] = head * d + within
+    return np.asarray(rows)[order]
+
+
+def recurrent_tensors(config: ModelConfig, max_length: int, read: Read, transposed) -> list[tuple]:
+    """(name, shape, producer) of every tensor; ``transposed(names, read)`` is the writer's
+    chunked stack-and-transpose (exporter/weights.py)."""
+
+    def halves(name: str) -> np.ndarray:
+        return pairs_to_halves(config, read(name))
+
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    specs: list[tuple] = [
+        ("embed_tokens.weight", (config.vocab_size, h), lambda: read("transformer.wte.weight")),
+        ("embed_scale", (1,), lambda: np.array([config.embed_scale], np.float32)),
+    ]
+    for ours, theirs in recurrent_layer_prefixes(config):
+        for i in range(1, 5):
+            specs.append(
+                (f"{ours}.norm_{i}.weight", (h,), lambda t=theirs, i=i: read(f"{t}.norm_{i}.weight"))
+            )
+        specs.append(
+            (f"{ours}.qkv_proj.weight_T", (h, q + 2 * kv), transposed([f"{theirs}.attn.Wqkv.weight"], halves))
+        )
+        if config.qkv_bias:
+            specs.append(
+                (f"{ours}.qkv_proj.bias", (q + 2 * kv,), lambda t=theirs: _packed_bias(config, read, t, kv))
+            )
+        specs.append((f"{ours}.o_proj.weight_T", (q, h), transposed([f"{theirs}.attn.proj.weight"], read)))
+        specs.append(
+            (f"{ours}.gate_up_proj.weight_T", (h, 2 * inter), transposed([f"{theirs}.mlp.fc.weight"], read))
+        )
+        specs.append(
+            (f"{ours}.down_proj.weight_T", (inter, h), transposed([f"{theirs}.mlp.proj.weight"], read))
+        )
+    specs.append(("adapter.weight_T", (2 * h, h), transposed(["transformer.adapter.weight"], read)))
+    specs.append(("norm.weight", (h,), lambda: read("transformer.ln_f.weight")))
+    if not config.tie_word_embeddings:
+        specs.append(("lm_head.weight_T", (h, config.vocab_size), transposed(["lm_head.weight"], read)))
+    positions = np.arange(max_length)
+    specs += [
+        ("rotary.cos_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[0]),
+        ("rotary.sin_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[1]),
+    ]
+    return specs
+
+
+def _packed_bias(config: ModelConfig, read: Read, layer: str, kv: int) -> np.ndarray:
+    qk = np.asarray(read(f"{layer}.attn.qk_bias"))  # [2, 1, heads, D]
+    return pairs_to_halves(
+        config, np.concatenate([qk[0].reshape(-1), qk[1].reshape(-1), np.zeros(kv, qk.dtype)])
+    )

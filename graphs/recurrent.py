@@ -1,0 +1,142 @@
+"""The recurrent-depth kinds (Huginn/Raven; docs/architecture.md §3): prelude, core_step, coda.
+
+A token's forward is composed by the host, so r is chosen per request without ONNX control flow
+(no Loop/If: they block CUDA-graph capture):
+
+    prelude   = embed (·√H) → prelude blocks                          → embedded_BSH
+    core_step = adapter([state, embedded]) → core blocks              → state_BSH_out   (× r)
+    coda      = ln_f → coda blocks → ln_f → head → argmax             → next_token_ids_BS, logits_BSV
+
+Every kind takes dynamic rows (prefill, decode and verify are the same graphs). core_step's KV
+inputs are named for step 0's slots (``past_key.{l}``, l = 0..L-1); the host binds step k's
+buffers, slots ``k*L + l``, to them for its k-th call (docs/architecture.md §2). The prelude
+and coda bind their own slots.
+
+The attention rotates halves: the exporter reorders each q and k head's dims so that the
+halves are the release's adjacent pairs (exporter/recurrent_weights.py), so the stock and the
+loopcast attention ops both apply (op sets ``stock`` and ``loopcast-attention``).
+
+Each block is Huginn's sandwich, the norms after the residual adds:
+
+    x ─ n1 ─ attn ─(+x)─ n2 ─▶ x1 ─ n3 ─ mlp ─(+x1)─ n4 ─▶
+    (the add and n2, the add and n4: one SkipSimplifiedLayerNormalization each)
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from loopcast.graphs import blocks
+from loopcast.graphs.builder import GraphBuilder
+from loopcast.graphs.ops import op_set_builders
+
+from loopcast.config import ModelConfig
+from loopcast.manifest import GraphSpec
+from loopcast.vocab import GraphKind, GraphPlan, OpSet
+
+EMBED_SCALE = "embed_scale"  # [1] weight: the embedding multiplier (√H)
+ADAPTER = "adapter.weight_T"  # [2H, H]: the injection on [state, embedded]
+
+
+def sandwich_block(
+    b: GraphBuilder,
+    x_BSH: ir.Value,
+    layer: str,
+    slot: int,
+    ctx: blocks.BlockContext,
+    *,
+    path: str,
+    prefix: str,
+) -> ir.Value:
+    h1 = blocks.rms_norm(
+        b, x_BSH, f"{layer}.norm_1.weight", ctx, path=f"{path}/norm_1", out=f"{prefix}.h1_BSH"
+    )
+    a = blocks.attention(b, h1, layer, slot, ctx, path=f"{path}/attn", prefix=prefix)
+    x1, _ = blocks.residual_rms_norm(
+        b, a, x_BSH, f"{layer}.norm_2.weight", ctx, path=f"{path}/attn_residual_norm", prefix=f"{prefix}.res1"
+    )
+    h3 = blocks.rms_norm(b, x1, f"{layer}.norm_3.weight", ctx, path=f"{path}/norm_3", out=f"{prefix}.h3_BSH")
+    m = ctx.ops.mlp(b, h3, layer, ctx, path=f"{path}/mlp", prefix=prefix)
+    out, _ = blocks.residual_rms_norm(
+        b, m, x1, f"{layer}.norm_4.weight", ctx, path=f"{path}/mlp_residual_norm", prefix=f"{prefix}.res2"
+    )
+    return out
+
+
+def build_recurrent_kind(
+    plan: GraphPlan,
+    config: ModelConfig,
+    dtype: ir.DataType,
+    max_length: int,
+    b: GraphBuilder,
+    *,
+    op_set: OpSet | str = OpSet.STOCK,
+) -> tuple[ir.Model, GraphSpec]:
+    rows = "num_rows"
+    hidden = [1, rows, config.hidden_size]
+    step = blocks.StepInputs(
+        seqlens_k=b.input("seqlens_k", ir.DataType.INT32, [1]),
+        total_sequence_length=b.input("total_sequence_length", ir.DataType.INT32, []),
+        cos_cache=b.weight("rotary.cos_SD2"),
+        sin_cache=b.weight("rotary.sin_SD2"),
+    )
+    ctx = blocks.BlockContext(config, dtype, max_length, step, op_set_builders(op_set))
+    if plan.kind == GraphKind.PRELUDE:
+        ids = b.input("input_ids_BS", ir.DataType.INT64, [1, rows])
+        x = b.op("Mul", [blocks.embed(b, ids), b.weight(EMBED_SCALE)], path="/embed/scale", out="scaled_BSH")
+        for i in range(config.num_prelude_layers):
+            x = sandwich_block(
+                b,
+                x,
+                f"prelude_layers.{i}",
+                config.prelude_slot(i),
+                ctx,
+                path=f"/prelude/layer{i}",
+                prefix=f"prelude.layer{i}",
+            )
+        b.output(x, dtype, hidden, "embedded_BSH")
+    elif plan.kind == GraphKind.CORE_STEP:
+        state = b.input("state_BSH", dtype, hidden)
+        embedded = b.input("embedded_BSH", dtype, hidden)
+        joined = b.op("Concat", [state, embedded], path="/step/inject", out="injected_BS2H", axis=-1)
+        x = ctx.ops.linear(b, joined, ADAPTER, path="/step/adapter", out="adapted_BSH")
+        for l in range(config.num_layers):
+            x = sandwich_block(
+                b,
+                x,
+                f"layers.{l}",
+                config.core_slot(0, l),
+                ctx,
+                path=f"/step/layer{l}",
+                prefix=f"step.layer{l}",
+            )
+        b.output(x, dtype, hidden, "state_BSH_out")
+    elif plan.kind == GraphKind.CODA:
+        state = b.input("state_BSH", dtype, hidden)
+        x = blocks.rms_norm(b, state, "norm.weight", ctx, path="/coda/ln_f_in", out="coda_in_BSH")
+        for i in range(config.num_coda_layers):
+            x = sandwich_block(
+                b,
+                x,
+                f"coda_layers.{i}",
+                config.coda_slot(i),
+                ctx,
+                path=f"/coda/layer{i}",
+                prefix=f"coda.layer{i}",
+            )
+        x = blocks.rms_norm(b, x, "norm.weight", ctx, path="/coda/ln_f_out", out="coda_out_BSH")
+        blocks.greedy_outputs(b, blocks.lm_head(b, x, ctx), rows, config.vocab_size)
+    else:
+        raise ValueError(f"{plan.kind} is not a recurrent-depth kind")
+    model = b.build(plan.kind, __doc__.split("\n\n")[0])
+    slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
+    spec = GraphSpec(
+        kind=plan.kind,
+        file=f"{plan.kind}.onnx",
+        rows=plan.rows,
+        first_loop=plan.first_loop,
+        last_loop=plan.last_loop,
+        kv_slots=slots,
+        inputs=[v.name for v in b.inputs],
+        outputs=[v.name for v in b.outputs],
+    )
+    return model, spec
