@@ -102,7 +102,7 @@ def serve(
 
     from loopcast.errors import RequestError
 
-    require_extra("fastapi", "uvicorn", *(["ray"] if use_ray else []))
+    require_extra("fastapi", "uvicorn", "prometheus_client", *(["ray"] if use_ray else []))
     if max_waiting < 0 or replicas < 0 or not 1 <= min_replicas <= max_replicas:
         raise RequestError(
             "--max-waiting and --replicas must be >= 0 and 1 <= --min-replicas <= --max-replicas"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from loopcast.ort_runtime.api import LoopcastModel, load
 from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest, SequentialEngine
+from loopcast.ort_runtime.decoding.generation_config import GenerationConfig, SpeculationConfig
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.text.streamer import TextStreamer
 from loopcast.serve import SERVED_MODES
@@ -99,8 +100,8 @@ class ServingState:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return list(prompt)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        return self.model.apply_chat_template(messages)
+    def chat_ids(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+        return self.model.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
 
     def check_fits(self, ids: list[int], max_tokens: int) -> None:
         if not ids:
@@ -122,10 +123,13 @@ class ServingState:
         skip_special_tokens: bool = True,
         ignore_eos: bool = False,
         speculative: SpeculativeMode | str | None = None,
+        config: GenerationConfig | None = None,
         result: TextResult | None = None,
     ) -> AsyncIterator[TextPiece]:
         """Yield text pieces of the completion of ``ids``; ``result`` is filled in on the way.
-        Closing the iterator (a client that went away) cancels the request."""
+        ``config``: the request's other generation options (serve/request_fields.py; its
+        ``speculative`` unless ``speculative`` is given). Closing the iterator (a client that
+        went away) cancels the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -139,8 +143,11 @@ class ServingState:
         result = result if result is not None else TextResult(len(ids))
         start = time.perf_counter()
         stop_ids = () if ignore_eos else tuple(self.model.eos_token_ids)
-        mode = self.speculative if speculative is None else served_mode(speculative)
-        completion = self.engine.submit(BatchRequest(ids, max_tokens, stop_ids, sampling, mode), on_event)
+        if config is None:
+            config = GenerationConfig(speculation=SpeculationConfig(self.speculative))
+        mode = config.speculation.mode if speculative is None else served_mode(speculative)
+        request = BatchRequest(ids, max_tokens, stop_ids, sampling, mode.value, config)
+        completion = self.engine.submit(request, on_event)
         result.speculative = completion
         try:
             while True:
@@ -182,12 +189,32 @@ class ServingState:
             "speculation": getattr(engine, "stats", None),
         }
 
+    def capabilities(self) -> dict:
+        """What the served artifact and engine support (``/v1/models``' ``loopcast`` field)."""
+        manifest, engine = self.model.loaded.manifest, self.engine
+        gen = getattr(engine, "gen", None)
+        return {
+            "engine": self.mode,
+            "graph_kinds": sorted(str(k) for k in manifest.graphs),
+            "speculative_modes": list(engine.speculative_modes),
+            "default_speculative": self.speculative.value,
+            "max_model_len": self.max_length,
+            "max_batch": gen.max_batch if gen is not None else 1,
+            "verify_width": getattr(gen, "verify_width", None) if gen is not None else None,
+            "num_loops": self.model.config.num_loops,
+            "dtype": manifest.dtype,
+            "op_set": str(manifest.op_set),
+            "exact_verify": self.model.loaded.exact_verify,
+            "prefix_caching": getattr(engine, "prefix_caching", None),
+        }
+
     def close(self, timeout: float = 30.0) -> None:
         self.engine.shutdown(timeout)
 
 
 def served_mode(value: object) -> SpeculativeMode:
-    """``value`` as one of the SERVED_MODES, or a RequestError that names ``speculative``."""
+    """``value`` as one of the SERVED_MODES, or a RequestError that names ``speculative``
+    (which of them an engine runs is the engine's ``speculative_modes``)."""
     mode = parse(SpeculativeMode, value, "speculative")
     if mode not in SERVED_MODES:
         raise RequestError(
@@ -218,4 +245,10 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
             )
         engine = SequentialEngine(model, max_waiting=options.max_waiting)
         mode = "sequential (one request at a time)"
+    if options.speculative.value not in engine.speculative_modes:
+        raise RequestError(
+            f"--speculative {options.speculative.value}: the {engine.kind} serves "
+            f"{', '.join(engine.speculative_modes)}{engine._modes_note}",
+            parameter="speculative",
+        )
     return ServingState(model, engine.start(), name, mode, options.speculative)

@@ -45,22 +45,32 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+from loopcast.ort_runtime.batching.options import check_honoured
 from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
 from loopcast.ort_runtime.decoding.finish import FinishRule
 from loopcast.ort_runtime.decoding.gates import BatchCostGate
+from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Proposal
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
+from loopcast.ort_runtime.decoding.stats import GenerationStats
 from loopcast.ort_runtime.decoding.verifiers import Verified
 
 from loopcast.errors import LoopcastError, RequestError
-from loopcast.manifest import DECODE_BATCH, VERIFY_BATCH
+from loopcast.manifest import CYCLE, DECODE_BATCH, DRAFT, VERIFY, VERIFY_BATCH, VERIFY_TAIL
 from loopcast.vocab import SpeculativeMode
 
 EventSink = Callable[[str, object], None]
 
 
 SPECULATIVE_MODES = (SpeculativeMode.NONE.value, SpeculativeMode.PROMPT_LOOKUP.value)
+# Modes a request may name; each engine says which of them it runs (``speculative_modes``).
+REQUEST_MODES = tuple(m.value for m in SpeculativeMode if m != SpeculativeMode.CUSTOM)
+# GenerationConfig keyword options (ort_runtime/batching/options.py) the batching engine honours
+# per request: BatchRequest's own fields, and the speculation options of its prompt lookup.
+BATCHED_OPTIONS = frozenset(
+    {"max_new_tokens", "sampling", "stop_ids", "speculative", "num_draft_tokens", "min_ngram", "max_ngram"}
+)
 __all__ = [
     "BatchCostGate",
     "BatchRequest",
@@ -81,13 +91,19 @@ class BatchRequest:
     max_new_tokens: int = 64
     stop_ids: tuple[int, ...] = ()
     sampling: SamplingParams | None = None
-    speculative: str = "none"  # "none" | "prompt-lookup"
+    speculative: str = "none"  # one of the engine's speculative_modes
+    # the request's other generation options (num_draft_tokens, min_ngram, ...); an engine refuses
+    # a set option it does not honour (ort_runtime/batching/options.py)
+    config: GenerationConfig = GenerationConfig()
 
     def __post_init__(self) -> None:
-        if self.speculative not in SPECULATIVE_MODES:
+        if self.speculative not in REQUEST_MODES:
             raise RequestError(
-                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}"
+                f"speculative must be one of {', '.join(REQUEST_MODES)}, got {self.speculative!r}",
+                parameter="speculative",
             )
+        if not isinstance(self.config, GenerationConfig):
+            raise RequestError(f"config must be a GenerationConfig, got {type(self.config).__name__}")
         if not self.ids:
             raise RequestError("prompt is empty: give at least one token")
         if self.max_new_tokens < 1:
@@ -187,7 +203,22 @@ class _EngineBase:
         self._thread.start()
         return self
 
+    speculative_modes: tuple[str, ...] = ("none",)
+
+    def check(self, request: BatchRequest) -> None:
+        """Refuse (RequestError naming the option) what this engine cannot serve."""
+        if request.speculative not in self.speculative_modes:
+            raise RequestError(
+                f"speculative {request.speculative!r} is not served by this {self.kind}; it serves "
+                f"{', '.join(self.speculative_modes)}{self._modes_note}",
+                parameter="speculative",
+            )
+
+    kind = "engine"
+    _modes_note = ""
+
     def submit(self, request: BatchRequest, on_event: EventSink | None = None) -> Completion:
+        self.check(request)
         if len(request.ids) >= self.max_length:
             raise RequestError(
                 f"prompt of {len(request.ids)} tokens does not fit the KV capacity "
@@ -253,12 +284,14 @@ class BatchingEngine(_EngineBase):
         *,
         max_waiting: int = 256,
         gate: BatchCostGate | None = None,
-        proposer_factory: Callable[[], object] = PromptLookupProposer,
+        proposer_factory: Callable[[], object] | None = None,
     ) -> None:
+        """``proposer_factory``: one proposer per speculating request (default: prompt lookup
+        with the request's n-gram range)."""
         super().__init__(generator.max_length, max_waiting)
         self.gen = generator
         self.gate = gate or BatchCostGate()
-        self.proposer_factory = proposer_factory  # one proposer per speculating request
+        self.proposer_factory = proposer_factory
         self._running: dict[int, _Running] = {}  # slot -> request
         self.peak_batch = 0
         self.stats = {"decode_steps": 0, "verify_steps": 0, "proposed": 0, "accepted": 0}
@@ -272,6 +305,20 @@ class BatchingEngine(_EngineBase):
             else f"verify rows are not exact on {model.device} for this artifact (manifest exact_verify)"
         )
 
+    kind = "batching engine"
+    speculative_modes = SPECULATIVE_MODES
+    _modes_note = " (self-speculation and the pipeline have no batched graphs yet)"
+
+    def check(self, request: BatchRequest) -> None:
+        super().check(request)
+        check_honoured(request.config, BATCHED_OPTIONS, self.kind)
+        k, W = request.config.speculation.num_draft_tokens, self.gen.verify_width
+        if k is not None and W is not None and not 1 <= k <= W - 1:
+            raise RequestError(
+                f"num_draft_tokens must be in 1..{W - 1} (verify width {W}), got {k}",
+                parameter="num_draft_tokens",
+            )
+
     def _speculation_for(self, request: BatchRequest) -> tuple[PromptLookupProposer | None, str]:
         if request.speculative == "none":
             return None, "none"
@@ -281,7 +328,10 @@ class BatchingEngine(_EngineBase):
             return None, "none (the artifact has no verify_batch graph)"
         if self.speculation:
             return None, f"none ({self.speculation})"
-        return self.proposer_factory(), "prompt-lookup"
+        if self.proposer_factory is not None:
+            return self.proposer_factory(), "prompt-lookup"
+        spec = request.config.speculation
+        return PromptLookupProposer(spec.min_ngram, spec.max_ngram), "prompt-lookup"
 
     @property
     def running(self) -> int:
@@ -366,7 +416,11 @@ class BatchingEngine(_EngineBase):
             return {}  # verify rows would pass some slot's KV capacity: decode this step
         proposals = {}
         for slot, r in self._running.items():
-            k = min(W - 1, r.completion.request.max_new_tokens - len(r.completion.tokens) - 1)
+            request = r.completion.request
+            k = min(
+                request.config.speculation.num_draft_tokens or W - 1,
+                request.max_new_tokens - len(r.completion.tokens) - 1,
+            )
             if r.proposer is not None and k > 0:
                 drafts = r.proposer.propose(r.context, k)
                 if drafts:
@@ -436,6 +490,23 @@ class SequentialEngine(_EngineBase):
         self.generator = self.model.new_generator()
         super().__init__(self.generator.max_length, max_waiting)
         self._current: Completion | None = None
+        self.stats = {"proposed": 0, "accepted": 0}
+        graphs = model.loaded.manifest.graphs
+        needs = {
+            SpeculativeMode.PROMPT_LOOKUP.value: (VERIFY,),
+            SpeculativeMode.SELF.value: (DRAFT, VERIFY_TAIL),
+            SpeculativeMode.PIPELINE.value: (CYCLE,),
+        }
+        self.speculative_modes = ("none",) + tuple(
+            mode for mode, kinds in needs.items() if all(k in graphs for k in kinds)
+        )
+
+    kind = "one-request-at-a-time engine"
+    _modes_note = " (the artifact's graphs)"
+
+    @property
+    def running(self) -> int:
+        return int(self._current is not None)
 
     def _active_completions(self) -> list[Completion]:
         return [self._current] if self._current is not None else []
@@ -458,13 +529,16 @@ class SequentialEngine(_EngineBase):
                     completion.speculative = (
                         mode  # the engine's own gate (ort_runtime/decoding/gates.py) decides per step
                     )
+                stats = GenerationStats()
                 tokens = self.model.stream_ids(
                     request.ids,
                     request.max_new_tokens,
+                    config=request.config,  # every option of one-sequence generation
                     stop_ids=request.stop_ids,
                     generator=self.generator,
                     sampling=request.sampling,
                     speculative=mode,
+                    stats=stats,
                 )
                 reason = None
                 for token in tokens:
@@ -478,6 +552,9 @@ class SequentialEngine(_EngineBase):
                     reason = (
                         "eos" if completion.tokens and completion.tokens[-1] in request.stop_ids else "length"
                     )
+                completion.proposed, completion.accepted = stats.proposed, stats.accepted
+                self.stats["proposed"] += stats.proposed
+                self.stats["accepted"] += stats.accepted
                 completion._emit("done", reason)
             except Exception as exc:
                 completion._emit("error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
