@@ -44,12 +44,20 @@ Examples:
     default=SpeculativeMode.NONE.value,
     show_default=True,
     help="Default speculation per request (a request's `speculative` field overrides it); greedy "
-    "requests only, with a cost gate per step (docs/serving.md).",
+    "requests only, with a cost gate per step. The batched engine runs prompt-lookup; self and "
+    "pipeline run with --sequential (docs/serving.md).",
 )
 @click.option(
     "--cuda-graphs",
     is_flag=True,
     help="Capture the batched graphs per batch width on CUDA (opt-in; eager otherwise).",
+)
+@click.option(
+    "--prefix-caching/--no-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Reuse the KV of a prompt prefix another request already computed (batched engine, where "
+    "the artifact's rows are exact on the device; docs/serving.md).",
 )
 @click.option("--model-name", default=None, help="Name in the API (default: the artifact directory's name).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
@@ -84,6 +92,7 @@ def serve(
     sequential: bool,
     speculative: str,
     cuda_graphs: bool,
+    prefix_caching: bool,
     model_name: str | None,
     threads: int | None,
     trust_ops: bool,
@@ -108,7 +117,16 @@ def serve(
             "--max-waiting and --replicas must be >= 0 and 1 <= --min-replicas <= --max-replicas"
         )
     options = ServeOptions(
-        device, max_batch, max_waiting, sequential, threads, trust_ops, model_name, speculative, cuda_graphs
+        device,
+        max_batch,
+        max_waiting,
+        sequential,
+        threads,
+        trust_ops,
+        model_name,
+        speculative,
+        cuda_graphs,
+        prefix_caching,
     )
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     if use_ray:

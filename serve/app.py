@@ -123,8 +123,8 @@ def _error(
 
 def _parameter(exc: RequestError) -> str | None:
     """The request field an error is about: its ``parameter``, else the ``NAME`` of a leading
-    ``NAME must`` (GenerationConfig's form)."""
-    match = re.match(r"([a-z_][a-z0-9_]*) must ", str(exc))
+    ``NAME must`` or ``NAME and OTHER must`` (GenerationConfig's forms)."""
+    match = re.match(r"([a-z_][a-z0-9_]*)(?: and [a-z_][a-z0-9_]*)? must ", str(exc))
     return exc.parameter or (match.group(1) if match else None)
 
 
@@ -268,6 +268,8 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool, route: str
         "prompt_tokens": len(ids),
         "completion_tokens": len(result.tokens),
         "total_tokens": len(ids) + len(result.tokens),
+        # prompt tokens whose KV came from the prefix cache (OpenAI's and vLLM's field)
+        "prompt_tokens_details": {"cached_tokens": getattr(result.speculative, "cached_tokens", 0)},
     }
     done()
     return {**envelope, "choices": [choice], "usage": usage, "loopcast": _speculation(result)}

@@ -41,6 +41,7 @@ class ServeOptions:
     model_name: str | None = None  # default: the artifact directory's name
     speculative: SpeculativeMode = SpeculativeMode.NONE  # default per request, one of SERVED_MODES
     cuda_graphs: bool = False  # capture the batched kinds per width on CUDA (opt-in)
+    prefix_caching: bool = True  # reuse common prompt prefixes' KV where exact (docs/serving.md)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", served_mode(self.speculative))
@@ -235,7 +236,9 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
     name = options.model_name or Path(artifact).resolve().name
     if DECODE_BATCH in manifest.graphs and not options.sequential:
         generator = BatchGenerator(model.loaded, options.max_batch, cuda_graphs=options.cuda_graphs)
-        engine = BatchingEngine(generator, max_waiting=options.max_waiting)
+        engine = BatchingEngine(
+            generator, max_waiting=options.max_waiting, prefix_caching=options.prefix_caching
+        )
         mode = f"batched (up to {generator.max_batch} sequences per step)"
     else:
         if options.max_batch not in (None, 1) and not options.sequential:

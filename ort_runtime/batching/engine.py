@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from loopcast.ort_runtime.batching.options import check_honoured
+from loopcast.ort_runtime.batching.prefix_cache import PrefixCache, PrefixPlan
 from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
 from loopcast.ort_runtime.decoding.finish import FinishRule
@@ -127,6 +128,7 @@ class Completion:
     speculative: str = "none"
     proposed: int = 0  # drafts offered by this request's proposer and verified
     accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     submitted: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     _cancel: threading.Event = field(default_factory=threading.Event)
@@ -285,9 +287,11 @@ class BatchingEngine(_EngineBase):
         max_waiting: int = 256,
         gate: BatchCostGate | None = None,
         proposer_factory: Callable[[], object] | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         """``proposer_factory``: one proposer per speculating request (default: prompt lookup
-        with the request's n-gram range)."""
+        with the request's n-gram range). ``prefix_caching``: reuse the KV of common prompt
+        prefixes (ort_runtime/batching/prefix_cache.py) where that is exact."""
         super().__init__(generator.max_length, max_waiting)
         self.gen = generator
         self.gate = gate or BatchCostGate()
@@ -296,6 +300,19 @@ class BatchingEngine(_EngineBase):
         self.peak_batch = 0
         self.stats = {"decode_steps": 0, "verify_steps": 0, "proposed": 0, "accepted": 0}
         model = generator.model
+        # A cached prefix is the cold one bit for bit where rows do not depend on their call
+        # (exact_verify on this device); the KV-row copy is a host copy (CPU).
+        off = (
+            "turned off"
+            if not prefix_caching
+            else f"needs exact rows on {model.device} (manifest exact_verify)"
+            if not model.exact_verify
+            else f"copies KV rows on the host; {model.device} has no host mirror"
+            if model.device != "cpu"
+            else None
+        )
+        self.prefix = PrefixCache(generator.max_batch, self.stats) if off is None else None
+        self.prefix_caching = "on" if off is None else f"off ({off})"
         # Speculation needs verify rows bit-identical to decode rows on this device (manifest exact_verify).
         self.speculation = (
             None
@@ -374,7 +391,14 @@ class BatchingEngine(_EngineBase):
             if completion.cancelled:
                 completion._emit("done", "cancelled")
                 continue
-            slot, request = free.pop(0), completion.request  # lowest free slot: keeps the prefix short
+            request = completion.request
+            if self.prefix is not None:
+                running = {s: r.context[: self.gen.lengths[s]] for s, r in self._running.items()}
+                plan = self.prefix.plan(request.ids, free, running)
+            else:
+                plan = PrefixPlan(free[0], None, 0)  # lowest free slot: keeps the batch's prefix short
+            slot = plan.slot
+            free.remove(slot)
             sampled = request.sampling is not None and not request.sampling.greedy
             proposer, completion.speculative = self._speculation_for(request)
             acceptor = SampledAcceptor(request.sampling) if sampled else GreedyAcceptor()
@@ -382,11 +406,17 @@ class BatchingEngine(_EngineBase):
             running = _Running(completion, slot, -1, list(request.ids), acceptor, rule, proposer)
             self._running[slot] = running
             try:
-                out_id, logits = self.gen.prefill(slot, request.ids, want_logits=sampled)
+                if plan.source is not None and plan.source != slot:
+                    self.gen.copy_prefix(plan.source, slot, plan.cached)
+                if self.prefix is not None:
+                    self.prefix.occupy(slot)
+                rest = request.ids[plan.cached :]
+                out_id, logits = self.gen.prefill(slot, rest, start=plan.cached, want_logits=sampled)
             except Exception as exc:
                 self._finish(slot, error=f"prefill failed: {str(exc).splitlines()[0][:300]}")
                 free.insert(0, slot)
                 continue
+            completion.cached_tokens = plan.cached
             self._deliver(slot, acceptor.choose(out_id, logits, running.context), self.gen.lengths[slot])
         self.peak_batch = max(self.peak_batch, len(self._running))
 
@@ -478,7 +508,12 @@ class BatchingEngine(_EngineBase):
 
     def _finish(self, slot: int, reason: str | None = None, *, error: str | None = None) -> None:
         r = self._running.pop(slot)
-        self.gen.release(slot)
+        # a finished sequence's committed KV stays in its slot for the prefix cache (not after an
+        # error: its KV may be incomplete)
+        keep = self.gen.lengths[slot] if self.prefix is not None and error is None else 0
+        kept = self.gen.release(slot, keep)
+        if self.prefix is not None:
+            self.prefix.release(slot, r.context[:kept])
         r.completion._emit("error", error) if error is not None else r.completion._emit("done", reason)
 
 
