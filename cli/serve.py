@@ -59,6 +59,14 @@ Examples:
     help="Reuse the KV of a prompt prefix another request already computed (batched engine, where "
     "the artifact's rows are exact on the device; docs/serving.md).",
 )
+@click.option(
+    "--prefill-chunk",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Prompt tokens prefilled between two decode steps, so a joining prompt delays running "
+    "requests by at most one chunk (0: whole prompts; artifacts whose rows are exact on the device).",
+)
 @click.option("--model-name", default=None, help="Name in the API (default: the artifact directory's name).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--trust-ops", is_flag=True, help="Load the artifact's op library even if not built here.")
@@ -93,6 +101,7 @@ def serve(
     speculative: str,
     cuda_graphs: bool,
     prefix_caching: bool,
+    prefill_chunk: int,
     model_name: str | None,
     threads: int | None,
     trust_ops: bool,
@@ -112,9 +121,10 @@ def serve(
     from loopcast.errors import RequestError
 
     require_extra("fastapi", "uvicorn", "prometheus_client", *(["ray"] if use_ray else []))
-    if max_waiting < 0 or replicas < 0 or not 1 <= min_replicas <= max_replicas:
+    if max_waiting < 0 or replicas < 0 or prefill_chunk < 0 or not 1 <= min_replicas <= max_replicas:
         raise RequestError(
-            "--max-waiting and --replicas must be >= 0 and 1 <= --min-replicas <= --max-replicas"
+            "--max-waiting, --replicas and --prefill-chunk must be >= 0 and "
+            "1 <= --min-replicas <= --max-replicas"
         )
     options = ServeOptions(
         device,
@@ -127,6 +137,7 @@ def serve(
         speculative,
         cuda_graphs,
         prefix_caching,
+        prefill_chunk,
     )
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     if use_ray:

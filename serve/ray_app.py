@@ -65,6 +65,7 @@ def app_builder(args: dict):
         "num_replicas": int,
         "max_batch": int,
         "max_waiting": int,
+        "prefill_chunk": int,
         "threads": int,
         "replica_cpus": float,
         "replica_gpus": float,

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loopcast.ort_runtime.api import LoopcastModel, load
-from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest, SequentialEngine
+from loopcast.ort_runtime.batching.engine import DEFAULT_PREFILL_CHUNK, BatchingEngine, BatchRequest
+from loopcast.ort_runtime.batching.sequential import SequentialEngine
 from loopcast.ort_runtime.decoding.generation_config import GenerationConfig, SpeculationConfig
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.text.streamer import TextStreamer
@@ -42,6 +43,7 @@ class ServeOptions:
     speculative: SpeculativeMode = SpeculativeMode.NONE  # default per request, one of SERVED_MODES
     cuda_graphs: bool = False  # capture the batched kinds per width on CUDA (opt-in)
     prefix_caching: bool = True  # reuse common prompt prefixes' KV where exact (docs/serving.md)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens between two decode steps (0: whole)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", served_mode(self.speculative))
@@ -206,7 +208,8 @@ class ServingState:
             "dtype": manifest.dtype,
             "op_set": str(manifest.op_set),
             "exact_verify": self.model.loaded.exact_verify,
-            "prefix_caching": getattr(engine, "prefix_caching", None),
+            "prefix_caching": getattr(engine, "prefix_caching", "off (one request at a time)"),
+            "prefill_chunk": getattr(engine, "prefill_chunk", None),
         }
 
     def close(self, timeout: float = 30.0) -> None:
@@ -237,7 +240,10 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
     if DECODE_BATCH in manifest.graphs and not options.sequential:
         generator = BatchGenerator(model.loaded, options.max_batch, cuda_graphs=options.cuda_graphs)
         engine = BatchingEngine(
-            generator, max_waiting=options.max_waiting, prefix_caching=options.prefix_caching
+            generator,
+            max_waiting=options.max_waiting,
+            prefix_caching=options.prefix_caching,
+            prefill_chunk=options.prefill_chunk,
         )
         mode = f"batched (up to {generator.max_batch} sequences per step)"
     else:

@@ -308,8 +308,10 @@ class BatchGenerator:
         width = max(rows) + 1
         ids, seqlens = ids_buf.host, self._seqlens.host
         ids[:width] = 0
-        # free slots in the prefix: dummy rows at positions keep_b.. of their own entry
-        seqlens[:width] = np.minimum(self._keep[:width], self.max_length - width_rows) + width_rows - 1
+        # slots in the prefix without rows (free, or a prompt being prefilled): dummy rows at
+        # positions max(n_b, keep_b).. of their own entry, past every position that holds KV
+        idle = np.maximum(self.lengths[:width], self._keep[:width])
+        seqlens[:width] = np.minimum(idle, self.max_length - width_rows) + width_rows - 1
         for slot, tokens in rows.items():
             ids[slot, : len(tokens)] = tokens
             ids[slot, len(tokens) :] = tokens[-1]
@@ -336,6 +338,13 @@ class BatchGenerator:
         self.lengths[slot] = 0
         self._keep[slot] = max(0, min(keep, self.max_length - rows))
         return self._keep[slot]
+
+    def begin(self, slot: int, start: int = 0) -> None:
+        """``slot`` starts a sequence whose first ``start`` positions already hold its prefix's KV
+        (kept there or copied by ``copy_prefix``): n_b = start; ``prefill(start=...)`` continues it."""
+        if not 0 <= start < self.max_length:
+            raise RequestError(f"begin: {start} cached positions outside the KV capacity {self.max_length}")
+        self.lengths[slot], self._keep[slot] = start, 0
 
     def copy_prefix(self, src: int, dst: int, count: int) -> None:
         """Copy positions 0..count-1 of sequence slot ``src`` into ``dst`` in every KV slot (K and

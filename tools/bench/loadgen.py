@@ -156,7 +156,8 @@ def http_submitter(url: str, model: str):
 
 
 def make_engine(model, mode: str, max_batch: int, cuda_graphs: bool = False):
-    from loopcast.ort_runtime.batching.engine import BatchingEngine, SequentialEngine
+    from loopcast.ort_runtime.batching.engine import BatchingEngine
+    from loopcast.ort_runtime.batching.sequential import SequentialEngine
     from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 
     if mode == "batched":
