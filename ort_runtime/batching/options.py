@@ -19,16 +19,22 @@ from loopcast.errors import RequestError
 
 
 def set_options(config: GenerationConfig) -> list[str]:
-    """The keyword options of ``config`` that differ from the defaults, by their keyword names."""
+    """The keyword options of ``config`` that differ from the defaults, by their keyword names:
+    a field's name, or for a field that is itself an options record (``speculation``) each of its
+    fields' keyword (``SpeculationConfig.mode`` is ``speculative``)."""
     default = GenerationConfig()
-    names = [
-        f.name
-        for f in dataclasses.fields(config)
-        if f.name != "speculation" and getattr(config, f.name) != getattr(default, f.name)
-    ]
-    for keyword, attr in GenerationConfig._SPECULATION_KEYWORDS.items():
-        if getattr(config.speculation, attr) != getattr(default.speculation, attr):
-            names.append(keyword)
+    keyword = {attr: name for name, attr in GenerationConfig._SPECULATION_KEYWORDS.items()}
+    names = []
+    for f in dataclasses.fields(config):
+        value, base = getattr(config, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(value) and type(value) is type(base) and f.name != "sampling":
+            names += [
+                keyword.get(sub.name, sub.name)
+                for sub in dataclasses.fields(value)
+                if getattr(value, sub.name) != getattr(base, sub.name)
+            ]
+        elif value != base:
+            names.append(f.name)
     return names
 
 
