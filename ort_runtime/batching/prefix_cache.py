@@ -5,17 +5,17 @@ of some token prefix: a running request's committed tokens, or a finished reques
 in its freed slot until a new request overwrites them. ``PrefixCache`` remembers which tokens
 each slot holds and, for a joining prompt, finds the longest common prefix among them:
 
-- the match lies in a **free** slot: the prompt takes that slot and its prefix is already in
-  place (nothing is copied);
-- it lies in a **running** slot: the prompt takes a free slot and the prefix's KV rows are copied
-  there (``BatchGenerator.copy_prefix``: positions 0..k-1 of every KV slot);
+- the prompt takes a free slot that keeps the batch narrow (a decode step runs every slot up to
+  the highest occupied one, free ones as dummy rows): one inside the occupied range, else the
+  lowest free slot; among them the one that holds the match (its prefix is already in place),
+  else the least recently freed one (LRU), whose prefix it evicts;
+- a match held elsewhere (a freed slot outside that range, or a running one) is copied there
+  (``BatchGenerator.copy_prefix``: positions 0..k-1 of every KV slot, a host copy);
 - then only the prompt's remaining tokens are prefilled, at positions k.. (at least one: the
   last prompt token's row gives the first generated token).
 
-Free slots are the cache's capacity: a prompt that matches nothing takes the least recently
-freed one (LRU), which evicts that slot's prefix. A freed slot keeps its prefix intact because
-the dummy rows a step runs for free slots inside the batch write past it
-(``BatchGenerator.release(slot, keep)``).
+Free slots are the cache's capacity. A freed slot keeps its prefix intact because the dummy rows
+a step runs for free slots inside the batch write past it (``BatchGenerator.release(slot, keep)``).
 
 **Exactness.** The KV of position i depends only on tokens 0..i, and on an artifact whose rows
 do not depend on the rows that share a call (``exact_verify`` on the device: decode, verify and
@@ -66,32 +66,32 @@ class PrefixCache:
 
     def plan(self, ids: list[int], free: list[int], running: dict[int, list[int]]) -> PrefixPlan:
         """The slot for prompt ``ids`` among ``free`` ones, and its longest cached prefix over the
-        free slots' held prefixes and ``running`` (slot -> tokens whose KV it has committed)."""
+        free slots' held prefixes and ``running`` (occupied slot -> tokens whose KV it holds).
+
+        The slot keeps the batch narrow (a step runs every slot up to the highest occupied one,
+        free ones as dummy rows): a free slot inside the occupied range if there is one, else
+        the lowest free slot. Among those it takes the one holding the match (in place), else
+        the least recently freed (LRU: evicts that slot's prefix), and the match is copied."""
         if not free:
             raise ValueError("no free slot")
         limit = len(ids) - 1  # the last prompt token is always run: its row gives the first token
-        best_free, best_free_len = None, 0
-        for slot in free:
-            k = min(common_prefix(self._held[slot], ids), limit)
-            if k > best_free_len:
-                best_free, best_free_len = slot, k
-        best_run, best_run_len = None, 0
-        for slot, tokens in running.items():
+        source, cached = None, 0
+        for slot, tokens in [*((s, self._held[s]) for s in free), *running.items()]:
             k = min(common_prefix(tokens, ids), limit)
-            if k > best_run_len:
-                best_run, best_run_len = slot, k
+            if k > cached:
+                source, cached = slot, k
+        width = max(running) + 1 if running else 0
+        candidates = [s for s in free if s < width] or [min(free)]
+        if source in candidates:
+            slot = source
+        else:  # least recently freed (never-used slots first, lowest first)
+            slot = min(candidates, key=lambda s: (self._freed_at[s], s))
         self.stats["prefix_queries"] += 1
         self.stats["prefix_query_tokens"] += len(ids)
-        if best_free is not None and best_free_len >= best_run_len:
-            plan = PrefixPlan(best_free, best_free, best_free_len)
-        else:
-            # least recently freed (never-used slots first, lowest first): evicts its prefix
-            slot = min(free, key=lambda s: (self._freed_at[s], s))
-            plan = PrefixPlan(slot, best_run, best_run_len)  # best_run None: nothing cached
-        if plan.cached:
+        if cached:
             self.stats["prefix_hits"] += 1
-            self.stats["prefix_hit_tokens"] += plan.cached
-        return plan
+            self.stats["prefix_hit_tokens"] += cached
+        return PrefixPlan(slot, source if cached else None, cached)
 
     def occupy(self, slot: int) -> None:
         """``slot`` is running a new sequence: what it held is being overwritten."""

@@ -5,6 +5,7 @@ running one), and gets exactly the tokens of a cold prompt (CPU fp32, greedy).""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from loopcast.ort_runtime import load
@@ -25,27 +26,29 @@ def plain(model, prompt, n):
     return list(model.stream_ids(prompt, n, stop_ids=()))
 
 
-def test_plan_prefers_a_free_slot_in_place_then_copies_then_evicts_lru():
+def test_plan_keeps_the_batch_narrow_in_place_or_copied_lru():
     cache = PrefixCache(4)
     cache.release(2, [1, 2, 3, 4])
     cache.release(1, [9, 9])
-    # the longest match is the free slot 2: take it in place
-    assert cache.plan([1, 2, 3, 7], [0, 1, 2, 3], {}) == PrefixPlan(2, 2, 3)
-    # a longer match in a running slot: copy it into the least recently freed slot (never used: 0)
+    # nothing runs: the lowest free slot, the match in slot 2 copied there
+    assert cache.plan([1, 2, 3, 7], [0, 1, 2, 3], {}) == PrefixPlan(0, 2, 3)
+    # slot 3 runs: a free slot inside the batch, least recently freed first (never used: 0)
     assert cache.plan([5, 6, 7, 8], [0, 1, 2], {3: [5, 6, 7]}) == PrefixPlan(0, 3, 3)
-    # the whole prompt is cached: its last token still runs (it gives the first generated token)
-    assert cache.plan([1, 2, 3, 4], [1, 2], {}) == PrefixPlan(2, 2, 3)
-    # nothing matches: the least recently freed slot (2 was freed before 1)
-    assert cache.plan([8], [1, 2], {}) == PrefixPlan(2, None, 0)
-    assert cache.stats["prefix_queries"] == 4 and cache.stats["prefix_hit_tokens"] == 9
+    # the match is in a free slot inside the batch: in place; the whole prompt is cached but its
+    # last token still runs (its row gives the first generated token)
+    assert cache.plan([1, 2, 3, 4], [1, 2], {3: [8]}) == PrefixPlan(2, 2, 3)
+    # nothing matches: the least recently freed slot inside the batch (2 was freed before 1)
+    assert cache.plan([8], [1, 2], {3: [7]}) == PrefixPlan(2, None, 0)
+    assert cache.plan([8], [1, 2], {}) == PrefixPlan(1, None, 0)
+    assert cache.stats["prefix_queries"] == 5 and cache.stats["prefix_hit_tokens"] == 9
     cache.occupy(2)
     assert cache.held(2) == [] and cache.plan([1, 2, 3], [2], {}) == PrefixPlan(2, None, 0)
 
 
 def test_cached_prefix_gives_the_cold_tokens(model):
     """Freed slots keep their prefix through other sequences' steps (the dummy rows write past it),
-    a running slot's prefix is copied, capacity evicts the least recently freed: every request
-    gets its cold tokens, and cached_tokens says how many prompt tokens were reused."""
+    a running slot's prefix is copied, capacity evicts: every request gets its cold tokens, and
+    cached_tokens says how many prompt tokens were reused."""
     rng = random.Random(5)
     base = [rng.randrange(12, 50) for _ in range(14)]
     engine = BatchingEngine(BatchGenerator(model.loaded, max_batch=3))
@@ -60,23 +63,30 @@ def test_cached_prefix_gives_the_cold_tokens(model):
         c = engine.submit(BatchRequest(c_prompt, 6))
         assert c.result(30) == plain(model, c_prompt, 6)
         assert c.cached_tokens == len(base) + 3
-        # D shares B's prompt while B runs: copied from B's slot into a free one
-        d = engine.submit(BatchRequest([7, 8, 9, 10], 5))
-        assert d.result(30) == plain(model, [7, 8, 9, 10], 5) and d.cached_tokens == 3
+        # D shares B's prompt while B runs: copied from B's slot into slot 0
+        d_prompt = [7, 8, 9, 10]
+        d = engine.submit(BatchRequest(d_prompt, 5))
+        assert d.result(30) == plain(model, d_prompt, 5) and d.cached_tokens == 3
         assert not b.finish_reason  # B was running throughout
         # the same prompt again: all but its last token cached
-        e = engine.submit(BatchRequest(c_prompt, 6))
-        assert e.result(30) == c.tokens and e.cached_tokens == len(c_prompt) - 1
+        e = engine.submit(BatchRequest(d_prompt, 5))
+        assert e.result(30) == d.tokens and e.cached_tokens == len(d_prompt) - 1
         b.cancel()
         b.result(30)
         assert b.tokens == plain(model, [7, 8, 9], len(b.tokens))
-        # capacity: three unrelated prompts take the three slots and evict the cached prefixes
-        others = [[rng.randrange(50, 90) for _ in range(5)] for _ in range(3)]
-        assert [engine.submit(BatchRequest(p, 2)).result(30) for p in others] == [
-            plain(model, p, 2) for p in others
+        # capacity: three unrelated prompts run in the three slots and evict every cached prefix
+        others = [
+            engine.submit(BatchRequest([rng.randrange(50, 90) for _ in range(5)], 10_000)) for _ in range(3)
         ]
-        f = engine.submit(BatchRequest(c_prompt, 6))
-        assert f.result(30) == c.tokens and f.cached_tokens == 0
+        deadline = time.monotonic() + 30
+        while sum(len(o.tokens) > 1 for o in others) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for o in others:
+            o.cancel()
+            o.result(30)
+            assert o.tokens == plain(model, o.request.ids, len(o.tokens))
+        f = engine.submit(BatchRequest(d_prompt, 5))
+        assert f.result(30) == d.tokens and f.cached_tokens == 0
         assert engine.prefix_caching == "on"
         assert engine.stats["prefix_hit_tokens"] == c.cached_tokens + d.cached_tokens + e.cached_tokens
     finally:
