@@ -317,14 +317,15 @@ class BatchingEngine(_EngineBase):
         self.stats = {"decode_steps": 0, "verify_steps": 0, "proposed": 0, "accepted": 0}
         model = generator.model
         # A cached prefix is the cold one bit for bit where rows do not depend on their call
-        # (exact_verify on this device); the KV-row copy is a host copy (CPU).
+        # (exact_verify on this device); the KV-row copy is a host copy on the CPU, the op
+        # library's device copy on CUDA.
         off = (
             "turned off"
             if not prefix_caching
             else f"needs exact rows on {model.device} (manifest exact_verify)"
             if not model.exact_verify
-            else f"copies KV rows on the host; {model.device} has no host mirror"
-            if model.device != "cpu"
+            else "copying KV rows on the device needs the artifact's custom-op library"
+            if model.device != "cpu" and not model.manifest.custom_op_library
             else None
         )
         self.prefix = PrefixCache(generator.max_batch, self.stats) if off is None else None

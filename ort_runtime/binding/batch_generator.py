@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
+from loopcast.ort_runtime.binding.device_move import load_device_move
 from loopcast.ort_runtime.binding.graph_runner import CapturedRunner
 from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
@@ -153,6 +154,7 @@ class BatchGenerator:
                     self.captured.add(kind)
                 else:
                     self.graph_fallbacks[kind] = model.graph_fallbacks.get(kind, "no capture session")
+        self._move = None  # CUDA: the op library's device KV copy (copy_prefix), loaded on first use
         self.lengths = [0] * B  # n_b: tokens whose KV is committed in slot b
         self._keep = [0] * B  # free slot b: its dummy rows write at positions keep_b..
         self.clock = StepClock()
@@ -349,18 +351,35 @@ class BatchGenerator:
     def copy_prefix(self, src: int, dst: int, count: int) -> None:
         """Copy positions 0..count-1 of sequence slot ``src`` into ``dst`` in every KV slot (K and
         V): a cached prefix into a joining sequence's entry. 2 · slots · H_kv · count · D values, a
-        host memcpy on the CPU. The rows are copied as they are, so the copy is exact."""
+        host memcpy on the CPU; on CUDA the op library's device copy, one call per (buffer, head)
+        (ort_runtime/binding/device_move.py). The rows are copied as they are: the copy is exact."""
         if not (0 <= src < self.max_batch and 0 <= dst < self.max_batch) or src == dst:
             raise RequestError(
                 f"copy_prefix: slots {src} -> {dst} must differ and lie in 0..{self.max_batch - 1}"
             )
         if not 0 <= count <= self.max_length:
             raise RequestError(f"copy_prefix: {count} positions outside the KV capacity {self.max_length}")
-        if self.model.device != "cpu":
-            raise RequestError("copy_prefix copies host buffers; on CUDA the KV has no host mirror")
+        if self.model.device == "cpu":
+            for key, value in self._kv.values():
+                for buf in (key, value):
+                    buf.host[dst, :, :count] = buf.host[src, :, :count]
+            return
+        if self._move is None:
+            self._move = load_device_move(self.model)
+        H, S, _ = self._entry_shape
+        row_bytes = self._entry_bytes // (H * S)
+        # the buffer as one plane of B·H·S positions: entry b, head h starts at (b·H + h)·S
+        capacity = self.max_batch * H * S
         for key, value in self._kv.values():
             for buf in (key, value):
-                buf.host[dst, :, :count] = buf.host[src, :, :count]
+                ptr = buf.value.data_ptr()
+                for h in range(H):
+                    first, to = (src * H + h) * S, (dst * H + h) * S
+                    code = self._move(ptr, 1, capacity, row_bytes, first, to, count, None)
+                    if code:
+                        raise ArtifactError(
+                            f"copying KV rows on {self.model.device} failed (CUDA error {code})"
+                        )
 
     def kv_arrays(self, kv_slot: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of one sequence slot's K and V ``[1, H_kv, S_max, D]`` in one KV slot (checks)."""
