@@ -155,7 +155,10 @@ class ServingState:
         try:
             while True:
                 kind, value = await events.get()
-                if kind == "error":
+                if kind == "error":  # a request the one-sequence engine refused is the client's (400)
+                    refused = f"{RequestError.__name__}: "
+                    if str(value).startswith(refused):
+                        raise RequestError(str(value)[len(refused) :])
                     raise RuntimeError(value)
                 if kind == "done":
                     if value == "cancelled":  # only we cancel: a stop string already ended it
@@ -257,7 +260,7 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
     if options.speculative.value not in engine.speculative_modes:
         raise RequestError(
             f"--speculative {options.speculative.value}: the {engine.kind} serves "
-            f"{', '.join(engine.speculative_modes)}{engine._modes_note}",
+            f"{', '.join(engine.speculative_modes)}{engine.modes_note}",
             parameter="speculative",
         )
     return ServingState(model, engine.start(), name, mode, options.speculative)

@@ -224,12 +224,12 @@ class _EngineBase:
         if request.speculative not in self.speculative_modes:
             raise RequestError(
                 f"speculative {request.speculative!r} is not served by this {self.kind}; it serves "
-                f"{', '.join(self.speculative_modes)}{self._modes_note}",
+                f"{', '.join(self.speculative_modes)}{self.modes_note}",
                 parameter="speculative",
             )
 
     kind = "engine"
-    _modes_note = ""
+    modes_note = ""
 
     def submit(self, request: BatchRequest, on_event: EventSink | None = None) -> Completion:
         self.check(request)
@@ -346,7 +346,7 @@ class BatchingEngine(_EngineBase):
 
     kind = "batching engine"
     speculative_modes = SPECULATIVE_MODES
-    _modes_note = " (self-speculation and the pipeline have no batched graphs yet)"
+    modes_note = " (self-speculation and the pipeline have no batched graphs yet)"
 
     def check(self, request: BatchRequest) -> None:
         super().check(request)

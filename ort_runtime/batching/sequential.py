@@ -36,7 +36,7 @@ class SequentialEngine(_EngineBase):
         )
 
     kind = "one-request-at-a-time engine"
-    _modes_note = " (the artifact's graphs)"
+    modes_note = " (the artifact's graphs)"
 
     @property
     def running(self) -> int:

@@ -170,6 +170,11 @@ def test_sequential_engine_serves_the_artifacts_own_modes():
             ).json()
             assert r["choices"][0]["token_ids"] == plain, mode
             assert r["loopcast"]["speculative"] == mode
+        # an option the one-sequence engine refuses for its mode is the client's error
+        r = httpx.post(
+            f"{url}/v1/completions", json={**body, "speculative": "self", "num_draft_tokens": 9}, timeout=60
+        )
+        assert r.status_code == 400 and "num_draft_tokens" in r.json()["error"]["message"], r.text
     with pytest.raises(
         RequestError, match="--speculative self: the batching engine serves none, prompt-lookup"
     ):
