@@ -25,6 +25,7 @@ Examples:
   loopcast generate ART --prompt "def main():" --max-new-tokens 64 --stream
   loopcast generate ART --chat "Write a haiku about loops" --system "You are terse." \\
       --temperature 0.7 --top-p 0.9 --seed 0 --stop $'\\n\\n'
+  loopcast generate ART --chat "Hi" --chat-template-kwargs '{"enable_thinking": false}'
   cat long_prompt.txt | loopcast generate ART --prompt - --json
 """
 
@@ -112,6 +113,7 @@ def generate(
     prompt_ids,
     chat,
     system,
+    chat_template_kwargs,
     max_new_tokens: int,
     device: str,
     threads: int | None,
@@ -144,7 +146,7 @@ def generate(
         raise RequestError(
             "--stream and --json do not combine: --json prints one object when the generation ends"
         )
-    source = prompt_source(prompt, prompt_file, prompt_ids, chat, system)
+    source = prompt_source(prompt, prompt_file, prompt_ids, chat, system, chat_template_kwargs)
     if any(not s for s in stop):  # GenerationConfig drops empty stops; on the command line one is a typo
         raise RequestError(f"--stop strings must be non-empty, got {list(stop)!r}")
     for s in stop:

@@ -41,7 +41,14 @@ def generate_with_ort(
 
         stats = GenerationStats()
         tokens = []
-        for piece in model.stream(prompt, config=config, messages=source.messages, stats=stats):
+        pieces = model.stream(
+            prompt,
+            config=config,
+            messages=source.messages,
+            stats=stats,
+            chat_template_kwargs=source.chat_template_kwargs,
+        )
+        for piece in pieces:
             if piece.token is not None:
                 tokens.append(piece.token)
             on_text(piece.text if model.tokenizer is not None else f"{piece.token},")
@@ -49,7 +56,9 @@ def generate_with_ort(
         if config.stop and text is not None:
             text = trim_at_stop(text, config.stop)[0]
     else:
-        result = model.generate(prompt, config=config, messages=source.messages)
+        result = model.generate(
+            prompt, config=config, messages=source.messages, chat_template_kwargs=source.chat_template_kwargs
+        )
         tokens, text, stats = result.tokens, result.text, result.stats
     return {
         "tokens": tokens,

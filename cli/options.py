@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -37,6 +38,7 @@ class PromptSource:
     text: str | None = None
     ids: list[int] | None = None
     messages: list[dict] | None = None
+    chat_template_kwargs: dict | None = None  # with messages: extra chat-template variables
 
 
 prompt_options = stack(
@@ -54,6 +56,12 @@ prompt_options = stack(
         help="A user message, rendered with the artifact's chat template (repeatable: several user turns).",
     ),
     click.option("--system", help="A system message before the --chat messages."),
+    click.option(
+        "--chat-template-kwargs",
+        "chat_template_kwargs",
+        help="With --chat: a JSON object of extra chat-template variables, e.g. "
+        "'{\"enable_thinking\": false}'.",
+    ),
 )
 
 
@@ -69,6 +77,7 @@ def prompt_source(
     prompt_ids: str | None,
     chat: tuple[str, ...],
     system: str | None,
+    chat_template_kwargs: str | None = None,
 ) -> PromptSource:
     """The one prompt that ``prompt_options``' flags give (exactly one source, or a RequestError)."""
     given = [
@@ -88,10 +97,18 @@ def prompt_source(
         )
     if system is not None and not chat:
         raise RequestError("--system goes with --chat")
+    if chat_template_kwargs is not None and not chat:
+        raise RequestError("--chat-template-kwargs goes with --chat")
     if chat:
-        from loopcast.ort_runtime.text.chat import chat_messages
+        from loopcast.ort_runtime.text.chat import chat_messages, template_kwargs
 
-        return PromptSource(messages=chat_messages(chat, system))
+        variables = None
+        if chat_template_kwargs is not None:
+            try:
+                variables = template_kwargs(json.loads(chat_template_kwargs))
+            except ValueError as exc:
+                raise RequestError(f"--chat-template-kwargs is not valid JSON ({exc})") from None
+        return PromptSource(messages=chat_messages(chat, system), chat_template_kwargs=variables)
     if prompt_ids is not None:
         return PromptSource(ids=parse_ids(prompt_ids))
     return PromptSource(text=read_prompt(prompt, prompt_file))

@@ -45,12 +45,28 @@ Examples:
     default=SpeculativeMode.NONE.value,
     show_default=True,
     help="Default speculation per request (a request's `speculative` field overrides it); greedy "
-    "requests only, with a cost gate per step (docs/serving.md).",
+    "requests only, with a cost gate per step. The batched engine runs prompt-lookup; self and "
+    "pipeline run with --sequential (docs/serving.md).",
 )
 @click.option(
     "--cuda-graphs",
     is_flag=True,
     help="Capture the batched graphs per batch width on CUDA (opt-in; eager otherwise).",
+)
+@click.option(
+    "--prefix-caching/--no-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Reuse the KV of a prompt prefix another request already computed (batched engine, where "
+    "the artifact's rows are exact on the device; docs/serving.md).",
+)
+@click.option(
+    "--prefill-chunk",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Prompt tokens prefilled between two decode steps, so a joining prompt delays running "
+    "requests by at most one chunk (0: whole prompts; artifacts whose rows are exact on the device).",
 )
 @click.option("--model-name", default=None, help="Name in the API (default: the artifact directory's name).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
@@ -92,6 +108,8 @@ def serve(
     sequential: bool,
     speculative: str,
     cuda_graphs: bool,
+    prefix_caching: bool,
+    prefill_chunk: int,
     model_name: str | None,
     threads: int | None,
     max_body_bytes: int,
@@ -111,10 +129,11 @@ def serve(
 
     from loopcast.errors import RequestError
 
-    require_extra("fastapi", "uvicorn", *(["ray"] if use_ray else []))
-    if max_waiting < 0 or replicas < 0 or not 1 <= min_replicas <= max_replicas:
+    require_extra("fastapi", "uvicorn", "prometheus_client", *(["ray"] if use_ray else []))
+    if max_waiting < 0 or replicas < 0 or prefill_chunk < 0 or not 1 <= min_replicas <= max_replicas:
         raise RequestError(
-            "--max-waiting and --replicas must be >= 0 and 1 <= --min-replicas <= --max-replicas"
+            "--max-waiting, --replicas and --prefill-chunk must be >= 0 and "
+            "1 <= --min-replicas <= --max-replicas"
         )
     options = ServeOptions(
         device,
@@ -126,6 +145,8 @@ def serve(
         model_name,
         speculative,
         cuda_graphs,
+        prefix_caching,
+        prefill_chunk,
         max_body_bytes=max_body_bytes,
     )
     echo = lambda line: click.echo(line, err=True)  # noqa: E731

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Generator as TokenStream
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +30,7 @@ from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.decoding.speculate import GenerationStats, stream
 from loopcast.ort_runtime.loading.artifact import LoadedModel, open_artifact
-from loopcast.ort_runtime.text.chat import ChatTemplate, load_chat_template
+from loopcast.ort_runtime.text.chat import ChatTemplate, load_chat_template, template_kwargs
 from loopcast.ort_runtime.text.stopping import artifact_eos_ids, trim_at_stop
 from loopcast.ort_runtime.text.streamer import TextStreamer
 from loopcast.ort_runtime.text.utf8 import checked_text
@@ -138,9 +138,16 @@ class LoopcastModel:
             self._chat = (load_chat_template(self.loaded.path),)
         return self._chat[0]
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> list[int]:
         """Token ids of ``messages`` rendered by the artifact's chat template (as transformers'
-        ``apply_chat_template(messages, add_generation_prompt=True)``)."""
+        ``apply_chat_template(messages, add_generation_prompt=True, **chat_template_kwargs)``:
+        ``chat_template_kwargs`` are extra template variables, e.g. ``{"enable_thinking": False}``)."""
+        variables = template_kwargs(chat_template_kwargs)
         template = self.chat_template
         if template is None:
             raise RequestError(
@@ -150,14 +157,20 @@ class LoopcastModel:
         if self.tokenizer is None:
             raise RequestError(f"{self.loaded.path}: no tokenizer.json; a chat prompt needs the tokenizer")
         text = checked_text(
-            template.render(messages, add_generation_prompt=add_generation_prompt), "messages"
+            template.render(messages, add_generation_prompt=add_generation_prompt, **variables), "messages"
         )
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def _prompt_ids(self, prompt, messages) -> list[int]:
+    def _prompt_ids(self, prompt, messages, chat_template_kwargs=None) -> list[int]:
         if (prompt is None) == (messages is None):
             raise RequestError("give exactly one of a prompt and messages")
-        return self.apply_chat_template(messages) if messages is not None else self.encode(prompt)
+        if messages is None:
+            if chat_template_kwargs:
+                raise RequestError(
+                    "chat_template_kwargs goes with messages", parameter="chat_template_kwargs"
+                )
+            return self.encode(prompt)
+        return self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
 
     def stream_ids(
         self,
@@ -169,6 +182,7 @@ class LoopcastModel:
         generator: Generator | None = None,
         stats: GenerationStats | None = None,
         proposer: object | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         **options: object,
     ) -> TokenIds:
         """Yield token ids as they are committed. A fresh run unless ``generator`` is given
@@ -187,9 +201,10 @@ class LoopcastModel:
         token where the draft's top-1/top-2 probability gap is below it; ``gate``: "auto"
         (calibrated on this device), "cost", "hit-density" or "always". Speculation is refused
         on an artifact whose verify rows are not bit-identical to its decode rows on this device
-        unless ``allow_inexact=True``."""
+        unless ``allow_inexact=True``. ``chat_template_kwargs`` (with ``messages``): extra variables
+        for the chat template, e.g. ``{"enable_thinking": False}`` for the Thinking variants."""
         config = self.generation_config(config, max_new_tokens, **options)
-        ids = self._prompt_ids(prompt, messages)
+        ids = self._prompt_ids(prompt, messages, chat_template_kwargs)
         config = self._default_depth(config)
         if config.stop_ids is None:
             config = config.replace(stop_ids=self.eos_token_ids)
@@ -268,6 +283,7 @@ class LoopcastModel:
         generator: Generator | None = None,
         proposer: object | None = None,
         stats: GenerationStats | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         **options: object,
     ) -> TokenStream[StreamPiece, None, None]:
         """Yield each committed token with the text it completes (UTF-8 safe). With ``stop``
@@ -280,7 +296,13 @@ class LoopcastModel:
         start = time.perf_counter()
         streamer = TextStreamer(self.decode, config.stop, config.skip_special_tokens)
         tokens = self.stream_ids(
-            prompt, config=config, stats=stats, messages=messages, generator=generator, proposer=proposer
+            prompt,
+            config=config,
+            stats=stats,
+            messages=messages,
+            generator=generator,
+            proposer=proposer,
+            chat_template_kwargs=chat_template_kwargs,
         )
         try:
             for token in tokens:
@@ -307,6 +329,7 @@ class LoopcastModel:
         generator: Generator | None = None,
         proposer: object | None = None,
         stats: GenerationStats | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         **options: object,
     ) -> GenerationResult:
         """The whole generation at once: tokens, text, finish reason and stats. Takes what
@@ -324,6 +347,7 @@ class LoopcastModel:
                     messages=messages,
                     generator=generator,
                     proposer=proposer,
+                    chat_template_kwargs=chat_template_kwargs,
                 )
                 if p.token is not None
             ]
@@ -331,7 +355,13 @@ class LoopcastModel:
             return GenerationResult(tokens, text, stats.finish_reason, stats)
         tokens = list(
             self.stream_ids(
-                prompt, config=config, stats=stats, messages=messages, generator=generator, proposer=proposer
+                prompt,
+                config=config,
+                stats=stats,
+                messages=messages,
+                generator=generator,
+                proposer=proposer,
+                chat_template_kwargs=chat_template_kwargs,
             )
         )
         decoded = self.decode(tokens, config.skip_special_tokens)

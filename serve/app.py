@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (docs/serving.md) on FastAPI, over one ServingState.
 
     GET  /health                 liveness and engine counters
-    GET  /v1/models              the one served model
+    GET  /v1/models              the one served model and what it supports
+    GET  /metrics                Prometheus text format (serve/metrics.py)
     POST /v1/completions         prompt (text or token ids) -> text; stream: server-sent events
     POST /v1/chat/completions    messages through the artifact's chat template -> assistant message
 
@@ -12,40 +13,43 @@ included), an unknown model 404, a prompt longer than the KV capacity 400
 serve/limits.py), an unknown route 404 and a wrong method 405, a full queue 503. Unexpected
 failures are 500 with the same shape; nothing a client sends can crash the server. Extensions (vLLM-style): a
 request may ask for ``return_token_ids`` (token ids in each choice), ``skip_special_tokens``
-(default true, as ``loopcast generate``), ``ignore_eos``, ``top_k``/``min_p``/``repetition_penalty``
-and ``speculative`` (one of ``SERVED_MODES``: "none" | "prompt-lookup"); a response's
-``loopcast`` field says which speculation served it (or why none) and its draft counts.
+(default true, as ``loopcast generate``), ``ignore_eos``, ``top_k``/``min_p``/``repetition_penalty``,
+``chat_template_kwargs`` (chat: extra template variables) and the generation options of
+serve/request_fields.py (``speculative``, ``num_draft_tokens``, ``min_ngram``, ``max_ngram``;
+an option the engine does not serve is a 400 naming it); a response's ``loopcast`` field says
+which speculation served it (or why none) and its draft counts.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loopcast.ort_runtime.batching.engine import CapacityError
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
-from loopcast.serve import SERVED_MODES
 from loopcast.serve.errors import error_response as _error
 from loopcast.serve.errors import install_http_errors
 from loopcast.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, lone_surrogate_at, off_loop, read_body
+from loopcast.serve.metrics import CONTENT_TYPE, ServerMetrics
+from loopcast.serve.request_fields import GenerationFields
 from loopcast.serve.state import ServingState, TextResult
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loopcast.errors import LoopcastError, RequestError
-from loopcast.vocab import SpeculativeMode
 
 # uvicorn's own logger: the server's lines go where its start, access and shutdown lines go.
 log = logging.getLogger("uvicorn.error")
 
 
-class _Common(BaseModel):
+class _Common(GenerationFields):
     model_config = ConfigDict(
         extra="ignore"
     )  # unknown OpenAI fields (user, logit_bias=None, ...) are ignored
@@ -66,14 +70,7 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     ignore_eos: bool = False  # extension (vLLM): generate max_tokens whatever comes
-    speculative: str | None = None  # extension: one of SERVED_MODES; default: the server's --speculative
-
-    @field_validator("speculative")
-    @classmethod
-    def _served(cls, value: str | None) -> SpeculativeMode | None:
-        if value is None or value in SERVED_MODES:
-            return None if value is None else SpeculativeMode(value)
-        raise ValueError(f"must be one of {', '.join(SERVED_MODES)}, got {value!r}")
+    # extensions: the generation options of serve/request_fields.py (speculative, num_draft_tokens, ...)
 
     def sampling(self) -> SamplingParams | None:
         if self.temperature == 0:
@@ -115,6 +112,14 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = Field(default=False, le=False)
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): extra template variables
+
+
+def _parameter(exc: RequestError) -> str | None:
+    """The request field an error is about: its ``parameter``, else the ``NAME`` of a leading
+    ``NAME must`` or ``NAME and OTHER must`` (GenerationConfig's forms)."""
+    match = re.match(r"([a-z_][a-z0-9_]*)(?: and [a-z_][a-z0-9_]*)? must ", str(exc))
+    return exc.parameter or (match.group(1) if match else None)
 
 
 def create_app(
@@ -132,6 +137,7 @@ def create_app(
 
     app = FastAPI(title="loopcast", lifespan=lifespan)
     install_http_errors(app)
+    metrics = app.state.metrics = ServerMetrics(state.engine, state.name)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -170,26 +176,29 @@ def create_app(
     async def health():
         return state.health()
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": state.name, "object": "model", "created": state.created, "owned_by": "loopcast"}],
-        }
+        card = {"id": state.name, "object": "model", "created": state.created, "owned_by": "loopcast"}
+        card["max_model_len"] = state.max_length  # vLLM's field
+        return {"object": "list", "data": [{**card, "loopcast": state.capabilities()}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, CompletionRequest)
         if isinstance(body, JSONResponse):
             return body
-        return await _respond(state, body, chat=False, route=request.url.path)
+        return await _respond(state, body, chat=False, route=request.url.path, metrics=metrics)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse(request, ChatRequest)
         if isinstance(body, JSONResponse):
             return body
-        return await _respond(state, body, chat=True, route=request.url.path)
+        return await _respond(state, body, chat=True, route=request.url.path, metrics=metrics)
 
     return app
 
@@ -212,12 +221,13 @@ def _validated(data: bytes, kind: type[BaseModel]) -> BaseModel | JSONResponse:
         raise RequestValidationError(exc.errors()) from None
 
 
-async def _respond(state: ServingState, body: _Common, *, chat: bool, route: str):
+async def _respond(state: ServingState, body: _Common, *, chat: bool, route: str, metrics: ServerMetrics):
     start = time.perf_counter()
     try:
         # tokenizing and rendering the chat template are CPU work: off the event loop
         if chat:
-            ids = await off_loop(state.chat_ids, [m.model_dump(exclude_none=True) for m in body.messages])
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            ids = await off_loop(state.chat_ids, messages, body.chat_template_kwargs)
             max_tokens = body.max_completion_tokens or body.max_tokens
         else:
             ids = await off_loop(state.prompt_ids, body.single_prompt())
@@ -225,9 +235,10 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool, route: str
         max_tokens = max_tokens or state.max_length - len(ids)
         state.check_fits(ids, max_tokens)
         sampling, stops = body.sampling(), body.stops()
+        config = body.generation_config(state.speculative.value)
     except RequestError as exc:
         code = "context_length_exceeded" if "context length" in str(exc) else None
-        return _error(400, state.public(str(exc)), code=code)
+        return _error(400, state.public(str(exc)), param=_parameter(exc), code=code)
     except LoopcastError as exc:
         return _error(400, state.public(str(exc)))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -238,20 +249,22 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool, route: str
         skip_special_tokens=body.skip_special_tokens,
         result=result,
         ignore_eos=body.ignore_eos,
-        speculative=body.speculative,
+        config=config,
     )
     pieces = state.stream(ids, max_tokens, **kwargs)
     try:
         first = await anext(pieces, None)  # submission errors (a full queue) surface here, before any byte
     except CapacityError as exc:
         return _error(503, str(exc), "server_busy", code="server_busy")
+    except RequestError as exc:  # the engine refused an option it does not serve
+        return _error(400, state.public(str(exc)), param=_parameter(exc))
     envelope = {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": state.name,
     }
-    done = _RequestLog(route, len(ids), result, start, stream=body.stream)
+    done = _RequestLog(route, len(ids), result, start, metrics, stream=body.stream)
     if body.stream:
         return StreamingResponse(
             _sse(envelope, first, pieces, result, body, chat, state, done),
@@ -271,6 +284,8 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool, route: str
         "prompt_tokens": len(ids),
         "completion_tokens": len(result.tokens),
         "total_tokens": len(ids) + len(result.tokens),
+        # prompt tokens whose KV came from the prefix cache (OpenAI's and vLLM's field)
+        "prompt_tokens_details": {"cached_tokens": getattr(result.speculative, "cached_tokens", 0)},
     }
     done()
     return {**envelope, "choices": [choice], "usage": usage, "loopcast": _speculation(result)}
@@ -278,15 +293,25 @@ async def _respond(state: ServingState, body: _Common, *, chat: bool, route: str
 
 @dataclass
 class _RequestLog:
-    """One line per finished generation request, after uvicorn's access line: tokens and time."""
+    """One line per finished generation request, after uvicorn's access line: tokens and time;
+    and the request's observations in the app's metrics."""
 
     route: str
     prompt_tokens: int
     result: TextResult
     start: float
+    metrics: ServerMetrics
     stream: bool = False
 
     def __call__(self, outcome: str = "") -> None:
+        completion = self.result.speculative  # the engine's Completion: its token times
+        self.metrics.observe(
+            self.prompt_tokens,
+            list(getattr(completion, "token_times", ()))[: len(self.result.tokens)],
+            self.start,
+            time.perf_counter(),
+            self.result.finish_reason or "abort",
+        )
         log.info(
             "%s: prompt %d tokens, completion %d tokens, finish %s, %.3f s%s%s",
             self.route,

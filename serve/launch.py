@@ -39,7 +39,7 @@ def require_extra(*modules: str) -> None:
 def serve_uvicorn(artifact: str, options: ServeOptions, host: str, port: int, log=print) -> None:
     """Load, start the engine, serve until SIGINT/SIGTERM; then stop taking connections, let
     running requests finish (the app's shutdown drains the engine) and exit."""
-    require_extra("fastapi", "uvicorn")
+    require_extra("fastapi", "uvicorn", "prometheus_client")
     import uvicorn
     from loopcast.serve.app import create_app
     from loopcast.serve.state import open_serving
@@ -105,7 +105,7 @@ def free_port() -> int:
 def background_server(state, port: int | None = None, start_timeout: float = 30.0):
     """The app over ``state`` on uvicorn in a thread, on 127.0.0.1 only (tests, tools/bench/loadgen.py);
     yields its URL once /health answers; on exit stops it as SIGTERM would (drain, then close)."""
-    require_extra("fastapi", "uvicorn", "httpx")
+    require_extra("fastapi", "uvicorn", "httpx", "prometheus_client")
     import threading
     import time
 
@@ -148,7 +148,7 @@ def serve_ray(
     block: bool = True,
 ):
     """Run the same app as a Ray Serve application (docs/serving.md); blocks until Ctrl-C."""
-    require_extra("fastapi", "ray")
+    require_extra("fastapi", "ray", "prometheus_client")
     import time
 
     import ray

@@ -66,6 +66,7 @@ def app_builder(args: dict):
         "num_replicas": int,
         "max_batch": int,
         "max_waiting": int,
+        "prefill_chunk": int,
         "threads": int,
         "replica_cpus": float,
         "replica_gpus": float,
@@ -75,6 +76,8 @@ def app_builder(args: dict):
         "target_ongoing_requests": float,
         "trust_ops": lambda v: str(v).lower() in ("1", "true", "yes"),
         "sequential": lambda v: str(v).lower() in ("1", "true", "yes"),
+        "prefix_caching": lambda v: str(v).lower() in ("1", "true", "yes"),
+        "cuda_graphs": lambda v: str(v).lower() in ("1", "true", "yes"),
     }
     values = {k: convert.get(k, str)(v) for k, v in args.items() if k != "artifact"}
     unknown = sorted(set(values) - set(serve_fields) - set(ray_fields))

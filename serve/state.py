@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loopcast.ort_runtime.api import LoopcastModel, load
-from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest, SequentialEngine
+from loopcast.ort_runtime.batching.engine import DEFAULT_PREFILL_CHUNK, BatchingEngine, BatchRequest
+from loopcast.ort_runtime.batching.sequential import SequentialEngine
+from loopcast.ort_runtime.decoding.generation_config import GenerationConfig, SpeculationConfig
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.text.streamer import TextStreamer
 from loopcast.ort_runtime.text.utf8 import checked_text
@@ -42,6 +44,8 @@ class ServeOptions:
     model_name: str | None = None  # default: the artifact directory's name
     speculative: SpeculativeMode = SpeculativeMode.NONE  # default per request, one of SERVED_MODES
     cuda_graphs: bool = False  # capture the batched kinds per width on CUDA (opt-in)
+    prefix_caching: bool = True  # reuse common prompt prefixes' KV where exact (docs/serving.md)
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens between two decode steps (0: whole)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get HTTP 413
 
     def __post_init__(self) -> None:
@@ -113,8 +117,8 @@ class ServingState:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return list(prompt)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        return self.model.apply_chat_template(messages)
+    def chat_ids(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+        return self.model.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
 
     def check_fits(self, ids: list[int], max_tokens: int) -> None:
         if not ids:
@@ -136,10 +140,13 @@ class ServingState:
         skip_special_tokens: bool = True,
         ignore_eos: bool = False,
         speculative: SpeculativeMode | str | None = None,
+        config: GenerationConfig | None = None,
         result: TextResult | None = None,
     ) -> AsyncIterator[TextPiece]:
         """Yield text pieces of the completion of ``ids``; ``result`` is filled in on the way.
-        Closing the iterator (a client that went away) cancels the request."""
+        ``config``: the request's other generation options (serve/request_fields.py; its
+        ``speculative`` unless ``speculative`` is given). Closing the iterator (a client that
+        went away) cancels the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -153,13 +160,19 @@ class ServingState:
         result = result if result is not None else TextResult(len(ids))
         start = time.perf_counter()
         stop_ids = () if ignore_eos else tuple(self.model.eos_token_ids)
-        mode = self.speculative if speculative is None else served_mode(speculative)
-        completion = self.engine.submit(BatchRequest(ids, max_tokens, stop_ids, sampling, mode), on_event)
+        if config is None:
+            config = GenerationConfig(speculation=SpeculationConfig(self.speculative))
+        mode = config.speculation.mode if speculative is None else served_mode(speculative)
+        request = BatchRequest(ids, max_tokens, stop_ids, sampling, mode.value, config)
+        completion = self.engine.submit(request, on_event)
         result.speculative = completion
         try:
             while True:
                 kind, value = await events.get()
-                if kind == "error":
+                if kind == "error":  # a request the one-sequence engine refused is the client's (400)
+                    refused = f"{RequestError.__name__}: "
+                    if str(value).startswith(refused):
+                        raise RequestError(str(value)[len(refused) :])
                     raise RuntimeError(value)
                 if kind == "done":
                     if value == "cancelled":  # only we cancel: a stop string already ended it
@@ -196,12 +209,33 @@ class ServingState:
             "speculation": getattr(engine, "stats", None),
         }
 
+    def capabilities(self) -> dict:
+        """What the served artifact and engine support (``/v1/models``' ``loopcast`` field)."""
+        manifest, engine = self.model.loaded.manifest, self.engine
+        gen = getattr(engine, "gen", None)
+        return {
+            "engine": self.mode,
+            "graph_kinds": sorted(str(k) for k in manifest.graphs),
+            "speculative_modes": list(engine.speculative_modes),
+            "default_speculative": self.speculative.value,
+            "max_model_len": self.max_length,
+            "max_batch": gen.max_batch if gen is not None else 1,
+            "verify_width": getattr(gen, "verify_width", None) if gen is not None else None,
+            "num_loops": self.model.config.num_loops,
+            "dtype": manifest.dtype,
+            "op_set": str(manifest.op_set),
+            "exact_verify": self.model.loaded.exact_verify,
+            "prefix_caching": getattr(engine, "prefix_caching", "off (one request at a time)"),
+            "prefill_chunk": getattr(engine, "prefill_chunk", None),
+        }
+
     def close(self, timeout: float = 30.0) -> None:
         self.engine.shutdown(timeout)
 
 
 def served_mode(value: object) -> SpeculativeMode:
-    """``value`` as one of the SERVED_MODES, or a RequestError that names ``speculative``."""
+    """``value`` as one of the SERVED_MODES, or a RequestError that names ``speculative``
+    (which of them an engine runs is the engine's ``speculative_modes``)."""
     mode = parse(SpeculativeMode, value, "speculative")
     if mode not in SERVED_MODES:
         raise RequestError(
@@ -222,7 +256,12 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
     name = options.model_name or Path(artifact).resolve().name
     if DECODE_BATCH in manifest.graphs and not options.sequential:
         generator = BatchGenerator(model.loaded, options.max_batch, cuda_graphs=options.cuda_graphs)
-        engine = BatchingEngine(generator, max_waiting=options.max_waiting)
+        engine = BatchingEngine(
+            generator,
+            max_waiting=options.max_waiting,
+            prefix_caching=options.prefix_caching,
+            prefill_chunk=options.prefill_chunk,
+        )
         mode = f"batched (up to {generator.max_batch} sequences per step)"
     else:
         if options.max_batch not in (None, 1) and not options.sequential:
@@ -232,4 +271,10 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
             )
         engine = SequentialEngine(model, max_waiting=options.max_waiting)
         mode = "sequential (one request at a time)"
+    if options.speculative.value not in engine.speculative_modes:
+        raise RequestError(
+            f"--speculative {options.speculative.value}: the {engine.kind} serves "
+            f"{', '.join(engine.speculative_modes)}{engine.modes_note}",
+            parameter="speculative",
+        )
     return ServingState(model, engine.start(), name, mode, options.speculative)

@@ -2,8 +2,9 @@
 
 One engine thread owns a BatchGenerator (ort_runtime/binding/batch_generator.py) and loops:
 
-    cancel → admit (waiting requests into free slots: prefill each in place, emit its first
-    token) → one decode_batch step over every running request → emit, finish, free slots
+    cancel → admit (waiting requests into free slots, with their cached prefix) → prefill (at
+    most ``prefill_chunk`` prompt tokens, in place; a finished prompt emits its first token) →
+    one decode_batch step over every decoding request → emit, finish, free slots
 
 - **Admission control.** A request needs one sequence slot (each slot holds the full max
   length of KV); it waits in a bounded FIFO while every slot is busy, and ``submit`` refuses it
@@ -25,9 +26,19 @@ One engine thread owns a BatchGenerator (ort_runtime/binding/batch_generator.py)
   step. Sampled requests (and artifacts whose verify rows are not exact on the device) decode
   plainly; ``Completion.speculative`` says which applied and why. Greedy tokens equal plain
   greedy's of ``loopcast generate`` either way (tests/ort_runtime/test_batching.py).
-- ``SequentialEngine`` is the same interface over one Generator, one request at a time
-  (the baseline the load generator compares against); a request's speculation runs there
-  through the one-sequence engine (ort_runtime/decoding/speculate.py) and its gate.
+- **Prefix caching** (ort_runtime/batching/prefix_cache.py): a prompt starts from the longest
+  prefix whose KV a freed or running slot holds (``Completion.cached_tokens``).
+- **Chunked prefill**: prompts are prefilled ``prefill_chunk`` tokens at a time, at most one
+  chunk in all between two decode steps, so a joining prompt delays the running requests by at
+  most one chunk; a slot whose prompt is still being prefilled runs no row in a decode step (a
+  slot inside the batch without a row writes a dummy row past its committed KV).
+- Both are on where a row does not depend on the rows sharing its call (``exact_verify`` on the
+  device), so they never change a token (tests/ort_runtime/test_prefix_cache.py,
+  test_chunked_prefill.py); elsewhere prompts run whole and uncached.
+- Options a request sets (``BatchRequest.config``) are honoured or refused by name
+  (``BATCHED_OPTIONS``, ort_runtime/batching/options.py).
+- ``SequentialEngine`` (ort_runtime/batching/sequential.py) is the same interface over one
+  Generator, one request at a time.
 
 Events reach a request's ``on_event(kind, value)`` from the engine thread: ``("token", id)``,
 then one ``("done", finish_reason)`` or ``("error", message)``. ``Completion`` also offers a
@@ -45,10 +56,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+from loopcast.ort_runtime.batching.options import check_honoured
+from loopcast.ort_runtime.batching.prefix_cache import PrefixCache, PrefixPlan
 from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
 from loopcast.ort_runtime.decoding.finish import FinishRule
 from loopcast.ort_runtime.decoding.gates import BatchCostGate
+from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Proposal
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.decoding.verifiers import Verified
@@ -58,16 +72,24 @@ from loopcast.manifest import DECODE_BATCH, VERIFY_BATCH
 from loopcast.vocab import SpeculativeMode
 
 EventSink = Callable[[str, object], None]
+# Prompt tokens prefilled between two decode steps (BatchingEngine's prefill_chunk).
+DEFAULT_PREFILL_CHUNK = 256
 
 
 SPECULATIVE_MODES = (SpeculativeMode.NONE.value, SpeculativeMode.PROMPT_LOOKUP.value)
+# Modes a request may name; each engine says which of them it runs (``speculative_modes``).
+REQUEST_MODES = tuple(m.value for m in SpeculativeMode if m != SpeculativeMode.CUSTOM)
+# GenerationConfig keyword options (ort_runtime/batching/options.py) the batching engine honours
+# per request: BatchRequest's own fields, and the speculation options of its prompt lookup.
+BATCHED_OPTIONS = frozenset(
+    {"max_new_tokens", "sampling", "stop_ids", "speculative", "num_draft_tokens", "min_ngram", "max_ngram"}
+)
 __all__ = [
     "BatchCostGate",
     "BatchRequest",
     "BatchingEngine",
     "CapacityError",
     "Completion",
-    "SequentialEngine",
 ]
 
 
@@ -81,13 +103,19 @@ class BatchRequest:
     max_new_tokens: int = 64
     stop_ids: tuple[int, ...] = ()
     sampling: SamplingParams | None = None
-    speculative: str = "none"  # "none" | "prompt-lookup"
+    speculative: str = "none"  # one of the engine's speculative_modes
+    # the request's other generation options (num_draft_tokens, min_ngram, ...); an engine refuses
+    # a set option it does not honour (ort_runtime/batching/options.py)
+    config: GenerationConfig = GenerationConfig()
 
     def __post_init__(self) -> None:
-        if self.speculative not in SPECULATIVE_MODES:
+        if self.speculative not in REQUEST_MODES:
             raise RequestError(
-                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}"
+                f"speculative must be one of {', '.join(REQUEST_MODES)}, got {self.speculative!r}",
+                parameter="speculative",
             )
+        if not isinstance(self.config, GenerationConfig):
+            raise RequestError(f"config must be a GenerationConfig, got {type(self.config).__name__}")
         if not self.ids:
             raise RequestError("prompt is empty: give at least one token")
         if self.max_new_tokens < 1:
@@ -111,6 +139,7 @@ class Completion:
     speculative: str = "none"
     proposed: int = 0  # drafts offered by this request's proposer and verified
     accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     submitted: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     _cancel: threading.Event = field(default_factory=threading.Event)
@@ -167,6 +196,7 @@ class _Running:
     acceptor: GreedyAcceptor | SampledAcceptor
     rule: FinishRule
     proposer: PromptLookupProposer | None = None
+    todo: list[int] = field(default_factory=list)  # prompt tokens not prefilled yet
 
     @property
     def sampled(self) -> bool:
@@ -187,7 +217,22 @@ class _EngineBase:
         self._thread.start()
         return self
 
+    speculative_modes: tuple[str, ...] = ("none",)
+
+    def check(self, request: BatchRequest) -> None:
+        """Refuse (RequestError naming the option) what this engine cannot serve."""
+        if request.speculative not in self.speculative_modes:
+            raise RequestError(
+                f"speculative {request.speculative!r} is not served by this {self.kind}; it serves "
+                f"{', '.join(self.speculative_modes)}{self.modes_note}",
+                parameter="speculative",
+            )
+
+    kind = "engine"
+    modes_note = ""
+
     def submit(self, request: BatchRequest, on_event: EventSink | None = None) -> Completion:
+        self.check(request)
         if len(request.ids) >= self.max_length:
             raise RequestError(
                 f"prompt of {len(request.ids)} tokens does not fit the KV capacity "
@@ -253,16 +298,43 @@ class BatchingEngine(_EngineBase):
         *,
         max_waiting: int = 256,
         gate: BatchCostGate | None = None,
-        proposer_factory: Callable[[], object] = PromptLookupProposer,
+        proposer_factory: Callable[[], object] | None = None,
+        prefix_caching: bool = True,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> None:
+        """``proposer_factory``: one proposer per speculating request (default: prompt lookup
+        with the request's n-gram range). ``prefix_caching``: reuse the KV of common prompt
+        prefixes (ort_runtime/batching/prefix_cache.py) where that is exact. ``prefill_chunk``:
+        prompt tokens prefilled between two decode steps (None or 0: whole prompts), where
+        that is exact."""
         super().__init__(generator.max_length, max_waiting)
         self.gen = generator
         self.gate = gate or BatchCostGate()
-        self.proposer_factory = proposer_factory  # one proposer per speculating request
+        self.proposer_factory = proposer_factory
         self._running: dict[int, _Running] = {}  # slot -> request
+        self._prefilling: dict[int, _Running] = {}  # slot -> request whose prompt is being prefilled
         self.peak_batch = 0
         self.stats = {"decode_steps": 0, "verify_steps": 0, "proposed": 0, "accepted": 0}
         model = generator.model
+        # A cached prefix is the cold one bit for bit where rows do not depend on their call
+        # (exact_verify on this device); the KV-row copy is a host copy on the CPU, the op
+        # library's device copy on CUDA.
+        off = (
+            "turned off"
+            if not prefix_caching
+            else f"needs exact rows on {model.device} (manifest exact_verify)"
+            if not model.exact_verify
+            else "copying KV rows on the device needs the artifact's custom-op library"
+            if model.device != "cpu" and not model.manifest.custom_op_library
+            else None
+        )
+        self.prefix = PrefixCache(generator.max_batch, self.stats) if off is None else None
+        self.prefix_caching = "on" if off is None else f"off ({off})"
+        if prefill_chunk is not None and prefill_chunk < 0:
+            raise RequestError(f"prefill_chunk must be >= 0, got {prefill_chunk}", parameter="prefill_chunk")
+        # A prompt prefilled in chunks writes the rows of a whole-prompt prefill where a row does
+        # not depend on the rows sharing its call (exact_verify); elsewhere prompts run whole.
+        self.prefill_chunk = (prefill_chunk or None) if model.exact_verify else None
         # Speculation needs verify rows bit-identical to decode rows on this device (manifest exact_verify).
         self.speculation = (
             None
@@ -271,6 +343,20 @@ class BatchingEngine(_EngineBase):
             if model.exact_verify
             else f"verify rows are not exact on {model.device} for this artifact (manifest exact_verify)"
         )
+
+    kind = "batching engine"
+    speculative_modes = SPECULATIVE_MODES
+    modes_note = " (self-speculation and the pipeline have no batched graphs yet)"
+
+    def check(self, request: BatchRequest) -> None:
+        super().check(request)
+        check_honoured(request.config, BATCHED_OPTIONS, self.kind)
+        k, W = request.config.speculation.num_draft_tokens, self.gen.verify_width
+        if k is not None and W is not None and not 1 <= k <= W - 1:
+            raise RequestError(
+                f"num_draft_tokens must be in 1..{W - 1} (verify width {W}), got {k}",
+                parameter="num_draft_tokens",
+            )
 
     def _speculation_for(self, request: BatchRequest) -> tuple[PromptLookupProposer | None, str]:
         if request.speculative == "none":
@@ -281,21 +367,26 @@ class BatchingEngine(_EngineBase):
             return None, "none (the artifact has no verify_batch graph)"
         if self.speculation:
             return None, f"none ({self.speculation})"
-        return self.proposer_factory(), "prompt-lookup"
+        if self.proposer_factory is not None:
+            return self.proposer_factory(), "prompt-lookup"
+        spec = request.config.speculation
+        return PromptLookupProposer(spec.min_ngram, spec.max_ngram), "prompt-lookup"
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Requests holding a slot: decoding, or with their prompt being prefilled."""
+        return len(self._running) + len(self._prefilling)
 
     def _active_completions(self) -> list[Completion]:
-        return [r.completion for r in list(self._running.values())]
+        return [r.completion for r in [*self._running.values(), *self._prefilling.values()]]
 
     def _loop(self) -> None:
         while True:
-            if not self._running and not self._idle_wait():
+            if not self._running and not self._prefilling and not self._idle_wait():
                 return
             self._drop_cancelled()
             self._admit()
+            self._prefill()
             if self._running:
                 try:
                     self._step()
@@ -303,7 +394,7 @@ class BatchingEngine(_EngineBase):
                     message = f"decode step failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                     for slot in list(self._running):
                         self._finish(slot, error=message)
-            elif self._stopping and not self._waiting:
+            elif self._stopping and not self._waiting and not self._prefilling:
                 return
 
     def _drop_cancelled(self) -> None:
@@ -311,12 +402,15 @@ class BatchingEngine(_EngineBase):
             for c in [c for c in self._waiting if c.cancelled]:
                 self._waiting.remove(c)
                 c._emit("done", "cancelled")
-        for slot, r in list(self._running.items()):
+        for slot, r in [*self._running.items(), *self._prefilling.items()]:
             if r.completion.cancelled:
                 self._finish(slot, "cancelled")
 
     def _admit(self) -> None:
-        free = [s for s in range(self.gen.max_batch) if s not in self._running]
+        """Give waiting requests free slots, their cached prefix in place (prefix_cache.py); their
+        prompts' remaining tokens are prefilled by ``_prefill``."""
+        occupied = {**self._running, **self._prefilling}
+        free = [s for s in range(self.gen.max_batch) if s not in occupied]
         while free:
             completion = self._take_waiting()
             if completion is None:
@@ -324,20 +418,55 @@ class BatchingEngine(_EngineBase):
             if completion.cancelled:
                 completion._emit("done", "cancelled")
                 continue
-            slot, request = free.pop(0), completion.request  # lowest free slot: keeps the prefix short
+            request = completion.request
+            if self.prefix is not None:
+                held = {s: r.context[: self.gen.lengths[s]] for s, r in occupied.items()}
+                plan = self.prefix.plan(request.ids, free, held)
+            else:
+                plan = PrefixPlan(free[0], None, 0)  # lowest free slot: keeps the batch's prefix short
+            slot = plan.slot
+            free.remove(slot)
             sampled = request.sampling is not None and not request.sampling.greedy
             proposer, completion.speculative = self._speculation_for(request)
             acceptor = SampledAcceptor(request.sampling) if sampled else GreedyAcceptor()
             rule = FinishRule(request.max_new_tokens, frozenset(request.stop_ids), self.max_length)
-            running = _Running(completion, slot, -1, list(request.ids), acceptor, rule, proposer)
-            self._running[slot] = running
+            todo = list(request.ids[plan.cached :])
+            running = _Running(completion, slot, -1, list(request.ids), acceptor, rule, proposer, todo)
+            occupied[slot] = self._prefilling[slot] = running
             try:
-                out_id, logits = self.gen.prefill(slot, request.ids, want_logits=sampled)
+                if plan.source is not None and plan.source != slot:
+                    self.gen.copy_prefix(plan.source, slot, plan.cached)
+                if self.prefix is not None:
+                    self.prefix.occupy(slot)
+                self.gen.begin(slot, plan.cached)
             except Exception as exc:
                 self._finish(slot, error=f"prefill failed: {str(exc).splitlines()[0][:300]}")
+                del occupied[slot]
                 free.insert(0, slot)
                 continue
-            self._deliver(slot, acceptor.choose(out_id, logits, running.context), self.gen.lengths[slot])
+            completion.cached_tokens = plan.cached
+
+    def _prefill(self) -> None:
+        """Prefill the admitted prompts in admission order, at most ``prefill_chunk`` tokens in
+        all before the next decode step (so a joining prompt delays the running requests by at
+        most one chunk); a prompt whose last token is prefilled emits its first token and decodes
+        from the next step on. Each chunk continues its slot's committed prefix (positions n..)."""
+        budget = self.prefill_chunk or self.max_length * self.gen.max_batch
+        for slot, r in list(self._prefilling.items()):
+            if budget <= 0:
+                break
+            part, r.todo = r.todo[:budget], r.todo[budget:]
+            budget -= len(part)
+            last = not r.todo
+            try:
+                start = self.gen.lengths[slot]
+                out_id, logits = self.gen.prefill(slot, part, start=start, want_logits=last and r.sampled)
+            except Exception as exc:
+                self._finish(slot, error=f"prefill failed: {str(exc).splitlines()[0][:300]}")
+                continue
+            if last:
+                self._running[slot] = self._prefilling.pop(slot)
+                self._deliver(slot, r.acceptor.choose(out_id, logits, r.context), self.gen.lengths[slot])
         self.peak_batch = max(self.peak_batch, len(self._running))
 
     def _step(self) -> None:
@@ -362,11 +491,17 @@ class BatchingEngine(_EngineBase):
         W = self.gen.verify_width
         if not W or not any(r.proposer for r in self._running.values()):
             return {}
-        if any(self.gen.lengths[s] + W > self.max_length for s in self._running):
-            return {}  # verify rows would pass some slot's KV capacity: decode this step
+        if any(self.gen.lengths[s] + W > self.max_length for s in [*self._running, *self._prefilling]):
+            # verify rows (or a prefilling slot's dummy rows, written at its n..) would pass some
+            # slot's KV capacity: decode this step
+            return {}
         proposals = {}
         for slot, r in self._running.items():
-            k = min(W - 1, r.completion.request.max_new_tokens - len(r.completion.tokens) - 1)
+            request = r.completion.request
+            k = min(
+                request.config.speculation.num_draft_tokens or W - 1,
+                request.max_new_tokens - len(r.completion.tokens) - 1,
+            )
             if r.proposer is not None and k > 0:
                 drafts = r.proposer.propose(r.context, k)
                 if drafts:
@@ -423,64 +558,11 @@ class BatchingEngine(_EngineBase):
             self._finish(slot, reason)
 
     def _finish(self, slot: int, reason: str | None = None, *, error: str | None = None) -> None:
-        r = self._running.pop(slot)
-        self.gen.release(slot)
+        r = self._running.pop(slot) if slot in self._running else self._prefilling.pop(slot)
+        # a finished sequence's committed KV stays in its slot for the prefix cache (not after an
+        # error: its KV may be incomplete)
+        keep = self.gen.lengths[slot] if self.prefix is not None and error is None else 0
+        kept = self.gen.release(slot, keep)
+        if self.prefix is not None:
+            self.prefix.release(slot, r.context[:kept])
         r.completion._emit("error", error) if error is not None else r.completion._emit("done", reason)
-
-
-class SequentialEngine(_EngineBase):
-    """One request at a time on one Generator (``ort_runtime/speculate.stream``): the baseline."""
-
-    def __init__(self, model, *, max_waiting: int = 256) -> None:
-        self.model = model  # a LoopcastModel (api.py, the layer above, builds and passes it)
-        self.generator = self.model.new_generator()
-        super().__init__(self.generator.max_length, max_waiting)
-        self._current: Completion | None = None
-
-    def _active_completions(self) -> list[Completion]:
-        return [self._current] if self._current is not None else []
-
-    def _loop(self) -> None:
-        while self._idle_wait():
-            completion = self._take_waiting()
-            if completion is None:
-                continue
-            if completion.cancelled:
-                completion._emit("done", "cancelled")
-                continue
-            self._current, request = completion, completion.request
-            try:
-                self.generator.rewind(0)
-                mode = request.speculative
-                if mode != "none" and not self.model.loaded.exact_verify:
-                    mode, completion.speculative = "none", "none (verify rows are not exact on this device)"
-                else:
-                    completion.speculative = (
-                        mode  # the engine's own gate (ort_runtime/decoding/gates.py) decides per step
-                    )
-                tokens = self.model.stream_ids(
-                    request.ids,
-                    request.max_new_tokens,
-                    stop_ids=request.stop_ids,
-                    generator=self.generator,
-                    sampling=request.sampling,
-                    speculative=mode,
-                )
-                reason = None
-                for token in tokens:
-                    completion._emit("token", token)
-                    self.steps += 1
-                    if completion.cancelled:
-                        tokens.close()
-                        reason = "cancelled"
-                        break
-                if reason is None:
-                    reason = (
-                        "eos" if completion.tokens and completion.tokens[-1] in request.stop_ids else "length"
-                    )
-                completion._emit("done", reason)
-            except Exception as exc:
-                completion._emit("error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-            finally:
-                self.generator.rewind(0)
-                self._current = None

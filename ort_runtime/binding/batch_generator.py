@@ -27,9 +27,12 @@ eagerly from then on, with the same kernels and so the same tokens, and the kind
 are made eager (``graph_fallbacks`` says why); widths already captured keep replaying (slots
 never evict each other). ``close()`` (or garbage collection) gives the graph ids back.
 
-A free slot inside the prefix runs a dummy row at position 0 of its own entry (id 0); that
-row writes only the free entry, which the next prefill there rewrites before any row reads it.
-``release(b)`` only sets ``n_b = 0``, as rewind does.
+A free slot inside the prefix runs a dummy row (id 0) at position ``keep_b`` of its own entry
+(0 unless the slot was released with ``keep``): that row writes only the free entry, past the
+``keep_b`` positions a prefix cache keeps there (ort_runtime/batching/prefix_cache.py), which the
+next prefill there rewrites before any row reads it. ``release(b, keep)`` only sets ``n_b = 0``,
+as rewind does. ``prefill(b, ids, start=k)`` continues after ``k`` positions already in entry b
+(a cached prefix, kept in place or copied there by ``copy_prefix``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
+from loopcast.ort_runtime.binding.device_move import load_device_move
 from loopcast.ort_runtime.binding.graph_runner import CapturedRunner
 from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
@@ -150,7 +154,9 @@ class BatchGenerator:
                     self.captured.add(kind)
                 else:
                     self.graph_fallbacks[kind] = model.graph_fallbacks.get(kind, "no capture session")
+        self._move = None  # CUDA: the op library's device KV copy (copy_prefix), loaded on first use
         self.lengths = [0] * B  # n_b: tokens whose KV is committed in slot b
+        self._keep = [0] * B  # free slot b: its dummy rows write at positions keep_b..
         self.clock = StepClock()
         self.rows_run = 0  # decode rows computed, occupied or not
 
@@ -218,10 +224,11 @@ class BatchGenerator:
 
     # -- steps -----------------------------------------------------------------------------
     def prefill(
-        self, slot: int, ids: list[int], *, want_logits: bool = False
+        self, slot: int, ids: list[int], *, start: int = 0, want_logits: bool = False
     ) -> tuple[int, np.ndarray | None]:
-        """Write ``ids`` at positions 0.. of ``slot`` (a fresh sequence), commit them and return the
-        next token (and its logits row when asked)."""
+        """Write ``ids`` at positions start.. of ``slot`` (a fresh sequence whose first ``start``
+        positions already hold its prefix's KV), commit them and return the next token (and its
+        logits row when asked)."""
         if not 0 <= slot < self.max_batch:
             raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
         if not ids:
@@ -229,13 +236,15 @@ class BatchGenerator:
         bad = [t for t in ids if not 0 <= int(t) < self.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
-        if len(ids) > self.max_length:
-            raise RequestError(f"prompt of {len(ids)} tokens is longer than the max length {self.max_length}")
+        if start < 0 or start + len(ids) > self.max_length:
+            raise RequestError(
+                f"prompt of {start} + {len(ids)} tokens is longer than the max length {self.max_length}"
+            )
         binding = self.model.sessions[PREFILL].io_binding()
         binding.bind_cpu_input("input_ids_BS", np.asarray([ids], dtype=np.int64))
-        self._p_seqlens.host[0] = len(ids) - 1
+        self._p_seqlens.host[0] = start + len(ids) - 1
         self._p_seqlens.push()
-        self._p_total.host[...] = len(ids)
+        self._p_total.host[...] = start + len(ids)
         self._p_total.push()
         self._bind_prefix(binding, "seqlens_k", self._p_seqlens, [1], False)
         self._bind_prefix(binding, "total_sequence_length", self._p_total, [], False)
@@ -245,7 +254,7 @@ class BatchGenerator:
         t0 = time.perf_counter()
         self.model.sessions[PREFILL].run_with_iobinding(binding)
         self.clock.record(PREFILL, time.perf_counter() - t0, steady=False)
-        self.lengths[slot] = len(ids)
+        self.lengths[slot], self._keep[slot] = start + len(ids), 0
         logits = self._p_logits.pull()[0, 0].copy() if want_logits else None
         return int(self._p_next.pull()[0, 0]), logits
 
@@ -301,8 +310,10 @@ class BatchGenerator:
         width = max(rows) + 1
         ids, seqlens = ids_buf.host, self._seqlens.host
         ids[:width] = 0
-        # free slots in the prefix: dummy rows at positions 0.. of their own entry
-        seqlens[:width] = width_rows - 1
+        # slots in the prefix without rows (free, or a prompt being prefilled): dummy rows at
+        # positions max(n_b, keep_b).. of their own entry, past every position that holds KV
+        idle = np.maximum(self.lengths[:width], self._keep[:width])
+        seqlens[:width] = np.minimum(idle, self.max_length - width_rows) + width_rows - 1
         for slot, tokens in rows.items():
             ids[slot, : len(tokens)] = tokens
             ids[slot, len(tokens) :] = tokens[-1]
@@ -321,9 +332,54 @@ class BatchGenerator:
             {s: logits[s, : len(tokens)].copy() for s, tokens in rows.items()} if logits is not None else None
         )
 
-    def release(self, slot: int) -> None:
-        """Free ``slot``: only its length is reset (its KV is rewritten by the next prefill)."""
+    def release(self, slot: int, keep: int = 0) -> int:
+        """Free ``slot``: only its length is reset (its KV is rewritten by the next prefill). Its
+        first ``keep`` positions are left untouched until the next prefill there (dummy rows write
+        past them); returns the positions kept, ``keep`` capped so that any step's dummy rows fit."""
+        rows = max(self.verify_width or 1, 1)
         self.lengths[slot] = 0
+        self._keep[slot] = max(0, min(keep, self.max_length - rows))
+        return self._keep[slot]
+
+    def begin(self, slot: int, start: int = 0) -> None:
+        """``slot`` starts a sequence whose first ``start`` positions already hold its prefix's KV
+        (kept there or copied by ``copy_prefix``): n_b = start; ``prefill(start=...)`` continues it."""
+        if not 0 <= start < self.max_length:
+            raise RequestError(f"begin: {start} cached positions outside the KV capacity {self.max_length}")
+        self.lengths[slot], self._keep[slot] = start, 0
+
+    def copy_prefix(self, src: int, dst: int, count: int) -> None:
+        """Copy positions 0..count-1 of sequence slot ``src`` into ``dst`` in every KV slot (K and
+        V): a cached prefix into a joining sequence's entry. 2 · slots · H_kv · count · D values, a
+        host memcpy on the CPU; on CUDA the op library's device copy, one call per (buffer, head)
+        (ort_runtime/binding/device_move.py). The rows are copied as they are: the copy is exact."""
+        if not (0 <= src < self.max_batch and 0 <= dst < self.max_batch) or src == dst:
+            raise RequestError(
+                f"copy_prefix: slots {src} -> {dst} must differ and lie in 0..{self.max_batch - 1}"
+            )
+        if not 0 <= count <= self.max_length:
+            raise RequestError(f"copy_prefix: {count} positions outside the KV capacity {self.max_length}")
+        if self.model.device == "cpu":
+            for key, value in self._kv.values():
+                for buf in (key, value):
+                    buf.host[dst, :, :count] = buf.host[src, :, :count]
+            return
+        if self._move is None:
+            self._move = load_device_move(self.model)
+        H, S, _ = self._entry_shape
+        row_bytes = self._entry_bytes // (H * S)
+        # the buffer as one plane of B·H·S positions: entry b, head h starts at (b·H + h)·S
+        capacity = self.max_batch * H * S
+        for key, value in self._kv.values():
+            for buf in (key, value):
+                ptr = buf.value.data_ptr()
+                for h in range(H):
+                    first, to = (src * H + h) * S, (dst * H + h) * S
+                    code = self._move(ptr, 1, capacity, row_bytes, first, to, count, None)
+                    if code:
+                        raise ArtifactError(
+                            f"copying KV rows on {self.model.device} failed (CUDA error {code})"
+                        )
 
     def kv_arrays(self, kv_slot: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of one sequence slot's K and V ``[1, H_kv, S_max, D]`` in one KV slot (checks)."""

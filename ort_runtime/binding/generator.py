@@ -18,6 +18,7 @@ import time
 import numpy as np
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, StepOutput, _Buffer, _KindBinding, _RowsBinding
 from loopcast.ort_runtime.binding.cycle_bindings import CycleBinding, CycleRunBinding
+from loopcast.ort_runtime.binding.device_move import load_device_move
 from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 from loopcast.ort_runtime.loading.session_table import SessionTable
@@ -364,26 +365,9 @@ class Generator:
                     )
 
     def _device_move(self):
-        """The op library's device copy (already loaded by the sessions: the graphs that write
-        branch rows need it, so it passed the trust rule, docs/trust.md)."""
+        """The op library's device copy (ort_runtime/binding/device_move.py), loaded once."""
         if self._move is None:
-            import ctypes
-
-            from loopcast.manifest import resolve_inside
-
-            manifest = self.model.manifest
-            if not manifest.custom_op_library:
-                raise RequestError("moving KV on the device needs the artifact's custom-op library")
-            path = resolve_inside(self.model.path, manifest.custom_op_library, "custom-op library").resolve()
-            fn = getattr(ctypes.CDLL(str(path)), "loopcast_cuda_move_positions", None)
-            if fn is None:
-                raise RequestError(
-                    f"{path}: this op library has no device KV move; re-export the artifact "
-                    "with this loopcast"
-                )
-            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            self._move = fn
+            self._move = load_device_move(self.model)
         return self._move
 
     def run_cycle(self, token: int, positions: list[int]) -> np.ndarray:

@@ -100,6 +100,35 @@ def load_chat_template(artifact_dir: str | Path) -> ChatTemplate | None:
     return ChatTemplate(raw, origin, tokens)
 
 
+# Variables a caller's chat_template_kwargs may not set: the render's own arguments.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt")
+
+
+def template_kwargs(kwargs: object) -> dict:
+    """``chat_template_kwargs`` checked: extra variables for the template (``enable_thinking``,
+    ``tools``, ...), as transformers' ``apply_chat_template(**kwargs)`` and vLLM's request field
+    take them. A JSON object with identifier keys; the render's own arguments are refused."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise RequestError(
+            f"chat_template_kwargs must be an object of template variables, got {type(kwargs).__name__}",
+            parameter="chat_template_kwargs",
+        )
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise RequestError(
+                f"chat_template_kwargs keys must be identifiers, got {key!r:.40}",
+                parameter="chat_template_kwargs",
+            )
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise RequestError(
+                f"chat_template_kwargs cannot set {key!r} (give it as its own argument)",
+                parameter="chat_template_kwargs",
+            )
+    return dict(kwargs)
+
+
 def chat_messages(user: Sequence[str], system: str | None = None) -> list[dict]:
     """The CLI's messages: an optional system message, then each ``--chat`` as a user turn."""
     if not user:

@@ -13,8 +13,8 @@ from loopcast.ort_runtime.batching.engine import (
     BatchingEngine,
     BatchRequest,
     CapacityError,
-    SequentialEngine,
 )
+from loopcast.ort_runtime.batching.sequential import SequentialEngine
 from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 

@@ -57,10 +57,13 @@ def _generate_cli(path, prompt: str) -> dict:
 
 
 def test_greedy_completions_equal_generate_under_concurrency_16(server, demo_batched):
+    """In every mode the batched server runs (plain, prompt lookup; the prefix cache on, which the
+    second round hits: its prompts are the first round's)."""
     url, state = server
     prompts = DEMO_PROMPTS[:16]
+    expected = {prompt: _generate_cli(demo_batched, prompt) for prompt in prompts}
 
-    def ask(prompt: str) -> dict:
+    def ask(prompt: str, mode: str) -> dict:
         r = httpx.post(
             f"{url}/v1/completions",
             timeout=300,
@@ -70,21 +73,28 @@ def test_greedy_completions_equal_generate_under_concurrency_16(server, demo_bat
                 "max_tokens": NEW,
                 "temperature": 0,
                 "return_token_ids": True,
+                "speculative": mode,
             },
         )
         assert r.status_code == 200, r.text
         return r.json()
 
-    with ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(ask, prompts))
-    for prompt, answer in zip(prompts, answers):
-        expected = _generate_cli(demo_batched, prompt)
-        choice = answer["choices"][0]
-        assert choice["token_ids"] == expected["tokens"], prompt
-        assert choice["text"] == expected["text"], prompt
-        assert choice["finish_reason"] == {"eos": "stop", "length": "length"}[expected["finish_reason"]]
-        assert answer["usage"]["completion_tokens"] == len(expected["tokens"])
-    assert state.engine.peak_batch == 8  # 16 requests through 8 slots: they queued and joined
+    for mode in state.engine.speculative_modes:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(ask, prompts, [mode] * len(prompts)))
+        for prompt, answer in zip(prompts, answers):
+            choice = answer["choices"][0]
+            assert choice["token_ids"] == expected[prompt]["tokens"], (mode, prompt)
+            assert choice["text"] == expected[prompt]["text"], (mode, prompt)
+            assert (
+                choice["finish_reason"]
+                == {"eos": "stop", "length": "length"}[expected[prompt]["finish_reason"]]
+            )
+            assert answer["usage"]["completion_tokens"] == len(expected[prompt]["tokens"])
+            assert answer["loopcast"]["speculative"] == mode
+        assert state.engine.peak_batch == 8  # 16 requests through 8 slots: they queued and joined
+    assert state.engine.speculative_modes == ("none", "prompt-lookup")
+    assert state.engine.stats["prefix_hits"] > 0 and state.engine.stats["accepted"] > 0
 
 
 def test_openai_client_streams(server, demo_batched):

@@ -53,6 +53,39 @@ def test_loadgen_small(tmp_path):
     assert report["compared_requests"] == 8 and report["mismatched_requests"] == 0
 
 
+def test_loadgen_multi_turn_with_chunks_and_a_shared_prefix(tmp_path):
+    """Second turns reuse their first turn's KV (cached tokens reported) and both engines give the
+    same greedy tokens with chunked prefill on."""
+    require_exact_cpu_artifacts()
+    out = tmp_path / "r.json"
+    args = ["--concurrency", "2", "--requests", "4", "--max-tokens", "4", "--prompt-len", "6"]
+    args += ["--max-batch", "4", "--multi-turn", "--shared-prefix", "8", "--prefill-chunk", "4"]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.bench.loadgen",
+            str(artifact("ouro-r3", max_batch=4)),
+            *args,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    batched, sequential = report["levels"]
+    assert batched["prefill_chunk"] == 4 and batched["prefix_caching"] == "on"
+    # a second turn holds its first turn's 14 prompt tokens and 4 answer tokens (3 of them committed)
+    assert batched["second_turn_cached_tokens_mean"] >= 8 + 6 + 3
+    assert sequential["second_turn_cached_tokens_mean"] == 0
+    assert batched["tokens"] == sequential["tokens"] == 4 * 2 * 4
+    assert report["compared_requests"] == 4 and report["mismatched_requests"] == 0
+
+
 def test_server_modules_do_not_import_torch():
     import pytest
 

@@ -16,6 +16,13 @@ produced the same greedy tokens for every request.
 on 127.0.0.1 (a free port, nothing else is ever contacted) and streams through it, timing SSE
 chunks (a chunk is about one token). Prompts are random token ids (seeded); EOS is ignored so
 every request generates ``--max-tokens``.
+
+The batching engine's prompt handling: ``--prefill-chunk N`` (0: whole prompts) and
+``--no-prefix-caching``; ``--shared-prefix N`` starts every prompt with the same N tokens (a
+system prompt), and ``--multi-turn`` sends each request's second turn (its prompt, its answer and
+``--prompt-len`` new tokens) after the first and reports both turns' TTFT and the cached tokens:
+
+    python -m tools.bench.loadgen ART --modes batched --concurrency 4 --multi-turn --shared-prefix 64
 """
 
 from __future__ import annotations
@@ -61,9 +68,11 @@ def prepare(source: str, device: str, dtype: str, max_batch: int, max_length: in
     return art
 
 
-def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def prompts(n: int, length: int, vocab: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
+    """``n`` random prompts of ``shared`` common tokens (the same for every seed) and ``length`` own."""
+    stem = np.random.default_rng(12345).integers(3, vocab, shared).tolist()
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, length).tolist() for _ in range(n)]
+    return [stem + rng.integers(3, vocab, length).tolist() for _ in range(n)]
 
 
 def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
@@ -72,11 +81,21 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
     return float(np.percentile(values, 50)), float(np.percentile(values, 99))
 
 
-def run_level(submit, work: list[list[int]], clients: int, max_tokens: int, time_limit: float) -> dict:
+def run_level(
+    submit,
+    work: list[list[int]],
+    clients: int,
+    max_tokens: int,
+    time_limit: float,
+    second_turn: list[list[int]] | None = None,
+) -> dict:
     """C closed-loop clients over ``work``;
-    ``submit(ids, max_tokens) -> (tokens, submit_time, token_times)``."""
+    ``submit(ids, max_tokens) -> (tokens, submit_time, token_times, cached_tokens)``. With
+    ``second_turn`` each request is followed by its second turn: its prompt, its answer and
+    ``second_turn[i]``; the level then reports both turns' TTFT and the second turns' cached tokens."""
     lock, next_index = threading.Lock(), [0]
     results: dict[int, tuple] = {}
+    turns: dict[int, tuple] = {}
     start = time.perf_counter()
 
     def client() -> None:
@@ -87,6 +106,8 @@ def run_level(submit, work: list[list[int]], clients: int, max_tokens: int, time
                     return
                 next_index[0] += 1
             results[i] = submit(work[i], max_tokens)
+            if second_turn is not None:
+                turns[i] = submit(work[i] + list(results[i][0]) + second_turn[i], max_tokens)
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
@@ -94,11 +115,23 @@ def run_level(submit, work: list[list[int]], clients: int, max_tokens: int, time
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    gaps = [b - a for _, _, times in results.values() for a, b in zip(times, times[1:])]
-    ttft = [times[0] - t0 for _, t0, times in results.values() if times]
-    tokens = sum(len(toks) for toks, _, _ in results.values())
+    done = list(results.values()) + list(turns.values())
+    gaps = [b - a for _, _, times, _ in done for a, b in zip(times, times[1:])]
+    ttft = [times[0] - t0 for _, t0, times, _ in results.values() if times]
+    tokens = sum(len(toks) for toks, _, _, _ in done)
     p50, p99 = _percentiles(gaps)
     f50, f99 = _percentiles(ttft)
+    extra = {}
+    if second_turn is not None:
+        t50, t99 = _percentiles([times[0] - t0 for _, t0, times, _ in turns.values() if times])
+        extra = {
+            "second_turn_ttft_ms_p50": t50 and t50 * 1e3,
+            "second_turn_ttft_ms_p99": t99 and t99 * 1e3,
+            "second_turn_cached_tokens_mean": float(np.mean([c for *_, c in turns.values()] or [0])),
+            "second_turn_prompt_tokens_mean": float(
+                np.mean([len(work[i]) + len(results[i][0]) + len(second_turn[i]) for i in turns] or [0])
+            ),
+        }
     return {
         "clients": clients,
         "requests": len(results),
@@ -109,7 +142,8 @@ def run_level(submit, work: list[list[int]], clients: int, max_tokens: int, time
         "token_latency_ms_p99": p99 and p99 * 1e3,
         "ttft_ms_p50": f50 and f50 * 1e3,
         "ttft_ms_p99": f99 and f99 * 1e3,
-        "outputs": {i: toks for i, (toks, _, _) in results.items()},
+        "outputs": {i: toks for i, (toks, _, _, _) in results.items()},
+        **extra,
     }
 
 
@@ -119,7 +153,7 @@ def engine_submitter(engine):
     def submit(ids: list[int], max_tokens: int):
         c = engine.submit(BatchRequest(ids, max_tokens, ()))
         tokens = c.result(timeout=600)
-        return tokens, c.submitted, c.token_times
+        return tokens, c.submitted, c.token_times, c.cached_tokens
 
     return submit
 
@@ -139,7 +173,7 @@ def http_submitter(url: str, model: str):
             "ignore_eos": True,
             "return_token_ids": True,
         }
-        t0, times, tokens = time.perf_counter(), [], []
+        t0, times, tokens, cached = time.perf_counter(), [], [], 0
         with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             r.raise_for_status()
             for line in r.iter_lines():
@@ -150,18 +184,27 @@ def http_submitter(url: str, model: str):
                     times.append(time.perf_counter())
                 else:
                     tokens = choice.get("token_ids", [])
-        return tokens, t0, times
+        return tokens, t0, times, cached  # a stream carries no usage: cached tokens are in /metrics
 
     return submit
 
 
-def make_engine(model, mode: str, max_batch: int, cuda_graphs: bool = False):
-    from loopcast.ort_runtime.batching.engine import BatchingEngine, SequentialEngine
+def make_engine(
+    model,
+    mode: str,
+    max_batch: int,
+    cuda_graphs: bool = False,
+    prefill_chunk: int | None = None,
+    prefix_caching: bool = True,
+):
+    from loopcast.ort_runtime.batching.engine import BatchingEngine
+    from loopcast.ort_runtime.batching.sequential import SequentialEngine
     from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 
     if mode == "batched":
         generator = BatchGenerator(model.loaded, max_batch, cuda_graphs=cuda_graphs)
-        return BatchingEngine(generator, max_waiting=4096).start()
+        options = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+        return BatchingEngine(generator, max_waiting=4096, prefix_caching=prefix_caching, **options).start()
     return SequentialEngine(model, max_waiting=4096).start()
 
 
@@ -187,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--via", default="engine", choices=["engine", "http"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cuda-graphs", action="store_true", help="capture the batched graphs per width (CUDA)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="batched: prompt tokens per step")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="batched: turn the prefix cache off")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    ap.add_argument("--multi-turn", action="store_true", help="send each request's second turn after it")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/loopcast-loadgen"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -207,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         "op_set": model.loaded.manifest.op_set,
         "max_batch": max_batch,
         "prompt_len": args.prompt_len,
+        "shared_prefix": args.shared_prefix,
+        "multi_turn": args.multi_turn,
         "max_tokens": args.max_tokens,
         "via": args.via,
         "host": platform.node(),
@@ -216,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     outputs: dict[tuple[int, int], dict[str, list[int]]] = {}
     for mode in args.modes.split(","):
-        engine = make_engine(model, mode, max_batch, args.cuda_graphs)
+        engine = make_engine(
+            model, mode, max_batch, args.cuda_graphs, args.prefill_chunk, not args.no_prefix_caching
+        )
         server = None
         try:
             if args.via == "http":
@@ -230,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             submit(prompts(1, args.prompt_len, vocab, seed=99)[0], 4)  # warm-up: first runs stay out
             for clients in levels:
                 n = args.requests or max(8, 2 * clients)
-                level = run_level(
-                    submit, prompts(n, args.prompt_len, vocab), clients, args.max_tokens, args.time_limit
-                )
+                work = prompts(n, args.prompt_len, vocab, shared=args.shared_prefix)
+                second = prompts(n, args.prompt_len, vocab, seed=7) if args.multi_turn else None
+                level = run_level(submit, work, clients, args.max_tokens, args.time_limit, second)
                 for i, toks in level.pop("outputs").items():
                     outputs.setdefault((clients, i), {})[mode] = toks
                 level["mode"] = mode
@@ -240,12 +291,21 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "batched":
                     level["captured"] = sorted(engine.gen.captured)
                     level["graph_fallbacks"] = dict(engine.gen.graph_fallbacks)
+                    level["prefix_caching"] = engine.prefix_caching
+                    level["prefill_chunk"] = engine.prefill_chunk
                 print(
                     f"{mode:<10} C={clients:<3} {level['requests']:>4} req "
                     f"{level['tokens_per_s']:8.1f} tok/s  "
                     f"token p50 {level['token_latency_ms_p50'] or 0:7.1f} ms "
                     f"p99 {level['token_latency_ms_p99'] or 0:7.1f} ms  "
-                    f"ttft p50 {level['ttft_ms_p50'] or 0:7.1f} ms",
+                    f"ttft p50 {level['ttft_ms_p50'] or 0:7.1f} ms"
+                    + (
+                        f"  2nd turn ttft p50 {level['second_turn_ttft_ms_p50'] or 0:7.1f} ms, "
+                        f"cached {level['second_turn_cached_tokens_mean']:.0f}/"
+                        f"{level['second_turn_prompt_tokens_mean']:.0f} tokens"
+                        if args.multi_turn
+                        else ""
+                    ),
                     flush=True,
                 )
         finally:

@@ -88,9 +88,14 @@ phase_serve() {  # batched vs one-at-a-time serving (tools/bench/loadgen.py, in-
     --out "$RES/serve-ouro-1.4b-graphs.json" > "$RES/serve-ouro-1.4b-graphs.txt" 2>&1
   timeout 240 python3 -m tools.bench.loadgen preset:llama-1.43b "${common[@]}" --cuda-graphs \
     --out "$RES/serve-llama-1.43b.json" > "$RES/serve-llama-1.43b.txt" 2>&1
+  # chunked prefill (one 64-token chunk between two steps) and the multi-turn prefix cache
+  timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
+    --prefill-chunk 64 --out "$RES/serve-ouro-1.4b-chunk64.json" > "$RES/serve-ouro-1.4b-chunk64.txt" 2>&1
+  timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 1,4 \
+    --multi-turn --shared-prefix 256 --out "$RES/serve-ouro-1.4b-multiturn.json" > "$RES/serve-ouro-1.4b-multiturn.txt" 2>&1
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  LOOPCAST_OPS_LIB=$LIB timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_batch_cuda.py \
-    2>&1 | tail -20 > "$RES/serve-gpu-tests.txt"
+  LOOPCAST_OPS_LIB=$LIB timeout 180 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_batch_cuda.py \
+    tests/ort_runtime/test_prefix_cache_cuda.py 2>&1 | tail -20 > "$RES/serve-gpu-tests.txt"
 }
 phase_sampling() {  # seeded sampling reproducible run to run, on the GPU (fp16) and the CPU (fp32)
   { python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp16 --dtype fp16 --target cuda --overwrite

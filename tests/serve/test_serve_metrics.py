@@ -1,0 +1,98 @@
+"""``GET /metrics`` (serve/metrics.py): Prometheus text that prometheus_client's own parser reads,
+with counts that agree with the responses the server gave."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+httpx = pytest.importorskip("httpx")
+from loopcast.serve.app import create_app  # noqa: E402
+from loopcast.serve.state import ServeOptions, open_serving  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from tests.artifacts import artifact, require_exact_cpu_artifacts  # noqa: E402
+from tests.serve.helpers import running_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_state():
+    require_exact_cpu_artifacts()
+    state = open_serving(artifact("ouro-r3", max_batch=4), ServeOptions(model_name="tiny"))
+    yield state
+    state.close()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """sample name (+ finished_reason label) -> value, through prometheus_client's parser."""
+    r = httpx.get(f"{url}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.labels.get("model_name") != "tiny":
+                continue
+            key = s.name + (f"[{s.labels['finished_reason']}]" if "finished_reason" in s.labels else "")
+            if "le" in s.labels:
+                key += f"[le={s.labels['le']}]"
+            samples[key] = s.value
+    return samples
+
+
+def test_metrics_scraped_and_parsed(tiny_state):
+    repeated = [5, 6, 7, 8] * 6
+    bodies = [
+        {"model": "tiny", "prompt": [1, 2, 3 + i], "max_tokens": 5 + i, "temperature": 0, "ignore_eos": True}
+        for i in range(5)
+    ] + [
+        {
+            "model": "tiny",
+            "prompt": repeated,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "speculative": "prompt-lookup",
+        }
+    ]
+    with running_server(tiny_state) as url:
+        before = scrape(url)
+        assert before["loopcast_num_requests_running"] == 0 and before["loopcast_kv_slots_total"] == 4
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(
+                pool.map(lambda b: httpx.post(f"{url}/v1/completions", json=b, timeout=120).json(), bodies)
+            )
+        after = scrape(url)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    completion = sum(a["usage"]["completion_tokens"] for a in answers)
+    assert grew("loopcast_generation_tokens_total") == completion == sum(b["max_tokens"] for b in bodies)
+    assert grew("loopcast_prompt_tokens_total") == sum(a["usage"]["prompt_tokens"] for a in answers)
+    assert grew("loopcast_request_success_total[length]") == len(bodies)
+    for name in ("time_to_first_token", "e2e_request_latency", "time_per_output_token"):
+        assert grew(f"loopcast_{name}_seconds_count") == len(bodies)
+        assert grew(f"loopcast_{name}_seconds_bucket[le=+Inf]") == len(bodies)
+        assert after[f"loopcast_{name}_seconds_sum"] > before.get(f"loopcast_{name}_seconds_sum", 0.0)
+    drafted = sum(a["loopcast"]["proposed"] for a in answers)
+    assert grew("loopcast_spec_decode_num_draft_tokens_total") == drafted
+    assert grew("loopcast_spec_decode_num_accepted_tokens_total") == sum(
+        a["loopcast"]["accepted"] for a in answers
+    )
+    assert after["loopcast_num_requests_running"] == after["loopcast_num_requests_waiting"] == 0
+    assert after["loopcast_kv_slots_used"] == 0 and after["loopcast_kv_cache_usage_ratio"] == 0
+    assert grew("loopcast_engine_steps_total") > 0
+    assert "loopcast_prefix_cache_queries_total" in after and "loopcast_prefix_cache_hits_total" in after
+
+
+def test_each_app_has_its_own_registry(tiny_state):
+    """Two apps in one process (tests, Ray replicas in one worker): no shared global registry."""
+    first, second = create_app(tiny_state, close_on_shutdown=False), create_app(tiny_state)
+    assert first.state.metrics.registry is not second.state.metrics.registry
+    first.state.metrics.observe(3, [1.0, 1.5], 0.5, 2.0, "stop")
+    text = second.state.metrics.render().decode()
+    assert 'loopcast_generation_tokens_total{model_name="tiny"} 0.0' in text
+    assert 'loopcast_generation_tokens_total{model_name="tiny"} 2.0' in first.state.metrics.render().decode()
