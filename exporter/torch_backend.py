@@ -59,7 +59,7 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
             "prompt_tokens": len(prompt_ids),
             "new_tokens": len(result.tokens),
             "finish_reason": result.finish_reason,
-            **result.depth_stats(),
+            **(result.depth_stats() if hasattr(result, "depth_stats") else {}),
             "seconds": round(seconds, 4),
             "tokens_per_second": round(len(result.tokens) / seconds, 2) if seconds > 0 else None,
         },

@@ -181,7 +181,8 @@ def test_all_steps_logits_end_at_the_final(tiny_dir):
 
 def test_torch_backend_runs_the_recurrent_reference(tiny_dir):
     from loopcast.exporter.torch_backend import generate_with_reference
+    from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 
-    out = generate_with_reference(str(tiny_dir), None, [3, 17, 42], 5)
+    out = generate_with_reference(str(tiny_dir), None, [3, 17, 42], GenerationConfig(max_new_tokens=5))
     want, _ = greedy_generate(load_checkpoint(tiny_dir), [3, 17, 42], 5, max_length=8)
     assert out["tokens"] == want and out["stats"]["finish_reason"] == "length"
