@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
+from loopcast.exporter.output_dir import check_output_dir
 from loopcast.exporter.weights import checkpoint_reader, weight_layout, weights_nbytes, write_weights
 from tqdm import tqdm
 
@@ -209,18 +210,6 @@ def _resolve_op_set(opts: ExportOptions, log) -> tuple[OpSet, Path | None]:
     return op_set, custom_op_library() if op_set.needs_library else None
 
 
-def _check_output_dir(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: output path exists and is a file")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ExportError(f"{out}: {parent} is not a directory")
-            break
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
-        raise ExportError(f"{out}: output directory is not empty and is not a loopcast artifact")
-
-
 def export_checkpoint(
     checkpoint: str | Path,
     out_dir: str | Path,
@@ -237,9 +226,7 @@ def export_checkpoint(
     check_supported(config, _requested_op_set(opts) or OpSet.LOOPCAST_ATTENTION)
     out = output_path(out_dir)
     recover(out)  # a killed earlier export: restore the artifact, remove its leftovers
-    _check_output_dir(out)
-    if (out / MANIFEST_FILE).is_file() and not overwrite:
-        raise ExportError(f"{out}: an artifact is already there (pass --overwrite to replace it)")
+    check_output_dir(out, overwrite, "--overwrite")  # never replaces a directory it did not write
     tensors = validate_checkpoint(checkpoint_dir, config)  # once: the writer reads these files
     with _os_errors(out):
         staging = Staging(out)
@@ -474,9 +461,7 @@ def with_verify_width(
         )
     if out.exists() and out.resolve() == src.resolve():
         raise ExportError(f"{out}: the output must differ from the source artifact")
-    _check_output_dir(out)
-    if (out / MANIFEST_FILE).is_file() and not overwrite:
-        raise ExportError(f"{out}: an artifact is already there (pass overwrite=True to replace it)")
+    check_output_dir(out, overwrite, "overwrite=True")
     import onnx_ir as ir
     from loopcast.graphs.builder import GraphBuilder, weight_refs
     from loopcast.graphs.kinds import build_kind, plan_kinds
