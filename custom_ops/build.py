@@ -189,6 +189,8 @@ def build_library(
     """
     out = Path(out_dir) if out_dir else _HERE / "build"
     target = out / LIBRARY_NAME
+    if out.exists() and not out.is_dir():
+        raise LoopcastError(f"{out}: not a directory; build-ops writes {LIBRARY_NAME} into a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file, an unwritable directory, /proc: the user's input, not a bug
