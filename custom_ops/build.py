@@ -195,22 +195,6 @@ def build_library(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file, an unwritable directory, /proc: the user's input, not a bug
         raise _unwritable(out, exc) from None
-    include = Path(ort_include) if ort_include else find_ort_include()
-    if include is None or not (include / "onnxruntime_cxx_api.h").is_file():
-        raise LoopcastError(
-            "ONNX Runtime C++ headers not found (set LOOPCAST_ORT_INCLUDE or run "
-            "tools/c_generate/fetch_deps.sh)"
-        )
-    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if compiler is None:
-        raise LoopcastError("no C++ compiler found (install g++ or set CXX)")
-    nvcc = find_nvcc() if cuda is not False else None
-    if cuda is True and nvcc is None:
-        raise LoopcastError(
-            "CUDA kernels requested but nvcc not found (set LOOPCAST_NVCC or put nvcc on PATH; "
-            "LOOPCAST_NO_CUDA=1 disables it)"
-        )
-    gencode = _gencode(cuda_archs(archs)) if nvcc is not None else []
     try:
         # A private work directory per build: concurrent builds into one folder (parallel test
         # workers, two exports) must not share object files or a staging name.
@@ -220,6 +204,22 @@ def build_library(
     staging = work / LIBRARY_NAME
     src = _HERE / "src"
     try:
+        include = Path(ort_include) if ort_include else find_ort_include()
+        if include is None or not (include / "onnxruntime_cxx_api.h").is_file():
+            raise LoopcastError(
+                "ONNX Runtime C++ headers not found (set LOOPCAST_ORT_INCLUDE or run "
+                "tools/c_generate/fetch_deps.sh)"
+            )
+        compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+        if compiler is None:
+            raise LoopcastError("no C++ compiler found (install g++ or set CXX)")
+        nvcc = find_nvcc() if cuda is not False else None
+        if cuda is True and nvcc is None:
+            raise LoopcastError(
+                "CUDA kernels requested but nvcc not found (set LOOPCAST_NVCC or put nvcc on PATH; "
+                "LOOPCAST_NO_CUDA=1 disables it)"
+            )
+        gencode = _gencode(cuda_archs(archs)) if nvcc is not None else []
         if nvcc is None:
             _run(
                 [

@@ -1,6 +1,6 @@
 """Table machinery for the adversarial suite: rows of (category, name, payload), parametrized by
-surface, counted by category, and run under a deadline so that a hang is a failure, not a stuck
-suite.
+surface, counted by category (tests/adversarial/conftest.py prints the counts after a run), and
+run under a deadline so that a hang is a failure, not a stuck suite.
 
 A table is a list of ``Case`` rows. ``Table.parametrize(surface)`` gives the pytest decorator
 for every row that applies to a surface (``"api"``, ``"cli"``, ``"c"``, or whatever a test
@@ -20,8 +20,10 @@ Add rows to a module's table, or a table of your own, instead of writing one tes
 
 from __future__ import annotations
 
-import os
-import threading
+import faulthandler
+import subprocess
+import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -73,31 +75,38 @@ class Table:
 def within_deadline(
     fn: Callable[[], Any], *, unblock: Sequence[Path] = (), seconds: float = DEADLINE_S
 ) -> Any:
-    """``fn()``'s result (or its exception, re-raised), failing the test if it has not returned
-    within ``seconds``. A call stuck opening one of the ``unblock`` FIFOs for reading is then
-    released (a writer is opened and closed), so the failing test ends instead of the suite."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        for fifo in unblock:
-            try:
-                os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
-            except OSError:
-                pass
-        thread.join(5)
-        pytest.fail(f"hung: no answer within {seconds:.0f} s (a FIFO or unbounded read?)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
+    """``fn()``'s result (or its exception, re-raised), failing the test if it took ``seconds``
+    or more. A call stuck opening one of the ``unblock`` FIFOs for reading is released after
+    ``seconds`` by a separate process (a native reader may hold the GIL while it blocks, so no
+    thread of this process could) that opens each FIFO for writing and closes it."""
+    releaser = None
+    if unblock:
+        script = (
+            "import os, sys, time\n"
+            "time.sleep(float(sys.argv[1]))\n"
+            "for path in sys.argv[2:]:\n"
+            "    try: os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))\n"
+            "    except OSError: pass\n"
+        )
+        releaser = subprocess.Popen([sys.executable, "-c", script, str(seconds), *map(str, unblock)])
+    # last resort for a hang nothing releases (a native loop): end the run with every
+    # thread's traceback rather than leave the suite stuck
+    faulthandler.dump_traceback_later(seconds + 60, exit=True)
+    start = time.monotonic()
+    try:
+        result = fn()
+    except BaseException:
+        if time.monotonic() - start >= seconds:
+            pytest.fail(f"hung: no answer within {seconds:.0f} s (a FIFO or an unbounded read?)")
+        raise
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if releaser is not None:
+            releaser.kill()
+            releaser.wait()
+    if time.monotonic() - start >= seconds:
+        pytest.fail(f"hung: no answer within {seconds:.0f} s (a FIFO or an unbounded read?)")
+    return result
 
 
 def assert_one_error_line(returncode: int, stdout: str, stderr: str, *fragments: str) -> None:
