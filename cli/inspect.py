@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -18,7 +19,7 @@ def inspect(path: str, verify: bool) -> None:
         from loopcast.swap import recover
 
         recover(Path(path), clean=False)  # an export killed mid-swap: put the artifact back
-    if (Path(path) / "manifest.json").is_file():
+    if os.path.lexists(Path(path) / "manifest.json"):  # any kind: describe_artifact says what is wrong
         from loopcast.ort_runtime.loading.artifact import describe_artifact
 
         click.echo(describe_artifact(Path(path), verify=verify))

@@ -173,6 +173,12 @@ def _run(cmd: list[str], what: str) -> None:
         raise LoopcastError(f"building {LIBRARY_NAME} failed ({what}): {first}")
 
 
+def _unwritable(out: Path, exc: OSError) -> LoopcastError:
+    return LoopcastError(
+        f"{out}: cannot build the op library there ({exc.strerror or exc}); choose a writable directory"
+    )
+
+
 def build_library(
     out_dir: str | os.PathLike | None = None,
     ort_include: str | os.PathLike | None = None,
@@ -185,31 +191,39 @@ def build_library(
     ``cuda``: None builds the CUDA kernels when nvcc is found, True requires them, False skips them.
     ``archs``: SM versions (default ``cuda_archs()``); ``jobs``: parallel compiles (default: CPUs).
     """
-    include = Path(ort_include) if ort_include else find_ort_include()
-    if include is None or not (include / "onnxruntime_cxx_api.h").is_file():
-        raise LoopcastError(
-            "ONNX Runtime C++ headers not found (set LOOPCAST_ORT_INCLUDE or run "
-            "tools/c_generate/fetch_deps.sh)"
-        )
-    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if compiler is None:
-        raise LoopcastError("no C++ compiler found (install g++ or set CXX)")
-    nvcc = find_nvcc() if cuda is not False else None
-    if cuda is True and nvcc is None:
-        raise LoopcastError(
-            "CUDA kernels requested but nvcc not found (set LOOPCAST_NVCC or put nvcc on PATH; "
-            "LOOPCAST_NO_CUDA=1 disables it)"
-        )
-    gencode = _gencode(cuda_archs(archs)) if nvcc is not None else []
     out = Path(out_dir) if out_dir else _HERE / "build"
-    out.mkdir(parents=True, exist_ok=True)
     target = out / LIBRARY_NAME
-    # A private work directory per build: concurrent builds into one folder (parallel test
-    # workers, two exports) must not share object files or a staging name.
-    work = Path(tempfile.mkdtemp(prefix=".build.", dir=out))
+    if out.exists() and not out.is_dir():
+        raise LoopcastError(f"{out}: not a directory; build-ops writes {LIBRARY_NAME} into a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file, an unwritable directory, /proc: the user's input, not a bug
+        raise _unwritable(out, exc) from None
+    try:
+        # A private work directory per build: concurrent builds into one folder (parallel test
+        # workers, two exports) must not share object files or a staging name.
+        work = Path(tempfile.mkdtemp(prefix=".build.", dir=out))
+    except OSError as exc:
+        raise _unwritable(out, exc) from None
     staging = work / LIBRARY_NAME
     src = _HERE / "src"
     try:
+        include = Path(ort_include) if ort_include else find_ort_include()
+        if include is None or not (include / "onnxruntime_cxx_api.h").is_file():
+            raise LoopcastError(
+                "ONNX Runtime C++ headers not found (set LOOPCAST_ORT_INCLUDE or run "
+                "tools/c_generate/fetch_deps.sh)"
+            )
+        compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+        if compiler is None:
+            raise LoopcastError("no C++ compiler found (install g++ or set CXX)")
+        nvcc = find_nvcc() if cuda is not False else None
+        if cuda is True and nvcc is None:
+            raise LoopcastError(
+                "CUDA kernels requested but nvcc not found (set LOOPCAST_NVCC or put nvcc on PATH; "
+                "LOOPCAST_NO_CUDA=1 disables it)"
+            )
+        gencode = _gencode(cuda_archs(archs)) if nvcc is not None else []
         if nvcc is None:
             _run(
                 [
@@ -280,7 +294,10 @@ def build_library(
                 ],
                 "link",
             )
-        staging.replace(target)  # never leave a half-written library under the real name
+        try:
+            staging.replace(target)  # never leave a half-written library under the real name
+        except OSError as exc:
+            raise LoopcastError(f"{target}: cannot write the op library ({exc.strerror or exc})") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # A library this user compiled is trusted by hash when an artifact carries it (docs/trust.md).

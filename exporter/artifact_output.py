@@ -1,5 +1,5 @@
-"""The output directory of an export: checked before any writing, and OS errors while writing
-it turned into one ExportError line (exporter/export.py)."""
+"""The output directory of an export: prepared before any writing (recovered, then checked),
+and OS errors while writing it turned into one ExportError line (exporter/export.py)."""
 
 from __future__ import annotations
 
@@ -7,31 +7,19 @@ import contextlib
 import errno
 from pathlib import Path
 
+from loopcast.exporter.output_dir import check_output_dir
 from tqdm import tqdm
 
 from loopcast.errors import ExportError
-from loopcast.manifest import MANIFEST_FILE
 from loopcast.swap import output_path, recover
 
 
-def check_output_dir(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: output path exists and is a file")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ExportError(f"{out}: {parent} is not a directory")
-            break
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
-        raise ExportError(f"{out}: output directory is not empty and is not a loopcast artifact")
-
-
-def prepare_output(out_dir: str | Path, overwrite: bool) -> Path:
+def prepare_output(out_dir: str | Path, overwrite: bool, flag: str = "--overwrite") -> Path:
+    """The resolved output path, once an earlier killed export is recovered and the directory
+    may be written (exporter/output_dir.py: never one the export did not write)."""
     out = output_path(out_dir)
     recover(out)  # a killed earlier export: restore the artifact, remove its leftovers
-    check_output_dir(out)
-    if (out / MANIFEST_FILE).is_file() and not overwrite:
-        raise ExportError(f"{out}: an artifact is already there (pass --overwrite to replace it)")
+    check_output_dir(out, overwrite, flag)
     return out
 
 

@@ -301,7 +301,6 @@ def write_checkpoint(
     The directory is written next to its destination and renamed into place, so a failed
     write leaves nothing that looks like a checkpoint.
     """
-    from safetensors.torch import save_file
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -316,14 +315,14 @@ def write_checkpoint(
             stored_dtype = stored_dtype or tensor.dtype
             nbytes = tensor.numel() * tensor.element_size()
             if max_shard_bytes and shard and shard_bytes + nbytes > max_shard_bytes:
-                shards.append(_flush_shard(staging, len(shards), shard, weight_map))
+                shards.append(_flush_shard(staging, len(shards), shard, weight_map, out))
                 shard, shard_bytes = {}, 0
             shard[name] = tensor
             shard_bytes += nbytes
         if not max_shard_bytes:
-            save_file(shard, staging / SINGLE_FILE, metadata={"format": "pt"})
+            _save(shard, staging / SINGLE_FILE, out)
         else:
-            shards.append(_flush_shard(staging, len(shards), shard, weight_map))
+            shards.append(_flush_shard(staging, len(shards), shard, weight_map, out))
             total = len(shards)
             for i, tmp in enumerate(shards):
                 tmp.rename(staging / f"model-{i + 1:05d}-of-{total:05d}.safetensors")
@@ -344,11 +343,23 @@ def write_checkpoint(
     return out
 
 
-def _flush_shard(staging: Path, index: int, shard: dict[str, torch.Tensor], weight_map: dict) -> Path:
+def _save(tensors: dict[str, torch.Tensor], path: Path, out: Path) -> None:
+    """safetensors' writer reports a full disk or a file-size limit as its own error type: the
+    user's destination, not a bug, so it is a CheckpointError naming the destination."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as exc:
+        raise CheckpointError(f"{out}: cannot write the checkpoint ({str(exc)[:200]})") from None
+
+
+def _flush_shard(
+    staging: Path, index: int, shard: dict[str, torch.Tensor], weight_map: dict, out: Path
+) -> Path:
     path = staging / f"shard-{index}.tmp"
-    save_file(shard, path, metadata={"format": "pt"})
+    _save(shard, path, out)
     for name in shard:
         weight_map[name] = str(index)
     return path

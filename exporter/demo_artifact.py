@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from loopcast.demo_checkpoint import demo_checkpoint_dir
@@ -10,7 +11,6 @@ from loopcast.demo_checkpoint import demo_checkpoint_dir
 def demo_artifact_dir(cache_dir: Path | None = None, *, progress: bool = False) -> Path:
     """The demo model exported (fp32, CPU) into the cache, exporting on first use."""
     import hashlib
-    import os
 
     from loopcast import __version__
     from loopcast.manifest import SCHEMA_VERSION
@@ -22,6 +22,9 @@ def demo_artifact_dir(cache_dir: Path | None = None, *, progress: bool = False) 
     if not _usable(artifact):
         from loopcast.exporter.export import ExportOptions, export_checkpoint
 
+        _discard(artifact)  # a damaged entry of our own cache: export refuses to replace a
+        # directory that is not a readable artifact, so it is removed here, by its owner
+
         export_checkpoint(
             checkpoint,
             artifact,
@@ -30,6 +33,16 @@ def demo_artifact_dir(cache_dir: Path | None = None, *, progress: bool = False) 
             overwrite=True,
         )
     return artifact
+
+
+def _discard(artifact: Path) -> None:
+    """Remove a cache entry that is not a usable demo artifact (the name is the cache's own)."""
+    import shutil
+
+    if artifact.is_dir() and not artifact.is_symlink():
+        shutil.rmtree(artifact)
+    elif os.path.lexists(artifact):
+        artifact.unlink()
 
 
 def _usable(artifact: Path) -> bool:

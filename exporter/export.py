@@ -16,8 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from loopcast.exporter.artifact_output import check_output_dir, os_errors, prepare_output
+from loopcast.exporter.artifact_output import os_errors, prepare_output
 from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
+from loopcast.exporter.output_dir import check_output_dir
 from loopcast.exporter.weights import (
     Native,
     Read,
@@ -525,9 +526,7 @@ def with_verify_width(
         )
     if out.exists() and out.resolve() == src.resolve():
         raise ExportError(f"{out}: the output must differ from the source artifact")
-    check_output_dir(out)
-    if (out / MANIFEST_FILE).is_file() and not overwrite:
-        raise ExportError(f"{out}: an artifact is already there (pass overwrite=True to replace it)")
+    check_output_dir(out, overwrite, "overwrite=True")
     import onnx_ir as ir
     from loopcast.graphs.builder import GraphBuilder, weight_refs
     from loopcast.graphs.kinds import build_kind, plan_kinds

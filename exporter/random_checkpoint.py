@@ -14,6 +14,7 @@ import torch
 from loopcast.exporter.checkpoint import expected_shapes, write_checkpoint
 
 from loopcast.config import ModelConfig
+from loopcast.errors import ConfigError
 
 
 def random_tensors(
@@ -27,9 +28,20 @@ def random_tensors(
         elif name.endswith("early_exit_gate.bias"):
             tensor = torch.zeros(shape)
         else:
-            generator = torch.Generator().manual_seed(seed * 100_003 + index)
+            generator = torch.Generator().manual_seed(seed * SEED_STRIDE + index)
             tensor = torch.randn(shape, generator=generator) * std
         yield name, tensor.to(dtype)
+
+
+# Tensor i's generator is seeded with seed * SEED_STRIDE + i, which torch takes as a 64-bit value.
+SEED_STRIDE = 100_003
+MAX_SEED = 2**47 - 1  # MAX_SEED * SEED_STRIDE + any tensor count stays below 2**64
+
+
+def check_seed(seed: object) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r:.40}")
+    return seed
 
 
 def write_random_checkpoint(
@@ -40,6 +52,7 @@ def write_random_checkpoint(
     std: float = 0.02,
     max_shard_bytes: int | None = None,
 ) -> Path:
+    check_seed(seed)
     return write_checkpoint(
         config, lambda: random_tensors(config, seed, std, dtype), out_dir, dtype, max_shard_bytes
     )

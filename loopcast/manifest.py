@@ -8,11 +8,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from loopcast.config import ModelConfig
+from loopcast.confined_files import (  # noqa: F401  (resolve_inside: re-exported)
+    MANIFEST_MAX_BYTES,
+    open_regular,
+    read_confined_text,
+    resolve_inside,
+)
 from loopcast.errors import ArtifactError
 from loopcast.quant import QuantScheme
 from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabulary)
@@ -155,11 +162,16 @@ class Manifest:
             recover(Path(artifact_dir), clean=False)  # an export killed mid-swap left a backup
         if not Path(artifact_dir).is_dir():
             raise ArtifactError(f"{artifact_dir}: artifact directory not found")
-        if not path.is_file():
+        # confined like every other file: a manifest.json that is a symlink leaving the
+        # artifact, a FIFO or an oversized file is refused before it is read
+        text = read_confined_text(
+            artifact_dir, MANIFEST_FILE, "manifest", max_bytes=MANIFEST_MAX_BYTES, required=False
+        )
+        if text is None:
             raise ArtifactError(f"{path}: manifest.json not found (not an exported artifact?)")
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as exc:
             raise ArtifactError(f"{path}: corrupt manifest ({exc})") from None
         if not isinstance(raw, dict):
             raise ArtifactError(f"{path}: corrupt manifest (expected a JSON object)")
@@ -190,11 +202,10 @@ def file_digest(path: Path, scheme: str = "sha256") -> str:
 
 
 def chunked_sha256(path: Path) -> str:
-    import os
     from concurrent.futures import ThreadPoolExecutor
 
     size = Path(path).stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         fd = f.fileno()
         # os.pread and hashlib release the GIL: the chunks are read and hashed in parallel
         with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
@@ -209,7 +220,7 @@ def chunked_sha256(path: Path) -> str:
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
@@ -223,8 +234,8 @@ def sampled_sha256(path: Path) -> str:
     most 1 MiB). Reading 1 MiB at most, every load can tell a zeroed, swapped or partly
     overwritten file of the right size; ``inspect --verify`` hashes everything."""
     digest = hashlib.sha256()
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         if size <= SAMPLE_CHUNKS * SAMPLE_BYTES:
             digest.update(f.read())
         else:
@@ -232,27 +243,3 @@ def sampled_sha256(path: Path) -> str:
                 f.seek(i * (size - SAMPLE_BYTES) // (SAMPLE_CHUNKS - 1))
                 digest.update(f.read(SAMPLE_BYTES))
     return digest.hexdigest()
-
-
-def resolve_inside(artifact_dir: Path, name: object, what: str) -> Path:
-    """The path of ``name`` inside the artifact, refusing anything that could leave it: a
-    non-string, an absolute path, ``..``, or a symlink (at any level) resolving outside."""
-    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
-        raise ArtifactError(
-            f"{Path(artifact_dir) / MANIFEST_FILE}: {what} must be a file name inside the "
-            f"artifact, got {name!r}"
-        )
-    rel = PurePosixPath(name)
-    if rel.is_absolute() or ".." in rel.parts or any(p in ("", ".") for p in name.split("/")):
-        raise ArtifactError(
-            f"{Path(artifact_dir) / MANIFEST_FILE}: {what} {name!r} must be a relative path "
-            "inside the artifact (no absolute paths, no '..')"
-        )
-    root = Path(artifact_dir).resolve()
-    target = (root / rel).resolve()
-    if not target.is_relative_to(root):
-        raise ArtifactError(
-            f"{Path(artifact_dir) / name}: {what} resolves outside the artifact directory "
-            f"(to {target}); refusing it"
-        )
-    return Path(artifact_dir) / rel

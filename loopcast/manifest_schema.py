@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from loopcast.config import ModelConfig
+from loopcast.confined_files import confined_file, open_regular
 from loopcast.errors import ArtifactError, LoopcastError
 from loopcast.manifest import (
     HASH_SCHEMES,
     FileRecord,
     GraphSpec,
     Manifest,
-    resolve_inside,
     sampled_sha256,
 )
 from loopcast.quant import QuantScheme
@@ -375,13 +375,8 @@ def check_files(manifest: Manifest, artifact_dir: Path) -> None:
     named += [(name, "GenAI file") for name in manifest.genai_files]
     named += [(name, "recorded file") for name in manifest.files]
     for name, what in named:
-        target = resolve_inside(artifact_dir, name, what)
-        if not target.is_file():
-            missing = "is missing" if not target.exists() else "is not a regular file"
-            raise ArtifactError(
-                f"{target}: {what} {missing}"
-                + (" (it must be a file inside the artifact)" if what == "custom-op library" else "")
-            )
+        target = confined_file(artifact_dir, name, what)  # a regular file inside; stat only
+        assert target is not None
         record = manifest.files.get(name)
         if record is not None and target.stat().st_size != record.size:
             raise ArtifactError(
@@ -407,7 +402,7 @@ def check_weights_header(weights: Path) -> None:
     import struct
 
     try:
-        with open(weights, "rb") as f:
+        with open_regular(weights, "weights file") as f:
             head = f.read(8)
             (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
             if length is None or length > 100 * 2**20:
@@ -442,7 +437,8 @@ def verify_hashes(manifest: Manifest, artifact_dir: Path) -> list[str]:
         raise ArtifactError(f"{artifact_dir}: the manifest records no hash for {', '.join(unrecorded)}")
     lines = []
     for name, record in manifest.files.items():
-        target = resolve_inside(artifact_dir, name, "recorded file")
+        target = confined_file(artifact_dir, name, "recorded file", max_bytes=record.size)
+        assert target is not None
         digest = file_digest(target, record.hash)
         if digest != record.sha256:
             raise ArtifactError(

@@ -33,8 +33,12 @@ def scratch_root() -> Path:
         ) from None
 
 
-@cache
 def checkpoint(name: str, seed: int = 0) -> Path:
+    return _checkpoint(name, seed)  # one cache key however the seed is spelled
+
+
+@cache
+def _checkpoint(name: str, seed: int) -> Path:
     return write_random_checkpoint(
         TINY_MODELS[name], scratch_root() / f"ckpt-{name}-{seed}", seed=seed, std=ARTIFACT_CHECKPOINT_STD
     )

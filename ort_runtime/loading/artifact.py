@@ -38,6 +38,7 @@ at one fixed position only.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,10 +46,13 @@ from pathlib import Path
 
 import onnxruntime as ort
 from loopcast.ort_runtime.loading.graph_ids import GraphIdPool
+from loopcast.ort_runtime.loading.op_attributes import check_op_attributes
+from loopcast.ort_runtime.loading.pinned_files import check_unchanged
 from loopcast.ort_runtime.loading.session_table import SessionTable
 from loopcast.ort_runtime.loading.shared_weights import SharedWeights, load_shared_weights
 from loopcast.ort_runtime.loading.trust import op_library_to_load
 
+from loopcast.confined_files import TOKENIZER_MAX_BYTES, confined_file, read_confined_text
 from loopcast.devices import CUDA_INSTALL_ADVICE
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import (
@@ -60,7 +64,6 @@ from loopcast.manifest import (
     PREFILL,
     VERIFY,
     Manifest,
-    resolve_inside,
 )
 from loopcast.vocab import RECURRENT_KINDS, GraphKind, OpSet, depth_key, parse_graph_key
 
@@ -295,11 +298,14 @@ def open_artifact(
             "attention has fp32 CUDA kernels) or with --dtype fp16/bf16"
         )
     library = op_library_to_load(path, manifest, trust_ops=trust_ops, kinds=kinds)
+    wanted = [kind for kind in manifest.graphs if kinds is None or kind in kinds]
+    if library is not None:  # the loopcast ops' KV indices, before any session runs them
+        for kind in wanted:
+            check_op_attributes(path / manifest.graphs[kind].file, manifest.graphs[kind], manifest)
     if device == "cuda" and library is not None:
         _check_cuda_custom_ops(path, manifest, library)
     if device == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
-    wanted = [kind for kind in manifest.graphs if kinds is None or kind in kinds]
     if shared_initializers is None:
         shared_initializers = uses_shared_initializers(manifest, device, share_weights)
     weights, weight_names = None, {}
@@ -307,8 +313,12 @@ def open_artifact(
         weights, names = load_shared_weights(path, [path / manifest.graphs[k].file for k in wanted], device)
         weight_names = dict(zip(wanted, names))
 
-    def make_session(kind: str, capture: bool, check_only: bool = False) -> ort.InferenceSession:
+    def make_session(
+        kind: str, capture: bool, check_only: bool = False, deferred: bool = False
+    ) -> ort.InferenceSession:
         spec = manifest.graphs[kind]
+        if deferred:  # made after load: the files must still be the ones loaded (pinned_files.py)
+            check_unchanged(path, manifest, kind, library)
         # check_only: the graph loads and has the manifest's IO; no packed copy of the weights
         options = _session_options(library, threads, share_weights or check_only)
         if weights is not None:
@@ -395,20 +405,20 @@ def open_artifact(
     for kind, host in shared.items():
         if host in sessions:
             sessions[kind] = sessions[host]
-    factories = {kind: (lambda k=kind: make_session(k, False)) for kind in deferred}
+    factories = {kind: (lambda k=kind: make_session(k, False, deferred=True)) for kind in deferred}
     # a kind sharing a deferred host's session (decode@k on prefill@k's) is made with it
     factories |= {kind: (lambda h=host: table[h]) for kind, host in shared.items() if host not in sessions}
     table = SessionTable({kind: sessions[kind] for kind in wanted if kind in sessions}, factories, wanted)
     sessions = table
     tokenizer = None
-    tokenizer_file = (
-        resolve_inside(path, "tokenizer.json", "tokenizer") if (path / "tokenizer.json").exists() else None
+    tokenizer_text = read_confined_text(
+        path, "tokenizer.json", "tokenizer", max_bytes=TOKENIZER_MAX_BYTES, required=False
     )
-    if tokenizer_file is not None:
+    if tokenizer_text is not None:
         from tokenizers import Tokenizer
 
         try:
-            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            tokenizer = Tokenizer.from_str(tokenizer_text)
         except Exception as exc:
             raise ArtifactError(f"{path / 'tokenizer.json'}: unreadable tokenizer ({exc})") from None
     return LoadedModel(
@@ -508,7 +518,9 @@ def _library_status(path: Path, manifest: Manifest) -> str:
 
     if not manifest.custom_op_library:
         return ""
-    digest = sha256_file(resolve_inside(path, manifest.custom_op_library, "custom-op library").resolve())
+    library = confined_file(path, manifest.custom_op_library, "custom-op library")
+    assert library is not None
+    digest = sha256_file(library.resolve())
     built = "built here" if digest in locally_built_hashes() else "not built here: loading needs --trust-ops"
     return f" (library {manifest.custom_op_library}, {built})"
 
@@ -516,13 +528,15 @@ def _library_status(path: Path, manifest: Manifest) -> str:
 def describe_artifact(path: Path, verify: bool = False) -> str:
     """What ``loopcast inspect`` prints. The manifest is validated and recorded sizes checked;
     each graph file must parse as an ONNX model; ``verify`` also hashes every recorded file."""
-    from loopcast.ort_runtime.loading.trust import uses_loopcast_domain
+    from loopcast.ort_runtime.loading.trust import recorded_size, uses_loopcast_domain
 
     manifest = Manifest.read(path)
     for spec in manifest.graphs.values():
-        uses_loopcast_domain(Path(path) / spec.file)  # raises on a file that is not an ONNX model
+        # raises on a file that is not an ONNX model (Manifest.read checked its size and kind)
+        uses_loopcast_domain(Path(path) / spec.file, recorded_size(manifest, spec.file))
     cfg = manifest.config
-    total = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    # the artifact's own regular files (lstat: a symlink's target is not counted)
+    total = sum(st.st_size for f in Path(path).iterdir() if stat.S_ISREG((st := f.lstat()).st_mode))
     weights = (Path(path) / manifest.weights_file).stat().st_size
     lines = [
         f"artifact        {path}",

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loopcast.confined_files import GRAPH_MAX_BYTES, confined_file, open_regular
 from loopcast.errors import ArtifactError
-from loopcast.manifest import Manifest, resolve_inside, sha256_file
+from loopcast.manifest import Manifest, sha256_file
 from loopcast.ops_trust import locally_built_hashes
 
 LOOPCAST_DOMAIN = b"loopcast"
@@ -59,12 +60,15 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
             return result, pos
 
 
-def uses_loopcast_domain(graph_file: Path) -> bool:
+def uses_loopcast_domain(graph_file: Path, max_bytes: int = GRAPH_MAX_BYTES) -> bool:
     """Whether any node of the ONNX model's main graph belongs to the ``loopcast`` domain.
     A minimal protobuf walk (weights are external, so graph files are small): ``onnx`` is not a
     runtime dependency."""
+    with open_regular(graph_file, "graph file") as f:  # a regular file; never blocks on a FIFO
+        buf = f.read(max_bytes + 1)
+    if len(buf) > max_bytes:
+        raise ArtifactError(f"{graph_file}: graph file is larger than the {max_bytes} bytes it may have")
     try:
-        buf = graph_file.read_bytes()
         for number, wire, value in _fields(buf):
             if number != _MODEL_GRAPH or wire != 2:
                 continue
@@ -88,16 +92,15 @@ def op_library_to_load(
     if not library or not manifest.custom_ops:
         return None
     files = [
-        resolve_inside(path, spec.file, f"graph file for '{kind}'")
+        (confined_file(path, spec.file, f"graph file for '{kind}'"), recorded_size(manifest, spec.file))
         for kind, spec in manifest.graphs.items()
         if kinds is None or kind in kinds
     ]
-    if not any(uses_loopcast_domain(f) for f in files):
+    if not any(uses_loopcast_domain(f, cap) for f, cap in files if f is not None):
         return None  # named but unused: never loaded
-    target = resolve_inside(path, library, "custom-op library")
+    target = confined_file(path, library, "custom-op library")
+    assert target is not None
     resolved = target.resolve()
-    if not resolved.is_file():
-        raise ArtifactError(f"{target}: custom-op library is missing (it must be a file inside the artifact)")
     record = manifest.files.get(library)
     if record is None:
         raise ArtifactError(
@@ -117,3 +120,9 @@ def op_library_to_load(
             "(trust_ops=True) only if you trust whoever made this artifact"
         )
     return resolved
+
+
+def recorded_size(manifest: Manifest, name: str) -> int:
+    """The size the manifest records for ``name``: the most a reader reads of it."""
+    record = manifest.files.get(name)
+    return record.size if record is not None else GRAPH_MAX_BYTES

@@ -17,7 +17,6 @@ jinja2 is imported only when a template is rendered.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 from loopcast.ort_runtime.text.template_sandbox import RenderLimits, compile_template, render_bounded
 from loopcast.ort_runtime.text.utf8 import check_texts, checked_text
 
+from loopcast.confined_files import TEMPLATE_MAX_BYTES, read_confined_json, read_confined_text
 from loopcast.errors import ArtifactError, RequestError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -74,8 +74,8 @@ class ChatTemplate:
 def load_chat_template(artifact_dir: str | Path) -> ChatTemplate | None:
     """The artifact's chat template, or None when it has none."""
     path = Path(artifact_dir)
-    config = _read_json(path / "tokenizer_config.json")
-    special = _read_json(path / "special_tokens_map.json")
+    config = _read_json(path, "tokenizer_config.json")
+    special = _read_json(path, "special_tokens_map.json")
     tokens = {}
     for name in SPECIAL_TOKEN_NAMES:  # tokenizer_config.json wins over the legacy map
         value = config.get(name, special.get(name))
@@ -83,9 +83,11 @@ def load_chat_template(artifact_dir: str | Path) -> ChatTemplate | None:
             value = value.get("content")
         if isinstance(value, str):
             tokens[name] = value
-    jinja_file = path / TEMPLATE_FILE
-    if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), tokens)
+    source = read_confined_text(
+        path, TEMPLATE_FILE, "chat template", max_bytes=TEMPLATE_MAX_BYTES, required=False
+    )
+    if source is not None:
+        return ChatTemplate(source, str(path / TEMPLATE_FILE), tokens)
     raw = config.get("chat_template")
     origin = str(path / "tokenizer_config.json")
     if raw is None:
@@ -142,13 +144,9 @@ def chat_messages(user: Sequence[str], system: str | None = None) -> list[dict]:
     ]
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{path}: unreadable JSON ({exc})") from None
+def _read_json(artifact_dir: Path, name: str) -> dict:
+    """A tokenizer JSON file of the artifact (confined and bounded: loopcast/confined_files.py)."""
+    data = read_confined_json(artifact_dir, name, "tokenizer configuration", required=False)
     return data if isinstance(data, dict) else {}
 
 

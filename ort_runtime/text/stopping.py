@@ -10,10 +10,10 @@ released text would have made that text's tail a prefix of it, and that tail is 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from loopcast.confined_files import read_confined_json
 from loopcast.errors import ArtifactError, RequestError
 
 
@@ -69,11 +69,11 @@ def artifact_eos_ids(path: Path, manifest_ids: Sequence[int], vocab_size: int) -
     ``eos_token_id`` (an int or a list: instruction-tuned Llamas end turns with several)."""
     ids = [int(t) for t in manifest_ids]
     gen_config = Path(path) / "generation_config.json"
-    if gen_config.is_file():
-        try:
-            raw = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ArtifactError(f"{gen_config}: unreadable ({exc})") from None
+    data = read_confined_json(Path(path), gen_config.name, "generation config", required=False)
+    if data is not None:
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{gen_config}: expected a JSON object")
+        raw = data.get("eos_token_id")
         extra = raw if isinstance(raw, list) else [] if raw is None else [raw]
         for t in extra:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <fcntl.h>
+#include <unistd.h>
 #include <limits.h>
 
 #include <cjson/cJSON.h>
@@ -47,18 +49,35 @@ static void check(OrtStatus *status, const char *what) {
     }
 }
 
-static char *read_file(const char *path, long *out_size) {
-    FILE *f = fopen(path, "rb");
-    if (f == NULL) die("%s: not found", path);
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    if (size < 0) die("%s: cannot read", path);
-    char *text = malloc((size_t)size + 1);
-    if (text == NULL || fread(text, 1, (size_t)size, f) != (size_t)size) die("%s: cannot read", path);
+#define MANIFEST_MAX_BYTES (16L << 20)  /* as loopcast/confined_files.py */
+#define GRAPH_MAX_BYTES (2047L << 20)
+
+/* A regular file opened for reading: O_NONBLOCK so that a FIFO cannot block the open, then
+ * fstat on the descriptor (what was opened is what is checked; docs/trust.md, "Files"). */
+static int open_regular(const char *path, struct stat *st) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) die("%s: not found or unreadable", path);
+    if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode)) die("%s: not a regular file; refusing it", path);
+    return fd;
+}
+
+/* The whole file, at most max_size bytes (refused above it, before anything is read). */
+static char *read_file(const char *path, long max_size, long *out_size) {
+    struct stat st;
+    int fd = open_regular(path, &st);
+    if (st.st_size > max_size)
+        die("%s: %lld bytes, more than the %ld read for it; refusing it", path, (long long)st.st_size, max_size);
+    size_t size = (size_t)st.st_size, got = 0;
+    char *text = malloc(size + 1);
+    if (text == NULL) die("%s: cannot read", path);
+    while (got < size) {
+        ssize_t n = read(fd, text + got, size - got);
+        if (n <= 0) die("%s: cannot read", path);
+        got += (size_t)n;
+    }
+    close(fd);
     text[size] = '\0';
-    fclose(f);
-    if (out_size != NULL) *out_size = size;
+    if (out_size != NULL) *out_size = (long)size;
     return text;
 }
 
@@ -117,7 +136,8 @@ static void sha256_update(Sha256 *s, const unsigned char *data, size_t n) {
 static void sha256_file(const char *path, char out[65]) {
     Sha256 s = {{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19},
                 0, {0}, 0};
-    FILE *f = fopen(path, "rb");
+    struct stat st;
+    FILE *f = fdopen(open_regular(path, &st), "rb");
     if (f == NULL) die("%s: cannot read", path);
     unsigned char buf[1 << 16];
     size_t n;
@@ -272,7 +292,7 @@ static int has_domain(const unsigned char *p, size_t start, size_t end, const in
 
 static int uses_loopcast_domain(const char *graph_file) {
     long size;
-    unsigned char *bytes = (unsigned char *)read_file(graph_file, &size);
+    unsigned char *bytes = (unsigned char *)read_file(graph_file, GRAPH_MAX_BYTES, &size);
     static const int path[3] = {7, 1, 7};
     int found = has_domain(bytes, 0, (size_t)size, path, 3);
     free(bytes);
@@ -302,7 +322,12 @@ static Manifest read_manifest(const char *dir, int trust_ops) {
     if (realpath(dir, m.dir) == NULL) die("%s: artifact directory not found", dir);
     char path[PATH_MAX + 16];
     snprintf(path, sizeof path, "%s/manifest.json", m.dir);
-    char *text = read_file(path, NULL);
+    /* confined like every file it names: a symlink leaving the artifact, a FIFO or an
+     * oversized manifest is refused before it is read */
+    struct stat link;
+    if (lstat(path, &link) != 0) die("%s: not found (not an exported artifact?)", path);
+    confined_path(&m, "manifest.json", "manifest", path, path, sizeof path);
+    char *text = read_file(path, MANIFEST_MAX_BYTES, NULL);
     cJSON *root = cJSON_Parse(text);
     if (root == NULL || !cJSON_IsObject(root)) die("%s: corrupt manifest (not valid JSON)", path);
     const cJSON *version = field(root, "schema_version", path);
