@@ -3,8 +3,9 @@ greedy, sequentially and from several threads sharing one loaded model; counts m
 
     python -m tools.probes.exactness_soak [--tokens 96] [--threads 4] [--out soak.json]
 
-Artifacts: the demo model and two random tiny checkpoints (a looped Ouro shape and a Llama
-shape), exported with the default op set (exact on the CPU). A run is one (artifact, prompt,
+Artifacts (ARTIFACTS): the demo model, float and quantized to int4 (stock MatMulNBits and the
+loopcast op set), and two random tiny checkpoints (a looped Ouro shape and a Llama shape), each
+exported exact on the CPU. A run is one (artifact, prompt,
 mode, gate, proposer); it mismatches when its tokens differ from plain greedy of the same
 artifact. Exit status 1 on any mismatch. Needs the `test` extra (torch for the random
 checkpoints) and the custom-op library (tools/c_generate/fetch_deps.sh).
@@ -28,6 +29,27 @@ from loopcast.ort_runtime import load
 from loopcast.ort_runtime.decoding.proposers import SelfDraftProposer
 
 from loopcast.config import PRESETS
+from loopcast.quant import QuantScheme, WeightFormat
+
+GATES = ("always", "auto", "hit-density", "cost")
+# The artifacts soaked: (name, checkpoint, export options); the quantized demo twice, with the
+# stock MatMulNBits default (int4 block 32, accuracy level 4: row-invariant) and with the loopcast
+# op set's BatchInvariantMatMulNBits (asymmetric int4 block 128, int8 head).
+ARTIFACTS = (
+    ("demo", "demo", ExportOptions(max_length=512)),
+    ("demo-int4", "demo", ExportOptions(max_length=512, quantization=QuantScheme(WeightFormat.INT4))),
+    (
+        "demo-int4-loopcast-ops",
+        "demo",
+        ExportOptions(
+            max_length=512,
+            ops="loopcast",
+            quantization=QuantScheme(WeightFormat.INT4, 128, False, WeightFormat.INT8),
+        ),
+    ),
+    ("tiny-ouro", "tiny-ouro", ExportOptions()),
+    ("tiny-llama", "tiny-llama", ExportOptions()),
+)
 
 
 class _Spoiling:
@@ -47,10 +69,7 @@ class _Spoiling:
 
 def _runs(model, prompt: list[int], plain: list[int]) -> list[tuple[str, dict]]:
     vocab, looped = model.config.vocab_size, model.loaded.has("draft")
-    runs = [
-        (f"prompt-lookup/{g}", {"speculative": "prompt-lookup", "gate": g})
-        for g in ("none", "auto", "hit-density", "cost")
-    ]
+    runs = [(f"prompt-lookup/{g}", {"speculative": "prompt-lookup", "gate": g}) for g in GATES]
     runs += [
         (
             f"custom-spoil{p}",
@@ -59,9 +78,9 @@ def _runs(model, prompt: list[int], plain: list[int]) -> list[tuple[str, dict]]:
         for p in (1, 2, 5)
     ]
     if looped:
-        runs += [
-            (f"self/{g}", {"speculative": "self", "gate": g}) for g in ("none", "auto", "hit-density", "cost")
-        ]
+        runs += [(f"self/{g}", {"speculative": "self", "gate": g}) for g in GATES]
+        if model.loaded.has("cycle"):
+            runs += [(f"pipeline/{g}", {"speculative": "pipeline", "gate": g}) for g in ("always", "auto")]
         runs += [
             (
                 "self-perturbed",
@@ -122,15 +141,15 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="loopcast-soak-"))
     rng = np.random.default_rng(7)
     reports, start = [], time.perf_counter()
-    for name in ("demo", "tiny-ouro", "tiny-llama"):
+    for name, preset, options in ARTIFACTS:
         source = (
             "demo"
-            if name == "demo"
-            else write_random_checkpoint(PRESETS[name], work / f"ckpt-{name}", seed=3, std=0.15)
+            if preset == "demo"
+            else write_random_checkpoint(PRESETS[preset], work / f"ckpt-{name}", seed=3, std=0.15)
         )
         art = work / f"art-{name}"
-        export_checkpoint(source, art, ExportOptions(max_length=512 if name == "demo" else None))
-        if name == "demo":
+        export_checkpoint(source, art, options)
+        if preset == "demo":
             model = load(art)
             prompts = [model.encode(p) for p in BENCH_PROMPTS]
         else:
