@@ -18,13 +18,12 @@ from pathlib import Path
 from loopcast.confined_files import confined_file
 from loopcast.errors import ArtifactError
 from loopcast.manifest import Manifest, file_digest, sampled_sha256
-from loopcast.vocab import GraphKind
 
 
 def check_unchanged(path: Path, manifest: Manifest, kind: str, library: Path | None) -> None:
     """Raise ArtifactError when a file ``kind``'s session would read no longer matches the
     manifest this model was loaded with."""
-    spec = manifest.graphs[GraphKind(kind)]
+    spec = manifest.graphs[kind]  # by name: the kind, or kind@k at a static depth
     checks = [(spec.file, f"graph file for '{kind}'", True), (manifest.weights_file, "weights file", False)]
     if library is not None and manifest.custom_op_library:
         checks.append((manifest.custom_op_library, "custom-op library", True))
