@@ -13,14 +13,12 @@ from tests.adversarial.requests.request_cases import MODEL, client
 from tests.artifacts import artifact, require_exact_cpu_artifacts
 
 # An ordinary template, except for trigger messages: "loop forever" runs nested loops of 10^10
-# steps, "huge" renders 30 MB, "slow" runs 900k loop steps (under the limits: a few tenths of a second).
+# steps, "huge" renders 30 MB.
 ADVERSARIAL_TEMPLATE = (
     "{% if messages[0].content == 'loop forever' %}"
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     "{% elif messages[0].content == 'huge' %}"
     "{% for i in range(30000) %}{{ 'x' * 1000 }}{% endfor %}"
-    "{% elif messages[0].content == 'slow' %}"
-    "{% for i in range(900) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
     "{% endif %}"
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"

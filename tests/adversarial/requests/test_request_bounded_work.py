@@ -143,7 +143,7 @@ def test_the_deadline_stops_a_template_the_step_count_allows(tmp_path) -> None:
     start = time.perf_counter()
     with pytest.raises(RequestError, match=r"ran longer than 0.05 s"):
         template.render(HI)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 3.0  # the deadline itself, with room for a busy machine
 
 
 def test_messages_that_render_past_the_size_limit_are_refused(tmp_path) -> None:
@@ -252,26 +252,33 @@ def test_a_body_at_the_limit_is_served(serving) -> None:
         assert c.post("/v1/completions", content=body + b" ").status_code == 413
 
 
-def test_health_answers_while_a_prompt_is_rendered(http) -> None:
-    """The 'slow' message spends about half a second in the chat template: /health, sent while
-    it renders, answers at once (the rendering runs in a worker thread, not on the event loop)."""
-    ends: dict[str, float] = {}
+def test_health_answers_while_a_prompt_is_rendered(http, serving, monkeypatch) -> None:
+    """While a chat prompt is being rendered, /health answers at once: the rendering runs in a
+    worker thread, not on the event loop. The rendering is held until /health has answered; had
+    it run on the event loop, /health would wait for the hold to time out and find it released."""
+    rendering, release = threading.Event(), threading.Event()
+    released_by_timeout: list[bool] = []
+    render = serving.chat_ids
+
+    def held_render(*args, **kwargs):
+        rendering.set()
+        released_by_timeout.append(not release.wait(10))
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "chat_ids", held_render)
+    status: dict[str, int] = {}
 
     def chat() -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "slow"}], "max_tokens": 1}
-        r = http.post("/v1/chat/completions", json=body)
-        ends["chat"] = time.perf_counter()
-        ends["status"] = r.status_code
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
+        status["chat"] = http.post("/v1/chat/completions", json=body).status_code
 
-    start = time.perf_counter()
     worker = threading.Thread(target=chat)
     worker.start()
-    time.sleep(0.05)
-    sent = time.perf_counter()
-    assert http.get("/health").status_code == 200
-    answered = time.perf_counter()
-    worker.join(30)
-    assert ends["status"] == 200
-    chat_seconds = ends["chat"] - start
-    assert chat_seconds > 0.15, "the slow template did not take long enough to tell"
-    assert answered < ends["chat"] and answered - sent < chat_seconds / 2, (answered - sent, chat_seconds)
+    try:
+        assert rendering.wait(10), "the chat request never reached its rendering"
+        assert http.get("/health").status_code == 200
+        assert not release.is_set() and released_by_timeout == [], "/health waited for the rendering"
+    finally:
+        release.set()
+        worker.join(30)
+    assert status["chat"] == 200 and released_by_timeout == [False]
