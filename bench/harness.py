@@ -300,7 +300,7 @@ def _checkpoint(opts: BenchOptions, dtype: str) -> Path:
     from loopcast.exporter.checkpoint import DTYPES
     from loopcast.exporter.random_checkpoint import write_random_checkpoint
 
-    from loopcast.config import PRESETS
+    from loopcast.presets import PRESETS
 
     preset = opts.checkpoint.split(":", 1)[1]
     out = opts.work_dir / f"ckpt-{preset}-{dtype}"

@@ -107,9 +107,9 @@ def bench(
     from loopcast.bench.harness import BenchOptions, default_variants, run_bench
     from loopcast.bench.report import default_report_path, format_table, write_report
 
-    from loopcast.config import PRESETS
     from loopcast.devices import cache_root, check_device, default_device
     from loopcast.errors import RequestError
+    from loopcast.presets import PRESETS
 
     if quick:
         past, widths, iters, new_tokens, alternate_tokens = 128, "5", 10, 32, 0

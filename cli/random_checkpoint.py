@@ -23,8 +23,8 @@ import click
 @click.option("--max-shard-mb", type=int, default=None, help="Shard the weights above this size.")
 def random_checkpoint(out_dir: Path, preset: str, dtype: str, seed: int, max_shard_mb: int | None) -> None:
     """Write a random-weight Hugging Face checkpoint of a preset shape."""
-    from loopcast.config import PRESETS
     from loopcast.errors import ConfigError
+    from loopcast.presets import PRESETS
     from loopcast.torch_extra import require_torch
 
     require_torch("random-checkpoint")

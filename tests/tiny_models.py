@@ -9,7 +9,8 @@ hidden 64, vocab ~100.
 
 from __future__ import annotations
 
-from loopcast.config import PRESETS, ModelConfig
+from loopcast.config import ModelConfig
+from loopcast.presets import PRESETS
 
 _OURO, _LLAMA = PRESETS["tiny-ouro"], PRESETS["tiny-llama"]
 

@@ -21,7 +21,7 @@ from loopcast.exporter.torch_backend import load_tokenizer
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from loopcast.config import PRESETS
+from loopcast.presets import PRESETS
 
 TINY_OURO, TINY_LLAMA = PRESETS["tiny-ouro"], PRESETS["tiny-llama"]
 

@@ -24,8 +24,9 @@ from loopcast.exporter.random_checkpoint import random_tensors, write_random_che
 from loopcast.exporter.reference import LoopedLM, init_weights
 from safetensors.torch import load_file, save_file
 
-from loopcast.config import PRESETS, load_config
+from loopcast.config import load_config
 from loopcast.errors import CheckpointError, ConfigError, LoopcastError
+from loopcast.presets import PRESETS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]

@@ -51,9 +51,9 @@ def test_weights_record_is_the_chunked_hash_of_the_file(make_checkpoint, tmp_pat
     that scheme's digest of the file on disk, alignment padding included, and verify."""
     from loopcast.exporter.export import ExportOptions, export_checkpoint
 
-    from loopcast.config import PRESETS
     from loopcast.manifest import CHUNKED_SHA256
     from loopcast.manifest_schema import verify_hashes
+    from loopcast.presets import PRESETS
 
     config = PRESETS["tiny-llama"].replace(qkv_bias=True, o_bias=True, tie_word_embeddings=False)
     manifest = export_checkpoint(make_checkpoint(config), tmp_path / "art", ExportOptions(max_length=48))

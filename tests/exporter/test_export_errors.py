@@ -50,7 +50,7 @@ def test_head_dim_not_multiple_of_16(tmp_path: Path) -> None:
 
 
 def test_batch_invariant_refuses_biases(tmp_path: Path, make_checkpoint) -> None:
-    from loopcast.config import PRESETS
+    from loopcast.presets import PRESETS
 
     with pytest.raises(ExportError, match="--batch-invariant .* biases"):
         export_checkpoint(

@@ -12,8 +12,8 @@ from loopcast.cli import main
 from loopcast.exporter.checkpoint import resolve_checkpoint
 from loopcast.exporter.hub_cache import hub_cache_dir
 
-from loopcast.config import PRESETS
 from loopcast.errors import CheckpointError
+from loopcast.presets import PRESETS
 
 
 def fabricate_cache(

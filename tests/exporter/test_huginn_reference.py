@@ -9,8 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from loopcast.config import PRESETS, ModelConfig
+from loopcast.config import ModelConfig
 from loopcast.errors import ConfigError
+from loopcast.presets import PRESETS
 from loopcast.recurrent_state import initial_state
 
 torch = pytest.importorskip("torch")

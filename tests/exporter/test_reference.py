@@ -10,8 +10,8 @@ from loopcast.exporter.checkpoint import load_checkpoint
 from loopcast.exporter.reference import KVCache, LoopedLM, exit_probabilities
 from loopcast.exporter.reference_generate import greedy_generate, greedy_generate_recompute
 
-from loopcast.config import PRESETS
 from loopcast.errors import LoopcastError, RequestError
+from loopcast.presets import PRESETS
 
 # fp32 on CPU: the cached and recomputed paths differ only in summation order.
 ATOL = 1e-5

@@ -19,8 +19,8 @@ from loopcast.exporter.torch_bench import (
     random_cache,
 )
 
-from loopcast.config import PRESETS
 from loopcast.errors import RequestError
+from loopcast.presets import PRESETS
 
 # Not in the shared set: prelude and coda layers must be counted and run too.
 PRELUDE_CODA = PRESETS["tiny-ouro"].replace(num_loops=2, num_prelude_layers=1, num_coda_layers=1)

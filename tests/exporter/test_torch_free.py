@@ -12,7 +12,7 @@ import torch
 from loopcast.exporter.checkpoint import load_checkpoint
 from loopcast.exporter.reference_generate import greedy_generate
 
-from loopcast.config import PRESETS
+from loopcast.presets import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ import torch
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from safetensors.torch import load_file
 
-from loopcast.config import PRESETS
 from loopcast.manifest import WEIGHTS_FILE
+from loopcast.presets import PRESETS
 
 TORCH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -8,9 +8,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from loopcast.config import PRESETS
 from loopcast.errors import RequestError
 from loopcast.kl_exit import KLExit
+from loopcast.presets import PRESETS
 
 torch = pytest.importorskip("torch")
 

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from loopcast.config import PRESETS
 from loopcast.errors import ExportError, RequestError
 from loopcast.kl_exit import KLExit
 from loopcast.kv_sharing import parse_sharing
+from loopcast.presets import PRESETS
 from loopcast.recurrent_state import initial_state
 
 torch = pytest.importorskip("torch")

@@ -9,7 +9,7 @@ import torch
 from loopcast.exporter.reference import LoopedLM, init_weights
 from loopcast.exporter.reference_generate import greedy_generate
 
-from loopcast.config import PRESETS
+from loopcast.presets import PRESETS
 from tools.demo_model.demo_unlikelihood import greedy_continue, repeated_ngram_mask, unlikelihood_loss
 
 

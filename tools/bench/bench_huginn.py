@@ -38,7 +38,7 @@ def main() -> None:
     from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator
     from loopcast.ort_runtime.loading.artifact import open_artifact
 
-    from loopcast.config import PRESETS
+    from loopcast.presets import PRESETS
 
     config = PRESETS[args.preset]
     ckpt = args.work / f"{args.preset}-{args.dtype}-ckpt"

@@ -50,7 +50,7 @@ def prepare(source: str, device: str, dtype: str, max_batch: int, max_length: in
     from loopcast.exporter.export import ExportOptions, export_checkpoint
     from loopcast.exporter.random_checkpoint import write_random_checkpoint
 
-    from loopcast.config import PRESETS
+    from loopcast.presets import PRESETS
 
     name = source.split(":", 1)[1]
     config = PRESETS["ouro-1.4b"].replace(**LLAMA_143B) if name == "llama-1.43b" else PRESETS[name]

@@ -52,7 +52,7 @@ def main() -> None:
     from loopcast.exporter.reference import KVCache
     from safetensors.torch import load_file
 
-    from loopcast.config import PRESETS
+    from loopcast.presets import PRESETS
 
     ckpt = args.checkpoint
     if ckpt is None:

@@ -28,7 +28,7 @@ from loopcast.exporter.random_checkpoint import write_random_checkpoint
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.decoding.proposers import SelfDraftProposer
 
-from loopcast.config import PRESETS
+from loopcast.presets import PRESETS
 from loopcast.quant import QuantScheme, WeightFormat
 
 GATES = ("always", "auto", "hit-density", "cost")
