@@ -31,11 +31,10 @@ from tests.custom_ops.test_cuda_kernels import (  # noqa: E402  (after the modul
     _dev,
     _host,
     _lib,
-    _misaligned,
     as_dtype,
-    cuda_swiglu,
     session,
 )
+from tests.custom_ops.test_cuda_norm_kernels import _misaligned, cuda_swiglu  # noqa: E402
 
 SCHEMES = [(4, 32, True), (4, 32, False), (4, 64, True), (4, 128, False), (8, 32, True), (8, 128, False)]
 
