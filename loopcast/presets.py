@@ -99,24 +99,6 @@ PRESETS: dict[str, ModelConfig] = {
         embed_scale=math.sqrt(5280),
         state_std=math.sqrt(2 / (5 * 5280)) * math.sqrt(5280),
     ),
-    # Ouro-1.4B's shapes as a plain Llama (R=1, untied head): 1.43B parameters, 2.7 GiB in fp16,
-    # the size timed against ORT-GenAI's builder on the H200 host (tools/gpu_machine/h200_run.sh).
-    "llama-1.4b": ModelConfig(
-        model_type="llama",
-        vocab_size=49152,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_layers=24,
-        num_heads=16,
-        num_kv_heads=16,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float16",
-    ),
     # SmolLM-135M shapes (~135M parameters, 514 MiB in fp32): export-speed and memory measurements.
     "smollm-135m": ModelConfig(
         model_type="llama",
@@ -152,4 +134,9 @@ PRESETS["tiny-huginn"] = dataclasses.replace(
     torch_dtype="float32",
     embed_scale=8.0,
     state_std=math.sqrt(2 / (5 * 64)) * 8.0,
+)
+# Ouro-1.4B's shapes as a plain Llama (R=1, untied head): 1.43B parameters, 2.7 GiB in fp16,
+# the size timed against ORT-GenAI's builder on the H200 host (tools/gpu_machine/h200_run.sh).
+PRESETS["llama-1.4b"] = dataclasses.replace(
+    PRESETS["ouro-1.4b"], model_type="llama", num_loops=1, max_position_embeddings=4096
 )

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,9 +32,7 @@ from loopcast.confined_files import (
 from loopcast.errors import ArtifactError
 from tests.adversarial.cases import Case, Table, assert_one_error_line, within_deadline
 from tests.artifacts import artifact
-
-ROOT = Path(__file__).resolve().parents[2]
-HEADERS = ROOT / ".cdeps" / "usr" / "include" / "onnxruntime" / "onnxruntime_c_api.h"
+from tests.c_example import build_c_example
 
 # name -> (file, the cap it is refused above: None = the manifest's recorded size)
 FILES = {
@@ -104,28 +101,7 @@ def rich(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def c_program(tmp_path_factory) -> Path:
-    missing = [
-        what
-        for what, ok in [
-            ("make", shutil.which("make")),
-            ("a C compiler", shutil.which("cc")),
-            ("ORT C headers (tools/c_generate/fetch_deps.sh)", HEADERS.is_file()),
-            ("cJSON", Path("/usr/include/cjson/cJSON.h").is_file()),
-        ]
-        if not ok
-    ]
-    if missing:
-        if os.environ.get("LOOPCAST_REQUIRE_C") == "1":
-            pytest.fail(f"C example prerequisites missing: {', '.join(missing)}")
-        pytest.skip(f"C example prerequisites missing: {', '.join(missing)}")
-    build = tmp_path_factory.mktemp("c_build")
-    proc = subprocess.run(
-        ["make", "-C", str(ROOT / "tools" / "c_generate"), f"BUILD={build}", f"PYTHON={sys.executable}"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return build / "c_generate"
+    return build_c_example(tmp_path_factory.mktemp("c_build"))
 
 
 def _mutated(rich: Path, tmp_path: Path, case: Case) -> tuple[Path, list[Path]]:

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,36 +14,12 @@ import pytest
 from loopcast.ort_runtime import load
 
 from tests.artifacts import artifact
-
-ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "tools" / "c_generate"
-HEADERS = ROOT / ".cdeps" / "usr" / "include" / "onnxruntime" / "onnxruntime_c_api.h"
+from tests.c_example import build_c_example
 
 
 @pytest.fixture(scope="module")
 def program(tmp_path_factory) -> Path:
-    missing = [
-        what
-        for what, ok in [
-            ("make", shutil.which("make")),
-            ("a C compiler", shutil.which("cc")),
-            ("ORT C headers (tools/c_generate/fetch_deps.sh)", HEADERS.is_file()),
-            ("cJSON", Path("/usr/include/cjson/cJSON.h").is_file()),
-        ]
-        if not ok
-    ]
-    if missing:
-        if os.environ.get("LOOPCAST_REQUIRE_C") == "1":
-            pytest.fail(f"C example prerequisites missing: {', '.join(missing)}")
-        pytest.skip(f"C example prerequisites missing: {', '.join(missing)}")
-    build = tmp_path_factory.mktemp("c_build")
-    proc = subprocess.run(
-        ["make", "-C", str(SOURCE), f"BUILD={build}", f"PYTHON={sys.executable}"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return build / "c_generate"
+    return build_c_example(tmp_path_factory.mktemp("c_build"))
 
 
 def _run(program: Path, *args: str) -> subprocess.CompletedProcess:
