@@ -186,8 +186,11 @@ def _check_quantized(opts: ExportOptions) -> None:
             f"--quantize with --dtype {opts.dtype} needs --ops loopcast (--target cuda): the stock "
             "MatMulNBits graphs run on the CPU with fp32 activations (--dtype fp32)"
         )
-    if opts.genai:
-        raise ExportError("--quantize with --genai is not supported yet (the GenAI graph is float only)")
+    if opts.genai and opts.dtype != "fp32":
+        raise ExportError(
+            "--quantize with --genai needs --dtype fp32: the GenAI graph uses the stock MatMulNBits "
+            "with fp32 activations (GenAI's sessions know no loopcast ops)"
+        )
 
 
 def _check_half_precision_runs(opts: ExportOptions) -> None:
@@ -400,7 +403,7 @@ def _write_artifact(
         )
     )
     genai_files = (
-        write_genai(staging, config, _ir_dtype(opts.dtype), opts.max_length, refs, WEIGHTS_FILE)
+        write_genai(staging, config, _ir_dtype(opts.dtype), opts.max_length, refs, WEIGHTS_FILE, quant)
         if opts.genai
         else []
     )

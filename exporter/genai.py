@@ -3,10 +3,12 @@
 The artifact directory then doubles as a GenAI model directory (``og.Model(artifact_dir)``):
 the decoder graph (``graphs/genai_decoder.py``) reads its weights from the artifact's one
 ``weights.safetensors`` as external data at the offsets our own graphs use, so nothing is
-stored twice. The config mirrors the fields GenAI's model builder (``onnxruntime_genai.models``
-0.18) writes for a GroupQueryAttention decoder, with ``past_present_share_buffer`` on:
-GenAI then allocates every KV buffer at ``search.max_length`` (our ``--max-length``, the
-capacity the rotary tables and the graphs were built for) and updates it in place.
+stored twice; a quantized artifact's graph reads the quantized matrices through the stock
+MatMulNBits, as ORT-GenAI's own int4 models do. The config mirrors the fields GenAI's model
+builder (``onnxruntime_genai.models`` 0.18) writes for a GroupQueryAttention decoder, with
+``past_present_share_buffer`` on: GenAI then allocates every KV buffer at ``search.max_length``
+(our ``--max-length``, the capacity the rotary tables and the graphs were built for) and
+updates it in place.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from loopcast.graphs.genai_decoder import (
 )
 
 from loopcast.config import ModelConfig
+from loopcast.quant import QuantScheme, quantized_linears
 
 GENAI_CONFIG_FILE = "genai_config.json"
 
@@ -95,9 +98,12 @@ def write_genai(
     max_length: int,
     refs: dict[str, WeightRef],
     weights_file: str,
+    quant: QuantScheme | None = None,
 ) -> list[str]:
-    """Write the GenAI graph and config into ``staging``; returns the file names written."""
-    builder = GraphBuilder(refs, weights_file, staging)
+    """Write the GenAI graph and config into ``staging``; returns the file names written. With
+    ``quant`` the graph reads the artifact's quantized matrices through MatMulNBits, as the
+    stock op set's own graphs do."""
+    builder = GraphBuilder(refs, weights_file, staging, quantized_linears(config, quant))
     ir.save(build_genai_decoder(config, dtype, max_length, builder), staging / GENAI_FILE)
     (staging / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config(config, max_length), indent=2) + "\n")
     return [GENAI_FILE, GENAI_CONFIG_FILE]
