@@ -97,8 +97,9 @@ from loopcast.vocab import OpSet, choices
     "--quantize-embedding",
     default="float",
     show_default=True,
-    metavar="float",
-    help="The embedding's format under --quantize (float only for now).",
+    metavar="float|int8|int4|same",
+    help="The embedding's format under --quantize (quantized: GatherBlockQuantized, --dtype fp32; "
+    "a tied head must then be quantized too).",
 )
 @click.option(
     "--accuracy-level",

@@ -41,7 +41,7 @@ from loopcast.manifest import (
     chunked_sha256,
 )
 from loopcast.manifest_schema import MAX_BATCH
-from loopcast.quant import QuantScheme, quantized_linears
+from loopcast.quant import QuantScheme, WeightFormat, quantized_linears
 from loopcast.swap import Staging, output_path, recover
 from loopcast.vocab import BATCH_KINDS, TREE_KINDS, OpSet, can_tree_verify, graph_plan
 
@@ -185,6 +185,11 @@ def _check_quantized(opts: ExportOptions) -> None:
         raise ExportError(
             f"--quantize with --dtype {opts.dtype} needs --ops loopcast (--target cuda): the stock "
             "MatMulNBits graphs run on the CPU with fp32 activations (--dtype fp32)"
+        )
+    if opts.quantization.embedding is not WeightFormat.FLOAT and opts.dtype != "fp32":
+        raise ExportError(
+            f"--quantize-embedding with --dtype {opts.dtype}: the quantized embedding is "
+            "GatherBlockQuantized with fp32 output (--dtype fp32, the CPU)"
         )
     if opts.genai and opts.dtype != "fp32":
         raise ExportError(

@@ -24,7 +24,7 @@ import numpy as np
 from loopcast.exporter.quantize import Quantized
 
 from loopcast.config import ModelConfig
-from loopcast.quant import QuantLinear, QuantScheme, quantized_linears
+from loopcast.quant import EMBEDDING, QuantLinear, QuantScheme, quantized_linears
 from loopcast.safetensors_file import MappedFile
 
 # Artifact dtype name → (numpy dtype, safetensors code). Conversions round to nearest even,
@@ -110,7 +110,7 @@ def artifact_tensors(
         specs.append(("lm_head.weight_T", (config.hidden_size, config.vocab_size), lambda: None, None))
     out: list[Spec] = []
     for name, shape, produce, code in specs:
-        if name in linears:
+        if name in linears:  # the embedding too, under --quantize-embedding
             out += _quantized(linears[name], config, read, name, native)
         else:
             out.append((name, shape, produce, code))
@@ -121,6 +121,8 @@ def _sources(config: ModelConfig, name: str) -> list[str]:
     """The checkpoint matrices ([N_i, K]) stacked on N into the graphs' matrix ``name``."""
     if name == "lm_head.weight_T":
         return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    if name == EMBEDDING:
+        return ["model.embed_tokens.weight"]
     ours, proj = name.removesuffix(".weight_T").rsplit(".", 1)
     theirs = dict(layer_prefixes(config))[ours]
     parts = {
@@ -150,14 +152,32 @@ def _quantized(
             else:
                 w_NK = np.concatenate([np.asarray(read(s), np.float32) for s in sources], axis=0)
                 qt = quantize(w_NK, linear.bits, linear.block_size, linear.symmetric)
-            return {"packed": qt.packed, "scales": qt.scales, "zero_points": qt.zero_points}[key]
+            tensor = {"packed": qt.packed, "scales": qt.scales, "zero_points": qt.zero_points}[key]
+            if linear.gathered:  # GatherBlockQuantized's shapes of the same bytes (loopcast/quant.py)
+                tensor = np.ascontiguousarray(tensor.reshape(linear.n, -1)[:, : dims[key][1]])
+            return tensor
 
         return produce
 
     fzp = linear.float_zero_points
     dims = shapes(linear.n, linear.k, linear.bits, linear.block_size, linear.symmetric, fzp)
+    if linear.gathered:
+        dims = gathered_shapes(linear)
     dtypes = {"packed": "uint8", "scales": "fp32", "zero_points": "fp32" if fzp else "uint8"}
     return [(stored, dims[key], role(key), dtypes[key]) for key, stored in linear.stored.items()]
+
+
+def gathered_shapes(linear: QuantLinear) -> dict[str, tuple[int, ...]]:
+    """The stored shapes of the quantized embedding: GatherBlockQuantized's [V, H·b/8] codes
+    (rows without the padding of a partial last block), [V, blocks] scales and [V, bytes] zero
+    points."""
+    from loopcast.exporter.quantize import n_blocks
+
+    nb = n_blocks(linear.k, linear.block_size)
+    out = {"packed": (linear.n, linear.k * linear.bits // 8), "scales": (linear.n, nb)}
+    if not linear.symmetric:
+        out["zero_points"] = (linear.n, -(-nb * linear.bits // 8))
+    return out
 
 
 def _float_tensors(config: ModelConfig, max_length: int, read: Read, dtype: np.dtype | None) -> list[Spec]:

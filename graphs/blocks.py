@@ -14,6 +14,7 @@ import onnx_ir as ir
 from loopcast.graphs.builder import LOOPCAST_DOMAIN, MS_DOMAIN, GraphBuilder
 
 from loopcast.config import ModelConfig
+from loopcast.quant import EMBEDDING
 
 if TYPE_CHECKING:
     from loopcast.graphs.ops import OpSetBuilders
@@ -406,8 +407,23 @@ def decoder_layer(
 
 
 def embed(b: GraphBuilder, input_ids_BS: ir.Value) -> ir.Value:
+    q = b.quantized.get(EMBEDDING)
+    if q is None:
+        return b.op("Gather", [b.weight(EMBEDDING), input_ids_BS], path="/embed", out="embed_BSH", axis=0)
+    # A quantized embedding: only the gathered rows are dequantized (fp32 out, as the scales).
+    inputs = [b.weight(q.stored["packed"]), input_ids_BS, b.weight(q.stored["scales"])]
+    if "zero_points" in q.stored:
+        inputs.append(b.weight(q.stored["zero_points"]))
     return b.op(
-        "Gather", [b.weight("embed_tokens.weight"), input_ids_BS], path="/embed", out="embed_BSH", axis=0
+        "GatherBlockQuantized",
+        inputs,
+        path="/embed",
+        out="embed_BSH",
+        domain=MS_DOMAIN,
+        gather_axis=0,
+        quantize_axis=1,
+        block_size=q.block_size,
+        bits=q.bits,
     )
 
 

@@ -314,6 +314,8 @@ def _quantization(top: _Fields, dtype: str, op_set: OpSet) -> QuantScheme | None
         scheme = QuantScheme.from_dict(fields)
     except LoopcastError as exc:
         q.fail(str(exc))
+    if dtype != "fp32" and scheme.embedding != "float":
+        q.fail(f"a quantized embedding needs fp32 (GatherBlockQuantized's fp32 rows), got {dtype}")
     if dtype != "fp32" and op_set is not OpSet.LOOPCAST:
         q.fail(
             f"quantized {dtype} weights need the loopcast op set (BatchInvariantMatMulNBits), got {op_set}"

@@ -39,7 +39,8 @@ class QuantScheme:
     """Which weights are quantized and how. ``layers``: every projection of every decoder layer
     (fused q|k|v and gate|up quantized after fusion); ``head``: the lm_head (a tied head gets a
     quantized copy of the embedding, or reads the float embedding when ``head`` is float);
-    ``embedding``: the token embedding (float only for now: the Gather reads it as is)."""
+    ``embedding``: the token embedding (quantized: GatherBlockQuantized dequantizes the rows it
+    gathers)."""
 
     layers: WeightFormat
     block_size: int = 32
@@ -66,9 +67,10 @@ class QuantScheme:
             object.__setattr__(self, name, WeightFormat(getattr(self, name)))
         if self.layers is WeightFormat.FLOAT:
             raise ExportError("--quantize must be int4 or int8 (float is no quantization)")
-        if self.embedding is not WeightFormat.FLOAT:
+        if self.embedding is not WeightFormat.FLOAT and self.float_zero_points:
             raise ExportError(
-                "--quantize-embedding: only float is supported (the embedding Gather stays float)"
+                "--quantize-embedding needs uint8 zero points (GatherBlockQuantized): keep the "
+                "embedding float for fp32-zero-point blocks"
             )
         if self.block_size not in BLOCK_SIZES:
             raise ExportError(f"--block-size must be one of 32, 64, 128, got {self.block_size}")
@@ -127,11 +129,17 @@ def parse_format(option: str, value: str, layers: WeightFormat) -> WeightFormat:
     return WeightFormat(value)
 
 
+EMBEDDING = "embed_tokens.weight"
+
+
 @dataclass(frozen=True)
 class QuantLinear:
     """One quantized matrix of the graphs: ``x @ W`` with ``W`` [K, N] stored as MatMulNBits
     tensors ``{base}.weight_q`` (uint8 [N, blocks, blob]), ``{base}.scales`` (fp32) and, when
-    asymmetric, ``{base}.zero_points`` (uint8), where ``weight`` is ``{base}.weight_T``."""
+    asymmetric, ``{base}.zero_points`` (uint8), where ``weight`` is ``{base}.weight_T``. The
+    embedding (``weight`` = EMBEDDING, [V, H] read by rows: N = V, K = H) is stored the same way
+    in GatherBlockQuantized's shapes (``gathered``: packed [V, H·b/8], scales [V, blocks], zero
+    points [V, ceil(blocks·b/8)]; the same bytes)."""
 
     weight: str  # the float name it replaces ("layers.0.qkv_proj.weight_T")
     k: int
@@ -144,7 +152,11 @@ class QuantLinear:
 
     @property
     def base(self) -> str:
-        return self.weight.removesuffix(".weight_T")
+        return self.weight.removesuffix(".weight_T").removesuffix(".weight")
+
+    @property
+    def gathered(self) -> bool:
+        return self.weight == EMBEDDING
 
     @property
     def stored(self) -> dict[str, str]:
@@ -188,6 +200,15 @@ def quantized_linears(config, scheme: QuantScheme | None) -> dict[str, QuantLine
             out[name] = entry(name, k, n, scheme.layers)
     if scheme.head is not WeightFormat.FLOAT:
         out["lm_head.weight_T"] = entry("lm_head.weight_T", h, config.vocab_size, scheme.head)
+    if scheme.embedding is not WeightFormat.FLOAT:
+        if config.tie_word_embeddings and scheme.head is WeightFormat.FLOAT:
+            raise ExportError(
+                "--quantize-embedding with a tied float head: the head reads the float embedding; "
+                "quantize the head too (--quantize-head int8|int4)"
+            )
+        if scheme.embedding is WeightFormat.INT4 and h % 2:
+            raise ExportError(f"--quantize-embedding int4 needs an even hidden size, got {h}")
+        out[EMBEDDING] = entry(EMBEDDING, h, config.vocab_size, scheme.embedding)
     return out
 
 

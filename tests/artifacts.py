@@ -160,7 +160,8 @@ def dequantized_reference(name: str, scheme):
     """The torch reference of ``name`` on the weights ``scheme`` stands for: every quantized matrix
     replaced by its dequantized RTN round trip (per output row, blocked along K, so quantizing
     q|k|v fused or one by one is the same); a quantized tied head becomes an untied head holding
-    the dequantized embedding, the Gather keeping the float one."""
+    the dequantized embedding, the Gather keeping the float one unless the embedding is quantized
+    too (then its rows are their own round trip)."""
     import json
 
     from loopcast.exporter.quantize import dequantize, quantize
@@ -190,6 +191,10 @@ def dequantized_reference(name: str, scheme):
             tensors["lm_head.weight"] = roundtrip(tensors["model.embed_tokens.weight"], scheme.head)
         else:
             tensors["lm_head.weight"] = roundtrip(tensors["lm_head.weight"], scheme.head)
+    if scheme.embedding is not WeightFormat.FLOAT:  # after the tied head took the float rows
+        tensors["model.embed_tokens.weight"] = roundtrip(
+            tensors["model.embed_tokens.weight"], scheme.embedding
+        )
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config))
     return load_checkpoint(out, dtype=torch.float32)

@@ -23,6 +23,10 @@ SCHEMES = [
     QuantScheme(WeightFormat.INT4, 32, True, WeightFormat.INT4, accuracy_level=0),
     QuantScheme(WeightFormat.INT8, 64, False, WeightFormat.INT8, accuracy_level=0),
     QuantScheme(WeightFormat.INT4, 128, False, WeightFormat.FLOAT, accuracy_level=1),
+    # quantized embeddings (GatherBlockQuantized): asymmetric int4 (packed zero points), and a
+    # block longer than the tiny models' hidden size of 64 (one partial block per row)
+    QuantScheme(WeightFormat.INT4, 32, False, WeightFormat.INT8, WeightFormat.INT4, accuracy_level=0),
+    QuantScheme(WeightFormat.INT8, 128, True, WeightFormat.INT8, WeightFormat.INT8, accuracy_level=0),
 ]
 
 
@@ -76,7 +80,9 @@ def _close(actual, expected) -> None:
 
 
 @pytest.mark.parametrize("name", ["ouro-r3", "llama-tied-gqa", "llama-untied"])
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.layers}-b{s.block_size}-{s.head}")
+@pytest.mark.parametrize(
+    "scheme", SCHEMES, ids=lambda s: f"{s.layers}-b{s.block_size}-{s.head}-e{s.embedding}"
+)
 def test_graphs_match_the_reference_on_dequantized_weights(name: str, scheme: QuantScheme) -> None:
     model = dequantized_reference(name, scheme)
     path = quantized_artifact(name, scheme)
@@ -124,6 +130,22 @@ def test_quantized_weights_file_is_smaller_and_typed() -> None:
     assert stored["layers.0.input_layernorm.weight"].dtype == "fp32"
 
 
+def test_a_quantized_embedding_replaces_the_float_one() -> None:
+    from loopcast.exporter.weights import read_stored
+
+    path = quantized_artifact("llama-tied-gqa", SCHEMES[3])
+    stored = read_stored(path / "weights.safetensors")
+    assert "embed_tokens.weight" not in stored
+    V, H = 101, 64  # tests/tiny_models.py: llama-tied-gqa
+    packed, scales, zero_points = (stored[f"embed_tokens.{t}"] for t in ("weight_q", "scales", "zero_points"))
+    assert packed.dtype == "uint8" and tuple(packed.shape) == (V, H // 2)
+    assert tuple(scales.shape) == (V, 2) and tuple(zero_points.shape) == (V, 1)
+    import onnx
+
+    graph = onnx.load(str(path / "prefill.onnx"), load_external_data=False).graph
+    assert "GatherBlockQuantized" in {n.op_type for n in graph.node}
+
+
 def _cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
@@ -135,7 +157,14 @@ def _cli(*args):
         (["--quantize", "int3"], "--quantize must be one of int4, int8, got 'int3'"),
         (["--quantize", "int4", "--dtype", "fp16"], "--quantize with --dtype fp16 needs --ops loopcast"),
         (["--quantize", "int4", "--dtype", "bf16", "--ops", "stock"], "--dtype bf16 needs --ops loopcast"),
-        (["--quantize", "int8", "--quantize-embedding", "int8"], "--quantize-embedding: only float"),
+        (
+            ["--quantize", "int8", "--quantize-head", "float", "--quantize-embedding", "int8"],
+            "--quantize-embedding with a tied float head",
+        ),
+        (
+            ["--quantize", "int4", "--quantize-embedding", "int4", "--dtype", "fp16", "--ops", "loopcast"],
+            "--quantize-embedding with --dtype fp16",
+        ),
         (["--quantize", "int8", "--quantize-head", "int2"], "--quantize-head must be one of"),
         (["--block-size", "64"], "--block-size needs --quantize int4|int8"),
         (["--quantize", "int4", "--accuracy-level", "2"], "--accuracy-level must be 0, 1 or 4"),

@@ -17,6 +17,10 @@ from tests.artifacts import dequantized_reference, quantized_artifact, require_e
 FP32_COMPUTE = QuantScheme(WeightFormat.INT4, 32, True, WeightFormat.INT8, accuracy_level=0)
 # accuracy_level 4 at block 32: int8 activations, row-invariant (tools/probes/check_matmulnbits_rows.py)
 INT8_ACTIVATIONS = QuantScheme(WeightFormat.INT4, 32, True, WeightFormat.INT4, accuracy_level=4)
+# the same, the embedding int4 too (GatherBlockQuantized): the smallest artifact
+INT4_EVERYWHERE = QuantScheme(
+    WeightFormat.INT4, 32, True, WeightFormat.INT4, WeightFormat.INT4, accuracy_level=4
+)
 PROMPT = [5, 9, 11, 5, 9, 11, 5, 9, 11, 5, 9]  # repetitive: prompt lookup drafts
 
 
@@ -34,10 +38,13 @@ def test_the_manifest_declares_what_the_probe_measured() -> None:
     assert Manifest.read(quantized_artifact("ouro-r3", FP32_COMPUTE)).exact_verify["cuda"] is False
 
 
+@pytest.mark.parametrize(
+    "scheme", [INT8_ACTIVATIONS, INT4_EVERYWHERE], ids=["float-embedding", "int4-embedding"]
+)
 @pytest.mark.parametrize("mode", ["prompt-lookup", "self", "pipeline"])
-def test_every_speculative_mode_is_plain_greedy_where_declared_exact(mode: str) -> None:
+def test_every_speculative_mode_is_plain_greedy_where_declared_exact(mode: str, scheme: QuantScheme) -> None:
     require_exact_cpu_artifacts()
-    path = quantized_artifact("ouro-r3", INT8_ACTIVATIONS)
+    path = quantized_artifact("ouro-r3", scheme)
     assert Manifest.read(path).exact_verify["cpu"]
     model = load(path)
     plain = model.generate(PROMPT, 40).tokens
