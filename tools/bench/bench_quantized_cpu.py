@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     for label in labels[1:]:
         plain = models[label].generate(prompt, args.check_tokens, stop_ids=()).tokens
         for mode in filter(None, args.check.split(",")):
-            got = models[label].generate(prompt, args.check_tokens, stop_ids=(), speculative=mode, gate="always")
+            model = models[label]
+            got = model.generate(prompt, args.check_tokens, stop_ids=(), speculative=mode, gate="always")
             same = got.tokens == plain
             bad += not same
             report["checks"][f"{label} {mode}"] = {
