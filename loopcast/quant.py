@@ -182,6 +182,9 @@ def quantized_linears(config, scheme: QuantScheme | None) -> dict[str, QuantLine
     layers += [f"coda_layers.{i}" for i in range(config.num_coda_layers)]
 
     def entry(weight: str, k: int, n: int, fmt: WeightFormat) -> QuantLinear:
+        # fp32 zero points are a Q4_1 block's; an 8-bit matrix beside them (a GGUF's Q8_0 head
+        # under Q4_1 layers) keeps uint8 ones (128): MatMulNBits refuses 8 bits with fp32 ones
+        float_zp = scheme.float_zero_points and fmt.bits == 4
         return QuantLinear(
             weight,
             k,
@@ -190,7 +193,7 @@ def quantized_linears(config, scheme: QuantScheme | None) -> dict[str, QuantLine
             scheme.block_size,
             scheme.symmetric,
             scheme.accuracy_level,
-            scheme.float_zero_points,
+            float_zp,
         )
 
     out = {}

@@ -149,6 +149,19 @@ def test_q4_gguf_holds_the_gguf_matrices_and_decodes_like_them(name: str, qtype:
     assert _tokens(art) == _tokens(float_art)
 
 
+def test_q4_1_layers_under_a_q8_0_head_load_and_decode_like_their_values() -> None:
+    """llama.cpp's Q4_1 files keep the head (tied: the embedding) in Q8_0: its blocks keep uint8
+    zero points (128) beside the layers' fp32 ones, since MatMulNBits refuses 8-bit weights with
+    fp32 zero points; the export loads at the default accuracy level and, at fp32 compute, decodes
+    like the float export of the file's values."""
+    g = _gguf(LLAMA, "Q4_1", "Q8_0")
+    scheme = Manifest.read(_export(str(g), "llama-q41-q80head")).quantization
+    assert scheme.head is WeightFormat.INT8 and scheme.float_zero_points
+    art = _export(str(g), "llama-q41-q80head-acc0", ExportOptions(source_accuracy_level=0))
+    deq = dequantized_checkpoint(g, TINY_MODELS[LLAMA], scratch_root() / "deq-llama-q41-q80head")
+    assert _tokens(art) == _tokens(_export(str(deq), "llama-q41-q80head-float"))
+
+
 @pytest.mark.parametrize("name,qtype", [(LLAMA, "F32"), (LLAMA, "F16"), (LLAMA, "BF16"), (QWEN2, "F32")])
 def test_float_gguf_equals_the_float_export(name: str, qtype: str) -> None:
     """A float GGUF (q/k permuted by the converter, permuted back here) writes the float export's
