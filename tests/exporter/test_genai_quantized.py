@@ -62,22 +62,13 @@ def test_quantized_genai_graph_gives_loopcast_tokens(tmp_path, name: str) -> Non
 
 
 def test_quantized_genai_runs_in_onnxruntime_genai(tmp_path) -> None:
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
+    from tests.exporter.test_genai_export import _genai_greedy
+
     art = tmp_path / "art"
-    export_checkpoint(
-        checkpoint("llama-tied-gqa"),
-        art,
-        ExportOptions(max_length=64, genai=True, quantization=INT4_INT8_HEAD),
-    )
-    model = og.Model(str(art))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(PROMPT) + 12, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens([PROMPT])
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
+    options = ExportOptions(max_length=64, genai=True, quantization=INT4_INT8_HEAD)
+    export_checkpoint(checkpoint("llama-tied-gqa"), art, options)
+    tokens = _genai_greedy(art, PROMPT, 12)
     ours = load(art).generate(PROMPT, 12).tokens
     assert tokens[: len(ours)] == ours[: len(tokens)] and len(tokens) >= len(ours) - 1
 
