@@ -81,6 +81,9 @@ class BenchOptions:
     oracle_rejects: tuple[float, ...] = (0.0, 0.08)  # pipeline rows with oracle drafts (rejected fractions)
     passes: int = 1  # end-to-end passes, modes interleaved (median ratio)
     threads: int | None = None  # ONNX Runtime intra-op threads (None: its default)
+    # weight formats to export each (dtype, variant) with: "none" (float weights), "int4", "int8"
+    # (loopcast export --quantize, block 32, symmetric, head in the layers' format)
+    quantize: tuple[str, ...] = ("none",)
 
 
 @dataclass
@@ -98,6 +101,7 @@ class VariantResult:
     variant: str
     past: int
     export_s: float
+    quantize: str = "none"
     steps: list[StepTimes] = field(default_factory=list)
     rows_identical: dict = field(default_factory=dict)
     end_to_end: dict = field(default_factory=dict)
@@ -309,30 +313,37 @@ def _checkpoint(opts: BenchOptions, dtype: str) -> Path:
     return out
 
 
-def bench_variant(opts: BenchOptions, dtype: str, variant: str, log=print) -> VariantResult:
+def bench_variant(
+    opts: BenchOptions, dtype: str, variant: str, log=print, quantize: str = "none"
+) -> VariantResult:
     from loopcast.exporter.export import ExportOptions, export_checkpoint, with_verify_width
     from loopcast.ort_runtime import load
 
     from loopcast.config import load_config
+    from loopcast.quant import quant_scheme_from_options
 
     checkpoint = _checkpoint(opts, dtype)
     config = load_config(checkpoint)
     widths = sorted(set(opts.widths) | {5})
     max_length = min(config.max_position_embeddings, opts.past + max(widths) + 1)
     past = max_length - max(widths) - 1
-    art = opts.work_dir / f"art-{Path(str(checkpoint)).name}-{dtype}-{variant}"
-    log(f"[{dtype}/{variant}] exporting {checkpoint} into {art} ...")
+    scheme = quant_scheme_from_options(None if quantize == "none" else quantize)
+    tag = f"{dtype}/{variant}" + ("" if scheme is None else f"/{quantize}")
+    art = opts.work_dir / f"art-{Path(str(checkpoint)).name}-{tag.replace('/', '-')}"
+    log(f"[{tag}] exporting {checkpoint} into {art} ...")
     t0 = time.perf_counter()
     # variants: stock ops, every loopcast op, or the exporter's default op set for this dtype
     ops = {"stock": OpSet.STOCK, "batch-invariant": OpSet.LOOPCAST, "default": "auto"}[variant]
     export_checkpoint(
         checkpoint,
         art,
-        ExportOptions(dtype, max_length, 5, 1 if config.num_loops > 1 else None, ops=ops),
+        ExportOptions(
+            dtype, max_length, 5, 1 if config.num_loops > 1 else None, ops=ops, quantization=scheme
+        ),
         overwrite=True,
     )
-    result = VariantResult(dtype, variant, past, time.perf_counter() - t0)
-    log(f"[{dtype}/{variant}] exported in {result.export_s:.1f}s; past {past}")
+    result = VariantResult(dtype, variant, past, time.perf_counter() - t0, quantize)
+    log(f"[{tag}] exported in {result.export_s:.1f}s; past {past}")
     cuda = opts.device == "cuda"
     from loopcast.manifest import Manifest
 
@@ -489,10 +500,11 @@ def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
     }
     for dtype in opts.dtypes:
         for variant in opts.variants:
-            result = bench_variant(opts, dtype, variant, log)
-            report["runs"].append(asdict(result))
-            if on_progress is not None:
-                on_progress(report)
+            for quantize in opts.quantize:
+                result = bench_variant(opts, dtype, variant, log, quantize)
+                report["runs"].append(asdict(result))
+                if on_progress is not None:
+                    on_progress(report)
         past = report["runs"][-1]["past"]
         config = load_config(_checkpoint(opts, dtype))
         baseline: dict = {"past": past}

@@ -28,7 +28,8 @@ def format_table(report: dict) -> str:
         note = (
             " — captured = one fixed position, timing only" if run.get("captured_fixed_position_only") else ""
         )
-        lines.append(f"\n{run['dtype']} / {run['variant']} (past {run['past']}){note}")
+        weights = "" if run.get("quantize", "none") == "none" else f" / {run['quantize']} weights"
+        lines.append(f"\n{run['dtype']} / {run['variant']}{weights} (past {run['past']}){note}")
         lines.append(
             f"  {'step':<16}"
             + (f"{'captured ms':>12}{'uncaptured ms':>15}" if captured else f"{'ms':>10}")
@@ -140,7 +141,8 @@ def write_report(report: dict, out: Path, plot: bool = True) -> list[Path]:
     labels, values = [], []
     for run in report["runs"]:
         for s in sorted(run["steps"], key=lambda s: (s["kind"], s["rows"])):
-            labels.append(f"{run['dtype']}/{run['variant'][:5]}\n{s['kind']}({s['rows']})")
+            quant = "" if run.get("quantize", "none") == "none" else "/" + run["quantize"]
+            labels.append(f"{run['dtype']}/{run['variant'][:5]}{quant}\n{s['kind']}({s['rows']})")
             values.append(s["captured_ms"] or s["uncaptured_ms"])
     ax.bar(range(len(values)), values)
     ax.set_xticks(range(len(values)), labels, rotation=90, fontsize=6)

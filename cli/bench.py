@@ -31,6 +31,14 @@ import click
     "(default: what a user's export runs on the device: default on cpu, batch-invariant on cuda).",
 )
 @click.option(
+    "--quantize",
+    "quantize",
+    multiple=True,
+    type=click.Choice(["none", "int4", "int8"]),
+    help="Weight formats, each exported beside the others (repeatable; default: none, float "
+    "weights): int4/int8 as `loopcast export --quantize` (block 32, symmetric).",
+)
+@click.option(
     "--quick",
     is_flag=True,
     help="A first look in about a minute on a CPU: past 128, width 5, 10 runs per step, 32 tokens "
@@ -88,6 +96,7 @@ def bench(
     device: str | None,
     dtypes: tuple[str, ...],
     variants: tuple[str, ...],
+    quantize: tuple[str, ...],
     past: int,
     widths: str,
     iters: int,
@@ -166,6 +175,7 @@ def bench(
         rejects,
         passes,
         threads,
+        quantize or ("none",),
     )
     click.echo(f"bench on {device}: artifacts in {work_dir}, report {out}", err=True)
     report = run_bench(

@@ -2,23 +2,24 @@
 // M <= 16; more rows take more passes of 16): Y[M, N] = A[M, K] · Wᵀ with W [N, K] stored
 // block-quantized in MatMulNBits' layout (matmul_nbits_op.h), fp32 accumulation.
 //
-// The product is memory-bound on the weights, which are read once from HBM per pass and
-// dequantized in registers as they arrive ("in the prologue" of each k-step), never written
-// back: w = (q - zero_point) · scale in fp32, the CPU kernel's and numpy's expression.
+// The product is memory-bound on the weights, which are read once from HBM per pass in 16-byte
+// chunks (32 int4 or 16 int8 codes of one column) and dequantized in registers, never written
+// back: w = (q - zero_point) · scale in fp32, the CPU kernel's and numpy's expression (q - zp is
+// taken exactly as (2^23 + q) - (2^23 + zp) from the code's bits: no int-to-float conversion).
 //
-//   grid (ceil(N / COLS)), 256 threads = 8 warps; a block owns COLS output columns.
-//   K is cut into 256-wide steps; warp w owns steps [w·spw, (w+1)·spw) (spw = ceil(steps / 8)).
-//   In a step, lane l owns k = 256·s + 8l .. +8: per column one 4-byte (int4) or 8-byte (int8)
-//   weight load (a warp reads 128 or 256 contiguous bytes of a column) and, per row, one
-//   16-byte activation load (fp16/bf16; two for fp32) reused for all COLS columns. The next
-//   step's weight loads are issued before this step's products.
+//   One wave of 256-thread blocks (8 warps); a warp computes groups of COLS whole columns in a
+//   grid-stride loop. Lane l owns chunks l, l + 32, l + 64, ... of each column (a warp reads
+//   512 contiguous bytes of a column per step), U chunks a column in flight; the next group's
+//   first chunks are loaded while this group computes (the very first before the PDL wait).
+//   The block's activation rows (through SwiGLU when fused) are staged once per pass in shared
+//   memory as T when they fit in 200 KiB, else each lane reads them through L1.
 //
 // M-invariance: output (m, n) is reduced as
-//   serial fmaf over the lane's k (ascending) -> xor butterfly over the 32 lanes of the warp ->
-//   serial sum over the 8 warps (ascending),
-// and spw, the step width and the lane mapping depend only on K. Rows never interact: RPT
-// (rows per pass: 1, 2, 4, 8 or 16, from M) and COLS (columns per block, from RPT) only decide
-// which outputs a block computes, never how one is reduced.
+//   serial fmaf over the lane's k (chunks ascending, k ascending inside one) -> xor butterfly
+//   over the 32 lanes of the warp,
+// and the chunk width and the lane mapping depend only on the bit width. Rows never interact:
+// RPT (rows per pass: 1, 2, 4, 8 or 16, from M), COLS, staging and U only decide which outputs a
+// warp computes and where its activations come from (the same T values), never how one is reduced.
 #include <algorithm>
 #include <cstdint>
 
@@ -30,7 +31,8 @@ namespace {
 
 constexpr int kNbWarps = 8;
 constexpr int kNbThreads = kNbWarps * 32;
-constexpr int kStepK = 256;  // k per warp step: 32 lanes x 8
+constexpr int kStageBytes = 200 * 1024;  // dynamic shared memory (opted in per kernel)
+constexpr float kMagic = 8388608.0f;    // 2^23: (2^23 | q) as a float is 2^23 + q exactly
 
 struct NBitsArgs {
   const void* A;
@@ -38,10 +40,12 @@ struct NBitsArgs {
   const float* scales;
   const uint8_t* zp;  // null: symmetric, zero point 2^(bits-1)
   void* Y;
-  int M, K, N, block_size, nb, zp_row, spw;
-  int a_stride;       // elements per row of A: K, or 2K with SwiGLU ([gate | up])
+  int M, K, N, block_size, nb, zp_row, chunks;
+  int a_stride;         // elements per row of A: K, or 2K with SwiGLU ([gate | up])
+  int stage_stride;     // elements per staged row: K rounded up to a chunk's codes
   long long row_bytes;  // bytes per weight row: nb * block_size * bits / 8
-  bool b_vec, a_vec;  // aligned vector loads allowed
+  bool b_vec, a_vec;    // aligned vector loads allowed
+  bool stage;           // activations staged in shared memory
 };
 
 // Eight activations A[row][k .. k + 8] as fp32 (zeros past K), through SwiGLU when SW.
@@ -67,146 +71,249 @@ __device__ __forceinline__ void load_a(float (&a)[8], const NBitsArgs& p, const 
   }
 }
 
-// Column n's eight codes at k .. k + 8 (k < K, a multiple of 8: inside one block) with their
-// block's scale and zero point, as loaded (dequantised later: the next step's loads are issued
-// before this step's products).
+// Eight staged activations (shared memory, zeros past K: the same values load_a gives).
+template <typename T>
+__device__ __forceinline__ void load_staged(float (&a)[8], const T* row, int k) {
+  uint4 raw[sizeof(T) / 2];
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T)) / 2; ++i) raw[i] = reinterpret_cast<const uint4*>(row + k)[i];
+  const T* v = reinterpret_cast<const T*>(raw);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) a[e] = to_f(v[e]);
+}
+
+// Rows m0 .. m0 + RPT of A (SwiGLU applied when SW) into shared memory as T, zero-padded to
+// stage_stride (rows past M are skipped); eight elements a thread step.
+template <typename T, int RPT, bool SW>
+__device__ void stage_rows(T* smem, const NBitsArgs& p, const T* A, int m0) {
+  const int per_row = p.stage_stride / 8;
+  for (int i = threadIdx.x; i < RPT * per_row; i += kNbThreads) {
+    const int r = i / per_row, k = 8 * (i % per_row);
+    if (m0 + r >= p.M) break;  // rows past M are never read
+    const T* row = A + static_cast<size_t>(m0 + r) * p.a_stride;
+    uint4 out;
+    if (p.a_vec && k + 8 <= p.K) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + k));
+      out = SW ? swiglu8<T>(v, __ldg(reinterpret_cast<const uint4*>(row + p.K + k))) : v;
+      if constexpr (sizeof(T) == 4) {  // fp32: eight elements are two granules
+        const uint4 v2 = __ldg(reinterpret_cast<const uint4*>(row + k) + 1);
+        reinterpret_cast<uint4*>(smem + static_cast<size_t>(r) * p.stage_stride + k)[1] = v2;
+      }
+    } else {
+      T v[16 / sizeof(T) >= 8 ? 16 / sizeof(T) : 8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int kk = k + e;
+        v[e] = kk >= p.K ? from_f<T>(0.0f) : SW ? swiglu_value(row[kk], row[p.K + kk]) : row[kk];
+      }
+      if constexpr (sizeof(T) == 4) {
+        for (int e = 0; e < 8; ++e) smem[static_cast<size_t>(r) * p.stage_stride + k + e] = v[e];
+        continue;
+      } else {
+        out = *reinterpret_cast<const uint4*>(v);
+      }
+    }
+    reinterpret_cast<uint4*>(smem + static_cast<size_t>(r) * p.stage_stride + k)[0] = out;
+  }
+}
+
+// One 16-byte chunk of column n's codes (chunk c: k = c·CPC ..) as four words; bytes past the
+// row read as zero codes (their activations are zero).
+__device__ __forceinline__ uint4 load_chunk(const NBitsArgs& p, int n, int c) {
+  const uint8_t* src = p.B + static_cast<size_t>(n) * p.row_bytes + static_cast<size_t>(c) * 16;
+  if (p.b_vec) return __ldg(reinterpret_cast<const uint4*>(src));
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const long long at = static_cast<long long>(c) * 16 + 4 * i + b;
+      if (at < p.row_bytes) w[i] |= static_cast<uint32_t>(src[4 * i + b]) << (8 * b);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Block `blk`'s scale and 2^23 + zero point of column n.
 template <int BITS>
-struct Codes {
-  uint32_t q[BITS / 4];  // 8 codes: one word (4 bits) or two (8 bits)
-  float scale, zp;
+__device__ __forceinline__ void block_params(const NBitsArgs& p, int n, int blk, float& scale, float& zp_magic) {
+  const int b = min(blk, p.nb - 1);  // k past the row: zero activations, any finite scale
+  scale = __ldg(p.scales + static_cast<size_t>(n) * p.nb + b);
+  float zp = static_cast<float>(1 << (BITS - 1));
+  if (p.zp != nullptr) {
+    const uint8_t z = __ldg(p.zp + static_cast<size_t>(n) * p.zp_row + (BITS == 4 ? b / 2 : b));
+    zp = static_cast<float>(BITS == 4 ? ((b & 1) ? (z >> 4) : (z & 0xF)) : z);
+  }
+  zp_magic = kMagic + zp;
+}
+
+// Eight weights of group g (k = c·CPC + 8g ..) of a chunk: (q - zp) · scale.
+template <int BITS>
+__device__ __forceinline__ void dequantize8(float (&w)[8], const uint4& chunk, int g, float scale, float zp_magic) {
+  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const uint32_t q = BITS == 4 ? (words[g] >> (4 * e)) & 0xFu : (words[2 * g + e / 4] >> (8 * (e % 4))) & 0xFFu;
+    w[e] = __fmul_rn(__fsub_rn(__uint_as_float(0x4B000000u | q), zp_magic), scale);
+  }
+}
+
+// A chunk's codes with its block's scale and 2^23 + zero point (and the next block's when a
+// chunk spans two: int4 blocks of 16), loaded together so no load waits inside the products.
+struct Chunk {
+  uint4 q;
+  float s0, z0, s1, z1;
 };
 
 template <int BITS>
-__device__ __forceinline__ void load_codes(Codes<BITS>& c, const NBitsArgs& p, int n, int k) {
-  const int blk = k / p.block_size;
-  const int index = n * p.nb + blk;
-  c.scale = __ldg(p.scales + index);
-  c.zp = static_cast<float>(1 << (BITS - 1));
-  if (p.zp != nullptr) {
-    const uint8_t z = __ldg(p.zp + static_cast<size_t>(n) * p.zp_row + (BITS == 4 ? blk / 2 : blk));
-    c.zp = static_cast<float>(BITS == 4 ? ((blk & 1) ? (z >> 4) : (z & 0xF)) : z);
-  }
-  const uint8_t* src = p.B + static_cast<size_t>(n) * p.row_bytes + static_cast<size_t>(k) * BITS / 8;
-  if (p.b_vec) {
-    if constexpr (BITS == 4) {
-      c.q[0] = __ldg(reinterpret_cast<const unsigned int*>(src));
-    } else {
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-      c.q[0] = v.x;
-      c.q[1] = v.y;
-    }
+__device__ __forceinline__ void load_full(Chunk& out, const NBitsArgs& p, int n, int c, bool split_blocks) {
+  out.q = load_chunk(p, n, c);
+  const int blk = c * (128 / BITS) / p.block_size;
+  block_params<BITS>(p, n, blk, out.s0, out.z0);
+  if (split_blocks) {
+    block_params<BITS>(p, n, blk + 1, out.s1, out.z1);
   } else {
-#pragma unroll
-    for (int i = 0; i < BITS / 4; ++i)
-      c.q[i] = src[4 * i] | (src[4 * i + 1] << 8) | (src[4 * i + 2] << 16) | (static_cast<uint32_t>(src[4 * i + 3]) << 24);
+    out.s1 = out.s0;
+    out.z1 = out.z0;
   }
 }
 
-// w = (q - zero_point) · scale, value e at k + e (4 bits: the low nibble first).
-template <int BITS>
-__device__ __forceinline__ void dequantize(float (&w)[8], const Codes<BITS>& c) {
+// Chunks c0, c0 + 32, .. c0 + 32(U-1) of the COLS columns from n0 (absent ones: zero weights).
+template <int BITS, int U, int COLS>
+__device__ __forceinline__ void load_group(Chunk (&out)[U][COLS], const NBitsArgs& p, int n0, int c0, bool split) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const uint32_t q = BITS == 4 ? (c.q[0] >> (4 * e)) & 0xF : (c.q[e / 4] >> (8 * (e % 4))) & 0xFF;
-    w[e] = __fmul_rn(static_cast<float>(q) - c.zp, c.scale);
-  }
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int j = 0; j < COLS; ++j) {
+      if (c0 + 32 * u < p.chunks && n0 + j < p.N) {
+        load_full<BITS>(out[u][j], p, n0 + j, c0 + 32 * u, split);
+      } else {
+        out[u][j] = Chunk{make_uint4(0, 0, 0, 0), 0.0f, kMagic, 0.0f, kMagic};
+      }
+    }
 }
 
-template <typename T, int BITS, int RPT, int COLS, bool SW>
-__global__ void __launch_bounds__(kNbThreads, RPT <= 2 ? 3 : 2) nbits_kernel(NBitsArgs p) {
-  __shared__ float red[kNbWarps][RPT][COLS];
-  pdl_trigger();
-  pdl_wait();
+template <typename T, int BITS, int RPT, int COLS, int U, bool SW>
+__global__ void __launch_bounds__(kNbThreads, RPT <= 8 ? 2 : 1) nbits_kernel(NBitsArgs p) {
+  extern __shared__ __align__(16) unsigned char nbits_smem[];
+  constexpr int CPC = 128 / BITS;  // codes a 16-byte chunk
+  constexpr int G = CPC / 8;       // groups of eight codes a chunk
+  T* staged = reinterpret_cast<T*>(nbits_smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n0 = blockIdx.x * COLS;
-  const int s_begin = warp * p.spw;
-  const int s_end = min(s_begin + p.spw, (p.K + kStepK - 1) / kStepK);
   const T* A = static_cast<const T*>(p.A);
   T* Y = static_cast<T*>(p.Y);
+  // Warps take column groups of COLS in a grid-stride loop (the grid is sized to the device),
+  // so the staged rows serve many columns; each group's first chunks are fetched while the
+  // previous group computes, the very first before the PDL wait (weights are constants).
+  const int stride = gridDim.x * kNbWarps * COLS;
+  const int start = (blockIdx.x * kNbWarps + warp) * COLS;
+  const bool split_blocks = p.block_size < CPC;  // int4 blocks of 16: two blocks a chunk
+
+  Chunk nxt[U][COLS];
+  if (start < p.N) load_group<BITS, U, COLS>(nxt, p, start, lane, split_blocks);
+  pdl_trigger();
+  pdl_wait();
 
   for (int m0 = 0; m0 < p.M; m0 += RPT) {  // uniform over the block
-    float acc[RPT][COLS];
+    if (p.stage) {
+      if (m0 > 0) __syncthreads();  // the previous pass has read the stage
+      stage_rows<T, RPT, SW>(staged, p, A, m0);
+      __syncthreads();
+    }
+    if (m0 > 0 && start < p.N) load_group<BITS, U, COLS>(nxt, p, start, lane, split_blocks);
+    for (int n0 = start; n0 < p.N; n0 += stride) {
+      Chunk chunk[U][COLS];
 #pragma unroll
-    for (int r = 0; r < RPT; ++r)
+      for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
-    // Software pipeline: step s + 1's codes are loaded before step s's products (the order of
-    // the products, k ascending, is unchanged). Columns past N load nothing and are never stored.
-    Codes<BITS> cur[COLS] = {}, next[COLS] = {};
-    auto load_step = [&](Codes<BITS>(&c)[COLS], int s) {
-      const int k = s * kStepK + 8 * lane;
+        for (int j = 0; j < COLS; ++j) chunk[u][j] = nxt[u][j];
+      if (n0 + stride < p.N) load_group<BITS, U, COLS>(nxt, p, n0 + stride, lane, split_blocks);
+      float acc[RPT][COLS];
 #pragma unroll
-      for (int j = 0; j < COLS; ++j)
-        if (k < p.K && n0 + j < p.N) load_codes<BITS>(c[j], p, n0 + j, k);
-    };
-    if (s_begin < s_end) load_step(cur, s_begin);
-    for (int s = s_begin; s < s_end; ++s) {
-      if (s + 1 < s_end) load_step(next, s + 1);
-      const int k = s * kStepK + 8 * lane;
-      if (k < p.K) {
-        // Each acc[r][c] takes fmaf over e ascending either way; only the register footprint
-        // differs: few rows keep every row's activations, many rows every column's weights.
-        if constexpr (RPT <= 4) {
-          float a[RPT][8];
+      for (int r = 0; r < RPT; ++r)
 #pragma unroll
-          for (int r = 0; r < RPT; ++r)
-            load_a<T, SW>(a[r], p, A + static_cast<size_t>(min(m0 + r, p.M - 1)) * p.a_stride, k);  // rows >= M: discarded
+        for (int j = 0; j < COLS; ++j) acc[r][j] = 0.0f;
+      for (int c0 = lane; c0 < p.chunks; c0 += 32 * U) {
+        if (c0 != lane) load_group<BITS, U, COLS>(chunk, p, n0, c0, split_blocks);
 #pragma unroll
-          for (int c = 0; c < COLS; ++c) {
-            float w[8];
-            dequantize<BITS>(w, cur[c]);
+        for (int u = 0; u < U; ++u) {
+          const int c = c0 + 32 * u;
+          if (c >= p.chunks) break;  // chunks only grow with u
 #pragma unroll
-            for (int r = 0; r < RPT; ++r)
+          for (int g = 0; g < G; ++g) {
+            const int k = c * CPC + 8 * g;
+            const bool second = split_blocks && 8 * g >= p.block_size;
+            float w[COLS][8];
 #pragma unroll
-              for (int e = 0; e < 8; ++e) acc[r][c] = fmaf(a[r][e], w[e], acc[r][c]);
-          }
-        } else {
-          float w[COLS][8];
+            for (int j = 0; j < COLS; ++j)
+              dequantize8<BITS>(w[j], chunk[u][j].q, g, second ? chunk[u][j].s1 : chunk[u][j].s0,
+                                second ? chunk[u][j].z1 : chunk[u][j].z0);
 #pragma unroll
-          for (int c = 0; c < COLS; ++c) dequantize<BITS>(w[c], cur[c]);
+            for (int r = 0; r < RPT; ++r) {
+              if (m0 + r >= p.M) break;  // uniform: rows past M are not computed
+              float a[8];
+              if (p.stage) {
+                load_staged<T>(a, staged + static_cast<size_t>(r) * p.stage_stride, k);
+              } else {
+                load_a<T, SW>(a, p, A + static_cast<size_t>(m0 + r) * p.a_stride, k);
+              }
 #pragma unroll
-          for (int r = 0; r < RPT; ++r) {
-            float a[8];
-            load_a<T, SW>(a, p, A + static_cast<size_t>(min(m0 + r, p.M - 1)) * p.a_stride, k);
+              for (int j = 0; j < COLS; ++j)
 #pragma unroll
-            for (int c = 0; c < COLS; ++c)
-#pragma unroll
-              for (int e = 0; e < 8; ++e) acc[r][c] = fmaf(a[e], w[c][e], acc[r][c]);
+                for (int e = 0; e < 8; ++e) acc[r][j] = fmaf(a[e], w[j][e], acc[r][j]);
+            }
           }
         }
       }
 #pragma unroll
-      for (int c = 0; c < COLS; ++c) cur[c] = next[c];
+      for (int r = 0; r < RPT; ++r)
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) {
+          float v = acc[r][j];
+#pragma unroll
+          for (int off = 16; off >= 1; off /= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
+          const int m = m0 + r, n = n0 + j;
+          if (lane == 0 && m < p.M && n < p.N) Y[static_cast<size_t>(m) * p.N + n] = from_f<T>(v);
+        }
     }
-#pragma unroll
-    for (int r = 0; r < RPT; ++r)
-#pragma unroll
-      for (int c = 0; c < COLS; ++c) {
-        float v = acc[r][c];
-#pragma unroll
-        for (int off = 16; off >= 1; off /= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
-        if (lane == 0) red[warp][r][c] = v;
-      }
-    __syncthreads();
-    if (threadIdx.x < RPT * COLS) {
-      const int r = threadIdx.x / COLS, c = threadIdx.x % COLS;
-      float sum = red[0][r][c];
-#pragma unroll
-      for (int q = 1; q < kNbWarps; ++q) sum = __fadd_rn(sum, red[q][r][c]);
-      const int m = m0 + r, n = n0 + c;
-      if (m < p.M && n < p.N) Y[static_cast<size_t>(m) * p.N + n] = from_f<T>(sum);
-    }
-    __syncthreads();  // red is rewritten by the next pass
   }
 }
 
+int device_sms() {
+  static int sms = 0;  // host attribute query: not a stream operation, fine under capture
+  if (sms == 0) {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0)
+      sms = v;
+    else
+      return 132;
+  }
+  return sms;
+}
+
 template <typename T, int BITS, int RPT, bool SW>
-int nbits_launch(const NBitsArgs& args, cudaStream_t stream) {
-  // registers: acc[RPT][COLS], two steps' codes per column, and a[RPT][8] or w[COLS][8] (nbits_kernel)
-  constexpr int COLS = RPT <= 8 ? 4 : 2;
-  const int blocks = (args.N + COLS - 1) / COLS;
-  return static_cast<int>(launch_kernel(nbits_kernel<T, BITS, RPT, COLS, SW>, dim3(blocks, 1, 1),
-                                        dim3(kNbThreads, 1, 1), 0, stream, 0, args));
+int nbits_launch(NBitsArgs args, cudaStream_t stream) {
+  // One column a warp (two spill under the two-blocks-an-SM register budget); U chunks in flight.
+  constexpr int COLS = 1;
+  constexpr int U = RPT <= 4 ? 2 : 1;
+  const size_t stage = static_cast<size_t>(RPT) * args.stage_stride * sizeof(T);
+  args.stage = stage <= static_cast<size_t>(kStageBytes) && args.stage_stride % 8 == 0;
+  static bool opted_in = false;  // a function attribute (host side, not a stream operation)
+  if (args.stage && stage > 48 * 1024 && !opted_in) {
+    if (cudaFuncSetAttribute(nbits_kernel<T, BITS, RPT, COLS, U, SW>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, kStageBytes) == cudaSuccess)
+      opted_in = true;
+    else
+      args.stage = false;  // the same values through L1
+  }
+  const int per_block = kNbWarps * COLS;
+  const int wanted = (args.N + per_block - 1) / per_block;
+  const int resident = device_sms() * (RPT <= 8 ? 2 : 1);  // one wave: __launch_bounds__'s blocks an SM
+  const int blocks = std::max(1, std::min(wanted, resident));
+  return static_cast<int>(launch_kernel(nbits_kernel<T, BITS, RPT, COLS, U, SW>, dim3(blocks, 1, 1),
+                                        dim3(kNbThreads, 1, 1), args.stage ? stage : 0, stream, 0, args));
 }
 
 template <typename T, int BITS, bool SW>
@@ -239,11 +346,13 @@ struct NBitsLauncher {
     p.block_size = block_size;
     p.nb = static_cast<int>((K + block_size - 1) / block_size);
     p.zp_row = (p.nb * bits + 7) / 8;
-    const int steps = static_cast<int>((K + kStepK - 1) / kStepK);
-    p.spw = (steps + kNbWarps - 1) / kNbWarps;  // from K only
+    const int cpc = 128 / bits;  // codes a 16-byte chunk
+    p.chunks = static_cast<int>((K + cpc - 1) / cpc);
     p.a_stride = static_cast<int>(swiglu ? 2 * K : K);
+    p.stage_stride = p.chunks * cpc;
     p.row_bytes = static_cast<long long>(p.nb) * block_size * bits / 8;
-    p.b_vec = reinterpret_cast<uintptr_t>(B) % 8 == 0;  // rows are whole blocks: >= 8 bytes each
+    // 16-byte chunk loads: rows that are whole chunks (int4 blocks of 16 are 8 bytes) on an aligned base
+    p.b_vec = reinterpret_cast<uintptr_t>(B) % 16 == 0 && p.row_bytes % 16 == 0;
     p.a_vec = reinterpret_cast<uintptr_t>(A) % 16 == 0 && K % 8 == 0;
     if (static_cast<long long>(N) * p.nb > (1LL << 31)) return static_cast<int>(cudaErrorInvalidValue);
     auto s = static_cast<cudaStream_t>(stream);

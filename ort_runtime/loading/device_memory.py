@@ -22,12 +22,14 @@ import onnxruntime as ort
 
 _KDL_CUDA = 2
 # DLPack dtype (code, bits) per ONNX element type: kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4
-_DL_TYPES = {1: (2, 32), 10: (2, 16), 16: (4, 16), 6: (0, 32), 7: (0, 64)}
+# ONNX element type -> (DLPack type code, bits); uint8 carries quantized weights' codes and zero points
+_DL_TYPES = {1: (2, 32), 10: (2, 16), 16: (4, 16), 6: (0, 32), 7: (0, 64), 2: (1, 8)}
 _ONNX_OF_NUMPY = {
     np.dtype(np.float32): 1,
     np.dtype(np.float16): 10,
     np.dtype(np.int32): 6,
     np.dtype(np.int64): 7,
+    np.dtype(np.uint8): 2,
 }
 
 

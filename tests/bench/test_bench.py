@@ -110,3 +110,31 @@ def test_edit_workload_rows_are_plain_and_prompt_lookup(tmp_path) -> None:
     ratios = rows["prompt-lookup"]["pass_speedups"]
     assert len(ratios) == 3 and abs(rows["prompt-lookup"]["speedup"] - sorted(ratios)[1]) < 1e-3
     assert rows["prompt-lookup (gate always)"]["rounds"] > 0
+
+
+def test_quantized_weights_are_benched_beside_float(tmp_path) -> None:
+    """--quantize none --quantize int4: one run per weight format, each artifact exported with
+    its scheme, speculation still equal to plain on the int4 one."""
+    from loopcast.manifest import Manifest
+
+    opts = BenchOptions(
+        str(checkpoint("ouro-r3")),
+        tmp_path / "work",
+        device="cpu",
+        dtypes=("fp32",),
+        variants=("default",),
+        past=40,
+        widths=(5,),
+        iters=1,
+        new_tokens=6,
+        alternate_tokens=0,
+        oracle_rejects=(),
+        quantize=("none", "int4"),
+    )
+    report = run_bench(opts, log=lambda line: None)
+    assert [r["quantize"] for r in report["runs"]] == ["none", "int4"]
+    arts = sorted(p for p in (tmp_path / "work").iterdir() if p.name.startswith("art-"))
+    schemes = {p.name: Manifest.read(p).quantization for p in arts}
+    assert sum(s is not None for s in schemes.values()) == 1, schemes
+    assert all(e["divergent_prompts"] == 0 for e in report["runs"][1]["end_to_end"].values())
+    assert "int4 weights" in format_table(report)

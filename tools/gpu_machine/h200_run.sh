@@ -2,6 +2,7 @@
 # One call on the lent H200 (docs/perf.md): `tools/gpu_machine/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
+# | quant-llama | quant-ouro
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -12,7 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD
 # The repository maps exporter/, graphs/, ... into loopcast.*; plain PYTHONPATH imports need
 # the same view (links inside this throwaway copy of the work tree).
 for d in exporter graphs ort_runtime custom_ops cli serve bench; do [ -e loopcast/$d ] || ln -s ../$d loopcast/$d; done
-export LOOPCAST_CACHE=$PWD/.lccache   # carries the custom-op library built on the dev machine
+export LOOPCAST_CACHE=${LOOPCAST_CACHE:-$PWD/.lccache}   # carries the custom-op library built on the dev machine
 # Bytecode cached between runs, as an installed package has it (without this, every timed
 # export round recompiled the package: 2 s of a 6 s export on this host)
 unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pycache
@@ -179,6 +180,35 @@ phase_alternate() {  # tree verify on CUDA (masked kernel rows, engine exactness
     timeout 200 python3 -m tools.bench.bench_alternate --device cuda --dtype $dt --json "$RES/alternate-$dt.json" \
       > "$RES/alternate-$dt.txt" 2>&1
   done
+}
+phase_quant_llama() {  # int4 end to end: the 1.43B Llama (Ouro-1.4B layer shapes, R=1), ours (--target cuda,
+  # the loopcast NBits op) beside ORT-GenAI's int4 (its builder's -p int4 -e cuda) with its CUDA graph, same
+  # random checkpoint, 1000-token prompt, 2 interleaved rounds (docs/quantization.md)
+  local log="$RES/quant-llama.txt"
+  { python3 -m loopcast.cli random-checkpoint /root/llama --preset llama-1.4b --dtype fp16
+    cp loopcast/demo_model/tokenizer.json loopcast/demo_model/tokenizer_config.json /root/llama/  # the builder saves one
+    /usr/bin/time -f "export int4 %e s" python3 -m loopcast.cli export /root/llama -o /root/llama-int4 --dtype fp16 \
+      --target cuda --quantize int4 --max-length 1536 --overwrite
+    /usr/bin/time -f "export fp16 %e s" python3 -m loopcast.cli export /root/llama -o /root/llama-fp16 --dtype fp16 \
+      --target cuda --max-length 1536 --overwrite
+    python3 -m loopcast.cli inspect /root/llama-int4 | head -30
+    /usr/bin/time -f "builder int4 %e s" timeout 300 python3 -m onnxruntime_genai.models.builder -i /root/llama \
+      -o /root/genai-int4 -p int4 -e cuda -c /root/genai-cache 2>&1 | tail -5
+    du -sh /root/llama-int4 /root/llama-fp16 /root/genai-int4
+  } > "$log" 2>&1
+  for round in 1 2; do
+    timeout 120 python3 -m tools.bench.host_loop /root/llama-int4 --device cuda --prompt-len 1000 --new-tokens 256 \
+      --out "$RES/quant-llama-ours-int4-$round.json" >> "$log" 2>&1
+    [ -d /root/genai-int4 ] && timeout 120 python3 -m tools.bench.genai_decode /root/genai-int4 --device cuda \
+      --cuda-graph --prompt-len 1000 --new-tokens 256 --out "$RES/quant-llama-genai-int4-$round.json" >> "$log" 2>&1
+    timeout 120 python3 -m tools.bench.host_loop /root/llama-fp16 --device cuda --prompt-len 1000 --new-tokens 256 \
+      --out "$RES/quant-llama-ours-fp16-$round.json" >> "$log" 2>&1
+  done
+}
+phase_quant_ouro() {  # Ouro-1.4B shapes, fp16 activations: float weights beside int4 in one bench run
+  timeout 560 python3 -m loopcast.cli bench preset:ouro-1.4b --device cuda --dtype fp16 --variant batch-invariant \
+    --quantize none --quantize int4 --iters 10 --past 400 --widths 5 --new-tokens 48 --alternate-tokens 0 \
+    --no-torch --work-dir /root/bw14 --out "$RES/quant-ouro.json" > "$RES/quant-ouro.txt" 2>&1
 }
 phase_nbits() {  # int4/int8 BatchInvariantMatMulNBits: ctypes kernel tests, the ORT-level tests, the microbenchmark
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
