@@ -19,8 +19,8 @@ and the median over passes is reported. ``--lookup LABEL`` also runs that artifa
 lookup on the edit prompt and checks its tokens equal its plain greedy tokens (exit status 1
 if not). Held-out bits/byte: every artifact scores the same windows of this interpreter's
 stdlib held-out split (tools/demo_model/demo_corpus.py) tokenized with that tokenizer,
-teacher-forced (ours through the verify graph, W rows a call; GenAI's model.onnx with plain
-onnxruntime, one call a window).
+teacher-forced (ours through the verify graph, W rows a call; GenAI's through
+onnxruntime_genai, each window one prompt whose logits output holds every position).
 """
 
 from __future__ import annotations

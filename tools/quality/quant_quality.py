@@ -16,8 +16,8 @@ when it is missing the held-out split alone is packed (a few seconds). Any other
 folder: the same held-out split (this interpreter's stdlib) tokenized with the folder's
 tokenizer.json. bits/byte = CE / ln 2 × tokens per byte of the held-out split, as in
 docs/demo-model.md. ``--genai DIR``: also an ORT-GenAI model folder of the same checkpoint (its
-builder's output), scored on the same windows by its model.onnx under plain onnxruntime, one
-call a window with no past (the teacher-forced logits GenAI's first step computes).
+builder's output), scored on the same windows through onnxruntime_genai: each window is one
+prompt, whose logits output holds every position's row.
 """
 
 from __future__ import annotations
@@ -82,22 +82,18 @@ def stdlib_windows(tokenizer_json: Path, windows: int, seq: int) -> tuple[list[n
 
 
 def genai_window_logits(model_dir: Path, windows: list[np.ndarray]) -> list[np.ndarray]:
-    """An ORT-GenAI model folder's model.onnx, teacher-forced: each window's [seq, V] logits in
-    one call with an empty past (plain onnxruntime, the CPU)."""
-    import onnxruntime as ort
+    """An ORT-GenAI model folder, teacher-forced: each window appended to a fresh greedy
+    generator as its prompt, whose logits output then holds every position's [seq, V] row."""
+    import onnxruntime_genai as og
 
-    cfg = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
-    session = ort.InferenceSession(str(model_dir / cfg["filename"]), providers=["CPUExecutionProvider"])
-    empty = np.zeros((1, cfg["num_key_value_heads"], 0, cfg["head_size"]), np.float32)
-    names = {i.name for i in session.get_inputs()}
+    model = og.Model(str(model_dir))
     out = []
     for tokens in windows:
-        feed = {"input_ids": tokens[None, :], "attention_mask": np.ones((1, len(tokens)), np.int64)}
-        for layer in range(cfg["num_hidden_layers"]):
-            for pattern in (cfg["inputs"]["past_key_names"], cfg["inputs"]["past_value_names"]):
-                feed[pattern % layer] = empty
-        feed = {k: v for k, v in feed.items() if k in names}
-        out.append(np.asarray(session.run(["logits"], feed)[0][0], np.float64))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(tokens) + 1, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens([tokens.astype(np.int32).tolist()])
+        out.append(np.asarray(generator.get_output("logits")[0], np.float64))
     return out
 
 
