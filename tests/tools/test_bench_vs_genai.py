@@ -46,6 +46,7 @@ def test_report_rows_lookup_identity_and_equal_scores(tmp_path) -> None:
         assert set(rows) == ({"ours", "genai", "ours+lookup"} if name == "edit" else {"ours", "genai"})
         assert rows["genai"]["ratio_decode"] == 1.0
         assert all(len(rows[label]["decode_tok_s"]) == 1 for label in rows)
+        assert all(rows[label]["cpu_ms_per_token"][0] > 0 for label in rows)
     assert report["lookup"]["identical_to_plain"] is True
     ours, genai = report["contenders"]["ours"], report["contenders"]["genai"]
     assert ours["peak_rss_mib"] > 0 and genai["peak_rss_mib"] > 0

@@ -13,14 +13,16 @@ prompts (code, prose and an edit prompt whose answer copies the prompt) to every
 turn, the order rotated pass by pass, so one child computes at a time. Every contender gets the
 same token ids (the first ``--ours`` artifact's tokenizer) and stops at EOS or ``--new-tokens``.
 Decode tok/s = (tokens - 1) / (time from the first token to the last), end to end = tokens /
-(time from the call to the last token). Peak RSS is the child's own ``ru_maxrss``. Ratios are
-taken in the same pass against the reference (``--against``, default the first ``--genai``)
-and the median over passes is reported. ``--lookup LABEL`` also runs that artifact with prompt
-lookup on the edit prompt and checks its tokens equal its plain greedy tokens (exit status 1
-if not). Held-out bits/byte: every artifact scores the same windows of this interpreter's
-stdlib held-out split (tools/demo_model/demo_corpus.py) tokenized with that tokenizer,
-teacher-forced (ours through the verify graph, W rows a call; GenAI's through
-onnxruntime_genai, each window one prompt whose logits output holds every position).
+(time from the call to the last token); CPU ms/token = the child's CPU time over the call (all
+its threads, spinning included) per token, the figure a shared machine's load disturbs least.
+Peak RSS is the child's own ``ru_maxrss``. Ratios are taken in the same pass against the
+reference (``--against``, default the first ``--genai``) and the median over passes is
+reported. ``--lookup LABEL`` also runs that artifact with prompt lookup on the edit prompt and
+checks its tokens equal its plain greedy tokens (exit status 1 if not). Held-out bits/byte:
+every artifact scores the same windows of this interpreter's stdlib held-out split
+(tools/demo_model/demo_corpus.py) tokenized with that tokenizer, teacher-forced (ours through
+the verify graph, W rows a call; GenAI's through onnxruntime_genai, each window one prompt
+whose logits output holds every position).
 """
 
 from __future__ import annotations
@@ -104,15 +106,16 @@ def worker_main(kind: str, path: str, threads: int | None) -> None:
     print(REPLY + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         tokens, first = [], t0
         for token in run(request["ids"], request["new_tokens"], request["mode"]):
             if not tokens:
                 first = time.perf_counter()
             tokens.append(int(token))
-        end = time.perf_counter()
+        end, cpu = time.perf_counter(), time.process_time() - cpu0
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        reply = {"tokens": tokens, "first_s": first - t0, "end_s": end - t0, "peak_rss_mib": peak_kib / 1024}
+        reply = {"tokens": tokens, "first_s": first - t0, "end_s": end - t0, "cpu_s": cpu}
+        reply["peak_rss_mib"] = peak_kib / 1024
         print(REPLY + json.dumps(reply), flush=True)
 
 
@@ -151,11 +154,12 @@ class Contender:
             self.proc.wait()
 
 
-def rates(reply: dict) -> tuple[float, float]:
-    """(decode tok/s, end-to-end tok/s) of one reply."""
+def rates(reply: dict) -> tuple[float, float, float]:
+    """(decode tok/s, end-to-end tok/s, CPU ms per token: every thread of the child, the whole
+    call) of one reply."""
     n = len(reply["tokens"])
     decode = (n - 1) / max(reply["end_s"] - reply["first_s"], 1e-9)
-    return decode, n / max(reply["end_s"], 1e-9)
+    return decode, n / max(reply["end_s"], 1e-9), 1e3 * reply["cpu_s"] / max(n, 1)
 
 
 def dir_mib(path: Path) -> float:
@@ -234,8 +238,10 @@ def main(argv=None) -> int:
     report: dict = {"passes": args.passes, "new_tokens": args.new_tokens, "against": against}
     report |= {"load_1min": [min(load_seen), max(load_seen)], "prompts": {}, "contenders": {}}
     print(f"\nmedian of {args.passes} passes; x {against} = same-pass ratio of decode tok/s, median")
-    print("| prompt | contender | tokens | decode tok/s | end-to-end tok/s | x " + against + " |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "| prompt | contender | tokens | decode tok/s | end-to-end tok/s | CPU ms/token | x " + against + " |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name in prompts:
         report["prompts"][name] = {}
         for label in order:
@@ -247,13 +253,15 @@ def main(argv=None) -> int:
             row = {
                 "decode_tok_s": [g[0] for g in got],
                 "e2e_tok_s": [g[1] for g in got],
+                "cpu_ms_per_token": [g[2] for g in got],
                 "tokens": len(tokens[(name, label)][-1]),
                 "ratio_decode": ratio,
             }
             report["prompts"][name][label] = row
             print(
                 f"| {name} | {label} | {row['tokens']} | {statistics.median(row['decode_tok_s']):.1f} | "
-                f"{statistics.median(row['e2e_tok_s']):.1f} | {ratio:.2f} |"
+                f"{statistics.median(row['e2e_tok_s']):.1f} | "
+                f"{statistics.median(row['cpu_ms_per_token']):.1f} | {ratio:.2f} |"
             )
     bad = 0
     if args.lookup is not None:
