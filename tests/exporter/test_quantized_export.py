@@ -42,21 +42,35 @@ def test_rtn_round_trip_is_within_half_a_step(bits: int, block: int, symmetric: 
     nb = -(-200 // block)
     assert qt.packed.shape == (24, nb, block * bits // 8) and qt.scales.shape == (24 * nb,)
     assert (qt.zero_points is None) == symmetric
-    # every value is within half a quantization step of its block (plus fp32 rounding)
-    pad = np.zeros((24, nb * block), np.float32)
-    pad[:, :200] = np.abs(w - back)
-    err = pad.reshape(24, nb, block).max(axis=2).reshape(-1)
-    assert np.all(err <= qt.scales * 0.5 * (1 + 1e-5) + 1e-7)
+    # every value is within half a quantization step of its block (plus fp32 rounding), but for
+    # symmetric int4 values of the other sign than the block's extreme past code 15: one step
+    step = np.repeat(np.abs(qt.scales).reshape(24, nb), block, axis=1)[:, :200]
+    clipped = (symmetric and bits == 4) & (np.abs(w) > 7 * step)
+    assert np.all(np.abs(w - back) <= np.where(clipped, 1.0, 0.5) * step * (1 + 1e-5) + 1e-7)
     # a value the grid holds exactly comes back exactly
     assert np.array_equal(dequantize(quantize(back, bits, block, symmetric)), back) or not symmetric
 
 
 def test_int4_packing_puts_the_first_value_in_the_low_nibble() -> None:
     w = np.zeros((1, 32), np.float32)
-    w[0, 0], w[0, 1] = 7.0, -7.0  # symmetric: scale 1, zero point 8 -> codes 15 and 1
+    w[0, 0], w[0, 1] = -8.0, 7.0  # symmetric: scale -8 / -8 = 1, zero point 8 -> codes 0 and 15
     qt = quantize(w, 4, 32, True)
-    assert qt.packed[0, 0, 0] == 15 | (1 << 4)
+    assert qt.packed[0, 0, 0] == 0 | (15 << 4)
     assert qt.packed[0, 0, 1] == 8 | (8 << 4)
+
+
+def test_symmetric_int4_blocks_use_every_code() -> None:
+    # The largest-magnitude value takes code 0 (sign kept in the scale) and comes back exactly;
+    # absmax / 7 would leave code 0 unused.
+    bits = 4
+    w = np.random.default_rng(bits).standard_normal((16, 64)).astype(np.float32)
+    qt = quantize(w, bits, 32, True)
+    back = dequantize(qt).reshape(16, 2, 32)
+    blocks = w.reshape(16, 2, 32)
+    at = np.abs(blocks).argmax(axis=2)[:, :, None]
+    np.testing.assert_array_equal(np.take_along_axis(back, at, 2), np.take_along_axis(blocks, at, 2))
+    codes = np.stack([qt.packed & 0xF, qt.packed >> 4], axis=-1)
+    assert codes.min() == 0 and codes.max() <= 15
 
 
 @pytest.mark.parametrize(
