@@ -1,7 +1,7 @@
 """Adaptive depth on the demo model: quality and speed of static depths and the exit gate.
 
-    python -m tools.bench.bench_depth                 # ~6 min on 2 cores; tables on stdout
-    python -m tools.bench.bench_depth --json out.json --tokens 2000 --new-tokens 128
+    python -m tools.bench.bench_depth                 # ~10 min on 2 cores; tables on stdout
+    python -m tools.bench.bench_depth --json out.json --passes 7 --q 0.25
 
 Quality (teacher-forced on held-out text: ``--windows`` windows of ``--window`` tokens from the
 held-out documents of this interpreter's stdlib, tools/demo_model/demo_corpus.py): every token
@@ -14,11 +14,14 @@ its exit loop, and scored there:
   * mean loops per token.
 Under ``full`` the KV is the model's own whatever q, so one pass scores every q; under
 ``last-exited`` each q is its own pass (a token's exit loop's K/V is copied into the deeper
-slots, ``Generator.fill_deeper_kv``, as the runtime does).
+slots, ``Generator.fill_deeper_kv``: the KV a row stopped at its exit loop leaves, as the
+runtime's loop-skipping rows leave it).
 
 Speed: greedy generation of ``--new-tokens`` tokens after held-out code prompts
-(tools/demo_model/demo_prompts.py), plain at every static depth and with the gate at a few q,
-tok/s as the stats report (best of ``--passes``).
+(tools/demo_model/demo_prompts.py), plain at every static depth and with the gate at a few q
+(and at the last-exited q whose bits/byte is within 1 % of full depth's, ``within``): the
+median tok/s over ``--passes`` interleaved passes and the median of each pass's ratio to full
+depth in that pass, with the load average before and after (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import numpy as np
@@ -36,7 +40,7 @@ from loopcast.ort_runtime.decoding.exits import exit_loop
 from tools.demo_model.demo_corpus import read_split_with_paths
 from tools.demo_model.demo_prompts import code_prompts
 
-THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.26, 0.27, 0.28, 0.29, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 def windows(model, count: int, length: int) -> list[list[int]]:
@@ -118,22 +122,40 @@ def _row(name: str, policy: str, nats: float, nbytes: int, agree: int, n: int, m
     }
 
 
-def speed(model, prompts: list[str], new_tokens: int, passes: int) -> list[dict]:
+def within(quality_rows: list[dict], tolerance: float = 0.01) -> dict | None:
+    """The last-exited row with the fewest mean loops whose bits/byte is within ``tolerance`` of
+    full depth's (None: no quality table)."""
+    if not quality_rows:
+        return None
+    full = max((r for r in quality_rows if r["config"].startswith("loops=")), key=lambda r: r["mean_loops"])
+    ok = [
+        r
+        for r in quality_rows
+        if r["kv_policy"] == "last-exited" and r["bits_per_byte"] <= full["bits_per_byte"] * (1 + tolerance)
+    ]
+    return min(ok, key=lambda r: (r["mean_loops"], r["config"])) if ok else None
+
+
+def speed(
+    model, prompts: list[str], new_tokens: int, passes: int, extra_q: tuple[float, ...] = ()
+) -> list[dict]:
+    """tok/s of each configuration: the median over ``passes`` interleaved passes (each pass runs
+    every configuration once, so load that drifts on a shared machine reaches them alike), and
+    the median over passes of the ratio to full depth measured in the same pass."""
     R = model.config.num_loops
     configs = [(f"loops={k}", {"loops": k}) for k in range(R, 0, -1)]
     configs += [
         (f"q={q} {p}", {"exit_threshold": q, "kv_policy": p})
-        for q in (0.1, 0.2, 0.3, 0.5)
+        for q in sorted({0.1, 0.2, 0.3, *extra_q})
         for p in ("full", "last-exited")
     ]
     ids = [model.encode(p) for p in prompts]
     for prompt in ids[:1]:  # warm every session once
         for _, options in configs:
             model.generate(prompt, max_new_tokens=4, stop_ids=(), **options)
-    # Passes go round the configurations (every configuration once per pass), so load that
-    # drifts on a shared machine reaches them all alike; each keeps its best pass.
-    best = {name: 0.0 for name, _ in configs}
+    rates: dict[str, list[float]] = {name: [] for name, _ in configs}
     loops: dict[str, list[float]] = {name: [] for name, _ in configs}
+    core: dict[str, list[float]] = {name: [] for name, _ in configs}
     for _ in range(passes):
         for name, options in configs:
             t0, n = time.perf_counter(), 0
@@ -141,15 +163,23 @@ def speed(model, prompts: list[str], new_tokens: int, passes: int) -> list[dict]
                 result = model.generate(prompt, max_new_tokens=new_tokens, stop_ids=(), **options)
                 n += len(result.tokens)
                 loops[name].append(result.stats.mean_loops)
-            best[name] = max(best[name], n / (time.perf_counter() - t0))
-    out = [
-        {"config": name, "tok_s": round(best[name], 1), "mean_loops": round(float(np.mean(loops[name])), 3)}
+                core[name].append(result.stats.core_calls_per_token)
+            rates[name].append(n / (time.perf_counter() - t0))
+    full = rates[configs[0][0]]
+    return [
+        {
+            "config": name,
+            "tok_s": round(float(np.median(rates[name])), 1),
+            "speedup": round(float(np.median([a / b for a, b in zip(rates[name], full)])), 3),
+            "speedup_range": [
+                round(min(a / b for a, b in zip(rates[name], full)), 3),
+                round(max(a / b for a, b in zip(rates[name], full)), 3),
+            ],
+            "mean_loops": round(float(np.mean(loops[name])), 3),
+            "core_calls_per_token": round(float(np.mean(core[name])), 3),
+        }
         for name, _ in configs
     ]
-    full = out[0]["tok_s"]
-    for row in out:
-        row["speedup"] = round(row["tok_s"] / full, 3)
-    return out
 
 
 def main() -> None:
@@ -158,7 +188,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=129)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--q", type=float, action="append", default=[], help="more thresholds to time")
     parser.add_argument("--json", default=None)
     parser.add_argument("--speed-only", action="store_true", help="skip the quality tables")
     args = parser.parse_args()
@@ -173,15 +204,32 @@ def main() -> None:
             f"| {r['config']} | {r['kv_policy']} | {r['bits_per_byte']} | {r['top1_agreement']} "
             f"| {r['mean_loops']} |"
         )
+    pick = within(q)
+    if pick is not None:
+        print(
+            f"last-exited within 1% of full depth's bits/byte: {pick['config']} ({pick['mean_loops']} loops)"
+        )
+    extra = tuple(args.q) + ((float(pick["config"][2:]),) if pick is not None else ())
     prompts = code_prompts(sorted(read_split_with_paths("heldout")), args.prompts)
-    s = speed(model, prompts, args.new_tokens, args.passes)
-    print("| config | tok/s | vs loops=4 | mean loops |")
-    print("|---|---:|---:|---:|")
+    load_before = os.getloadavg()
+    s = speed(model, prompts, args.new_tokens, args.passes, extra)
+    load_after = os.getloadavg()
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
+    print(
+        "| config | tok/s (median) | vs loops=4 (median of per-pass ratios) | range | mean loops "
+        "| core passes/token |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for r in s:
-        print(f"| {r['config']} | {r['tok_s']} | {r['speedup']}x | {r['mean_loops']} |")
+        lo, hi = r["speedup_range"]
+        print(
+            f"| {r['config']} | {r['tok_s']} | {r['speedup']}x | {lo}-{hi} | {r['mean_loops']} "
+            f"| {r['core_calls_per_token']} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"quality": q, "speed": s, "args": vars(args)}, f, indent=1)
+            record = {"quality": q, "speed": s, "args": vars(args), "load": [load_before, load_after]}
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
