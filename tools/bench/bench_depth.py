@@ -185,6 +185,27 @@ def speed(
     return out
 
 
+def memory(model) -> dict:
+    """Resident memory (VmRSS, MiB) a fresh model gains when a generation first makes the
+    exit gate's loop-step sessions, and then static depth 3's session."""
+
+    def rss() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+
+    prompt = model.encode("import os\n")
+    model.generate(prompt, max_new_tokens=4)
+    plain = rss()
+    model.generate(prompt, max_new_tokens=4, exit_threshold=0.2, kv_policy="last-exited")
+    gated = rss()
+    model.generate(prompt, max_new_tokens=4, loops=3)
+    return {
+        "plain_mib": round(plain),
+        "loop_steps_mib": round(gated - plain),
+        "depth3_mib": round(rss() - gated),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--windows", type=int, default=8)
@@ -197,6 +218,11 @@ def main() -> None:
     parser.add_argument("--speed-only", action="store_true", help="skip the quality tables")
     args = parser.parse_args()
     model = load(demo_artifact_dir(progress=True))
+    mem = memory(model)
+    print(
+        f"resident memory: {mem['plain_mib']} MiB; the loop-step sessions +{mem['loop_steps_mib']} MiB; "
+        f"static depth 3's session +{mem['depth3_mib']} MiB"
+    )
     t0 = time.perf_counter()
     q = [] if args.speed_only else quality(model, windows(model, args.windows, args.window))
     print(f"quality: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -231,7 +257,13 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            record = {"quality": q, "speed": s, "args": vars(args), "load": [load_before, load_after]}
+            record = {
+                "quality": q,
+                "speed": s,
+                "args": vars(args),
+                "load": [load_before, load_after],
+                "memory": mem,
+            }
             json.dump(record, f, indent=1)
 
 
