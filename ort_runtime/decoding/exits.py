@@ -34,13 +34,22 @@ def exit_loop(gate_logits: Sequence[float], threshold: float, lo: int, hi: int) 
     survive, cumulative = 1.0, 0.0
     first = R - 1
     for r in range(R - 1):
-        lam = 1.0 / (1.0 + math.exp(-float(gate_logits[r])))
-        cumulative += lam * survive
-        survive *= 1.0 - lam
+        survive, cumulative = exit_mass(float(gate_logits[r]), survive, cumulative)
         if cumulative >= threshold:
             first = r
             break
     return min(max(first, lo), hi)
+
+
+def exit_mass(gate_logit: float, survive: float, cumulative: float) -> tuple[float, float]:
+    """One loop (not the last) of the exit distribution: (survival after it, cumulative exit
+    probability through it), from the survival and cumulative probability before it."""
+    if gate_logit >= 0:  # σ without overflow for logits of any size
+        lam = 1.0 / (1.0 + math.exp(-gate_logit))
+    else:
+        z = math.exp(gate_logit)
+        lam = z / (1.0 + z)
+    return survive * (1.0 - lam), cumulative + lam * survive
 
 
 @dataclass(frozen=True)
@@ -91,10 +100,8 @@ class GatedAcceptor:
             g = steps.loop(r)
             if exit_r >= 0:
                 continue  # a loop past the exit: its KV only (policy full, or a prompt row)
-            if r < R - 1:  # the same float64 arithmetic as exit_loop
-                lam = 1.0 / (1.0 + math.exp(-g))
-                cumulative += lam * survive
-                survive *= 1.0 - lam
+            if r < R - 1:  # exit_loop's arithmetic, loop by loop
+                survive, cumulative = exit_mass(g, survive, cumulative)
             if r >= gate.lo and (r == gate.hi or cumulative >= gate.threshold):
                 exit_r, next_id = r, steps.head(r)
                 if skip:

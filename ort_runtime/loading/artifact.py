@@ -208,9 +208,11 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
     elif spec.kind in RECURRENT_KINDS:  # graphs/recurrent.py: dynamic rows of tokens or states
         first = "input_ids_BS" if spec.kind == GraphKind.PRELUDE else "state_BSH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
-    else:  # the loop-skipping kinds (graphs/loop_steps.py): a token, or a state, as loop_step's
-        first = "input_ids_BS" if spec.first_loop == 0 and spec.kind != GraphKind.LOOP_STEP else "hidden_BSH"
-        first = "input_ids_BS" if spec.kind == GraphKind.LOOP_EMBED else first
+    elif spec.kind in LOOP_STEP_KINDS:  # graphs/loop_steps.py: a token (loop_embed) or a state
+        first = "input_ids_BS" if spec.kind == GraphKind.LOOP_EMBED else "hidden_BSH"
+        rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
+    else:
+        first = "input_ids_BS" if spec.first_loop == 0 else "hidden_BSH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
     if (spec.rows is None) != (not isinstance(rows, int)) or (spec.rows is not None and rows != spec.rows):
         raise ArtifactError(

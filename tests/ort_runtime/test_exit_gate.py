@@ -158,6 +158,8 @@ def test_exit_rule() -> None:
     # λ = 0.5 everywhere: cumulative 0.5, 0.75, 1 over R = 3
     assert [exit_loop([0.0, 0.0, 0.0], q, 0, 2) for q in (0.5, 0.6, 0.75, 0.76, 1.0)] == [0, 1, 1, 2, 2]
     assert exit_loop([0.0, 0.0, 0.0], 0.5, 1, 2) == 1 and exit_loop([0.0, 0.0, 0.0], 1.0, 0, 1) == 1
+    # logits far past exp's range: λ = 0, then 1 (no overflow)
+    assert exit_loop([-1e4, 1e4, 0.0], 0.5, 0, 2) == 1 and exit_loop([-1e4, -1e4, 0.0], 0.5, 0, 2) == 2
 
 
 def test_refusals() -> None:
