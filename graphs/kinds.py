@@ -14,6 +14,7 @@
                   loops 0..k-1, the loop-norm, the head; the deeper loops' KV is not written)
     exits       = embed → loop 0 → … → loop R-1, the head and the exit gate on every loop's
                   normed state                                                (1 row, R outputs)
+    loop_embed, loop_step, exit_head: the exit gate's loop-skipping path (graphs/loop_steps.py)
 
 Loops are unrolled: no Loop/If/Scan, which would block CUDA-graph capture.
 """
@@ -24,12 +25,22 @@ import onnx_ir as ir
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import GraphBuilder
 from loopcast.graphs.cycles import build_cycle, build_cycle_run
+from loopcast.graphs.loop_steps import build_loop_step_kind
 from loopcast.graphs.ops import op_set_builders
 from loopcast.graphs.recurrent import build_recurrent_kind
 
 from loopcast.config import ModelConfig
 from loopcast.manifest import LOGIT_ROWS, GraphSpec
-from loopcast.vocab import BATCH_KINDS, RECURRENT_KINDS, TREE_KINDS, GraphKind, GraphPlan, OpSet, graph_plan
+from loopcast.vocab import (
+    BATCH_KINDS,
+    LOOP_STEP_KINDS,
+    RECURRENT_KINDS,
+    TREE_KINDS,
+    GraphKind,
+    GraphPlan,
+    OpSet,
+    graph_plan,
+)
 
 KindPlan = GraphPlan  # one graph's kind, rows and loops (loopcast/vocab.py)
 
@@ -71,6 +82,8 @@ def build_kind(
         return build_cycle_run(config, dtype, max_length, b, op_set=op_set)
     if plan.kind == GraphKind.EXITS:
         return _build_exits(plan, config, dtype, max_length, b, op_set)
+    if plan.kind in LOOP_STEP_KINDS:
+        return build_loop_step_kind(plan, config, dtype, max_length, b, op_set=op_set)
     if plan.kind in RECURRENT_KINDS:
         return build_recurrent_kind(plan, config, dtype, max_length, b, op_set=op_set)
     rows: int | str = plan.rows if plan.rows is not None else "num_rows"

@@ -38,7 +38,8 @@ from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabul
 # 4: `quantization` (required; null for float weights: loopcast/quant.py).
 # 5: `exit_depths` (required; the static depths k < R with graphs `prefill@k`, `decode@k`,
 # `verify@k`: loopcast.vocab.graph_plan).
-SCHEMA_VERSION = 5
+# 6: `loop_embed`, `loop_step`, `exit_head` beside `exits` (the exit gate's loop-skipping path).
+SCHEMA_VERSION = 6
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 

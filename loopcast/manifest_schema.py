@@ -117,6 +117,13 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
     if kind == GraphKind.EXITS:
         outputs |= {"exit_gates_BR"}
+    if kind == GraphKind.LOOP_EMBED:
+        return {"input_ids_BS"}, {"embedded_BSH"}
+    if kind == GraphKind.LOOP_STEP:  # graphs/loop_steps.py
+        inputs = {"hidden_BSH", "seqlens_k", "total_sequence_length"}
+        outputs = {"hidden_BSH_out", "exit_gates_BR"}
+    if kind == GraphKind.EXIT_HEAD:
+        inputs = {"hidden_BSH"}
     if kind in TREE_KINDS:  # per row: cache position, masked key range [lo, hi)
         inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "row_address_S3"}
     if kind == GraphKind.TREE_DRAFT:

@@ -54,12 +54,21 @@ class GraphKind(StrEnum):
     # The exit gate (docs/adaptive-depth.md): 1 row through every loop, with the argmax and the
     # exit-gate logit after each loop ([1, R] each), so the host picks the token at the exit.
     EXITS = "exits"
+    # The gate's loop-skipping path (graphs/loop_steps.py): the host runs a token's loops one
+    # call at a time and stops at its exit. loop_step is one core loop, named for loop 0's KV
+    # slots and rebound to loop r's for its r-th call (the loops share their weights, so one
+    # session, one prepacked copy, serves every loop); loop_embed and exit_head hold the
+    # embedding and the head, so no weight is in two of the three.
+    LOOP_EMBED = "loop_embed"  # 1 row: the token's embedding
+    LOOP_STEP = "loop_step"  # 1 row: one core loop on a state, + its normed state's gate logit
+    EXIT_HEAD = "exit_head"  # 1 row: the head and argmax on a normed state
 
 
 CYCLE_KINDS = (GraphKind.CYCLE, GraphKind.CYCLE_RUN)
 TREE_KINDS = (GraphKind.TREE_DRAFT, GraphKind.TREE_TAIL)
 BATCH_KINDS = (GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH)
 RECURRENT_KINDS = (GraphKind.PRELUDE, GraphKind.CORE_STEP, GraphKind.CODA)
+LOOP_STEP_KINDS = (GraphKind.LOOP_EMBED, GraphKind.LOOP_STEP, GraphKind.EXIT_HEAD)
 
 
 class OpSet(StrEnum):
@@ -188,7 +197,7 @@ def graph_plan(
     cycle, cycle_run                      where has_cycle (the model and the op set)
     decode_batch, verify_batch            with ``max_batch`` (verify_batch: and W)
     prefill@k, decode@k, verify@k         for each exit depth k < R (verify@k: with W)
-    exits                                 where has_exits (a looped model with an exit gate)
+    exits, loop_embed, loop_step, exit_head   where has_exits (a looped model with an exit gate)
     """
     R = config.num_loops
     if config.recurrent_depth:
@@ -227,7 +236,12 @@ def graph_plan(
         if verify_width is not None:
             plans.append(GraphPlan(GraphKind.VERIFY, verify_width, 0, k, k))
     if has_exits(config):
-        plans.append(GraphPlan(GraphKind.EXITS, 1, 0, R))
+        plans += [
+            GraphPlan(GraphKind.EXITS, 1, 0, R),
+            GraphPlan(GraphKind.LOOP_EMBED, 1, 0, 0),
+            GraphPlan(GraphKind.LOOP_STEP, 1, 0, 1),  # run as loops 0..R-1 (loop 0's slot names)
+            GraphPlan(GraphKind.EXIT_HEAD, 1, R, R),
+        ]
     return tuple(plans)
 
 

@@ -235,7 +235,7 @@ class LoopcastModel:
             or config.gated
             or config.sampled
             or config.speculation.mode != SpeculativeMode.NONE
-            or not self.loaded.has(GraphKind.EXITS)
+            or not self.loaded.has(GraphKind.LOOP_STEP)
         ):
             return config
         return config.replace(exit_threshold=q)

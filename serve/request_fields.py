@@ -19,6 +19,14 @@ class GenerationFields(BaseModel):
     num_draft_tokens: int | None = Field(default=None, ge=1)  # drafts per round (verify width - 1 at most)
     min_ngram: int | None = Field(default=None, ge=1)  # prompt lookup's n-gram range
     max_ngram: int | None = Field(default=None, ge=1)
+    # adaptive depth (docs/adaptive-depth.md; vllm-rlt's names for the gate's three): a static
+    # depth, or Ouro's exit gate with its clamps and KV policy. The one-request-at-a-time engine
+    # runs them; the batching engine (every loop in its batched graphs) refuses them by name.
+    loops: int | None = None
+    exit_threshold: float | None = None
+    min_loops: int | None = None
+    max_loops: int | None = None
+    kv_policy: str | None = None  # "full" | "last-exited"
 
     def generation_options(self) -> dict[str, object]:
         """The fields this request set, as GenerationConfig keyword options."""

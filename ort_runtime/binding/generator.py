@@ -19,6 +19,7 @@ import numpy as np
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, StepOutput, _Buffer, _KindBinding, _RowsBinding
 from loopcast.ort_runtime.binding.cycle_bindings import CycleBinding, CycleRunBinding
 from loopcast.ort_runtime.binding.device_move import load_device_move
+from loopcast.ort_runtime.binding.loop_steps import LoopSteps
 from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 from loopcast.ort_runtime.loading.session_table import SessionTable
@@ -35,6 +36,7 @@ from loopcast.manifest import (
     TREE_KINDS,
     VERIFY,
 )
+from loopcast.vocab import LOOP_STEP_KINDS
 
 _PIPELINE_KINDS = (CYCLE, CYCLE_RUN)
 
@@ -100,7 +102,12 @@ class Generator:
             return _KindBinding(model.sessions[kind], manifest.graphs[kind], self._kv, model, dtype, kind)
 
         self._kinds = _Bindings(
-            [k for k in model.sessions if k not in _PIPELINE_KINDS and k not in BATCH_KINDS], bind
+            [
+                k
+                for k in model.sessions
+                if k not in _PIPELINE_KINDS and k not in BATCH_KINDS and k not in LOOP_STEP_KINDS
+            ],
+            bind,
         )
         self._cycle = _Bindings([k for k in _PIPELINE_KINDS if k in model.sessions], bind)
         sessions = model.sessions
@@ -112,6 +119,7 @@ class Generator:
         self._depth: int | None = None  # static depth of the generation (set_depth); None: R
         self._kv_depth = cfg.num_loops  # the fewest loops any committed token's KV was written with
         self._move = None  # CUDA: the op library's KV position copy (move_kv)
+        self._loop_steps: LoopSteps | None = None  # the exit gate's, made on first use
         self.clock = StepClock()  # every run's time; the gates' means and memory (step_clock.py)
 
     # -- state -------------------------------------------------------------------------------
@@ -201,7 +209,24 @@ class Generator:
 
     def has_kind(self, kind: str) -> bool:
         kind = self.resolve(kind)
+        if kind in LOOP_STEP_KINDS:
+            return kind in self.model.sessions
         return kind in self._kinds or kind in self._cycle
+
+    @property
+    def loop_steps(self) -> LoopSteps:
+        """The exit gate's loop-skipping bindings (ort_runtime/binding/loop_steps.py), made on
+        first use (their sessions with them, where deferred)."""
+        if self._loop_steps is None:
+            if not all(kind in self.model.sessions for kind in LOOP_STEP_KINDS):
+                raise RequestError(
+                    "the exit gate needs the exits graphs (loop_embed, loop_step, exit_head); this "
+                    "artifact has none (a looped model with an exit gate, exported by this loopcast, "
+                    "has them)"
+                )
+            dtype = _NP_DTYPES[self.model.manifest.dtype]
+            self._loop_steps = LoopSteps(self.model, self._kv, dtype, self._execute)
+        return self._loop_steps
 
     def rows(self, kind: str) -> int | None:
         return self.model.manifest.graphs[self.resolve(kind)].rows

@@ -1,12 +1,13 @@
 """Ouro's exit gate on the runtime (docs/adaptive-depth.md): each token is read at its exit loop.
 
-The exits graph runs a row through every loop and returns each loop's argmax and exit-gate
-logit; the host picks the exit loop e (``exit_loop``) and commits loop e's argmax. Under KV
-policy ``full`` the deeper loops' KV is the graph's own (every loop ran: Ouro's release, exact
-to the model); under ``last-exited`` loop e's K/V is then copied into the deeper loops' slots
-at the row's position (``Generator.fill_deeper_kv``), which is what a row that stopped at loop
-e and left its KV there would leave (exporter/reference_depth.py runs it that way). Prompt rows
-run every loop under both policies; the gate picks the token of the last one.
+A row runs its loops one call at a time (loop_embed, loop_step × loops, exit_head: graphs/
+loop_steps.py) and the host decides after each loop, from that loop's exit-gate logit, whether
+it is the row's exit loop e (``exit_loop``'s rule); the head runs once, on loop e's state.
+Under KV policy ``full`` the row's deeper loops still run for the KV (Ouro's release, exact to
+the model); under ``last-exited`` a decode row stops after loop e, and loop e's K/V is copied
+into the deeper loops' slots at the row's position (``Generator.fill_deeper_kv``): what
+exporter/reference_depth.py's row, stopped at e, leaves. Prompt rows run every loop under both
+policies; the gate picks the token of its exit loop.
 
 KV invariant: every committed position holds, in every loop's slot, the K/V its policy says
 (``full``: its own loop's; ``last-exited``: the exit loop's in the deeper slots), written
@@ -33,13 +34,22 @@ def exit_loop(gate_logits: Sequence[float], threshold: float, lo: int, hi: int) 
     survive, cumulative = 1.0, 0.0
     first = R - 1
     for r in range(R - 1):
-        lam = 1.0 / (1.0 + math.exp(-float(gate_logits[r])))
-        cumulative += lam * survive
-        survive *= 1.0 - lam
+        survive, cumulative = exit_mass(float(gate_logits[r]), survive, cumulative)
         if cumulative >= threshold:
             first = r
             break
     return min(max(first, lo), hi)
+
+
+def exit_mass(gate_logit: float, survive: float, cumulative: float) -> tuple[float, float]:
+    """One loop (not the last) of the exit distribution: (survival after it, cumulative exit
+    probability through it), from the survival and cumulative probability before it."""
+    if gate_logit >= 0:  # σ without overflow for logits of any size
+        lam = 1.0 / (1.0 + math.exp(-gate_logit))
+    else:
+        z = math.exp(gate_logit)
+        lam = z / (1.0 + z)
+    return survive * (1.0 - lam), cumulative + lam * survive
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,14 @@ class ExitGate:
 
 
 class GatedAcceptor:
-    """Greedy decoding read at each row's exit loop (the engine's plain round calls it)."""
+    """Greedy decoding read at each row's exit loop (the engine's plain round calls it).
+
+    A row runs its loops one call at a time (ort_runtime/binding/loop_steps.py) and reads the
+    head at the first loop the gate makes final: loop r is the exit when r ≥ lo and (r = hi or
+    the cumulative probability of loops ≤ r reaches q), which is ``exit_loop``'s answer because
+    that probability grows with r and does not depend on the deeper loops' gates. Under
+    ``last-exited`` a decode row then stops (the loops after its exit never run) and loop e's
+    K/V fills the deeper slots; otherwise its remaining loops run for the KV only."""
 
     sampled = False
 
@@ -72,13 +89,28 @@ class GatedAcceptor:
         self.loops: list[int] = []  # loops each emitted token was read at
 
     def _row(self, gen, token: int, skip: bool) -> int:
-        out = gen.run_exits(token)
-        e = exit_loop(out.gates, self.gate.threshold, self.gate.lo, self.gate.hi)
-        if skip and e < gen.model.config.num_loops - 1:
-            gen.fill_deeper_kv(gen.n, e)
+        if gen.n + 1 > gen.max_length:
+            raise RequestError(f"a row at position {gen.n} passes the KV capacity {gen.max_length}")
+        steps, gate = gen.loop_steps, self.gate
+        R = steps.num_loops
+        steps.embed(token, gen.n)
+        survive, cumulative = 1.0, 0.0
+        exit_r, next_id = -1, -1
+        for r in range(R):
+            g = steps.loop(r)
+            if exit_r >= 0:
+                continue  # a loop past the exit: its KV only (policy full, or a prompt row)
+            if r < R - 1:  # exit_loop's arithmetic, loop by loop
+                survive, cumulative = exit_mass(g, survive, cumulative)
+            if r >= gate.lo and (r == gate.hi or cumulative >= gate.threshold):
+                exit_r, next_id = r, steps.head(r)
+                if skip:
+                    break
+        if skip and exit_r < R - 1:
+            gen.fill_deeper_kv(gen.n, exit_r)
         gen.commit([token])
-        self.loops.append(e + 1)
-        return int(out.next_ids[e])
+        self.loops.append(exit_r + 1)
+        return next_id
 
     def first(self, gen, ids: list[int]) -> int:
         if len(ids) > 1:

@@ -140,7 +140,9 @@ class GenerationConfig:
         for name in ("loops", "min_loops", "max_loops"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise RequestError(f"{name} must be a positive integer (loop applications), got {value!r}")
+                raise RequestError(
+                    f"{name} must be a positive integer (loop applications), got {value!r}", parameter=name
+                )
         q = self.exit_threshold
         if q is not None:
             if (
@@ -148,11 +150,12 @@ class GenerationConfig:
                 or not isinstance(q, (int, float))
                 or not (math.isfinite(q) and 0.0 < q <= 1.0)
             ):
-                raise RequestError(f"exit_threshold must be in (0, 1], got {q!r}")
+                raise RequestError(f"exit_threshold must be in (0, 1], got {q!r}", parameter="exit_threshold")
             object.__setattr__(self, "exit_threshold", float(q))
             if self.loops is not None:
                 raise RequestError(
-                    "give either loops (a static depth) or exit_threshold (the exit gate), not both"
+                    "give either loops (a static depth) or exit_threshold (the exit gate), not both",
+                    parameter="loops",
                 )
         elif self.min_loops is not None or self.max_loops is not None:
             raise RequestError(
@@ -161,7 +164,8 @@ class GenerationConfig:
             )
         elif self.kv_policy is not KVPolicy.FULL:
             raise RequestError(
-                f"kv_policy {self.kv_policy.value!r} applies to the exit gate: it needs exit_threshold"
+                f"kv_policy {self.kv_policy.value!r} applies to the exit gate: it needs exit_threshold",
+                parameter="kv_policy",
             )
         if self.min_loops is not None and self.max_loops is not None and self.min_loops > self.max_loops:
             raise RequestError(

@@ -65,7 +65,7 @@ from loopcast.manifest import (
     VERIFY,
     Manifest,
 )
-from loopcast.vocab import RECURRENT_KINDS, GraphKind, OpSet, depth_key, parse_graph_key
+from loopcast.vocab import LOOP_STEP_KINDS, RECURRENT_KINDS, GraphKind, OpSet, depth_key, parse_graph_key
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
@@ -207,6 +207,9 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
         rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
     elif spec.kind in RECURRENT_KINDS:  # graphs/recurrent.py: dynamic rows of tokens or states
         first = "input_ids_BS" if spec.kind == GraphKind.PRELUDE else "state_BSH"
+        rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
+    elif spec.kind in LOOP_STEP_KINDS:  # graphs/loop_steps.py: a token (loop_embed) or a state
+        first = "input_ids_BS" if spec.kind == GraphKind.LOOP_EMBED else "hidden_BSH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
     else:
         first = "input_ids_BS" if spec.first_loop == 0 else "hidden_BSH"
@@ -357,7 +360,9 @@ def open_artifact(
         spec = manifest.graphs[kind]
         if kind in shared or kind in deferred:
             continue
-        if kind in BATCH_KINDS:  # a symbolic batch: run eagerly (docs/serving.md, "CUDA")
+        if kind in BATCH_KINDS or kind in LOOP_STEP_KINDS:
+            # a symbolic batch (docs/serving.md, "CUDA"), or one session under R bindings (the
+            # loop-skipping kinds, ort_runtime/binding/loop_steps.py): run eagerly
             sessions[kind] = make_session(kind, False)
             continue
         if (
@@ -379,9 +384,13 @@ def open_artifact(
             except ArtifactError as exc:  # e.g. a node left on the CPU: run this kind eagerly
                 fallbacks[kind] = str(exc)
         eager.append(kind)
-    # The static-depth graphs (prefill@k, ...) and the exits graph run only when a request asks
+    # The static-depth graphs (prefill@k, ...) and the exit gate's run only when a request asks
     # for a depth: they are checked when a generation first makes their session, not at every load.
-    checked = [kind for kind in deferred if parse_graph_key(kind)[1] is None and kind != GraphKind.EXITS]
+    checked = [
+        kind
+        for kind in deferred
+        if parse_graph_key(kind)[1] is None and kind != GraphKind.EXITS and kind not in LOOP_STEP_KINDS
+    ]
     if device == "cpu" and len(eager) > 1:
         # Session creation is mostly weight prepacking, which ORT does with the GIL released:
         # one thread per session and core (2 cores: 1.32 s -> 0.72 s for two 513 MiB sessions).

@@ -156,7 +156,19 @@ def test_cli_export_and_inspect(tmp_path: Path) -> None:
     assert manifest["exit_depths"] == list(range(1, manifest["model"]["total_ut_steps"]))
     assert (
         set(manifest["graphs"])
-        == {"prefill", "decode", "verify", "draft", "verify_tail", "exits"} | pipeline | depths
+        == {
+            "prefill",
+            "decode",
+            "verify",
+            "draft",
+            "verify_tail",
+            "exits",
+            "loop_embed",
+            "loop_step",
+            "exit_head",
+        }
+        | pipeline
+        | depths
     )
     proc = subprocess.run(
         [sys.executable, "-m", "loopcast.cli", "inspect", str(out)], capture_output=True, text=True

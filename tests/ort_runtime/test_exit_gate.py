@@ -10,6 +10,8 @@ import json
 import shutil
 
 import pytest
+import torch
+from loopcast.exporter.checkpoint import load_checkpoint
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.exporter.reference_depth import depth_generate
 from loopcast.ort_runtime.api import load
@@ -35,6 +37,7 @@ def test_tokens_equal_the_reference(name: str, policy: str) -> None:
         assert got.tokens == want.tokens, q
         assert got.stats.exit_histogram == want.depth_stats()["exit_histogram"]
         assert got.stats.kv_policy == policy
+        _assert_loops_run(model, got, want.loops, policy)
         depths |= set(got.stats.exit_histogram)
     assert len(depths) > 1  # the gate's decisions vary: the test sees more than one exit
 
@@ -49,41 +52,90 @@ def test_demo_equals_the_reference() -> None:
         assert 1 <= got.stats.mean_loops <= 4
 
 
-def _forced(bias: float):
-    """ouro-r3 with its exit-gate bias set to ``bias`` (+30: every loop's λ is 1; -30: 0)."""
-    out = scratch_root() / f"ckpt-ouro-r3-gate{bias:+.0f}"
+def _assert_loops_run(model, got, exit_loops: list[int], policy: str) -> None:
+    """The loops that ran (``exit_loops``: each token's, the reference's): the prompt's last row
+    all R; a decode row its exit loop's count under last-exited (the deeper loops never run),
+    all R under full; one embedding and one head per row."""
+    R, steps, rows = model.config.num_loops, got.stats.steps, len(got.tokens)
+    ran = R + sum(exit_loops[1:]) if policy == "last-exited" else R * rows
+    assert steps["loop_step"] == ran and steps["exit_head"] == rows == steps["loop_embed"]
+    assert "decode" not in steps and "exits" not in steps
+
+
+def _forced(bias: float, sign_of: int | None = None):
+    """ouro-r3 with its exit-gate bias set to ``bias`` (+30: every loop's λ is 1; -30: 0), or
+    (``sign_of``) a gate that reads only that coordinate of the normed state, ×60: λ is 0 or 1
+    by its sign, so each token exits at the first loop where it is positive (or the last)."""
+    tag = f"gate{bias:+.0f}" if sign_of is None else f"sign{sign_of}"
+    out = scratch_root() / f"ckpt-ouro-r3-{tag}"
     if not (out / "config.json").exists():
         shutil.copytree(checkpoint("ouro-r3"), out)
         for f in out.glob("*.safetensors"):
             tensors = load_file(f)
             if "model.early_exit_gate.bias" in tensors:
                 tensors["model.early_exit_gate.bias"][:] = bias
+                if sign_of is not None:
+                    tensors["model.early_exit_gate.weight"][:] = 0.0
+                    tensors["model.early_exit_gate.weight"][..., sign_of] = 60.0
                 save_file(tensors, str(f))
         export_checkpoint(out, out / "art", ExportOptions())
-    return load(out / "art")
+    return load(out / "art"), load_checkpoint(out, dtype=torch.float32)
 
 
 def test_a_gate_forcing_loop_one_equals_static_depth_one() -> None:
-    model = _forced(30.0)
+    model, _ = _forced(30.0)
     static = model.generate(PROMPT, max_new_tokens=12, loops=1, stop_ids=())
     for policy in ("full", "last-exited"):
         got = model.generate(PROMPT, max_new_tokens=12, exit_threshold=0.9, kv_policy=policy, stop_ids=())
         assert got.tokens == static.tokens and got.stats.exit_histogram == {1: 12}
+        if policy == "last-exited":  # one loop per decode row, the prompt's last row all 3
+            assert got.stats.steps["loop_step"] == 3 + 11
     # min_loops clamps the exit up: every token at loop 2, as static loops=2
-    clamped = model.generate(PROMPT, max_new_tokens=12, exit_threshold=0.9, min_loops=2, stop_ids=())
-    assert clamped.tokens == model.generate(PROMPT, max_new_tokens=12, loops=2, stop_ids=()).tokens
-    assert clamped.stats.exit_histogram == {2: 12}
+    static2 = model.generate(PROMPT, max_new_tokens=12, loops=2, stop_ids=()).tokens
+    for policy in ("full", "last-exited"):
+        clamped = model.generate(
+            PROMPT, max_new_tokens=12, exit_threshold=0.9, min_loops=2, kv_policy=policy, stop_ids=()
+        )
+        assert clamped.tokens == static2 and clamped.stats.exit_histogram == {2: 12}
 
 
 def test_a_gate_that_never_exits_early_is_full_depth() -> None:
-    model = _forced(-30.0)
+    model, _ = _forced(-30.0)
     full = model.generate(PROMPT, max_new_tokens=12, stop_ids=())
-    got = model.generate(PROMPT, max_new_tokens=12, exit_threshold=0.5, stop_ids=())
-    assert got.tokens == full.tokens and got.stats.exit_histogram == {3: 12}
-    # max_loops clamps the exit down: under `full` every token is static loops=2's
-    capped = model.generate(PROMPT, max_new_tokens=12, exit_threshold=0.5, max_loops=2, stop_ids=())
-    assert capped.tokens == model.generate(PROMPT, max_new_tokens=12, loops=2, stop_ids=()).tokens
-    assert capped.stats.exit_histogram == {2: 12}
+    static2 = model.generate(PROMPT, max_new_tokens=12, loops=2, stop_ids=()).tokens
+    for policy in ("full", "last-exited"):
+        got = model.generate(PROMPT, max_new_tokens=12, exit_threshold=0.5, kv_policy=policy, stop_ids=())
+        assert got.tokens == full.tokens and got.stats.exit_histogram == {3: 12}
+        # max_loops clamps the exit down: every token is static loops=2's (loop 2 is never
+        # read: under full it is its own KV, under last-exited loop 1's copy)
+        capped = model.generate(
+            PROMPT, max_new_tokens=12, exit_threshold=0.5, max_loops=2, kv_policy=policy, stop_ids=()
+        )
+        assert capped.tokens == static2 and capped.stats.exit_histogram == {2: 12}
+
+
+def test_a_gate_that_switches_by_token_equals_the_reference() -> None:
+    """A sign gate: exits at loop 1 and deeper interleaved within one generation; both policies
+    give the reference's tokens and exit loops, and last-exited runs only the loops up to each
+    exit."""
+    model, ref = _forced(0.0, sign_of=0)
+    for policy in ("full", "last-exited"):
+        for min_loops, max_loops in ((None, None), (2, None), (None, 2)):
+            config = GenerationConfig(
+                20,
+                exit_threshold=0.5,
+                kv_policy=policy,
+                min_loops=min_loops,
+                max_loops=max_loops,
+                stop_ids=(),
+            )
+            got, want = model.generate(PROMPT, config=config), depth_generate(ref, PROMPT, config)
+            assert got.tokens == want.tokens, (policy, min_loops, max_loops)
+            assert got.stats.exit_histogram == want.depth_stats()["exit_histogram"]
+            _assert_loops_run(model, got, want.loops, policy)
+            if min_loops is None and max_loops is None:
+                assert len(got.stats.exit_histogram) >= 2, got.stats.exit_histogram
+                assert any(a != b for a, b in zip(want.loops[1:], want.loops[2:]))  # switching
 
 
 def test_eos_and_the_kv_capacity() -> None:
@@ -106,6 +158,8 @@ def test_exit_rule() -> None:
     # λ = 0.5 everywhere: cumulative 0.5, 0.75, 1 over R = 3
     assert [exit_loop([0.0, 0.0, 0.0], q, 0, 2) for q in (0.5, 0.6, 0.75, 0.76, 1.0)] == [0, 1, 1, 2, 2]
     assert exit_loop([0.0, 0.0, 0.0], 0.5, 1, 2) == 1 and exit_loop([0.0, 0.0, 0.0], 1.0, 0, 1) == 1
+    # logits far past exp's range: λ = 0, then 1 (no overflow)
+    assert exit_loop([-1e4, 1e4, 0.0], 0.5, 0, 2) == 1 and exit_loop([-1e4, -1e4, 0.0], 0.5, 0, 2) == 2
 
 
 def test_refusals() -> None:

@@ -117,6 +117,13 @@ def test_chat_template_kwargs(server, demo):
         ({"speculative": "prompt-lookup", "num_draft_tokens": 9}, "num_draft_tokens", "1..4"),
         ({"num_draft_tokens": 0}, "num_draft_tokens", "greater than or equal to 1"),
         ({"min_ngram": 3, "max_ngram": 2}, "min_ngram", "min_ngram"),
+        # adaptive depth: validated, then refused by the batching engine (every loop, batched)
+        ({"loops": 2}, "loops", "batching engine"),
+        ({"exit_threshold": 0.3, "kv_policy": "last-exited"}, "exit_threshold", "batching engine"),
+        ({"exit_threshold": 1.5}, "exit_threshold", "(0, 1]"),
+        ({"loops": 0}, "loops", "positive integer"),
+        ({"exit_threshold": 0.3, "kv_policy": "partial"}, "kv_policy", "must be one of"),
+        ({"min_loops": 2}, "min_loops", "need exit_threshold"),
     ],
 )
 def test_generation_fields_are_validated(server, extra, param, needle):
@@ -175,6 +182,15 @@ def test_sequential_engine_serves_the_artifacts_own_modes():
             f"{url}/v1/completions", json={**body, "speculative": "self", "num_draft_tokens": 9}, timeout=60
         )
         assert r.status_code == 400 and "num_draft_tokens" in r.json()["error"]["message"], r.text
+        # adaptive depth per request (vllm-rlt's field names): the tokens of the API's generate
+        for extra in ({"loops": 2}, {"exit_threshold": 0.4, "kv_policy": "last-exited", "max_loops": 2}):
+            r = httpx.post(
+                f"{url}/v1/completions", json={**body, **extra, "return_token_ids": True}, timeout=60
+            )
+            want = state.model.generate([1, 2, 3, 1, 2], 10, **extra).tokens
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, (extra, r.text)
+        r = httpx.post(f"{url}/v1/completions", json={**body, "loops": 4}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "loops", r.text
     with pytest.raises(
         RequestError, match="--speculative self: the batching engine serves none, prompt-lookup"
     ):

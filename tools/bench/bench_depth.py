@@ -1,7 +1,7 @@
 """Adaptive depth on the demo model: quality and speed of static depths and the exit gate.
 
-    python -m tools.bench.bench_depth                 # ~6 min on 2 cores; tables on stdout
-    python -m tools.bench.bench_depth --json out.json --tokens 2000 --new-tokens 128
+    python -m tools.bench.bench_depth                 # ~10 min on 2 cores; tables on stdout
+    python -m tools.bench.bench_depth --json out.json --passes 48 --q 0.25 --speed-only
 
 Quality (teacher-forced on held-out text: ``--windows`` windows of ``--window`` tokens from the
 held-out documents of this interpreter's stdlib, tools/demo_model/demo_corpus.py): every token
@@ -14,11 +14,15 @@ its exit loop, and scored there:
   * mean loops per token.
 Under ``full`` the KV is the model's own whatever q, so one pass scores every q; under
 ``last-exited`` each q is its own pass (a token's exit loop's K/V is copied into the deeper
-slots, ``Generator.fill_deeper_kv``, as the runtime does).
+slots, ``Generator.fill_deeper_kv``: the KV a row stopped at its exit loop leaves, as the
+runtime's loop-skipping rows leave it).
 
 Speed: greedy generation of ``--new-tokens`` tokens after held-out code prompts
-(tools/demo_model/demo_prompts.py), plain at every static depth and with the gate at a few q,
-tok/s as the stats report (best of ``--passes``).
+(tools/demo_model/demo_prompts.py), plain at every static depth and with the gate at a few q
+(and at the last-exited q whose bits/byte is within 1 % of full depth's, ``within``): passes of
+one prompt each, interleaved across the configurations (``speed``); the median tok/s, the
+median of each pass's ratio to full depth in that pass, and the load average before and after
+(the machine may be shared).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import numpy as np
@@ -36,7 +41,7 @@ from loopcast.ort_runtime.decoding.exits import exit_loop
 from tools.demo_model.demo_corpus import read_split_with_paths
 from tools.demo_model.demo_prompts import code_prompts
 
-THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.26, 0.27, 0.28, 0.29, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 def windows(model, count: int, length: int) -> list[list[int]]:
@@ -118,38 +123,87 @@ def _row(name: str, policy: str, nats: float, nbytes: int, agree: int, n: int, m
     }
 
 
-def speed(model, prompts: list[str], new_tokens: int, passes: int) -> list[dict]:
+def within(quality_rows: list[dict], tolerance: float = 0.01) -> dict | None:
+    """The last-exited row with the fewest mean loops whose bits/byte is within ``tolerance`` of
+    full depth's (None: no quality table)."""
+    if not quality_rows:
+        return None
+    full = max((r for r in quality_rows if r["config"].startswith("loops=")), key=lambda r: r["mean_loops"])
+    ok = [
+        r
+        for r in quality_rows
+        if r["kv_policy"] == "last-exited" and r["bits_per_byte"] <= full["bits_per_byte"] * (1 + tolerance)
+    ]
+    return min(ok, key=lambda r: (r["mean_loops"], r["config"])) if ok else None
+
+
+def speed(
+    model, prompts: list[str], new_tokens: int, passes: int, extra_q: tuple[float, ...] = ()
+) -> list[dict]:
+    """Each configuration's decode rate against full depth's. A pass generates ``new_tokens``
+    from one prompt (the prompts in turn) under every configuration, in an order rotated from
+    pass to pass, so load that drifts on a shared machine reaches them alike; a configuration's
+    speedup is the median over passes of its rate over full depth's in the same pass (with the
+    quartiles), and ``best`` the ratio of the two fastest passes (load only slows a pass)."""
     R = model.config.num_loops
     configs = [(f"loops={k}", {"loops": k}) for k in range(R, 0, -1)]
     configs += [
         (f"q={q} {p}", {"exit_threshold": q, "kv_policy": p})
-        for q in (0.1, 0.2, 0.3, 0.5)
+        for q in sorted({0.1, 0.2, *extra_q})
         for p in ("full", "last-exited")
     ]
     ids = [model.encode(p) for p in prompts]
     for prompt in ids[:1]:  # warm every session once
         for _, options in configs:
             model.generate(prompt, max_new_tokens=4, stop_ids=(), **options)
-    # Passes go round the configurations (every configuration once per pass), so load that
-    # drifts on a shared machine reaches them all alike; each keeps its best pass.
-    best = {name: 0.0 for name, _ in configs}
+    rates: dict[str, list[float]] = {name: [] for name, _ in configs}
     loops: dict[str, list[float]] = {name: [] for name, _ in configs}
-    for _ in range(passes):
-        for name, options in configs:
-            t0, n = time.perf_counter(), 0
-            for prompt in ids:
-                result = model.generate(prompt, max_new_tokens=new_tokens, stop_ids=(), **options)
-                n += len(result.tokens)
-                loops[name].append(result.stats.mean_loops)
-            best[name] = max(best[name], n / (time.perf_counter() - t0))
-    out = [
-        {"config": name, "tok_s": round(best[name], 1), "mean_loops": round(float(np.mean(loops[name])), 3)}
-        for name, _ in configs
-    ]
-    full = out[0]["tok_s"]
-    for row in out:
-        row["speedup"] = round(row["tok_s"] / full, 3)
+    core: dict[str, list[float]] = {name: [] for name, _ in configs}
+    for i in range(passes):
+        prompt, shift = ids[i % len(ids)], i % len(configs)
+        for name, options in configs[shift:] + configs[:shift]:
+            t0 = time.perf_counter()
+            result = model.generate(prompt, max_new_tokens=new_tokens, stop_ids=(), **options)
+            rates[name].append(len(result.tokens) / (time.perf_counter() - t0))
+            loops[name].append(result.stats.mean_loops)
+            core[name].append(result.stats.core_calls_per_token)
+    full = rates[configs[0][0]]
+    out = []
+    for name, _ in configs:
+        ratios = [a / b for a, b in zip(rates[name], full)]
+        out.append(
+            {
+                "config": name,
+                "tok_s": round(float(np.median(rates[name])), 1),
+                "speedup": round(float(np.median(ratios)), 3),
+                "speedup_quartiles": [round(float(np.percentile(ratios, p)), 3) for p in (25, 75)],
+                "best": round(max(rates[name]) / max(full), 3),
+                "mean_loops": round(float(np.mean(loops[name])), 3),
+                "core_calls_per_token": round(float(np.mean(core[name])), 3),
+            }
+        )
     return out
+
+
+def memory(model) -> dict:
+    """Resident memory (VmRSS, MiB) a fresh model gains when a generation first makes the
+    exit gate's loop-step sessions, and then static depth 3's session."""
+
+    def rss() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+
+    prompt = model.encode("import os\n")
+    model.generate(prompt, max_new_tokens=4)
+    plain = rss()
+    model.generate(prompt, max_new_tokens=4, exit_threshold=0.2, kv_policy="last-exited")
+    gated = rss()
+    model.generate(prompt, max_new_tokens=4, loops=3)
+    return {
+        "plain_mib": round(plain),
+        "loop_steps_mib": round(gated - plain),
+        "depth3_mib": round(rss() - gated),
+    }
 
 
 def main() -> None:
@@ -157,12 +211,18 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window", type=int, default=129)
     parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--passes", type=int, default=24)
+    parser.add_argument("--q", type=float, action="append", default=[], help="more thresholds to time")
     parser.add_argument("--json", default=None)
     parser.add_argument("--speed-only", action="store_true", help="skip the quality tables")
     args = parser.parse_args()
     model = load(demo_artifact_dir(progress=True))
+    mem = memory(model)
+    print(
+        f"resident memory: {mem['plain_mib']} MiB; the loop-step sessions +{mem['loop_steps_mib']} MiB; "
+        f"static depth 3's session +{mem['depth3_mib']} MiB"
+    )
     t0 = time.perf_counter()
     q = [] if args.speed_only else quality(model, windows(model, args.windows, args.window))
     print(f"quality: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -173,15 +233,38 @@ def main() -> None:
             f"| {r['config']} | {r['kv_policy']} | {r['bits_per_byte']} | {r['top1_agreement']} "
             f"| {r['mean_loops']} |"
         )
+    pick = within(q)
+    if pick is not None:
+        print(
+            f"last-exited within 1% of full depth's bits/byte: {pick['config']} ({pick['mean_loops']} loops)"
+        )
+    extra = tuple(args.q) + ((float(pick["config"][2:]),) if pick is not None else ())
     prompts = code_prompts(sorted(read_split_with_paths("heldout")), args.prompts)
-    s = speed(model, prompts, args.new_tokens, args.passes)
-    print("| config | tok/s | vs loops=4 | mean loops |")
-    print("|---|---:|---:|---:|")
+    load_before = os.getloadavg()
+    s = speed(model, prompts, args.new_tokens, args.passes, extra)
+    load_after = os.getloadavg()
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
+    print(
+        "| config | tok/s (median) | vs loops=4 (median of per-pass ratios) | quartiles | best vs best "
+        "| mean loops | core passes/token |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in s:
-        print(f"| {r['config']} | {r['tok_s']} | {r['speedup']}x | {r['mean_loops']} |")
+        lo, hi = r["speedup_quartiles"]
+        print(
+            f"| {r['config']} | {r['tok_s']} | {r['speedup']}x | {lo}-{hi} | {r['best']}x "
+            f"| {r['mean_loops']} | {r['core_calls_per_token']} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"quality": q, "speed": s, "args": vars(args)}, f, indent=1)
+            record = {
+                "quality": q,
+                "speed": s,
+                "args": vars(args),
+                "load": [load_before, load_after],
+                "memory": mem,
+            }
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
