@@ -28,7 +28,10 @@ def generate_with_ort(
     (the token ids, comma-terminated, when the artifact has no tokenizer). ``draft_depth`` is a
     check, not an option: the depth of the draft graph is fixed at export."""
     model = load(path, device, threads=threads, trust_ops=trust_ops)
-    if draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
+    if draft_depth is not None and model.config.recurrent_depth:
+        # a recurrent-depth artifact drafts at any core-step count below --loops, chosen per run
+        config = config.replace(draft_loops=draft_depth)
+    elif draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
         raise RequestError(
             f"--draft-depth {draft_depth}: this artifact's draft graph runs "
             f"{model.loaded.manifest.draft_depth} loops (re-export with --draft-depth {draft_depth})"

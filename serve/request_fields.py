@@ -19,6 +19,10 @@ class GenerationFields(BaseModel):
     num_draft_tokens: int | None = Field(default=None, ge=1)  # drafts per round (verify width - 1 at most)
     min_ngram: int | None = Field(default=None, ge=1)  # prompt lookup's n-gram range
     max_ngram: int | None = Field(default=None, ge=1)
+    # recurrent depth (Huginn): r core steps per token, the KL exit, the initial state's seed
+    loops: int | None = Field(default=None, ge=1)
+    kl_threshold: float | None = Field(default=None, ge=0)
+    state_seed: int | None = Field(default=None, ge=0)
 
     def generation_options(self) -> dict[str, object]:
         """The fields this request set, as GenerationConfig keyword options."""

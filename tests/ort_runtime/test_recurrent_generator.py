@@ -18,7 +18,6 @@ torch = pytest.importorskip("torch")
 
 from loopcast.exporter.checkpoint import load_checkpoint  # noqa: E402
 from loopcast.exporter.export import ExportOptions, export_checkpoint  # noqa: E402
-from loopcast.exporter.random_checkpoint import write_random_checkpoint  # noqa: E402
 from loopcast.exporter.reference import KVCache  # noqa: E402
 from loopcast.exporter.reference_huginn import greedy_generate  # noqa: E402
 from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator  # noqa: E402
@@ -27,6 +26,7 @@ from loopcast.ort_runtime.decoding.recurrent_self_draft import self_draft_greedy
 from loopcast.ort_runtime.decoding.sampling import SamplingParams, make_rng, probabilities, sample  # noqa: E402
 from loopcast.ort_runtime.loading.artifact import describe_artifact, open_artifact  # noqa: E402
 
+from tests.artifacts import huginn as tiny_huginn  # noqa: E402
 from tests.huginn_numpy import HuginnNumpy  # noqa: E402
 
 TINY = PRESETS["tiny-huginn"]
@@ -35,13 +35,9 @@ MAX_LENGTH = 48
 
 
 @pytest.fixture(scope="module")
-def huginn(tmp_path_factory):
-    root = tmp_path_factory.mktemp("huginn-art")
-    # std 0.1: the random recurrence is contractive, as the trained one is
-    # (tests/exporter/test_huginn_reference.py)
-    ckpt = write_random_checkpoint(TINY, root / "ckpt", seed=4, std=0.1)
-    export_checkpoint(ckpt, root / "art", ExportOptions(max_length=MAX_LENGTH))
-    return ckpt, open_artifact(root / "art"), load_checkpoint(ckpt)
+def huginn():
+    ckpt, art = tiny_huginn(MAX_LENGTH)  # shared with tests/ort_runtime/test_recurrent_api.py
+    return ckpt, open_artifact(art), load_checkpoint(ckpt)
 
 
 def test_manifest_knows_the_family(huginn):

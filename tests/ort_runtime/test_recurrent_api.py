@@ -1,0 +1,197 @@
+"""A recurrent-depth (Huginn) artifact through the public paths: ``load(...).generate`` with the
+same ``loops`` control as Ouro's static depth, the KL exit and the state seed as config
+fields, every speculative mode against plain decoding at the same r and exit policy, seeded
+sampling, the CLI and the server's one-request engine (tiny-huginn, fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loopcast.errors import RequestError
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+from loopcast.cli import main  # noqa: E402
+from loopcast.exporter.checkpoint import load_checkpoint  # noqa: E402
+from loopcast.exporter.reference_huginn import greedy_generate  # noqa: E402
+from loopcast.ort_runtime.api import load  # noqa: E402
+from loopcast.ort_runtime.batching.engine import BatchRequest  # noqa: E402
+from loopcast.ort_runtime.batching.sequential import SequentialEngine  # noqa: E402
+from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator  # noqa: E402
+from loopcast.ort_runtime.decoding.families import RecurrentDecoding  # noqa: E402
+from loopcast.ort_runtime.decoding.recurrent_decode import decode_recurrent  # noqa: E402
+from loopcast.ort_runtime.decoding.sampling import SamplingParams  # noqa: E402
+
+from loopcast.kl_exit import KLExit  # noqa: E402
+from tests.artifacts import huginn as tiny_huginn  # noqa: E402
+
+MAX_LENGTH = 48
+PROMPT = [3, 17, 42, 8]
+# a prompt that repeats itself, so prompt lookup has n-grams to draft from
+LOOKUP_PROMPT = [5, 9, 11, 5, 9, 11, 5, 9]
+
+
+@pytest.fixture(scope="module")
+def huginn():
+    ckpt, art = tiny_huginn(MAX_LENGTH)
+    return ckpt, load(art)
+
+
+def plain(model, prompt, n, **options):
+    return model.generate(prompt, n, stop_ids=(), **options)
+
+
+def test_the_family_is_chosen_at_load(huginn):
+    _, model = huginn
+    assert isinstance(model.decoding, RecurrentDecoding)
+    assert isinstance(model.new_generator(), RecurrentGenerator)
+    with pytest.raises(RequestError, match="must be a RecurrentGenerator"):
+        model.generate(PROMPT, 2, generator=object())
+
+
+@pytest.mark.parametrize("loops", [1, 4, 32])
+def test_loops_through_the_api_equal_the_reference(huginn, loops):
+    ckpt, model = huginn
+    result = plain(model, PROMPT, 8, loops=loops, state_seed=7)
+    want, _ = greedy_generate(load_checkpoint(ckpt), PROMPT, 8, loops=loops, seed=7, max_length=MAX_LENGTH)
+    assert result.tokens == want
+    assert result.stats.exit_histogram == {loops: 8} and result.stats.core_calls_per_token == loops
+    assert result.finish_reason == "length"
+
+
+def test_default_depth_and_zero_state(huginn):
+    _, model = huginn
+    default = plain(model, PROMPT, 6)
+    assert default.tokens == plain(model, PROMPT, 6, loops=model.config.loops_default).tokens
+    assert default.stats.mean_loops == model.config.loops_default
+    # the zero state is the seedless start: a fresh generator, whatever the pool held before
+    assert plain(model, PROMPT, 6).tokens == default.tokens
+
+
+@pytest.mark.parametrize("loops, kl", [(4, None), (32, None), (32, 0.15), (32, 0.3), (4, 0.3)])
+@pytest.mark.parametrize("mode", ["prompt-lookup", "self"])
+def test_every_speculative_mode_is_plain(huginn, loops, kl, mode):
+    """Same r, same exit policy: the same tokens, and each token read at the same core step."""
+    _, model = huginn
+    options = dict(loops=loops, kl_threshold=kl, state_seed=5)
+    for prompt in (PROMPT, LOOKUP_PROMPT):
+        want = plain(model, prompt, 14, **options)
+        got = plain(model, prompt, 14, speculative=mode, **options)
+        assert got.tokens == want.tokens, (prompt, mode)
+        assert got.stats.exit_histogram == want.stats.exit_histogram
+        assert got.stats.exact_greedy and got.stats.rounds > 0
+        if kl is None:
+            assert got.stats.core_calls_per_token < loops or mode == "self"
+
+
+def test_forced_rejections_and_the_kv_capacity(huginn):
+    """A proposer that is always wrong, and shallow self-drafts (rejected often), up to the last
+    position the KV holds: the rejected rows' KV past n is rewritten before it is read."""
+    _, model = huginn
+
+    class Wrong:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def propose(self, context, k):
+            return [(context[-1] + 1 + i) % self.vocab for i in range(k)]
+
+    prompt = list(range(5, 5 + MAX_LENGTH - 10))
+    want = plain(model, prompt, 50, loops=32, state_seed=2)
+    assert len(want.tokens) == 11  # the capacity ends it
+    wrong = plain(model, prompt, 50, loops=32, state_seed=2, proposer=Wrong(model.config.vocab_size))
+    shallow = plain(model, prompt, 50, loops=32, state_seed=2, speculative="self", draft_loops=1)
+    for got in (wrong, shallow):
+        assert got.tokens == want.tokens and got.finish_reason == "length"
+        assert got.stats.accepted < got.stats.proposed
+    assert wrong.stats.speculative == "custom"
+
+
+def test_a_generator_continues_its_prefix(huginn):
+    _, model = huginn
+    whole = plain(model, PROMPT + [60, 61], 6, loops=4)
+    gen = model.new_generator()
+    list(model.stream_ids(PROMPT, 1, generator=gen, loops=4, stop_ids=()))  # leaves PROMPT committed
+    assert gen.n == len(PROMPT) and gen.tokens == PROMPT
+    rest = model.generate([60, 61], 6, generator=gen, loops=4, stop_ids=(), speculative="self")
+    assert rest.tokens == whole.tokens
+
+
+def test_seeded_sampling_replays_and_follows_the_plain_loop(huginn):
+    _, model = huginn
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    a = plain(model, PROMPT, 10, loops=4, sampling=sampling, kl_threshold=0.3)
+    b = plain(model, PROMPT, 10, loops=4, sampling=sampling, kl_threshold=0.3)
+    assert a.tokens == b.tokens
+    gen = RecurrentGenerator(model.loaded, loops=4)
+    want, _, steps = decode_recurrent(gen, PROMPT, 10, sampling=sampling, kl_exit=KLExit(0.3))
+    assert a.tokens == want and sum(a.stats.exit_histogram.values()) == len(steps)
+    assert plain(model, PROMPT, 10, loops=4, sampling=SamplingParams(temperature=0.9, seed=12)).tokens != (
+        a.tokens
+    )
+
+
+@pytest.mark.parametrize(
+    "options, needle, parameter",
+    [
+        (dict(loops=33), r"loops must be an integer in 1\.\.32 \(the artifact's max_recurrence\)", "loops"),
+        (dict(speculative="pipeline"), "not built for recurrent-depth", "speculative"),
+        (dict(exit_threshold=0.5), "kl_threshold", "exit_threshold"),
+        (
+            dict(kl_threshold=0.1, kv_policy="last-exited", speculative="self"),
+            "kv_policy 'full'",
+            "kv_policy",
+        ),
+        (dict(speculative="self", loops=4, draft_loops=4), r"draft_loops must be in 1\.\.3", "draft_loops"),
+        (dict(speculative="self", loops=1), "loops >= 2", "loops"),
+        (dict(draft_loops=2), "goes with speculative='self'", "draft_loops"),
+        (
+            dict(speculative="self", sampling=SamplingParams(temperature=1.0, seed=1)),
+            "sampled",
+            "speculative",
+        ),
+        (dict(min_loops=2), "kl_threshold", "min_loops"),
+    ],
+)
+def test_what_the_family_refuses_is_named(huginn, options, needle, parameter):
+    _, model = huginn
+    with pytest.raises(RequestError, match=needle) as info:
+        model.generate(PROMPT, 4, **options)
+    assert info.value.parameter == parameter
+
+
+def test_the_cli_takes_loops_and_the_draft_depth(huginn):
+    _, model = huginn
+    path = str(model.loaded.path)
+    base = ["generate", path, "--prompt-ids", "3,17,42,8", "--max-new-tokens", "6", "--json"]
+    runner = CliRunner()
+    plain_run = runner.invoke(main, [*base, "--loops", "8", "--state-seed", "1"])
+    spec_run = runner.invoke(
+        main, [*base, "--loops", "8", "--state-seed", "1", "--speculative", "self", "--draft-depth", "2"]
+    )
+    assert plain_run.exit_code == 0 and spec_run.exit_code == 0, (plain_run.output, spec_run.output)
+    want = plain(model, PROMPT, 6, loops=8, state_seed=1).tokens
+    assert json.loads(plain_run.stdout)["tokens"] == want == json.loads(spec_run.stdout)["tokens"]
+    too_deep = runner.invoke(main, [*base, "--loops", "33"])
+    assert too_deep.exit_code == 2 and too_deep.stdout == ""
+    assert too_deep.stderr.strip().splitlines() == [
+        "error: --loops must be an integer in 1..32 (the artifact's max_recurrence), got 33"
+    ]
+    deep_draft = runner.invoke(main, [*base, "--loops", "4", "--speculative", "self", "--draft-depth", "4"])
+    assert deep_draft.exit_code == 2 and "--draft-depth must be in 1..3" in deep_draft.stderr
+
+
+def test_the_servers_one_request_engine_takes_loops(huginn):
+    _, model = huginn
+    engine = SequentialEngine(model)
+    engine.start()
+    try:
+        for loops, kl in ((1, None), (32, None), (32, 0.3)):
+            config = model.generation_config(None, loops=loops, kl_threshold=kl, state_seed=4)
+            done = engine.submit(BatchRequest(PROMPT, 6, config=config)).result(timeout=60)
+            assert done == plain(model, PROMPT, 6, loops=loops, kl_threshold=kl, state_seed=4).tokens
+    finally:
+        engine.shutdown()
