@@ -184,6 +184,17 @@ def test_the_cli_takes_loops_and_the_draft_depth(huginn):
     assert deep_draft.exit_code == 2 and "--draft-depth must be in 1..3" in deep_draft.stderr
 
 
+def test_the_torch_backend_takes_the_same_options(huginn):
+    """``--backend torch`` on the checkpoint: the reference at the same r, KL exit and seed."""
+    ckpt, model = huginn
+    flags = ["--loops", "32", "--kl-threshold", "0.15", "--state-seed", "3"]
+    ids = ["--prompt-ids", "3,17,42,8", "--max-new-tokens", "6", "--json"]
+    run = CliRunner().invoke(main, ["generate", str(ckpt), "--backend", "torch", *ids, *flags])
+    assert run.exit_code == 0, run.output
+    want = plain(model, PROMPT, 6, loops=32, kl_threshold=0.15, state_seed=3).tokens
+    assert json.loads(run.stdout)["tokens"] == want
+
+
 def test_the_servers_one_request_engine_takes_loops(huginn):
     _, model = huginn
     engine = SequentialEngine(model)
