@@ -206,3 +206,21 @@ def test_the_servers_one_request_engine_takes_loops(huginn):
             assert done == plain(model, PROMPT, 6, loops=loops, kl_threshold=kl, state_seed=4).tokens
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "options, parameter",
+    [
+        (dict(kl_threshold=0.1), "kl_threshold"),
+        (dict(state_seed=1), "state_seed"),
+        (dict(draft_loops=1), "draft_loops"),
+    ],
+)
+def test_a_looped_artifact_refuses_the_recurrent_options(options, parameter):
+    from tests.artifacts import artifact
+
+    model = load(artifact("ouro-r3"))
+    assert model.decoding.family == "looped"
+    with pytest.raises(RequestError, match=parameter) as info:
+        model.generate([1, 2, 3], 2, **options)
+    assert info.value.parameter == parameter
