@@ -22,8 +22,12 @@ from loopcast.ort_runtime.batching.engine import BatchRequest  # noqa: E402
 from loopcast.ort_runtime.batching.sequential import SequentialEngine  # noqa: E402
 from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator  # noqa: E402
 from loopcast.ort_runtime.decoding.families import RecurrentDecoding  # noqa: E402
-from loopcast.ort_runtime.decoding.recurrent_decode import decode_recurrent  # noqa: E402
-from loopcast.ort_runtime.decoding.sampling import SamplingParams  # noqa: E402
+from loopcast.ort_runtime.decoding.sampling import (  # noqa: E402
+    SamplingParams,
+    make_rng,
+    probabilities,
+    sample,
+)
 
 from loopcast.kl_exit import KLExit  # noqa: E402
 from tests.artifacts import huginn as tiny_huginn  # noqa: E402
@@ -126,9 +130,13 @@ def test_seeded_sampling_replays_and_follows_the_plain_loop(huginn):
     a = plain(model, PROMPT, 10, loops=4, sampling=sampling, kl_threshold=0.3)
     b = plain(model, PROMPT, 10, loops=4, sampling=sampling, kl_threshold=0.3)
     assert a.tokens == b.tokens
-    gen = RecurrentGenerator(model.loaded, loops=4)
-    want, _, steps = decode_recurrent(gen, PROMPT, 10, sampling=sampling, kl_exit=KLExit(0.3))
-    assert a.tokens == want and sum(a.stats.exit_histogram.values()) == len(steps)
+    # the same draws by hand: each call's last row through the project's sampling, one stream
+    gen, rng, want = RecurrentGenerator(model.loaded, loops=4), make_rng(sampling), []
+    out = gen.step(PROMPT, kl_exit=KLExit(0.3))
+    while len(want) < 10:
+        want.append(sample(probabilities(out.logits[-1], sampling, gen.tokens), rng))
+        out = gen.step([want[-1]], kl_exit=KLExit(0.3))
+    assert a.tokens == want and min(a.stats.exit_histogram) < 4
     assert plain(model, PROMPT, 10, loops=4, sampling=SamplingParams(temperature=0.9, seed=12)).tokens != (
         a.tokens
     )
