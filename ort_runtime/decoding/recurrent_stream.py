@@ -21,9 +21,12 @@ KV lie at positions >= the new n, rewritten by the next call before any row read
 tokens are plain decoding's where the artifact declares ``exact_verify`` (M-row calls equal
 one-row calls bit for bit); elsewhere speculation needs ``allow_inexact``.
 
-Not offered here: the pipeline (no cycle graph for prelude/coda lanes yet), sampled
-speculation, and the gate (every round with drafts speculates; a prompt-lookup miss is a plain
-step).
+Sampled, a round draws self-drafts from the draft rows' processed distributions and accepts
+with the rejection rule (``speculative_accept``), so the tokens keep plain sampling's
+distribution (not its draws); one ``PCG64(seed)`` stream per request makes them reproducible.
+
+Not offered here: the pipeline (no cycle graph for prelude/coda lanes yet) and the gate (every
+round with drafts speculates; a prompt-lookup miss is a plain step).
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ from __future__ import annotations
 import time
 from collections.abc import Generator as TokenStream
 
+import numpy as np
 from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator, RecurrentStep
 from loopcast.ort_runtime.decoding.finish import FinishRule
 from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.decoding.greedy_accept import greedy_accept
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Proposal, UserProposer
 from loopcast.ort_runtime.decoding.protocols import ProposerBase
-from loopcast.ort_runtime.decoding.sampling import make_rng, probabilities, sample
+from loopcast.ort_runtime.decoding.sampling import make_rng, probabilities, sample, speculative_accept
 from loopcast.ort_runtime.decoding.stats import GenerationStats
 
 from loopcast.errors import RequestError
@@ -52,22 +56,41 @@ PIPELINE_REFUSAL = (
 
 class RecurrentSelfDrafts(ProposerBase):
     """Self-drafts: the pending token and each draft run one by one at ``draft_loops`` core
-    steps from ``n`` (writing shallow KV there), then the generator is rewound to ``n``."""
+    steps from ``n`` (writing shallow KV there), then the generator is rewound to ``n``. Greedy
+    drafts are each row's argmax; sampled ones are drawn from the row's processed distribution
+    (``draw``), which the proposal carries for the rejection rule."""
 
     name = "self"
 
-    def __init__(self, gen: RecurrentGenerator, draft_loops: int) -> None:
-        self.gen, self.draft_loops = gen, draft_loops
+    def __init__(self, gen: RecurrentGenerator, draft_loops: int, draw=None) -> None:
+        self.gen, self.draft_loops, self.draw = gen, draft_loops, draw
 
-    def propose(self, context, k: int) -> list[int]:
+    def propose(self, context, k: int) -> Proposal:
         gen, n = self.gen, self.gen.n
         drafts: list[int] = []
+        probs: list[np.ndarray] = []
         last = int(context[-1])
         for _ in range(k):
-            last = int(gen.step([last], loops=self.draft_loops).next_ids[-1])
+            out = gen.step([last], loops=self.draft_loops)
+            if self.draw is None:
+                last = int(out.next_ids[-1])
+            else:
+                q = self.draw(out.logits[-1], gen.tokens)
+                probs.append(q)
+                last = sample(q, self.draw.rng)
             drafts.append(last)
         gen.rewind(n)
-        return drafts
+        return Proposal(drafts, probs=probs if self.draw is not None else None)
+
+
+class _Draw:
+    """The processed distribution of a row under the request's sampling, and its one stream."""
+
+    def __init__(self, sampling, rng) -> None:
+        self.sampling, self.rng = sampling, rng
+
+    def __call__(self, logits_V: np.ndarray, context) -> np.ndarray:
+        return probabilities(logits_V, self.sampling, context)
 
 
 def _refuse(gen: RecurrentGenerator, config: GenerationConfig, proposer: object | None) -> None:
@@ -84,12 +107,6 @@ def _refuse(gen: RecurrentGenerator, config: GenerationConfig, proposer: object 
     if spec.mode == SpeculativeMode.PIPELINE:
         raise RequestError(PIPELINE_REFUSAL, parameter="speculative")
     speculating = spec.mode != SpeculativeMode.NONE or proposer is not None
-    if speculating and config.sampled:
-        raise RequestError(
-            "sampled speculation is not built for recurrent-depth artifacts yet; sample with "
-            "speculative='none' (a seed fixes the tokens) or speculate greedily",
-            parameter="speculative",
-        )
     if spec.alternate_gap is not None:
         raise RequestError(
             "alternate_gap needs the tree-verify graphs, which recurrent-depth artifacts lack",
@@ -117,7 +134,7 @@ def _refuse(gen: RecurrentGenerator, config: GenerationConfig, proposer: object 
 
 
 def _proposer(
-    gen: RecurrentGenerator, config: GenerationConfig, proposer: object | None
+    gen: RecurrentGenerator, config: GenerationConfig, proposer: object | None, draw: _Draw | None
 ) -> tuple[ProposerBase | None, int]:
     """The round's proposer and its most drafts per round."""
     spec = config.speculation
@@ -144,7 +161,7 @@ def _proposer(
                 else "self-speculation drafts with fewer core steps than loops: it needs loops >= 2",
                 parameter="draft_loops" if r >= 2 else "loops",
             )
-        return RecurrentSelfDrafts(gen, d), k
+        return RecurrentSelfDrafts(gen, d, draw), k
     if spec.mode == SpeculativeMode.NONE:
         return None, 0
     raise RequestError("speculative mode 'custom' needs a proposer", parameter="speculative")
@@ -179,7 +196,9 @@ def stream_recurrent(
         if config.kl_threshold is not None
         else None
     )
-    chosen, k_max = _proposer(gen, config, proposer)
+    rng = make_rng(config.sampling) if config.sampled else None
+    draw = _Draw(config.sampling, rng) if rng is not None else None
+    chosen, k_max = _proposer(gen, config, proposer, draw)
     if chosen is not None and kl is not None and kl.kv_policy != "full":
         raise RequestError(
             "speculation with the KL exit needs kv_policy 'full': with 'last-exited' a token's "
@@ -215,14 +234,13 @@ def stream_recurrent(
     if config.max_new_tokens == 0:
         finish("length")
         return
-    rng = make_rng(config.sampling) if config.sampled else None
     if chosen is not None:
         chosen.reset(gen)
 
     def pick(out: RecurrentStep) -> int:
-        if rng is None:
+        if draw is None:
             return int(out.next_ids[-1])
-        return sample(probabilities(out.logits[-1], config.sampling, gen.tokens), rng)
+        return sample(draw(out.logits[-1], gen.tokens), draw.rng)
 
     try:
         out = gen.step(list(ids), kl_exit=kl)
@@ -243,9 +261,11 @@ def stream_recurrent(
             # the verify writes positions n..n+k: k drafts fit while n + k < max_length
             k = min(k_max, gen.max_length - n - 1, config.max_new_tokens - emitted)
             drafts: list[int] = []
+            draft_probs = None
             if chosen is not None and k > 0:
                 raw = chosen.propose([*gen.tokens, pending], k)
                 drafts = list(raw.tokens if isinstance(raw, Proposal) else raw)[:k]
+                draft_probs = raw.probs[: len(drafts)] if isinstance(raw, Proposal) and raw.probs else None
             if not drafts:
                 out = gen.step([pending], kl_exit=kl)
                 new_tokens, new_exits = [pick(out)], [out.exit_loops]
@@ -253,15 +273,19 @@ def stream_recurrent(
                     chosen.advance([pending])
                 continue
             out = gen.verify([pending, *drafts], kl)
-            result = greedy_accept(drafts, out.next_ids.tolist())
-            a = result.accepted
+            if draw is None:
+                result = greedy_accept(drafts, out.next_ids.tolist())
+                a, next_token = result.accepted, result.next_token
+            else:  # the rejection rule keeps plain sampling's distribution (row i: after drafts[:i])
+                targets = [draw(out.logits[i], gen.tokens[: n + i + 1]) for i in range(len(drafts) + 1)]
+                a, next_token = speculative_accept(drafts, draft_probs, targets, draw.rng)
             gen.rewind(n + a + 1)
             if chosen is not None:
                 chosen.advance([pending, *drafts[:a]])
             stats.rounds += 1
             stats.proposed += len(drafts)
             stats.accepted += a
-            new_tokens = [*drafts[:a], result.next_token]
+            new_tokens = [*drafts[:a], next_token]
             new_exits = list(out.row_exits[: a + 1]) if out.row_exits else [out.exit_loops] * (a + 1)
     finally:
         if not stats.finish_reason:  # closed early or failed: n back to the yielded tokens
