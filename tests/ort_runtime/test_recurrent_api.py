@@ -28,6 +28,7 @@ from loopcast.ort_runtime.decoding.sampling import (  # noqa: E402
     probabilities,
     sample,
 )
+from loopcast.ort_runtime.loading.artifact import describe_artifact  # noqa: E402
 
 from loopcast.kl_exit import KLExit  # noqa: E402
 from tests.artifacts import huginn as tiny_huginn  # noqa: E402
@@ -54,6 +55,9 @@ def test_the_family_is_chosen_at_load(huginn):
     assert isinstance(model.new_generator(), RecurrentGenerator)
     with pytest.raises(RequestError, match="must be a RecurrentGenerator"):
         model.generate(PROMPT, 2, generator=object())
+    described = describe_artifact(model.loaded.path)
+    assert "recurrent depth: 2 prelude + 2 core x r + 2 coda layers, r = 1..32 (default 4)" in described
+    assert "per request     --loops r (1..32), --kl-threshold, --state-seed" in described
 
 
 @pytest.mark.parametrize("loops", [1, 4, 32])
