@@ -25,8 +25,10 @@ Sampled, a round draws self-drafts from the draft rows' processed distributions 
 with the rejection rule (``speculative_accept``), so the tokens keep plain sampling's
 distribution (not its draws); one ``PCG64(seed)`` stream per request makes them reproducible.
 
-Not offered here: the pipeline (no cycle graph for prelude/coda lanes yet) and the gate (every
-round with drafts speculates; a prompt-lookup miss is a plain step).
+The gate (``auto`` = ``hit-density``; ``always`` speculates every round) engages while recent
+drafts hit (prompt lookup's free one-token guesses count on plain steps) and probes now and
+then when they do not; it decides on tokens only, so it never changes a greedy token. Not
+offered here: the pipeline (no cycle graph for prelude/coda lanes yet) and the cost gate.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from collections.abc import Generator as TokenStream
 import numpy as np
 from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator, RecurrentStep
 from loopcast.ort_runtime.decoding.finish import FinishRule
+from loopcast.ort_runtime.decoding.gates import HitDensityGate
 from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.decoding.greedy_accept import greedy_accept
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Proposal, UserProposer
@@ -118,10 +121,10 @@ def _refuse(gen: RecurrentGenerator, config: GenerationConfig, proposer: object 
         raise RequestError(
             "speculation needs a KV slot per (step, layer): this generator shares them (kv_sharing)"
         )
-    if speculating and spec.gate not in (GateKind.AUTO, GateKind.ALWAYS):
+    if speculating and spec.gate == GateKind.COST:
         raise RequestError(
-            f"gate {spec.gate.value!r} is not built for recurrent-depth artifacts: every round with "
-            "drafts speculates (gate 'always', what 'auto' means here)",
+            "gate 'cost' prices the looped graphs' measured steps; a recurrent-depth artifact takes "
+            "auto (= hit-density), hit-density or always",
             parameter="gate",
         )
     if speculating and not gen.loaded.exact_verify and not spec.allow_inexact:
@@ -211,7 +214,7 @@ def stream_recurrent(
     stats.strategy = (
         "decode" if chosen is None else ("draft+verify" if spec.mode.value == "self" else "verify")
     )
-    stats.gate = "none" if chosen is None else GateKind.ALWAYS.value
+    stats.gate = "none"
     stats.exact_verify = gen.loaded.exact_verify
     stats.exact_greedy = chosen is None or stats.exact_verify
     stats.kv_policy = config.kv_policy.value if kl is not None else ""
@@ -219,7 +222,7 @@ def stream_recurrent(
     rule = FinishRule(config.max_new_tokens, frozenset(config.stop_ids or ()), gen.max_length)
     base, started, runs0 = gen.n, time.perf_counter(), gen.core_runs
     exits: list[int] = []
-    emitted = 0
+    emitted = step = 0
 
     def finish(reason: str) -> None:
         stats.finish_reason = reason
@@ -230,12 +233,22 @@ def stream_recurrent(
         stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
         stats.core_calls_per_token = round((gen.core_runs - runs0) / emitted, 4) if emitted else 0.0
         _exit_stats(stats, exits[:emitted])
+        if gate is not None:
+            stats.gate_report, stats.gate_transitions = gate.report(), gate.transitions
 
     if config.max_new_tokens == 0:
         finish("length")
         return
+    # The gate decides on the tokens alone (whether recent drafts hit), so greedy tokens do not
+    # depend on it and sampled ones are reproducible with a seed.
+    gate = (
+        HitDensityGate(k_max, chosen_by="auto" if spec.gate == GateKind.AUTO else "caller")
+        if chosen is not None and spec.gate != GateKind.ALWAYS
+        else None
+    )
     if chosen is not None:
         chosen.reset(gen)
+        stats.gate = "always" if gate is None else gate.name
 
     def pick(out: RecurrentStep) -> int:
         if draw is None:
@@ -261,16 +274,26 @@ def stream_recurrent(
             # the verify writes positions n..n+k: k drafts fit while n + k < max_length
             k = min(k_max, gen.max_length - n - 1, config.max_new_tokens - emitted)
             drafts: list[int] = []
-            draft_probs = None
+            draft_probs = guess = None
+            step += 1
             if chosen is not None and k > 0:
-                raw = chosen.propose([*gen.tokens, pending], k)
-                drafts = list(raw.tokens if isinstance(raw, Proposal) else raw)[:k]
-                draft_probs = raw.probs[: len(drafts)] if isinstance(raw, Proposal) and raw.probs else None
+                engaged = k if gate is None else gate.engage(step)
+                if engaged:
+                    raw = chosen.propose([*gen.tokens, pending], min(k, engaged))
+                    drafts = list(raw.tokens if isinstance(raw, Proposal) else raw)[:k]
+                    draft_probs = (
+                        raw.probs[: len(drafts)] if isinstance(raw, Proposal) and raw.probs else None
+                    )
+                elif chosen.caps.free_guess:  # free evidence for the gate: would a draft have hit?
+                    raw = chosen.propose([*gen.tokens, pending], 1)
+                    guess = list(raw.tokens if isinstance(raw, Proposal) else raw)
             if not drafts:
                 out = gen.step([pending], kl_exit=kl)
                 new_tokens, new_exits = [pick(out)], [out.exit_loops]
                 if chosen is not None:
                     chosen.advance([pending])
+                if gate is not None and guess is not None:
+                    gate.observe(0, 0, would_hit=bool(guess) and guess[0] == new_tokens[0], step=step)
                 continue
             out = gen.verify([pending, *drafts], kl)
             if draw is None:
@@ -285,6 +308,8 @@ def stream_recurrent(
             stats.rounds += 1
             stats.proposed += len(drafts)
             stats.accepted += a
+            if gate is not None:
+                gate.observe(len(drafts), a, step=step)
             new_tokens = [*drafts[:a], next_token]
             new_exits = list(out.row_exits[: a + 1]) if out.row_exits else [out.exit_loops] * (a + 1)
     finally:

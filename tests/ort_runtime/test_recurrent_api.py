@@ -82,17 +82,35 @@ def test_default_depth_and_zero_state(huginn):
 @pytest.mark.parametrize("loops, kl", [(4, None), (32, None), (32, 0.15), (32, 0.3), (4, 0.3)])
 @pytest.mark.parametrize("mode", ["prompt-lookup", "self"])
 def test_every_speculative_mode_is_plain(huginn, loops, kl, mode):
-    """Same r, same exit policy: the same tokens, and each token read at the same core step."""
+    """Same r, same exit policy: the same tokens, and each token read at the same core step,
+    speculating every round (gate always) or as the default gate decides."""
     _, model = huginn
     options = dict(loops=loops, kl_threshold=kl, state_seed=5)
     for prompt in (PROMPT, LOOKUP_PROMPT):
         want = plain(model, prompt, 14, **options)
-        got = plain(model, prompt, 14, speculative=mode, **options)
-        assert got.tokens == want.tokens, (prompt, mode)
-        assert got.stats.exit_histogram == want.stats.exit_histogram
-        assert got.stats.exact_greedy and got.stats.rounds > 0
-        if kl is None:
-            assert got.stats.core_calls_per_token < loops or mode == "self"
+        for gate in ("always", "auto"):
+            got = plain(model, prompt, 14, speculative=mode, gate=gate, **options)
+            assert got.tokens == want.tokens, (prompt, mode, gate)
+            assert got.stats.exit_histogram == want.stats.exit_histogram
+            assert got.stats.exact_greedy and got.stats.rounds > 0
+            assert got.stats.gate == ("always" if gate == "always" else "hit-density")
+
+
+def test_the_gate_stops_speculating_on_missing_drafts(huginn):
+    """An always-wrong proposer: with the gate always, every step is a round; the default gate
+    falls back to plain steps (probing now and then), with plain decoding's tokens either way."""
+    _, model = huginn
+
+    class Wrong:
+        def propose(self, context, k):
+            return [(context[-1] + 1 + i) % 97 for i in range(k)]
+
+    want = plain(model, PROMPT, 40, loops=4)
+    always = plain(model, PROMPT, 40, loops=4, proposer=Wrong(), gate="always")
+    auto = plain(model, PROMPT, 40, loops=4, proposer=Wrong())
+    assert always.tokens == auto.tokens == want.tokens
+    assert always.stats.rounds == 39 and always.stats.accepted == 0
+    assert auto.stats.rounds < 10 and auto.stats.gate_report["transitions"] >= 1
 
 
 def test_forced_rejections_and_the_kv_capacity(huginn):
