@@ -286,3 +286,24 @@ def test_a_looped_artifact_refuses_the_recurrent_options(options, parameter):
     with pytest.raises(RequestError, match=parameter) as info:
         model.generate([1, 2, 3], 2, **options)
     assert info.value.parameter == parameter
+
+
+def test_the_server_takes_loops_in_the_request_body(huginn):
+    """``loopcast serve``'s request fields reach the one-request engine: r, the KL exit and the
+    seed per request; above the maximum a 400 naming ``loops``."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from loopcast.serve.state import ServeOptions, open_serving
+
+    from tests.serve.helpers import running_server
+
+    _, model = huginn
+    state = open_serving(model.loaded.path, ServeOptions(model_name="h"))
+    body = {"model": "h", "prompt": PROMPT, "max_tokens": 6}
+    with running_server(state) as url:
+        ok = httpx.post(f"{url}/v1/completions", json={**body, "loops": 32, "kl_threshold": 0.3}, timeout=60)
+        bad = httpx.post(f"{url}/v1/completions", json={**body, "loops": 33}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "loops"
+    assert "1..32 (the artifact's max_recurrence)" in bad.json()["error"]["message"]
