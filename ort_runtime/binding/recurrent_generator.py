@@ -18,7 +18,8 @@ binding per step k, its step-0 KV names bound to step k's buffers. The host owns
 positions before any row reads them. A step at depth r reads steps 0..r-1's KV of earlier
 positions; a shallower call leaves the deeper slots of its positions stale, which is why
 every call that commits a position must run it at the generator's depth (``draft`` rows are
-rewound and recomputed before they are committed).
+rewound and recomputed before they are committed); a call deeper than every committed position
+holds is refused rather than reading the stale slots.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class RecurrentGenerator:
         }
         self.n = 0
         self.tokens: list[int] = []  # the committed sequence (prompt lookup reads it)
+        # the core steps each position's KV holds (a call at r reads steps < r of earlier positions)
+        self._depth = np.zeros(self.max_length, np.int32)
         self.core_runs = 0  # core_step calls so far (whatever their rows): passes over the core
         prelude = {cfg.prelude_slot(l): cfg.prelude_slot(l) for l in range(cfg.num_prelude_layers)}
         coda = {cfg.coda_slot(l): cfg.coda_slot(l) for l in range(cfg.num_coda_layers)}
@@ -188,6 +191,7 @@ class RecurrentGenerator:
             raise RequestError("kv_policy 'last-exited' runs on the CPU only so far (the copy is the host's)")
         if n + m > self.max_length:
             raise RequestError(f"{n + m} tokens exceed the artifact's max length {self.max_length}")
+        self._require_depth(r, n)
         lengths = {
             "seqlens_k": np.array([n + m - 1], np.int32),
             "total_sequence_length": np.array(n + m, np.int32),
@@ -219,7 +223,7 @@ class RecurrentGenerator:
                     for s_buf, d_buf in zip(src, dst):
                         d_buf.host[:, :, n : n + m] = s_buf.host[:, :, n : n + m]
         self.n = n + m
-        self._commit(n, ids)
+        self._commit(n, ids, r)
         return RecurrentStep(out.next_ids, out.logits, exit_loops)
 
     def _core_step(self, k: int, state: ort.OrtValue, embedded: ort.OrtValue, lengths: dict) -> ort.OrtValue:
@@ -253,6 +257,7 @@ class RecurrentGenerator:
         r, m, n = self.loops, len(ids), self.n
         if m < 1 or n + m > self.max_length:
             raise RequestError(f"verify of {m} rows at {n} outside the KV capacity {self.max_length}")
+        self._require_depth(r, n)
         lengths = {
             "seqlens_k": np.array([n + m - 1], np.int32),
             "total_sequence_length": np.array(n + m, np.int32),
@@ -292,12 +297,23 @@ class RecurrentGenerator:
             ids_out[j], logits[j] = out.next_ids[-1], out.logits[-1]
             exits.append(exit_loops)
         self.n = n + m
-        self._commit(n, ids)
+        self._commit(n, ids, r)
         return RecurrentStep(ids_out, logits, exits[-1], tuple(exits))
 
-    def _commit(self, n: int, ids: list[int]) -> None:
+    def _commit(self, n: int, ids: list[int], r: int) -> None:
         del self.tokens[n:]
         self.tokens.extend(int(t) for t in ids)
+        self._depth[n : n + len(ids)] = r  # a KL exit's skipped steps are filled (its kv_policy)
+
+    def _require_depth(self, r: int, n: int) -> None:
+        """A call at r reads steps 0..r-1 of positions < n: refuse one deeper than they hold."""
+        held = int(self._depth[:n].min()) if n else r
+        if r > held:
+            raise RequestError(
+                f"loops={r} would read core steps that this generator's committed tokens did not run "
+                f"(positions < {n} hold {held}); rewind(0) first or continue at loops <= {held}",
+                parameter="loops",
+            )
 
     def rewind(self, n: int) -> None:
         """Forget positions n.. (only moves n: their KV is rewritten before it is read again)."""

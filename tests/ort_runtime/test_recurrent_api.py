@@ -146,6 +146,18 @@ def test_a_generator_continues_its_prefix(huginn):
     assert rest.tokens == whole.tokens
 
 
+def test_a_continuation_never_reads_steps_its_prefix_did_not_run(huginn):
+    _, model = huginn
+    gen = model.new_generator()
+    list(model.stream_ids(PROMPT, 1, generator=gen, loops=4, stop_ids=()))
+    with pytest.raises(RequestError, match=r"loops=8 would read core steps .* hold 4") as info:
+        list(model.stream_ids([60], 2, generator=gen, loops=8, stop_ids=()))
+    assert info.value.parameter == "loops" and gen.n == len(PROMPT)
+    assert len(list(model.stream_ids([60], 2, generator=gen, loops=2, stop_ids=()))) == 2
+    gen.rewind(0)  # a reset may run any depth again
+    assert len(list(model.stream_ids(PROMPT, 2, generator=gen, loops=32, stop_ids=()))) == 2
+
+
 def test_seeded_sampling_replays_and_follows_the_plain_loop(huginn):
     _, model = huginn
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
