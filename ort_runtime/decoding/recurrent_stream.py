@@ -52,8 +52,8 @@ from loopcast.kl_exit import KLExit
 from loopcast.vocab import GateKind, SpeculativeMode
 
 PIPELINE_REFUSAL = (
-    "speculative mode 'pipeline' is not built for recurrent-depth (Huginn) artifacts yet (their "
-    "lanes would need prelude and coda in the cycle); use speculative='self' or 'prompt-lookup'"
+    "the pipeline (speculative 'pipeline') is not built for recurrent-depth (Huginn) artifacts yet: "
+    "its lanes would need prelude and coda rows in the cycle graph; use 'self' or 'prompt-lookup'"
 )
 
 
