@@ -219,6 +219,13 @@ def stream_recurrent(
     stats.exact_greedy = chosen is None or stats.exact_verify
     stats.kv_policy = config.kv_policy.value if kl is not None else ""
     stats.finish_reason = ""
+    # The gate decides on the tokens alone (whether recent drafts hit), so greedy tokens do not
+    # depend on it and sampled ones are reproducible with a seed.
+    gate = (
+        HitDensityGate(k_max, chosen_by="auto" if spec.gate == GateKind.AUTO else "caller")
+        if chosen is not None and spec.gate != GateKind.ALWAYS
+        else None
+    )
     rule = FinishRule(config.max_new_tokens, frozenset(config.stop_ids or ()), gen.max_length)
     base, started, runs0 = gen.n, time.perf_counter(), gen.core_runs
     exits: list[int] = []
@@ -239,13 +246,6 @@ def stream_recurrent(
     if config.max_new_tokens == 0:
         finish("length")
         return
-    # The gate decides on the tokens alone (whether recent drafts hit), so greedy tokens do not
-    # depend on it and sampled ones are reproducible with a seed.
-    gate = (
-        HitDensityGate(k_max, chosen_by="auto" if spec.gate == GateKind.AUTO else "caller")
-        if chosen is not None and spec.gate != GateKind.ALWAYS
-        else None
-    )
     if chosen is not None:
         chosen.reset(gen)
         stats.gate = "always" if gate is None else gate.name

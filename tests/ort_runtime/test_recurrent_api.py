@@ -72,6 +72,8 @@ def test_loops_through_the_api_equal_the_reference(huginn, loops):
 
 def test_default_depth_and_zero_state(huginn):
     _, model = huginn
+    nothing = plain(model, PROMPT, 0, speculative="prompt-lookup")
+    assert nothing.tokens == [] and nothing.finish_reason == "length"
     default = plain(model, PROMPT, 6)
     assert default.tokens == plain(model, PROMPT, 6, loops=model.config.loops_default).tokens
     assert default.stats.mean_loops == model.config.loops_default
