@@ -297,8 +297,14 @@ def stream_recurrent(
                 continue
             out = gen.verify([pending, *drafts], kl)
             if draw is None:
-                result = greedy_accept(drafts, out.next_ids.tolist())
+                guard = spec.tie_guard  # counts near ties; tolerant (never the default) accepts them
+                result = greedy_accept(
+                    drafts, out.next_ids.tolist(), out.logits, epsilon=guard.epsilon, tolerant=guard.tolerant
+                )
                 a, next_token = result.accepted, result.next_token
+                stats.near_tie_rejections += result.near_tie_rejections
+                stats.tolerant_accepts += result.tolerant_accepts
+                stats.exact_greedy = stats.exact_greedy and result.tolerant_accepts == 0
             else:  # the rejection rule keeps plain sampling's distribution (row i: after drafts[:i])
                 targets = [draw(out.logits[i], gen.tokens[: n + i + 1]) for i in range(len(drafts) + 1)]
                 a, next_token = speculative_accept(drafts, draft_probs, targets, draw.rng)

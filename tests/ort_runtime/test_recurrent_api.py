@@ -138,6 +138,20 @@ def test_forced_rejections_and_the_kv_capacity(huginn):
     assert wrong.stats.speculative == "custom"
 
 
+def test_the_tie_guard_counts_and_its_tolerant_mode_says_so(huginn):
+    """Strict by default (the tokens above); the non-default tolerant mode accepts near ties and
+    then reports that its tokens are not plain greedy's."""
+    from loopcast.ort_runtime.decoding.greedy_accept import TieGuard
+
+    _, model = huginn
+    options = dict(loops=32, speculative="self", draft_loops=1, gate="always")
+    strict = plain(model, PROMPT, 30, tie_guard=TieGuard(epsilon=0.5), **options)
+    tolerant = plain(model, PROMPT, 30, tie_guard=TieGuard(epsilon=0.5, tolerant=True), **options)
+    assert strict.tokens == plain(model, PROMPT, 30, loops=32).tokens and strict.stats.exact_greedy
+    assert strict.stats.near_tie_rejections > 0
+    assert tolerant.stats.tolerant_accepts > 0 and not tolerant.stats.exact_greedy
+
+
 def test_a_generator_continues_its_prefix(huginn):
     _, model = huginn
     whole = plain(model, PROMPT + [60, 61], 6, loops=4)
