@@ -222,6 +222,30 @@ def test_kl_exit_matches_the_reference(huginn, threshold, kv_policy):
         np.testing.assert_allclose(got, ref.numpy(), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("loops, kl", [(1, None), (4, None), (32, None), (32, 0.15), (32, 0.3), (4, 0.3)])
+def test_verify_rows_are_one_row_steps(huginn, loops, kl):
+    """verify(tokens) at r equals the same tokens as one-row steps bit for bit (loopcast
+    attention: exact_verify), the KL exit's per-row exits included, and the reference within
+    1e-4: what makes every speculative mode plain decoding."""
+    _, loaded, model = huginn
+    rule = None if kl is None else KLExit(kl)
+    tokens, _ = RecurrentGenerator(loaded, loops=loops, state_seed=3).greedy(PROMPT, 6, kl_exit=rule)
+    one = RecurrentGenerator(loaded, loops=loops, state_seed=3)
+    one.step(PROMPT, kl_exit=rule)
+    rows = [one.step([t], kl_exit=rule) for t in tokens]
+    many = RecurrentGenerator(loaded, loops=loops, state_seed=3)
+    many.step(PROMPT, kl_exit=rule)
+    out = many.verify(tokens, rule)
+    np.testing.assert_array_equal(out.logits, np.stack([r.logits[-1] for r in rows]))
+    if kl is not None:
+        assert list(out.row_exits) == [r.exit_loops for r in rows] and min(out.row_exits) < loops
+    want_exits: list[int] = []
+    _, want = greedy_generate(
+        model, PROMPT, 7, loops=loops, seed=3, max_length=MAX_LENGTH, kl_exit=rule, exits=want_exits
+    )
+    np.testing.assert_allclose(out.logits, np.stack([w.numpy() for w in want[1:]]), atol=1e-4, rtol=0)
+
+
 def test_kl_exit_kv_policies(huginn):
     """full: the skipped steps still run, so the core slots hold a plain run's KV bit for bit;
     last-exited: each skipped step's slots hold the exit step's K/V of the same layer."""
