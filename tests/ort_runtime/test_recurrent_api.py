@@ -285,6 +285,12 @@ def test_the_torch_backend_takes_the_same_options(huginn):
     assert json.loads(run.stdout)["tokens"] == want
 
 
+def test_loopcast_bench_points_to_the_familys_bench(huginn):
+    ckpt, _ = huginn
+    run = CliRunner().invoke(main, ["bench", str(ckpt)])
+    assert run.exit_code == 2 and "tools.bench.bench_huginn" in run.stderr.strip().splitlines()[-1]
+
+
 def test_the_servers_one_request_engine_takes_loops(huginn):
     _, model = huginn
     engine = SequentialEngine(model)
