@@ -27,6 +27,7 @@ from loopcast.bench.pipeline import cycle_ms, oracle_rows
 from loopcast.bench.profile import alternation, kernel_env, profile_decode
 from loopcast.ort_runtime.decoding.exactness import decode_rows
 
+from loopcast.errors import RequestError
 from loopcast.manifest import CYCLE, CYCLE_RUN, DECODE, DRAFT, VERIFY, VERIFY_TAIL
 from loopcast.vocab import OpSet
 
@@ -324,6 +325,12 @@ def bench_variant(
 
     checkpoint = _checkpoint(opts, dtype)
     config = load_config(checkpoint)
+    if config.recurrent_depth:  # its graphs are prelude/core_step/coda, not the looped kinds timed here
+        raise RequestError(
+            f"{checkpoint}: loopcast bench times the looped graph kinds; for a recurrent-depth "
+            "(Huginn) model run python -m tools.bench.bench_huginn (plain decoding at each r, and "
+            "every speculative mode with --modes)"
+        )
     widths = sorted(set(opts.widths) | {5})
     max_length = min(config.max_position_embeddings, opts.past + max(widths) + 1)
     past = max_length - max(widths) - 1

@@ -16,7 +16,8 @@ import re
 import click
 
 # Config field names whose flag is spelled otherwise (SpeculationConfig.mode is --speculative).
-ALIASES = {"mode": "speculative"}
+# draft_loops (a recurrent-depth artifact's draft core steps) is --draft-depth.
+ALIASES = {"mode": "speculative", "draft_loops": "draft_depth"}
 
 _LEADING = re.compile(r"^([a-z_][a-z0-9_]*) must ")
 

@@ -12,6 +12,8 @@ from loopcast.cli.options import (
     given,
     prompt_options,
     prompt_source,
+    recurrent_options,
+    recurrent_params,
     sampling_options,
     sampling_params,
 )
@@ -54,7 +56,13 @@ Examples:
     "(looped models; docs/architecture.md §5).",
 )
 @click.option("--num-draft-tokens", type=int, default=None, help="K drafts per round.")
-@click.option("--draft-depth", type=int, default=None, help="Loops the self-draft runs (< R).")
+@click.option(
+    "--draft-depth",
+    type=int,
+    default=None,
+    help="Loops the self-draft runs (< R); on a recurrent-depth (Huginn) artifact, the drafts' core "
+    "steps (< --loops, chosen per run; default a quarter of --loops).",
+)
 @click.option(
     "--pipeline-exit",
     type=int,
@@ -85,6 +93,7 @@ Examples:
 )
 @sampling_options
 @depth_options
+@recurrent_options
 @click.option(
     "--stop",
     "stop",
@@ -135,6 +144,8 @@ def generate(
     min_loops: int | None,
     max_loops: int | None,
     kv_policy: str | None,
+    kl_threshold: float | None,
+    state_seed: int | None,
     stop: tuple[str, ...],
     skip_special_tokens: bool,
     stream: bool,
@@ -166,6 +177,7 @@ def generate(
         pipeline_exit=pipeline_exit,
         alternate_gap=alternate_gap,
         **depth_params(loops, exit_threshold, min_loops, max_loops, kv_policy),
+        **recurrent_params(kl_threshold, state_seed),
     )
     refuse_contradictions(click.get_current_context())  # after the values' own checks
     if backend == "torch":

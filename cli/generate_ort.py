@@ -25,10 +25,14 @@ def generate_with_ort(
     on_text: Callable[[str], None] | None = None,
 ) -> dict:
     """Run ``config`` on the artifact at ``path``; ``on_text`` gets the text as it is committed
-    (the token ids, comma-terminated, when the artifact has no tokenizer). ``draft_depth`` is a
-    check, not an option: the depth of the draft graph is fixed at export."""
+    (the token ids, comma-terminated, when the artifact has no tokenizer). On a looped artifact
+    ``draft_depth`` is a check, not an option (its draft graph's depth is fixed at export); on a
+    recurrent-depth artifact it is the drafts' core steps (``draft_loops``), chosen per run."""
     model = load(path, device, threads=threads, trust_ops=trust_ops)
-    if draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
+    if draft_depth is not None and model.config.recurrent_depth:
+        # a recurrent-depth artifact drafts at any core-step count below --loops, chosen per run
+        config = config.replace(draft_loops=draft_depth)
+    elif draft_depth is not None and draft_depth != model.loaded.manifest.draft_depth:
         raise RequestError(
             f"--draft-depth {draft_depth}: this artifact's draft graph runs "
             f"{model.loaded.manifest.draft_depth} loops (re-export with --draft-depth {draft_depth})"

@@ -223,6 +223,31 @@ depth_options = stack(
 )
 
 
+recurrent_options = stack(
+    click.option(
+        "--kl-threshold",
+        type=float,
+        default=None,
+        help="Recurrent depth (Huginn): each token leaves after the first core step whose next-token "
+        "distribution moved less than this KL from the previous step's (the release's 1e-3); "
+        "--loops is then the most steps. Default: every one of the --loops steps.",
+    ),
+    click.option(
+        "--state-seed",
+        type=int,
+        default=None,
+        help="Recurrent depth (Huginn): draw the initial state from this seed (truncated normal per "
+        "position, deterministic); default: the zero state.",
+    ),
+)
+
+
+def recurrent_params(kl_threshold, state_seed) -> dict:
+    """The recurrent-depth flags as GenerationConfig keywords (unset flags left out)."""
+    values = dict(kl_threshold=kl_threshold, state_seed=state_seed)
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def depth_params(loops, exit_threshold, min_loops, max_loops, kv_policy) -> dict:
     """The depth flags as GenerationConfig keywords (unset flags left out: the config's defaults)."""
     values = dict(

@@ -38,15 +38,8 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
     if q is not None and q < 1.0 and config.loops is None and not config.gated:
         config = config.replace(exit_threshold=q)  # the checkpoint's default (docs/adaptive-depth.md)
     start = time.perf_counter()
-    if model.config.recurrent_depth:  # Huginn: r = the release's mean_recurrence, zero initial state
-        from loopcast.exporter.reference_generate import ReferenceResult
-        from loopcast.exporter.reference_huginn import greedy_generate as recurrent_greedy
-
-        max_length = min(model.config.max_position_embeddings, len(prompt_ids) + config.max_new_tokens)
-        tokens, _ = recurrent_greedy(
-            model, prompt_ids, config.max_new_tokens, stop_ids=stop, max_length=max_length
-        )
-        result = ReferenceResult(tokens, "eos" if tokens and tokens[-1] in stop else "length")
+    if model.config.recurrent_depth:  # Huginn: r, the KL exit, the state seed (below)
+        result = _recurrent(model, prompt_ids, config, stop)
     else:
         result = depth_generate(model, prompt_ids, config, stop_ids=stop)
     seconds = time.perf_counter() - start
@@ -64,3 +57,42 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
             "tokens_per_second": round(len(result.tokens) / seconds, 2) if seconds > 0 else None,
         },
     }
+
+
+def _recurrent(model, prompt_ids: list[int], config, stop: tuple[int, ...]):
+    """The recurrent-depth reference on the options the runtime takes for the family
+    (ort_runtime/decoding/recurrent_stream.py): r, the KL exit, the initial state's seed."""
+    from loopcast.exporter.reference_generate import ReferenceResult
+    from loopcast.exporter.reference_huginn import greedy_generate as recurrent_greedy
+
+    from loopcast.kl_exit import KLExit
+
+    cfg = model.config
+    if config.exit_threshold is not None:
+        raise RequestError(
+            "exit_threshold is Ouro's exit gate; a recurrent-depth model exits on kl_threshold",
+            parameter="exit_threshold",
+        )
+    if config.loops is not None and not 1 <= config.loops <= cfg.num_loops:
+        raise RequestError(
+            f"loops must be an integer in 1..{cfg.num_loops} (the checkpoint's max_recurrence), "
+            f"got {config.loops}",
+            parameter="loops",
+        )
+    kl = (
+        KLExit(config.kl_threshold, config.min_loops or 1, config.kv_policy.value)
+        if config.kl_threshold is not None
+        else None
+    )
+    max_length = min(cfg.max_position_embeddings, len(prompt_ids) + config.max_new_tokens)
+    tokens, _ = recurrent_greedy(
+        model,
+        prompt_ids,
+        config.max_new_tokens,
+        loops=config.loops,
+        seed=config.state_seed,
+        kl_exit=kl,
+        stop_ids=stop,
+        max_length=max_length,
+    )
+    return ReferenceResult(tokens, "eos" if tokens and tokens[-1] in stop else "length")

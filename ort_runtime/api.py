@@ -24,11 +24,12 @@ import time
 from collections.abc import Generator as TokenStream
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
-from loopcast.ort_runtime.binding.generator import Generator
+from loopcast.ort_runtime.decoding.families import SequenceGenerator, decoding_for
 from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
-from loopcast.ort_runtime.decoding.speculate import GenerationStats, stream
+from loopcast.ort_runtime.decoding.stats import GenerationStats
 from loopcast.ort_runtime.loading.artifact import LoadedModel, open_artifact
 from loopcast.ort_runtime.text.chat import ChatTemplate, load_chat_template, template_kwargs
 from loopcast.ort_runtime.text.stopping import artifact_eos_ids, trim_at_stop
@@ -64,16 +65,16 @@ class _GeneratorPool:
 
     def __init__(self, factory, keep: int = 2) -> None:
         self._factory, self._keep = factory, keep
-        self._idle: list[Generator] = []
+        self._idle: list[SequenceGenerator] = []
         self._lock = threading.Lock()
 
-    def take(self) -> Generator:
+    def take(self) -> SequenceGenerator:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
         return self._factory()  # outside the lock: allocating KV buffers can take a while
 
-    def give(self, generator: Generator) -> None:
+    def give(self, generator: SequenceGenerator) -> None:
         with self._lock:
             if len(self._idle) < self._keep:
                 self._idle.append(generator)
@@ -93,6 +94,8 @@ class LoopcastModel:
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
+        # the family's decoding, chosen once: looped (Ouro, Llama) or recurrent depth (Huginn)
+        self.decoding = decoding_for(loaded)
         self._pool = _GeneratorPool(self.new_generator)
         self._eos: tuple[int, ...] | None = None
         self._chat: tuple[ChatTemplate | None] | None = None
@@ -105,8 +108,8 @@ class LoopcastModel:
     def tokenizer(self):
         return self.loaded.tokenizer
 
-    def new_generator(self) -> Generator:
-        return Generator(self.loaded)
+    def new_generator(self) -> SequenceGenerator:
+        return self.decoding.new_generator(self.loaded)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of ``prompt``: text through the tokenizer, or ids checked as ids (integers in
@@ -179,7 +182,7 @@ class LoopcastModel:
         *,
         config: GenerationConfig | None = None,
         messages: Sequence[dict] | None = None,
-        generator: Generator | None = None,
+        generator: SequenceGenerator | None = None,
         stats: GenerationStats | None = None,
         proposer: object | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
@@ -209,8 +212,8 @@ class LoopcastModel:
         if config.stop_ids is None:
             config = config.replace(stop_ids=self.eos_token_ids)
 
-        def run(gen: Generator) -> TokenIds:
-            return stream(gen, ids, config, stats=stats, proposer=proposer)
+        def run(gen: SequenceGenerator) -> TokenIds:
+            return self.decoding.stream(gen, ids, config, stats=stats, proposer=proposer)
 
         if generator is not None:
             return run(self._own(generator))
@@ -251,23 +254,26 @@ class LoopcastModel:
             options["stop"] = ()
         return GenerationConfig.from_options(config, **options)
 
-    def _own(self, generator: object) -> Generator:
+    def _own(self, generator: object) -> SequenceGenerator:
         """``generator`` if it is one of this model's (its KV buffers and sessions are this
         model's), else a RequestError: a generator of another loaded model would run that one."""
-        if not isinstance(generator, Generator):
+        kind = self.decoding.generator_type
+        if not isinstance(generator, kind):
             raise RequestError(
-                f"generator must be a Generator (model.new_generator()), got {type(generator).__name__}",
+                f"generator must be a {kind.__name__} (model.new_generator()), "
+                f"got {type(generator).__name__}",
                 parameter="generator",
             )
-        if generator.model is not self.loaded:
+        owned = cast(SequenceGenerator, generator)  # the family's generator type, checked above
+        if owned.model is not self.loaded:
             raise RequestError(
-                f"generator belongs to another loaded model ({generator.model.path}); make one with "
+                f"generator belongs to another loaded model ({owned.model.path}); make one with "
                 "this model's new_generator()",
                 parameter="generator",
             )
-        return generator
+        return owned
 
-    def _returning(self, tokens: TokenIds, pooled: Generator) -> TokenIds:
+    def _returning(self, tokens: TokenIds, pooled: SequenceGenerator) -> TokenIds:
         try:
             yield from tokens
         finally:
@@ -280,7 +286,7 @@ class LoopcastModel:
         *,
         config: GenerationConfig | None = None,
         messages: Sequence[dict] | None = None,
-        generator: Generator | None = None,
+        generator: SequenceGenerator | None = None,
         proposer: object | None = None,
         stats: GenerationStats | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,
@@ -326,7 +332,7 @@ class LoopcastModel:
         *,
         config: GenerationConfig | None = None,
         messages: Sequence[dict] | None = None,
-        generator: Generator | None = None,
+        generator: SequenceGenerator | None = None,
         proposer: object | None = None,
         stats: GenerationStats | None = None,
         chat_template_kwargs: Mapping[str, object] | None = None,

@@ -19,14 +19,17 @@ class GenerationFields(BaseModel):
     num_draft_tokens: int | None = Field(default=None, ge=1)  # drafts per round (verify width - 1 at most)
     min_ngram: int | None = Field(default=None, ge=1)  # prompt lookup's n-gram range
     max_ngram: int | None = Field(default=None, ge=1)
-    # adaptive depth (docs/adaptive-depth.md; vllm-rlt's names for the gate's three): a static
-    # depth, or Ouro's exit gate with its clamps and KV policy. The one-request-at-a-time engine
-    # runs them; the batching engine (every loop in its batched graphs) refuses them by name.
-    loops: int | None = None
+    # depth (docs/adaptive-depth.md; vllm-rlt's names for the gate's three): a static depth (a
+    # looped model's loops, a recurrent model's r), or Ouro's exit gate with its clamps and KV
+    # policy; a recurrent model's KL exit and initial state's seed. The one-request-at-a-time
+    # engine runs them; the batching engine (every loop in its batched graphs) refuses them by name.
+    loops: int | None = Field(default=None, ge=1)
     exit_threshold: float | None = None
     min_loops: int | None = None
     max_loops: int | None = None
     kv_policy: str | None = None  # "full" | "last-exited"
+    kl_threshold: float | None = Field(default=None, ge=0)
+    state_seed: int | None = Field(default=None, ge=0)
 
     def generation_options(self) -> dict[str, object]:
         """The fields this request set, as GenerationConfig keyword options."""

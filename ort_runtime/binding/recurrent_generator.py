@@ -18,7 +18,8 @@ binding per step k, its step-0 KV names bound to step k's buffers. The host owns
 positions before any row reads them. A step at depth r reads steps 0..r-1's KV of earlier
 positions; a shallower call leaves the deeper slots of its positions stale, which is why
 every call that commits a position must run it at the generator's depth (``draft`` rows are
-rewound and recomputed before they are committed).
+rewound and recomputed before they are committed); a call deeper than every committed position
+holds is refused rather than reading the stale slots.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ from loopcast.kv_sharing import core_kv_slot, parse_sharing
 from loopcast.recurrent_state import initial_state
 from loopcast.vocab import GraphKind
 
+
+def _host(value: ort.OrtValue) -> np.ndarray:
+    """A state's host copy (bf16 comes back as its bits, viewed as ml_dtypes' bfloat16)."""
+    array = value.numpy()
+    return array.view(ml_dtypes.bfloat16) if array.dtype == np.uint16 else array
+
+
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 _ONNX_BFLOAT16 = 16
 
@@ -46,6 +54,7 @@ class RecurrentStep:
     next_ids: np.ndarray  # [M] int64: each row's argmax
     logits: np.ndarray  # [M, V] float32
     exit_loops: int  # the core steps the output was taken after (r without a KL exit)
+    row_exits: tuple[int, ...] = ()  # verify with a KL exit: each row's own exit step
 
 
 class RecurrentGenerator:
@@ -67,9 +76,9 @@ class RecurrentGenerator:
         self.loaded, self.config, self.device = loaded, cfg, loaded.device
         # KV buffers and bindings for steps 0..max_loops-1 only (default: the artifact's maximum)
         self.max_loops = cfg.num_loops
-        self.max_loops = self._check_loops(cfg.num_loops if max_loops is None else max_loops, "max_loops")
+        self.max_loops = self.check_loops(cfg.num_loops if max_loops is None else max_loops, "max_loops")
         default = cfg.loops_default if loops is None and cfg.loops_default <= self.max_loops else loops
-        self.loops = self._check_loops(self.max_loops if default is None else default)
+        self.loops = self.check_loops(self.max_loops if default is None else default)
         if state_seed is not None and (not isinstance(state_seed, int) or state_seed < 0):
             raise RequestError(f"state_seed must be a non-negative integer or None, got {state_seed!r}")
         self.state_seed = state_seed
@@ -93,6 +102,10 @@ class RecurrentGenerator:
             for slot in used
         }
         self.n = 0
+        self.tokens: list[int] = []  # the committed sequence (prompt lookup reads it)
+        # the core steps each position's KV holds (a call at r reads steps < r of earlier positions)
+        self._depth = np.zeros(self.max_length, np.int32)
+        self.core_runs = 0  # core_step calls so far (whatever their rows): passes over the core
         prelude = {cfg.prelude_slot(l): cfg.prelude_slot(l) for l in range(cfg.num_prelude_layers)}
         coda = {cfg.coda_slot(l): cfg.coda_slot(l) for l in range(cfg.num_coda_layers)}
         self._prelude = self._bind(GraphKind.PRELUDE, prelude)
@@ -104,12 +117,28 @@ class RecurrentGenerator:
         ]
         self._coda = self._bind(GraphKind.CODA, coda)
 
-    def _check_loops(self, loops: int, name: str = "loops") -> int:
+    @property
+    def model(self) -> LoadedModel:
+        """The loaded artifact (as ``Generator.model``)."""
+        return self.loaded
+
+    def configure(self, loops: int | None, state_seed: int | None) -> None:
+        """One request's depth (None: the release's default r, or the most this generator holds)
+        and initial-state seed; the KV already committed stays what it is."""
+        default = self.config.loops_default if self.config.loops_default <= self.max_loops else self.max_loops
+        self.loops = self.check_loops(default if loops is None else loops)
+        if state_seed is not None and (not isinstance(state_seed, int) or state_seed < 0):
+            raise RequestError(f"state_seed must be a non-negative integer or None, got {state_seed!r}")
+        self.state_seed = state_seed
+
+    def check_loops(self, loops: int, name: str = "loops") -> int:
         if isinstance(loops, bool) or not isinstance(loops, int) or not 1 <= loops <= self.max_loops:
             bound = (
                 "the artifact's max_recurrence" if self.max_loops == self.config.num_loops else "max_loops"
             )
-            raise RequestError(f"{name} must be an integer in 1..{self.max_loops} ({bound}), got {loops!r}")
+            raise RequestError(
+                f"{name} must be an integer in 1..{self.max_loops} ({bound}), got {loops!r}", parameter=name
+            )
         return loops
 
     def _bind(self, kind: GraphKind, slots: dict[int, int]) -> tuple[ort.InferenceSession, ort.IOBinding]:
@@ -152,7 +181,7 @@ class RecurrentGenerator:
         ``kl_exit`` (loopcast/kl_exit.py) takes the output at the first step whose KL to the
         previous step's distribution (the last row's) is below its threshold; the skipped steps'
         slots are filled as its ``kv_policy`` says."""
-        r = self.loops if loops is None else self._check_loops(loops)
+        r = self.loops if loops is None else self.check_loops(loops)
         m, n = len(ids), self.n
         if m < 1:
             raise RequestError("step needs at least one token")
@@ -162,6 +191,7 @@ class RecurrentGenerator:
             raise RequestError("kv_policy 'last-exited' runs on the CPU only so far (the copy is the host's)")
         if n + m > self.max_length:
             raise RequestError(f"{n + m} tokens exceed the artifact's max length {self.max_length}")
+        self._require_depth(r, n)
         lengths = {
             "seqlens_k": np.array([n + m - 1], np.int32),
             "total_sequence_length": np.array(n + m, np.int32),
@@ -193,9 +223,11 @@ class RecurrentGenerator:
                     for s_buf, d_buf in zip(src, dst):
                         d_buf.host[:, :, n : n + m] = s_buf.host[:, :, n : n + m]
         self.n = n + m
+        self._commit(n, ids, r)
         return RecurrentStep(out.next_ids, out.logits, exit_loops)
 
     def _core_step(self, k: int, state: ort.OrtValue, embedded: ort.OrtValue, lengths: dict) -> ort.OrtValue:
+        self.core_runs += 1
         (out,) = self._run(
             self._steps[k], {"state_BSH": state, "embedded_BSH": embedded, **lengths}, ["state_BSH_out"]
         )
@@ -207,11 +239,88 @@ class RecurrentGenerator:
         )
         return RecurrentStep(next_ids.numpy()[0].copy(), logits.numpy()[0].copy(), 0)
 
+    def verify(self, ids: list[int], kl_exit: KLExit | None = None) -> RecurrentStep:
+        """``ids`` at positions n.. at the generator's depth, each row's output as a one-row
+        ``step`` of it would give: without an exit that is ``step(ids)`` (rows of one call are
+        one-row calls bit for bit where the manifest declares ``exact_verify``). With the KL exit
+        (``full`` KV only), every row runs all r core steps, as a one-row call does for its KV,
+        and then each row in order takes the coda after each step until its own exit: a row's
+        coda reads the earlier rows' coda KV at their exits, which is what a one-row call reads.
+        Costs up to M·r one-row coda calls; commits the rows (n += M)."""
+        if kl_exit is None:
+            return self.step(ids)
+        if kl_exit.kv_policy != "full":
+            raise RequestError(
+                "speculation with the KL exit needs kv_policy 'full': with 'last-exited' a token's "
+                "skipped-step KV depends on its exit, which a verify call over several rows cannot know"
+            )
+        r, m, n = self.loops, len(ids), self.n
+        if m < 1 or n + m > self.max_length:
+            raise RequestError(f"verify of {m} rows at {n} outside the KV capacity {self.max_length}")
+        self._require_depth(r, n)
+        lengths = {
+            "seqlens_k": np.array([n + m - 1], np.int32),
+            "total_sequence_length": np.array(n + m, np.int32),
+        }
+        (embedded,) = self._run(
+            self._prelude, {"input_ids_BS": np.array([ids], np.int64), **lengths}, ["embedded_BSH"]
+        )
+        cfg = self.config
+        state = self._value(
+            initial_state(cfg.hidden_size, cfg.state_std, np.arange(n, n + m), self.state_seed)[None]
+        )
+        states = []  # [M, H] on the host after each checked step
+        for k in range(r):
+            state = self._core_step(k, state, embedded, lengths)
+            if k + 1 >= kl_exit.min_loops:
+                states.append(np.asarray(_host(state))[0])
+        if not states:
+            states.append(np.asarray(_host(state))[0])
+        first = r - len(states) + 1  # the core steps after states[0]
+        ids_out = np.empty(m, np.int64)
+        logits = np.empty((m, cfg.vocab_size), np.float32)
+        exits = []
+        for j in range(m):
+            row = {
+                "seqlens_k": np.array([n + j], np.int32),
+                "total_sequence_length": np.array(n + j + 1, np.int32),
+            }
+            previous, exit_loops = uniform_log_probs(cfg.vocab_size), r
+            for i, s_k in enumerate(states):
+                out = self._coda_outputs(self._value(s_k[j : j + 1][None]), row)
+                if first + i < kl_exit.min_loops:
+                    break  # min_loops > r: the output after r steps, unchecked
+                kl, previous = step_kl(previous, out.logits[-1])
+                if kl < kl_exit.threshold:
+                    exit_loops = first + i
+                    break
+            ids_out[j], logits[j] = out.next_ids[-1], out.logits[-1]
+            exits.append(exit_loops)
+        self.n = n + m
+        self._commit(n, ids, r)
+        return RecurrentStep(ids_out, logits, exits[-1], tuple(exits))
+
+    def _commit(self, n: int, ids: list[int], r: int) -> None:
+        del self.tokens[n:]
+        self.tokens.extend(int(t) for t in ids)
+        self._depth[n : n + len(ids)] = r  # a KL exit's skipped steps are filled (its kv_policy)
+
+    def _require_depth(self, r: int, n: int) -> None:
+        """A call at r reads steps 0..r-1 of positions < n: refuse one deeper than they hold."""
+        held = int(self._depth[:n].min()) if n else r
+        if r > held:
+            raise RequestError(
+                f"loops={r} would read core steps that this generator's committed tokens did not run "
+                f"(positions < {n} hold {held}); rewind(0) first or continue at loops <= {held}",
+                parameter="loops",
+            )
+
     def rewind(self, n: int) -> None:
         """Forget positions n.. (only moves n: their KV is rewritten before it is read again)."""
         if not 0 <= n <= self.n:
             raise RequestError(f"rewind to {n} outside 0..{self.n}")
         self.n = n
+        del self.tokens[n:]
 
     def greedy(
         self,

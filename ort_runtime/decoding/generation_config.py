@@ -39,6 +39,9 @@ class SpeculationConfig:
     pipeline_exit: int = 1  # pipeline: the loop whose head drafts the next lane's token
     pipeline_device_lanes: bool = True  # pipeline: greedy lanes scheduled on the device (cycle_run)
     alternate_gap: float | None = None  # self: fork an alternate suffix below this top-1/top-2 gap
+    # self on a recurrent-depth (Huginn) artifact: the drafts' core steps (< loops; None: a
+    # quarter of loops). Looped artifacts fix their draft depth at export.
+    draft_loops: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", parse(SpeculativeMode, self.mode, "speculative"))
@@ -49,6 +52,12 @@ class SpeculationConfig:
             _flag(getattr(self, name), name)
         if self.num_draft_tokens is not None:
             _integer(self.num_draft_tokens, "num_draft_tokens")
+        if self.draft_loops is not None:
+            _integer(self.draft_loops, "draft_loops")
+            if self.draft_loops < 1:
+                raise RequestError(
+                    f"draft_loops must be >= 1, got {self.draft_loops}", parameter="draft_loops"
+                )
         if self.alternate_gap is not None and (
             isinstance(self.alternate_gap, bool) or not isinstance(self.alternate_gap, (int, float))
         ):
@@ -95,6 +104,13 @@ class GenerationConfig:
     min_loops: int | None = None
     max_loops: int | None = None
     kv_policy: KVPolicy = KVPolicy.FULL
+    # Recurrent depth (Huginn, docs/checkpoints.md): ``loops`` is r, the core steps per token.
+    # ``kl_threshold``: the KL exit, each token leaves after the first core step (from
+    # ``min_loops``) whose next-token distribution moved less than this from the previous
+    # step's (the release's 1e-3; None: r steps), ``kv_policy`` filling the skipped steps' KV.
+    # ``state_seed``: the initial state, seeded truncated-normal per position (None: zero).
+    kl_threshold: float | None = None
+    state_seed: int | None = None
 
     def __post_init__(self) -> None:
         _integer(self.max_new_tokens, "max_new_tokens")
@@ -137,6 +153,8 @@ class GenerationConfig:
 
     def _check_depth(self) -> None:
         object.__setattr__(self, "kv_policy", parse(KVPolicy, self.kv_policy, "kv_policy"))
+        if self._check_recurrent():
+            return
         for name in ("loops", "min_loops", "max_loops"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -159,7 +177,8 @@ class GenerationConfig:
                 )
         elif self.min_loops is not None or self.max_loops is not None:
             raise RequestError(
-                "min_loops and max_loops clamp the exit gate: they need exit_threshold",
+                "min_loops and max_loops clamp the exit gate: they need exit_threshold "
+                "(min_loops also goes with kl_threshold, the recurrent-depth KL exit)",
                 parameter="min_loops" if self.min_loops is not None else "max_loops",
             )
         elif self.kv_policy is not KVPolicy.FULL:
@@ -171,6 +190,46 @@ class GenerationConfig:
             raise RequestError(
                 f"min_loops {self.min_loops} exceeds max_loops {self.max_loops}", parameter="min_loops"
             )
+
+    def _check_recurrent(self) -> bool:
+        """The recurrent-depth options; True when the KL exit is on (it takes min_loops and
+        kv_policy, and composes with loops, the most core steps a token runs)."""
+        seed = self.state_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise RequestError(
+                f"state_seed must be an integer >= 0 or None, got {seed!r}", parameter="state_seed"
+            )
+        t = self.kl_threshold
+        if t is None:
+            return False
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+            raise RequestError(f"kl_threshold must be a number >= 0, got {t!r}", parameter="kl_threshold")
+        object.__setattr__(self, "kl_threshold", float(t))
+        if self.exit_threshold is not None:
+            raise RequestError(
+                "give either kl_threshold (the recurrent-depth KL exit) or exit_threshold (Ouro's exit gate)",
+                parameter="kl_threshold",
+            )
+        if self.max_loops is not None:
+            raise RequestError(
+                "with kl_threshold the most core steps per token is loops; max_loops is the exit gate's",
+                parameter="max_loops",
+            )
+        if self.min_loops is not None and (
+            isinstance(self.min_loops, bool) or not isinstance(self.min_loops, int) or self.min_loops < 1
+        ):
+            raise RequestError(
+                f"min_loops must be a positive integer, got {self.min_loops!r}", parameter="min_loops"
+            )
+        if self.min_loops is not None and self.loops is not None and self.min_loops > self.loops:
+            raise RequestError(
+                f"min_loops {self.min_loops} exceeds loops {self.loops}", parameter="min_loops"
+            )
+        if self.loops is not None and (
+            isinstance(self.loops, bool) or not isinstance(self.loops, int) or self.loops < 1
+        ):
+            raise RequestError(f"loops must be a positive integer, got {self.loops!r}", parameter="loops")
+        return True
 
     @property
     def gated(self) -> bool:
@@ -194,6 +253,7 @@ class GenerationConfig:
         "pipeline_exit": "pipeline_exit",
         "pipeline_device_lanes": "pipeline_device_lanes",
         "alternate_gap": "alternate_gap",
+        "draft_loops": "draft_loops",
     }
 
     def replace(self, **options: object) -> GenerationConfig:
@@ -203,7 +263,7 @@ class GenerationConfig:
         fields = {f.name for f in dataclasses.fields(self)}
         for name, value in options.items():
             if name in self._SPECULATION_KEYWORDS:
-                if value is not None or name in ("num_draft_tokens", "alternate_gap"):
+                if value is not None or name in ("num_draft_tokens", "alternate_gap", "draft_loops"):
                     spec_changes[self._SPECULATION_KEYWORDS[name]] = value
             elif name in fields:
                 own[name] = value

@@ -550,8 +550,8 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
     lines = [
         f"artifact        {path}",
         f"schema          v{manifest.schema_version} (exporter {manifest.exporter_version})",
-        f"model           {cfg.model_type}, R={cfg.num_loops} loops x {cfg.num_layers} layers, "
-        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
+        f"model           {cfg.model_type}, {_depth(cfg)}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
+        *(_recurrent_options(cfg, manifest) if cfg.recurrent_depth else []),
         f"dtype           {manifest.dtype} (exported from {manifest.source_format})",
         "quantization    "
         + (manifest.quantization.describe() if manifest.quantization is not None else "none (float weights)"),
@@ -593,3 +593,21 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
             "(loopcast inspect --verify checks them)"
         )
     return "\n".join(lines)
+
+
+def _depth(cfg) -> str:
+    if not cfg.recurrent_depth:
+        return f"R={cfg.num_loops} loops x {cfg.num_layers} layers"
+    return (
+        f"recurrent depth: {cfg.num_prelude_layers} prelude + {cfg.num_layers} core x r + "
+        f"{cfg.num_coda_layers} coda layers, r = 1..{cfg.num_loops} (default {cfg.loops_default})"
+    )
+
+
+def _recurrent_options(cfg, manifest) -> list[str]:
+    """What a request may choose on a recurrent-depth artifact (docs/checkpoints.md)."""
+    exact = ", ".join(f"{d}: {str(v).lower()}" for d, v in sorted(manifest.exact_verify.items())) or "none"
+    return [
+        f"per request     --loops r (1..{cfg.num_loops}), --kl-threshold, --state-seed; --speculative "
+        f"prompt-lookup or self (--draft-depth d < r); exact_verify {exact}"
+    ]

@@ -55,3 +55,31 @@ def test_half_precision_tracks_the_fp32_reference(checkpoint, dtype, loops):
     assert g.step(PROMPT, kl_exit=KLExit(0.3)).exit_loops <= loops  # the full policy runs on CUDA
     with pytest.raises(RequestError, match="last-exited"):
         g.step([1], kl_exit=KLExit(0.3, kv_policy="last-exited"))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kl", [None, 0.3])
+def test_speculation_on_cuda(checkpoint, dtype, kl):
+    """Through the API on the device: where the artifact declares exact verify rows for CUDA,
+    every mode gives plain decoding's tokens; elsewhere speculation is refused without
+    allow_inexact, and with it says that it is not exact (the KL verify's states come back to
+    the host and go out again as one-row coda inputs)."""
+    from loopcast.ort_runtime.api import load
+
+    ckpt, root = checkpoint
+    out = root / f"art-{dtype}"
+    if not out.exists():
+        export_checkpoint(ckpt, out, ExportOptions(dtype=dtype, max_length=48))
+    model = load(out, "cuda")
+    options = dict(loops=32, state_seed=7, kl_threshold=kl, stop_ids=())
+    plain = model.generate(PROMPT, 12, **options)
+    for mode in ("prompt-lookup", "self"):
+        if model.loaded.exact_verify:
+            got = model.generate(PROMPT, 12, speculative=mode, **options)
+            assert got.tokens == plain.tokens and got.stats.exact_greedy
+            continue
+        with pytest.raises(RequestError, match="allow_inexact"):
+            model.generate(PROMPT, 12, speculative=mode, **options)
+        got = model.generate(PROMPT, 12, speculative=mode, allow_inexact=True, **options)
+        assert len(got.tokens) == 12 and not got.stats.exact_greedy
+        assert got.stats.rounds > 0 or mode == "prompt-lookup"  # self always drafts

@@ -18,15 +18,16 @@ torch = pytest.importorskip("torch")
 
 from loopcast.exporter.checkpoint import load_checkpoint  # noqa: E402
 from loopcast.exporter.export import ExportOptions, export_checkpoint  # noqa: E402
-from loopcast.exporter.random_checkpoint import write_random_checkpoint  # noqa: E402
 from loopcast.exporter.reference import KVCache  # noqa: E402
 from loopcast.exporter.reference_huginn import greedy_generate  # noqa: E402
 from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator  # noqa: E402
-from loopcast.ort_runtime.decoding.recurrent_decode import decode_recurrent  # noqa: E402
-from loopcast.ort_runtime.decoding.recurrent_self_draft import self_draft_greedy  # noqa: E402
+from loopcast.ort_runtime.decoding.generation_config import GenerationConfig  # noqa: E402
+from loopcast.ort_runtime.decoding.recurrent_stream import stream_recurrent  # noqa: E402
 from loopcast.ort_runtime.decoding.sampling import SamplingParams, make_rng, probabilities, sample  # noqa: E402
+from loopcast.ort_runtime.decoding.stats import GenerationStats  # noqa: E402
 from loopcast.ort_runtime.loading.artifact import describe_artifact, open_artifact  # noqa: E402
 
+from tests.artifacts import huginn as tiny_huginn  # noqa: E402
 from tests.huginn_numpy import HuginnNumpy  # noqa: E402
 
 TINY = PRESETS["tiny-huginn"]
@@ -34,14 +35,32 @@ PROMPT = [3, 17, 42, 8]
 MAX_LENGTH = 48
 
 
+def run(gen, prompt, n, **options):
+    """The family's decoding loop on ``gen`` from a reset: (tokens, stats), no stop ids."""
+    gen.rewind(0)
+    stats = GenerationStats()
+    config = GenerationConfig.from_options(max_new_tokens=n, stop_ids=(), **options)
+    return list(stream_recurrent(gen, prompt, config, stats=stats)), stats
+
+
+def self_draft(gen, prompt, n, *, draft_loops, num_drafts=4, allow_inexact=False):
+    return run(
+        gen,
+        prompt,
+        n,
+        loops=gen.loops,
+        state_seed=gen.state_seed,
+        speculative="self",
+        draft_loops=draft_loops,
+        num_draft_tokens=num_drafts,
+        allow_inexact=allow_inexact,
+    )
+
+
 @pytest.fixture(scope="module")
-def huginn(tmp_path_factory):
-    root = tmp_path_factory.mktemp("huginn-art")
-    # std 0.1: the random recurrence is contractive, as the trained one is
-    # (tests/exporter/test_huginn_reference.py)
-    ckpt = write_random_checkpoint(TINY, root / "ckpt", seed=4, std=0.1)
-    export_checkpoint(ckpt, root / "art", ExportOptions(max_length=MAX_LENGTH))
-    return ckpt, open_artifact(root / "art"), load_checkpoint(ckpt)
+def huginn():
+    ckpt, art = tiny_huginn(MAX_LENGTH)  # shared with tests/ort_runtime/test_recurrent_api.py
+    return ckpt, open_artifact(art), load_checkpoint(ckpt)
 
 
 def test_manifest_knows_the_family(huginn):
@@ -134,7 +153,7 @@ def test_self_draft_gives_plain_greedy(huginn, loops, draft_loops, num_drafts, s
     _, loaded, _ = huginn
     plain, _ = RecurrentGenerator(loaded, loops=loops, state_seed=seed).greedy(PROMPT, 12)
     assert loaded.manifest.op_set == "loopcast-attention" and loaded.exact_verify  # measured at export
-    tokens, stats = self_draft_greedy(
+    tokens, stats = self_draft(
         RecurrentGenerator(loaded, loops=loops, state_seed=seed),
         PROMPT,
         12,
@@ -152,7 +171,7 @@ def test_self_draft_rejects_and_reaches_the_capacity(huginn):
     _, loaded, _ = huginn
     prompt = list(range(5, 5 + MAX_LENGTH - 10))
     plain, _ = RecurrentGenerator(loaded, loops=32, state_seed=2).greedy(prompt, 50)
-    tokens, stats = self_draft_greedy(
+    tokens, stats = self_draft(
         RecurrentGenerator(loaded, loops=32, state_seed=2),
         prompt,
         50,
@@ -171,16 +190,16 @@ def test_self_draft_is_refused_where_rows_are_not_exact(huginn, tmp_path):
     stock = open_artifact(tmp_path / "stock")
     assert not stock.exact_verify
     with pytest.raises(RequestError, match="allow_inexact"):
-        self_draft_greedy(RecurrentGenerator(stock, loops=4), PROMPT, 4, draft_loops=2)
+        self_draft(RecurrentGenerator(stock, loops=4), PROMPT, 4, draft_loops=2)
     plain, _ = RecurrentGenerator(stock, loops=4).greedy(PROMPT, 6)
-    tokens, stats = self_draft_greedy(
+    tokens, stats = self_draft(
         RecurrentGenerator(stock, loops=4), PROMPT, 6, draft_loops=2, allow_inexact=True
     )
     assert tokens == plain and not stats.exact_greedy  # equal here; not promised
     generator = RecurrentGenerator(loaded, loops=4)
     for bad in (0, 4):
         with pytest.raises(RequestError, match="draft_loops"):
-            self_draft_greedy(generator, PROMPT, 4, draft_loops=bad, allow_inexact=True)
+            self_draft(generator, PROMPT, 4, draft_loops=bad, allow_inexact=True)
 
 
 # This random model's step-to-step KL settles around 0.1-0.35 (it never goes below 0.09), so
@@ -201,6 +220,30 @@ def test_kl_exit_matches_the_reference(huginn, threshold, kv_policy):
     assert min(exits) < 32 and len(set(exits)) > 1  # exits happen, at different steps
     for got, ref in zip(logits, want_logits):
         np.testing.assert_allclose(got, ref.numpy(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("loops, kl", [(1, None), (4, None), (32, None), (32, 0.15), (32, 0.3), (4, 0.3)])
+def test_verify_rows_are_one_row_steps(huginn, loops, kl):
+    """verify(tokens) at r equals the same tokens as one-row steps bit for bit (loopcast
+    attention: exact_verify), the KL exit's per-row exits included, and the reference within
+    1e-4: what makes every speculative mode plain decoding."""
+    _, loaded, model = huginn
+    rule = None if kl is None else KLExit(kl)
+    tokens, _ = RecurrentGenerator(loaded, loops=loops, state_seed=3).greedy(PROMPT, 6, kl_exit=rule)
+    one = RecurrentGenerator(loaded, loops=loops, state_seed=3)
+    one.step(PROMPT, kl_exit=rule)
+    rows = [one.step([t], kl_exit=rule) for t in tokens]
+    many = RecurrentGenerator(loaded, loops=loops, state_seed=3)
+    many.step(PROMPT, kl_exit=rule)
+    out = many.verify(tokens, rule)
+    np.testing.assert_array_equal(out.logits, np.stack([r.logits[-1] for r in rows]))
+    if kl is not None:
+        assert list(out.row_exits) == [r.exit_loops for r in rows] and min(out.row_exits) < loops
+    want_exits: list[int] = []
+    _, want = greedy_generate(
+        model, PROMPT, 7, loops=loops, seed=3, max_length=MAX_LENGTH, kl_exit=rule, exits=want_exits
+    )
+    np.testing.assert_allclose(out.logits, np.stack([w.numpy() for w in want[1:]]), atol=1e-4, rtol=0)
 
 
 def test_kl_exit_kv_policies(huginn):
@@ -268,9 +311,9 @@ def test_sampled_decoding_follows_the_reference_distribution(huginn):
     _, loaded, model = huginn
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     g = RecurrentGenerator(loaded, loops=4, state_seed=7)
-    tokens, stats, steps = decode_recurrent(g, PROMPT, 10, sampling=params)
-    again, _, _ = decode_recurrent(g, PROMPT, 10, sampling=params)
-    assert tokens == again and steps == [4] * 10 and stats.core_calls_per_token == 4
+    tokens, stats = run(g, PROMPT, 10, sampling=params, loops=4, state_seed=7)
+    again, _ = run(g, PROMPT, 10, sampling=params, loops=4, state_seed=7)
+    assert tokens == again and stats.exit_histogram == {4: 10} and stats.core_calls_per_token == 4
     cache = KVCache(loaded.config, MAX_LENGTH)
     rng, context, replay = make_rng(params), list(PROMPT), []
     with torch.no_grad():
@@ -281,6 +324,6 @@ def test_sampled_decoding_follows_the_reference_distribution(huginn):
             out = model(torch.tensor([[token]]), loops=4, start=len(context) - 1, cache=cache, seed=7)
     assert replay == tokens
     greedy, _ = RecurrentGenerator(loaded, loops=4, state_seed=7).greedy(PROMPT, 10)
-    assert decode_recurrent(g, PROMPT, 10, sampling=SamplingParams(temperature=0.0))[0] == greedy
-    exits = decode_recurrent(g, PROMPT, 10, sampling=params, kl_exit=KLExit(0.3))[2]
-    assert max(exits) <= 4
+    assert run(g, PROMPT, 10, sampling=SamplingParams(temperature=0.0), loops=4, state_seed=7)[0] == greedy
+    exits = run(g, PROMPT, 10, sampling=params, loops=4, kl_threshold=0.3)[1].exit_histogram
+    assert max(exits) <= 4 and min(exits) < 4

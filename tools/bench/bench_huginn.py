@@ -8,6 +8,11 @@ and exports it into ``--work`` (kept between runs: a second run reuses both), op
 device, prefills a ``--prompt``-token prompt and times ``--tokens`` greedy steps at each
 ``--loops`` value (after 4 warm-up steps); a step is prelude, r core_step calls and the coda
 (ort_runtime/binding/recurrent_generator.py). Prints one line per r; ``--json`` writes them.
+
+``--modes none prompt-lookup self`` adds, per r, one whole generation of ``--tokens`` tokens
+per mode through the public API (``load(art).generate(..., loops=r, speculative=mode)``;
+self drafts at ``--draft-loops``, default r // 4): tokens/s, acceptance, and whether the
+tokens equal plain decoding's (they must: the row says so rather than assuming it).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--work", type=Path, default=Path("/tmp/loopcast-bench-huginn"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--modes", nargs="*", default=[], choices=["none", "prompt-lookup", "self"])
+    parser.add_argument("--draft-loops", type=int)
     args = parser.parse_args()
 
     from loopcast.exporter.checkpoint import DTYPES
@@ -80,8 +87,43 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
+        rows += _mode_rows(art, args, prompt, r)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _mode_rows(art: Path, args, prompt: list[int], r: int) -> list[dict]:
+    """One generation per ``--modes`` entry at r through the API, checked against plain."""
+    from loopcast.ort_runtime.api import load
+
+    if not args.modes:
+        return []
+    model = load(art, args.device)
+    options = dict(loops=r, state_seed=0, stop_ids=())
+    model.generate(prompt, 4, **options)  # warm-up
+    plain = model.generate(prompt, args.tokens, **options).tokens
+    rows = []
+    for mode in args.modes:
+        extra = {"draft_loops": args.draft_loops} if mode == "self" and args.draft_loops else {}
+        if mode == "self" and r < 2:
+            continue
+        result = model.generate(prompt, args.tokens, speculative=mode, **options, **extra)
+        stats = result.stats
+        row = {
+            "preset": args.preset,
+            "dtype": args.dtype,
+            "device": args.device,
+            "loops": r,
+            "mode": mode,
+            "tokens_per_second": round(stats.tokens_per_second, 1),
+            "accepted": stats.accepted,
+            "proposed": stats.proposed,
+            "core_calls_per_token": stats.core_calls_per_token,
+            "equal_to_plain": result.tokens == plain,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
