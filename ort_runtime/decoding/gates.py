@@ -374,6 +374,7 @@ class BatchCostGate(_Counters):
         self.alpha = 2.0
         self.off_steps = self.self_off_steps = 0
         self._self_alpha: dict[int, float] = {}  # slot -> its request's accepted self-drafts per round
+        self._self_prior: float | None = None  # the same over every request's rounds
 
     def engage(self, width: int, running: int, proposing: int) -> bool:
         t_verify, t_decode = self.cost.get((VERIFY_BATCH, width)), self.cost.get((DECODE_BATCH, width))
@@ -411,19 +412,26 @@ class BatchCostGate(_Counters):
     ) -> dict[int, int]:
         """Which requests self-draft this step: slot -> drafts, from ``candidates`` (slot -> the
         most drafts it may take). Per request: its own α (accepted drafts per round, starting
-        at its k so that it is tried); requests in order of α, as many as fit ``row_budget``
-        draft rows (k + 1 each). The round runs max k + 1 draft_batch calls and one
-        verify_tail_batch call at width w, all running requests in each; it is taken with the
-        prefix of that order that maximises (running + Σα) / ((K + 1)·t_draft(w) + t_tail(w)),
-        when that beats running / t_decode(w). Otherwise a probe every ``probe_every`` steps."""
-        alpha = {s: self._self_alpha.setdefault(s, float(k)) for s, k in candidates.items()}
+        at the mean over all requests' rounds so far, or at its k before any, so that it is
+        tried); requests in order of α, as many as fit ``row_budget`` draft rows (k + 1 each).
+        The round runs max k + 1 draft_batch calls and one verify_tail_batch call at width w,
+        all running requests in each; it is taken with the prefix of that order that maximises
+        (running + Σα) / ((K + 1)·t_draft(w) + t_tail(w)), when that beats running / t_decode(w).
+        Otherwise a probe every ``probe_every`` steps. Costs at a width not measured yet are
+        scaled from the nearest measured one by the decode costs, so a new width costs no
+        exploring round."""
+        prior = self._self_prior
+        alpha = {
+            s: self._self_alpha.setdefault(s, float(k) if prior is None else min(prior, k))
+            for s, k in candidates.items()
+        }
         chosen, rows = [], 0
         for s in sorted(candidates, key=lambda s: -alpha[s]):
             if rows + candidates[s] + 1 <= row_budget:
                 chosen.append(s)
                 rows += candidates[s] + 1
         t_decode = self.cost.get((DECODE_BATCH, width))
-        t_draft, t_tail = self.cost.get((DRAFT_BATCH, width)), self.cost.get((VERIFY_TAIL_BATCH, width))
+        t_draft, t_tail = self._scaled(DRAFT_BATCH, width), self._scaled(VERIFY_TAIL_BATCH, width)
         if t_decode is None:  # measure the plain step at this width first
             best: list[int] = []
         elif t_draft is None or t_tail is None:
@@ -447,10 +455,25 @@ class BatchCostGate(_Counters):
         self.reason = f"self-drafting {len(best)} of {len(candidates)} requests at width {width}"
         return {s: candidates[s] for s in best}
 
+    def _scaled(self, kind: str, width: int) -> float | None:
+        """``kind``'s cost at ``width``: measured, else the nearest measured width's scaled by
+        the ratio of the decode costs (None: not measured at any width with a decode cost)."""
+        cost = self.cost.get((kind, width))
+        if cost is not None:
+            return cost
+        decode = self.cost.get((DECODE_BATCH, width))
+        known = [w for (k, w) in self.cost if k == kind and (DECODE_BATCH, w) in self.cost]
+        if decode is None or not known:
+            return None
+        near = min(known, key=lambda w: abs(w - width))
+        return self.cost[(kind, near)] * decode / self.cost[(DECODE_BATCH, near)]
+
     def observe_self(self, slot: int, accepted: int) -> None:
         """A self-drafting request's round accepted ``accepted`` drafts."""
         old = self._self_alpha.get(slot, float(accepted))
         self._self_alpha[slot] = old + self.smoothing * (accepted - old)
+        prior = self._self_prior if self._self_prior is not None else float(accepted)
+        self._self_prior = prior + self.smoothing * (accepted - prior)
 
     def forget(self, slot: int) -> None:
         """The request in ``slot`` left: the next one there starts with its own α."""

@@ -139,3 +139,37 @@ def test_self_needs_a_draft_depth():
     assert "self" not in engine.speculative_modes
     with pytest.raises(RequestError, match="speculative 'self'"):
         engine.submit(BatchRequest([1, 2], 4, speculative="self"))
+
+
+def _gate_with_costs(decode: float, draft: float, tail: float, width: int = 4) -> BatchCostGate:
+    gate = BatchCostGate(probe_every=3)
+    for kind, cost in (("decode_batch", decode), ("draft_batch", draft), ("verify_tail_batch", tail)):
+        gate.observe_cost(kind, width, cost)  # the warm-up run, left out
+        gate.observe_cost(kind, width, cost)
+    return gate
+
+
+def test_gate_picks_requests_by_their_acceptance():
+    # a round of K=3: 4 draft calls + 1 tail = 4·0.1 + 1.2 = 1.6 decodes; 4 running requests
+    gate = _gate_with_costs(1.0, 0.1, 1.2)
+    both = {0: 3, 1: 4}
+    assert gate.engage_self(4, 4, both, 100) == both  # optimistic α = k: (4 + 7) / 1.7 > 4
+    for _ in range(20):
+        gate.observe_self(0, 3)  # request 0 accepts everything, request 1 nothing
+        gate.observe_self(1, 0)
+    # (4 + 3) / 1.6 > 4, and request 1's fifth draft call would cost more than it brings
+    assert gate.engage_self(4, 4, both, 100) == {0: 3}
+    assert gate.engage_self(4, 4, both, 3) == {}  # k + 1 = 4 rows exceed the budget of 3
+    gate.forget(0)  # a new request in slot 0 starts from the mean over all rounds (~1.5, not 3)
+    assert gate.engage_self(4, 4, {0: 3}, 100) == {}
+    off = [gate.engage_self(4, 4, {0: 3}, 100) for _ in range(3)]
+    assert off[:1] == [{}] and {0: 3} in off  # a probe every probe_every steps
+
+
+def test_gate_scales_costs_to_an_unmeasured_width():
+    gate = _gate_with_costs(1.0, 0.5, 4.0, width=4)  # a round of K=3 costs 6 decodes: never worth it
+    gate.observe_cost("decode_batch", 8, 2.0)
+    gate.observe_cost("decode_batch", 8, 2.0)
+    # width 8: draft and tail costs scaled from width 4 (x2), so no exploring round
+    assert gate.engage_self(8, 8, {s: 3 for s in range(8)}, 100) == {}
+    assert gate.engage_self(2, 2, {0: 3}, 100) == {}  # no decode cost at width 2: decode first
