@@ -80,9 +80,11 @@ def _run(model, requests, **engine_options):
         # forced rejections mid-chain: every second self-drafted token replaced
         {"gate": _AlwaysSelf(), "self_perturb": lambda seq, t: (t + 7) % 90 if len(seq) % 2 else t},
         {"gate": _AlwaysSelf(), "draft_row_budget": 3},  # at most one request drafts (k <= 2)
+        # prompts prefilled 2 tokens a step while rounds run: their slots' dummy rows at n_b..
+        {"gate": _AlwaysSelf(), "prefill_chunk": 2},
         {},  # the default gate
     ],
-    ids=["always", "perturbed", "row-budget", "default-gate"],
+    ids=["always", "perturbed", "row-budget", "chunked", "default-gate"],
 )
 def test_self_rounds_equal_plain_greedy(model, options):
     requests = _requests(0, 8)  # 8 requests through 4 slots: they join and leave between rounds
