@@ -136,7 +136,7 @@ def test_sampled_and_stop_ids_in_self_rounds(model):
 
 def test_self_needs_a_draft_depth():
     require_exact_cpu_artifacts()
-    llama = load(artifact("llama-untied", max_batch=2))
+    llama = load(artifact("llama-untied", max_batch=8))
     engine = BatchingEngine(BatchGenerator(llama.loaded))
     assert "self" not in engine.speculative_modes
     with pytest.raises(RequestError, match="speculative 'self'"):
