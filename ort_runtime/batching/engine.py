@@ -208,10 +208,7 @@ class BatchingEngine(EngineBase):
                 return None, "none (the artifact has no draft_batch graph: re-export with --max-batch)"
             model = self.gen.model
             if not model.exact_verify:
-                return (
-                    None,
-                    f"none (rows are not exact on {model.device} for this artifact (manifest exact_verify))",
-                )
+                return None, f"none (rows are not exact on {model.device} for this artifact: exact_verify)"
             return None, SELF
         if self.speculation is None:
             return None, "none (the artifact has no verify_batch graph)"

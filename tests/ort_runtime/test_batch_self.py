@@ -134,6 +134,21 @@ def test_sampled_and_stop_ids_in_self_rounds(model):
     assert stats["self_rounds"] > 0
 
 
+def test_without_the_self_batch_kinds_self_decodes_plainly(model):
+    """An artifact (or a load) without draft_batch/verify_tail_batch: a self request is served
+    plainly, and its completion says why."""
+    kinds = ("prefill", "decode", "verify", "decode_batch", "verify_batch")
+    older = load(model.loaded.path, kinds=kinds)
+    engine = BatchingEngine(BatchGenerator(older.loaded), gate=_AlwaysSelf()).start()
+    try:
+        config = GenerationConfig(speculation=SpeculationConfig("self"))
+        c = engine.submit(BatchRequest([4, 5, 6], 8, speculative="self", config=config))
+        assert c.result(60) == list(model.stream_ids([4, 5, 6], 8, stop_ids=()))
+        assert c.speculative.startswith("none (the artifact has no draft_batch graph")
+    finally:
+        engine.shutdown()
+
+
 def test_self_needs_a_draft_depth():
     require_exact_cpu_artifacts()
     llama = load(artifact("llama-untied", max_batch=8))
