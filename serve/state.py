@@ -227,6 +227,7 @@ class ServingState:
             "op_set": str(manifest.op_set),
             "exact_verify": self.model.loaded.exact_verify,
             "prefix_caching": getattr(engine, "prefix_caching", "off (one request at a time)"),
+            "self_speculation": getattr(engine, "self_speculation", "one request at a time"),
             "prefill_chunk": getattr(engine, "prefill_chunk", None),
         }
 

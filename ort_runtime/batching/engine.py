@@ -180,8 +180,18 @@ class BatchingEngine(EngineBase):
             if model.exact_verify
             else f"verify rows are not exact on {model.device} for this artifact (manifest exact_verify)"
         )
-        # self-speculation where the model drafts with its shallow loops (a draft depth)
+        # self-speculation where the model drafts with its shallow loops (a draft depth), in
+        # rounds of the batched draft and verify_tail kinds (self_round.py) where rows are exact
         self.speculative_modes = (NONE, PROMPT_LOOKUP) + ((SELF,) if model.manifest.draft_depth else ())
+        self.self_speculation = (
+            "off (the model has no draft depth)"
+            if not model.manifest.draft_depth
+            else "off (the artifact has no draft_batch graph: re-export with --max-batch)"
+            if generator.tail_width is None
+            else f"off (rows are not exact on {model.device} for this artifact: exact_verify)"
+            if not model.exact_verify
+            else "on"
+        )
 
     kind = "batching engine"
     modes_note = " (the pipeline has no batched graphs yet)"
@@ -204,12 +214,8 @@ class BatchingEngine(EngineBase):
         if request.sampling is not None and not request.sampling.greedy:
             return None, "none (batched speculation is greedy-only; this request samples)"
         if request.speculative == SELF:
-            if self.gen.tail_width is None:
-                return None, "none (the artifact has no draft_batch graph: re-export with --max-batch)"
-            model = self.gen.model
-            if not model.exact_verify:
-                return None, f"none (rows are not exact on {model.device} for this artifact: exact_verify)"
-            return None, SELF
+            on = self.self_speculation == "on"
+            return None, SELF if on else "none" + self.self_speculation.removeprefix("off")
         if self.speculation is None:
             return None, "none (the artifact has no verify_batch graph)"
         if self.speculation:

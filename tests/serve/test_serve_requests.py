@@ -152,6 +152,7 @@ def test_models_reports_what_the_artifact_supports(server):
         caps["graph_kinds"]
     )
     assert caps["draft_depth"] == state.model.loaded.manifest.draft_depth >= 1
+    assert caps["self_speculation"] == "on"
     assert caps["prefix_caching"] == "on" and caps["exact_verify"] is True
 
 
