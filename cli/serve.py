@@ -45,8 +45,8 @@ Examples:
     default=SpeculativeMode.NONE.value,
     show_default=True,
     help="Default speculation per request (a request's `speculative` field overrides it); greedy "
-    "requests only, with a cost gate per step. The batched engine runs prompt-lookup; self and "
-    "pipeline run with --sequential (docs/serving.md).",
+    "requests only, with a cost gate per step. The batched engine runs prompt-lookup and self "
+    "(draft_batch/verify_tail_batch rounds); pipeline runs with --sequential (docs/serving.md).",
 )
 @click.option(
     "--cuda-graphs",

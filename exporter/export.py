@@ -48,7 +48,7 @@ from loopcast.manifest import (
 )
 from loopcast.quant import QuantScheme, quantized_linears
 from loopcast.swap import Staging, output_path, recover
-from loopcast.vocab import BATCH_KINDS, TREE_KINDS, OpSet, can_tree_verify, graph_plan
+from loopcast.vocab import BATCH_KINDS, SELF_BATCH_KINDS, TREE_KINDS, OpSet, can_tree_verify, graph_plan
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -231,6 +231,7 @@ def _write_artifact(
             op_set,
             custom_ops,
             quant=quant,
+            draft_depth=opts.draft_depth,
         )
     )
     genai_files = (
@@ -407,6 +408,9 @@ def with_verify_width(
                     set(),
                     manifest.weights_file,
                     quant=manifest.quantization,
+                    draft_depth=manifest.draft_depth
+                    if any(kind in manifest.graphs for kind in SELF_BATCH_KINDS)
+                    else None,
                 )
             )
             derived = dataclasses.replace(manifest, graphs=graphs, verify_width=width, files={})
@@ -431,18 +435,29 @@ def _write_batched(
     custom_ops: set[str],
     weights_file: str = WEIGHTS_FILE,
     quant: QuantScheme | None = None,
+    draft_depth: int | None = None,
 ) -> dict[str, GraphSpec]:
-    """The batched kinds (graphs/batched.py) when ``max_batch`` is set; adds their custom ops."""
+    """The batched kinds (graphs/batched.py) when ``max_batch`` is set (the self-speculation
+    ones also with ``draft_depth``); adds their custom ops."""
     import onnx_ir as ir
     from loopcast.graphs.batched import build_batched_kind
     from loopcast.graphs.builder import GraphBuilder
 
     graphs = {}
-    plans = graph_plan(config, op_set, verify_width=verify_width, draft_depth=None, max_batch=max_batch)
+    plans = graph_plan(
+        config, op_set, verify_width=verify_width, draft_depth=draft_depth, max_batch=max_batch
+    )
     for plan in (p for p in plans if p.kind in BATCH_KINDS):
         builder = GraphBuilder(refs, weights_file, staging, quantized_linears(config, quant))
         model, spec = build_batched_kind(
-            plan.kind, config, dtype, max_length, builder, op_set=op_set, rows=plan.rows
+            plan.kind,
+            config,
+            dtype,
+            max_length,
+            builder,
+            op_set=op_set,
+            rows=plan.rows,
+            loops=(plan.first_loop, plan.last_loop),
         )
         ir.save(model, staging / spec.file)
         graphs[plan.kind] = spec

@@ -2,6 +2,8 @@
 
     decode_batch = embed → prelude → loops 0..R-1 → coda → head      ([B, 1] rows, B symbolic)
     verify_batch = embed → prelude → loops 0..R-1 → coda → head      ([B, W] rows: pending + drafts)
+    draft_batch  = embed → prelude → loops 0..d-1 → coda → head, + hidden at depth d   ([B, 1] rows)
+    verify_tail_batch = hidden at depth d → loops d..R-1 → coda → head             ([B, W] rows)
 
 Batch entry b is sequence slot b: its row reads and writes batch entry b of every per-(loop,
 layer) KV buffer ``[B, H_kv, S_max, D]`` at its own position ``seqlens_k[b]`` (both attention
@@ -11,6 +13,10 @@ head) on its own, and the norms, the MatMuls (MLAS on the CPU, measured row-inva
 exporter's exactness check) and the argmax work per row; tests/ort_runtime/test_batch_decode.py
 checks batched greedy against single-sequence greedy token for token. A verify_batch entry is
 the verify graph's W rows of its sequence (positions n_b..n_b+W-1, ``seqlens_k[b] = n_b+W-1``).
+draft_batch and verify_tail_batch are the draft and verify_tail graphs (graphs/kinds.py) the same
+way: the self-speculation round of several sequences (ort_runtime/batching/self_round.py), a
+row addressed by its sequence (batch entry), its position (``seqlens_k[b]``) and the depths of its
+kind, built from the same stack call as the one-sequence kind so that each row carries its bits.
 
 B is symbolic so that a runtime can run only the occupied prefix of its slots; the manifest's
 ``max_batch`` is the number of slots a runtime allocates.
@@ -39,11 +45,18 @@ def build_batched_kind(
     *,
     op_set: OpSet | str = OpSet.STOCK,
     rows: int = 1,
+    loops: tuple[int, int] | None = None,
 ) -> tuple[ir.Model, GraphSpec]:
+    """``loops``: the (first, last) loops the kind runs (default all; draft_batch 0..d,
+    verify_tail_batch d..R)."""
     if kind not in BATCH_KINDS:
         raise ValueError(f"unknown batched kind {kind!r}")
     R = config.num_loops
-    token_ids = b.input("input_ids_BS", ir.DataType.INT64, [BATCH, rows])
+    first, last = loops or (0, R)
+    if first == 0:
+        token_ids = b.input("input_ids_BS", ir.DataType.INT64, [BATCH, rows])
+    else:
+        hidden_in = b.input("hidden_BSH", dtype, [BATCH, rows, config.hidden_size])
     step = blocks.StepInputs(
         # per sequence: seqlens_k[b] = n_b + rows - 1 (its rows sit at positions n_b..);
         # total_sequence_length = max_b n_b + rows (GroupQueryAttention's bound over the batch)
@@ -54,17 +67,20 @@ def build_batched_kind(
     )
     ops = op_set_builders(op_set)
     ctx = blocks.BlockContext(config, dtype, max_length, step, ops, batch=BATCH, batch_rows=rows)
-    x, _ = ops.stack(b, blocks.embed(b, token_ids), blocks.layer_sites(config, 0, R, prelude=True), ctx)
+    x = blocks.embed(b, token_ids) if first == 0 else hidden_in
+    x, depth_state = ops.stack(b, x, blocks.layer_sites(config, first, last, prelude=first == 0), ctx)
     logits = blocks.lm_head(b, x, ctx)
     blocks.greedy_outputs(b, logits, rows, config.vocab_size, batch=BATCH)
+    if kind == GraphKind.DRAFT_BATCH:
+        b.output(depth_state, dtype, [BATCH, rows, config.hidden_size], "hidden_BSH_out")
     model = b.build(kind, __doc__.split("\n\n")[0])
     slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
     spec = GraphSpec(
         kind=GraphKind(kind),
         file=f"{kind}.onnx",
         rows=rows,
-        first_loop=0,
-        last_loop=R,
+        first_loop=first,
+        last_loop=last,
         kv_slots=slots,
         inputs=[v.name for v in b.inputs],
         outputs=[v.name for v in b.outputs],

@@ -32,6 +32,7 @@ from loopcast.quant import QuantScheme
 from loopcast.vocab import (
     BATCH_KINDS,
     RECURRENT_KINDS,
+    SELF_BATCH_KINDS,
     TREE_KINDS,
     GraphKind,
     OpSet,
@@ -115,6 +116,8 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
         return inputs, {"carried_BWH_out", "lane_log_N"}
     if kind == GraphKind.DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
+    if kind == GraphKind.DRAFT_BATCH:
+        outputs |= {"hidden_BSH_out"}
     if kind == GraphKind.EXITS:
         outputs |= {"exit_gates_BR"}
     if kind == GraphKind.LOOP_EMBED:
@@ -207,6 +210,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         )
     # The graphs are exactly those of graph_plan (the tree kinds, an export option, both or neither).
     tree = any(kind in graphs_raw for kind in TREE_KINDS)
+    self_batch = any(kind in graphs_raw for kind in SELF_BATCH_KINDS)
     plans = graph_plan(
         config,
         op_set,
@@ -215,6 +219,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         tree=tree,
         max_batch=max_batch,
         exit_depths=exit_depths,
+        self_batch=self_batch,
     )
     plan = {p.key: (p.rows, p.first_loop, p.last_loop) for p in plans}
     for kind in graphs_raw:

@@ -51,6 +51,10 @@ class GraphKind(StrEnum):
     CODA = "coda"  # dynamic rows: ln_f, the coda blocks, ln_f, the head
     DECODE_BATCH = "decode_batch"
     VERIFY_BATCH = "verify_batch"
+    # Self-speculation of several sequences (with --max-batch and a draft depth d): the draft
+    # graph's rows (loops 0..d-1, + the depth-d state) and verify_tail's (loops d..R-1), batched.
+    DRAFT_BATCH = "draft_batch"
+    VERIFY_TAIL_BATCH = "verify_tail_batch"
     # The exit gate (docs/adaptive-depth.md): 1 row through every loop, with the argmax and the
     # exit-gate logit after each loop ([1, R] each), so the host picks the token at the exit.
     EXITS = "exits"
@@ -66,7 +70,9 @@ class GraphKind(StrEnum):
 
 CYCLE_KINDS = (GraphKind.CYCLE, GraphKind.CYCLE_RUN)
 TREE_KINDS = (GraphKind.TREE_DRAFT, GraphKind.TREE_TAIL)
-BATCH_KINDS = (GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH)
+# Added after the first batched artifacts: both or neither (an older artifact has neither).
+SELF_BATCH_KINDS = (GraphKind.DRAFT_BATCH, GraphKind.VERIFY_TAIL_BATCH)
+BATCH_KINDS = (GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH, *SELF_BATCH_KINDS)
 RECURRENT_KINDS = (GraphKind.PRELUDE, GraphKind.CORE_STEP, GraphKind.CODA)
 LOOP_STEP_KINDS = (GraphKind.LOOP_EMBED, GraphKind.LOOP_STEP, GraphKind.EXIT_HEAD)
 
@@ -187,6 +193,7 @@ def graph_plan(
     tree: bool = False,
     max_batch: int | None = None,
     exit_depths: tuple[int, ...] | list[int] = (),
+    self_batch: bool = True,
 ) -> tuple[GraphPlan, ...]:
     """The graphs an artifact has, in the order the exporter writes them:
 
@@ -196,6 +203,7 @@ def graph_plan(
     tree_draft, tree_tail                 ``tree``, with d and W, where can_tree_verify allows
     cycle, cycle_run                      where has_cycle (the model and the op set)
     decode_batch, verify_batch            with ``max_batch`` (verify_batch: and W)
+    draft_batch, verify_tail_batch        ``self_batch``, with ``max_batch``, d and W
     prefill@k, decode@k, verify@k         for each exit depth k < R (verify@k: with W)
     exits, loop_embed, loop_step, exit_head   where has_exits (a looped model with an exit gate)
     """
@@ -231,6 +239,11 @@ def graph_plan(
         plans.append(GraphPlan(GraphKind.DECODE_BATCH, 1, 0, R))
         if verify_width is not None:
             plans.append(GraphPlan(GraphKind.VERIFY_BATCH, verify_width, 0, R))
+        if self_batch and draft_depth is not None and verify_width is not None:
+            plans += [
+                GraphPlan(GraphKind.DRAFT_BATCH, 1, 0, draft_depth),
+                GraphPlan(GraphKind.VERIFY_TAIL_BATCH, verify_width, draft_depth, R),
+            ]
     for k in exit_depths:
         plans += [GraphPlan(GraphKind.PREFILL, None, 0, k, k), GraphPlan(GraphKind.DECODE, 1, 0, k, k)]
         if verify_width is not None:

@@ -221,11 +221,13 @@ class ServingState:
             "max_model_len": self.max_length,
             "max_batch": gen.max_batch if gen is not None else 1,
             "verify_width": getattr(gen, "verify_width", None) if gen is not None else None,
+            "draft_depth": manifest.draft_depth,
             "num_loops": self.model.config.num_loops,
             "dtype": manifest.dtype,
             "op_set": str(manifest.op_set),
             "exact_verify": self.model.loaded.exact_verify,
             "prefix_caching": getattr(engine, "prefix_caching", "off (one request at a time)"),
+            "self_speculation": getattr(engine, "self_speculation", "one request at a time"),
             "prefill_chunk": getattr(engine, "prefill_chunk", None),
         }
 

@@ -26,6 +26,13 @@ One engine thread owns a BatchGenerator (ort_runtime/binding/batch_generator.py)
   step. Sampled requests (and artifacts whose verify rows are not exact on the device) decode
   plainly; ``Completion.speculative`` says which applied and why. Greedy tokens equal plain
   greedy's of ``loopcast generate`` either way (tests/ort_runtime/test_batching.py).
+- **Self-speculation in the batch** (``speculative="self"``, ort_runtime/batching/self_round.py):
+  ``BatchCostGate.engage_self`` picks, per request, which self-speculating requests draft this
+  step (their own acceptance, the measured draft_batch / verify_tail_batch / decode_batch costs,
+  ``draft_row_budget``); then one round runs every running request through k+1 draft_batch calls
+  and one verify_tail_batch call (prompt-lookup drafts ride along as given rows, everyone else
+  is a plain row), and the same ``accept_round`` settles each slot
+  (tests/ort_runtime/test_batch_self.py).
 - **Prefix caching** (ort_runtime/batching/prefix_cache.py): a prompt starts from the longest
   prefix whose KV a freed or running slot holds (``Completion.cached_tokens``).
 - **Chunked prefill**: prompts are prefilled ``prefill_chunk`` tokens at a time, at most one
@@ -40,47 +47,40 @@ One engine thread owns a BatchGenerator (ort_runtime/binding/batch_generator.py)
 - ``SequentialEngine`` (ort_runtime/batching/sequential.py) is the same interface over one
   Generator, one request at a time.
 
-Events reach a request's ``on_event(kind, value)`` from the engine thread: ``("token", id)``,
-then one ``("done", finish_reason)`` or ``("error", message)``. ``Completion`` also offers a
-blocking iterator over them.
+Requests and their events: ort_runtime/batching/requests.py; the waiting queue and the engine
+thread: admission.py.
 """
 
 from __future__ import annotations
 
-import itertools
-import queue
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from loopcast.ort_runtime.batching.admission import CapacityError, EngineBase
 from loopcast.ort_runtime.batching.options import check_honoured
 from loopcast.ort_runtime.batching.prefix_cache import PrefixCache, PrefixPlan
+from loopcast.ort_runtime.batching.requests import BatchRequest, Completion
+from loopcast.ort_runtime.batching.self_round import RoundRows, self_round
 from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
 from loopcast.ort_runtime.decoding.finish import FinishRule
 from loopcast.ort_runtime.decoding.gates import BatchCostGate
-from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Proposal
-from loopcast.ort_runtime.decoding.sampling import SamplingParams
 from loopcast.ort_runtime.decoding.verifiers import Verified
 
-from loopcast.errors import LoopcastError, RequestError
+from loopcast.errors import RequestError
 from loopcast.manifest import DECODE_BATCH, VERIFY_BATCH
 from loopcast.vocab import SpeculativeMode
 
-EventSink = Callable[[str, object], None]
 # Prompt tokens prefilled between two decode steps (BatchingEngine's prefill_chunk).
 DEFAULT_PREFILL_CHUNK = 256
-
-
-SPECULATIVE_MODES = (SpeculativeMode.NONE.value, SpeculativeMode.PROMPT_LOOKUP.value)
-# Modes a request may name; each engine says which of them it runs (``speculative_modes``).
-REQUEST_MODES = tuple(m.value for m in SpeculativeMode if m != SpeculativeMode.CUSTOM)
+NONE, PROMPT_LOOKUP, SELF = (
+    m.value for m in (SpeculativeMode.NONE, SpeculativeMode.PROMPT_LOOKUP, SpeculativeMode.SELF)
+)
 # GenerationConfig keyword options (ort_runtime/batching/options.py) the batching engine honours
-# per request: BatchRequest's own fields, and the speculation options of its prompt lookup.
+# per request: BatchRequest's own fields, and the speculation options of its drafts.
 BATCHED_OPTIONS = frozenset(
     {"max_new_tokens", "sampling", "stop_ids", "speculative", "num_draft_tokens", "min_ngram", "max_ngram"}
 )
@@ -91,97 +91,6 @@ __all__ = [
     "CapacityError",
     "Completion",
 ]
-
-
-class CapacityError(LoopcastError):
-    """Every slot is busy and the waiting queue is full: retry later (HTTP 503)."""
-
-
-@dataclass(frozen=True)
-class BatchRequest:
-    ids: list[int]
-    max_new_tokens: int = 64
-    stop_ids: tuple[int, ...] = ()
-    sampling: SamplingParams | None = None
-    speculative: str = "none"  # one of the engine's speculative_modes
-    # the request's other generation options (num_draft_tokens, min_ngram, ...); an engine refuses
-    # a set option it does not honour (ort_runtime/batching/options.py)
-    config: GenerationConfig = GenerationConfig()
-
-    def __post_init__(self) -> None:
-        if self.speculative not in REQUEST_MODES:
-            raise RequestError(
-                f"speculative must be one of {', '.join(REQUEST_MODES)}, got {self.speculative!r}",
-                parameter="speculative",
-            )
-        if not isinstance(self.config, GenerationConfig):
-            raise RequestError(f"config must be a GenerationConfig, got {type(self.config).__name__}")
-        if not self.ids:
-            raise RequestError("prompt is empty: give at least one token")
-        if self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
-            raise RequestError(
-                f"sampling must be a SamplingParams or None, got {type(self.sampling).__name__}"
-            )
-
-
-@dataclass(eq=False)
-class Completion:
-    """One submitted request: its tokens so far, how it finished, and a cancel switch."""
-
-    request: BatchRequest
-    on_event: EventSink | None = None
-    id: int = 0
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    speculative: str = "none"
-    proposed: int = 0  # drafts offered by this request's proposer and verified
-    accepted: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    submitted: float = field(default_factory=time.perf_counter)
-    token_times: list[float] = field(default_factory=list)
-    _cancel: threading.Event = field(default_factory=threading.Event)
-    _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    _done: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def _emit(self, kind: str, value) -> None:
-        if kind == "token":
-            self.tokens.append(value)
-            self.token_times.append(time.perf_counter())
-        elif kind == "done":
-            self.finish_reason = value
-        else:
-            self.error = value
-        self._events.put((kind, value))
-        if self.on_event is not None:
-            self.on_event(kind, value)
-        if kind != "token":
-            self._done.set()
-
-    def events(self, timeout: float | None = None) -> Iterator[tuple[str, object]]:
-        """Blocking iterator over this request's events, ending after "done"/"error"."""
-        while True:
-            kind, value = self._events.get(timeout=timeout)
-            yield kind, value
-            if kind != "token":
-                return
-
-    def result(self, timeout: float | None = None) -> list[int]:
-        """Wait for the end; the tokens, or RequestError if the request failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError("request did not finish in time")
-        if self.error is not None:
-            raise RequestError(self.error)
-        return list(self.tokens)
 
 
 @dataclass
@@ -197,99 +106,14 @@ class _Running:
     rule: FinishRule
     proposer: PromptLookupProposer | None = None
     todo: list[int] = field(default_factory=list)  # prompt tokens not prefilled yet
+    self_draft: bool = False  # drafts with the shallow loops (self_round.py)
 
     @property
     def sampled(self) -> bool:
         return self.acceptor.sampled
 
 
-class _EngineBase:
-    def __init__(self, max_length: int, max_waiting: int) -> None:
-        self.max_length, self.max_waiting = max_length, max_waiting
-        self._waiting: deque[Completion] = deque()
-        self._cv = threading.Condition()
-        self._stopping = False
-        self._ids = itertools.count(1)
-        self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
-        self.steps = 0
-
-    def start(self):
-        self._thread.start()
-        return self
-
-    speculative_modes: tuple[str, ...] = ("none",)
-
-    def check(self, request: BatchRequest) -> None:
-        """Refuse (RequestError naming the option) what this engine cannot serve."""
-        if request.speculative not in self.speculative_modes:
-            raise RequestError(
-                f"speculative {request.speculative!r} is not served by this {self.kind}; it serves "
-                f"{', '.join(self.speculative_modes)}{self.modes_note}",
-                parameter="speculative",
-            )
-
-    kind = "engine"
-    modes_note = ""
-
-    def submit(self, request: BatchRequest, on_event: EventSink | None = None) -> Completion:
-        self.check(request)
-        if len(request.ids) >= self.max_length:
-            raise RequestError(
-                f"prompt of {len(request.ids)} tokens does not fit the KV capacity "
-                f"({self.max_length} tokens, one of them for the first generated token)"
-            )
-        completion = Completion(request, on_event, next(self._ids))
-        with self._cv:
-            if self._stopping:
-                raise CapacityError("the engine is shutting down")
-            if len(self._waiting) >= self.max_waiting:
-                raise CapacityError(
-                    f"{len(self._waiting)} requests are already waiting for a slot "
-                    f"(max_waiting={self.max_waiting}); retry later"
-                )
-            self._waiting.append(completion)
-            self._cv.notify()
-        return completion
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop admitting, let running requests finish (up to ``timeout`` s), cancel the rest."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            self._cancel_all()
-            self._thread.join(5.0)
-
-    def _cancel_all(self) -> None:
-        with self._cv:
-            waiting = list(self._waiting)
-        for c in waiting + self._active_completions():
-            c.cancel()
-
-    def _take_waiting(self) -> Completion | None:
-        with self._cv:
-            return self._waiting.popleft() if self._waiting else None
-
-    def _idle_wait(self) -> bool:
-        """Block until there is work; False when the engine should exit."""
-        with self._cv:
-            while not self._waiting and not self._stopping:
-                self._cv.wait(0.5)
-            return not (self._stopping and not self._waiting)
-
-    def _active_completions(self) -> list[Completion]:
-        return []
-
-    def _loop(self) -> None:
-        raise NotImplementedError
-
-
-class BatchingEngine(_EngineBase):
+class BatchingEngine(EngineBase):
     """Continuous batching over a BatchGenerator of ``max_batch`` slots."""
 
     def __init__(
@@ -301,20 +125,33 @@ class BatchingEngine(_EngineBase):
         proposer_factory: Callable[[], object] | None = None,
         prefix_caching: bool = True,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+        draft_row_budget: int | None = None,
+        self_perturb: Callable[[list[int], int], int] | None = None,
     ) -> None:
-        """``proposer_factory``: one proposer per speculating request (default: prompt lookup
+        """``proposer_factory``: one proposer per prompt-lookup request (default: prompt lookup
         with the request's n-gram range). ``prefix_caching``: reuse the KV of common prompt
         prefixes (ort_runtime/batching/prefix_cache.py) where that is exact. ``prefill_chunk``:
         prompt tokens prefilled between two decode steps (None or 0: whole prompts), where
-        that is exact."""
+        that is exact. ``draft_row_budget``: self-draft rows (k + 1 per drafting request) per
+        step (default: every slot's). ``self_perturb(sequence, token) -> token`` replaces a
+        self-drafted token (``sequence``: the request's tokens and drafts before it) before it is
+        fed on: forced rejections, or an oracle's drafts, in tests."""
         super().__init__(generator.max_length, max_waiting)
         self.gen = generator
         self.gate = gate or BatchCostGate()
         self.proposer_factory = proposer_factory
+        self.self_perturb = self_perturb
+        W = generator.tail_width or 1
+        self.draft_row_budget = draft_row_budget or generator.max_batch * W
+        if self.draft_row_budget < 2:
+            raise RequestError(
+                f"draft_row_budget must be >= 2 (one draft and its pending row), got {draft_row_budget}",
+                parameter="draft_row_budget",
+            )
         self._running: dict[int, _Running] = {}  # slot -> request
         self._prefilling: dict[int, _Running] = {}  # slot -> request whose prompt is being prefilled
         self.peak_batch = 0
-        self.stats = {"decode_steps": 0, "verify_steps": 0, "proposed": 0, "accepted": 0}
+        self.stats = {"decode_steps": 0, "verify_steps": 0, "self_rounds": 0, "proposed": 0, "accepted": 0}
         model = generator.model
         # A cached prefix is the cold one bit for bit where rows do not depend on their call
         # (exact_verify on this device); the KV-row copy is a host copy on the CPU, the op
@@ -343,15 +180,26 @@ class BatchingEngine(_EngineBase):
             if model.exact_verify
             else f"verify rows are not exact on {model.device} for this artifact (manifest exact_verify)"
         )
+        # self-speculation where the model drafts with its shallow loops (a draft depth), in
+        # rounds of the batched draft and verify_tail kinds (self_round.py) where rows are exact
+        self.speculative_modes = (NONE, PROMPT_LOOKUP) + ((SELF,) if model.manifest.draft_depth else ())
+        self.self_speculation = (
+            "off (the model has no draft depth)"
+            if not model.manifest.draft_depth
+            else "off (the artifact has no draft_batch graph: re-export with --max-batch)"
+            if generator.tail_width is None
+            else f"off (rows are not exact on {model.device} for this artifact: exact_verify)"
+            if not model.exact_verify
+            else "on"
+        )
 
     kind = "batching engine"
-    speculative_modes = SPECULATIVE_MODES
-    modes_note = " (self-speculation and the pipeline have no batched graphs yet)"
+    modes_note = " (the pipeline has no batched graphs yet)"
 
     def check(self, request: BatchRequest) -> None:
         super().check(request)
         check_honoured(request.config, BATCHED_OPTIONS, self.kind)
-        k, W = request.config.speculation.num_draft_tokens, self.gen.verify_width
+        k, W = request.config.speculation.num_draft_tokens, self.gen.verify_width or self.gen.tail_width
         if k is not None and W is not None and not 1 <= k <= W - 1:
             raise RequestError(
                 f"num_draft_tokens must be in 1..{W - 1} (verify width {W}), got {k}",
@@ -359,18 +207,23 @@ class BatchingEngine(_EngineBase):
             )
 
     def _speculation_for(self, request: BatchRequest) -> tuple[PromptLookupProposer | None, str]:
-        if request.speculative == "none":
-            return None, "none"
+        """The request's proposer (prompt lookup) and what serves it; "self": no proposer, its
+        drafts come from the round's draft rows (self_round.py)."""
+        if request.speculative == NONE:
+            return None, NONE
         if request.sampling is not None and not request.sampling.greedy:
             return None, "none (batched speculation is greedy-only; this request samples)"
+        if request.speculative == SELF:
+            on = self.self_speculation == "on"
+            return None, SELF if on else "none" + self.self_speculation.removeprefix("off")
         if self.speculation is None:
             return None, "none (the artifact has no verify_batch graph)"
         if self.speculation:
             return None, f"none ({self.speculation})"
         if self.proposer_factory is not None:
-            return self.proposer_factory(), "prompt-lookup"
+            return self.proposer_factory(), PROMPT_LOOKUP
         spec = request.config.speculation
-        return PromptLookupProposer(spec.min_ngram, spec.max_ngram), "prompt-lookup"
+        return PromptLookupProposer(spec.min_ngram, spec.max_ngram), PROMPT_LOOKUP
 
     @property
     def running(self) -> int:
@@ -432,6 +285,7 @@ class BatchingEngine(_EngineBase):
             rule = FinishRule(request.max_new_tokens, frozenset(request.stop_ids), self.max_length)
             todo = list(request.ids[plan.cached :])
             running = _Running(completion, slot, -1, list(request.ids), acceptor, rule, proposer, todo)
+            running.self_draft = completion.speculative == SELF
             occupied[slot] = self._prefilling[slot] = running
             try:
                 if plan.source is not None and plan.source != slot:
@@ -470,8 +324,13 @@ class BatchingEngine(_EngineBase):
         self.peak_batch = max(self.peak_batch, len(self._running))
 
     def _step(self) -> None:
-        proposals = self._proposals()
         width = max(self._running) + 1
+        room = self._room()
+        drafting = self._self_drafts(width) if room else {}
+        proposals = self._proposals() if room else {}
+        if drafting:
+            self._self_step(drafting, proposals, width)
+            return
         if proposals and self.gate.engage(width, len(self._running), len(proposals)):
             self._verify_step(proposals, width)
             return
@@ -486,63 +345,123 @@ class BatchingEngine(_EngineBase):
             logits = out.logits[slot] if r.sampled else None
             self._deliver(slot, r.acceptor.choose(token, logits, r.context), self.gen.lengths[slot])
 
+    def _room(self) -> bool:
+        """Whether a speculative step fits every slot: W rows (or a prefilling slot's dummy rows,
+        written at its n..) past each one's committed length, within its KV capacity."""
+        W = max(self.gen.verify_width or 0, self.gen.tail_width or 0)
+        slots = [*self._running, *self._prefilling]
+        return bool(W) and all(self.gen.lengths[s] + W <= self.max_length for s in slots)
+
+    def _draft_limit(self, r: _Running, W: int) -> int:
+        """The most drafts a round may give ``r``: its num_draft_tokens, and one token short of its
+        budget (the round's last token is the verifier's)."""
+        request = r.completion.request
+        return min(
+            request.config.speculation.num_draft_tokens or W - 1,
+            request.max_new_tokens - len(r.completion.tokens) - 1,
+        )
+
     def _proposals(self) -> dict[int, list[int]]:
-        """Drafts per slot from the requests' proposers, when a verify step fits every running slot."""
-        W = self.gen.verify_width
+        """Drafts per slot from the prompt-lookup requests' proposers."""
+        W = self.gen.verify_width or self.gen.tail_width
         if not W or not any(r.proposer for r in self._running.values()):
-            return {}
-        if any(self.gen.lengths[s] + W > self.max_length for s in [*self._running, *self._prefilling]):
-            # verify rows (or a prefilling slot's dummy rows, written at its n..) would pass some
-            # slot's KV capacity: decode this step
             return {}
         proposals = {}
         for slot, r in self._running.items():
-            request = r.completion.request
-            k = min(
-                request.config.speculation.num_draft_tokens or W - 1,
-                request.max_new_tokens - len(r.completion.tokens) - 1,
-            )
+            k = self._draft_limit(r, W)
             if r.proposer is not None and k > 0:
                 drafts = r.proposer.propose(r.context, k)
                 if drafts:
                     proposals[slot] = [int(t) for t in drafts]
         return proposals
 
+    def _self_drafts(self, width: int) -> dict[int, int]:
+        """Slot -> drafts of the self-speculating requests that draft this step (the gate's choice)."""
+        W = self.gen.tail_width
+        if not W:
+            return {}
+        candidates = {
+            slot: k
+            for slot, r in self._running.items()
+            if r.self_draft and (k := self._draft_limit(r, W)) > 0
+        }
+        if not candidates:
+            return {}
+        return self.gate.engage_self(width, len(self._running), candidates, self.draft_row_budget)
+
+    def _self_step(self, drafting: dict[int, int], proposals: dict[int, list[int]], width: int) -> None:
+        """One self-speculation round over every running slot (self_round.py); prompt-lookup
+        drafts ride along as given draft rows."""
+        perturb = self.self_perturb
+        rows = self_round(
+            self.gen,
+            {slot: r.pending for slot, r in self._running.items()},
+            drafting,
+            proposals,
+            logits_for=frozenset(s for s, r in self._running.items() if r.sampled),
+            observe=lambda kind, seconds: self.gate.observe_cost(kind, width, seconds),
+            perturb=None
+            if perturb is None
+            else lambda s, drafts, t: perturb(self._running[s].context + drafts, t),
+        )
+        self.steps += 1
+        self.stats["self_rounds"] += 1
+        verdicts = self._accept(rows)
+        for slot in drafting:
+            self.gate.observe_self(slot, verdicts[slot][0])
+        self._commit(verdicts)
+
     def _verify_step(self, proposals: dict[int, list[int]], width: int) -> None:
-        """One verify_batch step: every running slot's pending token, plus drafts where proposed.
-        Invariant: a slot commits 1 + accepted rows; its rows past those hold stale KV that its next
-        step rewrites before any row reads it (positions >= its committed length are never read)."""
+        """One verify_batch step: every running slot's pending token, plus drafts where proposed."""
         sampled = any(r.sampled for r in self._running.values())
-        rows = {slot: [r.pending] + proposals.get(slot, []) for slot, r in self._running.items()}
+        given = {slot: [r.pending] + proposals.get(slot, []) for slot, r in self._running.items()}
         t0 = time.perf_counter()
-        targets, logits = self.gen.verify(rows, want_logits=sampled)
+        targets, logits = self.gen.verify(given, want_logits=sampled)
         self.gate.observe_cost(VERIFY_BATCH, width, time.perf_counter() - t0)
         self.steps += 1
         self.stats["verify_steps"] += 1
-        accepted_total = 0
-        for slot, r in list(self._running.items()):
-            # Sampled requests propose nothing (batched speculation is greedy-only): their round is
-            # the pending row alone, drawn by the same rule as a one-sequence round.
-            drafts = proposals.get(slot, [])
-            rows_used = len(drafts) + 1
-            verified = Verified(
-                np.asarray(targets[slot][:rows_used]),
-                logits[slot][:rows_used] if r.sampled else None,
+        # Sampled requests propose nothing (batched speculation is greedy-only): their round is
+        # the pending row alone, drawn by the same rule as a one-sequence round.
+        rows = {
+            slot: RoundRows(
+                proposals.get(slot, []),
+                targets[slot],
+                logits[slot] if logits is not None and r.sampled else None,
             )
-            result, emit = accept_round(r.acceptor, r.context, Proposal(drafts), verified)
-            if drafts:
-                accepted_total += result.accepted
-                r.completion.proposed += len(drafts)
+            for slot, r in self._running.items()
+        }
+        verdicts = self._accept(rows)
+        self.gate.observe_accept(sum(verdicts[s][0] for s in proposals) / len(proposals))
+        self._commit(verdicts)
+
+    def _accept(self, rows: dict[int, RoundRows]) -> dict[int, tuple[int, list[int]]]:
+        """Every speculative step's verdict per slot, by ``accept_round`` (the one accept path of
+        both engines): slot -> (accepted drafts, tokens to emit after the pending one)."""
+        verdicts = {}
+        for slot, got in rows.items():
+            r, used = self._running[slot], len(got.drafts) + 1
+            verified = Verified(
+                np.asarray(got.targets[:used]), got.logits[:used] if got.logits is not None else None
+            )
+            result, emit = accept_round(r.acceptor, r.context, Proposal(got.drafts), verified)
+            if got.drafts:
+                r.completion.proposed += len(got.drafts)
                 r.completion.accepted += result.accepted
-                self.stats["proposed"] += len(drafts)
+                self.stats["proposed"] += len(got.drafts)
                 self.stats["accepted"] += result.accepted
+            verdicts[slot] = (result.accepted, emit)
+        return verdicts
+
+    def _commit(self, verdicts: dict[int, tuple[int, list[int]]]) -> None:
+        """Invariant: a slot commits 1 + accepted rows; its rows past those hold stale KV that its
+        next step rewrites before any row reads it (positions >= its committed length are never read)."""
+        for slot, (_, emit) in verdicts.items():
             base = self.gen.lengths[slot]
             self.gen.advance(slot, len(emit))
             for i, token in enumerate(emit):  # as plain greedy would emit them, one committed row at a time
                 self._deliver(slot, token, base + 1 + i)
                 if slot not in self._running:
                     break
-        self.gate.observe_accept(accepted_total / len(proposals))
 
     def _deliver(self, slot: int, token: int, committed: int) -> None:
         """Emit ``token`` for the request in ``slot`` and finish it by the request's FinishRule
@@ -559,6 +478,7 @@ class BatchingEngine(_EngineBase):
 
     def _finish(self, slot: int, reason: str | None = None, *, error: str | None = None) -> None:
         r = self._running.pop(slot) if slot in self._running else self._prefilling.pop(slot)
+        self.gate.forget(slot)
         # a finished sequence's committed KV stays in its slot for the prefix cache (not after an
         # error: its KV may be incomplete)
         keep = self.gen.lengths[slot] if self.prefix is not None and error is None else 0

@@ -9,14 +9,15 @@ The load generator compares the batching engine against it.
 
 from __future__ import annotations
 
-from loopcast.ort_runtime.batching.engine import Completion, _EngineBase
+from loopcast.ort_runtime.batching.admission import EngineBase
+from loopcast.ort_runtime.batching.requests import Completion
 from loopcast.ort_runtime.decoding.stats import GenerationStats
 
 from loopcast.manifest import CYCLE, DRAFT, VERIFY, VERIFY_TAIL
 from loopcast.vocab import SpeculativeMode
 
 
-class SequentialEngine(_EngineBase):
+class SequentialEngine(EngineBase):
     """One request at a time on one Generator (``ort_runtime/speculate.stream``): the baseline."""
 
     def __init__(self, model, *, max_waiting: int = 256) -> None:

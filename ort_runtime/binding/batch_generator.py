@@ -17,6 +17,11 @@ contiguous ``[1, H_kv, S_max, D]`` block, so
   commits the accepted rows with ``advance``. Rows past the accepted ones hold stale KV that the
   next step rewrites before any row reads it (the speculation invariant of
   ort_runtime/decoding/speculate.py, per entry).
+- self-speculation of several sequences (ort_runtime/batching/self_round.py): ``draft`` runs one
+  ``draft_batch`` row per slot at position n_b + offset_b (loops 0..d-1; the row's draft token
+  and its depth-d state), ``verify_tail`` runs ``verify_tail_batch``: each slot's depth-d states
+  (padded by repeating the last) through loops d..R-1 at positions n_b..n_b+W-1. Neither
+  commits. Each kind binds only the KV slots of its loops.
 
 CUDA graphs (opt-in, ``cuda_graphs=True``; loopcast-op artifacts, whose attention reads every
 length on the device): each (kind, width) binding is a ``CapturedRunner``
@@ -49,13 +54,14 @@ from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.errors import ArtifactError, RequestError
-from loopcast.manifest import DECODE_BATCH, PREFILL, VERIFY_BATCH
+from loopcast.manifest import DECODE_BATCH, DRAFT_BATCH, PREFILL, VERIFY_BATCH, VERIFY_TAIL_BATCH
 
 
 @dataclass(frozen=True)
 class BatchStepOutput:
     next_ids: dict[int, int]  # slot -> argmax of its row
     logits: dict[int, np.ndarray] | None  # slot -> [V] float32 row (copies), when asked
+    hidden: dict[int, np.ndarray] | None = None  # draft rows: slot -> [H] depth-d state (copies)
 
 
 class _DeviceKV:
@@ -125,17 +131,34 @@ class BatchGenerator:
         lengths_device = device if manifest.device_lengths else "cpu"
         # batched kinds' inputs/outputs: fixed buffers of max_batch entries, bound as [w, ...] prefixes
         self.verify_width = manifest.graphs[VERIFY_BATCH].rows if VERIFY_BATCH in model.sessions else None
+        # the self-speculation kinds' width (None: the artifact or the load has none)
+        self.tail_width = (
+            manifest.graphs[VERIFY_TAIL_BATCH].rows
+            if VERIFY_TAIL_BATCH in model.sessions and DRAFT_BATCH in model.sessions
+            else None
+        )
         self._seqlens = _Buffer((B,), np.int32, device)
         self._total = _Buffer((), np.int32, lengths_device)
+        H = cfg.hidden_size
+        # per kind: (input: ids [B, rows] or hidden [B, rows, H], next ids, logits, hidden out or None)
         self._io = {
             kind: (
-                _Buffer((B, rows), np.int64, device),
+                _Buffer((B, rows, H), self._dtype.type, device)
+                if kind == VERIFY_TAIL_BATCH
+                else _Buffer((B, rows), np.int64, device),
                 _Buffer((B, rows), np.int64, device),
                 _Buffer((B, rows, self.vocab), np.float32, device),
+                _Buffer((B, rows, H), self._dtype.type, device) if kind == DRAFT_BATCH else None,
             )
-            for kind, rows in ((DECODE_BATCH, 1), (VERIFY_BATCH, self.verify_width))
+            for kind, rows in (
+                (DECODE_BATCH, 1),
+                (VERIFY_BATCH, self.verify_width),
+                (DRAFT_BATCH, 1 if self.tail_width else None),
+                (VERIFY_TAIL_BATCH, self.tail_width),
+            )
             if rows
         }
+        self._kv_slots = {kind: manifest.graphs[kind].kv_slots for kind in self._io}
         # prefill of one slot: its own small buffers
         self._p_seqlens = _Buffer((1,), np.int32, device)
         self._p_total = _Buffer((), np.int32, lengths_device)
@@ -161,10 +184,12 @@ class BatchGenerator:
         self.rows_run = 0  # decode rows computed, occupied or not
 
     # -- binding helpers -------------------------------------------------------------------
-    def _bind_kv(self, binding: ort.IOBinding, first: int, count: int) -> None:
+    def _bind_kv(self, binding: ort.IOBinding, first: int, count: int, kv_slots=None) -> None:
         device = self.model.device
         shape = [count, *self._entry_shape]
         for slot, (key, value) in self._kv.items():
+            if kv_slots is not None and slot not in kv_slots:
+                continue
             for name, buf in ((f"key.{slot}", key), (f"value.{slot}", value)):
                 ptr = _ptr(buf, first * self._entry_bytes)
                 binding.bind_input(f"past_{name}", device, 0, self._dtype.type, shape, ptr)
@@ -177,14 +202,20 @@ class BatchGenerator:
 
     def _bind_step(self, kind: str, width: int, binding) -> None:
         """A batched kind over the occupied prefix 0..width-1 of every buffer."""
-        ids, next_ids, logits = self._io[kind]
-        rows = ids.host.shape[1]
-        self._bind_prefix(binding, "input_ids_BS", ids, [width, rows], False)
+        inputs, next_ids, logits, hidden_out = self._io[kind]
+        rows = inputs.host.shape[1]
+        if kind == VERIFY_TAIL_BATCH:
+            self._bind_prefix(binding, "hidden_BSH", inputs, [width, *inputs.host.shape[1:]], False)
+        else:
+            self._bind_prefix(binding, "input_ids_BS", inputs, [width, rows], False)
         self._bind_prefix(binding, "seqlens_k", self._seqlens, [width], False)
         self._bind_prefix(binding, "total_sequence_length", self._total, [], False)
-        self._bind_kv(binding, 0, width)
+        self._bind_kv(binding, 0, width, self._kv_slots[kind])
         self._bind_prefix(binding, "next_token_ids_BS", next_ids, [width, rows], True)
         self._bind_prefix(binding, "logits_BSV", logits, [width, rows, self.vocab], True)
+        if hidden_out is not None:
+            shape = [width, *hidden_out.host.shape[1:]]
+            self._bind_prefix(binding, "hidden_BSH_out", hidden_out, shape, True)
 
     def _runner(self, kind: str, width: int) -> CapturedRunner:
         runner = self._runners.get((kind, width))
@@ -261,7 +292,7 @@ class BatchGenerator:
     def decode(self, tokens: dict[int, int], *, want_logits: bool = False) -> BatchStepOutput:
         """One row per slot in ``tokens`` (slot -> its pending token, written at position n_b);
         commits each and returns each slot's next token."""
-        out, logits = self._step(DECODE_BATCH, {s: [t] for s, t in tokens.items()}, want_logits)
+        out, logits, _ = self._step(DECODE_BATCH, {s: [t] for s, t in tokens.items()}, want_logits)
         for slot in tokens:
             self.lengths[slot] += 1
         return BatchStepOutput(
@@ -281,45 +312,92 @@ class BatchGenerator:
         for _slot, ids in rows.items():
             if not 1 <= len(ids) <= self.verify_width:
                 raise RequestError(f"verify takes 1..{self.verify_width} rows per sequence, got {len(ids)}")
-        return self._step(VERIFY_BATCH, rows, want_logits)
+        out, logits, _ = self._step(VERIFY_BATCH, rows, want_logits)
+        return out, logits
+
+    def draft(
+        self, tokens: dict[int, int], offsets: dict[int, int], *, want_logits: bool = False
+    ) -> BatchStepOutput:
+        """One ``draft_batch`` row per slot (slot -> token, written at position n_b + offsets[slot]
+        in loops 0..d-1): each slot's draft token, its depth-d state (and logits when asked).
+        Commits nothing."""
+        self._need_tail()
+        out, logits, hidden = self._step(
+            DRAFT_BATCH, {s: [t] for s, t in tokens.items()}, want_logits, offsets=offsets
+        )
+        return BatchStepOutput(
+            {s: ids[0] for s, ids in out.items()},
+            {s: rows[0] for s, rows in logits.items()} if logits is not None else None,
+            {s: rows[0] for s, rows in hidden.items()},
+        )
+
+    def verify_tail(
+        self, hidden: dict[int, np.ndarray], *, want_logits: bool = False
+    ) -> tuple[dict[int, list[int]], dict[int, np.ndarray] | None]:
+        """``verify_tail_batch``: slot -> its [rows, H] depth-d states (the pending row and its
+        drafts, 1..W rows) at positions n_b.. through loops d..R-1; each slot's argmax per given row
+        (and logits when asked). Commits nothing: ``advance``."""
+        self._need_tail()
+        for states in hidden.values():
+            if not 1 <= len(states) <= self.tail_width:
+                raise RequestError(
+                    f"verify_tail takes 1..{self.tail_width} rows per sequence, got {len(states)}"
+                )
+        out, logits, _ = self._step(VERIFY_TAIL_BATCH, hidden, want_logits)
+        return out, logits
+
+    def _need_tail(self) -> None:
+        if self.tail_width is None:
+            raise RequestError(
+                "this artifact has no draft_batch/verify_tail_batch graphs (export with --max-batch, "
+                "a verify width and a draft depth, from a looped model)"
+            )
 
     def advance(self, slot: int, count: int) -> None:
-        """Commit the first ``count`` rows of ``slot``'s last verify step."""
-        if not 0 <= count <= (self.verify_width or 1) or self.lengths[slot] + count > self.max_length:
+        """Commit the first ``count`` rows of ``slot``'s last verify (or verify_tail) step."""
+        most = max(self.verify_width or 1, self.tail_width or 1)
+        if not 0 <= count <= most or self.lengths[slot] + count > self.max_length:
             raise RequestError(f"cannot commit {count} rows on slot {slot} at length {self.lengths[slot]}")
         self.lengths[slot] += count
 
-    def _step(self, kind: str, rows: dict[int, list[int]], want_logits: bool):
+    def _step(self, kind: str, rows: dict, want_logits: bool, offsets: dict[int, int] | None = None):
+        """``rows``: slot -> token ids (or, for verify_tail_batch, [rows, H] states); ``offsets``:
+        slot -> its rows' first position past n_b (draft rows). Returns (argmax per given row,
+        logits rows when asked, hidden rows of draft_batch)."""
         if self._closed:
             raise RequestError("this batch generator was closed; make a new one")
         if not rows:
             raise RequestError("a step needs at least one sequence")
-        ids_buf, next_buf, logits_buf = self._io[kind]
-        width_rows = ids_buf.host.shape[1]
+        in_buf, next_buf, logits_buf, hidden_buf = self._io[kind]
+        width_rows = in_buf.host.shape[1]
+        offsets = offsets or {}
         for slot, ids in rows.items():
             if not 0 <= slot < self.max_batch:
                 raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
-            if self.lengths[slot] < 1 or self.lengths[slot] + width_rows > self.max_length:
+            at = self.lengths[slot] + offsets.get(slot, 0)
+            if self.lengths[slot] < 1 or at + width_rows > self.max_length:
                 raise RequestError(
                     f"slot {slot} has {self.lengths[slot]} committed tokens; a {kind} step needs a "
-                    f"prefilled sequence with room for {width_rows} more (max length {self.max_length})"
+                    f"prefilled sequence with room for {width_rows} more at position {at} (max length "
+                    f"{self.max_length})"
                 )
-            bad = [t for t in ids if not 0 <= int(t) < self.vocab]
-            if bad:
-                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+            if kind != VERIFY_TAIL_BATCH:
+                bad = [t for t in ids if not 0 <= int(t) < self.vocab]
+                if bad:
+                    raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
         width = max(rows) + 1
-        ids, seqlens = ids_buf.host, self._seqlens.host
-        ids[:width] = 0
+        inputs, seqlens = in_buf.host, self._seqlens.host
+        inputs[:width] = 0
         # slots in the prefix without rows (free, or a prompt being prefilled): dummy rows at
         # positions max(n_b, keep_b).. of their own entry, past every position that holds KV
         idle = np.maximum(self.lengths[:width], self._keep[:width])
         seqlens[:width] = np.minimum(idle, self.max_length - width_rows) + width_rows - 1
-        for slot, tokens in rows.items():
-            ids[slot, : len(tokens)] = tokens
-            ids[slot, len(tokens) :] = tokens[-1]
-            seqlens[slot] = self.lengths[slot] + width_rows - 1
+        for slot, given in rows.items():
+            inputs[slot, : len(given)] = given
+            inputs[slot, len(given) :] = given[-1]  # padding rows repeat the last (as verify does)
+            seqlens[slot] = self.lengths[slot] + offsets.get(slot, 0) + width_rows - 1
         self._total.host[...] = int(seqlens[:width].max()) + 1
-        for buf in (ids_buf, self._seqlens, self._total):
+        for buf in (in_buf, self._seqlens, self._total):
             buf.push()
         t0 = time.perf_counter()
         steady = self._run(kind, width)
@@ -327,16 +405,19 @@ class BatchGenerator:
         self.rows_run += width * width_rows
         next_ids = next_buf.pull()[:width]
         logits = logits_buf.pull() if want_logits else None
-        out = {s: [int(t) for t in next_ids[s, : len(tokens)]] for s, tokens in rows.items()}
-        return out, (
-            {s: logits[s, : len(tokens)].copy() for s, tokens in rows.items()} if logits is not None else None
+        hidden = hidden_buf.pull() if hidden_buf is not None else None
+        out = {s: [int(t) for t in next_ids[s, : len(given)]] for s, given in rows.items()}
+        return (
+            out,
+            {s: logits[s, : len(given)].copy() for s, given in rows.items()} if logits is not None else None,
+            {s: hidden[s, : len(given)].copy() for s, given in rows.items()} if hidden is not None else None,
         )
 
     def release(self, slot: int, keep: int = 0) -> int:
         """Free ``slot``: only its length is reset (its KV is rewritten by the next prefill). Its
         first ``keep`` positions are left untouched until the next prefill there (dummy rows write
         past them); returns the positions kept, ``keep`` capped so that any step's dummy rows fit."""
-        rows = max(self.verify_width or 1, 1)
+        rows = max(self.verify_width or 1, self.tail_width or 1)
         self.lengths[slot] = 0
         self._keep[slot] = max(0, min(keep, self.max_length - rows))
         return self._keep[slot]

@@ -52,3 +52,28 @@ def test_width_one_equals_plain_greedy(model):
     for cuda_graphs in (False, True):
         got, _ = _serve(model, prompts, 1, cuda_graphs)
         assert got == [list(model.stream_ids(p, 32)) for p in prompts]
+
+
+def test_self_rounds_equal_plain_batched(model):
+    """Self-speculation inside the batch (draft_batch and verify_tail_batch rounds, the gate
+    forced on) gives the tokens of plain batched decoding, eager and captured."""
+    from loopcast.ort_runtime.decoding.generation_config import GenerationConfig, SpeculationConfig
+
+    from tests.ort_runtime.test_batch_self import _AlwaysSelf
+
+    prompts = DEMO_PROMPTS[:12]
+    plain, _ = _serve(model, prompts, 8, False)
+    config = GenerationConfig(speculation=SpeculationConfig("self"))
+    for cuda_graphs in (False, True):
+        engine = BatchingEngine(
+            BatchGenerator(model.loaded, 8, cuda_graphs=cuda_graphs), gate=_AlwaysSelf()
+        ).start()
+        try:
+            done = [
+                engine.submit(BatchRequest(model.encode(p), 32, speculative="self", config=config))
+                for p in prompts
+            ]
+            assert [c.result(120) for c in done] == plain, cuda_graphs
+            assert engine.stats["self_rounds"] > 0
+        finally:
+            engine.shutdown()

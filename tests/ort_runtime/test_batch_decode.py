@@ -192,7 +192,7 @@ def test_graph_ids_per_width_and_fallback(fail):
         loaded, _session_factory=factory, _captured={}, _graph_ids={}, graph_fallbacks={}
     )
     bg = BatchGenerator(fake, cuda_graphs="always")
-    assert bg.captured == {DECODE_BATCH, "verify_batch"}
+    assert bg.captured == {DECODE_BATCH, "verify_batch", "draft_batch", "verify_tail_batch"}
     got, _ = _run_batched(bg, PROMPTS[:3], 8)  # 7 decode steps at width 3
     pending = {0: got[0][-1]}
     for s in (1, 2):

@@ -112,7 +112,7 @@ def test_chat_template_kwargs(server, demo):
 @pytest.mark.parametrize(
     "extra, param, needle",
     [
-        ({"speculative": "self"}, "speculative", "batching engine"),
+        ({"speculative": "pipeline"}, "speculative", "batching engine"),
         ({"speculative": "bogus"}, "speculative", "must be one of"),
         ({"speculative": "prompt-lookup", "num_draft_tokens": 9}, "num_draft_tokens", "1..4"),
         ({"num_draft_tokens": 0}, "num_draft_tokens", "greater than or equal to 1"),
@@ -154,8 +154,12 @@ def test_models_reports_what_the_artifact_supports(server):
     card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
     caps = card["loopcast"]
     assert card["max_model_len"] == caps["max_model_len"] == state.max_length
-    assert caps["max_batch"] == 8 and caps["speculative_modes"] == ["none", "prompt-lookup"]
-    assert {"prefill", "decode_batch", "verify_batch"} <= set(caps["graph_kinds"])
+    assert caps["max_batch"] == 8 and caps["speculative_modes"] == ["none", "prompt-lookup", "self"]
+    assert {"prefill", "decode_batch", "verify_batch", "draft_batch", "verify_tail_batch"} <= set(
+        caps["graph_kinds"]
+    )
+    assert caps["draft_depth"] == state.model.loaded.manifest.draft_depth >= 1
+    assert caps["self_speculation"] == "on"
     assert caps["prefix_caching"] == "on" and caps["exact_verify"] is True
 
 
@@ -192,6 +196,6 @@ def test_sequential_engine_serves_the_artifacts_own_modes():
         r = httpx.post(f"{url}/v1/completions", json={**body, "loops": 4}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "loops", r.text
     with pytest.raises(
-        RequestError, match="--speculative self: the batching engine serves none, prompt-lookup"
+        RequestError, match="--speculative pipeline: the batching engine serves none, prompt-lookup, self"
     ):
-        open_serving(artifact("ouro-r3", max_batch=4), ServeOptions(speculative="self"))
+        open_serving(artifact("ouro-r3", max_batch=4), ServeOptions(speculative="pipeline"))

@@ -1,5 +1,6 @@
-"""tools/bench/loadgen.py runs end to end on a tiny batched artifact: both modes, every level, the
-same greedy tokens in both modes, a JSON report (no timing assertions)."""
+"""tools/bench/loadgen.py runs end to end on a tiny batched artifact: both modes, plain and
+self-speculating, every level, the same greedy tokens in every run, a JSON report (no timing
+assertions)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def test_loadgen_small(tmp_path):
             "6",
             "--max-batch",
             "4",
+            "--speculative",
+            "none,self",
             "--out",
             str(out),
         ],
@@ -46,11 +49,18 @@ def test_loadgen_small(tmp_path):
     assert [(lv["mode"], lv["clients"]) for lv in report["levels"]] == [
         ("batched", 1),
         ("batched", 3),
+        ("batched+self", 1),
+        ("batched+self", 3),
         ("sequential", 1),
         ("sequential", 3),
+        ("sequential+self", 1),
+        ("sequential+self", 3),
     ]
     assert all(lv["requests"] == 4 and lv["tokens"] == 20 for lv in report["levels"])
     assert report["compared_requests"] == 8 and report["mismatched_requests"] == 0
+    selfs = [lv for lv in report["levels"] if lv["mode"] == "batched+self"]
+    assert all(lv["served_by"] == ["self"] for lv in selfs)
+    assert sum(lv["engine_stats"]["self_rounds"] for lv in selfs) > 0
 
 
 def test_loadgen_multi_turn_with_chunks_and_a_shared_prefix(tmp_path):

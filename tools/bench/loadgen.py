@@ -23,6 +23,13 @@ system prompt), and ``--multi-turn`` sends each request's second turn (its promp
 ``--prompt-len`` new tokens) after the first and reports both turns' TTFT and the cached tokens:
 
     python -m tools.bench.loadgen ART --modes batched --concurrency 4 --multi-turn --shared-prefix 64
+
+``--speculative none,self,prompt-lookup`` runs every engine once per speculative mode (the
+request's ``speculative`` field; a mode the engine does not serve is skipped with a line); each
+run is reported as ENGINE+MODE and every run's greedy tokens are checked against the others
+(sequential+none is ``loopcast generate`` of each prompt alone):
+
+    python -m tools.bench.loadgen ART --modes batched,sequential --speculative none,self --concurrency 16
 """
 
 from __future__ import annotations
@@ -147,18 +154,26 @@ def run_level(
     }
 
 
-def engine_submitter(engine):
+def engine_submitter(engine, speculative: str = "none", counts: dict | None = None):
+    """``counts``: drafts proposed and accepted over the requests, added up."""
     from loopcast.ort_runtime.batching.engine import BatchRequest
+    from loopcast.ort_runtime.decoding.generation_config import GenerationConfig, SpeculationConfig
+
+    config = GenerationConfig(speculation=SpeculationConfig(speculative))
 
     def submit(ids: list[int], max_tokens: int):
-        c = engine.submit(BatchRequest(ids, max_tokens, ()))
+        c = engine.submit(BatchRequest(ids, max_tokens, (), speculative=speculative, config=config))
         tokens = c.result(timeout=600)
+        if counts is not None:
+            counts["proposed"] = counts.get("proposed", 0) + c.proposed
+            counts["accepted"] = counts.get("accepted", 0) + c.accepted
+            counts.setdefault("served_by", set()).add(c.speculative)
         return tokens, c.submitted, c.token_times, c.cached_tokens
 
     return submit
 
 
-def http_submitter(url: str, model: str):
+def http_submitter(url: str, model: str, speculative: str = "none"):
     import httpx
 
     client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=256))
@@ -172,6 +187,7 @@ def http_submitter(url: str, model: str):
             "stream": True,
             "ignore_eos": True,
             "return_token_ids": True,
+            "speculative": speculative,
         }
         t0, times, tokens, cached = time.perf_counter(), [], [], 0
         with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -220,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--modes", default="batched,sequential")
     ap.add_argument(
+        "--speculative", default="none", help="speculative modes per request, e.g. none,self,prompt-lookup"
+    )
+    ap.add_argument(
         "--requests", type=int, default=0, help="requests per level (default: 2 per client, >= 8)"
     )
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -264,41 +283,59 @@ def main(argv: list[str] | None = None) -> int:
         "levels": [],
     }
     outputs: dict[tuple[int, int], dict[str, list[int]]] = {}
-    for mode in args.modes.split(","):
+    runs = [(mode, spec) for mode in args.modes.split(",") for spec in args.speculative.split(",")]
+    for mode, spec in runs:
         engine = make_engine(
             model, mode, max_batch, args.cuda_graphs, args.prefill_chunk, not args.no_prefix_caching
         )
+        name = mode if spec == "none" else f"{mode}+{spec}"
+        if spec not in engine.speculative_modes:
+            print(f"{name}: skipped (the {engine.kind} serves {', '.join(engine.speculative_modes)})")
+            engine.shutdown()
+            continue
         server = None
+        counts: dict = {}
         try:
             if args.via == "http":
                 from loopcast.serve.launch import background_server
                 from loopcast.serve.state import ServingState
 
                 server = background_server(ServingState(model, engine, "loadgen", mode))
-                submit = http_submitter(server.__enter__(), "loadgen")
+                submit = http_submitter(server.__enter__(), "loadgen", spec)
             else:
-                submit = engine_submitter(engine)
+                submit = engine_submitter(engine, spec, counts)
             submit(prompts(1, args.prompt_len, vocab, seed=99)[0], 4)  # warm-up: first runs stay out
             for clients in levels:
                 n = args.requests or max(8, 2 * clients)
                 work = prompts(n, args.prompt_len, vocab, shared=args.shared_prefix)
                 second = prompts(n, args.prompt_len, vocab, seed=7) if args.multi_turn else None
+                counts.clear()
                 level = run_level(submit, work, clients, args.max_tokens, args.time_limit, second)
                 for i, toks in level.pop("outputs").items():
-                    outputs.setdefault((clients, i), {})[mode] = toks
-                level["mode"] = mode
+                    outputs.setdefault((clients, i), {})[name] = toks
+                level["mode"], level["speculative"] = name, spec
+                if counts:
+                    level["drafts_proposed"] = counts["proposed"]
+                    level["drafts_accepted"] = counts["accepted"]
+                    level["served_by"] = sorted(counts["served_by"])
                 report["levels"].append(level)
                 if mode == "batched":
                     level["captured"] = sorted(engine.gen.captured)
                     level["graph_fallbacks"] = dict(engine.gen.graph_fallbacks)
                     level["prefix_caching"] = engine.prefix_caching
                     level["prefill_chunk"] = engine.prefill_chunk
+                    level["engine_stats"] = dict(engine.stats)
                 print(
-                    f"{mode:<10} C={clients:<3} {level['requests']:>4} req "
+                    f"{name:<22} C={clients:<3} {level['requests']:>4} req "
                     f"{level['tokens_per_s']:8.1f} tok/s  "
                     f"token p50 {level['token_latency_ms_p50'] or 0:7.1f} ms "
                     f"p99 {level['token_latency_ms_p99'] or 0:7.1f} ms  "
                     f"ttft p50 {level['ttft_ms_p50'] or 0:7.1f} ms"
+                    + (
+                        f"  drafts {counts['accepted']}/{counts['proposed']} accepted"
+                        if counts.get("proposed")
+                        else ""
+                    )
                     + (
                         f"  2nd turn ttft p50 {level['second_turn_ttft_ms_p50'] or 0:7.1f} ms, "
                         f"cached {level['second_turn_cached_tokens_mean']:.0f}/"
@@ -317,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     report["mismatched_requests"] = sum(len({tuple(t) for t in v.values()}) > 1 for v in both)
     for clients in levels:
         rate = {lv["mode"]: lv["tokens_per_s"] for lv in report["levels"] if lv["clients"] == clients}
-        if "batched" in rate and rate.get("sequential"):
-            print(f"C={clients}: batched / sequential = {rate['batched'] / rate['sequential']:.2f}x")
+        base = rate.get("sequential")
+        for name, value in rate.items():
+            if name != "sequential" and base:
+                print(f"C={clients}: {name} / sequential = {value / base:.2f}x")
     print(
         f"greedy tokens equal across modes: {len(both) - report['mismatched_requests']}/{len(both)} requests"
     )

@@ -1,0 +1,107 @@
+"""The part every serving engine shares: a bounded FIFO of waiting requests and one engine thread.
+
+``submit`` checks a request against the engine (``check``: the modes and options it serves) and
+the KV capacity, and queues it, or refuses it with ``CapacityError`` when the queue is full; the
+engine thread (``_loop``, each engine's own) takes requests with ``_take_waiting``;
+``shutdown`` stops admitting, lets running requests finish and cancels the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+
+from loopcast.ort_runtime.batching.requests import BatchRequest, Completion, EventSink
+
+from loopcast.errors import LoopcastError, RequestError
+
+
+class CapacityError(LoopcastError):
+    """Every slot is busy and the waiting queue is full: retry later (HTTP 503)."""
+
+
+class EngineBase:
+    def __init__(self, max_length: int, max_waiting: int) -> None:
+        self.max_length, self.max_waiting = max_length, max_waiting
+        self._waiting: deque[Completion] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
+        self.steps = 0
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    speculative_modes: tuple[str, ...] = ("none",)
+
+    def check(self, request: BatchRequest) -> None:
+        """Refuse (RequestError naming the option) what this engine cannot serve."""
+        if request.speculative not in self.speculative_modes:
+            raise RequestError(
+                f"speculative {request.speculative!r} is not served by this {self.kind}; it serves "
+                f"{', '.join(self.speculative_modes)}{self.modes_note}",
+                parameter="speculative",
+            )
+
+    kind = "engine"
+    modes_note = ""
+
+    def submit(self, request: BatchRequest, on_event: EventSink | None = None) -> Completion:
+        self.check(request)
+        if len(request.ids) >= self.max_length:
+            raise RequestError(
+                f"prompt of {len(request.ids)} tokens does not fit the KV capacity "
+                f"({self.max_length} tokens, one of them for the first generated token)"
+            )
+        completion = Completion(request, on_event, next(self._ids))
+        with self._cv:
+            if self._stopping:
+                raise CapacityError("the engine is shutting down")
+            if len(self._waiting) >= self.max_waiting:
+                raise CapacityError(
+                    f"{len(self._waiting)} requests are already waiting for a slot "
+                    f"(max_waiting={self.max_waiting}); retry later"
+                )
+            self._waiting.append(completion)
+            self._cv.notify()
+        return completion
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, let running requests finish (up to ``timeout`` s), cancel the rest."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._cancel_all()
+            self._thread.join(5.0)
+
+    def _cancel_all(self) -> None:
+        with self._cv:
+            waiting = list(self._waiting)
+        for c in waiting + self._active_completions():
+            c.cancel()
+
+    def _take_waiting(self) -> Completion | None:
+        with self._cv:
+            return self._waiting.popleft() if self._waiting else None
+
+    def _idle_wait(self) -> bool:
+        """Block until there is work; False when the engine should exit."""
+        with self._cv:
+            while not self._waiting and not self._stopping:
+                self._cv.wait(0.5)
+            return not (self._stopping and not self._waiting)
+
+    def _active_completions(self) -> list[Completion]:
+        return []
+
+    def _loop(self) -> None:
+        raise NotImplementedError
