@@ -82,7 +82,9 @@ def main() -> int:
     )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "runs_ms_per_token": runs, "median_ms_per_token": median}, f, indent=1)
+            json.dump(
+                {"args": vars(args), "runs_ms_per_token": runs, "median_ms_per_token": median}, f, indent=1
+            )
     return 0
 
 
