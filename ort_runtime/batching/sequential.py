@@ -13,9 +13,6 @@ from loopcast.ort_runtime.batching.admission import EngineBase
 from loopcast.ort_runtime.batching.requests import Completion
 from loopcast.ort_runtime.decoding.stats import GenerationStats
 
-from loopcast.manifest import CYCLE, DRAFT, VERIFY, VERIFY_TAIL
-from loopcast.vocab import SpeculativeMode
-
 
 class SequentialEngine(EngineBase):
     """One request at a time on one Generator (``ort_runtime/speculate.stream``): the baseline."""
@@ -26,15 +23,8 @@ class SequentialEngine(EngineBase):
         super().__init__(self.generator.max_length, max_waiting)
         self._current: Completion | None = None
         self.stats = {"proposed": 0, "accepted": 0}
-        graphs = model.loaded.manifest.graphs
-        needs = {
-            SpeculativeMode.PROMPT_LOOKUP.value: (VERIFY,),
-            SpeculativeMode.SELF.value: (DRAFT, VERIFY_TAIL),
-            SpeculativeMode.PIPELINE.value: (CYCLE,),
-        }
-        self.speculative_modes = ("none",) + tuple(
-            mode for mode, kinds in needs.items() if all(k in graphs for k in kinds)
-        )
+        # the family declares what it serves (ort_runtime/decoding/families.py)
+        self.speculative_modes = model.decoding.speculative_modes(model.loaded)
 
     kind = "one-request-at-a-time engine"
     modes_note = " (the artifact's graphs)"

@@ -24,6 +24,8 @@ from loopcast.ort_runtime.decoding.stats import GenerationStats
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.errors import RequestError
+from loopcast.manifest import CYCLE, DRAFT, VERIFY, VERIFY_TAIL
+from loopcast.vocab import SpeculativeMode
 
 SequenceGenerator = Generator | RecurrentGenerator
 
@@ -33,6 +35,7 @@ class Decoding(Protocol):
     generator_type: type
 
     def new_generator(self, loaded: LoadedModel) -> SequenceGenerator: ...
+    def speculative_modes(self, loaded: LoadedModel) -> tuple[str, ...]: ...
     def stream(
         self,
         gen: SequenceGenerator,
@@ -50,6 +53,16 @@ class LoopedDecoding:
 
     def new_generator(self, loaded: LoadedModel) -> Generator:
         return Generator(loaded)
+
+    def speculative_modes(self, loaded: LoadedModel) -> tuple[str, ...]:
+        """none, and each mode whose graph kinds the artifact has."""
+        needs = {
+            SpeculativeMode.PROMPT_LOOKUP.value: (VERIFY,),
+            SpeculativeMode.SELF.value: (DRAFT, VERIFY_TAIL),
+            SpeculativeMode.PIPELINE.value: (CYCLE,),
+        }
+        graphs = loaded.manifest.graphs
+        return ("none",) + tuple(mode for mode, kinds in needs.items() if all(k in graphs for k in kinds))
 
     def stream(self, gen, ids, config, *, stats=None, proposer=None) -> TokenStream[int, None, None]:
         for name in ("kl_threshold", "state_seed"):
@@ -74,6 +87,10 @@ class RecurrentDecoding:
 
     def new_generator(self, loaded: LoadedModel) -> RecurrentGenerator:
         return RecurrentGenerator(loaded)
+
+    def speculative_modes(self, loaded: LoadedModel) -> tuple[str, ...]:
+        """Drafts verified through the core-step graphs; the pipeline is not built for this family."""
+        return ("none", SpeculativeMode.PROMPT_LOOKUP.value, SpeculativeMode.SELF.value)
 
     def stream(self, gen, ids, config, *, stats=None, proposer=None) -> TokenStream[int, None, None]:
         return stream_recurrent(gen, ids, config, stats=stats, proposer=proposer)

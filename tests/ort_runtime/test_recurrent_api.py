@@ -341,3 +341,20 @@ def test_the_server_takes_loops_in_the_request_body(huginn):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "loops"
     assert "1..32 (the artifact's max_recurrence)" in bad.json()["error"]["message"]
+
+
+def test_the_servers_one_request_engine_speculates_on_the_family_modes(huginn):
+    """The family declares its modes (prompt lookup and self; no pipeline), and a speculative
+    request through the one-request engine gives plain decoding's tokens."""
+    _, model = huginn
+    engine = SequentialEngine(model)
+    assert engine.speculative_modes == ("none", "prompt-lookup", "self")
+    engine.start()
+    try:
+        config = model.generation_config(None, loops=8, state_seed=3)
+        want = plain(model, PROMPT, 8, loops=8, state_seed=3).tokens
+        for mode in ("prompt-lookup", "self"):
+            done = engine.submit(BatchRequest(PROMPT, 8, speculative=mode, config=config)).result(timeout=60)
+            assert done == want, mode
+    finally:
+        engine.shutdown()
