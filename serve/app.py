@@ -311,6 +311,7 @@ class _RequestLog:
             self.start,
             time.perf_counter(),
             self.result.finish_reason or "abort",
+            getattr(completion, "depth", None),
         )
         log.info(
             "%s: prompt %d tokens, completion %d tokens, finish %s, %.3f s%s%s",
@@ -325,12 +326,14 @@ class _RequestLog:
 
 
 def _speculation(result: TextResult) -> dict:
-    """Which speculation served the request (or why none), and its draft counts."""
+    """Which speculation served the request (or why none), its draft counts and, where the
+    engine reports them, its depth stats (exit histogram, mean loops, core passes per token)."""
     c = result.speculative
     return {
         "speculative": getattr(c, "speculative", "none"),
         "proposed": getattr(c, "proposed", 0),
         "accepted": getattr(c, "accepted", 0),
+        **getattr(c, "depth", {}),
     }
 
 

@@ -5,7 +5,9 @@ several apps, e.g. tests', each count their own requests). Two kinds of series:
 
 - observed per finished request (the app calls :meth:`ServerMetrics.observe`): time to first
   token, time per output token, end-to-end latency (histograms); prompt and generation tokens,
-  finished requests by finish reason (counters);
+  finished requests by finish reason (counters); where the engine reports adaptive depth (the
+  one-request engine, docs/adaptive-depth.md): each generated token's exit depth, the loops it
+  was read at (histogram), and the passes over the core layers (counter, prefill excluded);
 - read from the engine at scrape time (:class:`_EngineCollector`): requests running and waiting,
   KV slots in use and committed KV tokens, engine steps, prefix-cache queries and hits, and
   speculation's drafted and accepted tokens (the engine's own monotonic counters, so they
@@ -27,6 +29,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Latency buckets (seconds): from a captured GPU step (~1 ms) to a long CPU generation.
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Exit depths (loops): every depth of a small loop count, then coarser for recurrent-depth models.
+_DEPTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
@@ -72,6 +76,19 @@ class ServerMetrics:
             (*labels, "finished_reason"),
             registry=self.registry,
         )
+        self.exit_depth = Histogram(
+            "loopcast_exit_depth",
+            "Loops each generated token was read at (its exit depth; static depth: the depth).",
+            labels,
+            buckets=_DEPTH_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.core_passes = Counter(
+            "loopcast_core_passes",
+            "Passes over the core layers while generating (prefill excluded).",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
         self._model_name = model_name
         self.registry.register(_EngineCollector(engine, model_name))
 
@@ -82,8 +99,15 @@ class ServerMetrics:
         arrival: float,
         end: float,
         finish_reason: str,
+        depth: dict | None = None,
     ) -> None:
-        """One finished request: its token times (``time.perf_counter`` values, as ``arrival``)."""
+        """One finished request: its token times (``time.perf_counter`` values, as ``arrival``)
+        and, where its engine reports them, its depth stats (``Completion.depth``)."""
+        if depth:
+            for loops, tokens in depth.get("exit_histogram", {}).items():
+                for _ in range(tokens):  # a histogram observes one value at a time
+                    self.exit_depth.observe(loops)
+            self.core_passes.inc(depth.get("core_passes", 0))
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(len(token_times))
         self._finished.labels(self._model_name, finish_reason).inc()

@@ -69,6 +69,9 @@ class Completion:
     proposed: int = 0  # drafts offered by this request's proposer and verified
     accepted: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # adaptive depth (docs/adaptive-depth.md), where the engine reports it (the one-request
+    # engine): exit_histogram, mean_loops, core_calls_per_token, core_passes, kv_policy
+    depth: dict = field(default_factory=dict)
     submitted: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     _cancel: threading.Event = field(default_factory=threading.Event)

@@ -13,6 +13,9 @@ from loopcast.ort_runtime.batching.admission import EngineBase
 from loopcast.ort_runtime.batching.requests import Completion
 from loopcast.ort_runtime.decoding.stats import GenerationStats
 
+# GenerationStats' adaptive-depth fields a completion carries (the response's and /metrics' source)
+DEPTH_STATS = ("exit_histogram", "mean_loops", "core_calls_per_token", "core_passes", "kv_policy")
+
 
 class SequentialEngine(EngineBase):
     """One request at a time on one Generator (``ort_runtime/speculate.stream``): the baseline."""
@@ -78,6 +81,7 @@ class SequentialEngine(EngineBase):
                         "eos" if completion.tokens and completion.tokens[-1] in request.stop_ids else "length"
                     )
                 completion.proposed, completion.accepted = stats.proposed, stats.accepted
+                completion.depth = {k: getattr(stats, k) for k in DEPTH_STATS}
                 self.stats["proposed"] += stats.proposed
                 self.stats["accepted"] += stats.accepted
                 completion._emit("done", reason)

@@ -45,6 +45,9 @@ class Finisher:
         self.gen, self.stats, self.input_len, self.rule = gen, stats, input_len, rule
         self.max_new_tokens = rule.max_new_tokens
         self.emitted, self.on_finish = 0, None
+        # passes the prompt's last row ran as loop steps (the exit gate's first row): prefill's
+        # work, excluded as prefill is, so every depth policy counts the same rows
+        self.prompt_passes = 0
         self.base, self.start = gen.n, time.perf_counter()
         self.clock0 = gen.clock.reading()
         stats.finish_reason = ""  # a reused stats record must not make an early close skip the rewind
@@ -92,9 +95,11 @@ class Finisher:
         passes = sum(
             n * per_call.get(k, loops(k)) for k, n in ran.items() if parse_graph_key(k)[0] != PREFILL
         )
+        passes = max(passes - self.prompt_passes, 0)
         stats.cycles = ran.get(CYCLE, 0) + ran.get(CYCLE_RUN, 0) * per_call[CYCLE_RUN]
         if stats.cycles:
             stats.tokens_per_round = 1.0 if stats.rounds else 0.0  # a pipeline round ends with one token
+        stats.core_passes = passes
         stats.core_calls_per_token = round(passes / emitted, 4) if emitted else 0.0
         stats.steps, stats.step_seconds = dict(since.runs), dict(since.seconds)
 

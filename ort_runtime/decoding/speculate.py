@@ -315,6 +315,8 @@ def stream(
         finish("length")
         return
     stats.kv_policy = config.kv_policy.value if config.gated else ""
+    if isinstance(chosen, GatedAcceptor):  # its first row is the prompt's last: all R loops
+        finish.prompt_passes = gen.loop_steps.num_loops
     try:
         yield from _Engine(gen, spec, plan, stats, chosen, costs).run(ids, finish)
     finally:

@@ -30,6 +30,7 @@ class GenerationStats:
     cycles: int = 0  # pipeline cycles (one pass over the core layers each)
     discarded_lanes: int = 0
     core_calls_per_token: float = 0.0  # passes over the core layers per new token (plain: R)
+    core_passes: int = 0  # passes over the core layers in all (prefill excluded)
     pipeline_trace: list | None = None  # PipelineCycles(trace=True): each cycle's rows (tests)
     forks: int = 0  # alternate suffix: rounds verified with a branch
     fork_skips: int = 0  # near ties whose branch did not fit (width or KV capacity)

@@ -60,6 +60,9 @@ def _assert_loops_run(model, got, exit_loops: list[int], policy: str) -> None:
     ran = R + sum(exit_loops[1:]) if policy == "last-exited" else R * rows
     assert steps["loop_step"] == ran and steps["exit_head"] == rows == steps["loop_embed"]
     assert "decode" not in steps and "exits" not in steps
+    # the stats' passes leave out the prompt's last row, as plain decoding's leave out prefill
+    assert got.stats.core_passes == ran - R
+    assert got.stats.core_calls_per_token == round((ran - R) / rows, 4)
 
 
 def _forced(bias: float, sign_of: int | None = None):
@@ -199,6 +202,8 @@ def test_cli_flags() -> None:
     )
     assert got["tokens"] == want.tokens and got["stats"]["kv_policy"] == "last-exited"
     assert sum(got["stats"]["exit_histogram"].values()) == len(want.tokens)
+    for key in ("mean_loops", "core_calls_per_token", "core_passes"):
+        assert got["stats"][key] == getattr(want.stats, key), key
     bad = CliRunner().invoke(main, args + ["--min-loops", "2"])
     assert bad.exit_code == 2 and "--min-loops" in bad.output.strip().splitlines()[-1]
 

@@ -31,6 +31,7 @@ def test_tokens_equal_the_reference_at_every_depth(name: str) -> None:
         assert got.tokens == depth_generate(ref, PROMPT, config).tokens, k
         # only k loops ran: one pass over the core per loop and token
         assert got.stats.core_calls_per_token == pytest.approx(k * 11 / 12, abs=1e-4)
+        assert got.stats.core_passes == k * 11 and got.stats.exit_histogram == {k: 12}
         seen.add(tuple(got.tokens))
     assert len(seen) > 1  # the depths disagree somewhere: the test can tell them apart
 

@@ -96,3 +96,49 @@ def test_each_app_has_its_own_registry(tiny_state):
     text = second.state.metrics.render().decode()
     assert 'loopcast_generation_tokens_total{model_name="tiny"} 0.0' in text
     assert 'loopcast_generation_tokens_total{model_name="tiny"} 2.0' in first.state.metrics.render().decode()
+
+
+def test_exit_depth_metrics_match_the_responses():
+    """The one-request engine under the exit gate: each response's ``loopcast`` field carries
+    its depth stats (those of the API's generate), and /metrics' loopcast_exit_depth histogram
+    and loopcast_core_passes_total grow by exactly what the responses say."""
+    require_exact_cpu_artifacts()
+    state = open_serving(artifact("ouro-r3"), ServeOptions(model_name="tiny"))
+    prompt = [3, 5, 7, 11, 2, 9]
+    base = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    gated = [{"exit_threshold": 0.4, "kv_policy": policy} for policy in ("full", "last-exited")]
+    try:
+        with running_server(state) as url:
+            before = scrape(url)
+            answers = [
+                httpx.post(f"{url}/v1/completions", json={**base, **extra}, timeout=60).json()
+                for extra in [*gated, {"loops": 2}]
+            ]
+            after = scrape(url)
+    finally:
+        state.close()
+    histogram: dict[int, int] = {}
+    passes = 0
+    for extra, answer in zip([*gated, {"loops": 2}], answers, strict=True):
+        got = answer["loopcast"]
+        want = state.model.generate(prompt, 10, stop_ids=(), **extra).stats
+        assert {int(k): v for k, v in got["exit_histogram"].items()} == want.exit_histogram, extra
+        assert got["mean_loops"] == want.mean_loops and got["kv_policy"] == want.kv_policy
+        assert got["core_calls_per_token"] == want.core_calls_per_token
+        assert got["core_passes"] == want.core_passes > 0
+        for k, v in want.exit_histogram.items():
+            histogram[k] = histogram.get(k, 0) + v
+        passes += want.core_passes
+    # last-exited skips the loops past each exit; full still runs them for the KV
+    assert answers[1]["loopcast"]["core_passes"] < answers[0]["loopcast"]["core_passes"]
+    assert len(histogram) > 1  # the gate's exits vary, so the buckets are told apart
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("loopcast_core_passes_total") == passes
+    assert grew("loopcast_exit_depth_count") == sum(histogram.values()) == 3 * 10
+    assert grew("loopcast_exit_depth_sum") == sum(k * v for k, v in histogram.items())
+    for le in (1, 2, 3, 4):  # cumulative buckets: tokens read at le loops or fewer
+        want_le = sum(v for k, v in histogram.items() if k <= le)
+        assert grew(f"loopcast_exit_depth_bucket[le={float(le)}]") == want_le, le
