@@ -23,7 +23,7 @@ class GenerationFields(BaseModel):
     # looped model's loops, a recurrent model's r), or Ouro's exit gate with its clamps and KV
     # policy; a recurrent model's KL exit and initial state's seed. The one-request-at-a-time
     # engine runs them; the batching engine (every loop in its batched graphs) refuses them by name.
-    loops: int | None = Field(default=None, ge=1)
+    loops: int | None = None  # GenerationConfig names the range (the family's)
     exit_threshold: float | None = None
     min_loops: int | None = None
     max_loops: int | None = None

@@ -228,6 +228,7 @@ def stream_recurrent(
     )
     rule = FinishRule(config.max_new_tokens, frozenset(config.stop_ids or ()), gen.max_length)
     base, started, runs0 = gen.n, time.perf_counter(), gen.core_runs
+    after_prompt = runs0
     exits: list[int] = []
     emitted = step = 0
 
@@ -239,6 +240,7 @@ def stream_recurrent(
         stats.tokens_per_second = emitted / stats.seconds if stats.seconds > 0 else 0.0
         stats.tokens_per_round = (stats.accepted + stats.rounds) / stats.rounds if stats.rounds else 0.0
         stats.core_calls_per_token = round((gen.core_runs - runs0) / emitted, 4) if emitted else 0.0
+        stats.core_passes = gen.core_runs - after_prompt  # the prompt's passes left out, as for looped models
         _exit_stats(stats, exits[:emitted])
         if gate is not None:
             stats.gate_report, stats.gate_transitions = gate.report(), gate.transitions
@@ -257,6 +259,7 @@ def stream_recurrent(
 
     try:
         out = gen.step(list(ids), kl_exit=kl)
+        after_prompt = gen.core_runs
         new_tokens, new_exits = [pick(out)], [out.exit_loops]
         while True:
             last = len(new_tokens) - 1

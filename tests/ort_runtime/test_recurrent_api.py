@@ -67,6 +67,7 @@ def test_loops_through_the_api_equal_the_reference(huginn, loops):
     want, _ = greedy_generate(load_checkpoint(ckpt), PROMPT, 8, loops=loops, seed=7, max_length=MAX_LENGTH)
     assert result.tokens == want
     assert result.stats.exit_histogram == {loops: 8} and result.stats.core_calls_per_token == loops
+    assert result.stats.core_passes == 7 * loops  # the first token's passes are the prompt's
     assert result.finish_reason == "length"
 
 
