@@ -74,15 +74,5 @@ def build_batched_kind(
     if kind == GraphKind.DRAFT_BATCH:
         b.output(depth_state, dtype, [BATCH, rows, config.hidden_size], "hidden_BSH_out")
     model = b.build(kind, __doc__.split("\n\n")[0])
-    slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
-    spec = GraphSpec(
-        kind=GraphKind(kind),
-        file=f"{kind}.onnx",
-        rows=rows,
-        first_loop=first,
-        last_loop=last,
-        kv_slots=slots,
-        inputs=[v.name for v in b.inputs],
-        outputs=[v.name for v in b.outputs],
-    )
+    spec = b.spec(GraphKind(kind), f"{kind}.onnx", rows, first, last)
     return model, spec

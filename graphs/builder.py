@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from loopcast.manifest import GraphSpec
 from loopcast.quant import QuantLinear
 
 OPSET = 23  # RMSNormalization is standard from opset 23
@@ -191,3 +192,17 @@ class GraphBuilder:
             doc_string=doc,
         )
         return ir.Model(graph, ir_version=IR_VERSION, producer_name="loopcast")
+
+    def spec(self, kind, file: str, rows, first_loop: int, last_loop: int) -> GraphSpec:
+        """The manifest entry of the graph built here: its KV slots and input/output names."""
+        slots = sorted(int(v.name.split(".")[1]) for v in self.inputs if v.name.startswith("past_key."))
+        return GraphSpec(
+            kind=kind,
+            file=file,
+            rows=rows,
+            first_loop=first_loop,
+            last_loop=last_loop,
+            kv_slots=slots,
+            inputs=[v.name for v in self.inputs],
+            outputs=[v.name for v in self.outputs],
+        )

@@ -92,17 +92,7 @@ def _context(
 
 
 def _spec(kind: GraphKind, b: GraphBuilder, R: int) -> GraphSpec:
-    slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
-    return GraphSpec(
-        kind=kind,
-        file=f"{kind}.onnx",
-        rows=R,
-        first_loop=0,
-        last_loop=R,
-        kv_slots=slots,
-        inputs=[v.name for v in b.inputs],
-        outputs=[v.name for v in b.outputs],
-    )
+    return b.spec(kind, f"{kind}.onnx", R, 0, R)
 
 
 def build_cycle(

@@ -130,17 +130,7 @@ def build_kind(
     if plan.kind == GraphKind.TREE_DRAFT:
         _top2_probabilities(b, logits, rows)
     model = b.build(plan.key, __doc__.split("\n\n")[0])
-    slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
-    spec = GraphSpec(
-        kind=plan.kind,
-        file=graph_file(plan),
-        rows=plan.rows,
-        first_loop=plan.first_loop,
-        last_loop=plan.last_loop,
-        kv_slots=slots,
-        inputs=[v.name for v in b.inputs],
-        outputs=[v.name for v in b.outputs],
-    )
+    spec = b.spec(plan.kind, graph_file(plan), plan.rows, plan.first_loop, plan.last_loop)
     return model, spec
 
 
@@ -188,17 +178,7 @@ def _build_exits(
     )
     b.output(gate, ir.DataType.FLOAT, [1, R])
     model = b.build(plan.key, __doc__.split("\n\n")[0])
-    slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
-    spec = GraphSpec(
-        kind=plan.kind,
-        file=graph_file(plan),
-        rows=plan.rows,
-        first_loop=plan.first_loop,
-        last_loop=plan.last_loop,
-        kv_slots=slots,
-        inputs=[v.name for v in b.inputs],
-        outputs=[v.name for v in b.outputs],
-    )
+    spec = b.spec(plan.kind, graph_file(plan), plan.rows, plan.first_loop, plan.last_loop)
     return model, spec
 
 

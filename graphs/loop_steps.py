@@ -62,17 +62,7 @@ def build_loop_step_kind(
     else:
         raise ValueError(f"{plan.kind} is not a loop-step kind")
     model = b.build(plan.key, __doc__.split("\n\n")[0])
-    slots = sorted(int(v.name.split(".")[1]) for v in b.inputs if v.name.startswith("past_key."))
-    spec = GraphSpec(
-        kind=plan.kind,
-        file=f"{plan.kind}.onnx",
-        rows=plan.rows,
-        first_loop=plan.first_loop,
-        last_loop=plan.last_loop,
-        kv_slots=slots,
-        inputs=[v.name for v in b.inputs],
-        outputs=[v.name for v in b.outputs],
-    )
+    spec = b.spec(plan.kind, f"{plan.kind}.onnx", plan.rows, plan.first_loop, plan.last_loop)
     return model, spec
 
 

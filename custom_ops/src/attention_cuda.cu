@@ -422,18 +422,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
   }
 }
 
-int split_target_blocks() {
-  static int sms = 0;  // host attribute query: not a stream operation, fine under capture
-  if (sms == 0) {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0)
-      sms = v;
-    else
-      return 4 * 132;
-  }
-  return 4 * sms;
-}
+int split_target_blocks() { return 4 * device_sm_count(); }
 
 // Whether the split kernel serves this shape: depends on B, Hq, Hkv, D and cap, never on S <= 32.
 bool split_fits(int B, int S, int Hq, int Hkv, int D, int cap) {

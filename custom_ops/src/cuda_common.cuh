@@ -74,6 +74,20 @@ __device__ __forceinline__ uint4 swiglu8(uint4 gate, uint4 up) {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" :::); }
 
+// The device's SM count, queried once (a host attribute query: not a stream operation, so fine
+// under capture); 132 (the H200's) when the query fails.
+inline int device_sm_count() {
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        v <= 0)
+      return 132;
+    sms = v;
+  }
+  return sms;
+}
+
 // LOOPCAST_PDL=0 launches without PDL (read at every launch, so a benchmark can compare both in
 // one process; launches happen once per captured graph, not per replay).
 inline bool pdl_enabled() {

@@ -280,19 +280,6 @@ __global__ void __launch_bounds__(kNbThreads, RPT <= 8 ? 2 : 1) nbits_kernel(NBi
   }
 }
 
-int device_sms() {
-  static int sms = 0;  // host attribute query: not a stream operation, fine under capture
-  if (sms == 0) {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess &&
-        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0)
-      sms = v;
-    else
-      return 132;
-  }
-  return sms;
-}
-
 template <typename T, int BITS, int RPT, bool SW>
 int nbits_launch(NBitsArgs args, cudaStream_t stream) {
   // One column a warp (two spill under the two-blocks-an-SM register budget); U chunks in flight.
@@ -310,7 +297,7 @@ int nbits_launch(NBitsArgs args, cudaStream_t stream) {
   }
   const int per_block = kNbWarps * COLS;
   const int wanted = (args.N + per_block - 1) / per_block;
-  const int resident = device_sms() * (RPT <= 8 ? 2 : 1);  // one wave: __launch_bounds__'s blocks an SM
+  const int resident = device_sm_count() * (RPT <= 8 ? 2 : 1);  // one wave: __launch_bounds__'s blocks an SM
   const int blocks = std::max(1, std::min(wanted, resident));
   return static_cast<int>(launch_kernel(nbits_kernel<T, BITS, RPT, COLS, U, SW>, dim3(blocks, 1, 1),
                                         dim3(kNbThreads, 1, 1), args.stage ? stage : 0, stream, 0, args));

@@ -192,18 +192,8 @@ class RecurrentGenerator:
         if n + m > self.max_length:
             raise RequestError(f"{n + m} tokens exceed the artifact's max length {self.max_length}")
         self._require_depth(r, n)
-        lengths = {
-            "seqlens_k": np.array([n + m - 1], np.int32),
-            "total_sequence_length": np.array(n + m, np.int32),
-        }
-        (embedded,) = self._run(
-            self._prelude, {"input_ids_BS": np.array([ids], np.int64), **lengths}, ["embedded_BSH"]
-        )
-        cfg = self.config
-        state = self._value(
-            initial_state(cfg.hidden_size, cfg.state_std, np.arange(n, n + m), self.state_seed)[None]
-        )
-        out, exit_loops, previous = None, r, uniform_log_probs(cfg.vocab_size)
+        lengths, embedded, state = self._enter(ids, n)
+        out, exit_loops, previous = None, r, uniform_log_probs(self.config.vocab_size)
         for k in range(r):
             state = self._core_step(k, state, embedded, lengths)
             if kl_exit is not None and k + 1 >= kl_exit.min_loops:
@@ -218,6 +208,7 @@ class RecurrentGenerator:
             if kl_exit is not None and kl_exit.kv_policy == "full":
                 state = self._core_step(k, state, embedded, lengths)  # for the KV only
             else:  # last-exited: the exit step's K/V, layer by layer
+                cfg = self.config
                 for l in range(cfg.num_layers):
                     src, dst = self.kv[cfg.core_slot(exit_loops - 1, l)], self.kv[cfg.core_slot(k, l)]
                     for s_buf, d_buf in zip(src, dst):
@@ -225,6 +216,23 @@ class RecurrentGenerator:
         self.n = n + m
         self._commit(n, ids, r)
         return RecurrentStep(out.next_ids, out.logits, exit_loops)
+
+    def _enter(self, ids: list[int], n: int) -> tuple[dict, ort.OrtValue, ort.OrtValue]:
+        """Rows ids at positions n..: their lengths inputs, the prelude's embedding and the
+        initial state (seeded or zero, by position)."""
+        m = len(ids)
+        lengths = {
+            "seqlens_k": np.array([n + m - 1], np.int32),
+            "total_sequence_length": np.array(n + m, np.int32),
+        }
+        (embedded,) = self._run(
+            self._prelude, {"input_ids_BS": np.array([ids], np.int64), **lengths}, ["embedded_BSH"]
+        )
+        cfg = self.config
+        state = self._value(
+            initial_state(cfg.hidden_size, cfg.state_std, np.arange(n, n + m), self.state_seed)[None]
+        )
+        return lengths, embedded, state
 
     def _core_step(self, k: int, state: ort.OrtValue, embedded: ort.OrtValue, lengths: dict) -> ort.OrtValue:
         self.core_runs += 1
@@ -258,17 +266,7 @@ class RecurrentGenerator:
         if m < 1 or n + m > self.max_length:
             raise RequestError(f"verify of {m} rows at {n} outside the KV capacity {self.max_length}")
         self._require_depth(r, n)
-        lengths = {
-            "seqlens_k": np.array([n + m - 1], np.int32),
-            "total_sequence_length": np.array(n + m, np.int32),
-        }
-        (embedded,) = self._run(
-            self._prelude, {"input_ids_BS": np.array([ids], np.int64), **lengths}, ["embedded_BSH"]
-        )
-        cfg = self.config
-        state = self._value(
-            initial_state(cfg.hidden_size, cfg.state_std, np.arange(n, n + m), self.state_seed)[None]
-        )
+        lengths, embedded, state = self._enter(ids, n)
         states = []  # [M, H] on the host after each checked step
         for k in range(r):
             state = self._core_step(k, state, embedded, lengths)
@@ -278,14 +276,14 @@ class RecurrentGenerator:
             states.append(np.asarray(_host(state))[0])
         first = r - len(states) + 1  # the core steps after states[0]
         ids_out = np.empty(m, np.int64)
-        logits = np.empty((m, cfg.vocab_size), np.float32)
+        logits = np.empty((m, self.config.vocab_size), np.float32)
         exits = []
         for j in range(m):
             row = {
                 "seqlens_k": np.array([n + j], np.int32),
                 "total_sequence_length": np.array(n + j + 1, np.int32),
             }
-            previous, exit_loops = uniform_log_probs(cfg.vocab_size), r
+            previous, exit_loops = uniform_log_probs(self.config.vocab_size), r
             for i, s_k in enumerate(states):
                 out = self._coda_outputs(self._value(s_k[j : j + 1][None]), row)
                 if first + i < kl_exit.min_loops:
