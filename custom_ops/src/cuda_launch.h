@@ -72,6 +72,12 @@ LOOPCAST_CUDA_API int loopcast_cuda_lane_step(const int32_t* state, const int64_
 LOOPCAST_CUDA_API int loopcast_cuda_move_positions(void* buffer, int64_t planes, int64_t capacity,
                                                    int64_t position_bytes, int64_t src, int64_t dst, int64_t count,
                                                    void* stream);
+// Positions position..position+count-1 of every plane of src_buffer copied into the same
+// positions of dst_buffer (two distinct buffers of one shape): the last-exited KV policy's fill of
+// the deeper loops' slots. stream null: synchronised before returning.
+LOOPCAST_CUDA_API int loopcast_cuda_copy_positions(void* dst_buffer, const void* src_buffer, int64_t planes,
+                                                   int64_t capacity, int64_t position_bytes, int64_t position,
+                                                   int64_t count, void* stream);
 
 // Per row of `hidden` elements (see residual_norm_cuda.cu):
 //   b = branch_weight ? norm(branch, branch_weight) : branch;  s = residual ? residual + b : b

@@ -18,7 +18,7 @@ import time
 import numpy as np
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, StepOutput, _Buffer, _KindBinding, _RowsBinding
 from loopcast.ort_runtime.binding.cycle_bindings import CycleBinding, CycleRunBinding
-from loopcast.ort_runtime.binding.device_move import load_device_move
+from loopcast.ort_runtime.binding.device_move import load_device_copy, load_device_move
 from loopcast.ort_runtime.binding.loop_steps import LoopSteps
 from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
@@ -118,7 +118,8 @@ class Generator:
         self._tokens: list[int] = []  # ids whose KV is committed; len == n
         self._depth: int | None = None  # static depth of the generation (set_depth); None: R
         self._kv_depth = cfg.num_loops  # the fewest loops any committed token's KV was written with
-        self._move = None  # CUDA: the op library's KV position copy (move_kv)
+        self._move = None  # CUDA: the op library's KV position move (move_kv)
+        self._copy = None  # CUDA: the op library's KV copy between buffers (fill_deeper_kv)
         self._loop_steps: LoopSteps | None = None  # the exit gate's, made on first use
         self.clock = StepClock()  # every run's time; the gates' means and memory (step_clock.py)
 
@@ -472,16 +473,41 @@ class Generator:
 
     def fill_deeper_kv(self, position: int, exit_loop: int) -> None:
         """KV policy last-exited: loop ``exit_loop``'s K/V at ``position`` copied into the slots of
-        the deeper loops (every core layer), so later tokens read it there."""
+        the deeper loops (every core layer), so later tokens read it there: a host copy on the
+        CPU, one device copy per buffer on CUDA (the op library's loopcast_cuda_copy_positions)."""
         cfg = self.model.config
-        if self.model.device != "cpu":
-            raise RequestError("kv_policy 'last-exited' runs on the CPU only so far")
+        if not 0 <= position < self.max_length:
+            raise RequestError(
+                f"fill_deeper_kv at position {position}: outside the KV capacity {self.max_length}"
+            )
+        copy = None if self.model.device == "cpu" else self._device_copy()
+        row_bytes = cfg.head_dim * np.dtype(_NP_DTYPES[self.model.manifest.dtype]).itemsize
         for layer in range(cfg.num_layers):
             src_k, src_v = self._kv[cfg.core_slot(exit_loop, layer)]
             for loop in range(exit_loop + 1, cfg.num_loops):
                 dst_k, dst_v = self._kv[cfg.core_slot(loop, layer)]
-                dst_k.host[:, :, position] = src_k.host[:, :, position]
-                dst_v.host[:, :, position] = src_v.host[:, :, position]
+                for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+                    if copy is None:
+                        dst.host[:, :, position] = src.host[:, :, position]
+                        continue
+                    code = copy(
+                        dst.value.data_ptr(),
+                        src.value.data_ptr(),
+                        cfg.num_kv_heads,
+                        self.max_length,
+                        row_bytes,
+                        position,
+                        1,
+                        None,
+                    )
+                    if code:
+                        raise ArtifactError(f"copying KV on {self.model.device} failed (CUDA error {code})")
+
+    def _device_copy(self):
+        """The op library's copy between KV buffers (ort_runtime/binding/device_move.py), loaded once."""
+        if self._copy is None:
+            self._copy = load_device_copy(self.model)
+        return self._copy
 
     def decode(self, token: int) -> int:
         out = self.run(DECODE, self.n, tokens=[token], want_logits=False)

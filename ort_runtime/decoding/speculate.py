@@ -68,7 +68,7 @@ from loopcast.ort_runtime.decoding.verifiers import DraftTail, TreeTail, VerifyR
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DECODE
-from loopcast.vocab import GateKind, GraphKind, KVPolicy, SpeculativeMode
+from loopcast.vocab import GateKind, GraphKind, SpeculativeMode
 
 __all__ = ["GenerationConfig", "GenerationStats", "SpeculationConfig", "require_exact", "stream"]
 
@@ -214,12 +214,6 @@ def _set_depth(gen: Generator, config: GenerationConfig) -> None:
                 "exit_threshold needs the exits graphs, which this artifact lacks (a looped model "
                 "with an exit gate, such as Ouro, exported by this loopcast)",
                 parameter="exit_threshold",
-            )
-        if config.kv_policy == KVPolicy.LAST_EXITED and gen.model.device != "cpu":
-            raise RequestError(
-                "kv_policy 'last-exited' runs on the CPU only so far (the deeper slots are filled "
-                "by a host copy)",
-                parameter="kv_policy",
             )
     if loops is not None and not 1 <= loops <= R:
         raise RequestError(f"loops must be in 1..{R} (the model's loops), got {loops}")

@@ -563,5 +563,24 @@ def test_move_positions_copies_the_branch_into_place(cuda_library: Path) -> None
     assert torch.equal(buf, want)
 
 
+def test_copy_positions_fills_another_buffer_at_the_same_positions(cuda_library: Path) -> None:
+    """loopcast_cuda_copy_positions (the last-exited KV policy on the device): positions
+    p..p+count-1 of every head of src land at the same positions of dst, nothing else changes;
+    out-of-range copies and a buffer copied onto itself are refused."""
+    lib = _lib(cuda_library)
+    fn = lib.loopcast_cuda_copy_positions
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p]
+    src = torch.randn((1, 3, 40, 16), device="cuda").to(torch.bfloat16)
+    dst = torch.randn((1, 3, 40, 16), device="cuda").to(torch.bfloat16)
+    want, before = dst.clone(), src.clone()
+    want[:, :, 17:19] = src[:, :, 17:19]
+    _check(lib, fn(dst.data_ptr(), src.data_ptr(), 3, 40, 16 * 2, 17, 2, None))
+    assert torch.equal(dst, want) and torch.equal(src, before)
+    for position, count in ((39, 2), (-1, 1)):
+        assert fn(dst.data_ptr(), src.data_ptr(), 3, 40, 32, position, count, None) != 0
+    assert fn(dst.data_ptr(), dst.data_ptr(), 3, 40, 32, 0, 1, None) != 0
+    assert torch.equal(dst, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # ResidualRMSNorm and SwiGLU

@@ -137,22 +137,39 @@ def within(quality_rows: list[dict], tolerance: float = 0.01) -> dict | None:
     return min(ok, key=lambda r: (r["mean_loops"], r["config"])) if ok else None
 
 
-def speed(
-    model, prompts: list[str], new_tokens: int, passes: int, extra_q: tuple[float, ...] = ()
-) -> list[dict]:
-    """Each configuration's decode rate against full depth's. A pass generates ``new_tokens``
-    from one prompt (the prompts in turn) under every configuration, in an order rotated from
-    pass to pass, so load that drifts on a shared machine reaches them alike; a configuration's
-    speedup is the median over passes of its rate over full depth's in the same pass (with the
-    quartiles), and ``best`` the ratio of the two fastest passes (load only slows a pass)."""
-    R = model.config.num_loops
+def depth_configs(R: int, extra_q: tuple[float, ...], forced: bool) -> list[tuple[str, dict]]:
+    """Static depths R..1, the gate at 0.1, 0.2 and ``extra_q`` under both KV policies, and with
+    ``forced`` a gate forced to exit at loop k (threshold 1e-9: the first loop ≥ min_loops = k
+    exits), k = 1..R-1, under both policies: the exit path's cost on random weights."""
     configs = [(f"loops={k}", {"loops": k}) for k in range(R, 0, -1)]
     configs += [
         (f"q={q} {p}", {"exit_threshold": q, "kv_policy": p})
         for q in sorted({0.1, 0.2, *extra_q})
         for p in ("full", "last-exited")
     ]
-    ids = [model.encode(p) for p in prompts]
+    if forced:
+        configs += [
+            (f"exit at {k} {p}", {"exit_threshold": 1e-9, "min_loops": k, "kv_policy": p})
+            for k in range(1, R)
+            for p in ("full", "last-exited")
+        ]
+    return configs
+
+
+def speed(
+    model,
+    ids: list[list[int]],
+    new_tokens: int,
+    passes: int,
+    extra_q: tuple[float, ...] = (),
+    forced: bool = False,
+) -> list[dict]:
+    """Each configuration's decode rate against full depth's. A pass generates ``new_tokens``
+    from one prompt (the prompts in turn) under every configuration, in an order rotated from
+    pass to pass, so load that drifts on a shared machine reaches them alike; a configuration's
+    speedup is the median over passes of its rate over full depth's in the same pass (with the
+    quartiles), and ``best`` the ratio of the two fastest passes (load only slows a pass)."""
+    configs = depth_configs(model.config.num_loops, extra_q, forced)
     for prompt in ids[:1]:  # warm every session once
         for _, options in configs:
             model.generate(prompt, max_new_tokens=4, stop_ids=(), **options)
@@ -183,6 +200,37 @@ def speed(
             }
         )
     return out
+
+
+def print_speed(rows: list[dict], R: int) -> None:
+    print(
+        f"| config | tok/s (median) | vs loops={R} (median of per-pass ratios) | quartiles | best vs best "
+        "| mean loops | core passes/token | ms/token (median) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        lo, hi = r["speedup_quartiles"]
+        print(
+            f"| {r['config']} | {r['tok_s']} | {r['speedup']}x | {lo}-{hi} | {r['best']}x "
+            f"| {r['mean_loops']} | {r['core_calls_per_token']} | {1000 / r['tok_s']:.3f} |"
+        )
+
+
+def artifact_speed(args) -> None:
+    """``--artifact``: the speed table of any looped artifact on ``--device`` (random weights: no
+    quality), with forced-gate rows; prompts of 32 random ids when there is no tokenizer."""
+    model = load(args.artifact, device=args.device)
+    if model.tokenizer is not None:
+        ids = [model.encode(p) for p in code_prompts(sorted(read_split_with_paths("heldout")), args.prompts)]
+    else:
+        rng = np.random.default_rng(0)
+        ids = [rng.integers(0, model.config.vocab_size, 32).tolist() for _ in range(args.prompts)]
+    s = speed(model, ids, args.new_tokens, args.passes, tuple(args.q), forced=True)
+    print(f"{args.artifact} on {args.device}, {args.passes} passes of {args.new_tokens} tokens")
+    print_speed(s, model.config.num_loops)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"speed": s, "args": vars(args)}, f, indent=1)
 
 
 def memory(model) -> dict:
@@ -216,7 +264,17 @@ def main() -> None:
     parser.add_argument("--q", type=float, action="append", default=[], help="more thresholds to time")
     parser.add_argument("--json", default=None)
     parser.add_argument("--speed-only", action="store_true", help="skip the quality tables")
+    parser.add_argument(
+        "--artifact",
+        default=None,
+        help="time this looped artifact instead of the demo (speed only, with forced-gate rows; "
+        "random-id prompts when it has no tokenizer)",
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
+    if args.artifact is not None:
+        artifact_speed(args)
+        return
     model = load(demo_artifact_dir(progress=True))
     mem = memory(model)
     print(
@@ -241,20 +299,10 @@ def main() -> None:
     extra = tuple(args.q) + ((float(pick["config"][2:]),) if pick is not None else ())
     prompts = code_prompts(sorted(read_split_with_paths("heldout")), args.prompts)
     load_before = os.getloadavg()
-    s = speed(model, prompts, args.new_tokens, args.passes, extra)
+    s = speed(model, [model.encode(p) for p in prompts], args.new_tokens, args.passes, extra)
     load_after = os.getloadavg()
     print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}")
-    print(
-        "| config | tok/s (median) | vs loops=4 (median of per-pass ratios) | quartiles | best vs best "
-        "| mean loops | core passes/token |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in s:
-        lo, hi = r["speedup_quartiles"]
-        print(
-            f"| {r['config']} | {r['tok_s']} | {r['speedup']}x | {lo}-{hi} | {r['best']}x "
-            f"| {r['mean_loops']} | {r['core_calls_per_token']} |"
-        )
+    print_speed(s, model.config.num_loops)
     if args.json:
         with open(args.json, "w") as f:
             record = {

@@ -2,7 +2,7 @@
 # One call on the lent H200 (docs/perf.md): `tools/gpu_machine/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
-# | quant-llama | quant-ouro
+# | quant-llama | quant-ouro | depth-1p4b | huginn
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -219,6 +219,22 @@ phase_nbits() {  # int4/int8 BatchInvariantMatMulNBits: ctypes kernel tests, the
   { timeout 120 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --ms 1,5,16 --out "$RES"
     timeout 100 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --bits 8 --ms 1,5,16 --out "$RES"
   } > "$RES/bench-matmul-nbits.txt" 2>&1
+}
+phase_depth_1p4b() {  # adaptive depth on random Ouro-1.4B weights (fp16, loopcast ops): static depths, the gate
+  # under both KV policies and forced exits, ms/token beside full depth (tools/bench/bench_depth.py, docs/adaptive-depth.md)
+  local log="$RES/depth-1p4b.txt"
+  { [ -f /root/ouro14/config.json ] || python3 -m loopcast.cli random-checkpoint /root/ouro14 --preset ouro-1.4b --dtype fp16
+    [ -f /root/ouro14-fp16/manifest.json ] || /usr/bin/time -f "export %e s" python3 -m loopcast.cli export /root/ouro14 \
+      -o /root/ouro14-fp16 --dtype fp16 --target cuda --max-length 512 --overwrite
+    timeout 400 python3 -m tools.bench.bench_depth --artifact /root/ouro14-fp16 --device cuda --passes 3 --prompts 3 \
+      --new-tokens 32 --json "$RES/depth-1p4b.json"
+  } > "$log" 2>&1
+}
+phase_huginn() {  # plain decoding of random Huginn-0125 shapes at r = 32 (and 8), fp16 and bf16 (tools/bench/bench_huginn.py)
+  for dt in fp16 bf16; do
+    timeout 280 python3 -m tools.bench.bench_huginn --preset huginn-3.5b --dtype $dt --device cuda --loops 8 32 \
+      --tokens 32 --work /root/hug --json "$RES/huginn-$dt.json" > "$RES/huginn-$dt.txt" 2>&1
+  done
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
