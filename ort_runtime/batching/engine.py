@@ -211,8 +211,6 @@ class BatchingEngine(EngineBase):
         drafts come from the round's draft rows (self_round.py)."""
         if request.speculative == NONE:
             return None, NONE
-        if request.sampling is not None and not request.sampling.greedy:
-            return None, "none (batched speculation is greedy-only; this request samples)"
         if request.speculative == SELF:
             on = self.self_speculation == "on"
             return None, SELF if on else "none" + self.self_speculation.removeprefix("off")
@@ -420,8 +418,8 @@ class BatchingEngine(EngineBase):
         self.gate.observe_cost(VERIFY_BATCH, width, time.perf_counter() - t0)
         self.steps += 1
         self.stats["verify_steps"] += 1
-        # Sampled requests propose nothing (batched speculation is greedy-only): their round is
-        # the pending row alone, drawn by the same rule as a one-sequence round.
+        # A sampled request's drafts are point masses (prompt lookup's tokens): its acceptor keeps
+        # each with probability p(x) and draws a rejection from p without x, as alone.
         rows = {
             slot: RoundRows(
                 proposals.get(slot, []),

@@ -116,7 +116,8 @@ def test_accepted_drafts_commit_in_place(model, wrong_every):
 
 
 def test_sampled_and_stop_ids_in_self_rounds(model):
-    """A seeded sampled request and a stop id inside self rounds: plain generation's tokens."""
+    """A seeded sampled request and a stop id inside self rounds: the greedy requests get plain
+    generation's tokens."""
     params = SamplingParams(temperature=0.9, top_k=20, seed=3)
     plain = list(model.stream_ids([5, 6, 7], 12, stop_ids=()))
     stop = plain[5]
@@ -128,8 +129,9 @@ def test_sampled_and_stop_ids_in_self_rounds(model):
     ]
     got, done, stats = _run(model, requests, gate=_AlwaysSelf())
     assert got[0] == plain[: plain.index(stop) + 1] and done[0].finish_reason == "eos"
-    assert got[1] == list(model.stream_ids([1, 2], 10, stop_ids=(), sampling=params))
-    assert done[1].speculative.startswith("none (batched speculation is greedy-only")
+    # the sampled request self-drafts too (exact in distribution, not per seed:
+    # tests/ort_runtime/test_batch_sampled_speculation.py)
+    assert len(got[1]) == 10 and done[1].speculative == "self"
     assert got[2] == list(model.stream_ids([3, 4, 5], 9, stop_ids=()))
     assert stats["self_rounds"] > 0
 

@@ -163,8 +163,8 @@ class _WrongProposer:
 @pytest.mark.parametrize("proposer", ["prompt-lookup", "always-wrong"])
 def test_speculation_per_request_equals_plain_greedy(model, proposer):
     """Prompt lookup per request through verify_batch (gate forced on, so every step with a draft
-    verifies): greedy requests get plain greedy's tokens, forced rejections included; a sampled
-    request in the same batch decodes plainly and keeps its seeded tokens; stop ids still stop."""
+    verifies): greedy requests get plain greedy's tokens, forced rejections included, beside a
+    sampled request that speculates in the same steps; stop ids still stop."""
     rng = random.Random(3)
     work = [([rng.randrange(5) for _ in range(rng.randrange(4, 12))], rng.randrange(1, 30)) for _ in range(8)]
     expected = [list(model.stream_ids(p, k, stop_ids=())) for p, k in work]
@@ -181,14 +181,16 @@ def test_speculation_per_request_equals_plain_greedy(model, proposer):
             BatchRequest(work[0][0], work[0][1], stop_ids=(stop,), speculative="prompt-lookup")
         )
         assert [c.result(60) for c in done] == expected
-        assert sampled.result(60) == list(model.stream_ids([1, 2, 3], 12, stop_ids=(), sampling=params))
+        # the sampled request speculates as well: exact in distribution, not per seed
+        # (tests/ort_runtime/test_batch_sampled_speculation.py)
+        assert len(sampled.result(60)) == 12
         assert stopped.result(60) == expected[0][: expected[0].index(stop) + 1]
         assert engine.stats["verify_steps"] > 0 and engine.stats["proposed"] > 0
         if proposer == "always-wrong":
             assert engine.stats["accepted"] == 0
         else:
             assert engine.stats["accepted"] > 0
-        assert done[0].speculative == "prompt-lookup" and sampled.speculative.startswith("none (")
+        assert done[0].speculative == "prompt-lookup" and sampled.speculative == "prompt-lookup"
     finally:
         engine.shutdown()
 
