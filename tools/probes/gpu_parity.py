@@ -3,7 +3,10 @@
 For each dtype and graph variant, every benchmark prompt is decoded greedily by both; where
 the tokens differ, the first divergent position and the reference's top-1/top-2 logit margin
 there are reported (a small margin means a near-tie that rounding may flip). Also the largest
-logit difference on the first step against the fp32 reference.
+logit difference on the first step against the fp32 reference. On a looped model the
+batch-invariant artifact also decodes under each depth policy of ``--policies`` (static
+``loops=k``, the gate at ``q`` under ``full`` or ``last-exited`` KV) against the torch reference
+of the same policy (exporter/reference_depth.py).
 
     python -m tools.probes.gpu_parity --checkpoint demo --out parity.json
 """
@@ -18,8 +21,10 @@ import torch
 from loopcast.bench.harness import BENCH_PROMPTS
 from loopcast.exporter.checkpoint import load_checkpoint, resolve_checkpoint
 from loopcast.exporter.export import ExportOptions, export_checkpoint
+from loopcast.exporter.reference_depth import depth_generate
 from loopcast.exporter.reference_generate import greedy_generate
 from loopcast.ort_runtime import load
+from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -31,6 +36,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/parity"))
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--policies",
+        default="loops=3,loops=2,q=0.3:full,q=0.3:last-exited",
+        help="depth policies checked on a looped model's batch-invariant artifact (empty: none)",
+    )
     args = p.parse_args()
     checkpoint = resolve_checkpoint(args.checkpoint)
     report = {}
@@ -88,9 +98,46 @@ def main() -> None:
                 f"{divergences}",
                 flush=True,
             )
+            if variant == "batch-invariant" and ref.config.num_loops > 1 and args.policies:
+                report[f"{dtype}/{variant}/depth"] = depth_parity(model, ref, args)
             del model
             args.out.write_text(json.dumps(report, indent=1) + "\n")  # after each: a cut run keeps it
         del ref
+
+
+def policy_config(policy: str, new_tokens: int) -> GenerationConfig:
+    """``loops=k`` or ``q=Q:full|last-exited`` as a GenerationConfig."""
+    name, _, value = policy.partition("=")
+    if name == "loops":
+        return GenerationConfig(new_tokens, loops=int(value), stop_ids=())
+    q, _, kv_policy = value.partition(":")
+    return GenerationConfig(new_tokens, exit_threshold=float(q), kv_policy=kv_policy or "full", stop_ids=())
+
+
+def depth_parity(model, ref, args) -> dict:
+    """Each depth policy's greedy tokens and exit histogram, ours against the torch reference."""
+    out = {}
+    for policy in args.policies.split(","):
+        config = policy_config(policy, args.new_tokens)
+        rows = []
+        for prompt in BENCH_PROMPTS:
+            ids = model.encode(prompt)
+            ours = model.generate(ids, config=config)
+            theirs = depth_generate(ref, ids, config, max_length=model.loaded.manifest.max_length)
+            j = next((i for i, (a, b) in enumerate(zip(ours.tokens, theirs.tokens)) if a != b), None)
+            same_exits = ours.stats.exit_histogram == theirs.depth_stats()["exit_histogram"]
+            rows.append(
+                {"prompt": prompt[:40], "identical": j is None, "first_divergence": j, "exits": same_exits}
+            )
+        same = sum(r["identical"] for r in rows)
+        out[policy] = {"identical_prompts": same, "prompts": len(rows), "rows": rows}
+        print(
+            f"  {policy}: {same}/{len(rows)} prompts identical to the reference's policy; first "
+            f"divergences {[r['first_divergence'] for r in rows if not r['identical']]}; exit "
+            f"histograms equal on {sum(r['exits'] for r in rows)}/{len(rows)}",
+            flush=True,
+        )
+    return out
 
 
 if __name__ == "__main__":
