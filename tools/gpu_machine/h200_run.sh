@@ -2,7 +2,7 @@
 # One call on the lent H200 (docs/perf.md): `tools/gpu_machine/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
-# | quant-llama | quant-ouro | depth-1p4b | huginn
+# | quant-llama | quant-ouro | depth-demo | depth-1p4b | huginn
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -228,6 +228,14 @@ phase_depth_1p4b() {  # adaptive depth on random Ouro-1.4B weights (fp16, loopca
       -o /root/ouro14-fp16 --dtype fp16 --target cuda --max-length 512 --overwrite
     timeout 400 python3 -m tools.bench.bench_depth --artifact /root/ouro14-fp16 --device cuda --passes 3 --prompts 3 \
       --new-tokens 32 --json "$RES/depth-1p4b.json"
+  } > "$log" 2>&1
+}
+phase_depth_demo() {  # adaptive depth on the demo (fp16, loopcast ops): the speed table of static depths and the
+  # gate beside full depth, with the last-exited q within 1 % of full depth's bits/byte on the CPU (docs/adaptive-depth.md)
+  local log="$RES/depth-demo.txt"
+  { python3 -m loopcast.cli export demo -o /root/demo-fp16 --dtype fp16 --target cuda --overwrite
+    timeout 300 python3 -m tools.bench.bench_depth --artifact /root/demo-fp16 --device cuda --passes 6 --prompts 3 \
+      --new-tokens 48 --q 0.29 --json "$RES/depth-demo.json"
   } > "$log" 2>&1
 }
 phase_huginn() {  # plain decoding of random Huginn-0125 shapes at r = 32 (and 8), fp16 and bf16 (tools/bench/bench_huginn.py)
