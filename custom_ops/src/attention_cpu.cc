@@ -3,9 +3,9 @@
 //
 // Row invariance: all new rows' K/V are rotated, rounded to T and stored first; then each row
 // attends over positions 0..p reading only the stored cache and its own q (one task per head on
-// ORT's thread pool; a task's rows share key and value loads, never a partial sum). Every reduction has a fixed order (q·k in eight fixed
-// lanes over d, then max, sum and the weighted sum over positions in ascending order), so row i
-// of an S-row call is bit-identical to the same row computed alone after rows < i were committed.
+// ORT's thread pool; a task's rows share key and value loads, never a partial sum). Every
+// reduction has an order fixed by the row's keys alone (attention_row_math.h), so row i of an
+// S-row call is bit-identical to the same row computed alone after rows < i were committed.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -91,41 +91,25 @@ struct AttentionCpuKernel {
       const int64_t S = r.s.S, D = r.s.D, T_cap = r.s.T, Hq = attrs.num_heads, Hkv = attrs.kv_num_heads;
       const int64_t h = static_cast<int64_t>(task) % Hq, b = static_cast<int64_t>(task) / Hq;
       const int64_t n = static_cast<int64_t>(r.seqlens[b]) + 1 - S, last = n + S - 1;
-      thread_local std::vector<float> q, acc, scores, mx, sum;
+      thread_local std::vector<float> q, acc, scores, sums, rows, keys32, values32;
       q.resize(static_cast<size_t>(S * D));
-      acc.assign(static_cast<size_t>(S * D), 0.0f);
+      acc.resize(static_cast<size_t>(S * D));
+      rows.resize(static_cast<size_t>(S * D));
       scores.resize(static_cast<size_t>(S * (last + 1)));
-      mx.assign(static_cast<size_t>(S), -std::numeric_limits<float>::infinity());
-      sum.assign(static_cast<size_t>(S), 0.0f);
+      sums.resize(static_cast<size_t>(S));
       for (int64_t i = 0; i < S; ++i) {
         const int64_t p = n + i;
         rotate(r.qkv + (b * S + i) * r.width + h * D, r.cos ? r.cos + p * r.half : nullptr,
                r.sin ? r.sin + p * r.half : nullptr, D, attrs.do_rotary, q.data() + i * D);
       }
       const size_t cache = static_cast<size_t>((b * Hkv + h / r.group) * T_cap * D);
-      const T* kc = r.pk + cache;
-      const T* vc = r.pv + cache;
-      // Row i (position n+i) sees keys 0..n+i; key j is visible to rows max(0, j-n)..S-1.
-      for (int64_t j = 0; j <= last; ++j) {
-        const T* k = kc + j * D;
-        for (int64_t i = std::max<int64_t>(0, j - n); i < S; ++i) {
-          const float score = lane_dot(q.data() + i * D, k, D) * r.s.scale;
-          scores[static_cast<size_t>(i * (last + 1) + j)] = score;
-          mx[i] = std::max(mx[i], score);
-        }
-      }
-      for (int64_t j = 0; j <= last; ++j) {
-        const T* v = vc + j * D;
-        for (int64_t i = std::max<int64_t>(0, j - n); i < S; ++i) {
-          const float e = std::exp(scores[static_cast<size_t>(i * (last + 1) + j)] - mx[i]);
-          sum[i] += e;
-          float* ai = acc.data() + i * D;
-          for (int64_t d = 0; d < D; ++d) ai[d] += e * to_float(v[d]);
-        }
-      }
+      // Row i (position n+i) sees keys 0..n+i (attention_row_math.h: the row arithmetic).
+      const float* kc = rows_f32(r.pk + cache, last + 1, D, keys32);
+      const float* vc = rows_f32(r.pv + cache, last + 1, D, values32);
+      attend_causal_rows(q.data(), S, n, kc, vc, D, r.s.scale, scores.data(), acc.data(), sums.data(), rows.data());
       for (int64_t i = 0; i < S; ++i) {
         T* o = r.out + (b * S + i) * Hq * D + h * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(acc[i * D + d] / sum[i]);
+        for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(rows[i * D + d]);
       }
     }
   };

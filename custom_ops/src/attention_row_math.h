@@ -3,7 +3,11 @@
 // in the same order, bit for bit.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "ops_common.h"
 
@@ -25,16 +29,191 @@ inline void rotate(const T* x, const T* cos_row, const T* sin_row, int64_t D, bo
   }
 }
 
-// q·k in eight fixed lanes over d, summed in a fixed order: vectorisable, and the same arithmetic
-// for a row whatever else the call holds.
-template <typename T>
-inline float lane_dot(const float* q, const T* k, int64_t D) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// The softmax-weighted sum of one row, in fp32 over fp32 keys and values (16-bit caches are
+// widened first: exact), in an order fixed by the row's visible keys alone:
+//   q·k       eight fixed lanes over d (lane l takes d ≡ l mod 8, ascending), combined pairwise
+//   weights   e_t = exp8(s_t - max) over the visible keys t = 0, 1, ... in ascending position
+//             (exp8: one polynomial, below), their sum in eight fixed lanes over t
+//   output    acc += e_t · v_t in ascending t, then acc / sum
+// Plain IEEE multiplies and adds (-ffp-contract=off), so the ISA clones below (target_clones:
+// AVX-512, AVX2, the baseline) give the same bits, and a row is the same whatever else the call
+// holds. BatchInvariantAttention's rows (attend_causal_rows) and RowAttention's (attend_row) are
+// these operations, so a pipeline row equals the decode row bit for bit.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LOOPCAST_ROW_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define LOOPCAST_ROW_CLONES
+#endif
+#define LOOPCAST_ROW_INLINE inline __attribute__((always_inline))
+
+namespace {
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+LOOPCAST_ROW_INLINE float combine8(const float* l) {
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// Helpers take and return no vectors (that would change the ABI between the clones).
+LOOPCAST_ROW_INLINE float dot8(const float* q, const float* k, int64_t D) {
+  f32x8 acc = {};
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8)
-    for (int l = 0; l < 8; ++l) lane[l] += q[d + l] * to_float(k[d + l]);
-  for (; d < D; ++d) lane[d % 8] += q[d] * to_float(k[d]);
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  for (; d + 8 <= D; d += 8) {
+    f32x8 a, b;
+    std::memcpy(&a, q + d, sizeof a);
+    std::memcpy(&b, k + d, sizeof b);
+    acc += a * b;
+  }
+  float lane[8];
+  std::memcpy(lane, &acc, sizeof lane);
+  for (; d < D; ++d) lane[d % 8] += q[d] * k[d];
+  return combine8(lane);
+}
+
+// dot8 of q with keys k, k + D, k + 2D, k + 3D into out[0..4): four independent chains (each key's
+// arithmetic exactly dot8's), so the adds' latency overlaps.
+LOOPCAST_ROW_INLINE void dot8x4(const float* q, const float* k, int64_t D, float* out) {
+  if (D % 8) {
+    for (int u = 0; u < 4; ++u) out[u] = dot8(q, k + u * D, D);
+    return;
+  }
+  f32x8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    f32x8 a, b0, b1, b2, b3;
+    std::memcpy(&a, q + d, sizeof a);
+    std::memcpy(&b0, k + d, sizeof b0);
+    std::memcpy(&b1, k + D + d, sizeof b1);
+    std::memcpy(&b2, k + 2 * D + d, sizeof b2);
+    std::memcpy(&b3, k + 3 * D + d, sizeof b3);
+    a0 += a * b0;
+    a1 += a * b1;
+    a2 += a * b2;
+    a3 += a * b3;
+  }
+  float lane[4][8];
+  std::memcpy(lane[0], &a0, sizeof lane[0]);
+  std::memcpy(lane[1], &a1, sizeof lane[1]);
+  std::memcpy(lane[2], &a2, sizeof lane[2]);
+  std::memcpy(lane[3], &a3, sizeof lane[3]);
+  for (int u = 0; u < 4; ++u) out[u] = combine8(lane[u]);
+}
+
+// scores[t] = dot8(q, key t)·scale for the keys t = 0..count-1 stored contiguously from `keys`.
+LOOPCAST_ROW_INLINE void score_keys(const float* q, const float* keys, int64_t count, int64_t D, float scale,
+                                    float* scores) {
+  int64_t t = 0;
+  for (; t + 4 <= count; t += 4) {
+    dot8x4(q, keys + t * D, D, scores + t);
+    for (int u = 0; u < 4; ++u) scores[t + u] *= scale;
+  }
+  for (; t < count; ++t) scores[t] = dot8(q, keys + t * D, D) * scale;
+}
+
+// e[0..8) = exp(e - mx) for e <= mx, within 2 ulp: x = n·ln2 + r (n rounded to nearest, ln2 in two
+// parts), e^r by Cephes' degree-6 polynomial, times 2^n from the exponent bits. Below -87 it
+// gives about 2^-126 (such a key's weight is nil beside the max's 1).
+LOOPCAST_ROW_INLINE void exp8_minus(float* e, float mx) {
+  f32x8 x;
+  std::memcpy(&x, e, sizeof x);
+  x = x - mx;
+  const f32x8 lo = f32x8{} - 87.0f;
+  x = x < lo ? lo : x;
+  const f32x8 magic = f32x8{} + 12582912.0f;  // 1.5·2^23: adding and subtracting it rounds to an integer
+  const f32x8 n = (x * 1.44269504088896341f + magic) - magic;
+  f32x8 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f32x8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  f32x8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  p = p * scale;
+  std::memcpy(e, &p, sizeof p);
+}
+
+// e[0..n): scores in, weights exp(s - max) out; returns their sum (eight fixed lanes over t).
+LOOPCAST_ROW_INLINE float softmax_weights(float* e, int64_t n) {
+  float mx = e[0];
+  for (int64_t t = 1; t < n; ++t) mx = e[t] > mx ? e[t] : mx;
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    exp8_minus(e + t, mx);
+    for (int l = 0; l < 8; ++l) lane[l] += e[t + l];
+  }
+  if (t < n) {  // the tail padded with the max (the padding's weights are dropped)
+    float pad[8];
+    for (int l = 0; l < 8; ++l) pad[l] = t + l < n ? e[t + l] : mx;
+    exp8_minus(pad, mx);
+    for (int l = 0; t + l < n; ++l) {
+      e[t + l] = pad[l];
+      lane[l] += pad[l];
+    }
+  }
+  return combine8(lane);
+}
+
+LOOPCAST_ROW_INLINE void add_weighted(float* __restrict acc, float e, const float* __restrict v, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) acc[d] += e * v[d];
+}
+
+// BatchInvariantAttention's rows of one (sequence, q head): S rows at positions n..n+S-1, row i
+// seeing keys 0..n+i. q [S, D] rotated; keys, values [n+S, D]; scores [S, n+S] and acc [S, D]
+// scratch; out [S, D]. The weighted sum runs keys outer, rows inner: a value's load serves every
+// row that sees it.
+__attribute__((unused)) LOOPCAST_ROW_CLONES void attend_causal_rows(const float* q, int64_t S, int64_t n, const float* keys,
+                                            const float* values, int64_t D, float scale, float* scores,
+                                            float* acc, float* sums, float* out) {
+  const int64_t stride = n + S;
+  for (int64_t i = 0; i < S; ++i) {
+    score_keys(q + i * D, keys, n + i + 1, D, scale, scores + i * stride);
+    sums[i] = softmax_weights(scores + i * stride, n + i + 1);
+  }
+  std::fill(acc, acc + S * D, 0.0f);
+  for (int64_t j = 0; j < stride; ++j)
+    for (int64_t i = std::max<int64_t>(0, j - n); i < S; ++i)
+      add_weighted(acc + i * D, scores[i * stride + j], values + j * D, D);
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] = acc[i * D + d] / sums[i];
+}
+
+// RowAttention's row: keys 0..p except [lo, hi), the same operations over the visible keys.
+__attribute__((unused)) LOOPCAST_ROW_CLONES void attend_row(const float* q, int64_t p, int64_t lo, int64_t hi, const float* keys,
+                                    const float* values, int64_t D, float scale, float* scores, float* acc,
+                                    float* out) {
+  // the visible keys are 0..min(lo, p+1)-1 and hi..p: two contiguous runs, scored in one order
+  const bool masked = hi > lo;
+  const int64_t below = masked ? std::min(lo, p + 1) : p + 1;
+  const int64_t above = masked ? std::max<int64_t>(0, p + 1 - hi) : 0;
+  score_keys(q, keys, below, D, scale, scores);
+  if (above > 0) score_keys(q, keys + hi * D, above, D, scale, scores + below);
+  int64_t t = below + above;
+  const float sum = softmax_weights(scores, t);
+  std::fill(acc, acc + D, 0.0f);
+  t = 0;
+  for (int64_t j = 0; j <= p; ++j)
+    if (j < lo || j >= hi) add_weighted(acc, scores[t++], values + j * D, D);
+  for (int64_t d = 0; d < D; ++d) out[d] = acc[d] / sum;
+}
+
+}  // namespace
+
+// The fp32 view of a cache's rows 0..count-1 ([count, D] from `data`): the data itself for fp32,
+// else widened into `scratch`.
+template <typename T>
+inline const float* rows_f32(const T* data, int64_t count, int64_t D, std::vector<float>& scratch) {
+  if constexpr (std::is_same<T, float>::value) {
+    return data;
+  } else {
+    scratch.resize(static_cast<size_t>(count * D));
+    for (int64_t e = 0; e < count * D; ++e) scratch[static_cast<size_t>(e)] = to_float(data[e]);
+    return scratch.data();
+  }
 }
 
 }  // namespace loopcast

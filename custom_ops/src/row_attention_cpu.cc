@@ -12,8 +12,8 @@
 // rotation of q and of its stored K, and the same visible keys in the same ascending order.
 //
 // Row invariance: a row's arithmetic is BatchInvariantAttention's for a one-row call at the same
-// position (rotate, eight fixed lanes for q·k, max, then exp, sum and the weighted sum in
-// ascending key order, one division), so a pipeline row equals the decode row bit for bit, and
+// position (attention_row_math.h: the same operations over the same visible keys in ascending
+// order), so a pipeline row equals the decode row bit for bit, and
 // what other rows share the call never changes it. All active rows are written before any row
 // attends; two active rows may not write the same (buffer, sequence, position).
 #include <algorithm>
@@ -133,32 +133,20 @@ struct RowAttentionCpuKernel {
     }
     const int64_t k = attrs.row_buffers[i], sq = c.seq ? c.seq[i] : 0;
     const int64_t lo = c.masked ? c.masked[2 * i] : 0, hi = c.masked ? c.masked[2 * i + 1] : 0;
-    thread_local std::vector<float> q, acc, scores;
+    thread_local std::vector<float> q, acc, scores, row, keys32, values32;
     q.resize(static_cast<size_t>(D));
-    acc.assign(static_cast<size_t>(D), 0.0f);
+    acc.resize(static_cast<size_t>(D));
+    row.resize(static_cast<size_t>(D));
     scores.resize(static_cast<size_t>(p + 1));
     const int64_t rp = rotary_position(c, i);
     rotate(c.qkv + i * c.width + h * D, c.cos ? c.cos + rp * c.half : nullptr, c.sin ? c.sin + rp * c.half : nullptr,
                D, attrs.do_rotary, q.data());
     const size_t cache = static_cast<size_t>((sq * Hkv + h / c.group) * T_cap * D);
-    const T* kc = c.keys[k] + cache;
-    const T* vc = c.values[k] + cache;
-    // BatchInvariantAttention's row arithmetic (attention_row_math.h), then the same softmax order.
-    float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
-    for (int64_t j = 0; j <= p; ++j) {
-      if (j >= lo && j < hi) continue;
-      const float score = lane_dot(q.data(), kc + j * D, D) * c.s.scale;
-      scores[static_cast<size_t>(j)] = score;
-      mx = std::max(mx, score);
-    }
-    for (int64_t j = 0; j <= p; ++j) {
-      if (j >= lo && j < hi) continue;
-      const T* v = vc + j * D;
-      const float e = std::exp(scores[static_cast<size_t>(j)] - mx);
-      sum += e;
-      for (int64_t d = 0; d < D; ++d) acc[d] += e * to_float(v[d]);
-    }
-    for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(acc[d] / sum);
+    // BatchInvariantAttention's row arithmetic over the visible keys (attention_row_math.h).
+    const float* kc = rows_f32(c.keys[k] + cache, p + 1, D, keys32);
+    const float* vc = rows_f32(c.values[k] + cache, p + 1, D, values32);
+    attend_row(q.data(), p, lo, hi, kc, vc, D, c.s.scale, scores.data(), acc.data(), row.data());
+    for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(row[d]);
   }
 };
 
