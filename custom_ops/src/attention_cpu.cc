@@ -2,7 +2,7 @@
 // packed-QKV GroupQueryAttention form our graphs use.
 //
 // Row invariance: all new rows' K/V are rotated, rounded to T and stored first; then each row
-// attends over positions 0..p reading only the stored cache and its own q (one task per head on
+// attends over positions 0..p reading only the stored cache and its own q (one task per kv head on
 // ORT's thread pool; a task's rows share key and value loads, never a partial sum). Every
 // reduction has an order fixed by the row's keys alone (attention_row_math.h), so row i of an
 // S-row call is bit-identical to the same row computed alone after rows < i were committed.
@@ -69,12 +69,12 @@ struct AttentionCpuKernel {
         }
       }
     }
-    // 2. Each (batch, head) is its own task on ORT's intra-op pool: its rows attend over the
-    // stored cache at positions 0..p. Tasks share nothing but the read-only cache, so how they
-    // are scheduled cannot change a bit; the rows of a task share only the loads of each key and
-    // value, never a partial sum.
+    // 2. Each (batch, kv head) is its own task on ORT's intra-op pool: the rows of its q heads
+    // attend over the stored cache at positions 0..p. Tasks share nothing but the read-only
+    // cache, so how they are scheduled cannot change a bit; the rows of a task share only the
+    // loads of each key and value, never a partial sum.
     Heads heads{this, s, qkv, cos, sin, pk, pv, out, seqlens, width, group, half};
-    ctx.ParallelFor(&Heads::run, static_cast<size_t>(B * Hq), 0, &heads);
+    ctx.ParallelFor(&Heads::run, static_cast<size_t>(B * Hkv), 0, &heads);
   }
 
   struct Heads {
@@ -89,28 +89,34 @@ struct AttentionCpuKernel {
       const Heads& r = *static_cast<const Heads*>(raw);
       const AttentionAttrs& attrs = r.self->attrs;
       const int64_t S = r.s.S, D = r.s.D, T_cap = r.s.T, Hq = attrs.num_heads, Hkv = attrs.kv_num_heads;
-      const int64_t h = static_cast<int64_t>(task) % Hq, b = static_cast<int64_t>(task) / Hq;
+      const int64_t kvh = static_cast<int64_t>(task) % Hkv, b = static_cast<int64_t>(task) / Hkv;
       const int64_t n = static_cast<int64_t>(r.seqlens[b]) + 1 - S, last = n + S - 1;
-      thread_local std::vector<float> q, acc, scores, sums, rows, keys32, values32;
-      q.resize(static_cast<size_t>(S * D));
-      acc.resize(static_cast<size_t>(S * D));
-      rows.resize(static_cast<size_t>(S * D));
-      scores.resize(static_cast<size_t>(S * (last + 1)));
-      sums.resize(static_cast<size_t>(S));
-      for (int64_t i = 0; i < S; ++i) {
-        const int64_t p = n + i;
-        rotate(r.qkv + (b * S + i) * r.width + h * D, r.cos ? r.cos + p * r.half : nullptr,
-               r.sin ? r.sin + p * r.half : nullptr, D, attrs.do_rotary, q.data() + i * D);
-      }
-      const size_t cache = static_cast<size_t>((b * Hkv + h / r.group) * T_cap * D);
-      // Row i (position n+i) sees keys 0..n+i (attention_row_math.h: the row arithmetic).
+      const int64_t rows = r.group * S;  // row g·S + i: q head kvh·group + g at position n + i
+      thread_local std::vector<float> q, acc, scores, sums, out, keys32, values32;
+      thread_local std::vector<int64_t> counts;
+      q.resize(static_cast<size_t>(rows * D));
+      acc.resize(static_cast<size_t>(rows * D));
+      out.resize(static_cast<size_t>(rows * D));
+      scores.resize(static_cast<size_t>(rows * (last + 1)));
+      sums.resize(static_cast<size_t>(rows));
+      counts.resize(static_cast<size_t>(rows));
+      for (int64_t g = 0; g < r.group; ++g)
+        for (int64_t i = 0; i < S; ++i) {
+          const int64_t p = n + i, h = kvh * r.group + g;
+          rotate(r.qkv + (b * S + i) * r.width + h * D, r.cos ? r.cos + p * r.half : nullptr,
+                 r.sin ? r.sin + p * r.half : nullptr, D, attrs.do_rotary, q.data() + (g * S + i) * D);
+          counts[static_cast<size_t>(g * S + i)] = p + 1;  // keys 0..p
+        }
+      const size_t cache = static_cast<size_t>((b * Hkv + kvh) * T_cap * D);
       const float* kc = rows_f32(r.pk + cache, last + 1, D, keys32);
       const float* vc = rows_f32(r.pv + cache, last + 1, D, values32);
-      attend_causal_rows(q.data(), S, n, kc, vc, D, r.s.scale, scores.data(), acc.data(), sums.data(), rows.data());
-      for (int64_t i = 0; i < S; ++i) {
-        T* o = r.out + (b * S + i) * Hq * D + h * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(rows[i * D + d]);
-      }
+      attend_causal_rows(q.data(), rows, counts.data(), kc, vc, D, r.s.scale, last + 1, scores.data(), acc.data(),
+                         sums.data(), out.data());
+      for (int64_t g = 0; g < r.group; ++g)
+        for (int64_t i = 0; i < S; ++i) {
+          T* o = r.out + (b * S + i) * Hq * D + (kvh * r.group + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(out[(g * S + i) * D + d]);
+        }
     }
   };
 };

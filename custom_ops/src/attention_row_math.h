@@ -162,24 +162,27 @@ LOOPCAST_ROW_INLINE void add_weighted(float* __restrict acc, float e, const floa
   for (int64_t d = 0; d < D; ++d) acc[d] += e * v[d];
 }
 
-// BatchInvariantAttention's rows of one (sequence, q head): S rows at positions n..n+S-1, row i
-// seeing keys 0..n+i. q [S, D] rotated; keys, values [n+S, D]; scores [S, n+S] and acc [S, D]
-// scratch; out [S, D]. The weighted sum runs keys outer, rows inner: a value's load serves every
-// row that sees it.
-__attribute__((unused)) LOOPCAST_ROW_CLONES void attend_causal_rows(const float* q, int64_t S, int64_t n, const float* keys,
-                                            const float* values, int64_t D, float scale, float* scores,
-                                            float* acc, float* sums, float* out) {
-  const int64_t stride = n + S;
-  for (int64_t i = 0; i < S; ++i) {
-    score_keys(q + i * D, keys, n + i + 1, D, scale, scores + i * stride);
-    sums[i] = softmax_weights(scores + i * stride, n + i + 1);
+// BatchInvariantAttention's rows that share one (sequence, kv head): row r sees keys
+// 0..counts[r]-1. q [rows, D] rotated; keys, values [max count, D]; scores [rows, stride] (stride >=
+// every count), acc [rows, D] and sums [rows] scratch; out [rows, D]. A row's operations are the
+// same whatever rows share the call; the weighted sum runs keys outer, rows inner, so a value's
+// load serves every row that sees it (the q heads of a GQA group and the call's positions).
+__attribute__((unused)) LOOPCAST_ROW_CLONES void attend_causal_rows(const float* q, int64_t rows, const int64_t* counts,
+                                                                    const float* keys, const float* values, int64_t D,
+                                                                    float scale, int64_t stride, float* scores,
+                                                                    float* acc, float* sums, float* out) {
+  int64_t most = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    score_keys(q + r * D, keys, counts[r], D, scale, scores + r * stride);
+    sums[r] = softmax_weights(scores + r * stride, counts[r]);
+    most = std::max(most, counts[r]);
   }
-  std::fill(acc, acc + S * D, 0.0f);
-  for (int64_t j = 0; j < stride; ++j)
-    for (int64_t i = std::max<int64_t>(0, j - n); i < S; ++i)
-      add_weighted(acc + i * D, scores[i * stride + j], values + j * D, D);
-  for (int64_t i = 0; i < S; ++i)
-    for (int64_t d = 0; d < D; ++d) out[i * D + d] = acc[i * D + d] / sums[i];
+  std::fill(acc, acc + rows * D, 0.0f);
+  for (int64_t j = 0; j < most; ++j)
+    for (int64_t r = 0; r < rows; ++r)
+      if (j < counts[r]) add_weighted(acc + r * D, scores[r * stride + j], values + j * D, D);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] / sums[r];
 }
 
 // RowAttention's row: keys 0..p except [lo, hi), the same operations over the visible keys.
