@@ -53,7 +53,7 @@ class RecurrentPipelineStats:
     accepted: int = 0
     discarded_lanes: int = 0
     cold_starts: int = 0
-    # per cycle (positions per row, leaving-row argmax, entering token), for tests
+    # per cycle (positions per row, leaving-row argmax, entering token, leaving-row logits), for tests
     trace: list | None = field(default=None)
 
 
@@ -109,7 +109,8 @@ class RecurrentPipeline:
         gen.core_runs += 1
         self.stats.cycles += 1
         if self.stats.trace is not None:
-            self.stats.trace.append((positions, target, entering.token if entering else -1))
+            logits = self.binding.pull_logits().copy()
+            self.stats.trace.append((positions, target, entering.token if entering else -1, logits))
         for lane in lanes:
             lane.steps += 1
         youngest = lanes[-1]

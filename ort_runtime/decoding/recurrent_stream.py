@@ -153,6 +153,13 @@ def _refuse_pipeline(gen: RecurrentGenerator, config: GenerationConfig) -> None:
             "exit use speculative='self' or 'prompt-lookup'",
             parameter="kl_threshold",
         )
+    spec = config.speculation
+    if spec.num_draft_tokens is not None or spec.pipeline_exit != 1:
+        raise RequestError(
+            "the recurrent-depth pipeline drafts one token per lane with its proposer (prompt lookup "
+            "or the caller's); num_draft_tokens and pipeline_exit do not apply",
+            parameter="num_draft_tokens" if spec.num_draft_tokens is not None else "pipeline_exit",
+        )
     refusal = pipeline_refusal(gen)
     if refusal is not None:
         raise RequestError(refusal, parameter="speculative")
