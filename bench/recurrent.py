@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 from loopcast.bench.pipeline import random_prompts, rejects
 
+from loopcast.errors import RequestError
 from loopcast.vocab import GraphKind, OpSet
 
 RECURRENT_CYCLE = GraphKind.RECURRENT_CYCLE
+RECURRENT_VARIANTS = {"stock": OpSet.STOCK, "default": OpSet.LOOPCAST_ATTENTION}
 
 
 class OracleDrafts:
@@ -102,7 +104,15 @@ def recurrent_runs(
     scheme = quant_scheme_from_options(None if quantize == "none" else quantize)
     tag = f"{dtype}/{variant}" + ("" if scheme is None else f"/{quantize}")
     art = opts.work_dir / f"art-{checkpoint.name}-{tag.replace('/', '-')}"
-    ops = {"stock": OpSet.STOCK, "batch-invariant": OpSet.LOOPCAST, "default": "auto"}[variant]
+    # default: the row-addressed attention op, whose graphs include the pipeline's recurrent_cycle
+    # (fp16/bf16 "auto" would be stock); the family has no batch-invariant variant yet
+    if variant not in RECURRENT_VARIANTS:
+        raise RequestError(
+            f"--variant {variant}: a recurrent-depth checkpoint exports with the stock or "
+            "loopcast-attention ops; pass --variant default (loopcast-attention, with the pipeline) "
+            "or --variant stock"
+        )
+    ops = RECURRENT_VARIANTS[variant]
     log(f"[{tag}] exporting {checkpoint} into {art} ...")
     t0 = time.perf_counter()
     export_checkpoint(
