@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from loopcast.ort_runtime.decoding.proposers import Proposal
 from loopcast.ort_runtime.decoding.protocols import ProposerBase
 
 from loopcast.errors import RequestError
@@ -118,7 +119,7 @@ class RecurrentPipeline:
         if youngest.steps == 1 and youngest.steps < r and youngest.position + 1 <= limit_position:
             context = [*gen.tokens, *(lane.token for lane in lanes)]  # the sequence up to youngest
             proposal = self.drafts.propose(context, 1)
-            tokens = proposal.tokens if hasattr(proposal, "tokens") else proposal
+            tokens = proposal.tokens if isinstance(proposal, Proposal) else proposal
             if len(tokens):
                 draft = Lane(youngest.position + 1, int(tokens[0]))
         done = None

@@ -181,3 +181,13 @@ def test_recurrent_depth_report_per_r_on_cpu(tmp_path) -> None:
         assert run["loops"] == 1 or oracle["acceptance"] == 1.0  # r = 1: a lane leaves as it enters
     table = format_table(report)
     assert "fp32 / default (past" in table and "r = 4)" in table and "cycle rows bit-identical" in table
+
+
+def test_loops_is_refused_for_a_looped_checkpoint(tmp_path) -> None:
+    from loopcast.errors import RequestError
+
+    opts = BenchOptions(
+        str(checkpoint("ouro-r3")), tmp_path / "work", device="cpu", dtypes=("fp32",), loops=(4,)
+    )
+    with pytest.raises(RequestError, match="--loops sets r for a recurrent-depth"):
+        run_bench(opts, log=lambda line: None)

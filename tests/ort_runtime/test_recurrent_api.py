@@ -292,10 +292,15 @@ def test_the_torch_backend_takes_the_same_options(huginn):
     assert json.loads(run.stdout)["tokens"] == want
 
 
-def test_loopcast_bench_points_to_the_familys_bench(huginn):
+def test_loopcast_bench_names_the_familys_variants(huginn, tmp_path):
+    """``loopcast bench`` benches a recurrent-depth checkpoint per r (tests/bench/test_bench.py);
+    the batch-invariant variant, which the family cannot export, is one line naming the others."""
     ckpt, _ = huginn
-    run = CliRunner().invoke(main, ["bench", str(ckpt)])
-    assert run.exit_code == 2 and "tools.bench.bench_huginn" in run.stderr.strip().splitlines()[-1]
+    work = ["--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "r.json")]
+    run = CliRunner().invoke(
+        main, ["bench", str(ckpt), "--device", "cpu", "--variant", "batch-invariant", *work]
+    )
+    assert run.exit_code == 2 and "--variant default" in run.stderr.strip().splitlines()[-1]
 
 
 def test_the_servers_one_request_engine_takes_loops(huginn):
