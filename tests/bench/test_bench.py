@@ -146,7 +146,7 @@ def test_recurrent_depth_report_per_r_on_cpu(tmp_path) -> None:
     from tests.artifacts import huginn, require_exact_cpu_artifacts
 
     require_exact_cpu_artifacts()
-    ckpt, _ = huginn()
+    ckpt, _ = huginn(48)  # the recurrent-depth runtime tests' artifact (one cache key: 48 positional)
     opts = BenchOptions(
         str(ckpt),
         tmp_path / "work",
