@@ -381,7 +381,9 @@ def _pipeline_round(
     pipeline: RecurrentPipeline, pending: int, limit: int, stats: GenerationStats, gate, step: int
 ) -> int:
     """One pipeline round: cycles until the oldest lane leaves; its successor's check counts as
-    one draft proposed (and accepted if kept), as a one-draft verify round would."""
+    one draft proposed (and accepted if kept), as a one-draft verify round would. For the gate a
+    leaving lane without a successor is a miss too (the proposer had no draft, so the round cost
+    r cycles for one token); at r = 1 a lane leaves as it enters and rounds give no evidence."""
     verified, accepted = pipeline.stats.verified, pipeline.stats.accepted
     token = pipeline.next_token(pending, limit)
     proposed, kept = pipeline.stats.verified - verified, pipeline.stats.accepted - accepted
@@ -389,7 +391,7 @@ def _pipeline_round(
     stats.proposed += proposed
     stats.accepted += kept
     if gate is not None:
-        gate.observe(proposed, kept, step=step)
+        gate.observe(proposed or int(pipeline.r > 1), kept, step=step)
     return token
 
 

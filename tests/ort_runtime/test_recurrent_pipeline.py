@@ -169,6 +169,24 @@ def test_the_kv_capacity_with_lanes_in_flight(gen):
     assert got == want and n_got == n_left == MAX_LENGTH and stats.finish_reason == "length"
 
 
+class Never:
+    def propose(self, context, k):
+        return []
+
+
+def test_the_gate_stands_down_when_no_lane_gets_a_draft(gen):
+    """Without drafts every token is a cold lane (r cycles): the hit-density gate turns to plain
+    steps, probing now and then; ungated, every round is the pipeline's. Tokens equal plain's."""
+    want, _, n_left = plain(gen, PROMPT, 40, 4)
+    auto, auto_stats, n_auto = run(gen, PROMPT, 40, loops=4, speculative="pipeline", proposer=Never())
+    always, always_stats, _ = run(
+        gen, PROMPT, 40, loops=4, speculative="pipeline", gate="always", proposer=Never()
+    )
+    assert auto == always == want and n_auto == n_left
+    assert always_stats.rounds == len(want) - 1 and always_stats.cycles == 4 * (len(want) - 1)
+    assert auto_stats.gate_transitions >= 1 and auto_stats.rounds < len(want) // 2
+
+
 def test_a_generation_continues_after_the_pipeline(gen):
     """The pipeline leaves the KV as plain decoding does: a second generation on the same
     prefix, plain, gives the tokens of an all-plain run."""
