@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from loopcast.bench.pipeline import cycle_ms, oracle_rows
 from loopcast.bench.profile import alternation, kernel_env, profile_decode
+from loopcast.bench.recurrent import recurrent_runs
 from loopcast.ort_runtime.decoding.exactness import decode_rows
 
 from loopcast.errors import RequestError
@@ -85,6 +86,8 @@ class BenchOptions:
     # weight formats to export each (dtype, variant) with: "none" (float weights), "int4", "int8"
     # (loopcast export --quantize, block 32, symmetric, head in the layers' format)
     quantize: tuple[str, ...] = ("none",)
+    # recurrent-depth checkpoints (bench/recurrent.py): the r values timed (default: its default r)
+    loops: tuple[int, ...] = ()
 
 
 @dataclass
@@ -117,6 +120,7 @@ class VariantResult:
     top_kernels: list = field(default_factory=list)
     graph_fallbacks: dict = field(default_factory=dict)
     captured_fixed_position_only: bool = False  # stock graphs: captured timing at one position only
+    loops: int | None = None  # a recurrent-depth run's r (bench/recurrent.py)
 
 
 # -- measuring ------------------------------------------------------------------------------
@@ -325,12 +329,8 @@ def bench_variant(
 
     checkpoint = _checkpoint(opts, dtype)
     config = load_config(checkpoint)
-    if config.recurrent_depth:  # its graphs are prelude/core_step/coda, not the looped kinds timed here
-        raise RequestError(
-            f"{checkpoint}: loopcast bench times the looped graph kinds; for a recurrent-depth "
-            "(Huginn) model run python -m tools.bench.bench_huginn (plain decoding at each r, and "
-            "every speculative mode with --modes)"
-        )
+    if config.recurrent_depth:  # its graphs are prelude/core_step/coda/recurrent_cycle: variant_results
+        raise RequestError(f"{checkpoint}: a recurrent-depth checkpoint is benched per r (variant_results)")
     widths = sorted(set(opts.widths) | {5})
     max_length = min(config.max_position_embeddings, opts.past + max(widths) + 1)
     past = max_length - max(widths) - 1
@@ -487,6 +487,18 @@ def torch_baseline(opts: BenchOptions, dtype: str, past: int) -> dict:
     return out
 
 
+def variant_results(opts: BenchOptions, dtype: str, variant: str, log=print, quantize: str = "none") -> list:
+    """A looped checkpoint's one VariantResult, or a recurrent-depth one's per r (bench/recurrent.py)."""
+    from loopcast.config import load_config
+
+    checkpoint = _checkpoint(opts, dtype)
+    if load_config(checkpoint).recurrent_depth:
+        return recurrent_runs(opts, dtype, variant, checkpoint, log, quantize)
+    if opts.loops:
+        raise RequestError("--loops sets r for a recurrent-depth (Huginn) checkpoint; this one is looped")
+    return [bench_variant(opts, dtype, variant, log, quantize)]
+
+
 def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
     """Every (dtype, variant) in turn; ``on_progress(report)`` after each, so a run cut short
     still leaves what it measured."""
@@ -508,12 +520,15 @@ def run_bench(opts: BenchOptions, log=print, on_progress=None) -> dict:
     for dtype in opts.dtypes:
         for variant in opts.variants:
             for quantize in opts.quantize:
-                result = bench_variant(opts, dtype, variant, log, quantize)
-                report["runs"].append(asdict(result))
+                for result in variant_results(opts, dtype, variant, log, quantize):
+                    report["runs"].append(asdict(result))
                 if on_progress is not None:
                     on_progress(report)
         past = report["runs"][-1]["past"]
         config = load_config(_checkpoint(opts, dtype))
+        if config.recurrent_depth:  # the baselines time the looped model's decode step
+            report["baselines"][dtype] = {"past": past}
+            continue
         baseline: dict = {"past": past}
         if opts.torch_baseline:
             log(f"[{dtype}] PyTorch baseline and memory bandwidth ...")

@@ -29,7 +29,8 @@ def format_table(report: dict) -> str:
             " — captured = one fixed position, timing only" if run.get("captured_fixed_position_only") else ""
         )
         weights = "" if run.get("quantize", "none") == "none" else f" / {run['quantize']} weights"
-        lines.append(f"\n{run['dtype']} / {run['variant']}{weights} (past {run['past']}){note}")
+        depth = f", r = {run['loops']}" if run.get("loops") else ""  # a recurrent-depth run
+        lines.append(f"\n{run['dtype']} / {run['variant']}{weights} (past {run['past']}{depth}){note}")
         lines.append(
             f"  {'step':<16}"
             + (f"{'captured ms':>12}{'uncaptured ms':>15}" if captured else f"{'ms':>10}")
@@ -67,7 +68,8 @@ def format_table(report: dict) -> str:
         r = run["rows_identical"]
         if r:
             lines.append(
-                f"  verify rows bit-identical to decode: {r['bit_identical_rows']}/{r['rows']} "
+                f"  {'cycle' if run.get('loops') else 'verify'} rows bit-identical to decode: "
+                f"{r['bit_identical_rows']}/{r['rows']} "
                 f"(max |diff| {r['max_abs_diff']:.3g})"
             )
         for workload, rows in (("", run["end_to_end"]), ("edit, ", run.get("end_to_end_edit") or {})):
@@ -76,11 +78,12 @@ def format_table(report: dict) -> str:
             for name, e in rows.items():
                 gate = f"  gate {e['gate']}: {e['gate_reasons'][-1]}" if e.get("gate_reasons") else ""
                 extra = (
-                    f"  {e['ms_per_token']:.3f} ms/token, {e['core_calls_per_token']:.2f} passes/token, "
-                    f"host {100 * e['host_share']:.0f}% of the time"
+                    f"  {e['ms_per_token']:.3f} ms/token, {e['core_calls_per_token']:.2f} passes/token"
                     if "core_calls_per_token" in e
                     else ""
                 )
+                if e.get("host_share") is not None:
+                    extra += f", host {100 * e['host_share']:.0f}% of the time"
                 lines.append(
                     f"  {workload + name:<24}{e['tokens_per_s']:>9.1f} tok/s  x{e['speedup']:.2f}  divergent "
                     f"prompts {e['divergent_prompts']}{extra}{gate}"

@@ -45,6 +45,12 @@ import click
     "per prompt, no alternation, oracle rows, PyTorch baseline or profile.",
 )
 @click.option("--past", type=int, default=1024, show_default=True, help="KV length the steps attend over.")
+@click.option(
+    "--loops",
+    default="",
+    help="Recurrent-depth (Huginn) checkpoints: the r values to time (comma-separated; default: its "
+    "default r): plain steps, the pipeline's cycle and generation, with oracle rows per --oracle-reject.",
+)
 @click.option("--widths", default="2,5,8", show_default=True, help="Verify widths W (comma-separated).")
 @click.option("--iters", type=int, default=50, show_default=True, help="Timed runs per step kind.")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens per end-to-end prompt.")
@@ -98,6 +104,7 @@ def bench(
     variants: tuple[str, ...],
     quantize: tuple[str, ...],
     past: int,
+    loops: str,
     widths: str,
     iters: int,
     new_tokens: int,
@@ -151,6 +158,12 @@ def bench(
     if not width_list or any(not 2 <= w <= MAX_VERIFY_WIDTH for w in width_list):
         raise RequestError(f"--widths must be verify widths in 2..{MAX_VERIFY_WIDTH}, got {widths!r}")
     try:
+        loop_list = tuple(int(r) for r in loops.split(",") if r)
+    except ValueError:
+        raise RequestError(f"--loops must be comma-separated integers, got {loops!r}") from None
+    if any(r < 1 for r in loop_list):
+        raise RequestError(f"--loops values must be >= 1, got {loops!r}")
+    try:
         rejects = tuple(float(f) for f in oracle_reject.split(",") if f)
     except ValueError:
         raise RequestError(
@@ -176,6 +189,7 @@ def bench(
         passes,
         threads,
         quantize or ("none",),
+        loop_list,
     )
     click.echo(f"bench on {device}: artifacts in {work_dir}, report {out}", err=True)
     report = run_bench(

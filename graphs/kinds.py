@@ -7,6 +7,7 @@
     verify_tail = hidden at depth d → loops d..R-1 → coda → head              (W rows)
     cycle, cycle_run: the pipeline's (graphs/cycles.py)
     prelude, core_step, coda: the recurrent-depth family's (graphs/recurrent.py)
+    recurrent_cycle: its pipeline's (graphs/recurrent_cycles.py)
     tree_draft  = draft, row-addressed (RowAttention: own position, masked key range)
                   + top-2 probabilities and ids                                (1 row)
     tree_tail   = verify_tail, row-addressed                                   (W rows)
@@ -28,6 +29,7 @@ from loopcast.graphs.cycles import build_cycle, build_cycle_run
 from loopcast.graphs.loop_steps import build_loop_step_kind
 from loopcast.graphs.ops import op_set_builders
 from loopcast.graphs.recurrent import build_recurrent_kind
+from loopcast.graphs.recurrent_cycles import build_recurrent_cycle
 
 from loopcast.config import ModelConfig
 from loopcast.manifest import LOGIT_ROWS, GraphSpec
@@ -84,6 +86,8 @@ def build_kind(
         return _build_exits(plan, config, dtype, max_length, b, op_set)
     if plan.kind in LOOP_STEP_KINDS:
         return build_loop_step_kind(plan, config, dtype, max_length, b, op_set=op_set)
+    if plan.kind == GraphKind.RECURRENT_CYCLE:
+        return build_recurrent_cycle(config, dtype, max_length, b, op_set=op_set)
     if plan.kind in RECURRENT_KINDS:
         return build_recurrent_kind(plan, config, dtype, max_length, b, op_set=op_set)
     rows: int | str = plan.rows if plan.rows is not None else "num_rows"

@@ -41,7 +41,7 @@ def sandwich_block(
     b: GraphBuilder,
     x_BSH: ir.Value,
     layer: str,
-    slot: int,
+    slot: int | tuple[int, ...],
     ctx: blocks.BlockContext,
     *,
     path: str,
@@ -60,6 +60,52 @@ def sandwich_block(
         b, m, x1, f"{layer}.norm_4.weight", ctx, path=f"{path}/mlp_residual_norm", prefix=f"{prefix}.res2"
     )
     return out
+
+
+def prelude_blocks(b: GraphBuilder, ids_BS: ir.Value, ctx: blocks.BlockContext) -> ir.Value:
+    """embed (·√H) → prelude blocks → embedded_BSH (the injection every core step reads)."""
+    config = ctx.config
+    x = b.op("Mul", [blocks.embed(b, ids_BS), b.weight(EMBED_SCALE)], path="/embed/scale", out="scaled_BSH")
+    for i in range(config.num_prelude_layers):
+        x = sandwich_block(
+            b,
+            x,
+            f"prelude_layers.{i}",
+            config.prelude_slot(i),
+            ctx,
+            path=f"/prelude/layer{i}",
+            prefix=f"prelude.layer{i}",
+        )
+    return x
+
+
+def core_step_blocks(
+    b: GraphBuilder, injected_BS2H: ir.Value, slots: list, ctx: blocks.BlockContext
+) -> ir.Value:
+    """adapter([state, embedded]) → core blocks → the next state. ``slots[l]``: layer l's KV slot
+    (a tuple of one slot per row in a row-addressed graph)."""
+    x = ctx.ops.linear(b, injected_BS2H, ADAPTER, path="/step/adapter", out="adapted_BSH")
+    for l, slot in enumerate(slots):
+        x = sandwich_block(b, x, f"layers.{l}", slot, ctx, path=f"/step/layer{l}", prefix=f"step.layer{l}")
+    return x
+
+
+def coda_blocks(b: GraphBuilder, state_BSH: ir.Value, ctx: blocks.BlockContext) -> ir.Value:
+    """ln_f → coda blocks → ln_f → head: the logits."""
+    config = ctx.config
+    x = blocks.rms_norm(b, state_BSH, "norm.weight", ctx, path="/coda/ln_f_in", out="coda_in_BSH")
+    for i in range(config.num_coda_layers):
+        x = sandwich_block(
+            b,
+            x,
+            f"coda_layers.{i}",
+            config.coda_slot(i),
+            ctx,
+            path=f"/coda/layer{i}",
+            prefix=f"coda.layer{i}",
+        )
+    x = blocks.rms_norm(b, x, "norm.weight", ctx, path="/coda/ln_f_out", out="coda_out_BSH")
+    return blocks.lm_head(b, x, ctx)
 
 
 def build_recurrent_kind(
@@ -82,49 +128,16 @@ def build_recurrent_kind(
     ctx = blocks.BlockContext(config, dtype, max_length, step, op_set_builders(op_set))
     if plan.kind == GraphKind.PRELUDE:
         ids = b.input("input_ids_BS", ir.DataType.INT64, [1, rows])
-        x = b.op("Mul", [blocks.embed(b, ids), b.weight(EMBED_SCALE)], path="/embed/scale", out="scaled_BSH")
-        for i in range(config.num_prelude_layers):
-            x = sandwich_block(
-                b,
-                x,
-                f"prelude_layers.{i}",
-                config.prelude_slot(i),
-                ctx,
-                path=f"/prelude/layer{i}",
-                prefix=f"prelude.layer{i}",
-            )
-        b.output(x, dtype, hidden, "embedded_BSH")
+        b.output(prelude_blocks(b, ids, ctx), dtype, hidden, "embedded_BSH")
     elif plan.kind == GraphKind.CORE_STEP:
         state = b.input("state_BSH", dtype, hidden)
         embedded = b.input("embedded_BSH", dtype, hidden)
         joined = b.op("Concat", [state, embedded], path="/step/inject", out="injected_BS2H", axis=-1)
-        x = ctx.ops.linear(b, joined, ADAPTER, path="/step/adapter", out="adapted_BSH")
-        for l in range(config.num_layers):
-            x = sandwich_block(
-                b,
-                x,
-                f"layers.{l}",
-                config.core_slot(0, l),
-                ctx,
-                path=f"/step/layer{l}",
-                prefix=f"step.layer{l}",
-            )
-        b.output(x, dtype, hidden, "state_BSH_out")
+        slots = [config.core_slot(0, l) for l in range(config.num_layers)]
+        b.output(core_step_blocks(b, joined, slots, ctx), dtype, hidden, "state_BSH_out")
     elif plan.kind == GraphKind.CODA:
         state = b.input("state_BSH", dtype, hidden)
-        x = blocks.rms_norm(b, state, "norm.weight", ctx, path="/coda/ln_f_in", out="coda_in_BSH")
-        for i in range(config.num_coda_layers):
-            x = sandwich_block(
-                b,
-                x,
-                f"coda_layers.{i}",
-                config.coda_slot(i),
-                ctx,
-                path=f"/coda/layer{i}",
-                prefix=f"coda.layer{i}",
-            )
-        x = blocks.rms_norm(b, x, "norm.weight", ctx, path="/coda/ln_f_out", out="coda_out_BSH")
-        blocks.greedy_outputs(b, blocks.lm_head(b, x, ctx), rows, config.vocab_size)
+        blocks.greedy_outputs(b, coda_blocks(b, state, ctx), rows, config.vocab_size)
     else:
         raise ValueError(f"{plan.kind} is not a recurrent-depth kind")
     model = b.build(plan.kind, __doc__.split("\n\n")[0])

@@ -39,7 +39,9 @@ from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabul
 # 5: `exit_depths` (required; the static depths k < R with graphs `prefill@k`, `decode@k`,
 # `verify@k`: loopcast.vocab.graph_plan).
 # 6: `loop_embed`, `loop_step`, `exit_head` beside `exits` (the exit gate's loop-skipping path).
-SCHEMA_VERSION = 6
+# 7: `recurrent_cycle` in recurrent-depth artifacts built with the loopcast attention op (the
+# pipeline's graph: graphs/recurrent_cycles.py).
+SCHEMA_VERSION = 7
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 
@@ -59,6 +61,10 @@ LOGIT_ROWS = "logit_rows"  # prefill's overridable input: how many last rows get
 def lane_state_length(rows: int) -> int:
     """cycle_run's lane state: each row's position and token, the limit, the exit depth."""
     return 2 * rows + 2
+
+
+# recurrent_cycle's lanes_N: the entering token and the leaving row, then one position per row
+RECURRENT_LANE_HEADER = 2
 
 
 def lane_record_length(rows: int) -> int:

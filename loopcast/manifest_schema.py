@@ -106,6 +106,9 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
             GraphKind.CODA: ({"state_BSH"}, outputs),
         }[GraphKind(kind)]
         inputs = inputs | {"seqlens_k", "total_sequence_length"}
+    if kind == GraphKind.RECURRENT_CYCLE:  # graphs/recurrent_cycles.py
+        inputs = {"lanes_N", "state_0_BSH", "carried_BW2H"}
+        outputs |= {"carried_BW2H_out"}
     if kind == GraphKind.CYCLE:
         inputs = {"lanes_W1", "carried_BWH"}
         outputs |= {"carried_BWH_out"}

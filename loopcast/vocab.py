@@ -49,6 +49,9 @@ class GraphKind(StrEnum):
     PRELUDE = "prelude"  # dynamic rows: embed and the prelude blocks
     CORE_STEP = "core_step"  # dynamic rows: one core step with the injection, run r times
     CODA = "coda"  # dynamic rows: ln_f, the coda blocks, ln_f, the head
+    # The recurrent-depth pipeline (graphs/recurrent_cycles.py): R rows, row k a lane at core
+    # step k, the entering lane's prelude and the leaving lane's coda in the same call.
+    RECURRENT_CYCLE = "recurrent_cycle"
     DECODE_BATCH = "decode_batch"
     VERIFY_BATCH = "verify_batch"
     # Self-speculation of several sequences (with --max-batch and a draft depth d): the draft
@@ -119,6 +122,12 @@ def has_cycle(config: ModelConfig, op_set: OpSet | str) -> bool:
         and config.num_coda_layers == 0
         and OpSet(op_set).loopcast_attention
     )
+
+
+def has_recurrent_cycle(config: ModelConfig, op_set: OpSet | str) -> bool:
+    """Whether a recurrent-depth artifact carries the pipeline's ``recurrent_cycle`` graph: its
+    rows sit at their own (step, position) addresses, which needs the row-addressed attention op."""
+    return config.recurrent_depth and OpSet(op_set).loopcast_attention
 
 
 def has_exits(config: ModelConfig) -> bool:
@@ -206,16 +215,23 @@ def graph_plan(
     draft_batch, verify_tail_batch        ``self_batch``, with ``max_batch``, d and W
     prefill@k, decode@k, verify@k         for each exit depth k < R (verify@k: with W)
     exits, loop_embed, loop_step, exit_head   where has_exits (a looped model with an exit gate)
+
+    A recurrent-depth model has prelude, core_step and coda, and recurrent_cycle where
+    has_recurrent_cycle (the op set), whatever the options.
     """
     R = config.num_loops
     if config.recurrent_depth:
         # prelude, core_step (named for step 0; run as steps 0..r-1 with their KV), coda:
         # every one with dynamic rows; no verify/draft kinds (their rows are these graphs').
-        return (
+        # recurrent_cycle: the pipeline's, one row per core step up to max_recurrence.
+        recurrent = [
             GraphPlan(GraphKind.PRELUDE, None, 0, 0),
             GraphPlan(GraphKind.CORE_STEP, None, 0, 1),
             GraphPlan(GraphKind.CODA, None, R, R),
-        )
+        ]
+        if has_recurrent_cycle(config, op_set):
+            recurrent.append(GraphPlan(GraphKind.RECURRENT_CYCLE, R, 0, R))
+        return tuple(recurrent)
     plans = [GraphPlan(GraphKind.PREFILL, None, 0, R), GraphPlan(GraphKind.DECODE, 1, 0, R)]
     if verify_width is not None:
         plans.append(GraphPlan(GraphKind.VERIFY, verify_width, 0, R))

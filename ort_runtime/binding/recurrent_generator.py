@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 from loopcast.ort_runtime.binding.bindings import _Buffer
+from loopcast.ort_runtime.binding.recurrent_cycle import RecurrentCycleBinding
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.errors import ConfigError, RequestError
@@ -116,6 +117,23 @@ class RecurrentGenerator:
             for k in range(self.max_loops)
         ]
         self._coda = self._bind(GraphKind.CODA, coda)
+        self._cycle: RecurrentCycleBinding | None = None  # the pipeline's, made on first use
+
+    @property
+    def cycle(self) -> RecurrentCycleBinding:
+        """The pipeline's cycle binding (ort_runtime/binding/recurrent_cycle.py) on this
+        generator's KV buffers; made on first use (only the pipeline runs it)."""
+        if self._cycle is None:
+            self._cycle = RecurrentCycleBinding(self.loaded, self.kv, self.dtype)
+        return self._cycle
+
+    def commit_lane(self, token: int) -> None:
+        """A pipeline lane at position n left the coda after every one of the generator's
+        ``loops`` core steps (the cycles wrote each slot it ran): n += 1."""
+        if self.n >= self.max_length:
+            raise RequestError(f"a lane at {self.n} is outside the KV capacity {self.max_length}")
+        self._commit(self.n, [token], self.loops)
+        self.n += 1
 
     @property
     def model(self) -> LoadedModel:
@@ -191,7 +209,7 @@ class RecurrentGenerator:
             raise RequestError("kv_policy 'last-exited' runs on the CPU only so far (the copy is the host's)")
         if n + m > self.max_length:
             raise RequestError(f"{n + m} tokens exceed the artifact's max length {self.max_length}")
-        self._require_depth(r, n)
+        self.require_depth(r, n)
         lengths, embedded, state = self._enter(ids, n)
         out, exit_loops, previous = None, r, uniform_log_probs(self.config.vocab_size)
         for k in range(r):
@@ -265,7 +283,7 @@ class RecurrentGenerator:
         r, m, n = self.loops, len(ids), self.n
         if m < 1 or n + m > self.max_length:
             raise RequestError(f"verify of {m} rows at {n} outside the KV capacity {self.max_length}")
-        self._require_depth(r, n)
+        self.require_depth(r, n)
         lengths, embedded, state = self._enter(ids, n)
         states = []  # [M, H] on the host after each checked step
         for k in range(r):
@@ -303,7 +321,7 @@ class RecurrentGenerator:
         self.tokens.extend(int(t) for t in ids)
         self._depth[n : n + len(ids)] = r  # a KL exit's skipped steps are filled (its kv_policy)
 
-    def _require_depth(self, r: int, n: int) -> None:
+    def require_depth(self, r: int, n: int) -> None:
         """A call at r reads steps 0..r-1 of positions < n: refuse one deeper than they hold."""
         held = int(self._depth[:n].min()) if n else r
         if r > held:

@@ -2,7 +2,8 @@
 
     LoopedDecoding     Ouro, Llama-family: one stack R times per graph (Generator, speculate.stream)
     RecurrentDecoding  Huginn/Raven: prelude → r core_step calls → coda composed by the host
-                       (RecurrentGenerator, recurrent_stream.stream_recurrent)
+                       (RecurrentGenerator, recurrent_stream.stream_recurrent), and the pipeline
+                       on recurrent_cycle (recurrent_pipeline.RecurrentPipeline)
 
 The API (ort_runtime/api.py) and the server's one-request engine hold one ``Decoding`` and call
 it; nothing downstream asks a generator what it can do. Both take the same GenerationConfig,
@@ -25,9 +26,10 @@ from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.errors import RequestError
 from loopcast.manifest import CYCLE, DRAFT, VERIFY, VERIFY_TAIL
-from loopcast.vocab import SpeculativeMode
+from loopcast.vocab import GraphKind, SpeculativeMode
 
 SequenceGenerator = Generator | RecurrentGenerator
+RECURRENT_CYCLE = GraphKind.RECURRENT_CYCLE
 
 
 class Decoding(Protocol):
@@ -89,8 +91,12 @@ class RecurrentDecoding:
         return RecurrentGenerator(loaded)
 
     def speculative_modes(self, loaded: LoadedModel) -> tuple[str, ...]:
-        """Drafts verified through the core-step graphs; the pipeline is not built for this family."""
-        return ("none", SpeculativeMode.PROMPT_LOOKUP.value, SpeculativeMode.SELF.value)
+        """Drafts verified through the core-step graphs, and the pipeline where the artifact has
+        its recurrent_cycle graph."""
+        modes = ("none", SpeculativeMode.PROMPT_LOOKUP.value, SpeculativeMode.SELF.value)
+        if RECURRENT_CYCLE in loaded.manifest.graphs:
+            modes += (SpeculativeMode.PIPELINE.value,)
+        return modes
 
     def stream(self, gen, ids, config, *, stats=None, proposer=None) -> TokenStream[int, None, None]:
         return stream_recurrent(gen, ids, config, stats=stats, proposer=proposer)

@@ -28,7 +28,13 @@ distribution (not its draws); one ``PCG64(seed)`` stream per request makes them 
 The gate (``auto`` = ``hit-density``; ``always`` speculates every round) engages while recent
 drafts hit (prompt lookup's free one-token guesses count on plain steps) and probes now and
 then when they do not; it decides on tokens only, so it never changes a greedy token. Not
-offered here: the pipeline (no cycle graph for prelude/coda lanes yet) and the cost gate.
+offered here: the cost gate.
+
+The pipeline (``speculative='pipeline'``, greedy, without the KL exit) runs its rounds on the
+``recurrent_cycle`` graph (ort_runtime/decoding/recurrent_pipeline.py): each round runs cycles
+until the oldest lane leaves the coda and gives one token; its lanes' tokens are drafted by
+prompt lookup or the caller's proposer, one lane per cycle. The gate decides per round between
+a pipeline round and a plain step (lanes in flight are dropped when it stands down).
 """
 
 from __future__ import annotations
@@ -44,17 +50,13 @@ from loopcast.ort_runtime.decoding.generation_config import GenerationConfig
 from loopcast.ort_runtime.decoding.greedy_accept import greedy_accept
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Proposal, UserProposer
 from loopcast.ort_runtime.decoding.protocols import ProposerBase
+from loopcast.ort_runtime.decoding.recurrent_pipeline import RecurrentPipeline, pipeline_refusal
 from loopcast.ort_runtime.decoding.sampling import make_rng, probabilities, sample, speculative_accept
 from loopcast.ort_runtime.decoding.stats import GenerationStats
 
 from loopcast.errors import RequestError
 from loopcast.kl_exit import KLExit
 from loopcast.vocab import GateKind, SpeculativeMode
-
-PIPELINE_REFUSAL = (
-    "the pipeline (speculative 'pipeline') is not built for recurrent-depth (Huginn) artifacts yet: "
-    "its lanes would need prelude and coda rows in the cycle graph; use 'self' or 'prompt-lookup'"
-)
 
 
 class RecurrentSelfDrafts(ProposerBase):
@@ -108,7 +110,7 @@ def _refuse(gen: RecurrentGenerator, config: GenerationConfig, proposer: object 
     if config.kl_threshold is None and config.min_loops is not None:
         raise RequestError("min_loops goes with kl_threshold (the KL exit)", parameter="min_loops")
     if spec.mode == SpeculativeMode.PIPELINE:
-        raise RequestError(PIPELINE_REFUSAL, parameter="speculative")
+        _refuse_pipeline(gen, config)
     speculating = spec.mode != SpeculativeMode.NONE or proposer is not None
     if spec.alternate_gap is not None:
         raise RequestError(
@@ -136,6 +138,33 @@ def _refuse(gen: RecurrentGenerator, config: GenerationConfig, proposer: object 
         )
 
 
+def _refuse_pipeline(gen: RecurrentGenerator, config: GenerationConfig) -> None:
+    """What the pipeline does not take (it keeps a lane when its draft is the argmax, and runs
+    every lane through all r core steps)."""
+    if config.sampled:
+        raise RequestError(
+            "the recurrent-depth pipeline is greedy only (a lane's successor is kept when its draft "
+            "is the argmax); use speculative='self' or 'prompt-lookup' to sample",
+            parameter="speculative",
+        )
+    if config.kl_threshold is not None:
+        raise RequestError(
+            "the recurrent-depth pipeline runs every lane through all r core steps; with the KL "
+            "exit use speculative='self' or 'prompt-lookup'",
+            parameter="kl_threshold",
+        )
+    spec = config.speculation
+    if spec.num_draft_tokens is not None or spec.pipeline_exit != 1:
+        raise RequestError(
+            "the recurrent-depth pipeline drafts one token per lane with its proposer (prompt lookup "
+            "or the caller's); num_draft_tokens and pipeline_exit do not apply",
+            parameter="num_draft_tokens" if spec.num_draft_tokens is not None else "pipeline_exit",
+        )
+    refusal = pipeline_refusal(gen)
+    if refusal is not None:
+        raise RequestError(refusal, parameter="speculative")
+
+
 def _proposer(
     gen: RecurrentGenerator, config: GenerationConfig, proposer: object | None, draw: _Draw | None
 ) -> tuple[ProposerBase | None, int]:
@@ -146,6 +175,8 @@ def _proposer(
         if spec.mode == SpeculativeMode.SELF:
             raise RequestError("speculative='self' drafts with fewer core steps; it takes no proposer")
         chosen = UserProposer(proposer, gen.config.vocab_size)
+        if spec.mode == SpeculativeMode.PIPELINE:
+            k = 1
         if chosen.caps.drafts_hidden:
             raise RequestError(
                 "a recurrent-depth artifact verifies tokens; a proposer of depth-d states does not apply",
@@ -154,6 +185,8 @@ def _proposer(
         return chosen, k
     if spec.mode == SpeculativeMode.PROMPT_LOOKUP:
         return PromptLookupProposer(spec.min_ngram, spec.max_ngram), k
+    if spec.mode == SpeculativeMode.PIPELINE:  # one draft per lane, one lane per cycle
+        return PromptLookupProposer(spec.min_ngram, spec.max_ngram), 1
     if spec.mode == SpeculativeMode.SELF:
         r = gen.loops
         d = spec.draft_loops if spec.draft_loops is not None else max(1, r // 4)
@@ -177,11 +210,13 @@ def stream_recurrent(
     *,
     stats: GenerationStats | None = None,
     proposer: object | None = None,
+    trace: bool = False,
 ) -> TokenStream[int, None, None]:
     """Feed ``ids`` after the committed prefix and yield tokens as they are committed, with the
     looped engine's finish rule (ort_runtime/decoding/finish.py): "eos" at a stop id (yielded),
     "length" at max_new_tokens or the KV capacity; on finish (or close) ``n`` is what plain
-    decoding leaves: the prefix, the input and every yielded token but the last."""
+    decoding leaves: the prefix, the input and every yielded token but the last. ``trace``: the
+    pipeline's cycles in ``stats.pipeline_trace`` (tests)."""
     if not isinstance(config, GenerationConfig):
         raise RequestError(f"config must be a GenerationConfig, got {type(config).__name__}")
     if not ids:
@@ -211,9 +246,13 @@ def stream_recurrent(
     spec = config.speculation
     stats.prompt_tokens = len(ids)
     stats.speculative = "none" if chosen is None else (spec.mode.value if proposer is None else "custom")
-    stats.strategy = (
-        "decode" if chosen is None else ("draft+verify" if spec.mode.value == "self" else "verify")
+    pipeline = (
+        RecurrentPipeline(gen, chosen, trace=trace)
+        if chosen is not None and spec.mode == SpeculativeMode.PIPELINE
+        else None
     )
+    strategies = {SpeculativeMode.SELF: "draft+verify", SpeculativeMode.PIPELINE: "pipeline"}
+    stats.strategy = "decode" if chosen is None else strategies.get(spec.mode, "verify")
     stats.gate = "none"
     stats.exact_verify = gen.loaded.exact_verify
     stats.exact_greedy = chosen is None or stats.exact_verify
@@ -228,6 +267,8 @@ def stream_recurrent(
     )
     rule = FinishRule(config.max_new_tokens, frozenset(config.stop_ids or ()), gen.max_length)
     base, started, runs0 = gen.n, time.perf_counter(), gen.core_runs
+    # the pipeline's lanes: up to the position of the last token it will run, inside the KV
+    limit_position = min(gen.max_length - 1, base + len(ids) + config.max_new_tokens - 2)
     after_prompt = runs0
     exits: list[int] = []
     emitted = step = 0
@@ -242,6 +283,10 @@ def stream_recurrent(
         stats.core_calls_per_token = round((gen.core_runs - runs0) / emitted, 4) if emitted else 0.0
         stats.core_passes = gen.core_runs - after_prompt  # the prompt's passes left out, as for looped models
         _exit_stats(stats, exits[:emitted])
+        if pipeline is not None:
+            pipeline.stop()  # lanes still in flight
+            stats.cycles, stats.discarded_lanes = pipeline.stats.cycles, pipeline.stats.discarded_lanes
+            stats.pipeline_trace = pipeline.stats.trace
         if gate is not None:
             stats.gate_report, stats.gate_transitions = gate.report(), gate.transitions
 
@@ -281,6 +326,10 @@ def stream_recurrent(
             step += 1
             if chosen is not None and k > 0:
                 engaged = k if gate is None else gate.engage(step)
+                if engaged and pipeline is not None:
+                    new_tokens = [_pipeline_round(pipeline, pending, limit_position, stats, gate, step)]
+                    new_exits = [gen.loops]
+                    continue
                 if engaged:
                     raw = chosen.propose([*gen.tokens, pending], min(k, engaged))
                     drafts = list(raw.tokens if isinstance(raw, Proposal) else raw)[:k]
@@ -291,6 +340,8 @@ def stream_recurrent(
                     raw = chosen.propose([*gen.tokens, pending], 1)
                     guess = list(raw.tokens if isinstance(raw, Proposal) else raw)
             if not drafts:
+                if pipeline is not None:
+                    pipeline.stop()  # a plain step: the lanes' KV is rewritten from n on
                 out = gen.step([pending], kl_exit=kl)
                 new_tokens, new_exits = [pick(out)], [out.exit_loops]
                 if chosen is not None:
@@ -324,6 +375,24 @@ def stream_recurrent(
     finally:
         if not stats.finish_reason:  # closed early or failed: n back to the yielded tokens
             gen.rewind(min(gen.n, base + len(ids) + emitted - 1) if emitted else base)
+
+
+def _pipeline_round(
+    pipeline: RecurrentPipeline, pending: int, limit: int, stats: GenerationStats, gate, step: int
+) -> int:
+    """One pipeline round: cycles until the oldest lane leaves; its successor's check counts as
+    one draft proposed (and accepted if kept), as a one-draft verify round would. For the gate a
+    leaving lane without a successor is a miss too (the proposer had no draft, so the round cost
+    r cycles for one token); at r = 1 a lane leaves as it enters and rounds give no evidence."""
+    verified, accepted = pipeline.stats.verified, pipeline.stats.accepted
+    token = pipeline.next_token(pending, limit)
+    proposed, kept = pipeline.stats.verified - verified, pipeline.stats.accepted - accepted
+    stats.rounds += 1
+    stats.proposed += proposed
+    stats.accepted += kept
+    if gate is not None:
+        gate.observe(proposed or int(pipeline.r > 1), kept, step=step)
+    return token
 
 
 def _exit_stats(stats: GenerationStats, exits: list[int]) -> None:

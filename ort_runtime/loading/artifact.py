@@ -205,6 +205,9 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
     elif spec.kind == CYCLE_RUN:  # one lane state per row, carried between calls
         first = "carried_BWH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
+    elif spec.kind == GraphKind.RECURRENT_CYCLE:  # one row per core step, carried between calls
+        first = "carried_BW2H"
+        rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
     elif spec.kind in RECURRENT_KINDS:  # graphs/recurrent.py: dynamic rows of tokens or states
         first = "input_ids_BS" if spec.kind == GraphKind.PRELUDE else "state_BSH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
@@ -571,6 +574,7 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         GraphKind.PRELUDE: "once",
         GraphKind.CORE_STEP: f"r = 1..{cfg.num_loops} times (default {cfg.loops_default})",
         GraphKind.CODA: "once",
+        GraphKind.RECURRENT_CYCLE: f"per pipeline cycle, row k a lane at step k (k < {cfg.num_loops})",
     }
     for kind, spec in manifest.graphs.items():
         size = (Path(path) / spec.file).stat().st_size
@@ -607,7 +611,12 @@ def _depth(cfg) -> str:
 def _recurrent_options(cfg, manifest) -> list[str]:
     """What a request may choose on a recurrent-depth artifact (docs/checkpoints.md)."""
     exact = ", ".join(f"{d}: {str(v).lower()}" for d, v in sorted(manifest.exact_verify.items())) or "none"
+    modes = (
+        "prompt-lookup, self (--draft-depth d < r) or pipeline"
+        if GraphKind.RECURRENT_CYCLE in manifest.graphs
+        else "prompt-lookup or self (--draft-depth d < r)"
+    )
     return [
         f"per request     --loops r (1..{cfg.num_loops}), --kl-threshold, --state-seed; --speculative "
-        f"prompt-lookup or self (--draft-depth d < r); exact_verify {exact}"
+        f"{modes}; exact_verify {exact}"
     ]

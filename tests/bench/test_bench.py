@@ -138,3 +138,56 @@ def test_quantized_weights_are_benched_beside_float(tmp_path) -> None:
     assert sum(s is not None for s in schemes.values()) == 1, schemes
     assert all(e["divergent_prompts"] == 0 for e in report["runs"][1]["end_to_end"].values())
     assert "int4 weights" in format_table(report)
+
+
+def test_recurrent_depth_report_per_r_on_cpu(tmp_path) -> None:
+    """A Huginn checkpoint: per r a plain step and the pipeline's cycle, the cycle's leaving rows
+    against decode rows, and plain vs the pipeline (prompt lookup, oracle rows)."""
+    from tests.artifacts import huginn, require_exact_cpu_artifacts
+
+    require_exact_cpu_artifacts()
+    ckpt, _ = huginn(48)  # the recurrent-depth runtime tests' artifact (one cache key: 48 positional)
+    opts = BenchOptions(
+        str(ckpt),
+        tmp_path / "work",
+        device="cpu",
+        dtypes=("fp32",),
+        variants=("default",),
+        past=40,
+        iters=2,
+        new_tokens=12,
+        alternate_tokens=0,
+        torch_baseline=False,
+        oracle_rejects=(0.0, 0.1),
+        loops=(1, 4),
+    )
+    report = run_bench(opts, log=lambda line: None)
+    assert [r["loops"] for r in report["runs"]] == [1, 4]
+    for run in report["runs"]:
+        assert {(s["kind"], s["rows"]) for s in run["steps"]} == {
+            ("decode", 1),
+            ("recurrent_cycle", run["loops"]),
+        }
+        rows = run["rows_identical"]
+        assert rows["bit_identical_rows"] == rows["rows"] > 0 and rows["max_abs_diff"] == 0.0
+        assert set(run["end_to_end"]) == {
+            "plain",
+            "pipeline prompt-lookup",
+            "pipeline oracle 100%",
+            "pipeline oracle 90%",
+        }
+        assert all(e["divergent_prompts"] == 0 for e in run["end_to_end"].values())
+        oracle = run["end_to_end"]["pipeline oracle 100%"]
+        assert run["loops"] == 1 or oracle["acceptance"] == 1.0  # r = 1: a lane leaves as it enters
+    table = format_table(report)
+    assert "fp32 / default (past" in table and "r = 4)" in table and "cycle rows bit-identical" in table
+
+
+def test_loops_is_refused_for_a_looped_checkpoint(tmp_path) -> None:
+    from loopcast.errors import RequestError
+
+    opts = BenchOptions(
+        str(checkpoint("ouro-r3")), tmp_path / "work", device="cpu", dtypes=("fp32",), loops=(4,)
+    )
+    with pytest.raises(RequestError, match="--loops sets r for a recurrent-depth"):
+        run_bench(opts, log=lambda line: None)

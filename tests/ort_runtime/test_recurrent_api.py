@@ -234,7 +234,13 @@ def test_sampled_speculation_keeps_the_distribution(huginn, mode):
     "options, needle, parameter",
     [
         (dict(loops=33), r"loops must be an integer in 1\.\.32 \(the artifact's max_recurrence\)", "loops"),
-        (dict(speculative="pipeline"), "pipeline.*not built for recurrent-depth", "speculative"),
+        (
+            dict(speculative="pipeline", sampling=SamplingParams(temperature=0.7, seed=1)),
+            "pipeline is greedy only",
+            "speculative",
+        ),
+        (dict(speculative="pipeline", kl_threshold=0.1), "with the KL exit use", "kl_threshold"),
+        (dict(speculative="pipeline", num_draft_tokens=2), "one token per lane", "num_draft_tokens"),
         (dict(exit_threshold=0.5), "kl_threshold", "exit_threshold"),
         (
             dict(kl_threshold=0.1, kv_policy="last-exited", speculative="self"),
@@ -286,10 +292,15 @@ def test_the_torch_backend_takes_the_same_options(huginn):
     assert json.loads(run.stdout)["tokens"] == want
 
 
-def test_loopcast_bench_points_to_the_familys_bench(huginn):
+def test_loopcast_bench_names_the_familys_variants(huginn, tmp_path):
+    """``loopcast bench`` benches a recurrent-depth checkpoint per r (tests/bench/test_bench.py);
+    the batch-invariant variant, which the family cannot export, is one line naming the others."""
     ckpt, _ = huginn
-    run = CliRunner().invoke(main, ["bench", str(ckpt)])
-    assert run.exit_code == 2 and "tools.bench.bench_huginn" in run.stderr.strip().splitlines()[-1]
+    work = ["--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "r.json")]
+    run = CliRunner().invoke(
+        main, ["bench", str(ckpt), "--device", "cpu", "--variant", "batch-invariant", *work]
+    )
+    assert run.exit_code == 2 and "--variant default" in run.stderr.strip().splitlines()[-1]
 
 
 def test_the_servers_one_request_engine_takes_loops(huginn):
@@ -345,16 +356,16 @@ def test_the_server_takes_loops_in_the_request_body(huginn):
 
 
 def test_the_servers_one_request_engine_speculates_on_the_family_modes(huginn):
-    """The family declares its modes (prompt lookup and self; no pipeline), and a speculative
-    request through the one-request engine gives plain decoding's tokens."""
+    """The family declares its modes (prompt lookup, self and, with its recurrent_cycle graph, the
+    pipeline), and a speculative request through the one-request engine gives plain decoding's tokens."""
     _, model = huginn
     engine = SequentialEngine(model)
-    assert engine.speculative_modes == ("none", "prompt-lookup", "self")
+    assert engine.speculative_modes == ("none", "prompt-lookup", "self", "pipeline")
     engine.start()
     try:
         config = model.generation_config(None, loops=8, state_seed=3)
         want = plain(model, PROMPT, 8, loops=8, state_seed=3).tokens
-        for mode in ("prompt-lookup", "self"):
+        for mode in ("prompt-lookup", "self", "pipeline"):
             done = engine.submit(BatchRequest(PROMPT, 8, speculative=mode, config=config)).result(timeout=60)
             assert done == want, mode
     finally:

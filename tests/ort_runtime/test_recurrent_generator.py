@@ -67,7 +67,9 @@ def test_manifest_knows_the_family(huginn):
     _, loaded, _ = huginn
     manifest = json.loads((loaded.path / "manifest.json").read_text())
     assert manifest["model"]["model_type"] == "huginn_raven"
-    assert set(manifest["graphs"]) == {"prelude", "core_step", "coda"}
+    assert set(manifest["graphs"]) == {"prelude", "core_step", "coda", "recurrent_cycle"}
+    assert manifest["graphs"]["recurrent_cycle"]["rows"] == 32  # a row per core step up to the maximum
+    assert manifest["graphs"]["recurrent_cycle"]["kv_slots"] == list(range(32 * 2 + 2 + 2))
     assert manifest["graphs"]["core_step"]["kv_slots"] == [0, 1]  # step 0's names, rebound per step
     assert manifest["kv_layout"]["slots"] == 32 * 2 + 2 + 2
     assert manifest["verify_width"] is None and manifest["draft_depth"] is None
