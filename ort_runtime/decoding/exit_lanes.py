@@ -60,6 +60,10 @@ class ExitGateLanes(PipelineCycles):
     call (the device's lane schedule, cycle_run's LaneStep, knows no gate). The rule comes from
     the generation's GatedAcceptor, which also keeps each emitted token's exit loop."""
 
+    # Its own name: the cost gate's memory of α (kept per generator by strategy name) must not
+    # mix drafts verified at the exit step with the full-depth pipeline's, verified at R.
+    name = "exit-lanes"
+
     def __init__(self, exit_depth: int = 1, *, trace: bool = False) -> None:
         super().__init__(exit_depth, trace=trace, device_lanes=False)
         self._exits = [0, 0]  # (sum of exit loops, lanes): the price's mean loops per token

@@ -120,6 +120,7 @@ def test_tokens_equal_the_reference_and_plain_gated(name: str) -> None:
                     stats.exit_histogram == plain_stats.exit_histogram == want.depth_stats()["exit_histogram"]
                 )
                 assert stats.kv_policy == "full" and gen.n == len(sequence) - 1
+                assert stats.strategy == "exit-lanes" and stats.speculative == "pipeline"
                 if gate == "always":
                     assert check_cycles(stats.pipeline_trace, sequence, forced) >= len(plain) - 1
         depths |= set(plain_stats.exit_histogram)
