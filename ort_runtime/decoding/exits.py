@@ -7,7 +7,9 @@ Under KV policy ``full`` the row's deeper loops still run for the KV (Ouro's rel
 the model); under ``last-exited`` a decode row stops after loop e, and loop e's K/V is copied
 into the deeper loops' slots at the row's position (``Generator.fill_deeper_kv``): what
 exporter/reference_depth.py's row, stopped at e, leaves. Prompt rows run every loop under both
-policies; the gate picks the token of its exit loop.
+policies; the gate picks the token of its exit loop. With ``speculative='pipeline'`` (policy
+``full``) the decode rows are the pipeline's lanes (ort_runtime/decoding/exit_lanes.py), which
+decide by the same rule (``ExitGate.after_loop``) on the cycle graph's gates.
 
 KV invariant: every committed position holds, in every loop's slot, the K/V its policy says
 (``full``: its own loop's; ``last-exited``: the exit loop's in the deeper slots), written

@@ -190,6 +190,11 @@ def test_forced_gates_and_rejections() -> None:
             check_cycles(stats.pipeline_trace, sequence, forced)
         if histogram == {1: 16}:  # every lane exits at loop 1: a token per cycle, nothing drafted
             assert stats.proposed == 0 and stats.cycles == 3 + 14
+            # also when the drafting loop is deeper than the exits (the lanes never reach it)
+            got, stats = run(
+                gen, PROMPT, 16, speculative="pipeline", gate="always", pipeline_exit=2, **options
+            )
+            assert got == want.tokens and stats.proposed == 0 and stats.cycles == 3 + 14
         if bias == 0.0 and not clamps:
             loops = want.loops[1:]
             assert any(a != b for a, b in zip(loops, loops[1:]))  # the exits switch
