@@ -137,6 +137,7 @@ class PipelineCycles(VerifierBase):
         return 1.0 / (self.cycle_price(costs) * self.cycles_per_token(alpha))
 
     def cycles_per_token(self, alpha: float) -> float:
+        """Cycles a token costs on average at draft acceptance ``alpha``."""
         return alpha * self.exit_depth + (1 - alpha) * self.loops
 
     def cycle_price(self, costs) -> float:
