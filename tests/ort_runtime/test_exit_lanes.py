@@ -152,6 +152,19 @@ def test_demo_equals_the_reference_in_fewer_cycles(demo) -> None:
         assert auto.stats.proposed > 0
 
 
+def test_redrafts_from_deeper_heads(demo) -> None:
+    """At q = 0.3 every token of this prompt runs the demo's 4 loops, so the tokens are full
+    depth's and the lanes' schedule would be the full-depth pipeline's; re-drafting the
+    successor from the predecessor's deeper heads (exit_lanes.py) takes fewer cycles."""
+    gen = demo.new_generator()
+    ids = demo.encode("def merge(left, right):\n    result = []\n")
+    full, full_depth = run(gen, ids, 48, speculative="pipeline", gate="always", pipeline_device_lanes=False)
+    got, stats = run(gen, ids, 48, speculative="pipeline", gate="always", exit_threshold=0.3)
+    assert stats.exit_histogram == {4: 48} and got == full
+    assert stats.cycles < full_depth.cycles and stats.accepted > full_depth.accepted
+    assert check_cycles(stats.pipeline_trace, ids + got, loop_reference(gen, ids + got, len(ids))) > 0
+
+
 def _oracle(sequence: list[int], wrong, vocab: int):
     def hook(position: int, draft: int) -> int:
         truth = sequence[position] if position < len(sequence) else draft
