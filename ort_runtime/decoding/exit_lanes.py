@@ -26,8 +26,8 @@ slot (d, l) at positions < q, written by q's ancestors at depth d in earlier cyc
 enters at least one cycle after its predecessor and every lane runs one loop per cycle, so two
 lanes never share a row). Every lane runs every loop, so each committed position holds every
 loop's own K/V: what the sequential gated ``full`` row leaves. A discarded lane wrote only
-positions > the rejecting lane's; the new lane and its successors rewrite each of them at each
-depth before any lane reads it.
+positions > the rejecting (or re-drafting) lane's; the new lane and its successors rewrite each
+of them at each depth before any lane reads it.
 
 Exactness: a lane's row at depth r computes the loop-step row's normed state at loop r bit for
 bit (cycle rows are decode's rows; the cycle's gates are loop_step's ops on a one-row slice), so
@@ -181,8 +181,8 @@ class ExitGateLanes(PipelineCycles):
             if successor.token == lane.next:
                 successor.final, lane.accepted = True, 1
             else:
-                lane.discarded = len(lanes) - i - 1
-                self.stats.discarded_lanes += lane.discarded
+                self.stats.discarded_lanes += len(lanes) - i - 1
+                lane.discarded += len(lanes) - i - 1
                 del lanes[i + 1 :]
         youngest = lanes[-1]
         q = youngest.position + 1
