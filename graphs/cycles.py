@@ -3,6 +3,8 @@ a run of K cycles with the lane schedule on the device between them.
 
     cycle      = [embed(token) | carried rows 0..R-2] → one core loop, row r at depth r
                  (RowAttention on slot (r, l) at row r's position) → loop-norm → head   (R rows)
+                 [+ each row's exit-gate logit, where the model has Ouro's gate: the exit
+                 gate's lanes (ort_runtime/decoding/exit_lanes.py) decide on it]
     cycle_run  = K × (cycle → ArgMax → LaneStep), the lanes' state passed from one LaneStep to the
                  next cycle; out: the last carried rows, each cycle's record and the last state
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from loopcast.graphs import blocks
 from loopcast.graphs.builder import LOOPCAST_DOMAIN, GraphBuilder
+from loopcast.graphs.loop_steps import exit_gate_logit
 from loopcast.graphs.ops import op_set_builders
 
 from loopcast.config import ModelConfig
@@ -124,9 +127,38 @@ def build_cycle(
     x, logits = _cycle_body(b, ctx, token_ids, carried)
     b.output(x, dtype, [1, R, H], "carried_BWH_out")
     blocks.greedy_outputs(b, logits, R, config.vocab_size)
+    if config.has_exit_gate:
+        _row_gates(b, x, dtype, R)
     return b.build(GraphKind.CYCLE, "pipeline cycle: one pass over the core layers, row r at loop r"), _spec(
         GraphKind.CYCLE, b, R
     )
+
+
+def _row_gates(b: GraphBuilder, x_BWH: ir.Value, dtype: ir.DataType, R: int) -> None:
+    """Each row's exit-gate logit of its normed state, ``exit_gates_BR`` [1, R] in fp32. Row by
+    row on a [1, 1, H] slice, with loop_step's ops and shapes, so a lane's gate at depth r has
+    the bits of loop_step's gate at loop r (the gated lanes must decide as the loop steps do):
+
+        x ─ Slice row r ─ MatMul(gate) ─ Add(bias) ─ (Cast) ─┐ × R ─ Concat ─ Reshape ─▶ exit_gates_BR
+    """
+    gates = []
+    for r in range(R):
+        row = b.op(
+            "Slice",
+            [
+                x_BWH,
+                b.const_i64(f"gate_row{r}_start", [r]),
+                b.const_i64(f"gate_row{r}_end", [r + 1]),
+                b.const_i64("rows_axis", [1]),
+            ],
+            path=f"/cycle/gate/row{r}",
+            out=f"gate_row{r}_BSH",
+        )
+        gates.append(exit_gate_logit(b, row, dtype, f"/cycle/gate/row{r}/matmul", f"gate_row{r}"))
+    gate = b.op("Concat", gates, path="/cycle/gate/rows", out="gates_BR1", axis=1)
+    shape = b.const_i64("gates_shape", [1, R])
+    gate = b.op("Reshape", [gate, shape], path="/cycle/gate/flat", out="exit_gates_BR")
+    b.output(gate, ir.DataType.FLOAT, [1, R])
 
 
 def build_cycle_run(

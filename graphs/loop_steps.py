@@ -67,14 +67,20 @@ def build_loop_step_kind(
 
 
 def _gate(b: GraphBuilder, x_BSH: ir.Value, dtype: ir.DataType) -> None:
-    """The exit-gate logit of the normed state, in fp32 (the host decides the exit on it):
-    x ─ MatMul(gate) ─ Add(bias) ─ (Cast) ─ Reshape ─▶ exit_gates_BR [1, 1]."""
-    gate = b.op(
-        "MatMul", [x_BSH, b.weight("early_exit_gate.weight_T")], path="/loop_step/gate", out="gate_BS1_nobias"
-    )
-    gate = b.op("Add", [gate, b.weight("early_exit_gate.bias")], path="/loop_step/gate/bias", out="gate_BS1")
-    if dtype != ir.DataType.FLOAT:
-        gate = b.op("Cast", [gate], path="/loop_step/gate/cast", out="gate_f32_BS1", to=ir.DataType.FLOAT)
+    """The exit-gate logit of the normed state, in fp32 (the host decides the exit on it)."""
+    gate = exit_gate_logit(b, x_BSH, dtype, "/loop_step/gate", "gate")
     shape = b.const_i64("gate_shape", [1, 1])
     gate = b.op("Reshape", [gate, shape], path="/loop_step/gate/flat", out="exit_gates_BR")
     b.output(gate, ir.DataType.FLOAT, [1, 1])
+
+
+def exit_gate_logit(b: GraphBuilder, x_BSH: ir.Value, dtype: ir.DataType, path: str, name: str) -> ir.Value:
+    """One row's exit-gate logit [1, 1, 1] in fp32, as every graph that reads the gate computes
+    it (the pipeline's cycle too, row by row, so its gates carry loop_step's bits):
+    x ─ MatMul(gate) ─ Add(bias) ─ (Cast). ``name`` prefixes the value names."""
+    weight, bias = b.weight("early_exit_gate.weight_T"), b.weight("early_exit_gate.bias")
+    gate = b.op("MatMul", [x_BSH, weight], path=path, out=f"{name}_BS1_nobias")
+    gate = b.op("Add", [gate, bias], path=f"{path}/bias", out=f"{name}_BS1")
+    if dtype != ir.DataType.FLOAT:
+        gate = b.op("Cast", [gate], path=f"{path}/cast", out=f"{name}_f32_BS1", to=ir.DataType.FLOAT)
+    return gate

@@ -40,7 +40,8 @@ from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabul
 # `verify@k`: loopcast.vocab.graph_plan).
 # 6: `loop_embed`, `loop_step`, `exit_head` beside `exits` (the exit gate's loop-skipping path).
 # 7: `recurrent_cycle` in recurrent-depth artifacts built with the loopcast attention op (the
-# pipeline's graph: graphs/recurrent_cycles.py).
+# pipeline's graph: graphs/recurrent_cycles.py); the cycle graph's `exit_gates_BR` (each row's
+# exit-gate logit) where the model has the gate.
 SCHEMA_VERSION = 7
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"

@@ -95,8 +95,11 @@ class _Fields:
         return values
 
 
-def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str], set[str]]:
-    """The input and output names a graph of ``kind`` must have (graphs/kinds.py builds them)."""
+def expected_io(
+    kind: str, first_loop: int, slots: list[int], *, exit_gate: bool = False
+) -> tuple[set[str], set[str]]:
+    """The input and output names a graph of ``kind`` must have (graphs/kinds.py builds them);
+    ``exit_gate``: the model has Ouro's exit gate (the cycle graph then gives each row's gate)."""
     inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "seqlens_k", "total_sequence_length"}
     outputs = {"next_token_ids_BS", "logits_BSV"}
     if kind in RECURRENT_KINDS:  # graphs/recurrent.py
@@ -111,7 +114,7 @@ def expected_io(kind: str, first_loop: int, slots: list[int]) -> tuple[set[str],
         outputs |= {"carried_BW2H_out"}
     if kind == GraphKind.CYCLE:
         inputs = {"lanes_W1", "carried_BWH"}
-        outputs |= {"carried_BWH_out"}
+        outputs |= {"carried_BWH_out"} | ({"exit_gates_BR"} if exit_gate else set())
     if kind == GraphKind.CYCLE_RUN:  # writes its KV in place: no present outputs
         inputs = {"lane_state_N", "carried_BWH"} | {
             f"past_{kv}.{s}" for s in slots for kv in ("key", "value")
@@ -365,7 +368,7 @@ def _parse_graph(key: str, raw: Any, plan: tuple, config: ModelConfig, path: Pat
         want = expected_slots(config, first, last, kind)
         g.fail(f"must be {want} for loops {first}..{last - 1}, got {slots!r:.120}", "kv_slots")
     inputs, outputs = g.str_list("inputs"), g.str_list("outputs")
-    want_in, want_out = expected_io(kind, first, slots)
+    want_in, want_out = expected_io(kind, first, slots, exit_gate=config.has_exit_gate)
     for label, got, want in (("inputs", inputs, want_in), ("outputs", outputs, want_out)):
         if set(got) != want or len(got) != len(want):
             extra, missing = sorted(set(got) - want), sorted(want - set(got))

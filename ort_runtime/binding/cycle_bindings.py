@@ -15,6 +15,8 @@ from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.manifest import GraphSpec, lane_record_length, lane_state_length
 
+EXIT_GATES = "exit_gates_BR"  # the cycle graph's per-row exit-gate logits (graphs/cycles.py)
+
 
 class _Half(_KindBinding):
     """A pipeline graph bound one way round: lane states in from ``carried_in``, out to ``carried_out``."""
@@ -79,7 +81,8 @@ class _LaneStates:
 
 class CycleBinding(_LaneStates):
     """The cycle graph, one cycle per call: the entering token with the rows' positions (one int32
-    vector, one copy to the device per cycle) in, argmax and logits per row out."""
+    vector, one copy to the device per cycle) in, argmax and logits per row out, and each row's
+    exit-gate logit where the artifact declares it (``gates``; None without)."""
 
     def __init__(
         self, session, spec: GraphSpec, kv, model: LoadedModel, dtype, shared: LaneStates | None = None
@@ -89,6 +92,7 @@ class CycleBinding(_LaneStates):
         self.lanes = _Buffer((R + 1,), np.int32, device)
         self.next_ids = _Buffer((1, R), np.int64, device)
         self.logits = _Buffer((1, R, cfg.vocab_size), np.float32, device)
+        self.gates = _Buffer((1, R), np.float32, device) if EXIT_GATES in spec.outputs else None
         self._halves(session, spec, kv, model, dtype, shared)
 
     def bind(self, b: ort.IOBinding, kv) -> None:
@@ -96,6 +100,8 @@ class CycleBinding(_LaneStates):
         _bind_kv(b, kv, self._slots)
         b.bind_ortvalue_output("next_token_ids_BS", self.next_ids.value)
         b.bind_ortvalue_output("logits_BSV", self.logits.value)
+        if self.gates is not None:
+            b.bind_ortvalue_output(EXIT_GATES, self.gates.value)
 
     def load(self, token: int, positions: list[int]) -> None:
         host = self.lanes.host
@@ -104,7 +110,7 @@ class CycleBinding(_LaneStates):
         self.lanes.push()
 
     def _buffers(self) -> list[_Buffer]:
-        return [self.lanes, self.next_ids, self.logits]
+        return [self.lanes, self.next_ids, self.logits] + ([self.gates] if self.gates is not None else [])
 
 
 class CycleRunBinding(_LaneStates):

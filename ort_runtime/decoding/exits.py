@@ -7,7 +7,9 @@ Under KV policy ``full`` the row's deeper loops still run for the KV (Ouro's rel
 the model); under ``last-exited`` a decode row stops after loop e, and loop e's K/V is copied
 into the deeper loops' slots at the row's position (``Generator.fill_deeper_kv``): what
 exporter/reference_depth.py's row, stopped at e, leaves. Prompt rows run every loop under both
-policies; the gate picks the token of its exit loop.
+policies; the gate picks the token of its exit loop. With ``speculative='pipeline'`` (policy
+``full``) the decode rows are the pipeline's lanes (ort_runtime/decoding/exit_lanes.py), which
+decide by the same rule (``ExitGate.after_loop``) on the cycle graph's gates.
 
 KV invariant: every committed position holds, in every loop's slot, the K/V its policy says
 (``full``: its own loop's; ``last-exited``: the exit loop's in the deeper slots), written
@@ -71,14 +73,30 @@ class ExitGate:
         assert config.exit_threshold is not None
         return cls(config.exit_threshold, lo, hi, config.kv_policy)
 
+    def after_loop(self, r: int, gate_logit: float, mass: ExitMass, num_loops: int) -> bool:
+        """Whether loop r (0-based) is the row's exit, given its gate logit and the row's exit
+        distribution before it (``mass``, advanced in place): r ≥ lo and (r = hi or the
+        cumulative probability through r reaches q). That probability grows with r and does not
+        depend on the deeper loops' gates, so the first loop this says yes to is ``exit_loop``'s
+        answer (the caller stops asking after it)."""
+        if r < num_loops - 1:  # exit_loop's arithmetic, loop by loop
+            mass.survive, mass.cumulative = exit_mass(gate_logit, mass.survive, mass.cumulative)
+        return r >= self.lo and (r == self.hi or mass.cumulative >= self.threshold)
+
+
+@dataclass
+class ExitMass:
+    """One row's exit distribution through the loops run so far (float64, as ``exit_loop``)."""
+
+    survive: float = 1.0
+    cumulative: float = 0.0
+
 
 class GatedAcceptor:
     """Greedy decoding read at each row's exit loop (the engine's plain round calls it).
 
     A row runs its loops one call at a time (ort_runtime/binding/loop_steps.py) and reads the
-    head at the first loop the gate makes final: loop r is the exit when r ≥ lo and (r = hi or
-    the cumulative probability of loops ≤ r reaches q), which is ``exit_loop``'s answer because
-    that probability grows with r and does not depend on the deeper loops' gates. Under
+    head at the first loop the gate makes final (``ExitGate.after_loop``). Under
     ``last-exited`` a decode row then stops (the loops after its exit never run) and loop e's
     K/V fills the deeper slots; otherwise its remaining loops run for the KV only."""
 
@@ -86,7 +104,7 @@ class GatedAcceptor:
 
     def __init__(self, gate: ExitGate) -> None:
         self.gate = gate
-        self.loops: list[int] = []  # loops each emitted token was read at
+        self.loops: list[int] = []  # loops each emitted token was read at (the gated lanes' too)
 
     def _row(self, gen, token: int, skip: bool) -> int:
         if gen.n + 1 > gen.max_length:
@@ -94,15 +112,13 @@ class GatedAcceptor:
         steps, gate = gen.loop_steps, self.gate
         R = steps.num_loops
         steps.embed(token, gen.n)
-        survive, cumulative = 1.0, 0.0
+        mass = ExitMass()
         exit_r, next_id = -1, -1
         for r in range(R):
             g = steps.loop(r)
             if exit_r >= 0:
                 continue  # a loop past the exit: its KV only (policy full, or a prompt row)
-            if r < R - 1:  # exit_loop's arithmetic, loop by loop
-                survive, cumulative = exit_mass(g, survive, cumulative)
-            if r >= gate.lo and (r == gate.hi or cumulative >= gate.threshold):
+            if gate.after_loop(r, g, mass, R):
                 exit_r, next_id = r, steps.head(r)
                 if skip:
                     break

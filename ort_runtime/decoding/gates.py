@@ -24,7 +24,9 @@ from loopcast.ort_runtime.decoding.protocols import CostsBase
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DECODE, DECODE_BATCH, DRAFT_BATCH, VERIFY_BATCH, VERIFY_TAIL_BATCH
-from loopcast.vocab import GateKind, choices
+from loopcast.vocab import GateKind, GraphKind, choices
+
+LOOP_EMBED, LOOP_STEP, EXIT_HEAD = GraphKind.LOOP_EMBED, GraphKind.LOOP_STEP, GraphKind.EXIT_HEAD
 
 GATES = tuple(choices(GateKind))
 # Wall-time timers the engine keeps beside the step timers (StepCosts.host_factor): speculative
@@ -71,6 +73,23 @@ class StepCosts(CostsBase):
 
     def snapshot_ms(self) -> dict[str, float]:
         return self.gen.clock.means_ms()
+
+
+class GatedRowCosts(StepCosts):
+    """StepCosts where a plain round is one exit-gated row (ort_runtime/decoding/exits.py): its
+    embedding, R loop steps (``full``: every loop runs) and one head. ``decode`` is that row's
+    graph time, so the gate prices the gated pipeline's lanes against the plain gated rows."""
+
+    ROW_KIND = LOOP_STEP  # the kind whose steady runs say a plain round was timed
+
+    def mean(self, kind: str) -> float | None:
+        if kind != DECODE:
+            return super().mean(kind)
+        clock = self.gen.clock
+        embed, loop, head = (clock.mean(k) for k in (LOOP_EMBED, LOOP_STEP, EXIT_HEAD))
+        if embed is None or loop is None or head is None:
+            return None
+        return embed + self.gen.model.config.num_loops * loop + head
 
 
 class _Counters:

@@ -134,16 +134,24 @@ class PipelineCycles(VerifierBase):
     def token_rate(self, costs, alpha: float) -> float:
         """Expected tokens per second: a token every ``exit_depth`` cycles while drafts hold, R
         cycles for the token after a rejection (its lane starts at loop 0)."""
+        return 1.0 / (self.cycle_price(costs) * self.cycles_per_token(alpha))
+
+    def cycles_per_token(self, alpha: float) -> float:
+        """Cycles a token costs on average at draft acceptance ``alpha``."""
+        return alpha * self.exit_depth + (1 - alpha) * self.loops
+
+    def cycle_price(self, costs) -> float:
+        """A cycle's wall time in a round (host scheduling and copies included: on a small model
+        they are a third of it), else the bare step time, else a guess from decode; on the
+        scale of decode's step timer (the price the gate compares with)."""
         R = self.loops
-        # A cycle's wall time in a round (host scheduling and copies included: on a small model
-        # they are a third of it), else the bare step time, else a guess from decode.
         cycle = costs.mean(ROUND_TIMER) or costs.mean(CYCLE) or costs.decode() / R * 1.2
         plain_round, plain_step = costs.mean(DECODE_ROUND_TIMER), costs.mean(DECODE)
         if costs.mean(ROUND_TIMER) and plain_round and plain_step:
             # The gate compares with decode's step timer: put the round's wall time (host work
             # in) on that scale, with plain rounds' wall time against their step time.
             cycle *= plain_step / plain_round
-        return 1.0 / (cycle * (alpha * self.exit_depth + (1 - alpha) * R))
+        return cycle
 
     def round_cost(self, costs, k: int) -> float:
         """A round from a cold start (a probe): R cycles to the first token."""

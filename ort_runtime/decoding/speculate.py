@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
+from loopcast.ort_runtime.decoding.exit_lanes import ExitGateLanes
 from loopcast.ort_runtime.decoding.exits import ExitGate, GatedAcceptor
 from loopcast.ort_runtime.decoding.finish import Finisher, FinishRule
 from loopcast.ort_runtime.decoding.gates import (
@@ -49,6 +50,7 @@ from loopcast.ort_runtime.decoding.gates import (
     SPEC_ROUND,
     SPEC_ROUND_CALLS,
     SPEC_ROUND_DEVICE,
+    GatedRowCosts,
     HitDensityGate,
     StepCosts,
     make_gate,
@@ -92,9 +94,11 @@ def _plan(
     sampled: bool,
     proposer: object | None = None,
     verifier: Verifier | None = None,
+    gated: bool = False,
 ) -> _Plan | None:
     """The proposer and the strategy of a generation. ``proposer``/``verifier``: objects the
-    caller injects (a user's proposer; tests' hooked drafters and traced pipelines)."""
+    caller injects (a user's proposer; tests' hooked drafters and traced pipelines); ``gated``:
+    the exit gate reads each token (the pipeline's lanes then exit at their gates)."""
     mode = spec.mode
     alternate = spec.alternate_gap is not None or isinstance(proposer, AlternateDraftProposer)
     if alternate:  # before the early returns: an alternate gap is never ignored
@@ -102,7 +106,7 @@ def _plan(
     if mode == SpeculativeMode.NONE and proposer is None:
         return None
     if mode == SpeculativeMode.PIPELINE:
-        return _plan_pipeline(gen, spec, sampled, proposer, verifier)
+        return _plan_pipeline(gen, spec, sampled, proposer, verifier, gated)
     if verifier is not None:
         raise RequestError("a verifier object goes with speculative='pipeline' only")
     if sampled and mode == SpeculativeMode.SELF and proposer is not None:
@@ -173,12 +177,20 @@ def _check_alternate(spec: SpeculationConfig, sampled: bool, proposer: object | 
 
 
 def _plan_pipeline(
-    gen: Generator, spec: SpeculationConfig, sampled: bool, proposer: object | None, verifier: Verifier | None
+    gen: Generator,
+    spec: SpeculationConfig,
+    sampled: bool,
+    proposer: object | None,
+    verifier: Verifier | None,
+    gated: bool,
 ) -> _Plan:
     if proposer is not None and not isinstance(proposer, ExitDrafts):
         raise RequestError("speculative mode 'pipeline' drafts inside its cycles and takes no proposer")
-    if verifier is not None and not isinstance(verifier, PipelineCycles):
-        raise RequestError("speculative mode 'pipeline' runs PipelineCycles; got another verifier")
+    lanes = ExitGateLanes if gated else PipelineCycles
+    if verifier is not None and (
+        not isinstance(verifier, PipelineCycles) or gated != isinstance(verifier, ExitGateLanes)
+    ):
+        raise RequestError(f"speculative mode 'pipeline' runs {lanes.__name__} here; got another verifier")
     if spec.num_draft_tokens is not None:
         raise RequestError(
             "num_draft_tokens does not apply to the pipeline (one lane per loop); "
@@ -190,7 +202,11 @@ def _plan_pipeline(
             "the pipeline's draft hook replaces sampled drafts, which breaks the rejection rule; "
             "use it with greedy decoding only"
         )
-    strategy = verifier or PipelineCycles(spec.pipeline_exit, device_lanes=spec.pipeline_device_lanes)
+    strategy = verifier or (
+        ExitGateLanes(spec.pipeline_exit)
+        if gated
+        else PipelineCycles(spec.pipeline_exit, device_lanes=spec.pipeline_device_lanes)
+    )
     strategy.prepare(gen)
     require_exact(gen, spec.allow_inexact)
     return _Plan(drafter, strategy, 1, 1)
@@ -203,11 +219,19 @@ def _set_depth(gen: Generator, config: GenerationConfig) -> None:
     R = gen.model.config.num_loops
     loops = config.loops
     if config.gated:
-        if config.speculation.mode != SpeculativeMode.NONE or config.sampled:
+        mode = config.speculation.mode
+        if mode not in (SpeculativeMode.NONE, SpeculativeMode.PIPELINE) or config.sampled:
             raise RequestError(
-                "exit_threshold runs greedy plain decoding so far: drop speculative and the "
-                "sampling options, or use loops=k (which composes with prompt lookup)",
+                "exit_threshold runs greedy, plain or with speculative='pipeline' (drafts verified "
+                "at each token's exit loop): drop the sampling options and other speculative modes, "
+                "or use loops=k (which composes with prompt lookup)",
                 parameter="exit_threshold",
+            )
+        if mode == SpeculativeMode.PIPELINE and config.kv_policy != KVPolicy.FULL:
+            raise RequestError(
+                f"kv_policy {config.kv_policy.value!r} skips loops, and the pipeline's lanes run every "
+                "loop: exit_threshold with speculative='pipeline' takes kv_policy 'full'",
+                parameter="kv_policy",
             )
         if not gen.has_kind(GraphKind.LOOP_STEP):
             raise RequestError(
@@ -296,7 +320,7 @@ def stream(
         raise RequestError("prompt is empty: give at least one token")
     gen.validate_ids(ids)
     _set_depth(gen, config)
-    plan = _plan(gen, spec, sampled, proposer, verifier)
+    plan = _plan(gen, spec, sampled, proposer, verifier, isinstance(chosen, GatedAcceptor))
     stats.prompt_tokens = len(ids)
     stats.speculative = (
         "none" if plan is None else (spec.mode.value if spec.mode != SpeculativeMode.NONE else "custom")
@@ -375,7 +399,10 @@ class _Engine:
             plan.proposer.reset(gen)
             plan.proposer.bind(acceptor)  # proposers that draw drafts (self) draw them its way
             cfg = gen.model.config
-            costs = costs or StepCosts(gen, (gen.model.manifest.draft_depth or 1) / cfg.num_loops)
+            share = (gen.model.manifest.draft_depth or 1) / cfg.num_loops
+            # A gated plain round is one row through the loop steps, priced as such.
+            costs = costs or (GatedRowCosts if isinstance(acceptor, GatedAcceptor) else StepCosts)(gen, share)
+            self._plain_kind = GatedRowCosts.ROW_KIND if isinstance(acceptor, GatedAcceptor) else DECODE
             if acceptor.sampled and spec.gate == "auto":
                 # Sampled tokens depend on which steps speculate, so the default gate must decide on
                 # the tokens alone (reproducible with a seed), not on measured times.
@@ -480,9 +507,10 @@ class _Engine:
         gen, strategy = self.gen, self.plan.strategy
         if not strategy.has_round(gen, pending) and not self.gate.engage(step):
             strategy.stop()
-            t0, steady0 = time.perf_counter(), gen.clock.steady(DECODE)
+            plain = self._plain_kind
+            t0, steady0 = time.perf_counter(), gen.clock.steady(plain)
             token = self.acceptor.decode(gen, pending, self.context)
-            if gen.clock.steady(DECODE) > steady0:  # the pipeline's price of a plain round
+            if gen.clock.steady(plain) > steady0:  # the pipeline's price of a plain round
                 gen.clock.add(DECODE_ROUND_TIMER, time.perf_counter() - t0)
             self.context.append(pending)
             return [token]

@@ -91,8 +91,11 @@ def test_loopcast_op_layers_are_fused(name: str) -> None:
         )
         if kind == "cycle":  # one pass over the core layers, attention addressed per row
             layers = cfg.num_layers
-            # the lanes input split into token and positions, the state shift, the entry concat
-            assert counts["RowAttention"] == layers and counts["Slice"] == 3 and counts["Concat"] == 1
+            # the lanes input split into token and positions, the state shift, the entry concat;
+            # Ouro's gate row by row (a slice, one stock MatMul and one Add per row, one concat)
+            R = cfg.num_loops
+            assert counts["RowAttention"] == layers and counts["Slice"] == 3 + R and counts["Concat"] == 2
+            assert counts.pop("MatMul") == R and counts.pop("Add") == R
             counts.pop("Slice"), counts.pop("Concat")
         elif kind == "cycle_run":  # K cycles, each: one pass, the argmax, the lane schedule
             K = counts["LaneStep"]

@@ -168,8 +168,8 @@ def test_exit_rule() -> None:
 def test_refusals() -> None:
     model = load(artifact("ouro-r3"))
     cases = [
-        (dict(exit_threshold=0.5, speculative="prompt-lookup"), "greedy plain decoding"),
-        (dict(exit_threshold=0.5, sampling=SamplingParams(temperature=0.7)), "greedy plain decoding"),
+        (dict(exit_threshold=0.5, speculative="prompt-lookup"), "other speculative modes"),
+        (dict(exit_threshold=0.5, sampling=SamplingParams(temperature=0.7)), "runs greedy, plain or with"),
         (dict(exit_threshold=0.5, loops=2), "either loops"),
         (dict(min_loops=2), "need exit_threshold"),
         (dict(kv_policy="last-exited"), "needs exit_threshold"),

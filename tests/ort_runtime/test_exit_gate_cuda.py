@@ -30,3 +30,18 @@ def test_gated_exits_equal_the_reference_on_cuda(kv_policy: str) -> None:
         got, want = model.generate(PROMPT, config=config), depth_generate(ref, PROMPT, config)
         assert got.tokens == want.tokens, q
         assert got.stats.exit_histogram == want.depth_stats()["exit_histogram"]
+
+def test_gated_lanes_equal_plain_gated_on_cuda() -> None:
+    """The pipeline's gated lanes (ort_runtime/decoding/exit_lanes.py) on CUDA: the cycle graph's
+    per-row gates and heads decide as the loop steps do, so the tokens are plain gated ``full``'s
+    (a batch-invariant fp16 artifact: its cycle rows are decode rows bit for bit on the GPU)."""
+    for name, dtype in (("ouro-r3", "fp32"), ("ouro-r4-1layer", "fp16")):
+        model = load(artifact(name, dtype=dtype, batch_invariant=True), device="cuda")
+        for q in (0.1, 0.3, 0.5):
+            plain = model.generate(PROMPT, 24, exit_threshold=q, stop_ids=())
+            for gate in ("always", "auto"):
+                got = model.generate(
+                    PROMPT, 24, exit_threshold=q, speculative="pipeline", gate=gate, stop_ids=()
+                )
+                assert got.tokens == plain.tokens, (name, dtype, q, gate)
+                assert got.stats.exit_histogram == plain.stats.exit_histogram
