@@ -194,9 +194,10 @@ class GraphBuilder:
             name=name,
             doc_string=doc,
         )
-        from loopcast.graphs.norm_prologue import fuse_norm_prologues  # it imports this module
+        from loopcast.graphs import norm_prologue  # it imports this module
 
-        fuse_norm_prologues(graph)  # the loopcast op set's norms into their projections
+        if norm_prologue.enabled():  # the loopcast op set's norms into their projections
+            norm_prologue.fuse_norm_prologues(graph)
         self._built = ir.Model(graph, ir_version=IR_VERSION, producer_name="loopcast")
         return self._built
 

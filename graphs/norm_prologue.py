@@ -8,13 +8,17 @@ the SwiGLU form) becomes that projection's prologue, one node and one kernel ins
 The projection's kernel forms ``h`` as it loads its input, with the norm kernel's bits (on the
 CPU and on CUDA: custom_ops/src/norm_prologue_io.h), so the rewrite changes no output bit. In the
 fused decoder stack (``blocks.decoder_stack``) every norm that opens a QKV or gate/up projection
-is folded: a layer is 5 kernels instead of 7 (docs/perf.md, "Custom kernels").
+is folded: a layer is 5 kernels instead of 7. Off unless LOOPCAST_NORM_PROLOGUE=1 at export
+(``enabled``): on the H200 the fused chain measured slower than the 7 kernels (docs/perf.md,
+"Norm prologue"), so the exported graphs keep the separate norms by default.
 
 Matched like an onnxscript rewrite rule (a pattern over one producer and its single consumer,
 checked, then replaced in place), without the rewriter package, which the runtime does not need.
 """
 
 from __future__ import annotations
+
+import os
 
 import onnx_ir as ir
 from loopcast.graphs.builder import LOOPCAST_DOMAIN
@@ -74,6 +78,12 @@ def _fuse(graph: ir.Graph, norm: ir.Node, proj: ir.Node) -> None:
         name = old.name
         old.name = None
         new.name = name
+
+
+def enabled() -> bool:
+    """LOOPCAST_NORM_PROLOGUE=1: export with the norms folded (a measurement switch, read at
+    each graph build, like the kernels' LOOPCAST_PDL)."""
+    return os.environ.get("LOOPCAST_NORM_PROLOGUE") == "1"
 
 
 def fuse_norm_prologues(graph: ir.Graph) -> int:

@@ -39,10 +39,7 @@ from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabul
 # 5: `exit_depths` (required; the static depths k < R with graphs `prefill@k`, `decode@k`,
 # `verify@k`: loopcast.vocab.graph_plan).
 # 6: `loop_embed`, `loop_step`, `exit_head` beside `exits` (the exit gate's loop-skipping path).
-# 7: the loopcast op set's projections carry the norm prologue (ResidualRMSNorm's inputs on
-# BatchInvariantMatMul / BatchInvariantMatMulNBits: graphs/norm_prologue.py), which an older
-# op library does not take.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 6
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 

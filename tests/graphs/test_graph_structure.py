@@ -74,11 +74,10 @@ def test_artifact_stores_weights_once() -> None:
 
 @pytest.mark.parametrize("name", ["ouro-r3", "llama-untied"])
 def test_loopcast_op_layers_are_fused(name: str) -> None:
-    """With the loopcast ops a layer is 5 nodes: qkv (carrying the norm that opens the layer:
-    the stack's first, or the previous layer's residual add, loop-norm and input norm), attention,
-    o_proj, gate_up (carrying the residual add after attention and its norms), down (with
-    swiglu=1: the activation is applied as it loads [gate | up]); each stack ends on one
-    ResidualRMSNorm (the last residual add, and the loop-norm), which no projection follows."""
+    """With the loopcast ops a layer is 7 nodes: qkv, attention, o_proj, ResidualRMSNorm,
+    gate_up, down (with swiglu=1: the activation is applied as it loads [gate | up]),
+    ResidualRMSNorm (which also carries the loop-norm and the next layer's input norm); the
+    stack's first norm is one more ResidualRMSNorm, with no residual."""
     require_c_toolchain()  # the export builds the custom-op library
     cfg = config_of(name)
     path = artifact(name, draft_depth=1 if cfg.num_loops > 1 else None, batch_invariant=True)
@@ -116,11 +115,7 @@ def test_loopcast_op_layers_are_fused(name: str) -> None:
             assert counts.pop("MatMul") == 1 and counts.pop("Add") == 1
         if kind in ("loop_embed", "exit_head"):  # no layers, no stack
             stacks = 0
-        assert counts.get("ResidualRMSNorm", 0) == stacks and counts["SwiGLU"] == 0, kind
-        prologue = [n for n in nodes if len(n.input) > 2 and n.op_type == "BatchInvariantMatMul"]
-        assert len(prologue) == 2 * layers, kind
-        assert all(n.name.endswith(("/attn/qkv_proj", "/mlp/gate_up_proj")) for n in prologue), kind
-        assert sum(len(n.output) == 2 for n in prologue) == 2 * layers - stacks, kind  # the first: no sum
+        assert counts["ResidualRMSNorm"] == 2 * layers + stacks and counts["SwiGLU"] == 0, kind
         gated = [n for n in nodes if any(a.name == "swiglu" and a.i == 1 for a in n.attribute)]
         assert len(gated) == layers and all(n.name.endswith("/mlp/down_proj") for n in gated), kind
         assert counts["Split"] == (1 if kind == "draft" else 0), kind  # the draft's top-2 gap only
@@ -133,3 +128,29 @@ def test_loopcast_op_layers_are_fused(name: str) -> None:
             "RMSNormalization",
             "SkipSimplifiedLayerNormalization",
         }, kind
+
+
+def test_norm_prologue_folds_the_norms_into_the_projections(tmp_path, monkeypatch) -> None:
+    """LOOPCAST_NORM_PROLOGUE=1 (graphs/norm_prologue.py): a layer is 5 nodes, qkv and gate_up
+    carrying the norm before them; each stack ends on one ResidualRMSNorm, which no projection
+    follows. (The rewrite keeps every bit: tests/graphs/test_norm_prologue_rewrite.py.)"""
+    from loopcast.exporter.export import ExportOptions, export_checkpoint
+
+    from tests.artifacts import checkpoint
+
+    require_c_toolchain()
+    monkeypatch.setenv("LOOPCAST_NORM_PROLOGUE", "1")
+    cfg = config_of("ouro-r3")
+    path = tmp_path / "fused"
+    export_checkpoint(checkpoint("ouro-r3"), path, ExportOptions("fp32", None, 5, 1, True, "auto"))
+    kinds = {kind: file for kind, _, file in _graphs(path)}
+    for kind in ("decode", "verify", "draft", "verify_tail"):
+        nodes = onnx.load(str(kinds[kind]), load_external_data=False).graph.node
+        counts = Counter(n.op_type for n in nodes)
+        layers = counts["BatchInvariantAttention"]
+        assert layers % cfg.num_layers == 0 and layers > 0, kind
+        assert counts["ResidualRMSNorm"] == 1, kind
+        prologue = [n for n in nodes if n.op_type == "BatchInvariantMatMul" and len(n.input) > 2]
+        assert len(prologue) == 2 * layers, kind
+        assert all(n.name.endswith(("/attn/qkv_proj", "/mlp/gate_up_proj")) for n in prologue), kind
+        assert sum(len(n.output) == 2 for n in prologue) == 2 * layers - 1, kind  # the first: no sum

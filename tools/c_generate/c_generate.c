@@ -331,8 +331,8 @@ static Manifest read_manifest(const char *dir, int trust_ops) {
     cJSON *root = cJSON_Parse(text);
     if (root == NULL || !cJSON_IsObject(root)) die("%s: corrupt manifest (not valid JSON)", path);
     const cJSON *version = field(root, "schema_version", path);
-    if (!cJSON_IsNumber(version) || version->valuedouble != 7)
-        die("%s: manifest schema version %g, this program reads version 7; re-export the artifact", path,
+    if (!cJSON_IsNumber(version) || version->valuedouble != 6)
+        die("%s: manifest schema version %g, this program reads version 6; re-export the artifact", path,
             cJSON_IsNumber(version) ? version->valuedouble : -1.0);
     const cJSON *dtype = field(root, "dtype", path);
     if (!cJSON_IsString(dtype) || strcmp(dtype->valuestring, "fp32") != 0)
