@@ -67,6 +67,7 @@ class GraphBuilder:
     # A repeated body (the cycle run's K cycles): node paths and value names of ops recorded
     # meanwhile get this prefix; inputs, weights and constants stay shared.
     scope: str = ""
+    _built: ir.Model | None = None
 
     # -- values ------------------------------------------------------------------------------
     def input(self, name: str, dtype: ir.DataType, shape: Sequence[int | str]) -> ir.Value:
@@ -174,8 +175,10 @@ class GraphBuilder:
         return f"{self.scope}.{name}" if self.scope else name
 
     def custom_ops(self) -> list[str]:
-        """The ``loopcast``-domain op types recorded so far (the manifest lists them)."""
-        return sorted({n.op_type for n in self.tape.nodes if n.domain == LOOPCAST_DOMAIN})
+        """The ``loopcast``-domain op types of the graph (the manifest lists them): the built
+        graph's, after its rewrites, else those recorded so far."""
+        nodes = self._built.graph if self._built is not None else self.tape.nodes
+        return sorted({n.op_type for n in nodes if n.domain == LOOPCAST_DOMAIN})
 
     # -- result ------------------------------------------------------------------------------
     def build(self, name: str, doc: str) -> ir.Model:
@@ -191,7 +194,12 @@ class GraphBuilder:
             name=name,
             doc_string=doc,
         )
-        return ir.Model(graph, ir_version=IR_VERSION, producer_name="loopcast")
+        from loopcast.graphs import norm_prologue  # it imports this module
+
+        if norm_prologue.enabled():  # the loopcast op set's norms into their projections
+            norm_prologue.fuse_norm_prologues(graph)
+        self._built = ir.Model(graph, ir_version=IR_VERSION, producer_name="loopcast")
+        return self._built
 
     def spec(self, kind, file: str, rows, first_loop: int, last_loop: int) -> GraphSpec:
         """The manifest entry of the graph built here: its KV slots and input/output names."""

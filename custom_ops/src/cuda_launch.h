@@ -23,12 +23,29 @@ LOOPCAST_CUDA_API int loopcast_cuda_matmul(int dtype, const void* A, const void*
 LOOPCAST_CUDA_API int loopcast_cuda_swiglu_matmul(int dtype, const void* A, const void* B, void* Y, int64_t M,
                                                   int64_t K, int64_t N, int trans_b, void* stream);
 
+// The norm prologue (norm_prologue.cuh): A [M, K] is ResidualRMSNorm's branch and the product
+// reads its normed output h = norm(n_loop(residual + n_b(A)), norm_weight) in A's place, bit for
+// bit loopcast_cuda_residual_rms_norm's; sum_out (null: not written) gets its sum
+// n_loop(residual + n_b(A)). residual, branch_weight and loop_weight may be null, norm_weight not;
+// sum_out must not overlap A or residual (other blocks still read them).
+LOOPCAST_CUDA_API int loopcast_cuda_norm_matmul(int dtype, const void* A, const void* residual,
+                                                const void* branch_weight, const void* loop_weight,
+                                                const void* norm_weight, float epsilon, void* sum_out, const void* B,
+                                                void* Y, int64_t M, int64_t K, int64_t N, int trans_b, void* stream);
+
 // Y[M, N] = A[M, K] · Wᵀ for W [N, K] block-quantized in MatMulNBits' layout (matmul_nbits_op.h):
 // B uint8 [N, ceil(K/block_size), block_size·bits/8], scales fp32 [N·n_blocks], zero_points uint8
 // or null (symmetric); bits 4 or 8; swiglu = 1: A is [M, 2K] = [gate | up] and Y = SwiGLU(A) · Wᵀ.
 LOOPCAST_CUDA_API int loopcast_cuda_matmul_nbits(int dtype, const void* A, const void* B, const float* scales,
                                                  const uint8_t* zero_points, void* Y, int64_t M, int64_t K, int64_t N,
                                                  int bits, int block_size, int swiglu, void* stream);
+// The same with the norm prologue (as loopcast_cuda_norm_matmul).
+LOOPCAST_CUDA_API int loopcast_cuda_norm_matmul_nbits(int dtype, const void* A, const void* residual,
+                                                      const void* branch_weight, const void* loop_weight,
+                                                      const void* norm_weight, float epsilon, void* sum_out,
+                                                      const void* B, const float* scales, const uint8_t* zero_points,
+                                                      void* Y, int64_t M, int64_t K, int64_t N, int bits,
+                                                      int block_size, void* stream);
 
 // Packed-QKV GQA with rotate-half rotary; see attention_cuda.cu. present_* may equal past_*.
 LOOPCAST_CUDA_API int loopcast_cuda_attention(int dtype, const void* qkv, const void* past_k, const void* past_v,

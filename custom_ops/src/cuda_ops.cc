@@ -12,6 +12,7 @@
 #include "cuda_ops.h"
 #include "lane_step_op.h"
 #include "matmul_nbits_op.h"
+#include "norm_prologue_io.h"
 #include "op_schemas.h"
 #include "row_attention.h"
 
@@ -32,8 +33,18 @@ struct MatMulCudaKernel {
     Ort::KernelContext ctx(raw);
     Ort::ConstValue a = ctx.GetInput(0), b = ctx.GetInput(1);
     const MatMulDims dims = attrs.dims(a, b);
+    const NormPrologueIO norm = norm_prologue_io(ctx, 2, a.GetTensorTypeAndShapeInfo().GetShape(), dims.K,
+                                                 attrs.swiglu, "BatchInvariantMatMul");
     Ort::UnownedValue y = ctx.GetOutput(0, dims.y_shape);
     if (dims.rows == 0 || dims.N == 0) return;
+    if (norm.on) {
+      check_launch(loopcast_cuda_norm_matmul(static_cast<int>(DTypeOf<T>::value), a.GetTensorRawData(), norm.residual,
+                                             norm.weight[0], norm.weight[1], norm.weight[2], attrs.epsilon, norm.sum,
+                                             b.GetTensorRawData(), y.GetTensorMutableRawData(), dims.rows, dims.K,
+                                             dims.N, attrs.trans_b ? 1 : 0, ctx.GetGPUComputeStream()),
+                   "BatchInvariantMatMul");
+      return;
+    }
     auto launch = attrs.swiglu ? loopcast_cuda_swiglu_matmul : loopcast_cuda_matmul;
     check_launch(launch(static_cast<int>(DTypeOf<T>::value), a.GetTensorRawData(), b.GetTensorRawData(),
                         y.GetTensorMutableRawData(), dims.rows, dims.K, dims.N, attrs.trans_b ? 1 : 0,
@@ -52,6 +63,15 @@ struct NBitsCudaKernel {
     Ort::UnownedValue y(nullptr);
     const NBitsCall call = nbits_call(ctx, attrs, &y);
     if (call.rows == 0) return;
+    if (call.norm.on) {
+      check_launch(loopcast_cuda_norm_matmul_nbits(
+                       static_cast<int>(DTypeOf<T>::value), call.A, call.norm.residual, call.norm.weight[0],
+                       call.norm.weight[1], call.norm.weight[2], attrs.epsilon, call.norm.sum, call.B, call.scales,
+                       call.zero_points, y.GetTensorMutableRawData(), call.rows, attrs.K, attrs.N,
+                       static_cast<int>(attrs.bits), static_cast<int>(attrs.block_size), ctx.GetGPUComputeStream()),
+                   "BatchInvariantMatMulNBits");
+      return;
+    }
     check_launch(loopcast_cuda_matmul_nbits(static_cast<int>(DTypeOf<T>::value), call.A, call.B, call.scales,
                                             call.zero_points, y.GetTensorMutableRawData(), call.rows, attrs.K,
                                             attrs.N, static_cast<int>(attrs.bits), static_cast<int>(attrs.block_size),

@@ -5,12 +5,16 @@
 // fixed by (k, K) alone whatever the number of rows, so a row's result does not depend on how
 // many rows share the call (stock GEMMs pick different kernels and blockings for M = 1 and
 // M = W). The weights are read once per call for all rows, as in a GEMV. swiglu=1: A is
-// [gate | up] and its SwiGLU (the SwiGLU op's values) is formed first, then multiplied.
+// [gate | up] and its SwiGLU (the SwiGLU op's values) is formed first, then multiplied. With
+// norm_weight (norm_prologue_io.h) A is ResidualRMSNorm's branch: the op's normed rows
+// (residual_norm_rows.h) are formed first, then multiplied.
 #include <algorithm>
 #include <vector>
 
 #include "cpu_ops.h"
+#include "norm_prologue_io.h"
 #include "op_schemas.h"
+#include "residual_norm_rows.h"
 
 namespace loopcast {
 namespace {
@@ -25,10 +29,18 @@ struct MatMulCpuKernel {
     Ort::ConstValue a = ctx.GetInput(0), b = ctx.GetInput(1);
     const MatMulDims dims = attrs.dims(a, b);
     const int64_t rows = dims.rows, K = dims.K, N = dims.N;
+    const NormPrologueIO norm =
+        norm_prologue_io(ctx, 2, a.GetTensorTypeAndShapeInfo().GetShape(), K, attrs.swiglu, "BatchInvariantMatMul");
     Ort::UnownedValue y = ctx.GetOutput(0, dims.y_shape);
     const T* A = a.GetTensorData<T>();
     std::vector<T> act;
-    if (attrs.swiglu) {
+    if (norm.on) {
+      act.resize(static_cast<size_t>(rows * K));
+      residual_norm::rows<T>(A, static_cast<const T*>(norm.residual), static_cast<const T*>(norm.weight[0]),
+                             static_cast<const T*>(norm.weight[1]), static_cast<const T*>(norm.weight[2]),
+                             static_cast<T*>(norm.sum), act.data(), rows, K, attrs.epsilon);
+      A = act.data();
+    } else if (attrs.swiglu) {
       act.resize(static_cast<size_t>(rows * K));
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t k = 0; k < K; ++k) act[r * K + k] = swiglu_value(A[r * 2 * K + k], A[r * 2 * K + K + k]);

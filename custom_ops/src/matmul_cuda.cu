@@ -24,6 +24,7 @@
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
 #include "mma_common.cuh"
+#include "norm_prologue.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -89,18 +90,25 @@ __device__ void load_slice(T* bs, const T* __restrict__ B, int K, int N, int s0,
 template <typename T, int RPT>
 __global__ void __launch_bounds__(kThreads) matmul_kernel(const T* __restrict__ A, const T* __restrict__ B,
                                                           T* __restrict__ Y, int M, int K, int N, int ks,
-                                                          bool trans_b, bool vec_ok, int a_stride, bool swiglu) {
+                                                          bool trans_b, bool vec_ok, int a_stride, bool swiglu,
+                                                          NormPrologue norm, bool has_norm) {
   constexpr int VEC = 16 / sizeof(T), TN = kGranules * VEC;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* bs = reinterpret_cast<T*>(smem_raw);  // [min(ks, kSliceRows)][TN]
   __shared__ float red[kWarps][RPT][TN];   // per-warp partials
   __shared__ float part[RPT * TN];         // this block's partial, read by the whole cluster
+  __shared__ float norm_inv[32][4];        // the norm prologue (launches of <= 32 rows)
+  __shared__ float norm_red[32][8];
 
   pdl_trigger();
   pdl_wait();  // fp32 is not the hot path: no weight prefetch before the wait
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int cs = static_cast<int>(cluster.num_blocks());
+  if (has_norm) {  // uniform
+    norm_row_stats<T>(norm, A, M, K, norm_inv, norm_red);
+    norm_write_sum<T>(norm, A, M, K, norm_inv, blockIdx.y * cs + rank, cs * gridDim.y);
+  }
   const int n0 = blockIdx.y * TN;
   const int k_begin = min(K, rank * ks), k_end = min(K, k_begin + ks);
   const int tid = threadIdx.x, g = tid % kGranules, kl = tid / kGranules;
@@ -134,8 +142,10 @@ __global__ void __launch_bounds__(kThreads) matmul_kernel(const T* __restrict__ 
         for (int c = 0; c < VEC; ++c) b[c] = to_f(bv[c]);
 #pragma unroll
         for (int r = 0; r < RPT; ++r) {
-          const float a = swiglu ? to_f(swiglu_value(__ldg(a_rows[r] + s0 + kk), __ldg(a_rows[r] + K + s0 + kk)))
-                                 : to_f(__ldg(a_rows[r] + s0 + kk));
+          const int row = min(m0 + r, M - 1);
+          const float a = has_norm ? norm_value<T>(norm, A, row, s0 + kk, K, norm_inv[row], 3)
+                          : swiglu ? to_f(swiglu_value(__ldg(a_rows[r] + s0 + kk), __ldg(a_rows[r] + K + s0 + kk)))
+                                   : to_f(__ldg(a_rows[r] + s0 + kk));
 #pragma unroll
           for (int c = 0; c < VEC; ++c) acc[r][c] = fmaf(a, b[c], acc[r][c]);
         }
@@ -189,7 +199,8 @@ Plan plan_for(int K, int N) {
 }
 
 template <typename T, int RPT>
-int launch(const T* A, const T* B, T* Y, int M, int K, int N, bool trans_b, bool swiglu, cudaStream_t stream) {
+int launch(const T* A, const T* B, T* Y, int M, int K, int N, bool trans_b, bool swiglu, const NormPrologue* norm,
+           cudaStream_t stream) {
   const Plan p = plan_for<T>(K, N);
   auto kernel = matmul_kernel<T, RPT>;
   // Not a stream operation: allowed while a graph is being captured.
@@ -200,7 +211,8 @@ int launch(const T* A, const T* B, T* Y, int M, int K, int N, bool trans_b, bool
   const bool aligned = reinterpret_cast<uintptr_t>(B) % 16 == 0;
   const bool vec_ok = aligned && (trans_b ? K % VEC == 0 : N % VEC == 0);
   return static_cast<int>(launch_kernel(kernel, dim3(p.cs, p.tiles, 1), dim3(kThreads, 1, 1), p.smem, stream, p.cs, A, B,
-                                        Y, M, K, N, p.ks, trans_b, vec_ok, swiglu ? 2 * K : K, swiglu));
+                                        Y, M, K, N, p.ks, trans_b, vec_ok, swiglu ? 2 * K : K, swiglu,
+                                        norm ? *norm : NormPrologue{}, norm != nullptr));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -255,7 +267,11 @@ struct MmaArgs {
   int M, K, N, cpw, chunks;
   int a_stride;       // elements per row of A: K, or 2K with SwiGLU (A = [gate | up])
   bool b_vec, a_vec;  // 16-byte weight loads / aligned activation loads allowed
+  NormPrologue norm;  // the norm prologue's inputs (kernels with NP only)
 };
+
+// The norm prologue's per-row 1/rms (norm_prologue.cuh), in static shared memory.
+using NormInv = float (*)[4];
 
 // Aligned 16-byte loads, entirely inside K and the tile's columns: no bounds checks needed.
 __device__ __forceinline__ bool chunk_full(const MmaArgs& p, int chunk, int n0) {
@@ -274,15 +290,19 @@ __device__ __forceinline__ uint4 load_a8(const MmaArgs& p, const uint16_t* src, 
 // Lane (g, t)'s activations A[row][k .. k + 8] for rows g and g + 8 of each 16-row tile (one
 // 16-byte load each, two with swiglu); rows >= M and columns >= K are zeros. `full`: aligned and
 // inside K.
-template <typename T, bool SW, int MT>
-__device__ __forceinline__ void load_a_rows(ChunkRegs<MT>& r, const MmaArgs& p, int k, int g, bool full) {
+// NP: the norm prologue's h, formed from the branch rows (norm_h8), instead of A itself.
+template <typename T, bool SW, int MT, bool NP = false>
+__device__ __forceinline__ void load_a_rows(ChunkRegs<MT>& r, const MmaArgs& p, int k, int g, bool full,
+                                            NormInv inv = nullptr) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = 16 * mt + g + 8 * h;
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (row < p.M) {
+      if (NP) {
+        if (row < p.M && k < p.K) v = norm_h8<T>(p.norm, reinterpret_cast<const T*>(p.A), row, k, p.K, inv[row]);
+      } else if (row < p.M) {
         const uint16_t* src = p.A + static_cast<size_t>(row) * p.a_stride + k;
         if (full) v = load_a8<T, SW>(p, src, true, 8);
         else if (k < p.K) v = load_a8<T, SW>(p, src, p.a_vec && k + 8 <= p.K, min(8, p.K - k));
@@ -345,11 +365,12 @@ __device__ __forceinline__ void load_b(ChunkRegs<MT>& r, const MmaArgs& p, int c
 
 // Whole chunk in bounds with aligned 16-byte loads: only the row < M predicate is left.
 // Otherwise every element is bounds-checked (zero fill).
-template <typename T, bool TB, bool SW, int MT>
-__device__ __forceinline__ void load_chunk(ChunkRegs<MT>& r, const MmaArgs& p, int chunk, int n0, int g, int t) {
+template <typename T, bool TB, bool SW, int MT, bool NP = false>
+__device__ __forceinline__ void load_chunk(ChunkRegs<MT>& r, const MmaArgs& p, int chunk, int n0, int g, int t,
+                                           NormInv inv = nullptr) {
   const bool full = chunk_full(p, chunk, n0);
   load_b<TB, MT>(r, p, chunk, n0, g, t, full);
-  load_a_rows<T, SW, MT>(r, p, chunk * kChunkK + 8 * t, g, full);
+  load_a_rows<T, SW, MT, NP>(r, p, chunk * kChunkK + 8 * t, g, full, inv);
 }
 
 // SwiGLU staging (swiglu, M <= kMaxStageRows): the warp's activations SwiGLU(A)[row][kb .. kb + span)
@@ -373,6 +394,24 @@ __device__ __forceinline__ void stage_swiglu_rows(uint16_t* act, const MmaArgs& 
   __syncwarp();
 }
 
+// The norm prologue's rows h [M][norm_stride] in shared memory (norm_rows_to_shared: the values
+// load_a_rows<NP> forms per chunk): whole rows, every chunk, +16 B a row (other banks).
+__host__ __device__ __forceinline__ int norm_stride(int chunks) { return chunks * kChunkK + 8; }
+
+template <int MT>  // instantiated with MT = 1 only
+__device__ __forceinline__ void shared_h_rows(ChunkRegs<MT>& r, const MmaArgs& p, const uint16_t* h, int k, int g) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = g + 8 * hh;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row < p.M) v = *reinterpret_cast<const uint4*>(h + row * norm_stride(p.chunks) + k);
+    r.a[0][4 * hh + 0] = v.x;
+    r.a[0][4 * hh + 1] = v.y;
+    r.a[0][4 * hh + 2] = v.z;
+    r.a[0][4 * hh + 3] = v.w;
+  }
+}
+
 // Lane (g, t)'s activation fragment of chunk i (0-based within the warp's range) from the staging.
 template <int MT>  // instantiated with MT = 1 only
 __device__ __forceinline__ void staged_a_rows(ChunkRegs<MT>& r, const MmaArgs& p, const uint16_t* act, int i, int g,
@@ -389,10 +428,15 @@ __device__ __forceinline__ void staged_a_rows(ChunkRegs<MT>& r, const MmaArgs& p
   }
 }
 
-// ST: SwiGLU staged in shared memory (stage_swiglu_rows; SW and MT = 1 only).
-template <typename T, bool TB, bool SW, int MT, bool ST>
+// ST: the activations staged in shared memory (stage_swiglu_rows / stage_norm_rows; MT = 1 only).
+// NP: the norm prologue (norm_prologue.cuh): A holds the branch rows, the product reads h.
+template <typename T, bool TB, bool SW, int MT, bool ST, bool NP>
 __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
-  static_assert(!ST || (SW && MT == 1), "staging is for the SwiGLU kernel with one row tile");
+  static_assert(!ST || ((SW || NP) && MT == 1), "staging is for the SwiGLU or norm kernel with one row tile");
+  static_assert(!(SW && NP), "a projection takes SwiGLU or the norm prologue, not both");
+  __shared__ float norm_inv[NP ? kMaxRowsPerLaunch : 1][4];
+  __shared__ float norm_red[NP ? kMaxRowsPerLaunch : 1][8];  // >= kNormGroup rows
+  __shared__ float norm_group_inv[NP ? 3 * kNormGroup : 1];
   constexpr int ROWS = 16 * MT;
   extern __shared__ __align__(16) float mma_smem[];
   float* red = mma_smem;                                 // [warps][ROWS][65] (padded: fewer bank conflicts)
@@ -423,20 +467,31 @@ __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
   const bool first_full = MT == 1 && n > 0 && chunk_full(p, c_begin, n0);
   if (first_full) load_b_full<TB, MT>(first, p, c_begin, n0, g, t);
   pdl_wait();
-  uint16_t* act = reinterpret_cast<uint16_t*>(part + ROWS * kMmaTN) + warp * p.M * stage_stride(p.cpw);
-  if (ST) stage_swiglu_rows<T>(act, p, c_begin * kChunkK, n, lane);
+  uint16_t* hrow = reinterpret_cast<uint16_t*>(part + ROWS * kMmaTN);  // NP && ST: h [M][norm_stride]
+  if (NP && ST) {  // every block forms the rows' h in shared memory; block (0, 0) writes the sum
+    norm_rows_to_shared<T>(p.norm, reinterpret_cast<const T*>(p.A), p.M, p.K, p.norm.vec, reinterpret_cast<T*>(hrow),
+                           norm_stride(p.chunks), blockIdx.x == 0 && blockIdx.y == 0, norm_red, norm_group_inv);
+  } else if (NP) {  // every block: the rows' statistics; the sum's elements spread over the grid
+    norm_row_stats<T>(p.norm, reinterpret_cast<const T*>(p.A), p.M, p.K, norm_inv, norm_red);
+    norm_write_sum<T>(p.norm, reinterpret_cast<const T*>(p.A), p.M, p.K, norm_inv, blockIdx.y * cs + rank,
+                      cs * gridDim.y);
+  }
+  uint16_t* act = hrow + warp * p.M * stage_stride(p.cpw);
+  if (ST && !NP) stage_swiglu_rows<T>(act, p, c_begin * kChunkK, n, lane);
   for (int i = 0; i < n; ++i) {
     ChunkRegs<MT> x;
     if (i == 0 && first_full) {
 #pragma unroll
       for (int q = 0; q < 8; ++q) x.b[q] = first.b[q];
-      if (ST) staged_a_rows(x, p, act, 0, g, t);
-      else load_a_rows<T, SW, MT>(x, p, c_begin * kChunkK + 8 * t, g, true);
+      if (ST && NP) shared_h_rows(x, p, hrow, c_begin * kChunkK + 8 * t, g);
+      else if (ST) staged_a_rows(x, p, act, 0, g, t);
+      else load_a_rows<T, SW, MT, NP>(x, p, c_begin * kChunkK + 8 * t, g, true, norm_inv);
     } else if (ST) {
       load_b<TB, MT>(x, p, c_begin + i, n0, g, t, chunk_full(p, c_begin + i, n0));
-      staged_a_rows(x, p, act, i, g, t);
+      if (NP) shared_h_rows(x, p, hrow, (c_begin + i) * kChunkK + 8 * t, g);
+      else staged_a_rows(x, p, act, i, g, t);
     } else {
-      load_chunk<T, TB, SW, MT>(x, p, c_begin + i, n0, g, t);
+      load_chunk<T, TB, SW, MT, NP>(x, p, c_begin + i, n0, g, t, norm_inv);
     }
     mma_chunk<T, TB, MT>(acc, x);
   }
@@ -500,6 +555,9 @@ inline MmaPlan mma_plan(int K, int N) {
 // M = 5 14.2 / 14.4, M = 16 23.1 / 20.1 (tools/bench/bench_matmul_cuda.py, docs/perf.md).
 constexpr int kMaxStageBytes = 64 << 10;
 constexpr int kMaxStageRows = 5;
+// The norm prologue stages h for every MT = 1 launch that fits (no expf: forming h per chunk
+// gains no overlap); 72 KiB + the reduction buffers still leave two blocks an SM.
+constexpr int kMaxNormStageBytes = 72 << 10;
 
 // LOOPCAST_SWIGLU_STAGE=0 computes SwiGLU per chunk instead (read at every launch, like
 // LOOPCAST_PDL, so a benchmark can time both; the bits are the same).
@@ -508,16 +566,20 @@ inline bool swiglu_stage_enabled() {
   return !(v != nullptr && v[0] == '0' && v[1] == '\0');
 }
 
-template <typename T, bool TB, bool SW, int MT, bool ST = false>
+template <typename T, bool TB, bool SW, int MT, bool NP = false, bool ST = false>
 int mma_launch(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
   if constexpr (SW && MT == 1 && !ST) {  // stage SwiGLU when it fits (the same bits either way)
     if (args.M <= kMaxStageRows && kMmaWarps * args.M * stage_stride(plan.cpw) * 2 <= kMaxStageBytes &&
         swiglu_stage_enabled())
-      return mma_launch<T, TB, true, 1, true>(args, plan, stream);
+      return mma_launch<T, TB, true, 1, false, true>(args, plan, stream);
   }
-  auto kernel = mma_matmul_kernel<T, TB, SW, MT, ST>;
+  if constexpr (NP && MT == 1 && !ST) {  // h in shared memory when it fits (the same bits either way)
+    if (norm_in_registers<T>(args.K) && args.M * norm_stride(plan.chunks) * 2 <= kMaxNormStageBytes)
+      return mma_launch<T, TB, false, 1, true, true>(args, plan, stream);
+  }
+  auto kernel = mma_matmul_kernel<T, TB, SW, MT, ST, NP>;
   int smem = (kMmaWarps * kRedStride + kMmaTN) * 16 * MT * static_cast<int>(sizeof(float));
-  if (ST) smem += kMmaWarps * args.M * stage_stride(plan.cpw) * 2;
+  if (ST) smem += NP ? args.M * norm_stride(plan.chunks) * 2 : kMmaWarps * args.M * stage_stride(plan.cpw) * 2;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(launch_kernel(kernel, dim3(plan.cs, plan.tiles, 1), dim3(kMmaThreads, 1, 1), smem, stream,
@@ -525,7 +587,8 @@ int mma_launch(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
 }
 
 template <typename T, bool TB>
-int mma_run(const void* A, const void* B, void* Y, int M, int K, int N, bool swiglu, cudaStream_t stream) {
+int mma_run(const void* A, const void* B, void* Y, int M, int K, int N, bool swiglu, const NormPrologue* norm,
+            cudaStream_t stream) {
   const MmaPlan plan = mma_plan(K, N);
   MmaArgs args{};
   args.B = static_cast<const uint16_t*>(B);
@@ -542,6 +605,16 @@ int mma_run(const void* A, const void* B, void* Y, int M, int K, int N, bool swi
     args.M = rows;
     const uintptr_t a_addr = reinterpret_cast<uintptr_t>(args.A);
     args.a_vec = a_addr % 16 == 0 && K % 8 == 0;  // every 16-byte granule of A (gate and up) aligned
+    if (norm != nullptr) {  // the residual and the sum advance with A
+      args.norm = *norm;
+      const size_t off = static_cast<size_t>(m0) * K * sizeof(T);
+      if (norm->residual) args.norm.residual = static_cast<const char*>(norm->residual) + off;
+      if (norm->sum) args.norm.sum = static_cast<char*>(norm->sum) + off;
+      const int err = rows <= 16 ? mma_launch<T, TB, false, 1, true>(args, plan, stream)
+                                 : mma_launch<T, TB, false, 2, true>(args, plan, stream);
+      if (err != 0) return err;
+      continue;
+    }
     const int err = swiglu ? (rows <= 16 ? mma_launch<T, TB, true, 1>(args, plan, stream)
                                          : mma_launch<T, TB, true, 2>(args, plan, stream))
                            : (rows <= 16 ? mma_launch<T, TB, false, 1>(args, plan, stream)
@@ -554,24 +627,38 @@ int mma_run(const void* A, const void* B, void* Y, int M, int K, int N, bool swi
 template <typename T>
 struct MatMulLauncher {
   static int run(const void* A, const void* B, void* Y, int64_t M, int64_t K, int64_t N, int trans_b, int swiglu,
-                 void* stream) {
+                 const NormPrologue* norm, void* stream) {
     if (M <= 0 || N <= 0) return 0;
     if (K <= 0 || K > (1 << 29) || N > (1 << 30) || M > (1 << 30) || (N + 63) / 64 > 65535)
       return static_cast<int>(cudaErrorInvalidValue);
+    if (norm != nullptr && (swiglu || norm->weight[2] == nullptr)) return static_cast<int>(cudaErrorInvalidValue);
     auto s = static_cast<cudaStream_t>(stream);
     const int m = static_cast<int>(M), k = static_cast<int>(K), n = static_cast<int>(N);
     if constexpr (!std::is_same<T, float>::value) {
-      return trans_b ? mma_run<T, true>(A, B, Y, m, k, n, swiglu != 0, s)
-                     : mma_run<T, false>(A, B, Y, m, k, n, swiglu != 0, s);
+      return trans_b ? mma_run<T, true>(A, B, Y, m, k, n, swiglu != 0, norm, s)
+                     : mma_run<T, false>(A, B, Y, m, k, n, swiglu != 0, norm, s);
     } else {
       auto a = static_cast<const T*>(A);
       auto b = static_cast<const T*>(B);
       auto y = static_cast<T*>(Y);
+      if (norm != nullptr) {  // the prologue's statistics hold 32 rows: one launch per 32 rows
+        for (int m0 = 0; m0 < m; m0 += 32) {
+          const int rows = std::min(32, m - m0);
+          NormPrologue q = *norm;
+          const size_t off = static_cast<size_t>(m0) * k;
+          if (q.residual) q.residual = static_cast<const T*>(q.residual) + off;
+          if (q.sum) q.sum = static_cast<T*>(q.sum) + off;
+          const int err = launch<T, 8>(a + off, b, y + static_cast<size_t>(m0) * n, rows, k, n, trans_b != 0, false,
+                                       &q, s);
+          if (err != 0) return err;
+        }
+        return 0;
+      }
       // Rows per pass: only how many rows share a pass, never how a row is reduced.
-      if (m == 1) return launch<T, 1>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, s);
-      if (m == 2) return launch<T, 2>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, s);
-      if (m <= 4) return launch<T, 4>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, s);
-      return launch<T, 8>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, s);
+      if (m == 1) return launch<T, 1>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, nullptr, s);
+      if (m == 2) return launch<T, 2>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, nullptr, s);
+      if (m <= 4) return launch<T, 4>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, nullptr, s);
+      return launch<T, 8>(a, b, y, m, k, n, trans_b != 0, swiglu != 0, nullptr, s);
     }
   }
 };
@@ -581,12 +668,26 @@ struct MatMulLauncher {
 
 LOOPCAST_CUDA_API int loopcast_cuda_matmul(int dtype, const void* A, const void* B, void* Y, int64_t M, int64_t K,
                                            int64_t N, int trans_b, void* stream) {
-  return loopcast_cuda::dispatch<loopcast_cuda::MatMulLauncher>(dtype, A, B, Y, M, K, N, trans_b, 0, stream);
+  return loopcast_cuda::dispatch<loopcast_cuda::MatMulLauncher>(dtype, A, B, Y, M, K, N, trans_b, 0,
+                                                                 static_cast<const loopcast_cuda::NormPrologue*>(nullptr),
+                                                                 stream);
+}
+
+LOOPCAST_CUDA_API int loopcast_cuda_norm_matmul(int dtype, const void* A, const void* residual,
+                                                const void* branch_weight, const void* loop_weight,
+                                                const void* norm_weight, float epsilon, void* sum_out, const void* B,
+                                                void* Y, int64_t M, int64_t K, int64_t N, int trans_b, void* stream) {
+  if (norm_weight == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  loopcast_cuda::NormPrologue norm{residual, {branch_weight, loop_weight, norm_weight}, sum_out, epsilon, false};
+  norm.vec = loopcast_cuda::norm_vec_ok(norm, A, K, dtype == 0 ? 4 : 8);
+  return loopcast_cuda::dispatch<loopcast_cuda::MatMulLauncher>(dtype, A, B, Y, M, K, N, trans_b, 0, &norm, stream);
 }
 
 LOOPCAST_CUDA_API int loopcast_cuda_swiglu_matmul(int dtype, const void* A, const void* B, void* Y, int64_t M,
                                                   int64_t K, int64_t N, int trans_b, void* stream) {
-  return loopcast_cuda::dispatch<loopcast_cuda::MatMulLauncher>(dtype, A, B, Y, M, K, N, trans_b, 1, stream);
+  return loopcast_cuda::dispatch<loopcast_cuda::MatMulLauncher>(dtype, A, B, Y, M, K, N, trans_b, 1,
+                                                                 static_cast<const loopcast_cuda::NormPrologue*>(nullptr),
+                                                                 stream);
 }
 
 LOOPCAST_CUDA_API const char* loopcast_cuda_error_string(int code) {

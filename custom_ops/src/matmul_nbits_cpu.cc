@@ -18,6 +18,7 @@
 
 #include "cpu_ops.h"
 #include "matmul_nbits_op.h"
+#include "residual_norm_rows.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LOOPCAST_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -143,6 +144,14 @@ struct NBitsCpuKernel {
     const int64_t rows = call.rows, K = attrs.K, N = attrs.N;
     if (rows == 0) return;
     const T* A = static_cast<const T*>(call.A);
+    std::vector<T> normed;  // the norm prologue's rows (norm_prologue_io.h), formed first
+    if (call.norm.on) {
+      normed.resize(static_cast<size_t>(rows * K));
+      residual_norm::rows<T>(A, static_cast<const T*>(call.norm.residual), static_cast<const T*>(call.norm.weight[0]),
+                             static_cast<const T*>(call.norm.weight[1]), static_cast<const T*>(call.norm.weight[2]),
+                             static_cast<T*>(call.norm.sum), normed.data(), rows, K, attrs.epsilon);
+      A = normed.data();
+    }
     // Activations in fp32 (SwiGLU of [gate | up] first, with the SwiGLU op's roundings), each
     // row padded with zeros to a multiple of 16.
     const int64_t Kp = (K + kLanes - 1) / kLanes * kLanes;

@@ -25,6 +25,7 @@
 
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
+#include "norm_prologue.cuh"
 
 namespace loopcast_cuda {
 namespace {
@@ -46,6 +47,7 @@ struct NBitsArgs {
   long long row_bytes;  // bytes per weight row: nb * block_size * bits / 8
   bool b_vec, a_vec;    // aligned vector loads allowed
   bool stage;           // activations staged in shared memory
+  NormPrologue norm;    // the norm prologue's inputs (kernels with NP only)
 };
 
 // Eight activations A[row][k .. k + 8] as fp32 (zeros past K), through SwiGLU when SW.
@@ -71,6 +73,15 @@ __device__ __forceinline__ void load_a(float (&a)[8], const NBitsArgs& p, const 
   }
 }
 
+// The norm prologue's h of row `row` (of the pass), k .. k + 8 (zeros past K): the values that
+// stage_rows<NP> stages.
+template <typename T>
+__device__ __forceinline__ void load_a_norm(float (&a)[8], const NormPrologue& q, const T* A, int row, int k, int K,
+                                            const float* inv) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) a[e] = norm_value<T>(q, A, row, k + e, K, inv, 3);
+}
+
 // Eight staged activations (shared memory, zeros past K: the same values load_a gives).
 template <typename T>
 __device__ __forceinline__ void load_staged(float (&a)[8], const T* row, int k) {
@@ -84,12 +95,21 @@ __device__ __forceinline__ void load_staged(float (&a)[8], const T* row, int k) 
 
 // Rows m0 .. m0 + RPT of A (SwiGLU applied when SW) into shared memory as T, zero-padded to
 // stage_stride (rows past M are skipped); eight elements a thread step.
-template <typename T, int RPT, bool SW>
-__device__ void stage_rows(T* smem, const NBitsArgs& p, const T* A, int m0) {
+// NP: the norm prologue's h of the pass's rows (A, q: the pass's branch rows and prologue).
+template <typename T, int RPT, bool SW, bool NP = false>
+__device__ void stage_rows(T* smem, const NBitsArgs& p, const T* A, int m0, const NormPrologue* q = nullptr,
+                           const float (*inv)[4] = nullptr) {
   const int per_row = p.stage_stride / 8;
   for (int i = threadIdx.x; i < RPT * per_row; i += kNbThreads) {
     const int r = i / per_row, k = 8 * (i % per_row);
     if (m0 + r >= p.M) break;  // rows past M are never read
+    if constexpr (NP) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        smem[static_cast<size_t>(r) * p.stage_stride + k + e] = from_f<T>(
+            norm_value<T>(*q, A + static_cast<size_t>(m0) * p.K, r, k + e, p.K, inv[r], 3));
+      continue;
+    }
     const T* row = A + static_cast<size_t>(m0 + r) * p.a_stride;
     uint4 out;
     if (p.a_vec && k + 8 <= p.K) {
@@ -194,9 +214,17 @@ __device__ __forceinline__ void load_group(Chunk (&out)[U][COLS], const NBitsArg
     }
 }
 
-template <typename T, int BITS, int RPT, int COLS, int U, bool SW>
+// NP: the norm prologue (norm_prologue.cuh): A holds the branch rows, the product reads h.
+template <typename T, int BITS, int RPT, int COLS, int U, bool SW, bool NP>
 __global__ void __launch_bounds__(kNbThreads, RPT <= 8 ? 2 : 1) nbits_kernel(NBitsArgs p) {
+  static_assert(!(SW && NP), "a projection takes SwiGLU or the norm prologue, not both");
   extern __shared__ __align__(16) unsigned char nbits_smem[];
+  __shared__ float norm_inv[NP ? RPT : 1][4];
+  __shared__ float norm_red[NP ? (RPT > kNormGroup ? RPT : kNormGroup) : 1][8];
+  __shared__ float norm_group_inv[NP ? 3 * kNormGroup : 1];
+  // the register path (norm_rows_to_shared) when the rows are staged and short enough
+  const bool norm_fast = NP && p.stage && norm_in_registers<T>(p.K);
+  NormPrologue q = p.norm;  // the pass's rows of it (NP)
   constexpr int CPC = 128 / BITS;  // codes a 16-byte chunk
   constexpr int G = CPC / 8;       // groups of eight codes a chunk
   T* staged = reinterpret_cast<T*>(nbits_smem);
@@ -216,9 +244,24 @@ __global__ void __launch_bounds__(kNbThreads, RPT <= 8 ? 2 : 1) nbits_kernel(NBi
   pdl_wait();
 
   for (int m0 = 0; m0 < p.M; m0 += RPT) {  // uniform over the block
-    if (p.stage) {
-      if (m0 > 0) __syncthreads();  // the previous pass has read the stage
-      stage_rows<T, RPT, SW>(staged, p, A, m0);
+    const T* pass_a = A + static_cast<size_t>(m0) * p.a_stride;
+    if (NP) {
+      const size_t off = static_cast<size_t>(m0) * p.K;
+      if (p.norm.residual) q.residual = static_cast<const T*>(p.norm.residual) + off;
+      if (p.norm.sum) q.sum = static_cast<T*>(p.norm.sum) + off;
+      if (m0 > 0) __syncthreads();  // the previous pass has read norm_inv and the stage
+      const int rows = min(RPT, p.M - m0);
+      if (norm_fast) {  // h straight into the stage; block 0 writes the sum
+        norm_rows_to_shared<T>(q, pass_a, rows, p.K, p.norm.vec, staged, p.stage_stride, blockIdx.x == 0, norm_red,
+                               norm_group_inv);
+      } else {
+        norm_row_stats<T>(q, pass_a, rows, p.K, norm_inv, norm_red);
+        norm_write_sum<T>(q, pass_a, rows, p.K, norm_inv, blockIdx.x, gridDim.x);
+      }
+    }
+    if (p.stage && !norm_fast) {
+      if (m0 > 0 && !NP) __syncthreads();  // the previous pass has read the stage
+      stage_rows<T, RPT, SW, NP>(staged, p, A, m0, &q, norm_inv);
       __syncthreads();
     }
     if (m0 > 0 && start < p.N) load_group<BITS, U, COLS>(nxt, p, start, lane, split_blocks);
@@ -255,6 +298,8 @@ __global__ void __launch_bounds__(kNbThreads, RPT <= 8 ? 2 : 1) nbits_kernel(NBi
               float a[8];
               if (p.stage) {
                 load_staged<T>(a, staged + static_cast<size_t>(r) * p.stage_stride, k);
+              } else if (NP) {
+                load_a_norm<T>(a, q, pass_a, r, k, p.K, norm_inv[r]);
               } else {
                 load_a<T, SW>(a, p, A + static_cast<size_t>(m0 + r) * p.a_stride, k);
               }
@@ -280,7 +325,7 @@ __global__ void __launch_bounds__(kNbThreads, RPT <= 8 ? 2 : 1) nbits_kernel(NBi
   }
 }
 
-template <typename T, int BITS, int RPT, bool SW>
+template <typename T, int BITS, int RPT, bool SW, bool NP>
 int nbits_launch(NBitsArgs args, cudaStream_t stream) {
   // One column a warp (two spill under the two-blocks-an-SM register budget); U chunks in flight.
   constexpr int COLS = 1;
@@ -289,7 +334,7 @@ int nbits_launch(NBitsArgs args, cudaStream_t stream) {
   args.stage = stage <= static_cast<size_t>(kStageBytes) && args.stage_stride % 8 == 0;
   static bool opted_in = false;  // a function attribute (host side, not a stream operation)
   if (args.stage && stage > 48 * 1024 && !opted_in) {
-    if (cudaFuncSetAttribute(nbits_kernel<T, BITS, RPT, COLS, U, SW>,
+    if (cudaFuncSetAttribute(nbits_kernel<T, BITS, RPT, COLS, U, SW, NP>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, kStageBytes) == cudaSuccess)
       opted_in = true;
     else
@@ -299,25 +344,26 @@ int nbits_launch(NBitsArgs args, cudaStream_t stream) {
   const int wanted = (args.N + per_block - 1) / per_block;
   const int resident = device_sm_count() * (RPT <= 8 ? 2 : 1);  // one wave: __launch_bounds__'s blocks an SM
   const int blocks = std::max(1, std::min(wanted, resident));
-  return static_cast<int>(launch_kernel(nbits_kernel<T, BITS, RPT, COLS, U, SW>, dim3(blocks, 1, 1),
+  return static_cast<int>(launch_kernel(nbits_kernel<T, BITS, RPT, COLS, U, SW, NP>, dim3(blocks, 1, 1),
                                         dim3(kNbThreads, 1, 1), args.stage ? stage : 0, stream, 0, args));
 }
 
-template <typename T, int BITS, bool SW>
+template <typename T, int BITS, bool SW, bool NP = false>
 int nbits_rows(const NBitsArgs& args, cudaStream_t stream) {
   // Rows per pass from M: only which outputs a pass computes, never how (see the top).
-  if (args.M == 1) return nbits_launch<T, BITS, 1, SW>(args, stream);
-  if (args.M == 2) return nbits_launch<T, BITS, 2, SW>(args, stream);
-  if (args.M <= 4) return nbits_launch<T, BITS, 4, SW>(args, stream);
-  if (args.M <= 8) return nbits_launch<T, BITS, 8, SW>(args, stream);
-  return nbits_launch<T, BITS, 16, SW>(args, stream);
+  if (args.M == 1) return nbits_launch<T, BITS, 1, SW, NP>(args, stream);
+  if (args.M == 2) return nbits_launch<T, BITS, 2, SW, NP>(args, stream);
+  if (args.M <= 4) return nbits_launch<T, BITS, 4, SW, NP>(args, stream);
+  if (args.M <= 8) return nbits_launch<T, BITS, 8, SW, NP>(args, stream);
+  return nbits_launch<T, BITS, 16, SW, NP>(args, stream);
 }
 
 template <typename T>
 struct NBitsLauncher {
   static int run(const void* A, const void* B, const float* scales, const uint8_t* zp, void* Y, int64_t M, int64_t K,
-                 int64_t N, int bits, int block_size, int swiglu, void* stream) {
+                 int64_t N, int bits, int block_size, int swiglu, const NormPrologue* norm, void* stream) {
     if (M <= 0 || N <= 0) return 0;
+    if (norm != nullptr && (swiglu || norm->weight[2] == nullptr)) return static_cast<int>(cudaErrorInvalidValue);
     if (K <= 0 || K > (1 << 28) || N > (1 << 30) || M > (1 << 30) || (bits != 4 && bits != 8) || block_size < 16 ||
         block_size > 256 || (block_size & (block_size - 1)) != 0)
       return static_cast<int>(cudaErrorInvalidValue);
@@ -343,6 +389,10 @@ struct NBitsLauncher {
     p.a_vec = reinterpret_cast<uintptr_t>(A) % 16 == 0 && K % 8 == 0;
     if (static_cast<long long>(N) * p.nb > (1LL << 31)) return static_cast<int>(cudaErrorInvalidValue);
     auto s = static_cast<cudaStream_t>(stream);
+    if (norm != nullptr) {
+      p.norm = *norm;
+      return bits == 4 ? nbits_rows<T, 4, false, true>(p, s) : nbits_rows<T, 8, false, true>(p, s);
+    }
     if (bits == 4) return swiglu ? nbits_rows<T, 4, true>(p, s) : nbits_rows<T, 4, false>(p, s);
     return swiglu ? nbits_rows<T, 8, true>(p, s) : nbits_rows<T, 8, false>(p, s);
   }
@@ -355,5 +405,20 @@ LOOPCAST_CUDA_API int loopcast_cuda_matmul_nbits(int dtype, const void* A, const
                                                  const uint8_t* zero_points, void* Y, int64_t M, int64_t K, int64_t N,
                                                  int bits, int block_size, int swiglu, void* stream) {
   return loopcast_cuda::dispatch<loopcast_cuda::NBitsLauncher>(dtype, A, B, scales, zero_points, Y, M, K, N, bits,
-                                                               block_size, swiglu, stream);
+                                                               block_size, swiglu,
+                                                               static_cast<const loopcast_cuda::NormPrologue*>(nullptr),
+                                                               stream);
+}
+
+LOOPCAST_CUDA_API int loopcast_cuda_norm_matmul_nbits(int dtype, const void* A, const void* residual,
+                                                      const void* branch_weight, const void* loop_weight,
+                                                      const void* norm_weight, float epsilon, void* sum_out,
+                                                      const void* B, const float* scales, const uint8_t* zero_points,
+                                                      void* Y, int64_t M, int64_t K, int64_t N, int bits,
+                                                      int block_size, void* stream) {
+  if (norm_weight == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  loopcast_cuda::NormPrologue norm{residual, {branch_weight, loop_weight, norm_weight}, sum_out, epsilon, false};
+  norm.vec = loopcast_cuda::norm_vec_ok(norm, A, K, dtype == 0 ? 4 : 8);
+  return loopcast_cuda::dispatch<loopcast_cuda::NBitsLauncher>(dtype, A, B, scales, zero_points, Y, M, K, N, bits,
+                                                               block_size, 0, &norm, stream);
 }

@@ -8,7 +8,10 @@
 //   2 scales       float  [N · n_blocks] (or [N, n_blocks]); fp32 whatever T is
 //   3 zero_points  uint8  [N · ceil(n_blocks·bits/8)], optional (absent: 2^(bits-1));
 //                         4 bits: two blocks a byte, the lower block first
-//   attributes K, N, bits (4 or 8), block_size (16..256, a power of two), swiglu (0/1)
+//   4..7 residual, branch_weight, loop_weight, norm_weight  T, optional: the norm prologue
+//                         (norm_prologue_io.h); output 1 sum, optional
+//   attributes K, N, bits (4 or 8), block_size (16..256, a power of two), swiglu (0/1),
+//   epsilon (the norm prologue's)
 //
 // Every weight is dequantized as (q - zero_point) · scale in fp32 (the numpy reference's
 // expression) and every output element is reduced in an order fixed by (K, N, block_size) alone,
@@ -18,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "norm_prologue_io.h"
 #include "op_schemas.h"
 
 namespace loopcast {
@@ -25,12 +29,14 @@ namespace loopcast {
 struct NBitsAttrs {
   int64_t K, N, bits, block_size;
   bool swiglu;
+  float epsilon;
   explicit NBitsAttrs(const OrtKernelInfo* info)
       : K(attr_int(info, "K", 0)),
         N(attr_int(info, "N", 0)),
         bits(attr_int(info, "bits", 4)),
         block_size(attr_int(info, "block_size", 32)),
-        swiglu(attr_int(info, "swiglu", 0) != 0) {
+        swiglu(attr_int(info, "swiglu", 0) != 0),
+        epsilon(attr_float(info, "epsilon", 1e-6f)) {
     const std::string op = "BatchInvariantMatMulNBits: ";
     if (K <= 0 || N <= 0) fail(op + "attributes K and N must be positive, got K=" + std::to_string(K) + " N=" + std::to_string(N));
     if (bits != 4 && bits != 8) fail(op + "bits must be 4 or 8, got " + std::to_string(bits));
@@ -49,6 +55,7 @@ struct NBitsCall {
   const uint8_t* B = nullptr;
   const float* scales = nullptr;
   const uint8_t* zero_points = nullptr;  // null: symmetric
+  NormPrologueIO norm;                   // inputs 4..7, output 1
 };
 
 inline int64_t numel(const std::vector<int64_t>& s) {
@@ -87,6 +94,7 @@ inline NBitsCall nbits_call(Ort::KernelContext& ctx, const NBitsAttrs& at, Ort::
   for (size_t i = 0; i + 1 < as.size(); ++i) c.rows *= as[i];
   c.y_shape.assign(as.begin(), as.end() - 1);
   c.y_shape.push_back(at.N);
+  c.norm = norm_prologue_io(ctx, 4, as, at.K, at.swiglu, "BatchInvariantMatMulNBits");
   *y = ctx.GetOutput(0, c.y_shape);
   c.A = a.GetTensorRawData();
   c.B = b.GetTensorData<uint8_t>();
@@ -99,17 +107,21 @@ struct MatMulNBitsOp : Ort::CustomOpBase<MatMulNBitsOp<Kernel, T, Cuda>, Kernel>
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Kernel(api, info); }
   const char* GetName() const { return "BatchInvariantMatMulNBits"; }
   const char* GetExecutionProviderType() const { return provider_name(Cuda); }
-  size_t GetInputTypeCount() const { return 4; }
+  size_t GetInputTypeCount() const { return 4 + kNormPrologueInputs; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    if (i == 0) return ElementType<T>::value;
+    if (i == 0 || i >= 4) return ElementType<T>::value;
     return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i == 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+    return i >= 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                   : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return 2; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ElementType<T>::value; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 1 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                  : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
 };
 
 }  // namespace loopcast

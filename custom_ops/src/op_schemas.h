@@ -32,8 +32,11 @@ inline MatMulDims matmul_dims(const std::vector<int64_t>& a, const std::vector<i
 // BatchInvariantMatMul's attributes, read once per kernel, and the shapes of one call (CPU and CUDA).
 struct MatMulAttrs {
   bool trans_b, swiglu;
+  float epsilon;  // the norm prologue's (norm_prologue_io.h)
   explicit MatMulAttrs(const OrtKernelInfo* info)
-      : trans_b(attr_int(info, "trans_b", 0) != 0), swiglu(attr_int(info, "swiglu", 0) != 0) {}
+      : trans_b(attr_int(info, "trans_b", 0) != 0),
+        swiglu(attr_int(info, "swiglu", 0) != 0),
+        epsilon(attr_float(info, "epsilon", 1e-6f)) {}
   MatMulDims dims(const Ort::ConstValue& a, const Ort::ConstValue& b) const {
     return matmul_dims(a.GetTensorTypeAndShapeInfo().GetShape(), b.GetTensorTypeAndShapeInfo().GetShape(), trans_b,
                        swiglu);
@@ -42,17 +45,26 @@ struct MatMulAttrs {
 
 inline const char* provider_name(bool cuda) { return cuda ? "CUDAExecutionProvider" : "CPUExecutionProvider"; }
 
-// BatchInvariantMatMul(A[..., K], B[K, N] or B[N, K] with trans_b=1) -> Y[..., N]; with swiglu=1
-// A is [..., 2K] and the op computes SwiGLU(A)·B.
+// BatchInvariantMatMul(A[..., K], B[K, N] or B[N, K] with trans_b=1, residual?, branch_weight?,
+// loop_weight?, norm_weight?) -> Y[..., N], sum?; with swiglu=1 A is [..., 2K] and the op computes
+// SwiGLU(A)·B; with norm_weight, the norm prologue (norm_prologue_io.h).
 template <typename Kernel, typename T, bool Cuda>
 struct MatMulOp : Ort::CustomOpBase<MatMulOp<Kernel, T, Cuda>, Kernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Kernel(api, info); }
   const char* GetName() const { return "BatchInvariantMatMul"; }
   const char* GetExecutionProviderType() const { return provider_name(Cuda); }
-  size_t GetInputTypeCount() const { return 2; }
+  size_t GetInputTypeCount() const { return 6; }
   ONNXTensorElementDataType GetInputType(size_t) const { return ElementType<T>::value; }
-  size_t GetOutputTypeCount() const { return 1; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i >= 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                  : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 2; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ElementType<T>::value; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 1 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                  : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
 };
 
 // BatchInvariantAttention: the packed-QKV form of com.microsoft.GroupQueryAttention that our

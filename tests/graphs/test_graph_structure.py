@@ -131,3 +131,29 @@ def test_loopcast_op_layers_are_fused(name: str) -> None:
             "RMSNormalization",
             "SkipSimplifiedLayerNormalization",
         }, kind
+
+
+def test_norm_prologue_folds_the_norms_into_the_projections(tmp_path, monkeypatch) -> None:
+    """LOOPCAST_NORM_PROLOGUE=1 (graphs/norm_prologue.py): a layer is 5 nodes, qkv and gate_up
+    carrying the norm before them; each stack ends on one ResidualRMSNorm, which no projection
+    follows. (The rewrite keeps every bit: tests/graphs/test_norm_prologue_rewrite.py.)"""
+    from loopcast.exporter.export import ExportOptions, export_checkpoint
+
+    from tests.artifacts import checkpoint
+
+    require_c_toolchain()
+    monkeypatch.setenv("LOOPCAST_NORM_PROLOGUE", "1")
+    cfg = config_of("ouro-r3")
+    path = tmp_path / "fused"
+    export_checkpoint(checkpoint("ouro-r3"), path, ExportOptions("fp32", None, 5, 1, True, "auto"))
+    kinds = {kind: file for kind, _, file in _graphs(path)}
+    for kind in ("decode", "verify", "draft", "verify_tail"):
+        nodes = onnx.load(str(kinds[kind]), load_external_data=False).graph.node
+        counts = Counter(n.op_type for n in nodes)
+        layers = counts["BatchInvariantAttention"]
+        assert layers % cfg.num_layers == 0 and layers > 0, kind
+        assert counts["ResidualRMSNorm"] == 1, kind
+        prologue = [n for n in nodes if n.op_type == "BatchInvariantMatMul" and len(n.input) > 2]
+        assert len(prologue) == 2 * layers, kind
+        assert all(n.name.endswith(("/attn/qkv_proj", "/mlp/gate_up_proj")) for n in prologue), kind
+        assert sum(len(n.output) == 2 for n in prologue) == 2 * layers - 1, kind  # the first: no sum

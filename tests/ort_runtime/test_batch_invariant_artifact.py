@@ -152,3 +152,30 @@ def test_cli_target_cuda_selects_the_loopcast_ops(tmp_path) -> None:
         )
         assert result.exit_code == 0, result.output
         assert Manifest.read(out).custom_ops == ops, target
+
+
+def test_norm_prologue_artifact_gives_the_same_bits(tmp_path, monkeypatch) -> None:
+    """LOOPCAST_NORM_PROLOGUE=1 (graphs/norm_prologue.py) folds the norms into the projections:
+    decode rows bit for bit those of the separate-norm artifact, and verify rows those decode rows."""
+    from loopcast.exporter.export import ExportOptions, export_checkpoint
+
+    from tests.artifacts import checkpoint
+
+    monkeypatch.setenv("LOOPCAST_NORM_PROLOGUE", "1")
+    fused_path = tmp_path / "fused"
+    export_checkpoint(checkpoint("ouro-r3"), fused_path, ExportOptions("fp32", None, 5, 1, True, "auto"))
+    monkeypatch.delenv("LOOPCAST_NORM_PROLOGUE")
+    plain, fused = load(_bi("ouro-r3")), load(fused_path)
+    graph = (fused_path / "decode.onnx").read_bytes()
+    assert graph.count(b"ResidualRMSNorm") < (_bi("ouro-r3") / "decode.onnx").read_bytes().count(
+        b"ResidualRMSNorm"
+    )
+    prompt = list(range(3, 12))
+    fed, rows = _decode_rows(plain, prompt, 5)
+    fed_fused, rows_fused = _decode_rows(fused, prompt, 5)
+    assert fed == fed_fused and all(np.array_equal(a, b) for a, b in zip(rows, rows_fused))
+    gen = fused.new_generator()
+    gen.prefill(prompt)
+    out = gen.run(VERIFY, gen.n, tokens=fed)
+    for i in range(5):
+        assert np.array_equal(out.logits[i], rows[i]), i
