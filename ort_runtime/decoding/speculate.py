@@ -70,7 +70,7 @@ from loopcast.ort_runtime.decoding.verifiers import DraftTail, TreeTail, VerifyR
 
 from loopcast.errors import RequestError
 from loopcast.manifest import DECODE
-from loopcast.vocab import GateKind, GraphKind, SpeculativeMode
+from loopcast.vocab import GateKind, GraphKind, KVPolicy, SpeculativeMode
 
 __all__ = ["GenerationConfig", "GenerationStats", "SpeculationConfig", "require_exact", "stream"]
 

@@ -31,6 +31,7 @@ def test_gated_exits_equal_the_reference_on_cuda(kv_policy: str) -> None:
         assert got.tokens == want.tokens, q
         assert got.stats.exit_histogram == want.depth_stats()["exit_histogram"]
 
+
 def test_gated_lanes_equal_plain_gated_on_cuda() -> None:
     """The pipeline's gated lanes (ort_runtime/decoding/exit_lanes.py) on CUDA: the cycle graph's
     per-row gates and heads decide as the loop steps do, so the tokens are plain gated ``full``'s
