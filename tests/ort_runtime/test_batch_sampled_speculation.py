@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from loopcast.ort_runtime import load
 from loopcast.ort_runtime.batching import engine as engine_module
-from loopcast.ort_runtime.batching.engine import BatchCostGate, BatchingEngine, BatchRequest
+from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest
 from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 from loopcast.ort_runtime.decoding.acceptors import SampledAcceptor
 from loopcast.ort_runtime.decoding.generation_config import GenerationConfig, SpeculationConfig
@@ -18,27 +18,20 @@ from loopcast.ort_runtime.decoding.greedy_accept import AcceptResult
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
 
 from tests.artifacts import artifact, require_exact_cpu_artifacts
+from tests.ort_runtime.test_batch_self import _AlwaysSelf
 from tests.ort_runtime.test_sampled_decoding import HORIZON, PARAMS, exact_distribution
 from tests.ort_runtime.test_sampling import chi_square
 
 TRIALS = 1200
 
 
-class _AlwaysSpeculate(BatchCostGate):
+class _AlwaysSpeculate(_AlwaysSelf):
     """Every step that can speculate does: verify steps for proposals, and every self-drafting
     request drafts (within the row budget)."""
 
     def engage(self, width, running, proposing):
         super().engage(width, running, proposing)
         return True
-
-    def engage_self(self, width, running, candidates, row_budget):
-        super().engage_self(width, running, candidates, row_budget)
-        chosen, rows = {}, 0
-        for slot, k in candidates.items():
-            if rows + k + 1 <= row_budget:
-                chosen[slot], rows = k, rows + k + 1
-        return chosen
 
 
 class _KeepEveryDraft(SampledAcceptor):
