@@ -2,7 +2,7 @@
 # One call on the lent H200 (docs/perf.md): `tools/gpu_machine/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
-# | quant-llama | quant-ouro | depth-demo | depth-1p4b | huginn
+# | quant-llama | quant-ouro | depth-demo | depth-1p4b | huginn | gpu-tests
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -243,6 +243,11 @@ phase_huginn() {  # plain decoding of random Huginn-0125 shapes at r = 32 (and 8
     timeout 280 python3 -m tools.bench.bench_huginn --preset huginn-3.5b --dtype $dt --device cuda --loops 8 32 \
       --tokens 32 --work /root/hug --json "$RES/huginn-$dt.json" > "$RES/huginn-$dt.txt" 2>&1
   done
+}
+phase_gpu_tests() {  # every GPU test file (ctypes kernels and ORT sessions) in one pytest run, one line per failure
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  LOOPCAST_OPS_LIB=$LIB timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE \
+    $(ls tests/custom_ops/test_cuda_*.py tests/ort_runtime/test_*cuda*.py) 2>&1 | tail -40 > "$RES/gpu-all-tests.txt"
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
