@@ -45,9 +45,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
-from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
+from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _ONNX_BFLOAT16, _Buffer
 from loopcast.ort_runtime.binding.device_move import load_device_move
 from loopcast.ort_runtime.binding.graph_runner import CapturedRunner
 from loopcast.ort_runtime.binding.step_clock import StepClock
@@ -64,6 +65,9 @@ class BatchStepOutput:
     hidden: dict[int, np.ndarray] | None = None  # draft rows: slot -> [H] depth-d state (copies)
 
 
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
 class _DeviceKV:
     """A KV buffer on the GPU without a host mirror (a generator's ``_Buffer`` keeps one; for
     max_batch sequences that would be gigabytes of host memory copied once for nothing). Left
@@ -71,10 +75,21 @@ class _DeviceKV:
 
     def __init__(self, shape: tuple[int, ...], dtype, device: str) -> None:
         self.device, self.dtype = device, np.dtype(dtype)
-        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype.type, device, 0)
+        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), _bind_type(self.dtype), device, 0)
 
     def pull(self) -> np.ndarray:
-        return self.value.numpy()
+        if self.dtype != _BF16:
+            return self.value.numpy()
+        host = np.empty(self.value.shape(), _BF16)  # ORT's numpy bridge has no bf16: raw bits
+        mirror = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host.view(np.uint16), _ONNX_BFLOAT16)
+        mirror.update_inplace(self.value)
+        return host
+
+
+def _bind_type(dtype: np.dtype):
+    """The element type IOBinding takes for a buffer: bf16 as its ONNX type number (ORT's numpy
+    bridge has no bf16), anything else as its numpy type."""
+    return _ONNX_BFLOAT16 if dtype == _BF16 else dtype.type
 
 
 def _ptr(buf, offset_bytes: int = 0) -> int:
@@ -101,11 +116,6 @@ class BatchGenerator:
             raise ArtifactError(
                 f"{model.path}: batched decoding needs the prefill and decode_batch graphs; "
                 f"this artifact has {have}"
-            )
-        if manifest.dtype == "bf16":
-            raise ArtifactError(
-                f"{model.path}: batched decoding binds KV blocks by address, which ORT's Python "
-                "binding takes for fp32/fp16 only; export --dtype fp16 or fp32"
             )
         if manifest.dtype != "fp32" and model.device == "cpu":
             raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device")
@@ -192,13 +202,13 @@ class BatchGenerator:
                 continue
             for name, buf in ((f"key.{slot}", key), (f"value.{slot}", value)):
                 ptr = _ptr(buf, first * self._entry_bytes)
-                binding.bind_input(f"past_{name}", device, 0, self._dtype.type, shape, ptr)
-                binding.bind_output(f"present_{name}", device, 0, self._dtype.type, shape, ptr)
+                binding.bind_input(f"past_{name}", device, 0, _bind_type(self._dtype), shape, ptr)
+                binding.bind_output(f"present_{name}", device, 0, _bind_type(self._dtype), shape, ptr)
 
     @staticmethod
     def _bind_prefix(binding: ort.IOBinding, name: str, buf: _Buffer, shape: list[int], output: bool) -> None:
         bind = binding.bind_output if output else binding.bind_input
-        bind(name, buf.device, 0, buf.host.dtype.type, shape, _ptr(buf))
+        bind(name, buf.device, 0, _bind_type(buf.host.dtype), shape, _ptr(buf))
 
     def _bind_step(self, kind: str, width: int, binding) -> None:
         """A batched kind over the occupied prefix 0..width-1 of every buffer."""

@@ -7,6 +7,7 @@ batched step is the single-sequence decode graph's ops, so its greedy tokens equ
 
 from __future__ import annotations
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 from loopcast.ort_runtime import load
@@ -25,9 +26,26 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load(artifact("demo", "fp16", batch_invariant=True, ops="loopcast", max_batch=8), "cuda")
+@pytest.fixture(scope="module", params=["fp16", "bf16"])
+def model(request):
+    dtype = request.param
+    return load(artifact("demo", dtype, batch_invariant=True, ops="loopcast", max_batch=8), "cuda")
+
+
+def test_kv_blocks_hold_what_the_rows_wrote(model):
+    """KV blocks bound by address (bf16 through its ONNX type number) come back as the values a
+    one-sequence generator wrote at the same positions."""
+    ids = model.encode(DEMO_PROMPTS[0])
+    batch = BatchGenerator(model.loaded, 2)
+    batch.prefill(1, ids)
+    gen = model.new_generator()
+    gen.prefill(ids)
+    key, value = batch.kv_arrays(0, 1)
+    want_key, want_value = gen.kv_arrays(0)
+    n = len(ids)
+    assert key.dtype == want_key.dtype
+    assert np.array_equal(key[..., :n, :], want_key[..., :n, :])
+    assert np.array_equal(value[..., :n, :], want_value[..., :n, :])
 
 
 def _serve(model, prompts, max_batch, cuda_graphs):
