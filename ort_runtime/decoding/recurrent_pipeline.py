@@ -15,7 +15,13 @@ first and the lane finishing step r-1 runs the coda, in the same call.
 
 Every leaving lane commits its position and gives one token, so at full acceptance a token costs
 one cycle (one pass over the core with the prelude and coda of one row each), against r core
-passes plus the prelude and coda for plain decoding. Greedy only (the argmax decides).
+passes plus the prelude and coda for plain decoding.
+
+Sampled (``draw``: the request's processed distribution and its one random stream): the leaving
+lane's token is drawn instead of the argmax. A successor's draft x is a point mass, so it is kept
+with probability p(x) and otherwise the token is drawn from p with x removed
+(``sampling.accept_one``); without a successor the token is a plain draw. Each token's law is
+then plain sampling's, though not its draws for a seed.
 
 KV invariant (docs/architecture.md §5, "Pipeline cycle"): lane q at step k reads slot (k, l) at
 positions < q, the prelude slots at positions < q and the coda slots at positions < q. Lane q-1
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from loopcast.ort_runtime.decoding.proposers import Proposal
 from loopcast.ort_runtime.decoding.protocols import ProposerBase
+from loopcast.ort_runtime.decoding.sampling import accept_one, sample
 
 from loopcast.errors import RequestError
 from loopcast.recurrent_state import initial_state
@@ -64,11 +71,12 @@ class RecurrentPipeline:
     its position and returns the token after it. Lanes live across calls; a call that finds the
     generator moved on (plain steps in between) starts cold from ``pending``."""
 
-    def __init__(self, gen, drafts: ProposerBase, *, trace: bool = False) -> None:
+    def __init__(self, gen, drafts: ProposerBase, *, trace: bool = False, draw=None) -> None:
+        """``draw``: sampling's ``(logits_V, context) -> p_V`` with its ``rng`` (None: greedy)."""
         refusal = pipeline_refusal(gen)
         if refusal is not None:
             raise RequestError(refusal, parameter="speculative")
-        self.gen, self.drafts, self.r = gen, drafts, gen.loops
+        self.gen, self.drafts, self.r, self.draw = gen, drafts, gen.loops, draw
         self.binding = gen.cycle
         self.lanes: list[Lane] = []
         self.stats = RecurrentPipelineStats(trace=[] if trace else None)
@@ -109,8 +117,10 @@ class RecurrentPipeline:
         target = self.binding.run(entering.token if entering else 0, r - 1, positions, state_0)
         gen.core_runs += 1
         self.stats.cycles += 1
+        leaving = lanes[0].steps + 1 == r
+        logits = self.binding.pull_logits().copy() if leaving and self.draw is not None else None
         if self.stats.trace is not None:
-            logits = self.binding.pull_logits().copy()
+            logits = self.binding.pull_logits().copy() if logits is None else logits
             self.stats.trace.append((positions, target, entering.token if entering else -1, logits))
         for lane in lanes:
             lane.steps += 1
@@ -124,26 +134,34 @@ class RecurrentPipeline:
                 draft = Lane(youngest.position + 1, int(tokens[0]))
         done = None
         if lanes[0].steps == r:
-            done = self._leave(target)
+            done = self._leave(target, logits)
         if draft is not None and self.lanes and self.lanes[-1] is youngest:
             self.lanes.append(draft)
         return done
 
-    def _leave(self, target: int) -> int:
-        """The oldest lane ran every step and the coda: its position is committed and ``target``
-        is the next token; its successor survives only if its draft is ``target``."""
+    def _leave(self, target: int, logits_V: np.ndarray | None) -> int:
+        """The oldest lane ran every step and the coda: its position is committed and the next
+        token is ``target`` (greedy) or a draw from ``logits_V``; its successor survives only if
+        its draft is that token (sampled: kept by the rejection rule)."""
         lane = self.lanes.pop(0)
         if lane.position != self.gen.n:
             raise AssertionError(f"pipeline lane at {lane.position} left with n = {self.gen.n}")
         self.gen.commit_lane(lane.token)
-        if self.lanes:
-            self.stats.verified += 1
-            if self.lanes[0].token == target:
-                self.stats.accepted += 1
-            else:
-                self.stats.discarded_lanes += len(self.lanes)
-                self.lanes = []
-        return target
+        p_V = self.draw(logits_V, self.gen.tokens) if self.draw is not None else None
+        if not self.lanes:
+            return target if p_V is None else sample(p_V, self.draw.rng)
+        self.stats.verified += 1
+        successor = self.lanes[0].token
+        if p_V is None:
+            kept, token = successor == target, target
+        else:
+            kept, token = accept_one(successor, None, p_V, self.draw.rng)
+        if kept:
+            self.stats.accepted += 1
+        else:
+            self.stats.discarded_lanes += len(self.lanes)
+            self.lanes = []
+        return token
 
 
 def pipeline_refusal(gen) -> str | None:

@@ -30,7 +30,7 @@ drafts hit (prompt lookup's free one-token guesses count on plain steps) and pro
 then when they do not; it decides on tokens only, so it never changes a greedy token. Not
 offered here: the cost gate.
 
-The pipeline (``speculative='pipeline'``, greedy, without the KL exit) runs its rounds on the
+The pipeline (``speculative='pipeline'``, greedy or sampled, without the KL exit) runs its rounds on the
 ``recurrent_cycle`` graph (ort_runtime/decoding/recurrent_pipeline.py): each round runs cycles
 until the oldest lane leaves the coda and gives one token; its lanes' tokens are drafted by
 prompt lookup or the caller's proposer, one lane per cycle. The gate decides per round between
@@ -139,14 +139,8 @@ def _refuse(gen: RecurrentGenerator, config: GenerationConfig, proposer: object 
 
 
 def _refuse_pipeline(gen: RecurrentGenerator, config: GenerationConfig) -> None:
-    """What the pipeline does not take (it keeps a lane when its draft is the argmax, and runs
-    every lane through all r core steps)."""
-    if config.sampled:
-        raise RequestError(
-            "the recurrent-depth pipeline is greedy only (a lane's successor is kept when its draft "
-            "is the argmax); use speculative='self' or 'prompt-lookup' to sample",
-            parameter="speculative",
-        )
+    """What the pipeline does not take (it runs every lane through all r core steps, and drafts
+    one token per lane)."""
     if config.kl_threshold is not None:
         raise RequestError(
             "the recurrent-depth pipeline runs every lane through all r core steps; with the KL "
@@ -247,7 +241,7 @@ def stream_recurrent(
     stats.prompt_tokens = len(ids)
     stats.speculative = "none" if chosen is None else (spec.mode.value if proposer is None else "custom")
     pipeline = (
-        RecurrentPipeline(gen, chosen, trace=trace)
+        RecurrentPipeline(gen, chosen, trace=trace, draw=draw)
         if chosen is not None and spec.mode == SpeculativeMode.PIPELINE
         else None
     )

@@ -187,18 +187,29 @@ def speculative_accept(
     if draft_probs is not None and len(draft_probs) != len(drafts):
         raise ValueError(f"need {len(drafts)} draft rows, got {len(draft_probs)}")
     for i, x in enumerate(drafts):
-        p = target_probs[i]
-        q_x = 1.0 if draft_probs is None else float(draft_probs[i][x])
-        if q_x <= 0.0:
-            raise ValueError(f"draft {i} ({x}) has probability 0 under its own draft distribution")
-        if rng.random() < min(1.0, float(p[x]) / q_x):
-            continue
-        if draft_probs is None:
-            residual = np.array(p, dtype=np.float64)
-            residual[x] = 0.0
-        else:
-            residual = np.maximum(0.0, np.asarray(p, dtype=np.float64) - draft_probs[i])
-        if residual.sum() <= 0.0:  # p == q up to rounding: a rejection has probability ~0
-            residual = np.asarray(p, dtype=np.float64)
-        return i, sample(residual / residual.sum(), rng)
+        kept, token = accept_one(x, None if draft_probs is None else draft_probs[i], target_probs[i], rng, i)
+        if not kept:
+            return i, token
     return len(drafts), sample(target_probs[len(drafts)], rng)
+
+
+def accept_one(
+    x: int, q_V: np.ndarray | None, p_V: np.ndarray, rng: np.random.Generator, index: int = 0
+) -> tuple[bool, int]:
+    """One draft ``x`` (drawn from ``q_V``; None: a deterministic proposer, q one-hot at x)
+    against the target distribution ``p_V``: kept with probability min(1, p(x)/q(x)) → (True,
+    x); else (False, a draw from the normalised residual max(0, p - q)). Either way the token's
+    law is p."""
+    q_x = 1.0 if q_V is None else float(q_V[x])
+    if q_x <= 0.0:
+        raise ValueError(f"draft {index} ({x}) has probability 0 under its own draft distribution")
+    if rng.random() < min(1.0, float(p_V[x]) / q_x):
+        return True, int(x)
+    if q_V is None:
+        residual = np.array(p_V, dtype=np.float64)
+        residual[x] = 0.0
+    else:
+        residual = np.maximum(0.0, np.asarray(p_V, dtype=np.float64) - q_V)
+    if residual.sum() <= 0.0:  # p == q up to rounding: a rejection has probability ~0
+        residual = np.asarray(p_V, dtype=np.float64)
+    return False, sample(residual / residual.sum(), rng)

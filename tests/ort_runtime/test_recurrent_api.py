@@ -234,11 +234,6 @@ def test_sampled_speculation_keeps_the_distribution(huginn, mode):
     "options, needle, parameter",
     [
         (dict(loops=33), r"loops must be an integer in 1\.\.32 \(the artifact's max_recurrence\)", "loops"),
-        (
-            dict(speculative="pipeline", sampling=SamplingParams(temperature=0.7, seed=1)),
-            "pipeline is greedy only",
-            "speculative",
-        ),
         (dict(speculative="pipeline", kl_threshold=0.1), "with the KL exit use", "kl_threshold"),
         (dict(speculative="pipeline", num_draft_tokens=2), "one token per lane", "num_draft_tokens"),
         (dict(exit_threshold=0.5), "kl_threshold", "exit_threshold"),

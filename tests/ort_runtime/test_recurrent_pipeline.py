@@ -212,3 +212,60 @@ def test_what_the_pipeline_refuses_is_named(gen):
             list(stream_recurrent(made, PROMPT, config))
     plans = graph_plan(PRESETS["tiny-huginn"], OpSet.STOCK, verify_width=None, draft_depth=None)
     assert GraphKind.RECURRENT_CYCLE not in {p.kind for p in plans}  # stock graphs: no row addressing
+
+
+class Repeat:
+    """Drafts the last token again: a point-mass proposal that the rule keeps or replaces."""
+
+    def propose(self, context, k):
+        return [context[-1]]
+
+
+def test_sampled_lanes_keep_plain_samplings_distribution(gen):
+    """The second token (the first lane leaving the coda, its successor's draft checked by the
+    rejection rule) over many seeds against its exact marginal under plain sampling,
+    Σ_t1 p(t1) p(t2 | t1), computed from plain steps' rows. A rule that always kept the draft, or
+    always took the argmax, would put mass on one token."""
+    from loopcast.ort_runtime.decoding.sampling import SamplingParams, probabilities
+
+    params = dict(temperature=1.0, top_k=3)
+    processed = SamplingParams(**params, seed=0)
+    gen.rewind(0)
+    gen.configure(4, None)
+    p1 = probabilities(gen.step(PROMPT).logits[-1], processed, gen.tokens)
+    exact: dict[int, float] = {}
+    for t1 in map(int, p1.nonzero()[0]):
+        gen.rewind(len(PROMPT))
+        p2 = probabilities(gen.step([t1]).logits[-1], processed, gen.tokens)
+        for t2 in map(int, p2.nonzero()[0]):
+            exact[t2] = exact.get(t2, 0.0) + float(p1[t1] * p2[t2])
+    runs, counts, verified = 400, {}, 0
+    for seed in range(runs):
+        tokens, stats, _ = run(
+            gen,
+            PROMPT,
+            3,  # the lane at the second token's position gets a successor only if a third follows
+            loops=4,
+            speculative="pipeline",
+            gate="always",
+            proposer=Repeat(),
+            sampling=SamplingParams(**params, seed=seed),
+        )
+        counts[tokens[1]] = counts.get(tokens[1], 0) + 1
+        verified += stats.proposed
+    assert verified == runs  # every second token was a leaving lane whose successor was checked
+    support = set(exact) | set(counts)
+    tv = 0.5 * sum(abs(counts.get(t, 0) / runs - exact.get(t, 0.0)) for t in support)
+    assert tv < 0.12, (tv, counts, exact)
+
+
+def test_sampled_pipeline_replays_for_a_seed(gen):
+    from loopcast.ort_runtime.decoding.sampling import SamplingParams
+
+    options = dict(
+        loops=4, speculative="pipeline", gate="always", sampling=SamplingParams(temperature=0.8, seed=3)
+    )
+    a, stats, _ = run(gen, PROMPT, 24, **options)
+    b, _, _ = run(gen, PROMPT, 24, **options)
+    assert a == b and len(a) == 24
+    assert stats.cycles > 0 and stats.proposed > 0
