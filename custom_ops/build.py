@@ -43,6 +43,7 @@ SOURCES = (
 CUDA_SOURCES = ("cuda_ops.cc",)  # host glue, compiled by the C++ compiler
 CUDA_KERNELS = (
     "matmul_cuda.cu",
+    "matmul_mma_cuda.cu",
     "attention_cuda.cu",
     "residual_norm_cuda.cu",
     "swiglu_cuda.cu",
