@@ -173,6 +173,24 @@ def check_half_precision_runs(opts: ExportOptions) -> None:
         )
 
 
+# The head sizes of the loopcast attention ops' CUDA kernels (custom_ops/src/cuda_ops.cc)
+CUDA_ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def check_cuda_attention(config: ModelConfig, dtype: str, op_set: OpSet | str | None) -> None:
+    """An fp16/bf16 artifact runs on CUDA only: with the loopcast attention ops its head size must
+    be one their CUDA kernels take, or the artifact would fail at its first step (Huginn-0125's
+    96, for one), after the whole export."""
+    if dtype == "fp32" or op_set is None or op_set == "auto" or not OpSet(op_set).loopcast_attention:
+        return
+    if config.head_dim not in CUDA_ATTENTION_HEAD_DIMS:
+        raise ExportError(
+            f"--dtype {dtype} --ops {OpSet(op_set)}: head_dim {config.head_dim} is not supported by "
+            "the loopcast attention ops' CUDA kernels (head_dim 16, 32, 64 or 128); export --ops "
+            "stock for CUDA, or --dtype fp32 for the CPU"
+        )
+
+
 def check_supported(config: ModelConfig, op_set: OpSet | str = OpSet.STOCK) -> None:
     """Limits of the ORT ops the graphs use, beyond what the config itself validates."""
     op_set = OpSet(op_set)

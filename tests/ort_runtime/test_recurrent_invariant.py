@@ -130,3 +130,20 @@ def test_speculative_modes_give_plain_tokens(gen, mode):
     extra = {"draft_loops": 8} if mode == "self" else {}
     got, stats, _ = run(gen, PROMPT, 16, loops=32, state_seed=3, speculative=mode, **extra)
     assert got == want and stats.exact_greedy
+
+
+def test_half_precision_loopcast_attention_refuses_a_head_size_cuda_lacks():
+    """Huginn-0125's head_dim 96: the CUDA attention kernels take 16, 32, 64 or 128, so its fp16/
+    bf16 export with the loopcast attention ops is refused before anything is written."""
+    from loopcast.exporter.export_options import check_cuda_attention
+
+    from loopcast.errors import ExportError
+    from loopcast.presets import PRESETS
+
+    big = PRESETS["huginn-3.5b"]
+    for ops in ("loopcast", "loopcast-attention"):
+        with pytest.raises(ExportError, match="head_dim 96 is not supported"):
+            check_cuda_attention(big, "bf16", ops)
+    check_cuda_attention(big, "bf16", "stock")
+    check_cuda_attention(big, "fp32", "loopcast")  # the CPU kernels take any even head size
+    check_cuda_attention(PRESETS["tiny-huginn"], "fp16", "loopcast")
