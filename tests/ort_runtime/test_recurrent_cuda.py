@@ -53,8 +53,35 @@ def test_half_precision_tracks_the_fp32_reference(checkpoint, dtype, loops):
         assert float(np.abs(got - want.numpy()).max()) < TOLERANCE[dtype]
     g.rewind(0)
     assert g.step(PROMPT, kl_exit=KLExit(0.3)).exit_loops <= loops  # the full policy runs on CUDA
-    with pytest.raises(RequestError, match="last-exited"):
-        g.step([1], kl_exit=KLExit(0.3, kv_policy="last-exited"))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_last_exited_copies_the_exit_steps_kv_on_the_device(checkpoint, dtype):
+    """kv_policy last-exited on CUDA: the skipped core steps' slots at the call's positions hold
+    the exit step's K/V bit for bit (the op library's device copy), the other positions are
+    untouched, and decoding goes on from there."""
+    ckpt, root = checkpoint
+    out = root / f"art-{dtype}"
+    if not out.exists():
+        export_checkpoint(ckpt, out, ExportOptions(dtype=dtype, max_length=48))
+    cfg = PRESETS["tiny-huginn"]
+    g = RecurrentGenerator(open_artifact(out, "cuda"), loops=8, state_seed=7)
+    g.step(PROMPT)  # every step's slots at positions 0..3
+    first = g.step([5], kl_exit=KLExit(1e9, kv_policy="last-exited"))  # exits after step 1
+    assert first.exit_loops == 1
+    n = len(PROMPT)
+    for l in range(cfg.num_layers):
+        exit_kv = [b.pull().copy() for b in g.kv[cfg.core_slot(0, l)]]
+        for k in range(1, 8):
+            for src, buf in zip(exit_kv, g.kv[cfg.core_slot(k, l)]):
+                got = buf.pull()
+                assert np.array_equal(got[:, :, n], src[:, :, n]), (l, k)
+                assert not np.array_equal(got[:, :, :n], src[:, :, :n])  # the prompt's own steps
+                assert not got[:, :, n + 1 :].any()  # nothing past the call
+    nxt = g.step([int(first.next_ids[-1])], kl_exit=KLExit(0.3, kv_policy="last-exited"))
+    assert 1 <= nxt.exit_loops <= 8 and g.n == n + 2
+    with pytest.raises(RequestError, match="kv_policy 'full'"):
+        g.verify([1, 2], kl_exit=KLExit(0.3, kv_policy="last-exited"))
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
