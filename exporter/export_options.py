@@ -187,7 +187,7 @@ def check_cuda_attention(config: ModelConfig, dtype: str, op_set: OpSet | str | 
         raise ExportError(
             f"--dtype {dtype} --ops {OpSet(op_set)}: head_dim {config.head_dim} is not supported by "
             "the loopcast attention ops' CUDA kernels (head_dim 16, 32, 64 or 128); export --ops "
-            "stock for CUDA, or --dtype fp32 for the CPU"
+            "stock (without --target cuda / --batch-invariant) for CUDA, or --dtype fp32 for the CPU"
         )
 
 
