@@ -27,7 +27,14 @@ from loopcast.errors import RequestError
 from loopcast.vocab import GraphKind, OpSet
 
 RECURRENT_CYCLE = GraphKind.RECURRENT_CYCLE
-RECURRENT_VARIANTS = {"stock": OpSet.STOCK, "default": OpSet.LOOPCAST_ATTENTION}
+# default: the row-addressed attention op, whose graphs include the pipeline's recurrent_cycle
+# (fp16/bf16 "auto" would be stock); batch-invariant: every hot op from the loopcast library, so
+# the cycle's rows are the decode rows bit for bit on CUDA too (exact_verify["cuda"])
+RECURRENT_VARIANTS = {
+    "stock": OpSet.STOCK,
+    "default": OpSet.LOOPCAST_ATTENTION,
+    "batch-invariant": OpSet.LOOPCAST,
+}
 
 
 class OracleDrafts:
@@ -104,13 +111,11 @@ def recurrent_runs(
     scheme = quant_scheme_from_options(None if quantize == "none" else quantize)
     tag = f"{dtype}/{variant}" + ("" if scheme is None else f"/{quantize}")
     art = opts.work_dir / f"art-{checkpoint.name}-{tag.replace('/', '-')}"
-    # default: the row-addressed attention op, whose graphs include the pipeline's recurrent_cycle
-    # (fp16/bf16 "auto" would be stock); the family has no batch-invariant variant yet
     if variant not in RECURRENT_VARIANTS:
         raise RequestError(
-            f"--variant {variant}: a recurrent-depth checkpoint exports with the stock or "
-            "loopcast-attention ops; pass --variant default (loopcast-attention, with the pipeline) "
-            "or --variant stock"
+            f"--variant {variant}: a recurrent-depth checkpoint is benched with --variant "
+            "stock, default (loopcast-attention, with the pipeline) or batch-invariant (every "
+            "loopcast op, with the pipeline)"
         )
     ops = RECURRENT_VARIANTS[variant]
     log(f"[{tag}] exporting {checkpoint} into {art} ...")

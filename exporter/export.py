@@ -21,6 +21,7 @@ from loopcast.exporter.checkpoint import resolve_checkpoint, validate_checkpoint
 from loopcast.exporter.export_options import (
     MAX_VERIFY_WIDTH,
     ExportOptions,
+    check_cuda_attention,
     check_half_precision_runs,
     check_supported,
 )
@@ -137,6 +138,7 @@ def export_checkpoint(
     # fp32 "auto" resolves to loopcast-attention unless the library cannot be had (checked again
     # once resolved, before any writing)
     check_supported(config, _requested_op_set(opts) or OpSet.LOOPCAST_ATTENTION)
+    check_cuda_attention(config, opts.dtype, _requested_op_set(opts))
     out = prepare_output(out_dir, overwrite)
     tensors = validate_checkpoint(checkpoint_dir, config)  # once: the writer reads these files
     read, close = checkpoint_reader(tensors)

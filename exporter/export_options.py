@@ -118,7 +118,7 @@ class ExportOptions:
 
     def _recurrent(self, max_length: int) -> ExportOptions:
         """A recurrent-depth model (Huginn) exports prelude, core_step and coda with float weights
-        (the stock or loopcast-attention ops); the other kinds' options are refused, not ignored."""
+        in any op set; the other kinds' options are refused, not ignored."""
         if self.op_set not in ("auto", *OpSet):
             raise ExportError(f"--ops must be one of auto, {', '.join(OpSet)}, got {self.ops!r}")
         for on, flag in (
@@ -127,12 +127,11 @@ class ExportOptions:
             (self.max_batch is not None, "--max-batch"),
             (self.genai, "--genai"),
             (self.quantization is not None, "--quantize"),
-            (self.op_set == OpSet.LOOPCAST, "--ops loopcast/--batch-invariant"),
         ):
             if on:
                 raise ExportError(
                     f"{flag} is not supported for recurrent-depth (huginn_raven) models yet: they "
-                    "export prelude, core_step and coda with the stock or loopcast-attention ops"
+                    "export prelude, core_step and coda (and recurrent_cycle) with float weights"
                 )
         return dataclasses.replace(self, max_length=max_length, draft_depth=None)
 
@@ -174,13 +173,32 @@ def check_half_precision_runs(opts: ExportOptions) -> None:
         )
 
 
+# The head sizes of the loopcast attention ops' CUDA kernels (custom_ops/src/cuda_ops.cc)
+CUDA_ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def check_cuda_attention(config: ModelConfig, dtype: str, op_set: OpSet | str | None) -> None:
+    """An fp16/bf16 artifact runs on CUDA only: with the loopcast attention ops its head size must
+    be one their CUDA kernels take, or the artifact would fail at its first step (Huginn-0125's
+    96, for one), after the whole export."""
+    if dtype == "fp32" or op_set is None or op_set == "auto" or not OpSet(op_set).loopcast_attention:
+        return
+    if config.head_dim not in CUDA_ATTENTION_HEAD_DIMS:
+        raise ExportError(
+            f"--dtype {dtype} --ops {OpSet(op_set)}: head_dim {config.head_dim} is not supported by "
+            "the loopcast attention ops' CUDA kernels (head_dim 16, 32, 64 or 128); export --ops "
+            "stock (without --target cuda / --batch-invariant) for CUDA, or --dtype fp32 for the CPU"
+        )
+
+
 def check_supported(config: ModelConfig, op_set: OpSet | str = OpSet.STOCK) -> None:
     """Limits of the ORT ops the graphs use, beyond what the config itself validates."""
     op_set = OpSet(op_set)
     if config.head_dim % 2:
         raise ExportError(f"head_dim {config.head_dim} is not supported: rotary needs an even head_dim")
-    if op_set.batch_invariant and config.has_biases:
-        # The loopcast MatMul op has no bias input; an Add after it would break the fused layer.
+    if op_set.batch_invariant and config.has_biases and not config.recurrent_depth:
+        # The loopcast MatMul op has no bias input; an Add after it would break the fused layer
+        # (the recurrent-depth blocks are not fused across the projection: their q/k bias is an Add).
         raise ExportError(
             "--batch-invariant / --ops loopcast (and --target cuda) do not support projection "
             "biases (attention_bias, mlp_bias, Qwen2 q/k/v bias) yet; export without it"

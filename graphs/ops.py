@@ -121,6 +121,32 @@ class OpSetBuilders:
             bias=f"{layer}.down_proj.bias" if mlp_bias else None,
         )
 
+    def norm(
+        self, b: GraphBuilder, x_BSH: ir.Value, weight: str, ctx: blocks.BlockContext, *, path: str, out: str
+    ) -> ir.Value:
+        """``rms(x)·g``, standing alone (the recurrent-depth blocks' opening norms, ln_f)."""
+        return blocks.rms_norm(b, x_BSH, weight, ctx, path=path, out=out)
+
+    def add_norm(
+        self,
+        b: GraphBuilder,
+        branch: ir.Value,
+        residual: ir.Value,
+        weight: str,
+        next_weight: str | None,
+        ctx: blocks.BlockContext,
+        *,
+        path: str,
+        prefix: str,
+    ) -> tuple[ir.Value, ir.Value | None]:
+        """Huginn's norm after the residual add: ``x = rms(residual + branch)·g``, and ``h =
+        rms(x)·g_next`` when ``next_weight``; returns (x, h or None)."""
+        x, _ = blocks.residual_rms_norm(b, branch, residual, weight, ctx, path=path, prefix=prefix)
+        if next_weight is None:
+            return x, None
+        h = self.norm(b, x, next_weight, ctx, path=f"{path}/next_norm", out=f"{prefix}.next_BSH")
+        return x, h
+
     def stack(
         self, b: GraphBuilder, x_BSH: ir.Value, sites: list[blocks.LayerSite], ctx: blocks.BlockContext
     ) -> tuple[ir.Value, ir.Value | None]:
@@ -191,11 +217,17 @@ class LoopcastOps(LoopcastAttentionOps):
         out: str,
         bias: str | None = None,
     ) -> ir.Value:
-        if bias is not None:  # the op has no bias input, and an Add would break the fused layer
-            raise ValueError("biases are not supported by the loopcast ops (export refuses them)")
+        # The op has no bias input: a bias is an Add after it, elementwise and so row-invariant
+        # (the recurrent-depth family's q/k bias; export refuses biases for the decoder stack,
+        # whose fused layer has no place for the Add).
+        mm_out = f"{out}_nobias" if bias is not None else out
         if weight in b.quantized:
-            return self._matmul_nbits_invariant(b, x, b.quantized[weight], path=path, out=out)
-        return self._matmul(b, x, weight, path=path, out=out)
+            y = self._matmul_nbits_invariant(b, x, b.quantized[weight], path=path, out=mm_out)
+        else:
+            y = self._matmul(b, x, weight, path=path, out=mm_out)
+        if bias is not None:
+            return b.op("Add", [y, b.weight(bias)], path=f"{path}/bias", out=out)
+        return y
 
     def _matmul_nbits_invariant(
         self, b: GraphBuilder, x: ir.Value, q: QuantLinear, *, path: str, out: str, swiglu: bool = False
@@ -270,6 +302,49 @@ class LoopcastOps(LoopcastAttentionOps):
             )
         return self._matmul(
             b, gate_up, down, path=f"{path}/down_proj", out=f"{prefix}.mlp_out_BSH", swiglu=True
+        )
+
+    def norm(
+        self, b: GraphBuilder, x_BSH: ir.Value, weight: str, ctx: blocks.BlockContext, *, path: str, out: str
+    ) -> ir.Value:
+        """ResidualRMSNorm without a residual: the fused ops' rounding, row-invariant on CUDA."""
+        _, h = blocks.fused_residual_norm(
+            b,
+            x_BSH,
+            None,
+            ctx,
+            branch_weight=None,
+            loop_weight=None,
+            out_weight=weight,
+            path=path,
+            prefix=out,
+        )
+        assert h is not None
+        return h
+
+    def add_norm(
+        self,
+        b: GraphBuilder,
+        branch: ir.Value,
+        residual: ir.Value,
+        weight: str,
+        next_weight: str | None,
+        ctx: blocks.BlockContext,
+        *,
+        path: str,
+        prefix: str,
+    ) -> tuple[ir.Value, ir.Value | None]:
+        """One ResidualRMSNorm: its loop norm is the norm after the add, its out norm the next."""
+        return blocks.fused_residual_norm(
+            b,
+            branch,
+            residual,
+            ctx,
+            branch_weight=None,
+            loop_weight=weight,
+            out_weight=next_weight,
+            path=path,
+            prefix=prefix,
         )
 
     def stack(

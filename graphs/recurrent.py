@@ -14,12 +14,16 @@ and coda bind their own slots.
 
 The attention rotates halves: the exporter reorders each q and k head's dims so that the
 halves are the release's adjacent pairs (exporter/recurrent_weights.py), so the stock and the
-loopcast attention ops both apply (op sets ``stock`` and ``loopcast-attention``).
+loopcast attention ops both apply (every op set: ``stock``, ``loopcast-attention``, ``loopcast``).
 
-Each block is Huginn's sandwich, the norms after the residual adds:
+Each block is Huginn's sandwich, the norms after the residual adds (``OpSetBuilders.add_norm``):
 
     x ─ n1 ─ attn ─(+x)─ n2 ─▶ x1 ─ n3 ─ mlp ─(+x1)─ n4 ─▶
-    (the add and n2, the add and n4: one SkipSimplifiedLayerNormalization each)
+    stock, loopcast-attention: the add and n2, the add and n4: one SkipSimplifiedLayerNormalization
+        each; n1, n3 RMSNormalization
+    loopcast: n1 one ResidualRMSNorm without a residual; [+x, n2, n3] and [+x1, n4] one
+        ResidualRMSNorm each; the projections BatchInvariantMatMul (q/k bias: an Add after it;
+        the MLP's SwiGLU inside the down projection), the tied head read in place
 """
 
 from __future__ import annotations
@@ -47,17 +51,30 @@ def sandwich_block(
     path: str,
     prefix: str,
 ) -> ir.Value:
-    h1 = blocks.rms_norm(
-        b, x_BSH, f"{layer}.norm_1.weight", ctx, path=f"{path}/norm_1", out=f"{prefix}.h1_BSH"
-    )
+    ops = ctx.ops
+    h1 = ops.norm(b, x_BSH, f"{layer}.norm_1.weight", ctx, path=f"{path}/norm_1", out=f"{prefix}.h1_BSH")
     a = blocks.attention(b, h1, layer, slot, ctx, path=f"{path}/attn", prefix=prefix)
-    x1, _ = blocks.residual_rms_norm(
-        b, a, x_BSH, f"{layer}.norm_2.weight", ctx, path=f"{path}/attn_residual_norm", prefix=f"{prefix}.res1"
+    x1, h3 = ops.add_norm(
+        b,
+        a,
+        x_BSH,
+        f"{layer}.norm_2.weight",
+        f"{layer}.norm_3.weight",
+        ctx,
+        path=f"{path}/attn_residual_norm",
+        prefix=f"{prefix}.res1",
     )
-    h3 = blocks.rms_norm(b, x1, f"{layer}.norm_3.weight", ctx, path=f"{path}/norm_3", out=f"{prefix}.h3_BSH")
-    m = ctx.ops.mlp(b, h3, layer, ctx, path=f"{path}/mlp", prefix=prefix)
-    out, _ = blocks.residual_rms_norm(
-        b, m, x1, f"{layer}.norm_4.weight", ctx, path=f"{path}/mlp_residual_norm", prefix=f"{prefix}.res2"
+    assert h3 is not None
+    m = ops.mlp(b, h3, layer, ctx, path=f"{path}/mlp", prefix=prefix)
+    out, _ = ops.add_norm(
+        b,
+        m,
+        x1,
+        f"{layer}.norm_4.weight",
+        None,
+        ctx,
+        path=f"{path}/mlp_residual_norm",
+        prefix=f"{prefix}.res2",
     )
     return out
 
@@ -93,7 +110,7 @@ def core_step_blocks(
 def coda_blocks(b: GraphBuilder, state_BSH: ir.Value, ctx: blocks.BlockContext) -> ir.Value:
     """ln_f → coda blocks → ln_f → head: the logits."""
     config = ctx.config
-    x = blocks.rms_norm(b, state_BSH, "norm.weight", ctx, path="/coda/ln_f_in", out="coda_in_BSH")
+    x = ctx.ops.norm(b, state_BSH, "norm.weight", ctx, path="/coda/ln_f_in", out="coda_in_BSH")
     for i in range(config.num_coda_layers):
         x = sandwich_block(
             b,
@@ -104,7 +121,7 @@ def coda_blocks(b: GraphBuilder, state_BSH: ir.Value, ctx: blocks.BlockContext) 
             path=f"/coda/layer{i}",
             prefix=f"coda.layer{i}",
         )
-    x = blocks.rms_norm(b, x, "norm.weight", ctx, path="/coda/ln_f_out", out="coda_out_BSH")
+    x = ctx.ops.norm(b, x, "norm.weight", ctx, path="/coda/ln_f_out", out="coda_out_BSH")
     return blocks.lm_head(b, x, ctx)
 
 

@@ -30,10 +30,11 @@ import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 from loopcast.ort_runtime.binding.bindings import _Buffer
+from loopcast.ort_runtime.binding.device_move import load_device_copy
 from loopcast.ort_runtime.binding.recurrent_cycle import RecurrentCycleBinding
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
-from loopcast.errors import ConfigError, RequestError
+from loopcast.errors import ArtifactError, ConfigError, RequestError
 from loopcast.kl_exit import KLExit, step_kl, uniform_log_probs
 from loopcast.kv_sharing import core_kv_slot, parse_sharing
 from loopcast.recurrent_state import initial_state
@@ -102,6 +103,7 @@ class RecurrentGenerator:
             slot: (_Buffer(shape, self.dtype, self.device), _Buffer(shape, self.dtype, self.device))
             for slot in used
         }
+        self._device_copy = None  # the op library's KV copy, loaded on the first CUDA use
         self.n = 0
         self.tokens: list[int] = []  # the committed sequence (prompt lookup reads it)
         # the core steps each position's KV holds (a call at r reads steps < r of earlier positions)
@@ -205,8 +207,6 @@ class RecurrentGenerator:
             raise RequestError("step needs at least one token")
         if kl_exit is not None and self.sharing is not None:
             raise RequestError("the KL exit needs a KV slot per (step, layer): kv_sharing must be None")
-        if kl_exit is not None and kl_exit.kv_policy == "last-exited" and self.device != "cpu":
-            raise RequestError("kv_policy 'last-exited' runs on the CPU only so far (the copy is the host's)")
         if n + m > self.max_length:
             raise RequestError(f"{n + m} tokens exceed the artifact's max length {self.max_length}")
         self.require_depth(r, n)
@@ -226,14 +226,37 @@ class RecurrentGenerator:
             if kl_exit is not None and kl_exit.kv_policy == "full":
                 state = self._core_step(k, state, embedded, lengths)  # for the KV only
             else:  # last-exited: the exit step's K/V, layer by layer
-                cfg = self.config
-                for l in range(cfg.num_layers):
-                    src, dst = self.kv[cfg.core_slot(exit_loops - 1, l)], self.kv[cfg.core_slot(k, l)]
-                    for s_buf, d_buf in zip(src, dst):
-                        d_buf.host[:, :, n : n + m] = s_buf.host[:, :, n : n + m]
+                self._copy_step_kv(exit_loops - 1, k, n, m)
         self.n = n + m
         self._commit(n, ids, r)
         return RecurrentStep(out.next_ids, out.logits, exit_loops)
+
+    def _copy_step_kv(self, src_step: int, dst_step: int, n: int, m: int) -> None:
+        """Core step ``src_step``'s K/V at positions n..n+m-1 into step ``dst_step``'s slots, every
+        core layer: a host copy on the CPU, the op library's device copy on CUDA
+        (loopcast_cuda_copy_positions, ort_runtime/binding/device_move.py)."""
+        cfg = self.config
+        if self.device != "cpu" and self._device_copy is None:
+            self._device_copy = load_device_copy(self.loaded)
+        row_bytes = cfg.head_dim * np.dtype(self.dtype).itemsize
+        for l in range(cfg.num_layers):
+            src, dst = self.kv[cfg.core_slot(src_step, l)], self.kv[cfg.core_slot(dst_step, l)]
+            for s_buf, d_buf in zip(src, dst):
+                if self._device_copy is None:
+                    d_buf.host[:, :, n : n + m] = s_buf.host[:, :, n : n + m]
+                    continue
+                code = self._device_copy(
+                    d_buf.value.data_ptr(),
+                    s_buf.value.data_ptr(),
+                    cfg.num_kv_heads,
+                    self.max_length,
+                    row_bytes,
+                    n,
+                    m,
+                    None,
+                )
+                if code:
+                    raise ArtifactError(f"copying KV on {self.device} failed (CUDA error {code})")
 
     def _enter(self, ids: list[int], n: int) -> tuple[dict, ort.OrtValue, ort.OrtValue]:
         """Rows ids at positions n..: their lengths inputs, the prelude's embedding and the

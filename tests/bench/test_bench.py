@@ -122,7 +122,7 @@ def test_quantized_weights_are_benched_beside_float(tmp_path) -> None:
         tmp_path / "work",
         device="cpu",
         dtypes=("fp32",),
-        variants=("default",),
+        variants=("default", "batch-invariant"),  # loopcast-attention; every loopcast op
         past=40,
         widths=(5,),
         iters=1,
@@ -152,7 +152,7 @@ def test_recurrent_depth_report_per_r_on_cpu(tmp_path) -> None:
         tmp_path / "work",
         device="cpu",
         dtypes=("fp32",),
-        variants=("default",),
+        variants=("default", "batch-invariant"),  # loopcast-attention; every loopcast op
         past=40,
         iters=2,
         new_tokens=12,
@@ -162,7 +162,12 @@ def test_recurrent_depth_report_per_r_on_cpu(tmp_path) -> None:
         loops=(1, 4),
     )
     report = run_bench(opts, log=lambda line: None)
-    assert [r["loops"] for r in report["runs"]] == [1, 4]
+    assert [(r["variant"], r["loops"]) for r in report["runs"]] == [
+        ("default", 1),
+        ("default", 4),
+        ("batch-invariant", 1),
+        ("batch-invariant", 4),
+    ]
     for run in report["runs"]:
         assert {(s["kind"], s["rows"]) for s in run["steps"]} == {
             ("decode", 1),

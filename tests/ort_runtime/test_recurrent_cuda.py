@@ -53,8 +53,35 @@ def test_half_precision_tracks_the_fp32_reference(checkpoint, dtype, loops):
         assert float(np.abs(got - want.numpy()).max()) < TOLERANCE[dtype]
     g.rewind(0)
     assert g.step(PROMPT, kl_exit=KLExit(0.3)).exit_loops <= loops  # the full policy runs on CUDA
-    with pytest.raises(RequestError, match="last-exited"):
-        g.step([1], kl_exit=KLExit(0.3, kv_policy="last-exited"))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_last_exited_copies_the_exit_steps_kv_on_the_device(checkpoint, dtype):
+    """kv_policy last-exited on CUDA: the skipped core steps' slots at the call's positions hold
+    the exit step's K/V bit for bit (the op library's device copy), the other positions are
+    untouched, and decoding goes on from there."""
+    ckpt, root = checkpoint
+    out = root / f"art-{dtype}"
+    if not out.exists():
+        export_checkpoint(ckpt, out, ExportOptions(dtype=dtype, max_length=48))
+    cfg = PRESETS["tiny-huginn"]
+    g = RecurrentGenerator(open_artifact(out, "cuda"), loops=8, state_seed=7)
+    g.step(PROMPT)  # every step's slots at positions 0..3
+    first = g.step([5], kl_exit=KLExit(1e9, kv_policy="last-exited"))  # exits after step 1
+    assert first.exit_loops == 1
+    n = len(PROMPT)
+    for l in range(cfg.num_layers):
+        exit_kv = [b.pull().copy() for b in g.kv[cfg.core_slot(0, l)]]
+        for k in range(1, 8):
+            for src, buf in zip(exit_kv, g.kv[cfg.core_slot(k, l)]):
+                got = buf.pull()
+                assert np.array_equal(got[:, :, n], src[:, :, n]), (l, k)
+                assert not np.array_equal(got[:, :, :n], src[:, :, :n])  # the prompt's own steps
+                assert not got[:, :, n + 1 :].any()  # nothing past the call
+    nxt = g.step([int(first.next_ids[-1])], kl_exit=KLExit(0.3, kv_policy="last-exited"))
+    assert 1 <= nxt.exit_loops <= 8 and g.n == n + 2
+    with pytest.raises(RequestError, match="kv_policy 'full'"):
+        g.verify([1, 2], kl_exit=KLExit(0.3, kv_policy="last-exited"))
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -83,3 +110,58 @@ def test_speculation_on_cuda(checkpoint, dtype, kl):
         got = model.generate(PROMPT, 12, speculative=mode, allow_inexact=True, **options)
         assert len(got.tokens) == 12 and not got.stats.exact_greedy
         assert got.stats.rounds > 0 or mode == "prompt-lookup"  # self always drafts
+
+
+@pytest.fixture(scope="module")
+def invariant(checkpoint):
+    """The row-invariant op set's artifacts (--ops loopcast), one per half dtype."""
+    ckpt, root = checkpoint
+    out = {}
+    for dtype in ("fp16", "bf16"):
+        out[dtype] = root / f"art-{dtype}-loopcast"
+        if not out[dtype].exists():
+            export_checkpoint(ckpt, out[dtype], ExportOptions(dtype=dtype, max_length=48, ops="loopcast"))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("loops", [4, 32])
+def test_row_invariant_rows_are_decode_rows_on_cuda(invariant, dtype, loops):
+    """--ops loopcast on CUDA: verify rows and the pipeline's cycle rows are the one-row decode
+    rows bit for bit, and the pipeline (oracle drafts, with and without rejections), prompt
+    lookup and self-speculation give plain decoding's tokens."""
+    from tests.ort_runtime.test_recurrent_pipeline import Oracle, check_cycles, plain, run
+
+    loaded = open_artifact(invariant[dtype], "cuda")
+    assert loaded.exact_verify and loaded.manifest.exact_verify["cuda"]
+    gen = RecurrentGenerator(loaded, loops=loops, state_seed=7)
+    first = gen.step(PROMPT)
+    fed, rows = [int(first.next_ids[-1])], []
+    for _ in range(6):
+        out = gen.step([fed[-1]])
+        rows.append(out.logits[-1])
+        fed.append(int(out.next_ids[-1]))
+    gen.rewind(len(PROMPT))
+    verified = gen.verify(fed[:6])
+    for i, row in enumerate(rows):
+        assert np.array_equal(verified.logits[i], row), f"{dtype} r = {loops}: verify row {i}"
+
+    want, logits, n_left = plain(gen, PROMPT, 16, loops, state_seed=7)
+    sequence = PROMPT + want
+    for spoil in ((), range(0, 99, 3)):
+        got, stats, n_got = run(
+            gen,
+            PROMPT,
+            16,
+            loops=loops,
+            state_seed=7,
+            speculative="pipeline",
+            gate="always",
+            proposer=Oracle(sequence, spoil),
+            trace=True,
+        )
+        assert got == want and n_got == n_left and stats.exact_greedy
+        assert check_cycles(stats.pipeline_trace, sequence, logits, len(PROMPT), loops) == len(want) - 1
+    for mode, extra in (("prompt-lookup", {}), ("self", {"draft_loops": max(1, loops // 4)})):
+        got, stats, _ = run(gen, PROMPT, 16, loops=loops, state_seed=7, speculative=mode, **extra)
+        assert got == want and stats.exact_greedy, mode
