@@ -201,15 +201,22 @@ def dequantized_reference(name: str, scheme):
 
 
 @cache
+def _huginn_checkpoint(out: Path) -> Path:
+    """Written once per path: every op set's export of one max length reads the same weights."""
+    from loopcast.presets import PRESETS
+
+    return write_random_checkpoint(PRESETS["tiny-huginn"], out, seed=4, std=0.1)
+
+
+@cache
 def huginn(max_length: int = 48, ops: str = "auto") -> tuple[Path, Path]:
     """The tiny-huginn checkpoint (std 0.1: the random recurrence is contractive, as the trained
     one is; tests/exporter/test_huginn_reference.py) and its fp32 export with ``ops`` (default:
     loopcast attention where the op library is built), shared by the recurrent-depth runtime
     tests."""
-    from loopcast.presets import PRESETS
 
     root = scratch_root() / f"huginn-{max_length}"
-    ckpt = write_random_checkpoint(PRESETS["tiny-huginn"], root / "ckpt", seed=4, std=0.1)
+    ckpt = _huginn_checkpoint(root / "ckpt")
     art = root / ("art" if ops == "auto" else f"art-{ops}")
     export_checkpoint(ckpt, art, ExportOptions(max_length=max_length, ops=ops))
     return ckpt, art

@@ -122,7 +122,7 @@ def test_quantized_weights_are_benched_beside_float(tmp_path) -> None:
         tmp_path / "work",
         device="cpu",
         dtypes=("fp32",),
-        variants=("default", "batch-invariant"),  # loopcast-attention; every loopcast op
+        variants=("default",),
         past=40,
         widths=(5,),
         iters=1,
