@@ -3,6 +3,7 @@ with ``speculative='pipeline'`` against the full-depth pipeline and plain decodi
 
     python -m tools.bench.bench_exit_lanes                    # ~3 min on 2 cores, 24 passes
     python -m tools.bench.bench_exit_lanes --q 0.1 --q 0.2 --passes 24 --json out.json
+    python -m tools.bench.bench_exit_lanes --artifact DEMO_FP16 --device cuda   # a --target cuda export
 
 Greedy generation of ``--new-tokens`` tokens after held-out code prompts
 (tools/demo_model/demo_prompts.py) under every configuration, in passes of one prompt each with
@@ -101,9 +102,11 @@ def main() -> None:
         "--q", type=float, action="append", default=[], help="thresholds (default 0.05, 0.1, 0.2, 0.25, 0.3)"
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument("--artifact", default=None, help="a demo export to time instead of the shipped one")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     thresholds = args.q or [0.05, 0.1, 0.2, 0.25, 0.3]
-    model = load(demo_artifact_dir(progress=True))
+    model = load(args.artifact or demo_artifact_dir(progress=True), args.device)
     prompts = code_prompts(sorted(read_split_with_paths("heldout")), args.prompts)
     load_before = os.getloadavg()
     rows = speed(model, prompts, args.new_tokens, args.passes, thresholds)

@@ -2,7 +2,7 @@
 # One call on the lent H200 (docs/perf.md): `tools/gpu_machine/h200_run.sh PHASE...` with PHASE in
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
-# | quant-llama | quant-ouro | depth-demo | depth-1p4b | huginn | gpu-tests
+# | quant-llama | quant-ouro | depth-demo | prep-1p4b | depth-1p4b | huginn | gpu-tests | quick-tests
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -220,13 +220,19 @@ phase_nbits() {  # int4/int8 BatchInvariantMatMulNBits: ctypes kernel tests, the
     timeout 100 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --bits 8 --ms 1,5,16 --out "$RES"
   } > "$RES/bench-matmul-nbits.txt" 2>&1
 }
+phase_prep_1p4b() {  # depth-1p4b's checkpoint and export alone (run beside other phases, then depth-1p4b)
+  { [ -f /root/ouro14/config.json ] || python3 -m loopcast.cli random-checkpoint /root/ouro14 --preset ouro-1.4b --dtype fp16
+    [ -f /root/ouro14-fp16/manifest.json ] || /usr/bin/time -f "export %e s" python3 -m loopcast.cli export /root/ouro14 \
+      -o /root/ouro14-fp16 --dtype fp16 --target cuda --max-length 512 --overwrite
+  } > "$RES/prep-1p4b.txt" 2>&1
+}
 phase_depth_1p4b() {  # adaptive depth on random Ouro-1.4B weights (fp16, loopcast ops): static depths, the gate
   # under both KV policies and forced exits, ms/token beside full depth (tools/bench/bench_depth.py, docs/adaptive-depth.md)
   local log="$RES/depth-1p4b.txt"
   { [ -f /root/ouro14/config.json ] || python3 -m loopcast.cli random-checkpoint /root/ouro14 --preset ouro-1.4b --dtype fp16
     [ -f /root/ouro14-fp16/manifest.json ] || /usr/bin/time -f "export %e s" python3 -m loopcast.cli export /root/ouro14 \
       -o /root/ouro14-fp16 --dtype fp16 --target cuda --max-length 512 --overwrite
-    timeout 400 python3 -m tools.bench.bench_depth --artifact /root/ouro14-fp16 --device cuda --passes 3 --prompts 3 \
+    timeout ${DEPTH_TIMEOUT:-400} python3 -m tools.bench.bench_depth --artifact /root/ouro14-fp16 --device cuda --passes ${DEPTH_PASSES:-3} --prompts 3 \
       --new-tokens 32 --json "$RES/depth-1p4b.json"
   } > "$log" 2>&1
 }
@@ -234,8 +240,11 @@ phase_depth_demo() {  # adaptive depth on the demo (fp16, loopcast ops): the spe
   # gate beside full depth, with the last-exited q within 1 % of full depth's bits/byte on the CPU (docs/adaptive-depth.md)
   local log="$RES/depth-demo.txt"
   { python3 -m loopcast.cli export demo -o /root/demo-fp16 --dtype fp16 --target cuda --overwrite
-    timeout 300 python3 -m tools.bench.bench_depth --artifact /root/demo-fp16 --device cuda --passes 6 --prompts 3 \
+    timeout ${DEPTH_TIMEOUT:-300} python3 -m tools.bench.bench_depth --artifact /root/demo-fp16 --device cuda --passes ${DEPTH_PASSES:-6} --prompts 3 \
       --new-tokens 48 --q 0.29 --json "$RES/depth-demo.json"
+    # gated full through the pipeline against the full-depth pipeline (tools/bench/bench_exit_lanes.py)
+    timeout ${LANES_TIMEOUT:-200} python3 -m tools.bench.bench_exit_lanes --artifact /root/demo-fp16 --device cuda \
+      --passes ${LANES_PASSES:-12} --q 0.1 --q 0.2 --json "$RES/exit-lanes-demo.json"
   } > "$log" 2>&1
 }
 phase_huginn() {  # issue 41 on CUDA (worst case ~8.5 min): the tiny GPU tests, then huginn-3.5b at r = 32
@@ -257,6 +266,13 @@ phase_gpu_tests() {  # every GPU test file (ctypes kernels and ORT sessions) in 
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
   LOOPCAST_OPS_LIB=$LIB timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE \
     $(ls tests/custom_ops/test_cuda_*.py tests/ort_runtime/test_*cuda*.py) 2>&1 | tail -40 > "$RES/gpu-all-tests.txt"
+}
+phase_quick_tests() {  # the kernel tests, then the ORT-level GPU tests named in $QUICK_TESTS (default: all), verbose
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  LOOPCAST_OPS_LIB=$LIB timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE --tb=line \
+    tests/custom_ops/test_cuda_*.py 2>&1 | tail -15 > "$RES/quick-kernel-tests.txt"
+  LOOPCAST_OPS_LIB=$LIB timeout ${QUICK_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -v -rfE --tb=short \
+    ${QUICK_TESTS:-$(ls tests/ort_runtime/test_*cuda*.py)} > "$RES/quick-tests.txt" 2>&1
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
