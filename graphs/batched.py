@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 from loopcast.graphs import blocks
+from loopcast.graphs.batched_cycle import build_cycle_batch, cycle_batch_lanes
 from loopcast.graphs.builder import GraphBuilder
 from loopcast.graphs.ops import op_set_builders
 
@@ -52,6 +53,9 @@ def build_batched_kind(
     if kind not in BATCH_KINDS:
         raise ValueError(f"unknown batched kind {kind!r}")
     R = config.num_loops
+    if kind == GraphKind.CYCLE_BATCH:
+        lanes = cycle_batch_lanes(rows, R)
+        return build_cycle_batch(config, dtype, max_length, b, op_set=op_set, lanes=lanes)
     first, last = loops or (0, R)
     if first == 0:
         token_ids = b.input("input_ids_BS", ir.DataType.INT64, [BATCH, rows])

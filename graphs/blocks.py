@@ -48,6 +48,9 @@ class RowAddresses:
     # The cycle run (K cycles in one graph): RowAttention writes K/V into the bound input buffers
     # and the graph declares no present outputs.
     kv_in_place: bool = False
+    # The batched cycle (graphs/batched_cycle.py): per-row batch entry of the KV buffers [S]
+    # int32 (RowAttention input 2); None: entry 0 of one-sequence buffers.
+    sequences: ir.Value | None = None
 
 
 @dataclass(frozen=True)
@@ -330,7 +333,7 @@ def _row_attention(
     if rows is None or not ctx.ops.op_set.loopcast_attention:
         raise ValueError("row-addressed attention needs the loopcast attention op (RowAttention)")
     cfg = ctx.config
-    kv_shape = [1, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
+    kv_shape = [ctx.batch, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
     pairs = list(dict.fromkeys(slots))
     kv_in, kv_out = [], []
     for s in pairs:
@@ -343,7 +346,15 @@ def _row_attention(
         kv_out = [f"{prefix}.{name}_0" for name in kv_out]  # empty placeholders
     values = b.op_multi(
         "RowAttention",
-        [qkv_BSQ, rows.positions, None, rows.masked, ctx.step.cos_cache, ctx.step.sin_cache, *kv_in],
+        [
+            qkv_BSQ,
+            rows.positions,
+            rows.sequences,
+            rows.masked,
+            ctx.step.cos_cache,
+            ctx.step.sin_cache,
+            *kv_in,
+        ],
         path=f"{path}/row_attention",
         outs=[f"{prefix}.attn_BSHD", *kv_out],
         domain=LOOPCAST_DOMAIN,

@@ -55,6 +55,7 @@ CYCLE, CYCLE_RUN = GraphKind.CYCLE, GraphKind.CYCLE_RUN
 TREE_DRAFT, TREE_TAIL = GraphKind.TREE_DRAFT, GraphKind.TREE_TAIL
 DECODE_BATCH, VERIFY_BATCH = GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH
 DRAFT_BATCH, VERIFY_TAIL_BATCH = GraphKind.DRAFT_BATCH, GraphKind.VERIFY_TAIL_BATCH
+CYCLE_BATCH = GraphKind.CYCLE_BATCH
 GRAPH_KINDS = tuple(k for k in GraphKind if k not in BATCH_KINDS)  # the single-sequence kinds
 LOGIT_ROWS = "logit_rows"  # prefill's overridable input: how many last rows get logits (default 1)
 

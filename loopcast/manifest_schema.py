@@ -120,6 +120,9 @@ def expected_io(
             f"past_{kv}.{s}" for s in slots for kv in ("key", "value")
         }
         return inputs, {"carried_BWH_out", "lane_log_N"}
+    if kind == GraphKind.CYCLE_BATCH:  # graphs/batched_cycle.py
+        inputs = {"input_ids_BS", "carried_BWH", "row_address_W2"}
+        outputs |= {"hidden_BWH_out"}
     if kind == GraphKind.DRAFT:
         outputs |= {"top2_gap_BS", "hidden_BSH_out"}
     if kind == GraphKind.DRAFT_BATCH:
@@ -217,6 +220,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     # The graphs are exactly those of graph_plan (the tree kinds, an export option, both or neither).
     tree = any(kind in graphs_raw for kind in TREE_KINDS)
     self_batch = any(kind in graphs_raw for kind in SELF_BATCH_KINDS)
+    pipeline_batch = GraphKind.CYCLE_BATCH in graphs_raw  # an older batched artifact has none
     plans = graph_plan(
         config,
         op_set,
@@ -226,6 +230,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         max_batch=max_batch,
         exit_depths=exit_depths,
         self_batch=self_batch,
+        pipeline_batch=pipeline_batch,
     )
     plan = {p.key: (p.rows, p.first_loop, p.last_loop) for p in plans}
     for kind in graphs_raw:

@@ -58,6 +58,9 @@ class GraphKind(StrEnum):
     # graph's rows (loops 0..d-1, + the depth-d state) and verify_tail's (loops d..R-1), batched.
     DRAFT_BATCH = "draft_batch"
     VERIFY_TAIL_BATCH = "verify_tail_batch"
+    # The pipeline of several sequences (with --max-batch, where the cycle exists;
+    # graphs/batched_cycle.py): R·P rows, P lanes per depth, each row at its own (sequence, position).
+    CYCLE_BATCH = "cycle_batch"
     # The exit gate (docs/adaptive-depth.md): 1 row through every loop, with the argmax and the
     # exit-gate logit after each loop ([1, R] each), so the host picks the token at the exit.
     EXITS = "exits"
@@ -75,7 +78,8 @@ CYCLE_KINDS = (GraphKind.CYCLE, GraphKind.CYCLE_RUN)
 TREE_KINDS = (GraphKind.TREE_DRAFT, GraphKind.TREE_TAIL)
 # Added after the first batched artifacts: both or neither (an older artifact has neither).
 SELF_BATCH_KINDS = (GraphKind.DRAFT_BATCH, GraphKind.VERIFY_TAIL_BATCH)
-BATCH_KINDS = (GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH, *SELF_BATCH_KINDS)
+# Added after the self-speculation ones: an older batched artifact has no cycle_batch.
+BATCH_KINDS = (GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH, *SELF_BATCH_KINDS, GraphKind.CYCLE_BATCH)
 RECURRENT_KINDS = (GraphKind.PRELUDE, GraphKind.CORE_STEP, GraphKind.CODA)
 LOOP_STEP_KINDS = (GraphKind.LOOP_EMBED, GraphKind.LOOP_STEP, GraphKind.EXIT_HEAD)
 
@@ -203,6 +207,7 @@ def graph_plan(
     max_batch: int | None = None,
     exit_depths: tuple[int, ...] | list[int] = (),
     self_batch: bool = True,
+    pipeline_batch: bool = True,
 ) -> tuple[GraphPlan, ...]:
     """The graphs an artifact has, in the order the exporter writes them:
 
@@ -213,6 +218,8 @@ def graph_plan(
     cycle, cycle_run                      where has_cycle (the model and the op set)
     decode_batch, verify_batch            with ``max_batch`` (verify_batch: and W)
     draft_batch, verify_tail_batch        ``self_batch``, with ``max_batch``, d and W
+    cycle_batch                           ``pipeline_batch``, with ``max_batch``, where has_cycle
+                                          (R·max_batch rows: max_batch lanes per depth)
     prefill@k, decode@k, verify@k         for each exit depth k < R (verify@k: with W)
     exits, loop_embed, loop_step, exit_head   where has_exits (a looped model with an exit gate)
 
@@ -260,6 +267,8 @@ def graph_plan(
                 GraphPlan(GraphKind.DRAFT_BATCH, 1, 0, draft_depth),
                 GraphPlan(GraphKind.VERIFY_TAIL_BATCH, verify_width, draft_depth, R),
             ]
+        if pipeline_batch and has_cycle(config, op_set):
+            plans.append(GraphPlan(GraphKind.CYCLE_BATCH, R * max_batch, 0, R))
     for k in exit_depths:
         plans += [GraphPlan(GraphKind.PREFILL, None, 0, k, k), GraphPlan(GraphKind.DECODE, 1, 0, k, k)]
         if verify_width is not None:

@@ -192,12 +192,16 @@ constexpr int kMaxUnits = 1 << 16;
 
 // RowAttention's rows as the kernel's batch entries (S = 1 each), every entry on its own KV
 // buffer pair: entry b's cache is k[b] / v[b] instead of pk / pv + b * Hkv * cap * D. rows = 0:
-// the ordinary contiguous [B, Hkv, cap, D] buffers.
+// the ordinary contiguous [B, Hkv, cap, D] buffers. sequences (device, [rows]) or null: entry b's
+// cache is batch entry sequences[b] of its pair's [entries, Hkv, cap, D] buffers (RowAttention's
+// sequence index); an index outside 0..entries-1 makes the row write nothing and output zeros.
 constexpr int kRowTableMax = 32;
 struct KVTable {
   void* k[kRowTableMax];
   void* v[kRowTableMax];
   int rows;
+  const int32_t* sequences;
+  int entries;
 };
 
 __device__ float g_attn_scratch[kScratchFloats];       // [B*S*Hq][nch][2 + D]: m, l, a[D]
@@ -273,10 +277,18 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
       cap_eff = cap - shift;
     }
   }
+  size_t entry = 0;  // the row's batch entry of its pair (the sequence index), in elements
+  if (tab.sequences != nullptr) {
+    const int sq = tab.sequences[b];
+    if (sq < 0 || sq >= tab.entries)
+      cap_eff = -1;
+    else
+      entry = static_cast<size_t>(sq) * Hkv * cap * D;
+  }
   const int NB = gridDim.x, x = blockIdx.x;
   const int nunits = (i1 - i0) * HB;  // unit u: row i0 + u / HB, head hq0 + u % HB
-  T* const kb = tab.rows ? static_cast<T*>(tab.k[b]) : pk + static_cast<size_t>(b) * Hkv * cap * D;
-  T* const vb = tab.rows ? static_cast<T*>(tab.v[b]) : pv + static_cast<size_t>(b) * Hkv * cap * D;
+  T* const kb = tab.rows ? static_cast<T*>(tab.k[b]) + entry : pk + static_cast<size_t>(b) * Hkv * cap * D;
+  T* const vb = tab.rows ? static_cast<T*>(tab.v[b]) + entry : pv + static_cast<size_t>(b) * Hkv * cap * D;
 
   // Rows out of range get zeros (block x == 0); valid rows form one interval of i.
   int p_hi = -1;
@@ -535,8 +547,9 @@ struct AttentionLauncher {
 template <typename T>
 struct RowAttentionLauncher {
   static int run(const void* qkv, void* const* keys, void* const* values, const int32_t* positions,
-                 const int32_t* masked, const void* cos_, const void* sin_, void* out, int rows, int Hq, int Hkv, int D,
-                 int cap, int rotary_len, float scale, int do_rotary, void* stream_) {
+                 const int32_t* masked, const int32_t* sequences, int entries, const void* cos_, const void* sin_,
+                 void* out, int rows, int Hq, int Hkv, int D, int cap, int rotary_len, float scale, int do_rotary,
+                 void* stream_) {
     if (rows <= 0) return 0;
     if (rows > kRowTableMax || !split_fits(1, 1, Hq, Hkv, D, cap) || Hkv <= 0 || Hq % Hkv != 0 ||
         cap > kLoopcastMaxCudaCapacity)
@@ -547,6 +560,8 @@ struct RowAttentionLauncher {
       tab.v[i] = values[i];
     }
     tab.rows = rows;
+    tab.sequences = sequences;
+    tab.entries = entries;
     auto stream = static_cast<cudaStream_t>(stream_);
     auto q = static_cast<const T*>(qkv);
     auto cs = static_cast<const T*>(cos_);
@@ -589,10 +604,11 @@ LOOPCAST_CUDA_API int loopcast_cuda_masked_attention(int dtype, const void* qkv,
 
 LOOPCAST_CUDA_API int loopcast_cuda_row_attention(int dtype, const void* qkv, void* const* keys, void* const* values,
                                                   const int32_t* positions, const int32_t* masked_keys,
-                                                  const void* cos_cache, const void* sin_cache, void* out, int rows,
-                                                  int num_heads, int kv_num_heads, int head_dim, int capacity,
-                                                  int rotary_len, float scale, int do_rotary, void* stream) {
+                                                  const int32_t* sequences, int entries, const void* cos_cache,
+                                                  const void* sin_cache, void* out, int rows, int num_heads,
+                                                  int kv_num_heads, int head_dim, int capacity, int rotary_len,
+                                                  float scale, int do_rotary, void* stream) {
   return loopcast_cuda::dispatch<loopcast_cuda::RowAttentionLauncher>(
-      dtype, qkv, keys, values, positions, masked_keys, cos_cache, sin_cache, out, rows, num_heads, kv_num_heads,
-      head_dim, capacity, rotary_len, scale, do_rotary, stream);
+      dtype, qkv, keys, values, positions, masked_keys, sequences, entries, cos_cache, sin_cache, out, rows,
+      num_heads, kv_num_heads, head_dim, capacity, rotary_len, scale, do_rotary, stream);
 }

@@ -72,12 +72,16 @@ LOOPCAST_CUDA_API int loopcast_cuda_masked_attention(int dtype, const void* qkv,
 // (as loopcast_cuda_masked_attention). Rows must use distinct pairs (a row reads the cache that
 // another block of the same launch may be writing). Returns cudaErrorNotSupported (801) when the
 // one-row decode call would not take the split kernel or rows > 32: the caller then runs the
-// rows one launch each.
+// rows one launch each. sequences (device, [rows]) or null: row i's cache is batch entry
+// sequences[i] of its pair's [entries, kv_num_heads, capacity, head_dim] buffers (the pairs may then
+// repeat as long as no two valid rows address one (pair, entry)); an index outside 0..entries-1
+// makes the row write nothing and output zeros. With null, entries is ignored (one entry).
 LOOPCAST_CUDA_API int loopcast_cuda_row_attention(int dtype, const void* qkv, void* const* keys, void* const* values,
                                                   const int32_t* positions, const int32_t* masked_keys,
-                                                  const void* cos_cache, const void* sin_cache, void* out, int rows,
-                                                  int num_heads, int kv_num_heads, int head_dim, int capacity,
-                                                  int rotary_len, float scale, int do_rotary, void* stream);
+                                                  const int32_t* sequences, int entries, const void* cos_cache,
+                                                  const void* sin_cache, void* out, int rows, int num_heads,
+                                                  int kv_num_heads, int head_dim, int capacity, int rotary_len,
+                                                  float scale, int do_rotary, void* stream);
 
 // A KV buffer of `planes` rows of `capacity` positions (`position_bytes` each, [1, H_kv, T, D]):
 // positions src..src+count-1 copied to dst.. in every plane (disjoint ranges). The alternate

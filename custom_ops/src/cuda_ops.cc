@@ -132,8 +132,14 @@ bool per_row_forced() {
 // cache another block of the launch may be writing); rows sharing a pair (tree verify: every row
 // on the layer's slot) run one launch each, in row order, so a row sees what earlier rows wrote.
 // masked_keys (tree verify) take the split kernel either way (loopcast_cuda_masked_attention):
-// a row runs at its logical position with the masked keys skipped, as on the CPU. sequences are
-// CPU-only for now.
+// a row runs at its logical position with the masked keys skipped, as on the CPU. sequences (the
+// batched cycle, graphs/batched_cycle.py): row i reads and writes batch entry sequences[i] of its
+// pair, read on the device; those rows always take the one launch (in chunks of the launch's row
+// table), which needs the pairs bound in place and the split kernel for these shapes; valid rows
+// sharing a pair address distinct sequences (the graph's contract), so no block of a launch reads
+// a cache another writes.
+constexpr int64_t kRowLaunchRows = 32;  // rows of one loopcast_cuda_row_attention launch (its row table)
+
 template <typename T>
 struct RowAttentionCudaKernel {
   RowAttentionAttrs attrs;
@@ -142,9 +148,13 @@ struct RowAttentionCudaKernel {
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     const RowAttentionShapes s = row_attention_shapes(ctx, attrs);
-    if (s.has_sequences) fail("RowAttention (CUDA): the sequences input is CPU-only in this build");
     const int32_t* masked = s.has_masked ? ctx.GetInput(3).GetTensorData<int32_t>() : nullptr;
-    if (s.Bseq != 1) fail("RowAttention (CUDA): KV buffers must hold one sequence, got " + shape_str(s.past_shape));
+    const int32_t* sequences = s.has_sequences ? ctx.GetInput(2).GetTensorData<int32_t>() : nullptr;
+    if (sequences != nullptr && masked != nullptr)
+      fail("RowAttention (CUDA): sequences with masked_keys are not supported");
+    if (s.Bseq != 1 && sequences == nullptr)
+      fail("RowAttention (CUDA): KV buffers must hold one sequence without the sequences input, got " +
+           shape_str(s.past_shape));
     if (s.D != 16 && s.D != 32 && s.D != 64 && s.D != 128)
       fail("RowAttention (CUDA): head_dim must be 16, 32, 64 or 128, got " + std::to_string(s.D));
     if (s.T > kLoopcastMaxCudaCapacity)
@@ -171,6 +181,29 @@ struct RowAttentionCudaKernel {
     bool in_place = true;
     for (int64_t k = 0; k < s.pairs; ++k) in_place = in_place && past_k[k] == pk[k] && past_v[k] == pv[k];
     const bool distinct = s.pairs == s.S;  // every pair is named by some row (checked), so one each
+    if (sequences != nullptr) {
+      if (!in_place)
+        fail("RowAttention (CUDA): the sequences input needs every KV pair bound as its own present output");
+      std::vector<void*> keys, values;
+      for (int64_t i = 0; i < s.S; ++i) {
+        keys.push_back(pk[attrs.row_buffers[i]]);
+        values.push_back(pv[attrs.row_buffers[i]]);
+      }
+      for (int64_t i0 = 0; i0 < s.S; i0 += kRowLaunchRows) {
+        const int64_t rows = std::min<int64_t>(kRowLaunchRows, s.S - i0);
+        const int code = loopcast_cuda_row_attention(
+            static_cast<int>(DTypeOf<T>::value), qkv + i0 * (Hq + 2 * Hkv) * s.D * elem, keys.data() + i0,
+            values.data() + i0, positions + i0, nullptr, sequences + i0, static_cast<int>(s.Bseq), cos, sin,
+            out + i0 * Hq * s.D * elem, static_cast<int>(rows), static_cast<int>(Hq), static_cast<int>(Hkv),
+            static_cast<int>(s.D), static_cast<int>(s.T), static_cast<int>(std::min<int64_t>(s.rotary_len, 1 << 30)),
+            s.scale, attrs.do_rotary ? 1 : 0, ctx.GetGPUComputeStream());
+        if (code == kCudaErrorNotSupported)
+          fail("RowAttention (CUDA): the sequences input needs the split attention kernel, which does not serve "
+               "these shapes (head_dim " + std::to_string(s.D) + ", capacity " + std::to_string(s.T) + ")");
+        check_launch(code, "RowAttention");
+      }
+      return;
+    }
     if (in_place && distinct && !per_row_forced()) {
       std::vector<void*> keys, values;
       for (int64_t i = 0; i < s.S; ++i) {
@@ -178,7 +211,8 @@ struct RowAttentionCudaKernel {
         values.push_back(pv[attrs.row_buffers[i]]);
       }
       const int code = loopcast_cuda_row_attention(
-          static_cast<int>(DTypeOf<T>::value), qkv, keys.data(), values.data(), positions, masked, cos, sin, out,
+          static_cast<int>(DTypeOf<T>::value), qkv, keys.data(), values.data(), positions, masked, nullptr, 1, cos,
+          sin, out,
           static_cast<int>(s.S), static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(s.D),
           static_cast<int>(s.T), static_cast<int>(std::min<int64_t>(s.rotary_len, 1 << 30)), s.scale,
           attrs.do_rotary ? 1 : 0, ctx.GetGPUComputeStream());

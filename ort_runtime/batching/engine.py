@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from loopcast.ort_runtime.batching.admission import CapacityError, EngineBase
 from loopcast.ort_runtime.batching.options import check_honoured
+from loopcast.ort_runtime.batching.pipeline_lanes import BatchedPipeline
 from loopcast.ort_runtime.batching.prefix_cache import PrefixCache, PrefixPlan
 from loopcast.ort_runtime.batching.requests import BatchRequest, Completion
 from loopcast.ort_runtime.batching.self_round import RoundRows, self_round
@@ -71,13 +72,19 @@ from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Propos
 from loopcast.ort_runtime.decoding.verifiers import Verified
 
 from loopcast.errors import RequestError
-from loopcast.manifest import DECODE_BATCH, VERIFY_BATCH
+from loopcast.manifest import CYCLE_BATCH, DECODE_BATCH, VERIFY_BATCH
 from loopcast.vocab import SpeculativeMode
 
 # Prompt tokens prefilled between two decode steps (BatchingEngine's prefill_chunk).
 DEFAULT_PREFILL_CHUNK = 256
-NONE, PROMPT_LOOKUP, SELF = (
-    m.value for m in (SpeculativeMode.NONE, SpeculativeMode.PROMPT_LOOKUP, SpeculativeMode.SELF)
+NONE, PROMPT_LOOKUP, SELF, PIPELINE = (
+    m.value
+    for m in (
+        SpeculativeMode.NONE,
+        SpeculativeMode.PROMPT_LOOKUP,
+        SpeculativeMode.SELF,
+        SpeculativeMode.PIPELINE,
+    )
 )
 # GenerationConfig keyword options (ort_runtime/batching/options.py) the batching engine honours
 # per request: BatchRequest's own fields, and the speculation options of its drafts.
@@ -107,6 +114,7 @@ class _Running:
     proposer: PromptLookupProposer | None = None
     todo: list[int] = field(default_factory=list)  # prompt tokens not prefilled yet
     self_draft: bool = False  # drafts with the shallow loops (self_round.py)
+    pipeline: bool = False  # runs lanes in the batched cycle (pipeline_lanes.py)
 
     @property
     def sampled(self) -> bool:
@@ -135,7 +143,8 @@ class BatchingEngine(EngineBase):
         that is exact. ``draft_row_budget``: self-draft rows (k + 1 per drafting request) per
         step (default: every slot's). ``self_perturb(sequence, token) -> token`` replaces a
         self-drafted token (``sequence``: the request's tokens and drafts before it) before it is
-        fed on: forced rejections, or an oracle's drafts, in tests."""
+        fed on: forced rejections, or an oracle's drafts, in tests; the pipeline's exit-loop
+        drafts (pipeline_lanes.py) pass through it too."""
         super().__init__(generator.max_length, max_waiting)
         self.gen = generator
         self.gate = gate or BatchCostGate()
@@ -192,9 +201,28 @@ class BatchingEngine(EngineBase):
             if not model.exact_verify
             else "on"
         )
+        # the pipeline where the artifact has the batched cycle and its rows are exact
+        self.pipeline: BatchedPipeline | None = None
+        self.pipeline_state = (
+            "off (the artifact has no cycle_batch graph: a looped model exported with --max-batch and "
+            "the loopcast attention op)"
+            if CYCLE_BATCH not in model.sessions
+            else f"off (rows are not exact on {model.device} for this artifact: exact_verify)"
+            if not model.exact_verify
+            else "on"
+        )
+        if self.pipeline_state == "on":
+            hook = (
+                None
+                if self_perturb is None
+                else lambda s, lanes, t: self_perturb(self._running[s].context + lanes, t)
+            )
+            self.pipeline = BatchedPipeline(generator, hook=hook)
+            self.speculative_modes += (PIPELINE,)
+        self.stats["pipeline_cycles"] = 0
 
     kind = "batching engine"
-    modes_note = " (the pipeline has no batched graphs yet)"
+    modes_note = " (the pipeline: where the artifact has the cycle_batch graph)"
 
     def check(self, request: BatchRequest) -> None:
         super().check(request)
@@ -214,6 +242,10 @@ class BatchingEngine(EngineBase):
         if request.speculative == SELF:
             on = self.self_speculation == "on"
             return None, SELF if on else "none" + self.self_speculation.removeprefix("off")
+        if request.speculative == PIPELINE:
+            if request.sampling is not None and not request.sampling.greedy:
+                return None, "none (the batched pipeline runs greedy requests only)"
+            return None, PIPELINE
         if self.speculation is None:
             return None, "none (the artifact has no verify_batch graph)"
         if self.speculation:
@@ -284,6 +316,7 @@ class BatchingEngine(EngineBase):
             todo = list(request.ids[plan.cached :])
             running = _Running(completion, slot, -1, list(request.ids), acceptor, rule, proposer, todo)
             running.self_draft = completion.speculative == SELF
+            running.pipeline = completion.speculative == PIPELINE
             occupied[slot] = self._prefilling[slot] = running
             try:
                 if plan.source is not None and plan.source != slot:
@@ -323,6 +356,9 @@ class BatchingEngine(EngineBase):
 
     def _step(self) -> None:
         width = max(self._running) + 1
+        if self.pipeline is not None and any(r.pipeline for r in self._running.values()):
+            self._pipeline_step(width)
+            return
         room = self._room()
         drafting = self._self_drafts(width) if room else {}
         proposals = self._proposals() if room else {}
@@ -332,9 +368,13 @@ class BatchingEngine(EngineBase):
         if proposals and self.gate.engage(width, len(self._running), len(proposals)):
             self._verify_step(proposals, width)
             return
-        sampled = any(r.sampled for r in self._running.values())
+        self._decode_step(self._running, width)
+
+    def _decode_step(self, rows: dict[int, _Running], width: int) -> None:
+        """One decode_batch step: one plain row for each request of ``rows``."""
+        sampled = any(r.sampled for r in rows.values())
         t0 = time.perf_counter()
-        out = self.gen.decode({slot: r.pending for slot, r in self._running.items()}, want_logits=sampled)
+        out = self.gen.decode({slot: r.pending for slot, r in rows.items()}, want_logits=sampled)
         self.gate.observe_cost(DECODE_BATCH, width, time.perf_counter() - t0)
         self.steps += 1
         self.stats["decode_steps"] += 1
@@ -342,6 +382,40 @@ class BatchingEngine(EngineBase):
             r = self._running[slot]
             logits = out.logits[slot] if r.sampled else None
             self._deliver(slot, r.acceptor.choose(token, logits, r.context), self.gen.lengths[slot])
+
+    def _pipeline_step(self, width: int) -> None:
+        """A step with pipeline requests: one cycle_batch call over their lanes
+        (pipeline_lanes.py), then one decode_batch call with a plain row for every other request
+        (their drafts wait for a step without lanes). A pipeline request too close to the KV
+        capacity for a lane and the widest step's dummy rows past it takes a plain row instead."""
+        assert self.pipeline is not None
+        W = max(self.gen.verify_width or 1, self.gen.tail_width or 1)
+        room = self.max_length - 1 - W  # the last position a lane may sit at
+        lanes, plain = {}, {}
+        for slot, r in self._running.items():
+            n = self.gen.lengths[slot]
+            if r.pipeline and n <= room:
+                left = r.completion.request.max_new_tokens - len(r.completion.tokens)
+                lanes[slot] = min(room, n + left - 1)
+            else:
+                self.pipeline.drop(slot)
+                plain[slot] = r
+        if lanes:
+            t0 = time.perf_counter()
+            outcomes = self.pipeline.step({s: self._running[s].pending for s in lanes}, lanes)
+            self.gate.observe_cost(CYCLE_BATCH, width, time.perf_counter() - t0)
+            self.stats["pipeline_cycles"] += 1
+            for slot, out in outcomes.items():
+                c = self._running[slot].completion
+                c.proposed += out.verified
+                c.accepted += out.accepted
+                self.stats["proposed"] += out.verified
+                self.stats["accepted"] += out.accepted
+                if out.token is not None:
+                    self._deliver(slot, out.token, self.gen.lengths[slot])
+        self.steps += 1
+        if plain:
+            self._decode_step(plain, width)
 
     def _room(self) -> bool:
         """Whether a speculative step fits every slot: W rows (or a prefilling slot's dummy rows,
@@ -477,6 +551,8 @@ class BatchingEngine(EngineBase):
     def _finish(self, slot: int, reason: str | None = None, *, error: str | None = None) -> None:
         r = self._running.pop(slot) if slot in self._running else self._prefilling.pop(slot)
         self.gate.forget(slot)
+        if self.pipeline is not None:
+            self.pipeline.drop(slot)
         # a finished sequence's committed KV stays in its slot for the prefix cache (not after an
         # error: its KV may be incomplete)
         keep = self.gen.lengths[slot] if self.prefix is not None and error is None else 0

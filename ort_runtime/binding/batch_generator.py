@@ -190,6 +190,9 @@ class BatchGenerator:
         self._move = None  # CUDA: the op library's device KV copy (copy_prefix), loaded on first use
         self.lengths = [0] * B  # n_b: tokens whose KV is committed in slot b
         self._keep = [0] * B  # free slot b: its dummy rows write at positions keep_b..
+        # pipeline lanes in flight past n_b (ort_runtime/batching/pipeline_lanes.py): the slot's
+        # dummy rows write past them, at n_b + held_b..
+        self._held = [0] * B
         self.clock = StepClock()
         self.rows_run = 0  # decode rows computed, occupied or not
 
@@ -400,7 +403,7 @@ class BatchGenerator:
         inputs[:width] = 0
         # slots in the prefix without rows (free, or a prompt being prefilled): dummy rows at
         # positions max(n_b, keep_b).. of their own entry, past every position that holds KV
-        idle = np.maximum(self.lengths[:width], self._keep[:width])
+        idle = np.maximum(np.add(self.lengths[:width], self._held[:width]), self._keep[:width])
         seqlens[:width] = np.minimum(idle, self.max_length - width_rows) + width_rows - 1
         for slot, given in rows.items():
             inputs[slot, : len(given)] = given
@@ -428,7 +431,7 @@ class BatchGenerator:
         first ``keep`` positions are left untouched until the next prefill there (dummy rows write
         past them); returns the positions kept, ``keep`` capped so that any step's dummy rows fit."""
         rows = max(self.verify_width or 1, self.tail_width or 1)
-        self.lengths[slot] = 0
+        self.lengths[slot], self._held[slot] = 0, 0
         self._keep[slot] = max(0, min(keep, self.max_length - rows))
         return self._keep[slot]
 
@@ -437,7 +440,15 @@ class BatchGenerator:
         (kept there or copied by ``copy_prefix``): n_b = start; ``prefill(start=...)`` continues it."""
         if not 0 <= start < self.max_length:
             raise RequestError(f"begin: {start} cached positions outside the KV capacity {self.max_length}")
-        self.lengths[slot], self._keep[slot] = start, 0
+        self.lengths[slot], self._keep[slot], self._held[slot] = start, 0, 0
+
+    def hold(self, slot: int, count: int) -> None:
+        """Positions n_b..n_b+count-1 of ``slot`` hold KV of pipeline lanes in flight (not
+        committed yet): the slot's dummy rows in steps it has no row in write past them. The
+        caller keeps n_b + count + the widest step's rows within the KV capacity."""
+        if count < 0 or self.lengths[slot] + count > self.max_length:
+            raise RequestError(f"hold: {count} positions past length {self.lengths[slot]} of slot {slot}")
+        self._held[slot] = count
 
     def copy_prefix(self, src: int, dst: int, count: int) -> None:
         """Copy positions 0..count-1 of sequence slot ``src`` into ``dst`` in every KV slot (K and

@@ -205,6 +205,9 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
     elif spec.kind == CYCLE_RUN:  # one lane state per row, carried between calls
         first = "carried_BWH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
+    elif spec.kind == GraphKind.CYCLE_BATCH:  # graphs/batched_cycle.py: one address per row
+        first = "row_address_W2"
+        rows = inputs[first].shape[0] if len(inputs[first].shape) == 2 else None
     elif spec.kind == GraphKind.RECURRENT_CYCLE:  # one row per core step, carried between calls
         first = "carried_BW2H"
         rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None

@@ -454,6 +454,8 @@ def _masked_rows(
                 values,
                 p(pos),
                 p(mk),
+                None,  # no sequence index: one entry per pair
+                1,
                 p(cos),
                 p(sin),
                 p(out),
