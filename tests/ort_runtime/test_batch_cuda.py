@@ -95,3 +95,29 @@ def test_self_rounds_equal_plain_batched(model):
             assert engine.stats["self_rounds"] > 0
         finally:
             engine.shutdown()
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_pipeline_requests_equal_plain_batched(model, wrong_every):
+    """Pipeline requests inside the batch (one cycle_batch call per step: RowAttention rows of
+    several sequences, addressed through its sequence index on CUDA) give plain batched decoding's
+    tokens, with oracle drafts all right and every third wrong, eager and captured."""
+    from tests.ort_runtime.test_batch_pipeline import _oracle
+
+    prompts = DEMO_PROMPTS[:12]
+    plain, _ = _serve(model, prompts, 8, False)
+    requests = [
+        BatchRequest(model.encode(p), 32, speculative="pipeline" if i % 4 else "none")
+        for i, p in enumerate(prompts)
+    ]
+    perturb = _oracle(model, requests, wrong_every)
+    for cuda_graphs in (False, True):
+        engine = BatchingEngine(
+            BatchGenerator(model.loaded, 8, cuda_graphs=cuda_graphs), self_perturb=perturb
+        ).start()
+        try:
+            done = [engine.submit(r) for r in requests]
+            assert [c.result(120) for c in done] == plain, cuda_graphs
+            assert engine.stats["pipeline_cycles"] > 0
+        finally:
+            engine.shutdown()
