@@ -43,6 +43,10 @@ from loopcast.vocab import GraphKind
 
 def _host(value: ort.OrtValue) -> np.ndarray:
     """A state's host copy (bf16 comes back as its bits, viewed as ml_dtypes' bfloat16)."""
+    if value.data_type() == "tensor(bfloat16)":  # ORT's numpy bridge has no bf16: copy the bits
+        bits = np.empty(value.shape(), np.uint16)
+        ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, _ONNX_BFLOAT16).update_inplace(value)
+        return bits.view(ml_dtypes.bfloat16)
     array = value.numpy()
     return array.view(ml_dtypes.bfloat16) if array.dtype == np.uint16 else array
 

@@ -107,8 +107,9 @@ def test_captured_equals_eager_and_slots_capture_once(dtype: str) -> None:
             a = captured.generate(prompt, 64, speculative=mode, generator=gen)
             b = eager.generate(prompt, 64, speculative=mode)
             assert a.tokens == b.tokens, (mode, prompt)
-    for kind, slot in gen.graph_slots().items():  # every slot really ran captured
-        assert slot["captures"] == 1 and slot["fallbacks"] == 0 and slot["failure"] is None, (kind, slot)
+    for kind, slot in gen.graph_slots().items():  # every slot that ran really ran captured
+        if kind in {*HOT, CYCLE, CYCLE_RUN} or slot["replays"] or slot["warmups"]:
+            assert slot["captures"] == 1 and slot["fallbacks"] == 0 and slot["failure"] is None, (kind, slot)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

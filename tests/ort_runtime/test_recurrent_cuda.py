@@ -61,9 +61,9 @@ def test_last_exited_copies_the_exit_steps_kv_on_the_device(checkpoint, dtype):
     the exit step's K/V bit for bit (the op library's device copy), the other positions are
     untouched, and decoding goes on from there."""
     ckpt, root = checkpoint
-    out = root / f"art-{dtype}"
+    out = root / f"art-{dtype}-attention"  # the device copy is the op library's: not in stock artifacts
     if not out.exists():
-        export_checkpoint(ckpt, out, ExportOptions(dtype=dtype, max_length=48))
+        export_checkpoint(ckpt, out, ExportOptions(dtype=dtype, max_length=48, ops="loopcast-attention"))
     cfg = PRESETS["tiny-huginn"]
     g = RecurrentGenerator(open_artifact(out, "cuda"), loops=8, state_seed=7)
     g.step(PROMPT)  # every step's slots at positions 0..3

@@ -57,8 +57,9 @@ def _generate_cli(path, prompt: str) -> dict:
 
 
 def test_greedy_completions_equal_generate_under_concurrency_16(server, demo_batched):
-    """In every mode the batched server runs (plain, prompt lookup, self-speculation in the batch;
-    the prefix cache on, which the later rounds hit: their prompts are the first round's)."""
+    """In every mode the batched server runs (plain, prompt lookup, self-speculation and the
+    pipeline in the batch; the prefix cache on, which the later rounds hit: their prompts are the
+    first round's)."""
     url, state = server
     prompts = DEMO_PROMPTS[:16]
     expected = {prompt: _generate_cli(demo_batched, prompt) for prompt in prompts}
@@ -93,9 +94,9 @@ def test_greedy_completions_equal_generate_under_concurrency_16(server, demo_bat
             assert answer["usage"]["completion_tokens"] == len(expected[prompt]["tokens"])
             assert answer["loopcast"]["speculative"] == mode
         assert state.engine.peak_batch == 8  # 16 requests through 8 slots: they queued and joined
-    assert state.engine.speculative_modes == ("none", "prompt-lookup", "self")
+    assert state.engine.speculative_modes == ("none", "prompt-lookup", "self", "pipeline")
     assert state.engine.stats["prefix_hits"] > 0 and state.engine.stats["accepted"] > 0
-    assert state.engine.stats["self_rounds"] > 0
+    assert state.engine.stats["self_rounds"] > 0 and state.engine.stats["pipeline_cycles"] > 0
 
 
 def test_openai_client_streams(server, demo_batched):
@@ -207,8 +208,11 @@ def test_prompt_lookup_per_request(server, demo_batched):
         f"{url}/v1/completions", json={**body, "temperature": 0.7, "seed": 1}, timeout=120
     ).json()
     assert sampled["loopcast"]["speculative"] == "prompt-lookup"
-    bad = httpx.post(f"{url}/v1/completions", json={**body, "speculative": "pipeline"}, timeout=30)
-    assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
+    # the batched pipeline's accept rule is greedy: a sampled request decodes plainly and says why
+    piped = httpx.post(
+        f"{url}/v1/completions", json={**body, "speculative": "pipeline", "temperature": 0.7}, timeout=120
+    ).json()
+    assert piped["loopcast"]["speculative"] == "none (the batched pipeline runs greedy requests only)"
 
 
 def test_client_disconnect_cancels(server):

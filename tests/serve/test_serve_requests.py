@@ -12,6 +12,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 from click.testing import CliRunner  # noqa: E402
 from loopcast.cli import main  # noqa: E402
+from loopcast.ort_runtime.batching.engine import BatchRequest  # noqa: E402
 from loopcast.serve.state import ServeOptions, open_serving  # noqa: E402
 
 from loopcast.errors import RequestError  # noqa: E402
@@ -112,7 +113,6 @@ def test_chat_template_kwargs(server, demo):
 @pytest.mark.parametrize(
     "extra, param, needle",
     [
-        ({"speculative": "pipeline"}, "speculative", "batching engine"),
         ({"speculative": "bogus"}, "speculative", "must be one of"),
         ({"speculative": "prompt-lookup", "num_draft_tokens": 9}, "num_draft_tokens", "1..4"),
         ({"num_draft_tokens": 0}, "num_draft_tokens", "greater than or equal to 1"),
@@ -154,10 +154,10 @@ def test_models_reports_what_the_artifact_supports(server):
     card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
     caps = card["loopcast"]
     assert card["max_model_len"] == caps["max_model_len"] == state.max_length
-    assert caps["max_batch"] == 8 and caps["speculative_modes"] == ["none", "prompt-lookup", "self"]
-    assert {"prefill", "decode_batch", "verify_batch", "draft_batch", "verify_tail_batch"} <= set(
-        caps["graph_kinds"]
-    )
+    assert caps["max_batch"] == 8
+    assert caps["speculative_modes"] == ["none", "prompt-lookup", "self", "pipeline"]
+    batched = {"decode_batch", "verify_batch", "draft_batch", "verify_tail_batch", "cycle_batch"}
+    assert {"prefill"} | batched <= set(caps["graph_kinds"])
     assert caps["draft_depth"] == state.model.loaded.manifest.draft_depth >= 1
     assert caps["self_speculation"] == "on"
     assert caps["prefix_caching"] == "on" and caps["exact_verify"] is True
@@ -195,7 +195,11 @@ def test_sequential_engine_serves_the_artifacts_own_modes():
             assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, (extra, r.text)
         r = httpx.post(f"{url}/v1/completions", json={**body, "loops": 4}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "loops", r.text
-    with pytest.raises(
-        RequestError, match="--speculative pipeline: the batching engine serves none, prompt-lookup, self"
-    ):
-        open_serving(artifact("ouro-r3", max_batch=4), ServeOptions(speculative="pipeline"))
+    # with cycle_batch the batching engine serves the pipeline too, as the default mode if asked
+    batched = open_serving(artifact("ouro-r3", max_batch=4), ServeOptions(speculative="pipeline"))
+    try:
+        assert batched.engine.speculative_modes[-1] == "pipeline"
+        piped = batched.engine.submit(BatchRequest([1, 2, 3, 1, 2], 10, speculative="pipeline"))
+        assert piped.result(60) == plain
+    finally:
+        batched.close()
