@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from loopcast.ort_runtime.batching.admission import CapacityError, EngineBase
+from loopcast.ort_runtime.batching.batch_gate import BatchCostGate
 from loopcast.ort_runtime.batching.options import check_honoured
 from loopcast.ort_runtime.batching.pipeline_lanes import BatchedPipeline
 from loopcast.ort_runtime.batching.prefix_cache import PrefixCache, PrefixPlan
@@ -67,7 +68,6 @@ from loopcast.ort_runtime.batching.self_round import RoundRows, self_round
 from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
 from loopcast.ort_runtime.decoding.finish import FinishRule
-from loopcast.ort_runtime.decoding.gates import BatchCostGate
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Proposal
 from loopcast.ort_runtime.decoding.verifiers import Verified
 
@@ -356,9 +356,18 @@ class BatchingEngine(EngineBase):
 
     def _step(self) -> None:
         width = max(self._running) + 1
-        if self.pipeline is not None and any(r.pipeline for r in self._running.values()):
-            self._pipeline_step(width)
-            return
+        if self.pipeline is not None:
+            piped = [s for s, r in self._running.items() if r.pipeline]
+            chosen = (
+                self.gate.engage_pipeline(width, len(self._running), piped, self.pipeline.loops)
+                if piped
+                else set()
+            )
+            if chosen:
+                self._pipeline_step(width, chosen)
+                return
+            for slot in piped:  # the gate stood the pipeline down: plain rows, lanes dropped
+                self._drop_lanes(slot)
         room = self._room()
         drafting = self._self_drafts(width) if room else {}
         proposals = self._proposals() if room else {}
@@ -383,22 +392,28 @@ class BatchingEngine(EngineBase):
             logits = out.logits[slot] if r.sampled else None
             self._deliver(slot, r.acceptor.choose(token, logits, r.context), self.gen.lengths[slot])
 
-    def _pipeline_step(self, width: int) -> None:
-        """A step with pipeline requests: one cycle_batch call over their lanes
-        (pipeline_lanes.py), then one decode_batch call with a plain row for every other request
-        (their drafts wait for a step without lanes). A pipeline request too close to the KV
-        capacity for a lane and the widest step's dummy rows past it takes a plain row instead."""
+    def _drop_lanes(self, slot: int) -> None:
+        assert self.pipeline is not None
+        if slot in self.pipeline.lanes:
+            self.pipeline.drop(slot)
+            self.gate.pipeline_stopped(slot)
+
+    def _pipeline_step(self, width: int, chosen: set[int]) -> None:
+        """A step with pipeline requests: one cycle_batch call over the lanes of those the gate
+        chose (pipeline_lanes.py), then one decode_batch call with a plain row for every other
+        request (their drafts wait for a step without lanes). A pipeline request too close to the
+        KV capacity for a lane and the widest step's dummy rows past it takes a plain row instead."""
         assert self.pipeline is not None
         W = max(self.gen.verify_width or 1, self.gen.tail_width or 1)
         room = self.max_length - 1 - W  # the last position a lane may sit at
         lanes, plain = {}, {}
         for slot, r in self._running.items():
             n = self.gen.lengths[slot]
-            if r.pipeline and n <= room:
+            if slot in chosen and n <= room:
                 left = r.completion.request.max_new_tokens - len(r.completion.tokens)
                 lanes[slot] = min(room, n + left - 1)
             else:
-                self.pipeline.drop(slot)
+                self._drop_lanes(slot)
                 plain[slot] = r
         if lanes:
             t0 = time.perf_counter()
@@ -406,6 +421,7 @@ class BatchingEngine(EngineBase):
             self.gate.observe_cost(CYCLE_BATCH, width, time.perf_counter() - t0)
             self.stats["pipeline_cycles"] += 1
             for slot, out in outcomes.items():
+                self.gate.observe_pipeline(slot, out.token is not None)
                 c = self._running[slot].completion
                 c.proposed += out.verified
                 c.accepted += out.accepted
@@ -413,9 +429,10 @@ class BatchingEngine(EngineBase):
                 self.stats["accepted"] += out.accepted
                 if out.token is not None:
                     self._deliver(slot, out.token, self.gen.lengths[slot])
-        self.steps += 1
         if plain:
-            self._decode_step(plain, width)
+            self._decode_step(plain, width)  # counts the step
+        else:
+            self.steps += 1
 
     def _room(self) -> bool:
         """Whether a speculative step fits every slot: W rows (or a prefilling slot's dummy rows,

@@ -23,7 +23,7 @@ from collections import deque
 from loopcast.ort_runtime.decoding.protocols import CostsBase
 
 from loopcast.errors import RequestError
-from loopcast.manifest import DECODE, DECODE_BATCH, DRAFT_BATCH, VERIFY_BATCH, VERIFY_TAIL_BATCH
+from loopcast.manifest import DECODE
 from loopcast.vocab import GateKind, GraphKind, choices
 
 LOOP_EMBED, LOOP_STEP, EXIT_HEAD = GraphKind.LOOP_EMBED, GraphKind.LOOP_STEP, GraphKind.EXIT_HEAD
@@ -92,7 +92,7 @@ class GatedRowCosts(StepCosts):
         return embed + self.gen.model.config.num_loops * loop + head
 
 
-class _Counters:
+class GateCounters:
     """What every gate reports."""
 
     def __init__(self, name: str, chosen_by: str) -> None:
@@ -136,7 +136,7 @@ class _Counters:
         }
 
 
-class AlwaysGate(_Counters):
+class AlwaysGate(GateCounters):
     """Speculate on every step the proposer has drafts for."""
 
     def wants_evidence(self, step: int) -> bool:
@@ -155,7 +155,7 @@ class AlwaysGate(_Counters):
         pass
 
 
-class HitDensityGate(_Counters):
+class HitDensityGate(GateCounters):
     """Engage while the fraction of recent steps whose proposal would have hit is high.
 
     Steps run as plain decode still count: the proposer's first draft is compared with the
@@ -204,7 +204,7 @@ class HitDensityGate(_Counters):
         self._probing = False
 
 
-class CostGate(_Counters):
+class CostGate(GateCounters):
     """Choose per step between plain decode and a speculative round of k drafts.
 
     With per-draft acceptance α (running estimate), a round of k drafts commits on average
@@ -371,132 +371,6 @@ class CostGate(_Counters):
             backoff=self._backoff,
             probe_in=max(self._next_probe - self._step, 0),
         )
-
-
-class BatchCostGate(_Counters):
-    """Whether a step verifies drafts (verify_batch) or decodes (decode_batch), and which
-    requests self-draft (``engage_self``: draft_batch and verify_tail_batch).
-
-    Verify when (running + proposing·α) / t_verify(w) > running / t_decode(w): tokens per second
-    of either step at width w, with α the observed accepted drafts per proposing request (an
-    exponential average, starting optimistic so that the first proposals are tried). Costs are
-    exponential averages of steady runs per (kind, width); a binding's first run is left out.
-    While verify is off, α cannot move, so every ``probe_every`` steps one verify step is taken
-    anyway. Decisions change which kernels run, never the greedy tokens.
-    """
-
-    def __init__(self, probe_every: int = 32, smoothing: float = 0.2) -> None:
-        super().__init__("batch-cost", "batching engine")
-        self.probe_every, self.smoothing = probe_every, smoothing
-        self.cost: dict[tuple[str, int], float] = {}
-        self._seen: set[tuple[str, int]] = set()
-        self.alpha = 2.0
-        self.off_steps = self.self_off_steps = 0
-        self._self_alpha: dict[int, float] = {}  # slot -> its request's accepted self-drafts per round
-        self._self_prior: float | None = None  # the same over every request's rounds
-
-    def engage(self, width: int, running: int, proposing: int) -> bool:
-        t_verify, t_decode = self.cost.get((VERIFY_BATCH, width)), self.cost.get((DECODE_BATCH, width))
-        if t_decode is None:  # measure the plain step at this width first
-            on = False
-        elif t_verify is None:
-            on = True
-        else:
-            on = (running + proposing * self.alpha) / t_verify > running / t_decode
-        probe = False
-        if not on:
-            self.off_steps += 1
-            if self.off_steps >= self.probe_every:
-                on = probe = True
-        if on:
-            self.off_steps = 0
-        self._switch(on)
-        self._count(1 if on else None, probe)
-        self.reason = f"α={self.alpha:.2f} at width {width}: {'verify' if on else 'decode'}"
-        return on
-
-    def observe_cost(self, kind: str, width: int, seconds: float) -> None:
-        key = (kind, width)
-        if key not in self._seen:  # warm-up run of a fresh binding
-            self._seen.add(key)
-            return
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else old + self.smoothing * (seconds - old)
-
-    def observe_accept(self, accepted_per_proposer: float) -> None:
-        self.alpha += self.smoothing * (accepted_per_proposer - self.alpha)
-
-    def engage_self(
-        self, width: int, running: int, candidates: dict[int, int], row_budget: int
-    ) -> dict[int, int]:
-        """Which requests self-draft this step: slot -> drafts, from ``candidates`` (slot -> the
-        most drafts it may take). Per request: its own α (accepted drafts per round, starting
-        at the mean over all requests' rounds so far, or at its k before any, so that it is
-        tried); requests in order of α, as many as fit ``row_budget`` draft rows (k + 1 each).
-        The round runs max k + 1 draft_batch calls and one verify_tail_batch call at width w,
-        all running requests in each; it is taken with the prefix of that order that maximises
-        (running + Σα) / ((K + 1)·t_draft(w) + t_tail(w)), when that beats running / t_decode(w).
-        Otherwise a probe every ``probe_every`` steps. Costs at a width not measured yet are
-        scaled from the nearest measured one by the decode costs, so a new width costs no
-        exploring round."""
-        prior = self._self_prior
-        alpha = {
-            s: self._self_alpha.setdefault(s, float(k) if prior is None else min(prior, k))
-            for s, k in candidates.items()
-        }
-        chosen, rows = [], 0
-        for s in sorted(candidates, key=lambda s: -alpha[s]):
-            if rows + candidates[s] + 1 <= row_budget:
-                chosen.append(s)
-                rows += candidates[s] + 1
-        t_decode = self.cost.get((DECODE_BATCH, width))
-        t_draft, t_tail = self._scaled(DRAFT_BATCH, width), self._scaled(VERIFY_TAIL_BATCH, width)
-        if t_decode is None:  # measure the plain step at this width first
-            best: list[int] = []
-        elif t_draft is None or t_tail is None:
-            best = chosen
-        else:
-            best, best_rate, gain, K = [], running / t_decode, 0.0, 0
-            for j, s in enumerate(chosen):
-                gain, K = gain + alpha[s], max(K, candidates[s])
-                rate = (running + gain) / ((K + 1) * t_draft + t_tail)
-                if rate > best_rate:
-                    best, best_rate = chosen[: j + 1], rate
-        probe = False
-        if not best and chosen:
-            self.self_off_steps += 1
-            if self.self_off_steps >= self.probe_every:
-                best, probe = chosen, True
-        if best:
-            self.self_off_steps = 0
-        self._switch(bool(best))
-        self._count(1 if best else None, probe)
-        self.reason = f"self-drafting {len(best)} of {len(candidates)} requests at width {width}"
-        return {s: candidates[s] for s in best}
-
-    def _scaled(self, kind: str, width: int) -> float | None:
-        """``kind``'s cost at ``width``: measured, else the nearest measured width's scaled by
-        the ratio of the decode costs (None: not measured at any width with a decode cost)."""
-        cost = self.cost.get((kind, width))
-        if cost is not None:
-            return cost
-        decode = self.cost.get((DECODE_BATCH, width))
-        known = [w for (k, w) in self.cost if k == kind and (DECODE_BATCH, w) in self.cost]
-        if decode is None or not known:
-            return None
-        near = min(known, key=lambda w: abs(w - width))
-        return self.cost[(kind, near)] * decode / self.cost[(DECODE_BATCH, near)]
-
-    def observe_self(self, slot: int, accepted: int) -> None:
-        """A self-drafting request's round accepted ``accepted`` drafts."""
-        old = self._self_alpha.get(slot, float(accepted))
-        self._self_alpha[slot] = old + self.smoothing * (accepted - old)
-        prior = self._self_prior if self._self_prior is not None else float(accepted)
-        self._self_prior = prior + self.smoothing * (accepted - prior)
-
-    def forget(self, slot: int) -> None:
-        """The request in ``slot`` left: the next one there starts with its own α."""
-        self._self_alpha.pop(slot, None)
 
 
 def make_gate(

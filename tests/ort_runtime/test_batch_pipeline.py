@@ -10,6 +10,7 @@ import random
 
 import pytest
 from loopcast.ort_runtime import load
+from loopcast.ort_runtime.batching.batch_gate import BatchCostGate
 from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest
 from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 from loopcast.ort_runtime.decoding.sampling import SamplingParams
@@ -55,8 +56,30 @@ def _oracle(model, requests, wrong_every: int = 0):
     return perturb
 
 
-def _run(model, requests, max_batch=16, **options):
-    engine = BatchingEngine(BatchGenerator(model.loaded, max_batch), **options).start()
+class _AlwaysPipeline(BatchCostGate):
+    """Every pipeline request runs its lanes on every step (the schedule under test)."""
+
+    def engage_pipeline(self, width, running, candidates, loops):
+        return set(candidates)
+
+
+class _Switching(BatchCostGate):
+    """Lanes on for ``on`` steps, then plain rows for ``off``: lanes dropped mid-flight."""
+
+    def __init__(self, on: int, off: int) -> None:
+        super().__init__()
+        self.on, self.off, self.calls = on, off, 0
+
+    def engage_pipeline(self, width, running, candidates, loops):
+        self.calls += 1
+        if self.calls % (self.on + self.off) < self.on:
+            return set(candidates)
+        return set(candidates[::2]) if self.calls % 2 else set()  # some requests, or none
+
+
+def _run(model, requests, max_batch=16, gate=None, **options):
+    gate = gate or _AlwaysPipeline()
+    engine = BatchingEngine(BatchGenerator(model.loaded, max_batch), gate=gate, **options).start()
     try:
         done = [engine.submit(r) for r in requests]
         return [c.result(300) for c in done], done, engine.stats
@@ -81,6 +104,22 @@ def test_pipeline_requests_equal_plain_greedy_at_concurrency_16(model, wrong_eve
         assert accepted == 0
     elif wrong_every == 3:
         assert 0 < accepted < proposed
+
+
+@pytest.mark.parametrize("on, off", [(1, 1), (3, 2), (5, 7)])
+def test_lanes_dropped_and_restarted_by_the_gate_keep_plain_tokens(model, on, off):
+    """The gate stands the pipeline down and up again mid-flight, for all pipeline requests or
+    some of them: their lanes are dropped (plain rows take over) and restart cold."""
+    requests = _requests(5, 16)
+    got, _, stats = _run(model, requests, gate=_Switching(on, off), self_perturb=_oracle(model, requests, 3))
+    assert got == [_plain(model, r) for r in requests]
+    assert stats["pipeline_cycles"] > 0 and stats["decode_steps"] > 0
+
+
+def test_the_default_gate_keeps_plain_tokens(model):
+    requests = _requests(6, 16)
+    got, _, _ = _run(model, requests, gate=BatchCostGate(), self_perturb=_oracle(model, requests, 3))
+    assert got == [_plain(model, r) for r in requests]
 
 
 def test_dummy_rows_over_lanes_in_flight_are_caught(model, monkeypatch):
@@ -116,7 +155,7 @@ def test_a_cached_prefix_gives_the_cold_tokens(model):
     prefix = [(7 * i) % 90 for i in range(20)]
     requests = [BatchRequest(prefix + [1, 2], 12, speculative="pipeline") for _ in range(2)]
     requests += [BatchRequest(prefix + [3], 10, speculative="pipeline")]
-    engine = BatchingEngine(BatchGenerator(model.loaded, 4)).start()
+    engine = BatchingEngine(BatchGenerator(model.loaded, 4), gate=_AlwaysPipeline()).start()
     try:
         first = engine.submit(requests[0])
         assert first.result(120) == _plain(model, requests[0])

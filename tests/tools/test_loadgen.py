@@ -108,3 +108,32 @@ def test_server_modules_do_not_import_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr[-1000:]
+
+
+def test_loadgen_batched_pipeline_with_oracle_drafts(tmp_path):
+    """The batched pipeline beside batched plain on oracle drafts (92 % right), gate forced on:
+    the pipeline runs in the batch, nearly every draft is accepted, the tokens are plain's."""
+    require_exact_cpu_artifacts()
+    out = tmp_path / "r.json"
+    args = ["--concurrency", "1,3", "--requests", "4", "--max-tokens", "12", "--prompt-len", "6"]
+    args += ["--max-batch", "4", "--modes", "batched", "--speculative", "none,pipeline,self"]
+    args += ["--oracle-reject", "0.08", "--gate", "always"]
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.bench.loadgen", str(artifact("ouro-r3", max_batch=4)), *args]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["oracle_reject"] == 0.08 and report["gate"] == "always"
+    assert report["compared_requests"] == 8 and report["mismatched_requests"] == 0
+    piped = [lv for lv in report["levels"] if lv["mode"] == "batched+pipeline"]
+    assert [lv["served_by"] for lv in piped] == [["pipeline"], ["pipeline"]]
+    assert all(lv["engine_stats"]["pipeline_cycles"] > 0 for lv in piped)
+    proposed = sum(lv["drafts_proposed"] for lv in piped)
+    assert sum(lv["drafts_accepted"] for lv in piped) >= 0.8 * proposed > 0
+    selfs = [lv for lv in report["levels"] if lv["mode"] == "batched+self"]
+    assert sum(lv["drafts_accepted"] for lv in selfs) >= 0.8 * sum(lv["drafts_proposed"] for lv in selfs) > 0

@@ -30,6 +30,16 @@ run is reported as ENGINE+MODE and every run's greedy tokens are checked against
 (sequential+none is ``loopcast generate`` of each prompt alone):
 
     python -m tools.bench.loadgen ART --modes batched,sequential --speculative none,self --concurrency 16
+
+``--oracle-reject F`` feeds the batching engine's self and pipeline drafts from each prompt's
+plain greedy continuation (computed first, alone), spoiling the fixed pseudo-random fraction F
+of positions (bench/pipeline.py ``rejects``; 0.08: 92 % of drafts right): a random-weight
+checkpoint drafts nothing useful by itself, so this prices the schedule alone. Tokens are still
+the verifier's and are cross-checked. ``--gate always`` engages every speculative step instead
+of the cost gate (``BatchCostGate``):
+
+    python -m tools.bench.loadgen preset:ouro-1.4b --device cuda --dtype fp16 --modes batched \
+        --speculative none,pipeline --oracle-reject 0.08 --concurrency 1,4,8,32
 """
 
 from __future__ import annotations
@@ -154,6 +164,29 @@ def run_level(
     }
 
 
+class OracleDrafts:
+    """``self_perturb`` for the batching engine: the draft after ``sequence`` is plain greedy's
+    token there (spoiled at the positions ``rejects`` picks), for the prompts it was given."""
+
+    def __init__(self, model, prompt_lists: list[list[int]], max_tokens: int, fraction: float) -> None:
+        self.fraction, self.vocab = fraction, model.config.vocab_size
+        self.full: dict[tuple[int, ...], list[int]] = {}
+        for ids in prompt_lists:
+            if tuple(ids) not in self.full:
+                self.full[tuple(ids)] = ids + list(model.stream_ids(ids, max_tokens + 4, stop_ids=()))
+        self.prompt_len = {len(k) for k in self.full}
+
+    def __call__(self, sequence: list[int], token: int) -> int:
+        from loopcast.bench.pipeline import rejects
+
+        for n in self.prompt_len:
+            full = self.full.get(tuple(sequence[:n]))
+            if full is not None and len(sequence) < len(full):
+                truth = full[len(sequence)]
+                return (truth + 1) % self.vocab if rejects(len(sequence), self.fraction) else truth
+        return token
+
+
 def engine_submitter(engine, speculative: str = "none", counts: dict | None = None):
     """``counts``: drafts proposed and accepted over the requests, added up."""
     from loopcast.ort_runtime.batching.engine import BatchRequest
@@ -212,7 +245,10 @@ def make_engine(
     cuda_graphs: bool = False,
     prefill_chunk: int | None = None,
     prefix_caching: bool = True,
+    gate: str = "auto",
+    oracle: OracleDrafts | None = None,
 ):
+    from loopcast.ort_runtime.batching.batch_gate import AlwaysBatchGate, BatchCostGate
     from loopcast.ort_runtime.batching.engine import BatchingEngine
     from loopcast.ort_runtime.batching.sequential import SequentialEngine
     from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
@@ -220,7 +256,14 @@ def make_engine(
     if mode == "batched":
         generator = BatchGenerator(model.loaded, max_batch, cuda_graphs=cuda_graphs)
         options = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
-        return BatchingEngine(generator, max_waiting=4096, prefix_caching=prefix_caching, **options).start()
+        return BatchingEngine(
+            generator,
+            gate=AlwaysBatchGate() if gate == "always" else BatchCostGate(),
+            max_waiting=4096,
+            prefix_caching=prefix_caching,
+            self_perturb=oracle,
+            **options,
+        ).start()
     return SequentialEngine(model, max_waiting=4096).start()
 
 
@@ -230,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "source", help="an artifact exported with --max-batch, or preset:NAME (ouro-1.4b, llama-1.43b, ...)"
     )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     ap.add_argument("--max-batch", type=int, default=64, help="slots (presets: exported with it)")
     ap.add_argument("--max-length", type=int, default=512, help="presets: KV capacity")
     ap.add_argument("--concurrency", default="1,4,16,64")
@@ -253,9 +296,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefix-caching", action="store_true", help="batched: turn the prefix cache off")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
     ap.add_argument("--multi-turn", action="store_true", help="send each request's second turn after it")
+    ap.add_argument(
+        "--oracle-reject",
+        type=float,
+        default=None,
+        help="batched self/pipeline drafts from plain greedy, this fraction spoiled (0.08: 92%% right)",
+    )
+    ap.add_argument("--gate", default="auto", choices=["auto", "always"], help="batched speculative steps")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/loopcast-loadgen"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.oracle_reject is not None and not 0.0 <= args.oracle_reject <= 1.0:
+        ap.error("--oracle-reject must be a fraction in [0, 1]")
+    if args.oracle_reject is not None and args.multi_turn:
+        ap.error("--oracle-reject covers first turns only: leave out --multi-turn")
 
     from loopcast.ort_runtime import load
 
@@ -280,13 +334,36 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.node(),
         "cuda_graphs": args.cuda_graphs,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "gate": args.gate,
+        "oracle_reject": args.oracle_reject,
         "levels": [],
     }
+    oracle = None
+    if args.oracle_reject is not None:
+        everything = [
+            p
+            for clients in levels
+            for p in prompts(
+                args.requests or max(8, 2 * clients), args.prompt_len, vocab, shared=args.shared_prefix
+            )
+        ]
+        t0 = time.perf_counter()
+        oracle = OracleDrafts(model, everything, args.max_tokens, args.oracle_reject)
+        print(
+            f"oracle drafts: plain greedy of {len(oracle.full)} prompts in {time.perf_counter() - t0:.1f} s"
+        )
     outputs: dict[tuple[int, int], dict[str, list[int]]] = {}
     runs = [(mode, spec) for mode in args.modes.split(",") for spec in args.speculative.split(",")]
     for mode, spec in runs:
         engine = make_engine(
-            model, mode, max_batch, args.cuda_graphs, args.prefill_chunk, not args.no_prefix_caching
+            model,
+            mode,
+            max_batch,
+            args.cuda_graphs,
+            args.prefill_chunk,
+            not args.no_prefix_caching,
+            args.gate,
+            oracle,
         )
         name = mode if spec == "none" else f"{mode}+{spec}"
         if spec not in engine.speculative_modes:
@@ -325,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                     level["prefix_caching"] = engine.prefix_caching
                     level["prefill_chunk"] = engine.prefill_chunk
                     level["engine_stats"] = dict(engine.stats)
+                    level["gate_report"] = engine.gate.report()
                 print(
                     f"{name:<22} C={clients:<3} {level['requests']:>4} req "
                     f"{level['tokens_per_s']:8.1f} tok/s  "

@@ -1,0 +1,83 @@
+"""``BatchCostGate.engage_pipeline``: which pipeline requests run lanes, from given step costs and
+observed rates (ort_runtime/batching/batch_gate.py)."""
+
+from __future__ import annotations
+
+from loopcast.ort_runtime.batching.batch_gate import BatchCostGate
+
+from loopcast.manifest import CYCLE_BATCH, DECODE_BATCH
+
+
+def _gate(t_decode: float | None, t_cycle: float | None, width: int = 4) -> BatchCostGate:
+    gate = BatchCostGate(probe_every=8)
+    if t_decode is not None:
+        gate.cost[(DECODE_BATCH, width)] = t_decode
+    if t_cycle is not None:
+        gate.cost[(CYCLE_BATCH, width)] = t_cycle
+    return gate
+
+
+def _steady(gate: BatchCostGate, slot: int, rate: float, cycles: int = 200) -> None:
+    """Feed ``slot`` a commit pattern of the given rate (after its first commit)."""
+    gate.observe_pipeline(slot, True)
+    acc = 0.0
+    for _ in range(cycles):
+        acc += rate
+        gate.observe_pipeline(slot, acc >= 1.0)
+        acc -= float(acc >= 1.0)
+
+
+def test_plain_first_then_the_cycle_is_tried():
+    assert _gate(None, None).engage_pipeline(4, 4, [0, 1, 2, 3], loops=4) == set()
+    assert _gate(1.0, None).engage_pipeline(4, 4, [0, 1, 2, 3], loops=4) == {0, 1, 2, 3}
+
+
+def test_rates_against_costs():
+    # a cycle costs a third of a decode step: the pipeline pays above a rate of 1/3 per cycle
+    gate = _gate(3.0, 1.0)
+    for slot, rate in ((0, 0.9), (1, 0.8), (2, 0.1), (3, 0.1)):
+        _steady(gate, slot, rate)
+    # plain: 4 / 3 = 1.33 tokens per unit; lanes for all four: (1.9 + 0.2) / 1 = 2.1
+    assert gate.engage_pipeline(4, 4, [0, 1, 2, 3], loops=4) == {0, 1, 2, 3}
+    slow = _gate(3.0, 2.5)  # a cycle nearly a decode step's cost: only fast requests, or none
+    for slot, rate in ((0, 0.95), (1, 0.9), (2, 0.1), (3, 0.05)):
+        _steady(slow, slot, rate)
+    # all four: 2.0 / 2.5 = 0.8; the fast two: (1.85 + 2) / (2.5 + 3) = 0.7; plain 1.33: off
+    assert slow.engage_pipeline(4, 4, [0, 1, 2, 3], loops=4) == set()
+    # a subset pays a cycle and a decode call: (Σρ_taken + plain) / (t_cycle + t_decode) never
+    # beats both all-lanes and all-plain (a mediant), so a step is all lanes or none
+    for t_cycle in (0.5, 1.0, 2.0, 4.0):
+        mixed = _gate(3.0, t_cycle)
+        for slot, rate in ((0, 0.95), (1, 0.9), (2, 0.0), (3, 0.0)):
+            _steady(mixed, slot, rate)
+        assert mixed.engage_pipeline(4, 4, [0, 1, 2, 3], loops=4) in (set(), {0, 1, 2, 3})
+
+
+def test_a_choice_holds_for_an_epoch_and_joiners_meet_its_floor():
+    gate = _gate(3.0, 1.0)
+    _steady(gate, 0, 0.9)
+    assert gate.engage_pipeline(4, 2, [0, 1], loops=3) == {0, 1}  # slot 1: the prior (0.9-ish)
+    _steady(gate, 0, 0.0, cycles=50)  # its rate collapses, but the epoch holds the choice
+    assert 0 in gate.engage_pipeline(4, 2, [0, 1], loops=3)
+    assert 0 in gate.engage_pipeline(4, 2, [0, 1], loops=3)
+    assert 0 not in gate.engage_pipeline(4, 2, [0, 1], loops=3)  # the next epoch re-decides
+
+
+def test_fill_cycles_do_not_count_and_a_stopped_request_fills_again():
+    gate = _gate(3.0, 1.0)
+    for _ in range(10):
+        gate.observe_pipeline(0, False)  # the lanes' fill: no commit yet
+    assert 0 not in gate._pipe_rate
+    gate.observe_pipeline(0, True)
+    assert gate._pipe_rate[0] == 1.0
+    gate.pipeline_stopped(0)
+    gate.observe_pipeline(0, False)
+    assert gate._pipe_rate[0] == 1.0
+
+
+def test_off_then_a_probe_epoch():
+    gate = _gate(1.0, 5.0)  # the cycle never pays
+    _steady(gate, 0, 0.5)
+    taken = [gate.engage_pipeline(4, 1, [0], loops=2) for _ in range(9)]
+    assert taken[:7] == [set()] * 7 and taken[7] == {0}  # the 8th step off probes
+    assert gate.report()["probes"] == 1
