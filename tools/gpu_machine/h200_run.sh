@@ -3,6 +3,7 @@
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
 # | quant-llama | quant-ouro | depth-demo | prep-1p4b | depth-1p4b | huginn | gpu-tests | quick-tests
+# | serve-pipeline
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -273,6 +274,13 @@ phase_quick_tests() {  # the kernel tests, then the ORT-level GPU tests named in
     tests/custom_ops/test_cuda_*.py 2>&1 | tail -15 > "$RES/quick-kernel-tests.txt"
   LOOPCAST_OPS_LIB=$LIB timeout ${QUICK_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -v -rfE --tb=short \
     ${QUICK_TESTS:-$(ls tests/ort_runtime/test_*cuda*.py)} > "$RES/quick-tests.txt" 2>&1
+}
+phase_serve_pipeline() {  # the batched pipeline beside batched plain, oracle drafts 92 % right, Ouro-1.4B shapes
+  # the log goes straight to $OUT: a call cut short keeps the levels that ran
+  timeout ${SP_TIMEOUT:-240} python3 -m tools.bench.loadgen preset:ouro-1.4b --device cuda --dtype ${SP_DTYPE:-fp16} \
+    --max-batch 32 --max-length 512 --prompt-len 32 --max-tokens 32 --time-limit ${SP_LEVEL_S:-12} \
+    --work-dir /root/lg --modes batched --cuda-graphs --oracle-reject 0.08 --speculative none,pipeline \
+    --concurrency ${SP_LEVELS:-1,4,8,32} --out "$RES/serve-pipeline.json" > "$OUT/serve-pipeline.txt" 2>&1
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
