@@ -12,6 +12,13 @@ from loopcast.ort_runtime.decoding.gates import GateCounters
 
 from loopcast.manifest import CYCLE_BATCH, DECODE_BATCH, DRAFT_BATCH, VERIFY_BATCH, VERIFY_TAIL_BATCH
 
+# Per observed cycle, the weight the earlier ones keep in a pipeline request's rate (about 30
+# cycles of memory: several rejections' refills)
+PIPE_DECAY = 0.97
+PIPE_PRIOR_CYCLES = 8.0  # the prior's weight in a new request's rate, in cycles
+# How much faster the other choice must price than the current one for the pipeline gate to switch
+PIPE_MARGIN = 1.05
+
 
 class BatchCostGate(GateCounters):
     """Whether a step verifies drafts (verify_batch) or decodes (decode_batch), and which
@@ -36,6 +43,7 @@ class BatchCostGate(GateCounters):
         self._self_prior: float | None = None  # the same over every request's rounds
         # the pipeline: slot -> tokens its lanes commit per cycle, once they run steadily
         self._pipe_rate: dict[int, float] = {}
+        self._pipe_sums: dict[int | None, tuple[float, float]] = {}  # decayed (commits, cycles)
         self._pipe_prior: float | None = None  # the same over every request's cycles
         self._pipe_warm: set[int] = set()  # slots whose lanes committed a token since they started
         self._pipe_floor: float | None = None  # this epoch's choice: the least rate taken (None: off)
@@ -145,11 +153,12 @@ class BatchCostGate(GateCounters):
     def engage_pipeline(self, width: int, running: int, candidates: list[int], loops: int) -> set[int]:
         """Which pipeline requests run their lanes this step (one cycle_batch call at width w);
         the others take plain rows in the step's decode_batch call. Per request: ρ, the tokens its
-        lanes commit per cycle once they run steadily (an exponential average over the cycles
-        after their first committed token; before that the mean over every request's, or 1
-        before any, so that it is tried). The prefix of the requests in order of ρ that maximises
+        lanes commit per cycle once they run steadily (decayed sums over the cycles after their
+        first committed token; before that the same over every request's, or 1 before any, so
+        that it is tried). The prefix of the requests in order of ρ that maximises
         (Σρ + running − taken) / (t_cycle(w) + t_decode(w) if any request is left plain) is taken
-        when that beats running / t_decode(w). (With the cycle's cost set by the width, a strict
+        when that beats running / t_decode(w) by ``PIPE_MARGIN`` (switching costs: lanes dropped,
+        or their fill), or stays while within it. (With the cycle's cost set by the width, a strict
         subset pays both calls and never beats both all-lanes and all-plain, a mediant: the
         choice is all or none.) Lanes take ``loops`` cycles to commit their first token, so a
         choice holds for ``loops`` steps (an epoch): its requests keep their lanes, and a request
@@ -174,7 +183,9 @@ class BatchCostGate(GateCounters):
         elif t_cycle is None:
             best = order
         else:
-            best, best_rate, gain = [], running / t_decode, 0.0
+            # switching either way costs (lanes dropped, or R - 1 cycles of fill): a margin
+            on = self._pipe_floor is not None
+            best, best_rate, gain = [], running / t_decode * (1.0 / PIPE_MARGIN if on else PIPE_MARGIN), 0.0
             for j, s in enumerate(order):
                 gain += rate[s]
                 plain = running - (j + 1)
@@ -197,17 +208,24 @@ class BatchCostGate(GateCounters):
         return set(best)
 
     def observe_pipeline(self, slot: int, committed: bool) -> None:
-        """A cycle ran ``slot``'s lanes and committed a token (or not): its rate moves once its
-        lanes have committed their first token (the cycles before are the lanes' fill)."""
+        """A cycle ran ``slot``'s lanes and committed a token (or not). Its rate counts once its
+        lanes have committed their first token (the cycles before are the lanes' fill), as
+        decayed sums of commits over cycles: a rejection's R - 1 empty refill cycles come in a
+        burst, which a short exponential average would take for the rate."""
         if slot not in self._pipe_warm:
             if not committed:
                 return
             self._pipe_warm.add(slot)
-        x = float(committed)
-        old = self._pipe_rate.get(slot, x)
-        self._pipe_rate[slot] = old + self.smoothing * (x - old)
-        prior = self._pipe_prior if self._pipe_prior is not None else x
-        self._pipe_prior = prior + self.smoothing * 0.1 * (x - prior)
+        if slot not in self._pipe_sums and self._pipe_prior is not None:
+            # a new request starts from the prior, worth a few cycles, not from one burst
+            self._pipe_sums[slot] = (PIPE_PRIOR_CYCLES * self._pipe_prior, PIPE_PRIOR_CYCLES)
+        for key in (slot, None):  # the request's own, and every request's (the prior)
+            c, n = self._pipe_sums.get(key, (0.0, 0.0))
+            self._pipe_sums[key] = (PIPE_DECAY * c + committed, PIPE_DECAY * n + 1.0)
+        c, n = self._pipe_sums[slot]
+        self._pipe_rate[slot] = c / n
+        c, n = self._pipe_sums[None]
+        self._pipe_prior = c / n
 
     def pipeline_stopped(self, slot: int) -> None:
         """``slot``'s lanes were dropped: the next ones fill again before they count."""
@@ -217,6 +235,7 @@ class BatchCostGate(GateCounters):
         """The request in ``slot`` left: the next one there starts with its own α and ρ."""
         self._self_alpha.pop(slot, None)
         self._pipe_rate.pop(slot, None)
+        self._pipe_sums.pop(slot, None)
         self._pipe_warm.discard(slot)
 
 
