@@ -176,3 +176,8 @@ class _EngineCollector(Collector):
             "Draft tokens accepted.",
             stats.get("accepted", 0),
         )
+        yield counter(
+            "loopcast_pipeline_cycles",
+            "Batched pipeline steps (cycle_batch calls over the pipeline requests' lanes).",
+            stats.get("pipeline_cycles", 0),
+        )

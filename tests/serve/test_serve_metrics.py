@@ -54,8 +54,9 @@ def test_metrics_scraped_and_parsed(tiny_state):
             "max_tokens": 12,
             "temperature": 0,
             "ignore_eos": True,
-            "speculative": "prompt-lookup",
+            "speculative": mode,
         }
+        for mode in ("prompt-lookup", "pipeline")
     ]
     with running_server(tiny_state) as url:
         before = scrape(url)
@@ -85,6 +86,7 @@ def test_metrics_scraped_and_parsed(tiny_state):
     assert after["loopcast_num_requests_running"] == after["loopcast_num_requests_waiting"] == 0
     assert after["loopcast_kv_slots_used"] == 0 and after["loopcast_kv_cache_usage_ratio"] == 0
     assert grew("loopcast_engine_steps_total") > 0
+    assert grew("loopcast_pipeline_cycles_total") == tiny_state.engine.stats["pipeline_cycles"] > 0
     assert "loopcast_prefix_cache_queries_total" in after and "loopcast_prefix_cache_hits_total" in after
 
 
