@@ -63,7 +63,9 @@ class BlockContext:
     # The batch dimension B of every activation and KV buffer: 1 for the single-sequence kinds;
     # the batched kinds (graphs/batched.py) take one row per sequence and a symbolic B.
     batch: int | str = 1
-    batch_rows: int = 1  # rows per sequence in a batched kind (decode_batch 1, verify_batch W)
+    # rows per sequence in a batched kind (decode_batch 1, verify_batch W); -1: the batched
+    # cycle's activations, one entry of a symbolic row count (graphs/batched_cycle.py)
+    batch_rows: int = 1
     rows: RowAddresses | None = None  # row-addressed graphs only
 
 

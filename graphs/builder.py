@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
 from loopcast.manifest import GraphSpec
@@ -124,6 +125,18 @@ class GraphBuilder:
             self._initializers[name] = ir.Value(
                 name=name,
                 type=ir.TensorType(ir.DataType.INT64),
+                shape=ir.Shape([len(values)]),
+                const_value=tensor,
+            )
+        return self._initializers[name]
+
+    def const_bool(self, name: str, values: Sequence[bool]) -> ir.Value:
+        """A small bool constant (row patterns), embedded in the graph."""
+        if name not in self._initializers:
+            tensor = ir.tensor(np.array(values, dtype=np.bool_), name=name)
+            self._initializers[name] = ir.Value(
+                name=name,
+                type=ir.TensorType(ir.DataType.BOOL),
                 shape=ir.Shape([len(values)]),
                 const_value=tensor,
             )

@@ -178,7 +178,9 @@ class OpSetBuilders:
             "Gemm", [flat, b.weight("embed_tokens.weight")], path="/lm_head/gemm", out="logits_NV", transB=1
         )
         # single sequence: [1, rows, V]; batched kinds: [B, rows per sequence, V]
-        shape_BSV = [1, -1, cfg.vocab_size] if ctx.batch == 1 else [-1, ctx.batch_rows, cfg.vocab_size]
+        # (batch_rows -1: the batched cycle's one activation entry of a symbolic row count)
+        one_entry = ctx.batch == 1 or ctx.batch_rows == -1
+        shape_BSV = [1, -1, cfg.vocab_size] if one_entry else [-1, ctx.batch_rows, cfg.vocab_size]
         return b.op(
             "Reshape",
             [logits, b.const_i64("shape_BSV", shape_BSV)],

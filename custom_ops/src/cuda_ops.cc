@@ -180,7 +180,8 @@ struct RowAttentionCudaKernel {
     // per-row launches (the bench compares them).
     bool in_place = true;
     for (int64_t k = 0; k < s.pairs; ++k) in_place = in_place && past_k[k] == pk[k] && past_v[k] == pv[k];
-    const bool distinct = s.pairs == s.S;  // every pair is named by some row (checked), so one each
+    // every pair is named by the attribute (checked): with one entry per row, one row each
+    const bool distinct = s.pairs == s.S && static_cast<int64_t>(attrs.row_buffers.size()) == s.S;
     if (sequences != nullptr) {
       if (!in_place)
         fail("RowAttention (CUDA): the sequences input needs every KV pair bound as its own present output");

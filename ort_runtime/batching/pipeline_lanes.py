@@ -2,7 +2,7 @@
 running pipeline request keeps its lanes (ort_runtime/decoding/pipeline.py) in its slot's state,
 and each engine step runs one ``cycle_batch`` call (graphs/batched_cycle.py,
 ort_runtime/binding/cycle_batch_binding.py) over the lanes of all of them: slot b's lane at
-depth r is row r·P + b, at its own position, reading and writing batch entry b of loop r's KV.
+depth r is row b·R + r, at its own position, reading and writing batch entry b of loop r's KV.
 
 Per slot and call, the single-request pipeline's greedy rule, unchanged:
 

@@ -1,9 +1,11 @@
-"""The batched pipeline cycle's binding (graphs/batched_cycle.py): one IO binding over every
-sequence slot of a BatchGenerator's KV buffers, bound in place (past = present), and fixed input
-and output buffers of the graph's W = R·P rows. Row r·P + b is sequence slot b's lane at depth r
-(``row``); the host fills the rows' addresses, the entering tokens and the carried states, runs
-the call and reads each row's argmax and normed state. On CUDA with captured graphs the one
-width is captured like the other batched kinds (its buffers' addresses are fixed)."""
+"""The batched pipeline cycle's binding (graphs/batched_cycle.py): IO bindings over every
+sequence slot of a BatchGenerator's KV buffers, bound in place (past = present), and input and
+output buffers of the graph's most rows, R·max_batch. Row slot·R + depth is sequence slot
+``slot``'s lane at ``depth`` (``row``); a call over the occupied slots 0..w-1 binds the first
+w·R rows (one binding per width, made on first use; on CUDA with captured graphs, each width is
+captured like the other batched kinds: its shapes and addresses are fixed). The host fills the
+rows' addresses, the entering tokens and the carried states, runs the call and reads each row's
+argmax and normed state."""
 
 from __future__ import annotations
 
@@ -30,64 +32,79 @@ class CycleBatch:
         spec, cfg, device = model.manifest.graphs[CYCLE_BATCH], model.config, model.device
         self.gen, self.loops, self.rows = gen, cfg.num_loops, spec.rows
         self.lanes = spec.rows // cfg.num_loops  # P: one lane per depth per sequence slot
-        P, W, H, dtype = self.lanes, self.rows, cfg.hidden_size, gen._dtype.type
-        self.tokens = _Buffer((1, P), np.int64, device)
-        self.carried = _Buffer((1, W - P, H), dtype, device)
+        W, H, dtype = self.rows, cfg.hidden_size, gen._dtype.type
+        self.tokens = _Buffer((1, W), np.int64, device)
+        self.carried = _Buffer((1, W, H), dtype, device)
         self.address = _Buffer((W, 2), np.int32, device)
         self.next_ids = _Buffer((1, W), np.int64, device)
         self.logits = _Buffer((1, W, cfg.vocab_size), np.float32, device)
         self.hidden = _Buffer((1, W, H), dtype, device)
         self._slots = spec.kv_slots
-        captured = gen.captured and model.capture_session(CYCLE_BATCH)
-        session = captured or model.sessions[CYCLE_BATCH]
-        self.runner = CapturedRunner(
-            CYCLE_BATCH,
-            session,
-            self._bind,
-            pool=model.graph_ids(CYCLE_BATCH) if captured else None,
-            eager_session=lambda: model.sessions[CYCLE_BATCH],
-        )
+        self._captured = gen.captured and model.capture_session(CYCLE_BATCH)
+        self._runners: dict[int, CapturedRunner] = {}
 
-    def _bind(self, binding) -> None:
-        gen = self.gen
-        for name, buf in (
-            ("input_ids_BS", self.tokens),
-            ("carried_BWH", self.carried),
-            ("row_address_W2", self.address),
+    def _runner(self, width: int) -> CapturedRunner:
+        runner = self._runners.get(width)
+        if runner is None:
+            model, captured = self.gen.model, self._captured
+            runner = self._runners[width] = CapturedRunner(
+                CYCLE_BATCH,
+                captured or model.sessions[CYCLE_BATCH],
+                lambda binding: self._bind(binding, width * self.loops),
+                pool=model.graph_ids(CYCLE_BATCH) if captured else None,
+                eager_session=lambda: model.sessions[CYCLE_BATCH],
+            )
+        return runner
+
+    def _bind(self, binding, n: int) -> None:
+        gen, H = self.gen, self.carried.host.shape[2]
+        for name, buf, shape in (
+            ("input_ids_BS", self.tokens, [1, n]),
+            ("carried_BWH", self.carried, [1, n, H]),
+            ("row_address_W2", self.address, [n, 2]),
         ):
-            gen._bind_prefix(binding, name, buf, list(buf.host.shape), False)
+            gen._bind_prefix(binding, name, buf, shape, False)
         gen._bind_kv(binding, 0, gen.max_batch, self._slots)
-        for name, buf in (
-            ("next_token_ids_BS", self.next_ids),
-            ("logits_BSV", self.logits),
-            ("hidden_BWH_out", self.hidden),
+        for name, buf, shape in (
+            ("next_token_ids_BS", self.next_ids, [1, n]),
+            ("logits_BSV", self.logits, [1, n, self.logits.host.shape[2]]),
+            ("hidden_BWH_out", self.hidden, [1, n, H]),
         ):
-            gen._bind_prefix(binding, name, buf, list(buf.host.shape), True)
+            gen._bind_prefix(binding, name, buf, shape, True)
 
     def row(self, depth: int, slot: int) -> int:
-        return depth * self.lanes + slot
+        return slot * self.loops + depth
 
-    def run(self, rows: dict[tuple[int, int], tuple[int, int | np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    def run(
+        self, rows: dict[tuple[int, int], tuple[int, int | np.ndarray]], width: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``rows``: (depth, slot) -> (position, entering token at depth 0 / carried state
-        after it). Returns every row's argmax [W] and normed state [W, H] (host copies)."""
-        P = self.lanes
+        after it), over slots below ``width`` (default: the highest slot named, plus one).
+        Returns the call's rows' argmax [w·R] and normed states [w·R, H] (host copies)."""
+        width = width or max(slot for _, slot in rows) + 1
+        if not 1 <= width <= self.lanes:
+            raise ValueError(f"cycle_batch width {width} is not in 1..{self.lanes}")
+        n = width * self.loops
         address, tokens, carried = self.address.host, self.tokens.host, self.carried.host
-        address[:, 0], address[:, 1] = 0, -1  # unused rows: no position, write nothing
-        tokens[...] = 0
+        address[:n, 0], address[:n, 1] = 0, -1  # unused rows: no position, write nothing
+        tokens[0, :n] = 0
         for (depth, slot), (position, given) in rows.items():
             i = self.row(depth, slot)
+            if i >= n:
+                raise ValueError(f"slot {slot} is outside the call's width {width}")
             address[i] = (slot, position)
             if depth == 0:
-                tokens[0, slot] = int(given)
+                tokens[0, i] = int(given)
             else:
-                carried[0, i - P] = given
+                carried[0, i] = given
         for buf in (self.address, self.tokens, self.carried):
             buf.push()
         t0 = time.perf_counter()
-        steady = self.runner.run()
+        steady = self._runner(width).run()
         self.gen.clock.record(CYCLE_BATCH, time.perf_counter() - t0, steady=steady)
-        self.gen.rows_run += self.rows
-        return self.next_ids.pull()[0].copy(), self.hidden.pull()[0].copy()
+        self.gen.rows_run += n
+        return self.next_ids.pull()[0, :n].copy(), self.hidden.pull()[0, :n].copy()
 
     def close(self) -> None:
-        self.runner.close()
+        for runner in self._runners.values():
+            runner.close()

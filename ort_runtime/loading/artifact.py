@@ -206,8 +206,13 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
         first = "carried_BWH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
     elif spec.kind == GraphKind.CYCLE_BATCH:  # graphs/batched_cycle.py: one address per row
-        first = "row_address_W2"
-        rows = inputs[first].shape[0] if len(inputs[first].shape) == 2 else None
+        first = "row_address_W2"  # a symbolic row count; the manifest's rows are the most a call takes
+        shape = inputs[first].shape
+        rows = (
+            spec.rows
+            if len(shape) == 2 and isinstance(shape[0], str)
+            else f"a fixed {shape[0]} (an older layout: re-export)"
+        )
     elif spec.kind == GraphKind.RECURRENT_CYCLE:  # one row per core step, carried between calls
         first = "carried_BW2H"
         rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
