@@ -230,6 +230,8 @@ def huginn(max_length: int = 48, ops: str = "auto", pad_heads_to: int | None = N
 
     root = scratch_root() / f"huginn-{max_length}"
     ckpt = _huginn_checkpoint(root / "ckpt")
-    art = root / (("art" if ops == "auto" else f"art-{ops}") + (f"-pad{pad_heads_to}" if pad_heads_to else ""))
+    art = root / (
+        ("art" if ops == "auto" else f"art-{ops}") + (f"-pad{pad_heads_to}" if pad_heads_to else "")
+    )
     export_checkpoint(ckpt, art, ExportOptions(max_length=max_length, ops=ops, pad_heads_to=pad_heads_to))
     return ckpt, art

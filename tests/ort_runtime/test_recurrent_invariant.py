@@ -49,6 +49,14 @@ def gen(huginn):
     return RecurrentGenerator(open_artifact(huginn[1]))
 
 
+@pytest.fixture(scope="module")
+def padded_gen(huginn):
+    """The same checkpoint with its heads of 16 stored as 32 (exporter/head_padding.py)."""
+    gen = RecurrentGenerator(open_artifact(tiny_huginn(MAX_LENGTH, "loopcast", pad_heads_to=32)[1]))
+    assert gen.loaded.manifest.kv_head_size == 32
+    return gen
+
+
 def test_every_hot_op_is_a_loopcast_op(huginn):
     _, art, _ = huginn
     manifest = json.loads((art / "manifest.json").read_text())
@@ -84,9 +92,11 @@ def test_logits_match_the_reference(huginn, gen, loops, seed):
         np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["heads-16", "padded-to-32"])
 @pytest.mark.parametrize("loops", [1, 4, 32])
-def test_verify_rows_are_decode_rows(gen, loops):
+def test_verify_rows_are_decode_rows(request, loops, padded):
     """One M-row call against M one-row calls at the same positions, bit for bit."""
+    gen = request.getfixturevalue("padded_gen" if padded else "gen")
     gen.rewind(0)
     gen.configure(loops, 7)
     first = gen.step(PROMPT)
