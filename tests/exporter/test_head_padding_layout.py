@@ -1,7 +1,7 @@
 """Head padding (exporter/head_padding.py) without exporting: the stored layout, the rotary
 math on a padded head against the model's, which head size an export stores, and the manifest's
 ``attention_head_size`` as the loader reads and checks it (the CUDA check included, without CUDA).
-The padded artifacts themselves: tests/ort_runtime/test_head_padding.py."""
+The padded artifacts themselves: tests/ort_runtime/test_padded_heads.py."""
 
 from __future__ import annotations
 
