@@ -136,7 +136,9 @@ def _build_twin(manifest: Manifest, shallow, path: Path, probe: Path, read_store
             shallow,
             dtype,
             manifest.max_length,
-            GraphBuilder(refs, manifest.weights_file, probe, quantized),
+            GraphBuilder(
+                refs, manifest.weights_file, probe, quantized, head_size=manifest.attention_head_size
+            ),
             op_set=manifest.op_set,
         )
         ir.save(model, probe / spec.file)

@@ -24,6 +24,7 @@ from loopcast.exporter.export_options import (
     check_cuda_attention,
     check_half_precision_runs,
     check_supported,
+    head_size,
 )
 from loopcast.exporter.output_dir import check_output_dir
 from loopcast.exporter.weights import (
@@ -138,7 +139,8 @@ def export_checkpoint(
     # fp32 "auto" resolves to loopcast-attention unless the library cannot be had (checked again
     # once resolved, before any writing)
     check_supported(config, _requested_op_set(opts) or OpSet.LOOPCAST_ATTENTION)
-    check_cuda_attention(config, opts.dtype, _requested_op_set(opts))
+    head_size(config, opts, _requested_op_set(opts) or OpSet.LOOPCAST_ATTENTION)  # pad_heads_to's op set
+    check_cuda_attention(config, opts, _requested_op_set(opts))
     out = prepare_output(out_dir, overwrite)
     tensors = validate_checkpoint(checkpoint_dir, config)  # once: the writer reads these files
     read, close = checkpoint_reader(tensors)
@@ -185,8 +187,11 @@ def _write_artifact(
     if opts.tree_verify and can_tree_verify(config, op_set):
         raise ExportError(f"--tree-verify: {can_tree_verify(config, op_set)}")
     quant = opts.quantization
-    layout = weight_layout(config, opts.max_length, opts.dtype, read, quant)
-    total = weights_nbytes(config, opts.max_length, opts.dtype, read, quant)
+    # the stored head size: padded for the CUDA attention kernels where they lack head_dim
+    heads = head_size(config, opts, op_set)
+    padded = heads if heads != config.head_dim else None
+    layout = weight_layout(config, opts.max_length, opts.dtype, read, quant, padded)
+    total = weights_nbytes(config, opts.max_length, opts.dtype, read, quant, padded)
     bar = tqdm(
         total=total, desc="weights", unit="B", unit_scale=True, unit_divisor=1024, disable=not show_progress
     )
@@ -195,7 +200,7 @@ def _write_artifact(
     # release the GIL) and saved once the weights file is complete. That thread also imports
     # onnx-ir (0.5 s of sympy on the H200 host), which the copy does not need.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        built = pool.submit(_build_graphs, config, opts, op_set, layout, staging)
+        built = pool.submit(_build_graphs, config, opts, op_set, layout, staging, padded)
         try:
             stored = write_weights(
                 staging / WEIGHTS_FILE,
@@ -206,6 +211,7 @@ def _write_artifact(
                 progress=bar.update,
                 quant=quant,
                 native=source.native,
+                head_size=padded,
             )
         finally:
             bar.close()
@@ -234,10 +240,13 @@ def _write_artifact(
             custom_ops,
             quant=quant,
             draft_depth=opts.draft_depth,
+            head_size=padded,
         )
     )
     genai_files = (
-        write_genai(staging, config, _ir_dtype(opts.dtype), opts.max_length, refs, WEIGHTS_FILE, quant)
+        write_genai(
+            staging, config, _ir_dtype(opts.dtype), opts.max_length, refs, WEIGHTS_FILE, quant, padded
+        )
         if opts.genai
         else []
     )
@@ -262,7 +271,7 @@ def _write_artifact(
             "slots": config.num_kv_slots,
             "slot_of": "core loop r, layer l -> r*L + l; then prelude, then coda"
             + (" (core_step binds step r's slots to step 0's names)" if config.recurrent_depth else ""),
-            "shape": [1, config.num_kv_heads, opts.max_length, config.head_dim],
+            "shape": [1, config.num_kv_heads, opts.max_length, heads],
             "names": {
                 "past": "past_key.{slot} / past_value.{slot}",
                 "present": "present_key.{slot} / present_value.{slot} (bind the same buffer)",
@@ -280,6 +289,7 @@ def _write_artifact(
         quantization=quant,
         exit_depths=list(opts.exit_depths or ()),
         source_format=source.format,
+        attention_head_size=padded,
     )
     return manifest
 
@@ -290,9 +300,16 @@ def _ir_dtype(name: str):
     return {"fp32": ir.DataType.FLOAT, "fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}[name]
 
 
-def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: OpSet, layout: dict, staging: Path):
+def _build_graphs(
+    config: ModelConfig,
+    opts: ExportOptions,
+    op_set: OpSet,
+    layout: dict,
+    staging: Path,
+    head_size: int | None = None,
+):
     """On the graph thread: the kinds to build, the weight references, every kind's model (not
-    yet saved), its spec and the custom ops it uses."""
+    yet saved), its spec and the custom ops it uses; ``head_size``: the padded head size."""
     from loopcast.graphs.builder import GraphBuilder, weight_refs
     from loopcast.graphs.kinds import build_kind, plan_kinds
 
@@ -309,7 +326,7 @@ def _build_graphs(config: ModelConfig, opts: ExportOptions, op_set: OpSet, layou
     quantized = quantized_linears(config, opts.quantization)
     models, graphs, custom_ops = {}, {}, set()
     for plan in plans:
-        builder = GraphBuilder(refs, WEIGHTS_FILE, staging, quantized)
+        builder = GraphBuilder(refs, WEIGHTS_FILE, staging, quantized, head_size=head_size)
         models[plan.key], graphs[plan.key] = build_kind(
             plan, config, dtype, opts.max_length, builder, op_set=op_set
         )
@@ -391,7 +408,13 @@ def with_verify_width(
                 tree=any(kind in manifest.graphs for kind in TREE_KINDS),
                 exit_depths=tuple(manifest.exit_depths),
             ):
-                builder = GraphBuilder(refs, manifest.weights_file, staging.path, quantized)
+                builder = GraphBuilder(
+                    refs,
+                    manifest.weights_file,
+                    staging.path,
+                    quantized,
+                    head_size=manifest.attention_head_size,
+                )
                 model, spec = build_kind(
                     plan, config, dtype, manifest.max_length, builder, op_set=manifest.op_set
                 )
@@ -413,6 +436,7 @@ def with_verify_width(
                     draft_depth=manifest.draft_depth
                     if any(kind in manifest.graphs for kind in SELF_BATCH_KINDS)
                     else None,
+                    head_size=manifest.attention_head_size,
                 )
             )
             derived = dataclasses.replace(manifest, graphs=graphs, verify_width=width, files={})
@@ -438,6 +462,7 @@ def _write_batched(
     weights_file: str = WEIGHTS_FILE,
     quant: QuantScheme | None = None,
     draft_depth: int | None = None,
+    head_size: int | None = None,
 ) -> dict[str, GraphSpec]:
     """The batched kinds (graphs/batched.py) when ``max_batch`` is set (the self-speculation
     ones also with ``draft_depth``); adds their custom ops."""
@@ -450,7 +475,9 @@ def _write_batched(
         config, op_set, verify_width=verify_width, draft_depth=draft_depth, max_batch=max_batch
     )
     for plan in (p for p in plans if p.kind in BATCH_KINDS):
-        builder = GraphBuilder(refs, weights_file, staging, quantized_linears(config, quant))
+        builder = GraphBuilder(
+            refs, weights_file, staging, quantized_linears(config, quant), head_size=head_size
+        )
         model, spec = build_batched_kind(
             plan.kind,
             config,

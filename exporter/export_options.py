@@ -10,7 +10,7 @@ from loopcast.config import ModelConfig
 from loopcast.errors import ExportError
 from loopcast.manifest_schema import MAX_BATCH
 from loopcast.quant import QuantScheme, WeightFormat
-from loopcast.vocab import OpSet
+from loopcast.vocab import CUDA_ATTENTION_HEAD_DIMS, OpSet
 
 DTYPES = ("fp32", "fp16", "bf16")
 MAX_VERIFY_WIDTH = 32
@@ -36,6 +36,10 @@ class ExportOptions:
     exit_depths: tuple[int, ...] | None = None
     # MatMulNBits accuracy_level of weights that arrive quantized (a GGUF's blocks)
     source_accuracy_level: int = 4
+    # The stored attention head size (exporter/head_padding.py); None: the model's head_dim, or
+    # with the loopcast attention ops the next size their CUDA kernels take (head_size below).
+    # An API option for tests that pad a head size the kernels already take.
+    pad_heads_to: int | None = None
 
     @property
     def op_set(self) -> str:
@@ -64,6 +68,8 @@ class ExportOptions:
                 f"{config.sliding_window}: sliding-window attention is not supported, and only "
                 "below the window does full attention compute the same thing"
             )
+        if self.pad_heads_to is not None:
+            _check_pad_heads_to(config, self)
         if config.recurrent_depth:  # no verify graphs: the width is not used
             return self._recurrent(max_length)
         if not 2 <= self.verify_width <= MAX_VERIFY_WIDTH:
@@ -101,20 +107,7 @@ class ExportOptions:
                 if R > 1
                 else "--exit-depths needs a looped model; this one has R=1"
             )
-        return ExportOptions(
-            self.dtype,
-            max_length,
-            self.verify_width,
-            depth,
-            self.batch_invariant,
-            self.ops,
-            self.genai,
-            self.max_batch,
-            self.tree_verify,
-            self.quantization,
-            exit_depths,
-            self.source_accuracy_level,
-        )
+        return dataclasses.replace(self, max_length=max_length, draft_depth=depth, exit_depths=exit_depths)
 
     def _recurrent(self, max_length: int) -> ExportOptions:
         """A recurrent-depth model (Huginn) exports prelude, core_step and coda with float weights
@@ -134,6 +127,17 @@ class ExportOptions:
                     "export prelude, core_step and coda (and recurrent_cycle) with float weights"
                 )
         return dataclasses.replace(self, max_length=max_length, draft_depth=None)
+
+
+def _check_pad_heads_to(config: ModelConfig, opts: ExportOptions) -> None:
+    size = opts.pad_heads_to
+    if isinstance(size, bool) or not isinstance(size, int) or size % 2 or not config.head_dim <= size <= 256:
+        raise ExportError(
+            f"pad_heads_to must be an even head size in {config.head_dim}..256 (head_dim "
+            f"{config.head_dim}: the rotary halves get the zeros), got {size!r}"
+        )
+    if size != config.head_dim and opts.quantization is not None:
+        raise ExportError("pad_heads_to with --quantize: padded heads would move the quantized blocks")
 
 
 def _check_quantized(opts: ExportOptions) -> None:
@@ -173,21 +177,46 @@ def check_half_precision_runs(opts: ExportOptions) -> None:
         )
 
 
-# The head sizes of the loopcast attention ops' CUDA kernels (custom_ops/src/cuda_ops.cc)
-CUDA_ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+def head_size(config: ModelConfig, opts: ExportOptions, op_set: OpSet | str) -> int:
+    """The size every attention head is stored in (q, k, v and the KV cache;
+    exporter/head_padding.py): ``opts.pad_heads_to`` when given; with the loopcast attention ops
+    and float weights, a head_dim their CUDA kernels lack is padded to the next size they take
+    (Huginn-0125's 96 → 128), on every dtype, so that one artifact runs on the CPU and on CUDA;
+    otherwise head_dim. Padding beyond 128 or with quantized weights is not done
+    (check_cuda_attention refuses what then cannot run on CUDA)."""
+    d = config.head_dim
+    if opts.pad_heads_to is not None and opts.pad_heads_to != d:
+        if not OpSet(op_set).loopcast_attention:
+            raise ExportError(
+                f"pad_heads_to {opts.pad_heads_to} needs the loopcast attention ops (--ops "
+                f"loopcast-attention or loopcast), got --ops {OpSet(op_set)}"
+            )
+        return opts.pad_heads_to
+    if opts.pad_heads_to is not None or not OpSet(op_set).loopcast_attention or opts.quantization is not None:
+        return d
+    return next((size for size in CUDA_ATTENTION_HEAD_DIMS if size >= d), d)
 
 
-def check_cuda_attention(config: ModelConfig, dtype: str, op_set: OpSet | str | None) -> None:
-    """An fp16/bf16 artifact runs on CUDA only: with the loopcast attention ops its head size must
-    be one their CUDA kernels take, or the artifact would fail at its first step (Huginn-0125's
-    96, for one), after the whole export."""
-    if dtype == "fp32" or op_set is None or op_set == "auto" or not OpSet(op_set).loopcast_attention:
+def check_cuda_attention(config: ModelConfig, opts: ExportOptions, op_set: OpSet | str | None) -> None:
+    """An fp16/bf16 artifact runs on CUDA only: with the loopcast attention ops its stored head
+    size must be one their CUDA kernels take, or the artifact would fail at its first step, after
+    the whole export. Padding (head_size) makes most head sizes one (Huginn-0125's 96); what it
+    cannot fix is refused here: a head_dim above 128, or quantized weights."""
+    if opts.dtype == "fp32" or op_set is None or op_set == "auto" or not OpSet(op_set).loopcast_attention:
         return
-    if config.head_dim not in CUDA_ATTENTION_HEAD_DIMS:
+    size = head_size(config, opts, op_set)
+    if size not in CUDA_ATTENTION_HEAD_DIMS:
+        if opts.pad_heads_to is not None:
+            why = f"pad_heads_to {opts.pad_heads_to}"
+        elif opts.quantization is not None and config.head_dim <= CUDA_ATTENTION_HEAD_DIMS[-1]:
+            why = "quantized weights are not padded"
+        else:
+            why = f"heads are padded to at most {CUDA_ATTENTION_HEAD_DIMS[-1]}"
         raise ExportError(
-            f"--dtype {dtype} --ops {OpSet(op_set)}: head_dim {config.head_dim} is not supported by "
-            "the loopcast attention ops' CUDA kernels (head_dim 16, 32, 64 or 128); export --ops "
-            "stock (without --target cuda / --batch-invariant) for CUDA, or --dtype fp32 for the CPU"
+            f"--dtype {opts.dtype} --ops {OpSet(op_set)}: head size {size} (head_dim "
+            f"{config.head_dim}) is not supported by the loopcast attention ops' CUDA kernels "
+            f"(16, 32, 64 or 128; {why}); export --ops stock (without --target cuda / "
+            "--batch-invariant) for CUDA, or --dtype fp32 for the CPU"
         )
 
 

@@ -36,8 +36,9 @@ from loopcast.quant import QuantScheme, quantized_linears
 GENAI_CONFIG_FILE = "genai_config.json"
 
 
-def genai_config(config: ModelConfig, max_length: int) -> dict:
-    """The ``genai_config.json`` object for a graph built by :func:`build_genai_decoder`."""
+def genai_config(config: ModelConfig, max_length: int, head_size: int | None = None) -> dict:
+    """The ``genai_config.json`` object for a graph built by :func:`build_genai_decoder`;
+    ``head_size``: the stored (padded) head size of its KV, when the heads are padded."""
     eos = config.eos_token_id if config.eos_token_id is not None else -1
     return {
         "model": {
@@ -46,7 +47,7 @@ def genai_config(config: ModelConfig, max_length: int) -> dict:
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "filename": GENAI_FILE,
-                "head_size": config.head_dim,
+                "head_size": head_size or config.head_dim,
                 "hidden_size": config.hidden_size,
                 "inputs": {
                     "input_ids": INPUT_IDS,
@@ -99,11 +100,13 @@ def write_genai(
     refs: dict[str, WeightRef],
     weights_file: str,
     quant: QuantScheme | None = None,
+    head_size: int | None = None,
 ) -> list[str]:
     """Write the GenAI graph and config into ``staging``; returns the file names written. With
     ``quant`` the graph reads the artifact's quantized matrices through MatMulNBits, as the
     stock op set's own graphs do."""
-    builder = GraphBuilder(refs, weights_file, staging, quantized_linears(config, quant))
+    builder = GraphBuilder(refs, weights_file, staging, quantized_linears(config, quant), head_size=head_size)
     ir.save(build_genai_decoder(config, dtype, max_length, builder), staging / GENAI_FILE)
-    (staging / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config(config, max_length), indent=2) + "\n")
+    text = json.dumps(genai_config(config, max_length, head_size), indent=2) + "\n"
+    (staging / GENAI_CONFIG_FILE).write_text(text)
     return [GENAI_FILE, GENAI_CONFIG_FILE]

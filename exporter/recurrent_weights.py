@@ -10,7 +10,9 @@ The release rotates adjacent pairs (x[2i], x[2i+1]); the graphs' attention ops r
 evens first, then odds, so that the halves are the release's pairs: the rotation is the same,
 and q·k is unchanged because q and k are reordered alike (v is not). The stored K are in that
 order too, which nothing outside the graphs reads. One graph layout then serves the stock and
-the loopcast attention ops (whose kernels rotate halves only).
+the loopcast attention ops (whose kernels rotate halves only). Heads padded for the CUDA
+kernels (Huginn-0125's 96 → 128: exporter/head_padding.py) are padded after the reordering, so
+each half (the evens, the odds) is followed by its zeros.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from loopcast.exporter.head_padding import HeadPadding
 
 from loopcast.config import ModelConfig
 
@@ -43,14 +46,22 @@ def pairs_to_halves(config: ModelConfig, rows: np.ndarray) -> np.ndarray:
     return np.asarray(rows)[order]
 
 
-def recurrent_tensors(config: ModelConfig, max_length: int, read: Read, transposed) -> list[tuple]:
-    """(name, shape, producer) of every tensor; ``transposed(names, read)`` is the writer's
-    chunked stack-and-transpose (exporter/weights.py)."""
+def recurrent_tensors(
+    config: ModelConfig, max_length: int, read: Read, transposed, pad: HeadPadding
+) -> list[tuple]:
+    """(name, shape, producer) of every tensor, each attention head stored as ``pad.stored`` dims;
+    ``transposed(names, read)`` is the writer's chunked stack-and-transpose (exporter/weights.py)."""
+    from loopcast.exporter.weights import rotary_tables
+
+    heads = config.num_heads + 2 * config.num_kv_heads  # Wqkv's rows: q, k and v heads
 
     def halves(name: str) -> np.ndarray:
-        return pairs_to_halves(config, read(name))
+        return pad.heads(pairs_to_halves(config, read(name)), heads)
 
-    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    def o_read(name: str) -> np.ndarray:  # proj [H, heads·head_dim]: the input columns
+        return pad.heads(read(name), config.num_heads, axis=1)
+
+    h, d, inter = config.hidden_size, pad.stored, config.intermediate_size  # d: the stored head size
     q, kv = config.num_heads * d, config.num_kv_heads * d
     specs: list[tuple] = [
         ("embed_tokens.weight", (config.vocab_size, h), lambda: read("transformer.wte.weight")),
@@ -66,9 +77,13 @@ def recurrent_tensors(config: ModelConfig, max_length: int, read: Read, transpos
         )
         if config.qkv_bias:
             specs.append(
-                (f"{ours}.qkv_proj.bias", (q + 2 * kv,), lambda t=theirs: _packed_bias(config, read, t, kv))
+                (
+                    f"{ours}.qkv_proj.bias",
+                    (q + 2 * kv,),
+                    lambda t=theirs: pad.heads(_packed_bias(config, read, t), heads),
+                )
             )
-        specs.append((f"{ours}.o_proj.weight_T", (q, h), transposed([f"{theirs}.attn.proj.weight"], read)))
+        specs.append((f"{ours}.o_proj.weight_T", (q, h), transposed([f"{theirs}.attn.proj.weight"], o_read)))
         specs.append(
             (f"{ours}.gate_up_proj.weight_T", (h, 2 * inter), transposed([f"{theirs}.mlp.fc.weight"], read))
         )
@@ -79,16 +94,11 @@ def recurrent_tensors(config: ModelConfig, max_length: int, read: Read, transpos
     specs.append(("norm.weight", (h,), lambda: read("transformer.ln_f.weight")))
     if not config.tie_word_embeddings:
         specs.append(("lm_head.weight_T", (h, config.vocab_size), transposed(["lm_head.weight"], read)))
-    positions = np.arange(max_length)
-    specs += [
-        ("rotary.cos_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[0]),
-        ("rotary.sin_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[1]),
-    ]
-    return specs
+    return specs + rotary_tables(config, max_length, pad)
 
 
-def _packed_bias(config: ModelConfig, read: Read, layer: str, kv: int) -> np.ndarray:
+def _packed_bias(config: ModelConfig, read: Read, layer: str) -> np.ndarray:
+    """[q bias | k bias | 0] over the model's heads, halves reordered: [(Hq + 2·Hkv)·head_dim]."""
     qk = np.asarray(read(f"{layer}.attn.qk_bias"))  # [2, 1, heads, D]
-    return pairs_to_halves(
-        config, np.concatenate([qk[0].reshape(-1), qk[1].reshape(-1), np.zeros(kv, qk.dtype)])
-    )
+    v = np.zeros(config.num_kv_heads * config.head_dim, qk.dtype)
+    return pairs_to_halves(config, np.concatenate([qk[0].reshape(-1), qk[1].reshape(-1), v]))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from loopcast.exporter.head_padding import HeadPadding
 from loopcast.exporter.quantize import Quantized
 
 from loopcast.config import ModelConfig
@@ -98,11 +99,16 @@ def artifact_tensors(
     dtype: np.dtype | None = None,
     quant: QuantScheme | None = None,
     native: Native | None = None,
+    head_size: int | None = None,
 ) -> list[Spec]:
     """Names, shapes, producers and stored dtypes of every tensor the graphs use, in file order
     (transposed ones already in ``dtype`` when given; the writer converts the rest). Under
-    ``quant`` each quantized matrix becomes its MatMulNBits tensors (_quantized)."""
-    specs = _float_tensors(config, max_length, read, dtype)
+    ``quant`` each quantized matrix becomes its MatMulNBits tensors (_quantized). ``head_size``:
+    the stored attention head size when it pads the model's heads (exporter/head_padding.py)."""
+    pad = HeadPadding(config.head_dim, head_size or config.head_dim)
+    if pad.padded and quant is not None:
+        raise ValueError("padded attention heads with quantized weights: their blocks would move")
+    specs = _float_tensors(config, max_length, read, dtype, pad)
     linears = quantized_linears(config, quant)
     if config.tie_word_embeddings and "lm_head.weight_T" in linears:
         # a tied head under a quantized scheme: a quantized copy of the embedding ([V, H] is
@@ -180,17 +186,29 @@ def gathered_shapes(linear: QuantLinear) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _float_tensors(config: ModelConfig, max_length: int, read: Read, dtype: np.dtype | None) -> list[Spec]:
-    """The float artifact's tensors (artifact_tensors without quantization)."""
+def _float_tensors(
+    config: ModelConfig, max_length: int, read: Read, dtype: np.dtype | None, pad: HeadPadding
+) -> list[Spec]:
+    """The float artifact's tensors (artifact_tensors without quantization), every attention head
+    stored as ``pad.stored`` dims."""
     if config.recurrent_depth:
         from loopcast.exporter.recurrent_weights import recurrent_tensors
 
         specs = recurrent_tensors(
-            config, max_length, read, lambda names, source: _cat_t(source, names, dtype)
+            config, max_length, read, lambda names, source: _cat_t(source, names, dtype), pad
         )
         return [(name, shape, produce, None) for name, shape, produce in specs]
-    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    h, d, inter = config.hidden_size, pad.stored, config.intermediate_size  # d: the stored head size
     qkv = (config.num_heads + 2 * config.num_kv_heads) * d
+
+    def heads_read(name: str) -> np.ndarray:
+        """A q/k/v_proj weight or bias ([heads·head_dim, ...]) with its heads padded."""
+        heads = config.num_heads if name.split(".")[-2] == "q_proj" else config.num_kv_heads
+        return pad.heads(read(name), heads)
+
+    def o_read(name: str) -> np.ndarray:  # o_proj [H, heads·head_dim]: the input columns
+        return pad.heads(read(name), config.num_heads, axis=1)
+
     specs: list = [
         ("embed_tokens.weight", (config.vocab_size, h), lambda: read("model.embed_tokens.weight")),
     ]
@@ -206,7 +224,7 @@ def _float_tensors(config: ModelConfig, max_length: int, read: Read, dtype: np.d
             (
                 f"{ours}.qkv_proj.weight_T",
                 (h, qkv),
-                _cat_t(read, [f"{attn}.{p}_proj.weight" for p in "qkv"], dtype),
+                _cat_t(heads_read, [f"{attn}.{p}_proj.weight" for p in "qkv"], dtype),
             )
         )
         if config.qkv_bias:
@@ -214,14 +232,14 @@ def _float_tensors(config: ModelConfig, max_length: int, read: Read, dtype: np.d
                 (
                     f"{ours}.qkv_proj.bias",
                     (qkv,),
-                    lambda a=attn: np.concatenate([read(f"{a}.{p}_proj.bias") for p in "qkv"]),
+                    lambda a=attn: np.concatenate([heads_read(f"{a}.{p}_proj.bias") for p in "qkv"]),
                 )
             )
         specs.append(
             (
                 f"{ours}.o_proj.weight_T",
                 (config.num_heads * d, h),
-                _cat_t(read, [f"{attn}.o_proj.weight"], dtype),
+                _cat_t(o_read, [f"{attn}.o_proj.weight"], dtype),
             )
         )
         if config.o_bias:
@@ -254,13 +272,19 @@ def _float_tensors(config: ModelConfig, max_length: int, read: Read, dtype: np.d
         specs.append(("early_exit_gate.bias", (1,), lambda: read("model.early_exit_gate.bias")))
     if not config.tie_word_embeddings:
         specs.append(("lm_head.weight_T", (h, config.vocab_size), _cat_t(read, ["lm_head.weight"], dtype)))
-    # Rotary tables with the config's rope scaling, computed here once (loopcast.rope).
-    positions = np.arange(max_length)
-    specs += [
-        ("rotary.cos_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[0]),
-        ("rotary.sin_SD2", (max_length, d // 2), lambda: config.rope_cos_sin(positions)[1]),
-    ]
+    specs += rotary_tables(config, max_length, pad)
     return [(name, shape, produce, None) for name, shape, produce in specs]
+
+
+def rotary_tables(config: ModelConfig, max_length: int, pad: HeadPadding) -> list[tuple]:
+    """The rotary cos/sin tables with the config's rope scaling, computed here once
+    (loopcast.rope), [max_length, stored/2]: padded columns hold cos 1, sin 0."""
+    positions = np.arange(max_length)
+    shape = (max_length, pad.stored // 2)
+    return [
+        ("rotary.cos_SD2", shape, lambda: pad.rotary(config.rope_cos_sin(positions)[0], 1.0)),
+        ("rotary.sin_SD2", shape, lambda: pad.rotary(config.rope_cos_sin(positions)[1], 0.0)),
+    ]
 
 
 def _layout(specs, dtype: str) -> tuple[dict[str, dict], bytes]:
@@ -280,11 +304,16 @@ def _layout(specs, dtype: str) -> tuple[dict[str, dict], bytes]:
 
 
 def weight_layout(
-    config: ModelConfig, max_length: int, dtype: str, read: Read, quant: QuantScheme | None = None
+    config: ModelConfig,
+    max_length: int,
+    dtype: str,
+    read: Read,
+    quant: QuantScheme | None = None,
+    head_size: int | None = None,
 ) -> dict[str, StoredTensor]:
     """Where ``write_weights`` will put every tensor, known before a byte is written (so the
     graphs, which only need these offsets, can be built while the weights are copied)."""
-    specs = artifact_tensors(config, max_length, read, quant=quant)
+    specs = artifact_tensors(config, max_length, read, quant=quant, head_size=head_size)
     header, header_bytes = _layout(specs, dtype)
     return _stored(header, 8 + len(header_bytes))
 
@@ -304,10 +333,15 @@ def _stored(header: dict[str, dict], base: int) -> dict[str, StoredTensor]:
 
 
 def weights_nbytes(
-    config: ModelConfig, max_length: int, dtype: str, read: Read, quant: QuantScheme | None = None
+    config: ModelConfig,
+    max_length: int,
+    dtype: str,
+    read: Read,
+    quant: QuantScheme | None = None,
+    head_size: int | None = None,
 ) -> int:
     """Bytes of tensor data ``write_weights`` will write (for a progress bar in bytes)."""
-    header, _ = _layout(artifact_tensors(config, max_length, read, quant=quant), dtype)
+    header, _ = _layout(artifact_tensors(config, max_length, read, quant=quant, head_size=head_size), dtype)
     return max(h["data_offsets"][1] for n, h in header.items() if n != "__metadata__")
 
 
@@ -321,6 +355,7 @@ def write_weights(
     sha256=None,
     quant: QuantScheme | None = None,
     native: Native | None = None,
+    head_size: int | None = None,
 ) -> dict[str, StoredTensor]:
     """Stream the artifact tensors into a safetensors file; return where each one lives.
 
@@ -332,7 +367,7 @@ def write_weights(
     manifest's file record needs no second pass over the file.
     """
     np_dtype, _ = NUMPY_DTYPES[dtype]
-    specs = artifact_tensors(config, max_length, read, np_dtype, quant, native)
+    specs = artifact_tensors(config, max_length, read, np_dtype, quant, native, head_size)
     header, header_bytes = _layout(specs, dtype)
     base = 8 + len(header_bytes)
 

@@ -244,6 +244,13 @@ def decoder_stack(
     return x_BSH, depth_state
 
 
+def kv_buffer_shape(b: GraphBuilder, ctx: BlockContext) -> list[int | str]:
+    """[B, H_kv, T, D] of a slot's K or V buffer; D is the stored head size (padded heads:
+    exporter/head_padding.py), which the attention ops also read off the packed q|k|v width."""
+    cfg = ctx.config
+    return [ctx.batch, cfg.num_kv_heads, ctx.max_length, b.head_size or cfg.head_dim]
+
+
 def attention(
     b: GraphBuilder,
     h_BSH: ir.Value,
@@ -284,7 +291,7 @@ def attention(
             out=f"{prefix}.attn_out_BSH",
             bias=f"{layer}.o_proj.bias" if cfg.o_bias else None,
         )
-    kv_shape = [ctx.batch, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
+    kv_shape = kv_buffer_shape(b, ctx)
     past_key = b.input(f"past_key.{slot}", ctx.dtype, kv_shape)
     past_value = b.input(f"past_value.{slot}", ctx.dtype, kv_shape)
     # Inputs in schema order: query (packed q|k|v), key, value (empty: packed), past_key,
@@ -312,7 +319,7 @@ def attention(
         kv_num_heads=cfg.num_kv_heads,
         do_rotary=1,
         rotary_interleaved=0,
-        scale=cfg.head_dim**-0.5,
+        scale=cfg.head_dim**-0.5,  # explicit: padded heads must keep 1/sqrt(head_dim)
     )
     b.output(present_key, ctx.dtype, kv_shape)
     b.output(present_value, ctx.dtype, kv_shape)
@@ -335,7 +342,7 @@ def _row_attention(
     if rows is None or not ctx.ops.op_set.loopcast_attention:
         raise ValueError("row-addressed attention needs the loopcast attention op (RowAttention)")
     cfg = ctx.config
-    kv_shape = [ctx.batch, cfg.num_kv_heads, ctx.max_length, cfg.head_dim]
+    kv_shape = kv_buffer_shape(b, ctx)
     pairs = list(dict.fromkeys(slots))
     kv_in, kv_out = [], []
     for s in pairs:
@@ -364,7 +371,7 @@ def _row_attention(
         kv_num_heads=cfg.num_kv_heads,
         do_rotary=1,
         rotary_interleaved=0,
-        scale=cfg.head_dim**-0.5,
+        scale=cfg.head_dim**-0.5,  # explicit: padded heads must keep 1/sqrt(head_dim)
         row_buffers=[pairs.index(s) for s in slots],
         **({"kv_in_place": 1} if rows.kv_in_place else {}),
     )

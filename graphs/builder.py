@@ -60,6 +60,9 @@ class GraphBuilder:
     # The matrices stored quantized (loopcast.quant.quantized_linears), by their float name:
     # the op sets' ``linear`` reads them through MatMulNBits.
     quantized: Mapping[str, QuantLinear] = field(default_factory=dict)
+    # The size q, k, v and the KV buffers store each attention head in when the exporter padded the
+    # heads (exporter/head_padding.py; the manifest's attention_head_size); None: head_dim.
+    head_size: int | None = None
     tape: ir.tape.Tape = field(default_factory=ir.tape.Tape)
     inputs: list[ir.Value] = field(default_factory=list)
     outputs: list[ir.Value] = field(default_factory=list)

@@ -41,7 +41,9 @@ from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabul
 # 6: `loop_embed`, `loop_step`, `exit_head` beside `exits` (the exit gate's loop-skipping path).
 # 7: `recurrent_cycle` in recurrent-depth artifacts built with the loopcast attention op (the
 # pipeline's graph: graphs/recurrent_cycles.py); the cycle graph's `exit_gates_BR` (each row's
-# exit-gate logit) where the model has the gate.
+# exit-gate logit) where the model has the gate. Later in 7, optional (absent or null in older
+# artifacts: heads of head_dim): `attention_head_size`, the padded size each attention head is
+# stored in (q, k, v and the KV buffers; exporter/head_padding.py).
 SCHEMA_VERSION = 7
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -142,6 +144,15 @@ class Manifest:
     exit_depths: list[int] = field(default_factory=list)
     # what the weights were exported from: "safetensors" (a Hugging Face directory) or "gguf"
     source_format: str = "safetensors"
+    # The size each attention head is stored in when the exporter padded the heads to one the CUDA
+    # attention kernels take (Huginn-0125: 96 -> 128; exporter/head_padding.py): the graphs' q, k,
+    # v and every KV buffer's last dimension (kv_layout.shape). None: head_dim, unpadded.
+    attention_head_size: int | None = None
+
+    @property
+    def kv_head_size(self) -> int:
+        """The last dimension of every KV buffer: the stored head size."""
+        return self.attention_head_size or self.config.head_dim
 
     @property
     def device_lengths(self) -> bool:

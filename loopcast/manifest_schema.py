@@ -41,6 +41,7 @@ from loopcast.vocab import (
 )
 
 DTYPES = ("fp32", "fp16", "bf16")
+MAX_HEAD_SIZE = 1024  # a stored attention head's size at most (attention_head_size)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -188,9 +189,14 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     kv = _Fields(top.get("kv_layout", dict), "kv_layout", path)
     if kv.get("slots", int) != config.num_kv_slots:
         kv.fail(f"must be {config.num_kv_slots} (the model's KV slots), got {kv.raw['slots']}", "slots")
-    shape = [1, config.num_kv_heads, max_length, config.head_dim]
+    # padded heads (exporter/head_padding.py): an even size above head_dim; absent: head_dim
+    head_size = top.int_in("attention_head_size", config.head_dim + 1, MAX_HEAD_SIZE, optional=True)
+    if head_size is not None and head_size % 2:
+        top.fail(f"must be even (each rotary half is padded alike), got {head_size}", "attention_head_size")
+    shape = [1, config.num_kv_heads, max_length, head_size or config.head_dim]
     if kv.get("shape", list) != shape:
-        kv.fail(f"must be {shape} (1, KV heads, max_length, head_dim), got {kv.raw['shape']!r:.80}", "shape")
+        what = "attention_head_size" if head_size else "head_dim"
+        kv.fail(f"must be {shape} (1, KV heads, max_length, {what}), got {kv.raw['shape']!r:.80}", "shape")
 
     op_set = top.get("op_set", str)
     if op_set not in tuple(OpSet):
@@ -312,6 +318,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         quantization=quantization,
         exit_depths=exit_depths,
         source_format=source_format,
+        attention_head_size=head_size,
     )
 
 

@@ -117,6 +117,12 @@ class OpSet(StrEnum):
         return self is not OpSet.STOCK
 
 
+# The head sizes the loopcast attention ops' CUDA kernels take (custom_ops/src/cuda_ops.cc). The
+# exporter pads other heads to the next of them (exporter/head_padding.py); loading on CUDA
+# checks the stored size.
+CUDA_ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+
+
 def has_cycle(config: ModelConfig, op_set: OpSet | str) -> bool:
     """Whether an artifact carries the pipeline's cycle graphs: a looped model without prelude
     or coda (a lane runs one core loop per cycle), built with the row-addressed attention op."""

@@ -60,9 +60,19 @@ def artifact(
     ops: str = "auto",
     max_batch: int | None = None,
     tree_verify: bool = False,
+    pad_heads_to: int | None = None,
 ) -> Path:
     return _artifact(
-        name, dtype, verify_width, draft_depth, max_length, batch_invariant, ops, max_batch, tree_verify
+        name,
+        dtype,
+        verify_width,
+        draft_depth,
+        max_length,
+        batch_invariant,
+        ops,
+        max_batch,
+        tree_verify,
+        pad_heads_to,
     )
 
 
@@ -77,6 +87,7 @@ def _artifact(
     ops: str,
     max_batch: int | None = None,
     tree_verify: bool = False,
+    pad_heads_to: int | None = None,
 ) -> Path:
     source = "demo" if name == "demo" else checkpoint(name)
     out = (
@@ -84,6 +95,7 @@ def _artifact(
         / f"art-{name}-{dtype}-{verify_width}-{draft_depth}-{max_length}-{int(batch_invariant)}-{ops}"
     )
     out = out.with_name(out.name + (f"-b{max_batch}" if max_batch else "") + ("-tree" if tree_verify else ""))
+    out = out.with_name(out.name + (f"-pad{pad_heads_to}" if pad_heads_to else ""))
     export_checkpoint(
         source,
         out,
@@ -96,6 +108,7 @@ def _artifact(
             ops,
             max_batch=max_batch,
             tree_verify=tree_verify,
+            pad_heads_to=pad_heads_to,
         ),
     )
     return out
@@ -209,14 +222,16 @@ def _huginn_checkpoint(out: Path) -> Path:
 
 
 @cache
-def huginn(max_length: int = 48, ops: str = "auto") -> tuple[Path, Path]:
+def huginn(max_length: int = 48, ops: str = "auto", pad_heads_to: int | None = None) -> tuple[Path, Path]:
     """The tiny-huginn checkpoint (std 0.1: the random recurrence is contractive, as the trained
     one is; tests/exporter/test_huginn_reference.py) and its fp32 export with ``ops`` (default:
-    loopcast attention where the op library is built), shared by the recurrent-depth runtime
-    tests."""
+    loopcast attention where the op library is built; ``pad_heads_to``: heads stored padded),
+    shared by the recurrent-depth runtime tests."""
 
     root = scratch_root() / f"huginn-{max_length}"
     ckpt = _huginn_checkpoint(root / "ckpt")
-    art = root / ("art" if ops == "auto" else f"art-{ops}")
-    export_checkpoint(ckpt, art, ExportOptions(max_length=max_length, ops=ops))
+    art = root / (
+        ("art" if ops == "auto" else f"art-{ops}") + (f"-pad{pad_heads_to}" if pad_heads_to else "")
+    )
+    export_checkpoint(ckpt, art, ExportOptions(max_length=max_length, ops=ops, pad_heads_to=pad_heads_to))
     return ckpt, art

@@ -128,7 +128,7 @@ class BatchGenerator:
         cfg, device, B = model.config, model.device, self.max_batch
         self.model, self.max_length, self.vocab = model, manifest.max_length, cfg.vocab_size
         self._dtype = np.dtype(_NP_DTYPES[manifest.dtype])
-        self._entry_shape = (cfg.num_kv_heads, self.max_length, cfg.head_dim)
+        self._entry_shape = (cfg.num_kv_heads, self.max_length, manifest.kv_head_size)
         self._entry_bytes = int(np.prod(self._entry_shape)) * self._dtype.itemsize
         kv_buffer = _Buffer if device == "cpu" else _DeviceKV  # on the CPU the array is the buffer
         self._kv = {

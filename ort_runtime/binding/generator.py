@@ -77,7 +77,7 @@ class Generator:
         self.model = model
         self.max_length = manifest.max_length
         dtype = _NP_DTYPES[manifest.dtype]
-        shape = (1, cfg.num_kv_heads, self.max_length, cfg.head_dim)
+        shape = (1, cfg.num_kv_heads, self.max_length, manifest.kv_head_size)  # padded heads: stored size
         self._kv = {
             s: (_Buffer(shape, dtype, model.device), _Buffer(shape, dtype, model.device))
             for s in range(cfg.num_kv_slots)
@@ -378,8 +378,8 @@ class Generator:
                 for buf in (key, value):
                     buf.host[:, :, dst : dst + count] = buf.host[:, :, src : src + count]
             return
-        move, cfg = self._device_move(), self.model.config
-        row_bytes = cfg.head_dim * np.dtype(_NP_DTYPES[self.model.manifest.dtype]).itemsize
+        move, cfg, manifest = self._device_move(), self.model.config, self.model.manifest
+        row_bytes = manifest.kv_head_size * np.dtype(_NP_DTYPES[manifest.dtype]).itemsize
         for key, value in self._kv.values():
             for buf in (key, value):
                 code = move(
@@ -481,7 +481,8 @@ class Generator:
                 f"fill_deeper_kv at position {position}: outside the KV capacity {self.max_length}"
             )
         copy = None if self.model.device == "cpu" else self._device_copy()
-        row_bytes = cfg.head_dim * np.dtype(_NP_DTYPES[self.model.manifest.dtype]).itemsize
+        manifest = self.model.manifest
+        row_bytes = manifest.kv_head_size * np.dtype(_NP_DTYPES[manifest.dtype]).itemsize
         for layer in range(cfg.num_layers):
             src_k, src_v = self._kv[cfg.core_slot(exit_loop, layer)]
             for loop in range(exit_loop + 1, cfg.num_loops):

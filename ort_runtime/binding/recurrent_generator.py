@@ -100,7 +100,7 @@ class RecurrentGenerator:
         }
         self.max_length = loaded.manifest.max_length
         self.dtype = _NP_DTYPES[loaded.manifest.dtype]
-        shape = (1, cfg.num_kv_heads, self.max_length, cfg.head_dim)
+        shape = (1, cfg.num_kv_heads, self.max_length, loaded.manifest.kv_head_size)  # padded: stored
         used = sorted(set(core_slot.values())) + [cfg.prelude_slot(l) for l in range(cfg.num_prelude_layers)]
         used += [cfg.coda_slot(l) for l in range(cfg.num_coda_layers)]
         self.kv = {
@@ -242,7 +242,7 @@ class RecurrentGenerator:
         cfg = self.config
         if self.device != "cpu" and self._device_copy is None:
             self._device_copy = load_device_copy(self.loaded)
-        row_bytes = cfg.head_dim * np.dtype(self.dtype).itemsize
+        row_bytes = self.loaded.manifest.kv_head_size * np.dtype(self.dtype).itemsize
         for l in range(cfg.num_layers):
             src, dst = self.kv[cfg.core_slot(src_step, l)], self.kv[cfg.core_slot(dst_step, l)]
             for s_buf, d_buf in zip(src, dst):

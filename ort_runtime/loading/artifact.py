@@ -46,7 +46,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 from loopcast.ort_runtime.loading.graph_ids import GraphIdPool
-from loopcast.ort_runtime.loading.op_attributes import check_op_attributes
+from loopcast.ort_runtime.loading.op_attributes import check_cuda_shapes, check_op_attributes
 from loopcast.ort_runtime.loading.pinned_files import check_unchanged
 from loopcast.ort_runtime.loading.session_table import SessionTable
 from loopcast.ort_runtime.loading.shared_weights import SharedWeights, load_shared_weights
@@ -189,7 +189,7 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
         BATCH_DIM if spec.kind in BATCH_KINDS else 1,
         cfg.num_kv_heads,
         manifest.max_length,
-        cfg.head_dim,
+        manifest.kv_head_size,
     ]
     for slot in spec.kv_slots:
         for name in (f"past_key.{slot}", f"past_value.{slot}"):
@@ -521,14 +521,7 @@ def _check_cuda_custom_ops(path: Path, manifest: Manifest, library: Path) -> Non
             f"{library}: built without CUDA kernels (no nvcc at export time); "
             "re-export with nvcc on the PATH to run on cuda"
         )
-    cfg = manifest.config
-    if OpSet(manifest.op_set).loopcast_attention and (
-        cfg.head_dim not in (16, 32, 64, 128) or manifest.max_length > 49152
-    ):
-        raise ArtifactError(
-            f"{path}: the CUDA BatchInvariantAttention kernel takes head_dim 16/32/64/128 "
-            f"and max length <= 49152 (this artifact: {cfg.head_dim}, {manifest.max_length})"
-        )
+    check_cuda_shapes(path, manifest)
 
 
 def _library_status(path: Path, manifest: Manifest) -> str:
@@ -566,6 +559,12 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         f"dtype           {manifest.dtype} (exported from {manifest.source_format})",
         "quantization    "
         + (manifest.quantization.describe() if manifest.quantization is not None else "none (float weights)"),
+        f"attention       {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}"
+        + (
+            f", stored as {manifest.attention_head_size} (zero-padded for the CUDA attention kernels)"
+            if manifest.attention_head_size
+            else ""
+        ),
         f"max length      {manifest.max_length} (KV slots: {manifest.kv_layout['slots']}, "
         f"each {manifest.kv_layout['shape']})",
         f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB "

@@ -8,6 +8,9 @@ KV buffers is checked here when the artifact is opened: ``row_buffers`` names on
 node is given (and each pair it is given), the pairs are KV buffers of the graph's manifest
 slots, and ``kv_num_heads`` is the manifest's. A mismatch is an ArtifactError naming the graph
 file, the node and the attribute.
+
+On CUDA the attention kernels take only some shapes (``check_cuda_shapes``): the stored head
+size (the exporter pads other heads: exporter/head_padding.py) and the KV length.
 """
 
 from __future__ import annotations
@@ -19,10 +22,26 @@ import onnx
 
 from loopcast.errors import ArtifactError
 from loopcast.manifest import GraphSpec, Manifest
+from loopcast.vocab import CUDA_ATTENTION_HEAD_DIMS, OpSet
 
 LOOPCAST_DOMAIN = "loopcast"
 ROW_ATTENTION_FIRST_KV = 6  # inputs 0..5: query, positions, sequences, masked_keys, cos, sin
 _PAST = re.compile(r"past_(key|value)\.(\d+)$")
+CUDA_ATTENTION_MAX_LENGTH = 49152  # the longest KV of the CUDA attention kernels (cuda_ops.cc)
+
+
+def check_cuda_shapes(path: Path, manifest: Manifest) -> None:
+    """Raise ArtifactError unless the loopcast attention ops' CUDA kernels take the artifact's
+    stored head size (a padded head's, else head_dim) and max length."""
+    head, padded = manifest.kv_head_size, manifest.attention_head_size is not None
+    if OpSet(manifest.op_set).loopcast_attention and (
+        head not in CUDA_ATTENTION_HEAD_DIMS or manifest.max_length > CUDA_ATTENTION_MAX_LENGTH
+    ):
+        raise ArtifactError(
+            f"{path}: the CUDA BatchInvariantAttention kernel takes head size 16/32/64/128 and max "
+            f"length <= {CUDA_ATTENTION_MAX_LENGTH} (this artifact: {head}"
+            f"{f' (heads of {manifest.config.head_dim} padded)' if padded else ''}, {manifest.max_length})"
+        )
 
 
 def check_op_attributes(graph_file: Path, spec: GraphSpec, manifest: Manifest) -> None:

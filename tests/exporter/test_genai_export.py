@@ -36,10 +36,27 @@ def _genai_greedy(artifact, prompt: list[int], new_tokens: int) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("name", ["llama-tied-gqa", "llama-untied", "ouro-r2-gqa", "demo"])
-def test_genai_and_loopcast_greedy_tokens_match(tmp_path, name):
+@pytest.mark.parametrize(
+    "name, pad",
+    [
+        ("llama-tied-gqa", None),
+        ("llama-untied", None),
+        ("ouro-r2-gqa", None),
+        ("demo", None),
+        ("llama-untied", 32),
+    ],
+)
+def test_genai_and_loopcast_greedy_tokens_match(tmp_path, name, pad):
+    """(pad: the loopcast-attention artifact's heads of 16 stored as 32, which GenAI's graph reads
+    too: its KV is the stored head size, genai_config.json's head_size)"""
     source = "demo" if name == "demo" else checkpoint(name)
-    manifest = export_checkpoint(source, tmp_path / "art", ExportOptions(max_length=96, genai=True))
+    options = ExportOptions(max_length=96, genai=True, pad_heads_to=pad)
+    manifest = export_checkpoint(source, tmp_path / "art", options)
+    if pad:
+        assert (
+            json.loads((tmp_path / "art" / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
+            == pad
+        )
     ours = load(tmp_path / "art").generate(PROMPT, 40).tokens
     theirs = _genai_greedy(tmp_path / "art", PROMPT, 40)
     # GenAI stops at EOS too; it may not count the EOS token the same way, so compare its prefix.

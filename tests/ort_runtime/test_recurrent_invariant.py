@@ -49,6 +49,14 @@ def gen(huginn):
     return RecurrentGenerator(open_artifact(huginn[1]))
 
 
+@pytest.fixture(scope="module")
+def padded_gen(huginn):
+    """The same checkpoint with its heads of 16 stored as 32 (exporter/head_padding.py)."""
+    gen = RecurrentGenerator(open_artifact(tiny_huginn(MAX_LENGTH, "loopcast", pad_heads_to=32)[1]))
+    assert gen.loaded.manifest.kv_head_size == 32
+    return gen
+
+
 def test_every_hot_op_is_a_loopcast_op(huginn):
     _, art, _ = huginn
     manifest = json.loads((art / "manifest.json").read_text())
@@ -84,9 +92,11 @@ def test_logits_match_the_reference(huginn, gen, loops, seed):
         np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["heads-16", "padded-to-32"])
 @pytest.mark.parametrize("loops", [1, 4, 32])
-def test_verify_rows_are_decode_rows(gen, loops):
+def test_verify_rows_are_decode_rows(request, loops, padded):
     """One M-row call against M one-row calls at the same positions, bit for bit."""
+    gen = request.getfixturevalue("padded_gen" if padded else "gen")
     gen.rewind(0)
     gen.configure(loops, 7)
     first = gen.step(PROMPT)
@@ -132,18 +142,31 @@ def test_speculative_modes_give_plain_tokens(gen, mode):
     assert got == want and stats.exact_greedy
 
 
-def test_half_precision_loopcast_attention_refuses_a_head_size_cuda_lacks():
-    """Huginn-0125's head_dim 96: the CUDA attention kernels take 16, 32, 64 or 128, so its fp16/
-    bf16 export with the loopcast attention ops is refused before anything is written."""
-    from loopcast.exporter.export_options import check_cuda_attention
+def test_half_precision_loopcast_attention_refuses_only_what_padding_cannot_fix():
+    """Huginn-0125's head_dim 96: the CUDA attention kernels take 16, 32, 64 or 128, so its heads
+    are padded to 128 (exporter/head_padding.py) and its fp16/bf16 export with the loopcast
+    attention ops goes ahead; a head above 128, or quantized weights (not padded), are refused
+    before anything is written."""
+    import dataclasses
+
+    from loopcast.exporter.export_options import ExportOptions, check_cuda_attention, head_size
 
     from loopcast.errors import ExportError
     from loopcast.presets import PRESETS
+    from loopcast.quant import QuantScheme
 
     big = PRESETS["huginn-3.5b"]
+    bf16 = ExportOptions(dtype="bf16")
     for ops in ("loopcast", "loopcast-attention"):
-        with pytest.raises(ExportError, match="head_dim 96 is not supported"):
-            check_cuda_attention(big, "bf16", ops)
-    check_cuda_attention(big, "bf16", "stock")
-    check_cuda_attention(big, "fp32", "loopcast")  # the CPU kernels take any even head size
-    check_cuda_attention(PRESETS["tiny-huginn"], "fp16", "loopcast")
+        check_cuda_attention(big, bf16, ops)
+        assert head_size(big, bf16, ops) == 128
+    assert head_size(big, bf16, "stock") == 96  # GroupQueryAttention takes 96 as it is
+    wide = dataclasses.replace(big, hidden_size=55 * 160, head_dim=160)
+    with pytest.raises(ExportError, match="head size 160 .* padded to at most 128"):
+        check_cuda_attention(wide, bf16, "loopcast")
+    quantized = dataclasses.replace(bf16, quantization=QuantScheme(layers="int4"))
+    with pytest.raises(ExportError, match="head size 96 .* quantized weights are not padded"):
+        check_cuda_attention(big, quantized, "loopcast")
+    check_cuda_attention(big, bf16, "stock")
+    check_cuda_attention(wide, ExportOptions(), "loopcast")  # fp32: the CPU kernels take any even size
+    check_cuda_attention(PRESETS["tiny-huginn"], ExportOptions(dtype="fp16"), "loopcast")

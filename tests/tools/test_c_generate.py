@@ -27,18 +27,19 @@ def _run(program: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "name,batch_invariant",
+    "name,batch_invariant,pad",
     [
-        ("ouro-r3", False),
-        ("llama-tied-gqa", False),
-        ("demo", False),
-        ("ouro-r3", True),
-        ("llama-tied-gqa", True),
+        ("ouro-r3", False, None),
+        ("llama-tied-gqa", False, None),
+        ("demo", False, None),
+        ("ouro-r3", True, None),
+        ("llama-tied-gqa", True, None),
+        ("ouro-r3", True, 32),  # heads of 16 stored as 32: the KV shape is kv_layout.shape's
     ],
 )
-def test_c_tokens_equal_python(program: Path, name: str, batch_invariant: bool) -> None:
+def test_c_tokens_equal_python(program: Path, name: str, batch_invariant: bool, pad: int | None) -> None:
     """With --batch-invariant the C program registers the library the artifact carries."""
-    path = artifact(name, batch_invariant=batch_invariant)
+    path = artifact(name, batch_invariant=batch_invariant, pad_heads_to=pad)
     model = load(path)
     rng = np.random.default_rng(5)
     for length in (1, 4, 13):
