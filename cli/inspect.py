@@ -20,7 +20,7 @@ def inspect(path: str, verify: bool) -> None:
 
         recover(Path(path), clean=False)  # an export killed mid-swap: put the artifact back
     if os.path.lexists(Path(path) / "manifest.json"):  # any kind: describe_artifact says what is wrong
-        from loopcast.ort_runtime.loading.artifact import describe_artifact
+        from loopcast.ort_runtime.loading.describe import describe_artifact
 
         click.echo(describe_artifact(Path(path), verify=verify))
         return

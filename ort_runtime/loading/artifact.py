@@ -38,7 +38,6 @@ at one fixed position only.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,7 +51,7 @@ from loopcast.ort_runtime.loading.session_table import SessionTable
 from loopcast.ort_runtime.loading.shared_weights import SharedWeights, load_shared_weights
 from loopcast.ort_runtime.loading.trust import op_library_to_load
 
-from loopcast.confined_files import TOKENIZER_MAX_BYTES, confined_file, read_confined_text
+from loopcast.confined_files import TOKENIZER_MAX_BYTES, read_confined_text
 from loopcast.devices import CUDA_INSTALL_ADVICE
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import (
@@ -522,108 +521,3 @@ def _check_cuda_custom_ops(path: Path, manifest: Manifest, library: Path) -> Non
             "re-export with nvcc on the PATH to run on cuda"
         )
     check_cuda_shapes(path, manifest)
-
-
-def _library_status(path: Path, manifest: Manifest) -> str:
-    """Whether the op library would load without --trust-ops (docs/trust.md); nothing is loaded."""
-    from loopcast.manifest import sha256_file
-    from loopcast.ops_trust import locally_built_hashes
-
-    if not manifest.custom_op_library:
-        return ""
-    library = confined_file(path, manifest.custom_op_library, "custom-op library")
-    assert library is not None
-    digest = sha256_file(library.resolve())
-    built = "built here" if digest in locally_built_hashes() else "not built here: loading needs --trust-ops"
-    return f" (library {manifest.custom_op_library}, {built})"
-
-
-def describe_artifact(path: Path, verify: bool = False) -> str:
-    """What ``loopcast inspect`` prints. The manifest is validated and recorded sizes checked;
-    each graph file must parse as an ONNX model; ``verify`` also hashes every recorded file."""
-    from loopcast.ort_runtime.loading.trust import recorded_size, uses_loopcast_domain
-
-    manifest = Manifest.read(path)
-    for spec in manifest.graphs.values():
-        # raises on a file that is not an ONNX model (Manifest.read checked its size and kind)
-        uses_loopcast_domain(Path(path) / spec.file, recorded_size(manifest, spec.file))
-    cfg = manifest.config
-    # the artifact's own regular files (lstat: a symlink's target is not counted)
-    total = sum(st.st_size for f in Path(path).iterdir() if stat.S_ISREG((st := f.lstat()).st_mode))
-    weights = (Path(path) / manifest.weights_file).stat().st_size
-    lines = [
-        f"artifact        {path}",
-        f"schema          v{manifest.schema_version} (exporter {manifest.exporter_version})",
-        f"model           {cfg.model_type}, {_depth(cfg)}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
-        *(_recurrent_options(cfg, manifest) if cfg.recurrent_depth else []),
-        f"dtype           {manifest.dtype} (exported from {manifest.source_format})",
-        "quantization    "
-        + (manifest.quantization.describe() if manifest.quantization is not None else "none (float weights)"),
-        f"attention       {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}"
-        + (
-            f", stored as {manifest.attention_head_size} (zero-padded for the CUDA attention kernels)"
-            if manifest.attention_head_size
-            else ""
-        ),
-        f"max length      {manifest.max_length} (KV slots: {manifest.kv_layout['slots']}, "
-        f"each {manifest.kv_layout['shape']})",
-        f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB "
-        f"(artifact total {total / 2**20:.1f} MiB)",
-        f"custom ops      {', '.join(manifest.custom_ops) or 'none'}{_library_status(Path(path), manifest)}",
-        *(
-            [f"max batch       {manifest.max_batch} sequences (batched kinds; docs/serving.md)"]
-            if manifest.max_batch
-            else []
-        ),
-        "graphs:",
-    ]
-    runs = {  # the recurrent kinds: the host composes them (graphs/recurrent.py)
-        GraphKind.PRELUDE: "once",
-        GraphKind.CORE_STEP: f"r = 1..{cfg.num_loops} times (default {cfg.loops_default})",
-        GraphKind.CODA: "once",
-        GraphKind.RECURRENT_CYCLE: f"per pipeline cycle, row k a lane at step k (k < {cfg.num_loops})",
-    }
-    for kind, spec in manifest.graphs.items():
-        size = (Path(path) / spec.file).stat().st_size
-        loops = f"runs {runs[kind]}" if kind in runs else f"loops {spec.first_loop}..{spec.last_loop - 1}"
-        lines.append(
-            f"  {kind:<12} {spec.file:<17} rows {spec.rows or 'dynamic':<8} {loops}  "
-            f"KV slots {len(spec.kv_slots):<3} {size / 1024:.0f} KiB"
-        )
-        others = [n for n in spec.inputs if not n.startswith("past_")]
-        outs = [n for n in spec.outputs if not n.startswith("present_")]
-        lines.append(f"  {'':<12} inputs {', '.join(others)} + past_key/value.{{slot}}")
-        lines.append(f"  {'':<12} outputs {', '.join(outs)} + present_key/value.{{slot}}")
-    if verify:
-        from loopcast.manifest_schema import verify_hashes
-
-        lines += ["verify (SHA-256 of every recorded file):", *verify_hashes(manifest, Path(path))]
-    elif manifest.files:
-        lines.append(
-            f"files           {len(manifest.files)} recorded with sizes (checked) and SHA-256 "
-            "(loopcast inspect --verify checks them)"
-        )
-    return "\n".join(lines)
-
-
-def _depth(cfg) -> str:
-    if not cfg.recurrent_depth:
-        return f"R={cfg.num_loops} loops x {cfg.num_layers} layers"
-    return (
-        f"recurrent depth: {cfg.num_prelude_layers} prelude + {cfg.num_layers} core x r + "
-        f"{cfg.num_coda_layers} coda layers, r = 1..{cfg.num_loops} (default {cfg.loops_default})"
-    )
-
-
-def _recurrent_options(cfg, manifest) -> list[str]:
-    """What a request may choose on a recurrent-depth artifact (docs/checkpoints.md)."""
-    exact = ", ".join(f"{d}: {str(v).lower()}" for d, v in sorted(manifest.exact_verify.items())) or "none"
-    modes = (
-        "prompt-lookup, self (--draft-depth d < r) or pipeline"
-        if GraphKind.RECURRENT_CYCLE in manifest.graphs
-        else "prompt-lookup or self (--draft-depth d < r)"
-    )
-    return [
-        f"per request     --loops r (1..{cfg.num_loops}), --kl-threshold, --state-seed; --speculative "
-        f"{modes}; exact_verify {exact}"
-    ]

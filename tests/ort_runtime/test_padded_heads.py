@@ -26,7 +26,8 @@ from loopcast.exporter.reference_huginn import greedy_generate  # noqa: E402
 from loopcast.ort_runtime.binding.generator import Generator  # noqa: E402
 from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator  # noqa: E402
 from loopcast.ort_runtime.decoding.exactness import decode_rows, rows_match_on_cpu  # noqa: E402
-from loopcast.ort_runtime.loading.artifact import describe_artifact, open_artifact  # noqa: E402
+from loopcast.ort_runtime.loading.artifact import open_artifact  # noqa: E402
+from loopcast.ort_runtime.loading.describe import describe_artifact  # noqa: E402
 
 from loopcast.manifest import Manifest  # noqa: E402
 from loopcast.presets import PRESETS  # noqa: E402

@@ -28,7 +28,7 @@ from loopcast.ort_runtime.decoding.sampling import (  # noqa: E402
     probabilities,
     sample,
 )
-from loopcast.ort_runtime.loading.artifact import describe_artifact  # noqa: E402
+from loopcast.ort_runtime.loading.describe import describe_artifact  # noqa: E402
 
 from loopcast.kl_exit import KLExit  # noqa: E402
 from tests.artifacts import huginn as tiny_huginn  # noqa: E402

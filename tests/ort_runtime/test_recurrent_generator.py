@@ -25,7 +25,8 @@ from loopcast.ort_runtime.decoding.generation_config import GenerationConfig  # 
 from loopcast.ort_runtime.decoding.recurrent_stream import stream_recurrent  # noqa: E402
 from loopcast.ort_runtime.decoding.sampling import SamplingParams, make_rng, probabilities, sample  # noqa: E402
 from loopcast.ort_runtime.decoding.stats import GenerationStats  # noqa: E402
-from loopcast.ort_runtime.loading.artifact import describe_artifact, open_artifact  # noqa: E402
+from loopcast.ort_runtime.loading.artifact import open_artifact  # noqa: E402
+from loopcast.ort_runtime.loading.describe import describe_artifact  # noqa: E402
 
 from tests.artifacts import huginn as tiny_huginn  # noqa: E402
 from tests.huginn_numpy import HuginnNumpy  # noqa: E402

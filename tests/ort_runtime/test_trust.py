@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from loopcast.custom_ops.build import find_ort_include
 from loopcast.ort_runtime import load
-from loopcast.ort_runtime.loading.artifact import describe_artifact
+from loopcast.ort_runtime.loading.describe import describe_artifact
 
 from loopcast.errors import ArtifactError
 from tests.artifacts import artifact
