@@ -3,7 +3,7 @@
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
 # | quant-llama | quant-ouro | depth-demo | prep-1p4b | depth-1p4b | huginn | gpu-tests | quick-tests
-# | serve-pipeline
+# | serve-pipeline | serve-chunk
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -90,14 +90,19 @@ phase_serve() {  # batched vs one-at-a-time serving (tools/bench/loadgen.py, in-
     --out "$RES/serve-ouro-1.4b-graphs.json" > "$RES/serve-ouro-1.4b-graphs.txt" 2>&1
   timeout 240 python3 -m tools.bench.loadgen preset:llama-1.43b "${common[@]}" --cuda-graphs \
     --out "$RES/serve-llama-1.43b.json" > "$RES/serve-llama-1.43b.txt" 2>&1
-  # chunked prefill (one 64-token chunk between two steps) and the multi-turn prefix cache
+  phase_serve_chunk "${common[@]}"
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  LOOPCAST_OPS_LIB=$LIB timeout 180 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_batch_cuda.py \
+    tests/ort_runtime/test_prefix_cache_cuda.py 2>&1 | tail -20 > "$RES/serve-gpu-tests.txt"
+}
+phase_serve_chunk() {  # chunked prefill (one 64-token chunk between two steps) and the multi-turn prefix cache
+  local common=("$@")
+  [ ${#common[@]} -gt 0 ] || common=(--device cuda --dtype fp16 --max-batch 64 --max-length 512 --prompt-len 64
+                                     --max-tokens 64 --time-limit ${CHUNK_LEVEL_S:-20} --work-dir /root/lg)
   timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
     --prefill-chunk 64 --out "$RES/serve-ouro-1.4b-chunk64.json" > "$RES/serve-ouro-1.4b-chunk64.txt" 2>&1
   timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 1,4 \
     --multi-turn --shared-prefix 256 --out "$RES/serve-ouro-1.4b-multiturn.json" > "$RES/serve-ouro-1.4b-multiturn.txt" 2>&1
-  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  LOOPCAST_OPS_LIB=$LIB timeout 180 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_batch_cuda.py \
-    tests/ort_runtime/test_prefix_cache_cuda.py 2>&1 | tail -20 > "$RES/serve-gpu-tests.txt"
 }
 phase_sampling() {  # seeded sampling reproducible run to run, on the GPU (fp16) and the CPU (fp32)
   { python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp16 --dtype fp16 --target cuda --overwrite
@@ -244,7 +249,7 @@ phase_depth_demo() {  # adaptive depth on the demo (fp16, loopcast ops): the spe
     timeout ${DEPTH_TIMEOUT:-300} python3 -m tools.bench.bench_depth --artifact /root/demo-fp16 --device cuda --passes ${DEPTH_PASSES:-6} --prompts 3 \
       --new-tokens 48 --q 0.29 --json "$RES/depth-demo.json"
     # gated full through the pipeline against the full-depth pipeline (tools/bench/bench_exit_lanes.py)
-    timeout ${LANES_TIMEOUT:-200} python3 -m tools.bench.bench_exit_lanes --artifact /root/demo-fp16 --device cuda \
+    [ "${LANES_PASSES:-12}" = 0 ] || timeout ${LANES_TIMEOUT:-200} python3 -m tools.bench.bench_exit_lanes --artifact /root/demo-fp16 --device cuda \
       --passes ${LANES_PASSES:-12} --q 0.1 --q 0.2 --json "$RES/exit-lanes-demo.json"
   } > "$log" 2>&1
 }
