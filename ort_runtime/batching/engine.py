@@ -135,6 +135,7 @@ class BatchingEngine(EngineBase):
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         draft_row_budget: int | None = None,
         self_perturb: Callable[[list[int], int], int] | None = None,
+        warm_up: bool = True,
     ) -> None:
         """``proposer_factory``: one proposer per prompt-lookup request (default: prompt lookup
         with the request's n-gram range). ``prefix_caching``: reuse the KV of common prompt
@@ -144,7 +145,9 @@ class BatchingEngine(EngineBase):
         step (default: every slot's). ``self_perturb(sequence, token) -> token`` replaces a
         self-drafted token (``sequence``: the request's tokens and drafts before it) before it is
         fed on: forced rejections, or an oracle's drafts, in tests; the pipeline's exit-loop
-        drafts (pipeline_lanes.py) pass through it too."""
+        drafts (pipeline_lanes.py) pass through it too. ``warm_up``: with captured CUDA graphs,
+        capture every width of every batched kind now (BatchGenerator.warm_up), as vLLM captures
+        its batch sizes at start, so that no request's step pays a capture."""
         super().__init__(generator.max_length, max_waiting)
         self.gen = generator
         self.gate = gate or BatchCostGate()
@@ -220,6 +223,11 @@ class BatchingEngine(EngineBase):
             self.pipeline = BatchedPipeline(generator, hook=hook)
             self.speculative_modes += (PIPELINE,)
         self.stats["pipeline_cycles"] = 0
+        self.stats["warm_up_runs"] = (
+            generator.warm_up() + (self.pipeline.cycle.warm_up() if self.pipeline is not None else 0)
+            if warm_up
+            else 0
+        )
 
     kind = "batching engine"
     modes_note = " (the pipeline: where the artifact has the cycle_batch graph)"

@@ -400,11 +400,7 @@ class BatchGenerator:
                     raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
         width = max(rows) + 1
         inputs, seqlens = in_buf.host, self._seqlens.host
-        inputs[:width] = 0
-        # slots in the prefix without rows (free, or a prompt being prefilled): dummy rows at
-        # positions max(n_b, keep_b).. of their own entry, past every position that holds KV
-        idle = np.maximum(np.add(self.lengths[:width], self._held[:width]), self._keep[:width])
-        seqlens[:width] = np.minimum(idle, self.max_length - width_rows) + width_rows - 1
+        self._idle_rows(kind, width)
         for slot, given in rows.items():
             inputs[slot, : len(given)] = given
             inputs[slot, len(given) :] = given[-1]  # padding rows repeat the last (as verify does)
@@ -425,6 +421,38 @@ class BatchGenerator:
             {s: logits[s, : len(given)].copy() for s, given in rows.items()} if logits is not None else None,
             {s: hidden[s, : len(given)].copy() for s, given in rows.items()} if hidden is not None else None,
         )
+
+    def _idle_rows(self, kind: str, width: int) -> None:
+        """Dummy rows for slots 0..width-1 of ``kind``'s call (a step then fills its own rows):
+        slots in the prefix without rows (free, or a prompt being prefilled) run id 0 at
+        positions max(n_b + held_b, keep_b).. of their own entry, past every position that holds KV."""
+        in_buf = self._io[kind][0]
+        width_rows = in_buf.host.shape[1]
+        in_buf.host[:width] = 0
+        idle = np.maximum(np.add(self.lengths[:width], self._held[:width]), self._keep[:width])
+        self._seqlens.host[:width] = np.minimum(idle, self.max_length - width_rows) + width_rows - 1
+
+    def warm_up(self, kinds: tuple[str, ...] | None = None) -> int:
+        """Run each width 1..max_batch of the captured ``kinds`` (default: every captured kind)
+        once with dummy rows only, so that their CUDA graphs are captured now rather than inside
+        a request's step (a width's first captured run is warm-up plus capture: many steps'
+        time, a latency spike for every request in the batch). Dummy rows write only past what
+        each slot holds, as a step's free slots do, and nothing is committed, so it can run
+        between any two steps. These runs stay out of the step clock. Returns the runs made."""
+        made = 0
+        for kind in kinds if kinds is not None else sorted(self.captured):
+            if kind not in self.captured:
+                continue
+            for width in range(1, self.max_batch + 1):
+                if (kind, width) in self._runners:
+                    continue  # already ran: captured, or eager after a failed capture
+                self._idle_rows(kind, width)
+                self._total.host[...] = int(self._seqlens.host[:width].max()) + 1
+                for buf in (self._io[kind][0], self._seqlens, self._total):
+                    buf.push()
+                self._run(kind, width)
+                made += 1
+        return made
 
     def release(self, slot: int, keep: int = 0) -> int:
         """Free ``slot``: only its length is reset (its KV is rewritten by the next prefill). Its

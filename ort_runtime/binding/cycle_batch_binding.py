@@ -43,6 +43,11 @@ class CycleBatch:
         self._captured = gen.captured and model.capture_session(CYCLE_BATCH)
         self._runners: dict[int, CapturedRunner] = {}
 
+    @property
+    def captured(self) -> bool:
+        """Whether the widths run as captured CUDA graphs (a capture session was made)."""
+        return bool(self._captured)
+
     def _runner(self, width: int) -> CapturedRunner:
         runner = self._runners.get(width)
         if runner is None:
@@ -86,8 +91,7 @@ class CycleBatch:
             raise ValueError(f"cycle_batch width {width} is not in 1..{self.lanes}")
         n = width * self.loops
         address, tokens, carried = self.address.host, self.tokens.host, self.carried.host
-        address[:n, 0], address[:n, 1] = 0, -1  # unused rows: no position, write nothing
-        tokens[0, :n] = 0
+        self._unused_rows(n)
         for (depth, slot), (position, given) in rows.items():
             i = self.row(depth, slot)
             if i >= n:
@@ -104,6 +108,24 @@ class CycleBatch:
         self.gen.clock.record(CYCLE_BATCH, time.perf_counter() - t0, steady=steady)
         self.gen.rows_run += n
         return self.next_ids.pull()[0, :n].copy(), self.hidden.pull()[0, :n].copy()
+
+    def _unused_rows(self, n: int) -> None:
+        self.address.host[:n, 0], self.address.host[:n, 1] = 0, -1  # no position: write nothing
+        self.tokens.host[0, :n] = 0
+
+    def warm_up(self) -> int:
+        """Capture every width's graph now (captured kinds only; BatchGenerator.warm_up says why):
+        one call per width with every row unused, which reads and writes no KV. Returns the runs."""
+        made = 0
+        # widths past the generator's slots never run (the graph may hold more: its --max-batch)
+        for width in range(1, min(self.lanes, self.gen.max_batch) + 1) if self._captured else ():
+            if width not in self._runners:
+                self._unused_rows(width * self.loops)
+                for buf in (self.address, self.tokens, self.carried):
+                    buf.push()
+                self._runner(width).run()
+                made += 1
+        return made
 
     def close(self) -> None:
         for runner in self._runners.values():

@@ -122,6 +122,45 @@ def test_the_default_gate_keeps_plain_tokens(model):
     assert got == [_plain(model, r) for r in requests]
 
 
+def test_warm_up_captures_every_width_at_start_and_keeps_plain_tokens(model):
+    """With captured graphs the engine runs every width of every batched kind once at start
+    (dummy rows, unused cycle rows), so serving makes no new binding; the dummy rows' KV writes
+    change no token, a cached prefix included."""
+    import dataclasses
+
+    from tests.ort_runtime.test_batch_decode import _CaptureStandIn
+
+    loaded = model.loaded
+    stand_ins = {}
+
+    def factory(kind, capture):
+        stand_ins[kind] = _CaptureStandIn(loaded.sessions[kind], False)
+        return stand_ins[kind]
+
+    fake = dataclasses.replace(
+        loaded, _session_factory=factory, _captured={}, _graph_ids={}, graph_fallbacks={}
+    )
+    gen = BatchGenerator(fake, 8, cuda_graphs="always")
+    kinds = sorted(gen.captured)
+    assert len(kinds) == 4
+    requests = _requests(8, 12)
+    requests += [BatchRequest(requests[0].ids + [7, 8], 6, speculative="pipeline")]  # a cached prefix
+    engine = BatchingEngine(gen, gate=_AlwaysPipeline(), self_perturb=_oracle(model, requests, 3)).start()
+    try:
+        assert engine.stats["warm_up_runs"] == 5 * 8  # 4 kinds and cycle_batch, widths 1..8
+        runs = {k: len(stand_ins[k].graph_ids) for k in (*kinds, "cycle_batch")}
+        assert runs == {k: 8 for k in (*kinds, "cycle_batch")}
+        before = set(gen._runners) | {("cycle_batch", w) for w in engine.pipeline.cycle._runners}
+        got = [c.result(300) for c in [engine.submit(r) for r in requests]]
+        after = set(gen._runners) | {("cycle_batch", w) for w in engine.pipeline.cycle._runners}
+    finally:
+        engine.shutdown()
+    assert got == [_plain(model, r) for r in requests]
+    assert engine.stats["prefix_hits"] >= 1 and engine.stats["pipeline_cycles"] > 0
+    assert after == before  # every step replayed a width made at start
+    assert gen.warm_up() == 0 and engine.pipeline.cycle.warm_up() == 0  # made once
+
+
 def test_dummy_rows_over_lanes_in_flight_are_caught(model, monkeypatch):
     """Without ``hold`` a pipeline slot's decode_batch dummy row writes at its committed length,
     over KV its younger lanes read: the equality above fails (the test can fail)."""

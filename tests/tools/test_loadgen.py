@@ -65,7 +65,8 @@ def test_loadgen_small(tmp_path):
 
 def test_loadgen_multi_turn_with_chunks_and_a_shared_prefix(tmp_path):
     """Second turns reuse their first turn's KV (cached tokens reported) and both engines give the
-    same greedy tokens with chunked prefill on."""
+    same greedy tokens with chunked prefill on, as does the batched engine without the cache (the
+    cold run the cached second turns' TTFT is priced against)."""
     require_exact_cpu_artifacts()
     out = tmp_path / "r.json"
     args = ["--concurrency", "2", "--requests", "4", "--max-tokens", "4", "--prompt-len", "6"]
@@ -87,15 +88,18 @@ def test_loadgen_multi_turn_with_chunks_and_a_shared_prefix(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
-    batched, sequential = report["levels"]
+    batched, sequential, cold = report["levels"]
     assert batched["prefill_chunk"] == 4 and batched["prefix_caching"] == "on"
+    assert cold["mode"] == "batched-cold" and cold["prefix_caching"].startswith("off")
+    assert cold["second_turn_cached_tokens_mean"] == 0
+    assert set(report["second_turn_ttft_cached_over_cold"]) == {"batched C=2"}
     # A second turn finds its first turn's 14 prompt tokens and 3 committed answer tokens unless
     # another request took that freed slot first (scheduling-dependent); the 8-token shared
     # prefix is held by the other conversations' slots either way.
     assert 8 <= batched["second_turn_cached_tokens_mean"] <= 8 + 6 + 3
     assert sequential["second_turn_cached_tokens_mean"] == 0
-    assert batched["tokens"] == sequential["tokens"] == 4 * 2 * 4
-    assert report["compared_requests"] == 4 and report["mismatched_requests"] == 0
+    assert batched["tokens"] == sequential["tokens"] == cold["tokens"] == 4 * 2 * 4
+    assert report["compared_requests"] == 8 and report["mismatched_requests"] == 0  # both turns
 
 
 def test_server_modules_do_not_import_torch():

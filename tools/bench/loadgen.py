@@ -160,6 +160,7 @@ def run_level(
         "ttft_ms_p50": f50 and f50 * 1e3,
         "ttft_ms_p99": f99 and f99 * 1e3,
         "outputs": {i: toks for i, (toks, _, _, _) in results.items()},
+        "second_outputs": {i: toks for i, (toks, _, _, _) in turns.items()},
         **extra,
     }
 
@@ -353,19 +354,17 @@ def main(argv: list[str] | None = None) -> int:
             f"oracle drafts: plain greedy of {len(oracle.full)} prompts in {time.perf_counter() - t0:.1f} s"
         )
     outputs: dict[tuple[int, int], dict[str, list[int]]] = {}
-    runs = [(mode, spec) for mode in args.modes.split(",") for spec in args.speculative.split(",")]
-    for mode, spec in runs:
+    caching = not args.no_prefix_caching
+    runs = [(mode, spec, caching) for mode in args.modes.split(",") for spec in args.speculative.split(",")]
+    if args.multi_turn and caching:
+        # the same turns without the cache: the cold TTFT the cached second turns are priced against
+        runs += [(mode, spec, False) for mode, spec, _ in runs if mode == "batched"]
+    for mode, spec, cached in runs:
         engine = make_engine(
-            model,
-            mode,
-            max_batch,
-            args.cuda_graphs,
-            args.prefill_chunk,
-            not args.no_prefix_caching,
-            args.gate,
-            oracle,
+            model, mode, max_batch, args.cuda_graphs, args.prefill_chunk, cached, args.gate, oracle
         )
         name = mode if spec == "none" else f"{mode}+{spec}"
+        name += "" if cached or mode != "batched" else "-cold"
         if spec not in engine.speculative_modes:
             print(f"{name}: skipped (the {engine.kind} serves {', '.join(engine.speculative_modes)})")
             engine.shutdown()
@@ -388,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                 second = prompts(n, args.prompt_len, vocab, seed=7) if args.multi_turn else None
                 counts.clear()
                 level = run_level(submit, work, clients, args.max_tokens, args.time_limit, second)
-                for i, toks in level.pop("outputs").items():
-                    outputs.setdefault((clients, i), {})[name] = toks
+                for turn in ("outputs", "second_outputs"):
+                    for i, toks in level.pop(turn).items():
+                        outputs.setdefault((clients, i, turn), {})[name] = toks
                 level["mode"], level["speculative"] = name, spec
                 if counts:
                     level["drafts_proposed"] = counts["proposed"]
@@ -397,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
                     level["served_by"] = sorted(counts["served_by"])
                 report["levels"].append(level)
                 if mode == "batched":
-                    level["captured"] = sorted(engine.gen.captured)
+                    cycle = engine.pipeline.cycle if engine.pipeline is not None else None
+                    level["captured"] = sorted(engine.gen.captured) + (
+                        ["cycle_batch"] if cycle is not None and cycle.captured else []
+                    )
                     level["graph_fallbacks"] = dict(engine.gen.graph_fallbacks)
                     level["prefix_caching"] = engine.prefix_caching
                     level["prefill_chunk"] = engine.prefill_chunk
@@ -427,6 +430,16 @@ def main(argv: list[str] | None = None) -> int:
             if server is not None:
                 server.__exit__(None, None, None)
             engine.shutdown()
+    if args.multi_turn:
+        for clients in levels:
+            at = [lv for lv in report["levels"] if lv["clients"] == clients]
+            ttft = {lv["mode"]: lv["second_turn_ttft_ms_p50"] for lv in at}
+            for name, value in ttft.items():
+                cold = ttft.get(f"{name}-cold")
+                if cold and value is not None:
+                    ratios = report.setdefault("second_turn_ttft_cached_over_cold", {})
+                    ratios[f"{name} C={clients}"] = value / cold
+                    print(f"C={clients}: {name} 2nd turn ttft p50 cached / cold = {value / cold:.2f}x")
     both = [v for v in outputs.values() if len(v) > 1]
     report["compared_requests"] = len(both)
     report["mismatched_requests"] = sum(len({tuple(t) for t in v.values()}) > 1 for v in both)
