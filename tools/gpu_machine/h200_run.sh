@@ -261,9 +261,10 @@ phase_huginn() {  # issue 41 on CUDA (worst case ~8.5 min): the tiny GPU tests, 
     2>&1 | tail -20 > "$RES/huginn-gpu-tests.txt"
   # the must-show: plain vs the pipeline on oracle drafts (100 %, 90 %), rows against decode rows.
   # Its heads of 96 are stored padded to 128 for the loopcast attention kernels (docs/checkpoints.md,
-  # "Head padding"); not yet run on the H200.
-  timeout 240 python3 -m loopcast.cli bench preset:huginn-3.5b --device cuda --dtype fp16 --dtype bf16 \
-    --variant batch-invariant --loops 32 --oracle-reject 0,0.1 --iters 10 --new-tokens 32 --no-torch \
+  # "Head padding"). A lane leaves after r = 32 cycles, so 32 new tokens are half fill (2026-12-03:
+  # 1.94 cycles a token); 128 measure nearer the steady state.
+  timeout ${HUGINN_TIMEOUT:-360} python3 -m loopcast.cli bench preset:huginn-3.5b --device cuda --dtype fp16 --dtype bf16 \
+    --variant batch-invariant --loops 32 --oracle-reject 0,0.1 --iters 10 --new-tokens ${HUGINN_TOKENS:-128} --no-torch \
     --no-profile --alternate-tokens 0 --work-dir /root/hug --out "$RES/huginn-3.5b.json" > "$RES/huginn-bench.txt" 2>&1
   # plain decoding at r = 32 with the stock ops (which take head_dim 96; tools/bench/bench_huginn.py)
   timeout 120 python3 -m tools.bench.bench_huginn --preset huginn-3.5b --dtype bf16 --device cuda --loops 32 \
