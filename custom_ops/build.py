@@ -42,6 +42,8 @@ SOURCES = (
 )
 CUDA_SOURCES = ("cuda_ops.cc",)  # host glue, compiled by the C++ compiler
 CUDA_KERNELS = (
+    # the int4/int8 kernels' specializations, one (dtype, bits) a file: minutes each, so first
+    *(f"matmul_nbits_{dtype}_int{bits}.cu" for dtype in ("f16", "bf16", "f32") for bits in (4, 8)),
     "matmul_cuda.cu",
     "matmul_mma_cuda.cu",
     "attention_cuda.cu",

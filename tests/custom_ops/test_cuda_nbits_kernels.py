@@ -1,10 +1,10 @@
-"""The CUDA BatchInvariantMatMulNBits kernel (matmul_nbits_cuda.cu) through its C entry point with
-torch device tensors, beside tests/custom_ops/test_cuda_kernels.py (whose helpers it uses): int4 and
-int8 codes in MatMulNBits' layout, symmetric and with zero points, blocks 32/64/128, against a
-float64 product with a numpy dequantisation written here, and row invariance: every row of an
-M-row call (M = 1..16, and past 16: more passes) is bit-identical to the same row alone. Also the
-SwiGLU-fused form, the scalar paths (misaligned activations, K % 8 != 0), CUDA-graph replay and,
-when onnxruntime is importable, the CPU op of the same library.
+"""The CUDA BatchInvariantMatMulNBits kernel (matmul_nbits_kernel.cuh) through its C entry point
+(matmul_nbits_cuda.cu) with torch device tensors, beside tests/custom_ops/test_cuda_kernels.py
+(whose helpers it uses): int4 and int8 codes in MatMulNBits' layout, symmetric and with zero
+points, blocks 32/64/128, against a float64 product with a numpy dequantisation written here, and
+row invariance: every row of an M-row call (M = 1..16, and past 16: more passes) is bit-identical
+to the same row alone. Also the SwiGLU-fused form, the scalar paths (misaligned activations,
+K % 8 != 0), CUDA-graph replay and, when onnxruntime is importable, the CPU op of the same library.
 
 Runs on a GPU machine without the editable install (LOOPCAST_OPS_LIB=path/to/libloopcast_ops.so):
 nothing from loopcast is imported."""

@@ -1,0 +1,5 @@
+// One (dtype, bits) of BatchInvariantMatMulNBits' kernels (matmul_nbits_kernel.cuh), in a file of
+// its own so that the build compiles the specializations in parallel.
+#include "matmul_nbits_kernel.cuh"
+
+template int loopcast_cuda::nbits_run<__half, 4>(const loopcast_cuda::NBitsArgs&, bool, bool, cudaStream_t);
