@@ -45,8 +45,9 @@ Examples:
     default=SpeculativeMode.NONE.value,
     show_default=True,
     help="Default speculation per request (a request's `speculative` field overrides it); greedy "
-    "requests only, with a cost gate per step. The batched engine runs prompt-lookup and self "
-    "(draft_batch/verify_tail_batch rounds); pipeline runs with --sequential (docs/serving.md).",
+    "requests only, with a cost gate per step. The batched engine runs prompt-lookup, self "
+    "(draft_batch/verify_tail_batch rounds) and pipeline where the artifact has cycle_batch "
+    "(docs/serving.md).",
 )
 @click.option(
     "--cuda-graphs",
@@ -97,6 +98,13 @@ Examples:
 )
 @click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="Ray: CPUs per replica.")
 @click.option("--replica-gpus", type=float, default=0.0, show_default=True, help="Ray: GPUs per replica.")
+@click.option(
+    "--prefill-rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --cuda-graphs: prefill in chunks of exactly this many tokens through a graph captured "
+    "per slot (a prompt's last chunk overlaps the one before it; shorter prompts run uncaptured).",
+)
 @click.option("--ray-address", default=None, help="Ray: an existing cluster (default: start a local one).")
 def serve(
     artifact: str,
@@ -110,6 +118,7 @@ def serve(
     cuda_graphs: bool,
     prefix_caching: bool,
     prefill_chunk: int,
+    prefill_rows: int | None,
     model_name: str | None,
     threads: int | None,
     max_body_bytes: int,
@@ -148,6 +157,7 @@ def serve(
         prefix_caching,
         prefill_chunk,
         max_body_bytes=max_body_bytes,
+        prefill_rows=prefill_rows,
     )
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     if use_ray:

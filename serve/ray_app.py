@@ -67,6 +67,7 @@ def app_builder(args: dict):
         "max_batch": int,
         "max_waiting": int,
         "prefill_chunk": int,
+        "prefill_rows": int,
         "threads": int,
         "replica_cpus": float,
         "replica_gpus": float,

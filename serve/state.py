@@ -47,6 +47,7 @@ class ServeOptions:
     prefix_caching: bool = True  # reuse common prompt prefixes' KV where exact (docs/serving.md)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens between two decode steps (0: whole)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get HTTP 413
+    prefill_rows: int | None = None  # with cuda_graphs: captured prefill chunks of this many tokens
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", served_mode(self.speculative))
@@ -257,7 +258,12 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
     manifest = model.loaded.manifest
     name = options.model_name or Path(artifact).resolve().name
     if DECODE_BATCH in manifest.graphs and not options.sequential:
-        generator = BatchGenerator(model.loaded, options.max_batch, cuda_graphs=options.cuda_graphs)
+        generator = BatchGenerator(
+            model.loaded,
+            options.max_batch,
+            cuda_graphs=options.cuda_graphs,
+            prefill_rows=options.prefill_rows,
+        )
         engine = BatchingEngine(
             generator,
             max_waiting=options.max_waiting,

@@ -343,16 +343,23 @@ class BatchingEngine(EngineBase):
         """Prefill the admitted prompts in admission order, at most ``prefill_chunk`` tokens in
         all before the next decode step (so a joining prompt delays the running requests by at
         most one chunk); a prompt whose last token is prefilled emits its first token and decodes
-        from the next step on. Each chunk continues its slot's committed prefix (positions n..)."""
-        budget = self.prefill_chunk or self.max_length * self.gen.max_batch
+        from the next step on. Each chunk continues its slot's committed prefix (positions n..).
+        With the generator's captured prefill (``prefill_rows`` = C, where rows are exact) every
+        chunk is C tokens: a prompt's last chunk ends at its last token and so starts inside the
+        chunk before, whose rows it recomputes bit for bit (a prompt shorter than C runs whole)."""
+        C = self.gen.prefill_rows if self.prefill_chunk else None
+        budget = C or self.prefill_chunk or self.max_length * self.gen.max_batch
         for slot, r in list(self._prefilling.items()):
             if budget <= 0:
                 break
-            part, r.todo = r.todo[:budget], r.todo[budget:]
+            start = self.gen.lengths[slot]
+            end = start + min(len(r.todo), budget)
+            if C and end - start < C <= end:  # the last chunk, shifted back to C tokens
+                start = end - C
+            part, r.todo = r.context[start:end], r.todo[end - self.gen.lengths[slot] :]
             budget -= len(part)
             last = not r.todo
             try:
-                start = self.gen.lengths[slot]
                 out_id, logits = self.gen.prefill(slot, part, start=start, want_logits=last and r.sampled)
             except Exception as exc:
                 self._finish(slot, error=f"prefill failed: {str(exc).splitlines()[0][:300]}")

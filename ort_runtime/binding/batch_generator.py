@@ -102,10 +102,18 @@ class BatchGenerator:
     (ort_runtime/batching/engine.py's engine loop)."""
 
     def __init__(
-        self, model: LoadedModel, max_batch: int | None = None, *, cuda_graphs: bool | str = False
+        self,
+        model: LoadedModel,
+        max_batch: int | None = None,
+        *,
+        cuda_graphs: bool | str = False,
+        prefill_rows: int | None = None,
     ) -> None:
         """``cuda_graphs``: capture the batched kinds per width on CUDA (loopcast-op artifacts);
-        "always" also off CUDA (tests, with stand-in sessions that ignore ``gpu_graph_id``)."""
+        "always" also off CUDA (tests, with stand-in sessions that ignore ``gpu_graph_id``).
+        ``prefill_rows``: with captured graphs, a prefill call of exactly this many tokens replays
+        a graph captured per slot (``prefill_rows`` is then set; the engine sizes its prompt
+        chunks to it): an uncaptured prefill is one launch per node, many decode steps' time."""
         manifest = model.manifest
         if DECODE_BATCH not in model.sessions or PREFILL not in model.sessions:
             have = (
@@ -187,6 +195,18 @@ class BatchGenerator:
                     self.captured.add(kind)
                 else:
                     self.graph_fallbacks[kind] = model.graph_fallbacks.get(kind, "no capture session")
+        # captured prefill calls of a fixed row count, one graph per slot (its KV entry)
+        self.prefill_rows: int | None = None
+        self._prefill_runners: dict[int, CapturedRunner] = {}
+        if prefill_rows is not None and not 1 <= prefill_rows <= self.max_length:
+            raise RequestError(f"prefill_rows must be in 1..{self.max_length}, got {prefill_rows}")
+        if prefill_rows and self.captured:
+            self._p_session = model.capture_session(PREFILL)
+            if self._p_session is None:
+                self.graph_fallbacks[PREFILL] = model.graph_fallbacks.get(PREFILL, "no capture session")
+            else:
+                self.prefill_rows = prefill_rows
+                self._p_ids = _Buffer((1, prefill_rows), np.int64, device)
         self._move = None  # CUDA: the op library's device KV copy (copy_prefix), loaded on first use
         self.lengths = [0] * B  # n_b: tokens whose KV is committed in slot b
         self._keep = [0] * B  # free slot b: its dummy rows write at positions keep_b..
@@ -260,9 +280,10 @@ class BatchGenerator:
 
     def close(self) -> None:
         """Give every binding's graph id back to its pool; the generator cannot step after."""
-        for runner in self._runners.values():
+        for runner in [*self._runners.values(), *self._prefill_runners.values()]:
             runner.close()
         self._runners.clear()
+        self._prefill_runners.clear()
         self.captured.clear()
         self._closed = True
 
@@ -284,23 +305,57 @@ class BatchGenerator:
             raise RequestError(
                 f"prompt of {start} + {len(ids)} tokens is longer than the max length {self.max_length}"
             )
-        binding = self.model.sessions[PREFILL].io_binding()
-        binding.bind_cpu_input("input_ids_BS", np.asarray([ids], dtype=np.int64))
         self._p_seqlens.host[0] = start + len(ids) - 1
         self._p_seqlens.push()
         self._p_total.host[...] = start + len(ids)
         self._p_total.push()
+        t0 = time.perf_counter()
+        steady = False
+        if len(ids) == self.prefill_rows:
+            self._p_ids.host[0] = ids
+            self._p_ids.push()
+            steady = self._prefill_run(slot)
+        else:
+            binding = self.model.sessions[PREFILL].io_binding()
+            binding.bind_cpu_input("input_ids_BS", np.asarray([ids], dtype=np.int64))
+            self._bind_prefill(binding, slot)
+            self.model.sessions[PREFILL].run_with_iobinding(binding)
+        self.clock.record(PREFILL, time.perf_counter() - t0, steady=steady)
+        self.lengths[slot], self._keep[slot] = start + len(ids), 0
+        logits = self._p_logits.pull()[0, 0].copy() if want_logits else None
+        return int(self._p_next.pull()[0, 0]), logits
+
+    def _bind_prefill(self, binding, slot: int) -> None:
+        """A prefill call's lengths, slot ``slot``'s KV entry and the outputs (not the ids)."""
         self._bind_prefix(binding, "seqlens_k", self._p_seqlens, [1], False)
         self._bind_prefix(binding, "total_sequence_length", self._p_total, [], False)
         self._bind_kv(binding, slot, 1)
         self._bind_prefix(binding, "next_token_ids_BS", self._p_next, [1, 1], True)
         self._bind_prefix(binding, "logits_BSV", self._p_logits, [1, 1, self.vocab], True)
-        t0 = time.perf_counter()
-        self.model.sessions[PREFILL].run_with_iobinding(binding)
-        self.clock.record(PREFILL, time.perf_counter() - t0, steady=False)
-        self.lengths[slot], self._keep[slot] = start + len(ids), 0
-        logits = self._p_logits.pull()[0, 0].copy() if want_logits else None
-        return int(self._p_next.pull()[0, 0]), logits
+
+    def _prefill_run(self, slot: int) -> bool:
+        """The captured prefill of ``prefill_rows`` ids (in ``_p_ids``) into ``slot``; after a
+        failed capture, prefill calls go back to their exact lengths (``prefill_rows = None``)."""
+        runner = self._prefill_runners.get(slot)
+        if runner is None:
+            model, rows = self.model, self.prefill_rows
+
+            def bind(binding) -> None:
+                self._bind_prefix(binding, "input_ids_BS", self._p_ids, [1, rows], False)
+                self._bind_prefill(binding, slot)
+
+            runner = self._prefill_runners[slot] = CapturedRunner(
+                PREFILL,
+                self._p_session,
+                bind,
+                pool=model.graph_ids(PREFILL),
+                eager_session=lambda: model.sessions[PREFILL],
+            )
+        steady = runner.run()
+        if runner.slot is not None and runner.slot.failure is not None:
+            self.graph_fallbacks[PREFILL] = runner.slot.failure
+            self.prefill_rows = None
+        return steady
 
     def decode(self, tokens: dict[int, int], *, want_logits: bool = False) -> BatchStepOutput:
         """One row per slot in ``tokens`` (slot -> its pending token, written at position n_b);
@@ -433,12 +488,13 @@ class BatchGenerator:
         self._seqlens.host[:width] = np.minimum(idle, self.max_length - width_rows) + width_rows - 1
 
     def warm_up(self, kinds: tuple[str, ...] | None = None) -> int:
-        """Run each width 1..max_batch of the captured ``kinds`` (default: every captured kind)
-        once with dummy rows only, so that their CUDA graphs are captured now rather than inside
-        a request's step (a width's first captured run is warm-up plus capture: many steps'
-        time, a latency spike for every request in the batch). Dummy rows write only past what
-        each slot holds, as a step's free slots do, and nothing is committed, so it can run
-        between any two steps. These runs stay out of the step clock. Returns the runs made."""
+        """Run each width 1..max_batch of the captured ``kinds`` (default: every captured kind,
+        and the captured prefill on every empty slot) once with dummy rows only, so that their
+        CUDA graphs are captured now rather than inside a request's step (a width's first
+        captured run is warm-up plus capture: many steps' time, a latency spike for every request
+        in the batch). Dummy rows write only past what each slot holds, as a step's free slots
+        do, and nothing is committed, so it can run between any two steps. These runs stay out
+        of the step clock. Returns the runs made."""
         made = 0
         for kind in kinds if kinds is not None else sorted(self.captured):
             if kind not in self.captured:
@@ -452,6 +508,17 @@ class BatchGenerator:
                     buf.push()
                 self._run(kind, width)
                 made += 1
+        # the captured prefill's graph per slot, on slots that hold nothing (its rows write
+        # positions 0..prefill_rows-1, which a slot's first prefill rewrites before any row reads)
+        for slot in range(self.max_batch) if self.prefill_rows and kinds is None else ():
+            if slot in self._prefill_runners or self.lengths[slot] or self._keep[slot] or self._held[slot]:
+                continue
+            self._p_ids.host[...] = 0
+            self._p_seqlens.host[0], self._p_total.host[...] = self.prefill_rows - 1, self.prefill_rows
+            for buf in (self._p_ids, self._p_seqlens, self._p_total):
+                buf.push()
+            self._prefill_run(slot)
+            made += 1
         return made
 
     def release(self, slot: int, keep: int = 0) -> int:

@@ -90,3 +90,51 @@ def test_whole_prompts_without_a_chunk(model):
     finally:
         engine.shutdown()
     assert ("prefill", 20, 0) in gen.log and engine.prefill_chunk is None
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_captured_prefill_chunks_of_fixed_rows_equal_plain(model, prefix_caching):
+    """``prefill_rows`` (a captured prefill graph per slot, here with stand-in capture sessions):
+    every prefill call of a prompt of at least C tokens is exactly C tokens, the last one shifted
+    back over the chunk before it (its rows recomputed bit for bit), shorter prompts run whole, and
+    every request gets plain greedy's tokens, cached prefixes included; the warm-up made every
+    slot's graph before the first request."""
+    import dataclasses
+
+    from loopcast.manifest import PREFILL
+    from tests.ort_runtime.test_batch_decode import _CaptureStandIn
+
+    loaded, C = model.loaded, 5
+    stand_ins = {}
+
+    def factory(kind, capture):
+        stand_ins[kind] = _CaptureStandIn(loaded.sessions[kind], False)
+        return stand_ins[kind]
+
+    fake = dataclasses.replace(
+        loaded, _session_factory=factory, _captured={}, _graph_ids={}, graph_fallbacks={}
+    )
+    rng = random.Random(4)
+    stem = [rng.randrange(3, 60) for _ in range(7)]
+    prompts = [[rng.randrange(3, 60) for _ in range(n)] for n in (1, 4, 5, 6, 9, 10, 13, 18)]
+    prompts += [stem + [11]]
+    work = [(p, rng.randrange(2, 9)) for p in prompts]
+    later = stem + [12, 13, 14]  # sent after the others finished: stem + [11]'s slot holds the stem
+    gen = RecordingGenerator(fake, max_batch=3, cuda_graphs="always", prefill_rows=C)
+    assert gen.prefill_rows == C
+    engine = BatchingEngine(gen, prefill_chunk=4, prefix_caching=prefix_caching).start()
+    try:
+        assert len(stand_ins[PREFILL].graph_ids) == 3  # warm-up: one graph per slot
+        done = [engine.submit(BatchRequest(p, k)) for p, k in work]
+        assert [c.result(60) for c in done] == [list(model.stream_ids(p, k, stop_ids=())) for p, k in work]
+        cached = engine.submit(BatchRequest(later, 5))
+        assert cached.result(60) == list(model.stream_ids(later, 5, stop_ids=()))
+        assert cached.cached_tokens == (7 if prefix_caching else 0)
+    finally:
+        engine.shutdown()
+    sizes = [n for kind, n, _ in gen.log if kind == "prefill"]
+    assert len([n for n in sizes if n != C]) == 2  # the prompts of 1 and 4 tokens, whole
+    # ceil(len / C) calls of C tokens a prompt (18 in all); a cached stem saves the second stem
+    # prompt's first chunk (its 3 new tokens run as one call shifted back over the stem)
+    assert sizes.count(C) == (17 if prefix_caching else 18)
+    assert len(stand_ins[PREFILL].graph_ids) == 3 + sizes.count(C)

@@ -248,6 +248,7 @@ def make_engine(
     prefix_caching: bool = True,
     gate: str = "auto",
     oracle: OracleDrafts | None = None,
+    prefill_rows: int | None = None,
 ):
     from loopcast.ort_runtime.batching.batch_gate import AlwaysBatchGate, BatchCostGate
     from loopcast.ort_runtime.batching.engine import BatchingEngine
@@ -255,7 +256,9 @@ def make_engine(
     from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
 
     if mode == "batched":
-        generator = BatchGenerator(model.loaded, max_batch, cuda_graphs=cuda_graphs)
+        generator = BatchGenerator(
+            model.loaded, max_batch, cuda_graphs=cuda_graphs, prefill_rows=prefill_rows
+        )
         options = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         return BatchingEngine(
             generator,
@@ -294,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cuda-graphs", action="store_true", help="capture the batched graphs per width (CUDA)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="batched: prompt tokens per step")
+    ap.add_argument(
+        "--prefill-rows",
+        type=int,
+        default=None,
+        help="with --cuda-graphs: captured prefill chunks of N tokens",
+    )
     ap.add_argument("--no-prefix-caching", action="store_true", help="batched: turn the prefix cache off")
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
     ap.add_argument("--multi-turn", action="store_true", help="send each request's second turn after it")
@@ -361,7 +370,15 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(mode, spec, False) for mode, spec, _ in runs if mode == "batched"]
     for mode, spec, cached in runs:
         engine = make_engine(
-            model, mode, max_batch, args.cuda_graphs, args.prefill_chunk, cached, args.gate, oracle
+            model,
+            mode,
+            max_batch,
+            args.cuda_graphs,
+            args.prefill_chunk,
+            cached,
+            args.gate,
+            oracle,
+            args.prefill_rows,
         )
         name = mode if spec == "none" else f"{mode}+{spec}"
         name += "" if cached or mode != "batched" else "-cold"
@@ -404,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                     level["graph_fallbacks"] = dict(engine.gen.graph_fallbacks)
                     level["prefix_caching"] = engine.prefix_caching
                     level["prefill_chunk"] = engine.prefill_chunk
+                    level["prefill_rows"] = engine.gen.prefill_rows
                     level["engine_stats"] = dict(engine.stats)
                     level["gate_report"] = engine.gate.report()
                 print(
