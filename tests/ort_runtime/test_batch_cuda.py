@@ -65,6 +65,25 @@ def test_captured_equals_eager_batched(model):
     assert captured == eager
 
 
+def test_captured_prefill_chunks_equal_eager_batched(model):
+    """Prefill chunks of exactly 8 tokens through the prefill graph captured per slot (the last
+    chunk of a prompt shifted back over the one before) give the tokens of eager batched runs."""
+    from loopcast.manifest import PREFILL
+
+    prompts = DEMO_PROMPTS[:12]
+    eager, _ = _serve(model, prompts, 8, False)
+    engine = BatchingEngine(
+        BatchGenerator(model.loaded, 8, cuda_graphs=True, prefill_rows=8), prefill_chunk=8
+    ).start()
+    try:
+        assert engine.gen.prefill_rows == 8, engine.gen.graph_fallbacks.get(PREFILL)
+        done = [engine.submit(BatchRequest(model.encode(p), 32)) for p in prompts]
+        assert [c.result(120) for c in done] == eager
+        assert engine.gen.prefill_rows == 8, engine.gen.graph_fallbacks.get(PREFILL)  # no capture failed
+    finally:
+        engine.shutdown()
+
+
 def test_width_one_equals_plain_greedy(model):
     prompts = DEMO_PROMPTS[:4]
     for cuda_graphs in (False, True):

@@ -95,14 +95,19 @@ phase_serve() {  # batched vs one-at-a-time serving (tools/bench/loadgen.py, in-
   LOOPCAST_OPS_LIB=$LIB timeout 180 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_batch_cuda.py \
     tests/ort_runtime/test_prefix_cache_cuda.py 2>&1 | tail -20 > "$RES/serve-gpu-tests.txt"
 }
-phase_serve_chunk() {  # chunked prefill (one 64-token chunk between two steps) and the multi-turn prefix cache
+phase_serve_chunk() {  # chunked prefill (one chunk between two steps) and the multi-turn prefix cache,
+  # captured batched kinds; chunks as uncaptured prefill calls, then as captured ones (--prefill-rows)
   local common=("$@")
   [ ${#common[@]} -gt 0 ] || common=(--device cuda --dtype fp16 --max-batch 64 --max-length 512 --prompt-len 64
                                      --max-tokens 64 --time-limit ${CHUNK_LEVEL_S:-20} --work-dir /root/lg)
   timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
-    --prefill-chunk 64 --out "$RES/serve-ouro-1.4b-chunk64.json" > "$RES/serve-ouro-1.4b-chunk64.txt" 2>&1
-  timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 1,4 \
-    --multi-turn --shared-prefix 256 --out "$RES/serve-ouro-1.4b-multiturn.json" > "$RES/serve-ouro-1.4b-multiturn.txt" 2>&1
+    --cuda-graphs --prefill-chunk 64 --out "$RES/serve-ouro-1.4b-chunk64.json" > "$RES/serve-ouro-1.4b-chunk64.txt" 2>&1
+  timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
+    --cuda-graphs --prefill-chunk 32 --prefill-rows 32 --out "$RES/serve-ouro-1.4b-rows32.json" \
+    > "$RES/serve-ouro-1.4b-rows32.txt" 2>&1
+  timeout 200 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 1,4 \
+    --cuda-graphs --prefill-chunk 32 --prefill-rows 32 --multi-turn --shared-prefix 256 \
+    --out "$RES/serve-ouro-1.4b-multiturn.json" > "$RES/serve-ouro-1.4b-multiturn.txt" 2>&1
 }
 phase_sampling() {  # seeded sampling reproducible run to run, on the GPU (fp16) and the CPU (fp32)
   { python3 -m loopcast.cli export loopcast/demo_model -o /root/art-demo-fp16 --dtype fp16 --target cuda --overwrite
