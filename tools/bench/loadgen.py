@@ -167,14 +167,23 @@ def run_level(
 
 class OracleDrafts:
     """``self_perturb`` for the batching engine: the draft after ``sequence`` is plain greedy's
-    token there (spoiled at the positions ``rejects`` picks), for the prompts it was given."""
+    token there (spoiled at the positions ``rejects`` picks), for the prompts it was given.
+    ``engine``: a plain batching engine that decodes the continuations all at once (its greedy
+    tokens are plain greedy's; the runs' cross-check compares them anyway), else one at a time."""
 
-    def __init__(self, model, prompt_lists: list[list[int]], max_tokens: int, fraction: float) -> None:
+    def __init__(
+        self, model, prompt_lists: list[list[int]], max_tokens: int, fraction: float, engine=None
+    ) -> None:
+        from loopcast.ort_runtime.batching.engine import BatchRequest
+
         self.fraction, self.vocab = fraction, model.config.vocab_size
-        self.full: dict[tuple[int, ...], list[int]] = {}
-        for ids in prompt_lists:
-            if tuple(ids) not in self.full:
-                self.full[tuple(ids)] = ids + list(model.stream_ids(ids, max_tokens + 4, stop_ids=()))
+        unique = [list(ids) for ids in dict.fromkeys(tuple(ids) for ids in prompt_lists)]
+        if engine is None:
+            tails = [list(model.stream_ids(ids, max_tokens + 4, stop_ids=())) for ids in unique]
+        else:
+            done = [engine.submit(BatchRequest(ids, max_tokens + 4, ())) for ids in unique]
+            tails = [c.result(1800) for c in done]
+        self.full = {tuple(ids): ids + tail for ids, tail in zip(unique, tails)}
         self.prompt_len = {len(k) for k in self.full}
 
     def __call__(self, sequence: list[int], token: int) -> int:
@@ -358,7 +367,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         ]
         t0 = time.perf_counter()
-        oracle = OracleDrafts(model, everything, args.max_tokens, args.oracle_reject)
+        plain = (
+            make_engine(model, "batched", max_batch, prefix_caching=False)
+            if "batched" in args.modes
+            else None
+        )
+        try:
+            oracle = OracleDrafts(model, everything, args.max_tokens, args.oracle_reject, plain)
+        finally:
+            if plain is not None:
+                plain.shutdown()
         print(
             f"oracle drafts: plain greedy of {len(oracle.full)} prompts in {time.perf_counter() - t0:.1f} s"
         )
