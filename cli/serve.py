@@ -144,6 +144,8 @@ def serve(
             "--max-waiting, --replicas and --prefill-chunk must be >= 0 and "
             "1 <= --min-replicas <= --max-replicas"
         )
+    if prefill_rows is not None and not cuda_graphs:
+        raise RequestError("--prefill-rows needs --cuda-graphs (it sizes captured prefill calls)")
     options = ServeOptions(
         device,
         max_batch,

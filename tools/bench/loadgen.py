@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.oracle_reject is not None and not 0.0 <= args.oracle_reject <= 1.0:
         ap.error("--oracle-reject must be a fraction in [0, 1]")
+    if args.prefill_rows is not None and not args.cuda_graphs:
+        ap.error("--prefill-rows needs --cuda-graphs (it sizes captured prefill calls)")
     if args.oracle_reject is not None and args.multi_turn:
         ap.error("--oracle-reject covers first turns only: leave out --multi-turn")
 

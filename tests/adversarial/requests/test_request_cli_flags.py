@@ -27,6 +27,14 @@ ROWS = [
         "'--threads': -1 is not in the range",
     ),
     case("cli", F, "serve-max-body-zero", ["serve", "x", "--max-body-bytes", "0"], "'--max-body-bytes'"),
+    case("cli", F, "serve-prefill-rows-zero", ["serve", "x", "--prefill-rows", "0"], "'--prefill-rows'"),
+    case(
+        "cli",
+        F,
+        "serve-prefill-rows-eager",
+        ["serve", "x", "--prefill-rows", "32"],
+        "--prefill-rows needs --cuda-graphs",
+    ),
     case(
         "cli",
         F,
