@@ -18,6 +18,9 @@ PIPE_DECAY = 0.97
 PIPE_PRIOR_CYCLES = 8.0  # the prior's weight in a new request's rate, in cycles
 # How much faster the other choice must price than the current one for the pipeline gate to switch
 PIPE_MARGIN = 1.05
+# A probe whose epoch ends off again doubles the gap to the next one, up to this many steps: a
+# probe's lanes are dropped before they fill, so each costs most of an epoch of tokens
+PIPE_PROBE_MAX = 1024
 
 
 class BatchCostGate(GateCounters):
@@ -50,6 +53,7 @@ class BatchCostGate(GateCounters):
         self._pipe_taken: set[int] = set()  # this epoch's requests (they keep their lanes)
         self._pipe_epoch = 0  # steps left of this epoch's choice
         self.pipe_off_steps = 0
+        self._pipe_probe_gap = probe_every  # off steps before the next probe epoch
 
     def engage(self, width: int, running: int, proposing: int) -> bool:
         t_verify, t_decode = self.cost.get((VERIFY_BATCH, width)), self.cost.get((DECODE_BATCH, width))
@@ -163,7 +167,8 @@ class BatchCostGate(GateCounters):
         choice is all or none.) Lanes take ``loops`` cycles to commit their first token, so a
         choice holds for ``loops`` steps (an epoch): its requests keep their lanes, and a request
         joining meanwhile is taken if its ρ reaches the least the choice took; while off, a probe
-        epoch every ``probe_every`` steps."""
+        epoch after ``probe_every`` steps, the gap doubling after each probe that ends off again
+        (up to PIPE_PROBE_MAX) and starting over once the prices turn the lanes on."""
         rate = {
             s: self._pipe_rate.get(s, 1.0 if self._pipe_prior is None else self._pipe_prior)
             for s in candidates
@@ -195,8 +200,11 @@ class BatchCostGate(GateCounters):
         probe = False
         if not best and t_decode is not None:
             self.pipe_off_steps += 1
-            if self.pipe_off_steps >= self.probe_every:
+            if self.pipe_off_steps >= self._pipe_probe_gap:
                 best, probe = order, True
+                self._pipe_probe_gap = min(2 * self._pipe_probe_gap, PIPE_PROBE_MAX)
+        elif best:
+            self._pipe_probe_gap = self.probe_every  # on by its prices: probes start over
         if best:
             self.pipe_off_steps = 0
         self._pipe_floor = min(rate[s] for s in best) if best else None

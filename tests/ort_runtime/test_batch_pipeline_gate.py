@@ -81,3 +81,19 @@ def test_off_then_a_probe_epoch():
     taken = [gate.engage_pipeline(4, 1, [0], loops=2) for _ in range(9)]
     assert taken[:7] == [set()] * 7 and taken[7] == {0}  # the 8th step off probes
     assert gate.report()["probes"] == 1
+
+
+def test_probes_back_off_while_the_cycle_never_pays_and_start_over_when_it_does():
+    """Each probe epoch that ends off doubles the gap to the next (8, 16, 32, ...: a probe's lanes
+    are dropped before they fill); once the prices turn the lanes on, the gap is 8 again."""
+    gate = _gate(1.0, 5.0)  # the cycle never pays
+    _steady(gate, 0, 0.5)
+    taken = [gate.engage_pipeline(4, 1, [0], loops=1) for _ in range(8 + 16 + 32 + 1)]
+    probes = [i for i, t in enumerate(taken) if t]
+    assert probes == [7, 23, 55]  # after 8, 16 and 32 off steps
+    assert gate.report()["probes"] == 3
+    gate.cost[(CYCLE_BATCH, 4)] = 0.1  # now it pays: on by its prices
+    assert gate.engage_pipeline(4, 1, [0], loops=1) == {0}
+    gate.cost[(CYCLE_BATCH, 4)] = 5.0
+    taken = [gate.engage_pipeline(4, 1, [0], loops=1) for _ in range(9)]
+    assert [i for i, t in enumerate(taken) if t] == [7]  # the gap started over at 8
