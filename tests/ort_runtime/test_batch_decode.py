@@ -179,15 +179,12 @@ class _CaptureStandIn:
         return self._session.run_with_iobinding(binding, run_options)
 
 
-@pytest.mark.parametrize("fail", [False, True])
-def test_graph_ids_per_width_and_fallback(fail):
-    """cuda_graphs: every (kind, width) binding runs under its own graph id; a capture failure on
-    a first run falls back to the eager session for the kind, with the same tokens."""
+def captured_stand_ins(loaded, fail: bool = False):
+    """``loaded`` whose capture sessions are stand-ins (``_CaptureStandIn``, made on first use),
+    and the dict of those made, by kind."""
     import dataclasses
 
-    model = load(artifact("ouro-r3", max_batch=4))
-    loaded = model.loaded
-    stand_ins = {}
+    stand_ins: dict[str, _CaptureStandIn] = {}
 
     def factory(kind, capture):
         stand_ins[kind] = _CaptureStandIn(loaded.sessions[kind], fail)
@@ -196,6 +193,15 @@ def test_graph_ids_per_width_and_fallback(fail):
     fake = dataclasses.replace(
         loaded, _session_factory=factory, _captured={}, _graph_ids={}, graph_fallbacks={}
     )
+    return fake, stand_ins
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_graph_ids_per_width_and_fallback(fail):
+    """cuda_graphs: every (kind, width) binding runs under its own graph id; a capture failure on
+    a first run falls back to the eager session for the kind, with the same tokens."""
+    model = load(artifact("ouro-r3", max_batch=4))
+    fake, stand_ins = captured_stand_ins(model.loaded, fail)
     bg = BatchGenerator(fake, cuda_graphs="always")
     assert bg.captured == {DECODE_BATCH, "verify_batch", "draft_batch", "verify_tail_batch"}
     got, _ = _run_batched(bg, PROMPTS[:3], 8)  # 7 decode steps at width 3

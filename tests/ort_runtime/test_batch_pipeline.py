@@ -126,20 +126,9 @@ def test_warm_up_captures_every_width_at_start_and_keeps_plain_tokens(model):
     """With captured graphs the engine runs every width of every batched kind once at start
     (dummy rows, unused cycle rows), so serving makes no new binding; the dummy rows' KV writes
     change no token, a cached prefix included."""
-    import dataclasses
+    from tests.ort_runtime.test_batch_decode import captured_stand_ins
 
-    from tests.ort_runtime.test_batch_decode import _CaptureStandIn
-
-    loaded = model.loaded
-    stand_ins = {}
-
-    def factory(kind, capture):
-        stand_ins[kind] = _CaptureStandIn(loaded.sessions[kind], False)
-        return stand_ins[kind]
-
-    fake = dataclasses.replace(
-        loaded, _session_factory=factory, _captured={}, _graph_ids={}, graph_fallbacks={}
-    )
+    fake, stand_ins = captured_stand_ins(model.loaded)
     gen = BatchGenerator(fake, 8, cuda_graphs="always")
     kinds = sorted(gen.captured)
     assert len(kinds) == 4

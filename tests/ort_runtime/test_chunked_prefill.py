@@ -99,21 +99,11 @@ def test_captured_prefill_chunks_of_fixed_rows_equal_plain(model, prefix_caching
     back over the chunk before it (its rows recomputed bit for bit), shorter prompts run whole, and
     every request gets plain greedy's tokens, cached prefixes included; the warm-up made every
     slot's graph before the first request."""
-    import dataclasses
-
     from loopcast.manifest import PREFILL
-    from tests.ort_runtime.test_batch_decode import _CaptureStandIn
+    from tests.ort_runtime.test_batch_decode import captured_stand_ins
 
-    loaded, C = model.loaded, 5
-    stand_ins = {}
-
-    def factory(kind, capture):
-        stand_ins[kind] = _CaptureStandIn(loaded.sessions[kind], False)
-        return stand_ins[kind]
-
-    fake = dataclasses.replace(
-        loaded, _session_factory=factory, _captured={}, _graph_ids={}, graph_fallbacks={}
-    )
+    C = 5
+    fake, stand_ins = captured_stand_ins(model.loaded)
     rng = random.Random(4)
     stem = [rng.randrange(3, 60) for _ in range(7)]
     prompts = [[rng.randrange(3, 60) for _ in range(n)] for n in (1, 4, 5, 6, 9, 10, 13, 18)]
