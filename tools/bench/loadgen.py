@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"oracle drafts: plain greedy of {len(oracle.full)} prompts in {time.perf_counter() - t0:.1f} s"
         )
-    outputs: dict[tuple[int, int], dict[str, list[int]]] = {}
+    outputs: dict[tuple[int, int, str], dict[str, list[int]]] = {}  # (level, request, turn)
     caching = not args.no_prefix_caching
     runs = [(mode, spec, caching) for mode in args.modes.split(",") for spec in args.speculative.split(",")]
     if args.multi_turn and caching:
