@@ -52,16 +52,6 @@ constexpr int kMmaMaxCluster = 4;   // measured on an H200: clusters of 8 cost 2
 constexpr int kRedStride = kMmaTN + 1;
 constexpr int kMaxRowsPerLaunch = 32;
 
-// `count` (0..8) consecutive 16-bit elements from p, zero-filled to 8.
-__device__ __forceinline__ uint4 load8_partial(const uint16_t* p, int count) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = 2 * i < count ? p[2 * i] : 0u, hi = 2 * i + 1 < count ? p[2 * i + 1] : 0u;
-    w[i] = lo | (hi << 16);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
 struct MmaArgs {
   const uint16_t* A;
   const uint16_t* B;

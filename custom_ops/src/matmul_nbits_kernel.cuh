@@ -1,4 +1,4 @@
-// BatchInvariantMatMulNBits, CUDA kernel for skinny products (decode M = 1, verify / cycle
+// BatchInvariantMatMulNBits, CUDA-core kernel for skinny products (decode M = 1, verify / cycle
 // M <= 16; more rows take more passes of 16): Y[M, N] = A[M, K] · Wᵀ with W [N, K] stored
 // block-quantized in MatMulNBits' layout (matmul_nbits_op.h), fp32 accumulation.
 //
@@ -21,15 +21,19 @@
 // RPT (rows per pass: 1, 2, 4, 8 or 16, from M), COLS, staging and U only decide which outputs a
 // warp computes and where its activations come from (the same T values), never how one is reduced.
 //
+// fp16 / bf16 activations take the tensor-core kernel instead (matmul_nbits_mma.cuh) except for int4
+// blocks of 16 and under LOOPCAST_NBITS_MMA=0; the choice depends on (K, N, bits, block), never on M.
 // This header holds the kernels; matmul_nbits_cuda.cu fills the arguments and calls nbits_run,
 // whose (T, bits) specializations are compiled one per file (matmul_nbits_<dtype>_int<bits>.cu) so
 // that a parallel build compiles them side by side.
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 #include "cuda_launch.h"
+#include "matmul_nbits_mma.cuh"
 #include "norm_prologue.cuh"
 
 namespace loopcast_cuda {
@@ -373,6 +377,11 @@ int nbits_rows(const NBitsArgs& args, cudaStream_t stream) {
 template <typename T, int BITS>
 int nbits_run(const NBitsArgs& p, bool swiglu, bool norm, cudaStream_t stream) {
   using nbits_detail::nbits_rows;
+  if constexpr (!std::is_same<T, float>::value) {  // 16-bit activations: the tensor cores (matmul_nbits_mma.cuh)
+    if (nbits_mma::applies(p.K, p.N, BITS, p.block_size))
+      return nbits_mma::run<T, BITS>(p.A, p.B, p.scales, p.zp, p.Y, p.M, p.K, p.N, p.block_size, swiglu,
+                                     norm ? &p.norm : nullptr, stream);
+  }
   if (norm) return nbits_rows<T, BITS, false, true>(p, stream);
   return swiglu ? nbits_rows<T, BITS, true>(p, stream) : nbits_rows<T, BITS, false>(p, stream);
 }

@@ -39,6 +39,16 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
+// `count` (0..8) consecutive 16-bit elements from p, zero-filled to 8.
+__device__ __forceinline__ uint4 load8_partial(const uint16_t* p, int count) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = 2 * i < count ? p[2 * i] : 0u, hi = 2 * i + 1 < count ? p[2 * i + 1] : 0u;
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
 template <int MT>
 struct ChunkRegs {
   uint4 b[8];

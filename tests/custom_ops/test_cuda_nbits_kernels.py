@@ -37,6 +37,8 @@ from tests.custom_ops.test_cuda_kernels import (  # noqa: E402  (after the modul
 from tests.custom_ops.test_cuda_norm_kernels import _misaligned, cuda_swiglu  # noqa: E402
 
 SCHEMES = [(4, 32, True), (4, 32, False), (4, 64, True), (4, 128, False), (8, 32, True), (8, 128, False)]
+# int4 blocks of 16 (two blocks a 16-byte chunk) take the CUDA-core kernel for every dtype
+SCHEMES_16 = [(4, 16, True), (4, 16, False)]
 
 
 def nbits_weights(rng: np.random.Generator, N: int, K: int, bits: int, block: int, symmetric: bool) -> dict:
@@ -105,6 +107,26 @@ def _on_device(w: dict) -> dict:
 @pytest.mark.parametrize("bits,block,symmetric", SCHEMES)
 @pytest.mark.parametrize("K,N", [(2048, 1000), (5632, 64), (200, 37), (100, 9)])
 def test_matches_reference_and_rows_are_invariant(
+    cuda_library: Path, dtype: str, bits: int, block: int, symmetric: bool, K: int, N: int
+) -> None:
+    """fp16 / bf16: the tensor-core kernel (matmul_nbits_mma.cuh); fp32: the CUDA-core kernel."""
+    _reference_and_rows(cuda_library, dtype, bits, block, symmetric, K, N)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bits,block,symmetric", SCHEMES + SCHEMES_16)
+@pytest.mark.parametrize("K,N", [(2048, 1000), (200, 37)])
+def test_cuda_core_kernel_matches_reference_and_rows_are_invariant(
+    cuda_library: Path, dtype: str, bits: int, block: int, symmetric: bool, K: int, N: int, monkeypatch
+) -> None:
+    """The CUDA-core kernel on 16-bit activations: LOOPCAST_NBITS_MMA=0 (read at every launch), and
+    int4 blocks of 16 whatever the switch says."""
+    if block != 16:
+        monkeypatch.setenv("LOOPCAST_NBITS_MMA", "0")
+    _reference_and_rows(cuda_library, dtype, bits, block, symmetric, K, N)
+
+
+def _reference_and_rows(
     cuda_library: Path, dtype: str, bits: int, block: int, symmetric: bool, K: int, N: int
 ) -> None:
     lib = _lib(cuda_library)

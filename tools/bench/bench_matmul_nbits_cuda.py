@@ -5,6 +5,9 @@ bandwidth floor of each (bytes read / the device's copy bandwidth).
     python3 -m tools.bench.bench_matmul_nbits_cuda --lib custom_ops/build/libloopcast_ops.so \
         [--bits 4] [--block 32] [--asymmetric] [--ms 1,5,16] [--dtype float16] [--out DIR]
 
+fp16 / bf16 activations take the tensor-core kernel; the CUDA-core kernel (LOOPCAST_NBITS_MMA=0)
+is timed in the same run as the baseline (column "core us").
+
 Each timing replays a captured CUDA graph of many calls cycling through enough distinct weight
 buffers (>= 512 MB, 10x the L2) that every call reads its weights from HBM, back to back as a
 decode step's kernels run. Bytes per call: codes (K·N·bits/8) + fp32 scales (+ zero points) for
@@ -25,9 +28,10 @@ import torch
 
 from tools.bench.cuda_timing import graph_time_us, load_library
 
-# (label, K, N, swiglu): gate_up [2048 -> 5632·2], down [5632 -> 2048] (also reading [gate | up]),
-# o_proj [2048 -> 2048]
+# (label, K, N, swiglu): qkv [2048 -> 6144], gate_up [2048 -> 5632·2], down [5632 -> 2048]
+# (also reading [gate | up]), o_proj [2048 -> 2048]
 SHAPES = [
+    ("qkv", 2048, 6144, False),
     ("gate_up", 2048, 11264, False),
     ("down+swiglu", 5632, 2048, True),
     ("down", 5632, 2048, False),
@@ -87,6 +91,19 @@ def dense_call(lib, A, B, Y, K: int, swiglu: bool) -> None:
     )
 
 
+def _cuda_core_time(calls) -> float:
+    """The same calls through the CUDA-core kernel: LOOPCAST_NBITS_MMA=0 while they are captured."""
+    before = os.environ.get("LOOPCAST_NBITS_MMA")
+    os.environ["LOOPCAST_NBITS_MMA"] = "0"
+    try:
+        return graph_time_us(calls)
+    finally:
+        if before is None:
+            del os.environ["LOOPCAST_NBITS_MMA"]
+        else:
+            os.environ["LOOPCAST_NBITS_MMA"] = before
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -135,7 +152,7 @@ def main() -> None:
     print(f"int{args.bits} block {args.block} {zp} vs {args.dtype} BatchInvariantMatMul; µs per call")
     print(
         f"{'shape':<12} {'M':>3} {'nbits us':>9} {'GB/s':>6} {'floor us':>8} "
-        f"{'dense us':>9} {'GB/s':>6} {'floor us':>8} {'nbits/dense':>11} {'rows':>6}"
+        f"{'core us':>8} {'dense us':>9} {'GB/s':>6} {'floor us':>8} {'nbits/dense':>11} {'rows':>6}"
     )
     results = {"device": torch.cuda.get_device_name(), "copy_gbps": bw, "rows": []}
     for label, K, N, sw in SHAPES:
@@ -166,18 +183,24 @@ def main() -> None:
                     for i in range(n_q)
                 ]
             )
+            t_c = _cuda_core_time(
+                [
+                    partial(nbits_call, lib, Am, qsets[i % len(qsets)], Y, K, args.bits, args.block, sw)
+                    for i in range(n_q)
+                ]
+            )
             t_d = graph_time_us(
                 [partial(dense_call, lib, Am, dense[i % len(dense)], Y, K, sw) for i in range(n_d)]
             )
             floor_q, floor_d = qbytes / bw / 1e3, dbytes / bw / 1e3
             row = dict(
-                shape=label, K=K, N=N, swiglu=sw, M=M, nbits_us=t_q, dense_us=t_d, nbits_bytes=qbytes,
-                dense_bytes=dbytes, nbits_floor_us=floor_q, dense_floor_us=floor_d, identical=identical,
+                shape=label, K=K, N=N, swiglu=sw, M=M, nbits_us=t_q, cuda_core_us=t_c, dense_us=t_d,
+                nbits_bytes=qbytes, dense_bytes=dbytes, nbits_floor_us=floor_q, dense_floor_us=floor_d, identical=identical,
             )  # fmt: skip
             results["rows"].append(row)
             print(
                 f"{label:<12} {M:>3} {t_q:>9.1f} {qbytes / t_q / 1e3:>6.0f} {floor_q:>8.1f} "
-                f"{t_d:>9.1f} {dbytes / t_d / 1e3:>6.0f} {floor_d:>8.1f} {t_q / t_d:>11.2f} "
+                f"{t_c:>8.1f} {t_d:>9.1f} {dbytes / t_d / 1e3:>6.0f} {floor_d:>8.1f} {t_q / t_d:>11.2f} "
                 f"{'same' if identical else 'DIFFER':>6}",
                 flush=True,
             )

@@ -3,7 +3,7 @@
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
 # | quant-llama | quant-ouro | depth-demo | prep-1p4b | depth-1p4b | huginn | gpu-tests | quick-tests
-# | serve-pipeline | serve-chunk
+# | serve-pipeline | serve-chunk | nbits-kernels
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -230,6 +230,19 @@ phase_nbits() {  # int4/int8 BatchInvariantMatMulNBits: ctypes kernel tests, the
   { timeout 120 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --ms 1,5,16 --out "$RES"
     timeout 100 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --bits 8 --ms 1,5,16 --out "$RES"
   } > "$RES/bench-matmul-nbits.txt" 2>&1
+}
+phase_nbits_kernels() {  # the int4/int8 kernels alone (ctypes; no onnxruntime-gpu): tests, microbenchmark, layer chain
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  LOOPCAST_OPS_LIB=$LIB timeout ${NK_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rfE --tb=line \
+    tests/custom_ops/test_cuda_nbits_kernels.py tests/custom_ops/test_cuda_norm_prologue.py 2>&1 | tail -20 \
+    > "$OUT/nbits-kernel-tests.txt"
+  { timeout 120 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --ms 1,4,5,16 --out "$RES"
+    timeout 120 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --block 128 --asymmetric --ms 1,5 --out "$RES"
+    timeout 120 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --bits 8 --ms 1,5 --out "$RES"
+    timeout 120 python3 -m tools.bench.bench_matmul_nbits_cuda --lib "$LIB" --dtype bfloat16 --ms 1,5 --out "$RES"
+  } > "$OUT/bench-matmul-nbits.txt" 2>&1
+  timeout 150 python3 -m tools.bench.bench_layer_chain_cuda --lib "$LIB" --ms 1,4,5 --dtypes float16 --past 400 \
+    --out "$RES" > "$OUT/layer-chain.txt" 2>&1
 }
 phase_prep_1p4b() {  # depth-1p4b's checkpoint and export alone (run beside other phases, then depth-1p4b)
   { [ -f /root/ouro14/config.json ] || python3 -m loopcast.cli random-checkpoint /root/ouro14 --preset ouro-1.4b --dtype fp16
