@@ -195,7 +195,8 @@ def main() -> None:
             floor_q, floor_d = qbytes / bw / 1e3, dbytes / bw / 1e3
             row = dict(
                 shape=label, K=K, N=N, swiglu=sw, M=M, nbits_us=t_q, cuda_core_us=t_c, dense_us=t_d,
-                nbits_bytes=qbytes, dense_bytes=dbytes, nbits_floor_us=floor_q, dense_floor_us=floor_d, identical=identical,
+                nbits_bytes=qbytes, dense_bytes=dbytes, nbits_floor_us=floor_q, dense_floor_us=floor_d,
+                identical=identical,
             )  # fmt: skip
             results["rows"].append(row)
             print(
