@@ -32,7 +32,7 @@ from loopcast.graphs.recurrent import build_recurrent_kind
 from loopcast.graphs.recurrent_cycles import build_recurrent_cycle
 
 from loopcast.config import ModelConfig
-from loopcast.manifest import LOGIT_ROWS, GraphSpec
+from loopcast.manifest import LOGIT_START, GraphSpec
 from loopcast.vocab import (
     BATCH_KINDS,
     LOOP_STEP_KINDS,
@@ -114,15 +114,19 @@ def build_kind(
     out_rows: int | str = rows
     if plan.kind == GraphKind.PREFILL:
         # Only the last row's next token is needed; slicing first keeps the head at one row.
-        # ``logit_rows`` (default 1) asks for the last k rows instead: the CPU runs decode and
-        # verify on this graph's session, so one session holds the packed weights
-        # (ort_runtime/loading/artifact.py, "Weights").
-        start = b.op(
-            "Neg", [b.overridable_i64(LOGIT_ROWS, [1])], path="/prefill/logit_start", out="logit_start_1"
-        )
+        # ``logit_start`` = -k (default -1) asks for the last k rows instead: the CPU runs decode
+        # and verify on this graph's session, so one session holds the packed weights
+        # (ort_runtime/loading/artifact.py, "Weights"). Slice reads its starts on the host, so
+        # they come straight from the input: a node computing them would run on the CPU, and ORT
+        # refuses to capture a CUDA graph with a CPU node in it (captured prefill chunks).
         x = b.op(
             "Slice",
-            [x, start, b.const_i64("last_end", [2**62]), b.const_i64("rows_axis", [1])],
+            [
+                x,
+                b.overridable_i64(LOGIT_START, [-1]),
+                b.const_i64("last_end", [2**62]),
+                b.const_i64("rows_axis", [1]),
+            ],
             path="/prefill/last_rows",
             out="last_rows_BKH",
         )

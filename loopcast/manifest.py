@@ -59,7 +59,9 @@ DECODE_BATCH, VERIFY_BATCH = GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH
 DRAFT_BATCH, VERIFY_TAIL_BATCH = GraphKind.DRAFT_BATCH, GraphKind.VERIFY_TAIL_BATCH
 CYCLE_BATCH = GraphKind.CYCLE_BATCH
 GRAPH_KINDS = tuple(k for k in GraphKind if k not in BATCH_KINDS)  # the single-sequence kinds
-LOGIT_ROWS = "logit_rows"  # prefill's overridable input: how many last rows get logits (default 1)
+# prefill's overridable input: minus how many last rows get logits (default -1, the last row)
+LOGIT_START = "logit_start"
+LOGIT_ROWS = "logit_rows"  # the same as a positive count, in prefill graphs exported before logit_start
 
 
 def lane_state_length(rows: int) -> int:

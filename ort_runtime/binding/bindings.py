@@ -18,7 +18,7 @@ from loopcast.ort_runtime.binding.graph_runner import CapturedRunner, GraphSlot
 from loopcast.ort_runtime.loading import device_memory
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
-from loopcast.manifest import DRAFT, LOGIT_ROWS, PREFILL, TREE_DRAFT, GraphSpec
+from loopcast.manifest import DRAFT, LOGIT_ROWS, LOGIT_START, PREFILL, TREE_DRAFT, GraphSpec
 from loopcast.vocab import GraphKind
 
 EXITS = GraphKind.EXITS
@@ -28,6 +28,14 @@ _ONNX_BFLOAT16 = 16  # TensorProto.BFLOAT16: ORT's numpy bridge has no bf16, so 
 _EXACT_BYTES = (
     1 << 20
 )  # device buffers from this size on get exact allocations (ort_runtime/loading/device_memory.py)
+
+
+def _logit_rows_input(session: ort.InferenceSession, rows: int) -> tuple[str, ort.OrtValue]:
+    """The prefill input that asks for logits of the last ``rows`` rows: ``logit_start`` = -rows,
+    or ``logit_rows`` = rows in graphs exported before it."""
+    names = {v.name for v in session.get_overridable_initializers()}
+    name, value = (LOGIT_START, -rows) if LOGIT_START in names else (LOGIT_ROWS, rows)
+    return name, ort.OrtValue.ortvalue_from_numpy(np.array([value], np.int64))
 
 
 class _Buffer:
@@ -120,12 +128,10 @@ class _KindBinding:
         self.hidden_out = _Buffer((1, 1, cfg.hidden_size), dtype, device) if spec.kind == DRAFT else None
         self.gates = _Buffer((1, cfg.num_loops), np.float32, device) if spec.kind == EXITS else None
         # verify on prefill's session (the CPU: ort_runtime/loading/artifact.py) asks for logits of its
-        # last ``logit_rows`` rows: all of them (decode's one row is the default)
-        self.logit_rows = (
-            ort.OrtValue.ortvalue_from_numpy(np.array([rows], np.int64))
-            if model.shared_sessions.get(self.key, "").partition("@")[0] == PREFILL and rows > 1
-            else None
-        )
+        # last rows: all of them (decode's one row is the default)
+        self.logit_rows: tuple[str, ort.OrtValue] | None = None
+        if model.shared_sessions.get(self.key, "").partition("@")[0] == PREFILL and rows > 1:
+            self.logit_rows = _logit_rows_input(session, rows)
         self._kv = kv
         self._open(session, model)
 
@@ -163,7 +169,7 @@ class _KindBinding:
         b.bind_ortvalue_input("seqlens_k", self.seqlens.value)
         b.bind_ortvalue_input("total_sequence_length", self.total.value)
         if self.logit_rows is not None:
-            b.bind_ortvalue_input(LOGIT_ROWS, self.logit_rows)
+            b.bind_ortvalue_input(*self.logit_rows)
         _bind_kv(b, kv, spec.kv_slots)
         b.bind_ortvalue_output("next_token_ids_BS", self.next_ids.value)
         b.bind_ortvalue_output("logits_BSV", self.logits.value)

@@ -8,7 +8,7 @@ shared prepacked-weights container is in ORT's C API only). Two mechanisms keep 
   every session with ``add_initializer``: on CUDA always, on the CPU where nothing prepacks
   (the loopcast op set, or ``share_weights=True``);
 - fewer sessions where prepacking must stay: on the CPU, decode and verify run on prefill's
-  session (prefill returns logits for its last ``logit_rows`` rows, default 1, and fed the
+  session (prefill returns logits for its last ``-logit_start`` rows, default 1, and fed the
   kind's row count it is the same computation), so one packed copy serves the three kinds;
   the rows are bit-identical to the decode and verify graphs' own
   (tests/ort_runtime/test_weight_sharing.py) at the same speed. Prepacking is kept because
@@ -60,6 +60,7 @@ from loopcast.manifest import (
     CYCLE_RUN,
     DECODE,
     LOGIT_ROWS,
+    LOGIT_START,
     PREFILL,
     VERIFY,
     Manifest,
@@ -414,11 +415,11 @@ def open_artifact(
         for kind in checked:
             make_session(kind, False, check_only=True)
     sessions.update(made)
-    if VERIFY in shared and LOGIT_ROWS not in {
+    if VERIFY in shared and not {LOGIT_START, LOGIT_ROWS} & {
         v.name for v in sessions[PREFILL].get_overridable_initializers()
     }:  # verify runs on prefill's session through that input
         raise ArtifactError(
-            f"{path / manifest.graphs[PREFILL].file}: the prefill graph takes no {LOGIT_ROWS} input "
+            f"{path / manifest.graphs[PREFILL].file}: the prefill graph takes no {LOGIT_START} input "
             "(exported by an older loopcast); re-export the artifact"
         )
     for kind, host in shared.items():
@@ -493,7 +494,7 @@ def _cpu_shared_sessions(manifest: Manifest, kinds: list[str]) -> dict[str, str]
 
 
 def _same_computation(manifest: Manifest, host: str, kind: str) -> bool:
-    # verify runs on prefill's session through prefill's LOGIT_ROWS input (graphs/kinds.py)
+    # verify runs on prefill's session through prefill's LOGIT_START input (graphs/kinds.py)
     prefill, spec = manifest.graphs[host], manifest.graphs[kind]
     return (
         prefill.rows is None

@@ -45,7 +45,7 @@ def test_decode_and_verify_on_prefill_session_are_bit_identical(name, kw) -> Non
     decoded = _decode_logits(shared, prompt, 12)
     for a, b in zip(decoded, _decode_logits(own, prompt, 12), strict=True):
         assert np.array_equal(a, b)
-    # verify on prefill's session (prefill fed logit_rows = W) == verify's own graph, and == the
+    # verify on prefill's session (prefill fed logit_start = -W) == verify's own graph, and == the
     # decode rows where the artifact declares exact verify (not the stock attention op)
     width = shared.manifest.graphs[VERIFY].rows
     fed = prompt + [int(np.argmax(r)) for r in decoded[len(prompt) - 1 : -1]]
@@ -170,30 +170,95 @@ def test_a_graph_disagreeing_with_the_weights_file_is_refused(tmp_path) -> None:
         open_artifact(path, "cpu")
 
 
-def test_a_prefill_graph_without_logit_rows_is_refused(tmp_path) -> None:
-    """A prefill graph without the overridable ``logit_rows`` (exported before it) cannot serve
-    verify on its session: one error that says to re-export."""
+def _rewrite_prefill(path, edit) -> None:
+    """Apply ``edit`` to the copied artifact's prefill graph and re-sign it in the manifest."""
     import hashlib
     import json
-    import shutil
 
     import onnx
 
-    from loopcast.manifest import LOGIT_ROWS
-
-    path = tmp_path / "art"
-    shutil.copytree(artifact("demo"), path)
     model = onnx.load(str(path / "prefill.onnx"), load_external_data=False)
-    inputs = [v for v in model.graph.input if v.name != LOGIT_ROWS]
-    assert len(inputs) == len(model.graph.input) - 1
-    del model.graph.input[:]
-    model.graph.input.extend(inputs)
+    edit(model)
     onnx.save(model, str(path / "prefill.onnx"))
     data = (path / "prefill.onnx").read_bytes()
     raw = json.loads((path / "manifest.json").read_text())
     raw["files"]["prefill.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(ArtifactError, match="takes no logit_rows input.*re-export"):
+
+
+def test_prefill_slices_its_rows_straight_from_the_input() -> None:
+    """Slice reads its starts on the host: taken from the overridable input itself, no node
+    computes them, so no CPU node keeps CUDA from capturing prefill (captured prefill chunks)."""
+    import onnx
+
+    from loopcast.manifest import LOGIT_START
+
+    model = onnx.load(str(artifact("demo") / "prefill.onnx"), load_external_data=False)
+    (node,) = [n for n in model.graph.node if n.op_type == "Slice"]
+    assert node.input[1] == LOGIT_START
+    assert LOGIT_START in {v.name for v in model.graph.input}
+    (start,) = [i for i in model.graph.initializer if i.name == LOGIT_START]
+    assert onnx.numpy_helper.to_array(start).tolist() == [-1]
+    assert not any(n.op_type == "Neg" for n in model.graph.node)
+
+
+def test_a_prefill_graph_of_the_older_logit_rows_form_still_serves_verify(tmp_path) -> None:
+    """Artifacts exported before ``logit_start`` take a positive ``logit_rows`` (negated in the
+    graph): verify on their prefill session is still verify's own rows."""
+    import shutil
+
+    from onnx import helper, numpy_helper
+
+    from loopcast.manifest import LOGIT_ROWS, LOGIT_START
+
+    path = tmp_path / "art"
+    shutil.copytree(artifact("demo"), path)
+
+    def older(model) -> None:  # logit_rows [1] -> Neg -> the Slice's start, as exports made it
+        graph = model.graph
+        for init in graph.initializer:
+            if init.name == LOGIT_START:
+                init.CopyFrom(numpy_helper.from_array(np.array([1], np.int64), LOGIT_ROWS))
+        for value in graph.input:
+            if value.name == LOGIT_START:
+                value.name = LOGIT_ROWS
+        neg = helper.make_node("Neg", [LOGIT_ROWS], [LOGIT_START], name="/prefill/logit_start")
+        graph.node.insert(0, neg)
+
+    _rewrite_prefill(path, older)
+    shared = open_artifact(path, "cpu")
+    own = open_artifact(artifact("demo"), "cpu", kinds=(DECODE, VERIFY))
+    assert shared.sessions[VERIFY] is shared.sessions[PREFILL]
+    assert LOGIT_ROWS in {v.name for v in shared.sessions[PREFILL].get_overridable_initializers()}
+    width = shared.manifest.graphs[VERIFY].rows
+    fed = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3][: width + 1]
+    rows = []
+    for model in (shared, own):
+        gen = Generator(model)
+        gen.run(DECODE, 0, tokens=[fed[0]])
+        gen.commit([fed[0]])
+        rows.append(gen.run(VERIFY, 1, tokens=fed[1 : 1 + width]).logits.copy())
+    assert rows[0].shape[0] == width and np.array_equal(rows[0], rows[1])
+
+
+def test_a_prefill_graph_without_logit_start_is_refused(tmp_path) -> None:
+    """A prefill graph without the overridable ``logit_start`` (or the older ``logit_rows``)
+    cannot serve verify on its session: one error that says to re-export."""
+    import shutil
+
+    from loopcast.manifest import LOGIT_START
+
+    path = tmp_path / "art"
+    shutil.copytree(artifact("demo"), path)
+
+    def without(model) -> None:
+        inputs = [v for v in model.graph.input if v.name != LOGIT_START]
+        assert len(inputs) == len(model.graph.input) - 1
+        del model.graph.input[:]
+        model.graph.input.extend(inputs)
+
+    _rewrite_prefill(path, without)
+    with pytest.raises(ArtifactError, match="takes no logit_start input.*re-export"):
         load(path)
 
 
