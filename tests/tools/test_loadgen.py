@@ -141,3 +141,32 @@ def test_loadgen_batched_pipeline_with_oracle_drafts(tmp_path):
     assert sum(lv["drafts_accepted"] for lv in piped) >= 0.8 * proposed > 0
     selfs = [lv for lv in report["levels"] if lv["mode"] == "batched+self"]
     assert sum(lv["drafts_accepted"] for lv in selfs) >= 0.8 * sum(lv["drafts_proposed"] for lv in selfs) > 0
+
+
+def test_loadgen_names_a_kind_that_runs_uncaptured(tmp_path, monkeypatch, capsys):
+    """A kind whose capture failed (graph_fallbacks) is said once a run, with its reason's first
+    line, besides the report's per-level record: a captured benchmark that quietly ran eager
+    is not the number it claims."""
+    require_exact_cpu_artifacts()
+    from loopcast.ort_runtime.binding import batch_generator
+
+    from tools.bench import loadgen
+
+    made = batch_generator.BatchGenerator.__init__
+
+    def failing(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.graph_fallbacks["prefill"] = "ORT refused the capture\nsecond line"
+
+    monkeypatch.setattr(batch_generator.BatchGenerator, "__init__", failing)
+    out = tmp_path / "r.json"
+    argv = [str(artifact("ouro-r3", max_batch=4)), "--modes", "batched", "--concurrency", "1,2"]
+    argv += ["--requests", "2", "--max-tokens", "3", "--prompt-len", "4", "--max-batch", "4"]
+    assert loadgen.main([*argv, "--out", str(out)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "runs uncaptured" in ln]
+    assert lines == ["  prefill runs uncaptured: ORT refused the capture"]
+    report = json.loads(out.read_text())
+    assert all(
+        lv["graph_fallbacks"] == {"prefill": "ORT refused the capture\nsecond line"}
+        for lv in report["levels"]
+    )

@@ -418,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 submit = engine_submitter(engine, spec, counts)
             submit(prompts(1, args.prompt_len, vocab, seed=99)[0], 4)  # warm-up: first runs stay out
+            noted: set[tuple[str, str]] = set()
             for clients in levels:
                 n = args.requests or max(8, 2 * clients)
                 work = prompts(n, args.prompt_len, vocab, shared=args.shared_prefix)
@@ -464,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     flush=True,
                 )
+                for kind, why in level.get("graph_fallbacks", {}).items():
+                    if (name, kind) not in noted:  # once a run: a kind that runs uncaptured
+                        noted.add((name, kind))
+                        print(f"  {kind} runs uncaptured: {str(why).splitlines()[0][:200]}", flush=True)
         finally:
             if server is not None:
                 server.__exit__(None, None, None)
