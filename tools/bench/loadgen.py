@@ -98,6 +98,16 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
     return float(np.percentile(values, 50)), float(np.percentile(values, 99))
 
 
+def _timing_line(level: dict) -> str:
+    """Where a batched level's time went: graph runs and their mean ms, the token gaps' tail,
+    and the engine loop's worst phase (admit, prefill, step)."""
+    ms = level["graph_ms_mean"]
+    runs = ", ".join(f"{k} {n} x {ms[k]:.2f} ms" for k, n in level["graph_runs"].items())
+    tail = "/".join(f"{level[f'token_latency_ms_{q}'] or 0:.1f}" for q in ("p90", "p95", "max"))
+    worst = ", ".join(f"{k[:-4]} {v:.1f}" for k, v in level["engine_phase_ms"].items() if k.endswith("_max"))
+    return f"  {runs}; token p90/p95/max {tail} ms; engine worst ms {worst}"
+
+
 def run_level(
     submit,
     work: list[list[int]],
@@ -157,6 +167,10 @@ def run_level(
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "token_latency_ms_p50": p50 and p50 * 1e3,
         "token_latency_ms_p99": p99 and p99 * 1e3,
+        # the tail's shape: a stall of a few steps shows as p95 ~ p50 with p99 and max far above
+        "token_latency_ms_p90": float(np.percentile(gaps, 90)) * 1e3 if gaps else None,
+        "token_latency_ms_p95": float(np.percentile(gaps, 95)) * 1e3 if gaps else None,
+        "token_latency_ms_max": max(gaps) * 1e3 if gaps else None,
         "ttft_ms_p50": f50 and f50 * 1e3,
         "ttft_ms_p99": f99 and f99 * 1e3,
         "outputs": {i: toks for i, (toks, _, _, _) in results.items()},
@@ -424,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                 work = prompts(n, args.prompt_len, vocab, shared=args.shared_prefix)
                 second = prompts(n, args.prompt_len, vocab, seed=7) if args.multi_turn else None
                 counts.clear()
+                before = engine.gen.clock.reading() if mode == "batched" else None
+                if mode == "batched":
+                    engine.phase_ms.clear()
                 level = run_level(submit, work, clients, args.max_tokens, args.time_limit, second)
                 for turn in ("outputs", "second_outputs"):
                     for i, toks in level.pop(turn).items():
@@ -445,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
                     level["prefill_rows"] = engine.gen.prefill_rows
                     level["engine_stats"] = dict(engine.stats)
                     level["gate_report"] = engine.gate.report()
+                    level["engine_phase_ms"] = {k: round(v, 2) for k, v in engine.phase_ms.items()}
+                    ran = engine.gen.clock.since(before)
+                    level["graph_runs"] = {k: n for k, n in ran.runs.items() if n}
+                    level["graph_ms_mean"] = {
+                        k: round(1e3 * ran.seconds[k] / n, 3) for k, n in ran.runs.items() if n
+                    }
                 print(
                     f"{name:<22} C={clients:<3} {level['requests']:>4} req "
                     f"{level['tokens_per_s']:8.1f} tok/s  "
@@ -465,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     flush=True,
                 )
+                if level.get("graph_runs"):
+                    print(_timing_line(level), flush=True)
                 for kind, why in level.get("graph_fallbacks", {}).items():
                     if (name, kind) not in noted:  # once a run: a kind that runs uncaptured
                         noted.add((name, kind))

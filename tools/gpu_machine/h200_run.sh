@@ -99,12 +99,18 @@ phase_serve_chunk() {  # chunked prefill (one chunk between two steps) and the m
   # captured batched kinds; chunks as uncaptured prefill calls, then as captured ones (--prefill-rows)
   local common=("$@")
   [ ${#common[@]} -gt 0 ] || common=(--device cuda --dtype fp16 --max-batch 64 --max-length 512 --prompt-len 64
-                                     --max-tokens 64 --time-limit ${CHUNK_LEVEL_S:-20} --work-dir /root/lg)
-  timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
-    --cuda-graphs --prefill-chunk 64 --out "$RES/serve-ouro-1.4b-chunk64.json" > "$RES/serve-ouro-1.4b-chunk64.txt" 2>&1
-  timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
-    --cuda-graphs --prefill-chunk 32 --prefill-rows 32 --out "$RES/serve-ouro-1.4b-rows32.json" \
-    > "$RES/serve-ouro-1.4b-rows32.txt" 2>&1
+                                     --max-tokens 64 --time-limit ${CHUNK_LEVEL_S:-20} --work-dir /root/lg
+                                     --requests ${CHUNK_REQUESTS:-0})
+  # CHUNK_VARIANTS: "chunk:rows" pairs at concurrency 16 (rows 0: uncaptured exact-length chunks)
+  local v chunk rows
+  for v in ${CHUNK_VARIANTS:-64:0 32:32}; do
+    chunk=${v%%:*}; rows=${v##*:}
+    local extra=(); [ "$rows" = 0 ] || extra=(--prefill-rows "$rows")
+    timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
+      --cuda-graphs --prefill-chunk "$chunk" "${extra[@]}" --out "$RES/serve-ouro-1.4b-chunk$chunk-rows$rows.json" \
+      > "$RES/serve-ouro-1.4b-chunk$chunk-rows$rows.txt" 2>&1
+  done
+  [ "${CHUNK_MULTITURN:-1}" = 1 ] || return 0
   timeout 200 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 1,4 \
     --cuda-graphs --prefill-chunk 32 --prefill-rows 32 --multi-turn --shared-prefix 256 \
     --out "$RES/serve-ouro-1.4b-multiturn.json" > "$RES/serve-ouro-1.4b-multiturn.txt" 2>&1
@@ -295,8 +301,8 @@ phase_gpu_tests() {  # every GPU test file (ctypes kernels and ORT sessions) in 
 }
 phase_quick_tests() {  # the kernel tests, then the ORT-level GPU tests named in $QUICK_TESTS (default: all), verbose
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  LOOPCAST_OPS_LIB=$LIB timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE --tb=line \
-    tests/custom_ops/test_cuda_*.py 2>&1 | tail -15 > "$RES/quick-kernel-tests.txt"
+  [ "${QUICK_KERNELS:-1}" = 0 ] || LOOPCAST_OPS_LIB=$LIB timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE \
+    --tb=line tests/custom_ops/test_cuda_*.py 2>&1 | tail -15 > "$RES/quick-kernel-tests.txt"
   LOOPCAST_OPS_LIB=$LIB timeout ${QUICK_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -v -rfE --tb=short \
     ${QUICK_TESTS:-$(ls tests/ort_runtime/test_*cuda*.py)} > "$RES/quick-tests.txt" 2>&1
 }
