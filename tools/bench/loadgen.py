@@ -45,6 +45,7 @@ of the cost gate (``BatchCostGate``):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -98,6 +99,31 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
     return float(np.percentile(values, 50)), float(np.percentile(values, 99))
 
 
+class GcPauses:
+    """The garbage collector's pauses (gc.callbacks): a full collection stops every thread, the
+    engine's included, so it shows in the token gaps."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._t0: float | None = None
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+            self._t0 = None
+
+    def summary(self) -> dict:
+        full = [s for g, s in self.pauses if g == 2]
+        return {
+            "gc_collections": len(self.pauses),
+            "gc_full_collections": len(full),
+            "gc_pause_ms_max": round(1e3 * max((s for _, s in self.pauses), default=0.0), 2),
+        }
+
+
 def _timing_line(level: dict) -> str:
     """Where a batched level's time went: graph runs and their mean ms, the token gaps' tail,
     and the engine loop's worst phase (admit, prefill, step)."""
@@ -105,7 +131,11 @@ def _timing_line(level: dict) -> str:
     runs = ", ".join(f"{k} {n} x {ms[k]:.2f} ms" for k, n in level["graph_runs"].items())
     tail = "/".join(f"{level[f'token_latency_ms_{q}'] or 0:.1f}" for q in ("p90", "p95", "max"))
     worst = ", ".join(f"{k[:-4]} {v:.1f}" for k, v in level["engine_phase_ms"].items() if k.endswith("_max"))
-    return f"  {runs}; token p90/p95/max {tail} ms; engine worst ms {worst}"
+    gc_note = (
+        f"; gc {level['gc_collections']} ({level['gc_full_collections']} full), "
+        f"worst {level['gc_pause_ms_max']} ms"
+    )
+    return f"  {runs}; token p90/p95/max {tail} ms; engine worst ms {worst}{gc_note}"
 
 
 def run_level(
@@ -433,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                 submit = engine_submitter(engine, spec, counts)
             submit(prompts(1, args.prompt_len, vocab, seed=99)[0], 4)  # warm-up: first runs stay out
             noted: set[tuple[str, str]] = set()
+            gc_pauses = GcPauses()
             for clients in levels:
                 n = args.requests or max(8, 2 * clients)
                 work = prompts(n, args.prompt_len, vocab, shared=args.shared_prefix)
@@ -441,11 +472,13 @@ def main(argv: list[str] | None = None) -> int:
                 before = engine.gen.clock.reading() if mode == "batched" else None
                 if mode == "batched":
                     engine.phase_ms.clear()
+                gc_pauses.pauses.clear()
                 level = run_level(submit, work, clients, args.max_tokens, args.time_limit, second)
                 for turn in ("outputs", "second_outputs"):
                     for i, toks in level.pop(turn).items():
                         outputs.setdefault((clients, i, turn), {})[name] = toks
                 level["mode"], level["speculative"] = name, spec
+                level.update(gc_pauses.summary())
                 if counts:
                     level["drafts_proposed"] = counts["proposed"]
                     level["drafts_accepted"] = counts["accepted"]

@@ -37,6 +37,8 @@ phase_setup() {
     [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
   done
   python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" | tee "$RES/setup.txt"
+  # the op library now (~100 s), so that no later phase's timeout pays for it
+  python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())" >> "$RES/setup.txt" 2>&1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$RES/setup.txt"
 }
 phase_tests() {
@@ -101,14 +103,16 @@ phase_serve_chunk() {  # chunked prefill (one chunk between two steps) and the m
   [ ${#common[@]} -gt 0 ] || common=(--device cuda --dtype fp16 --max-batch 64 --max-length 512 --prompt-len 64
                                      --max-tokens 64 --time-limit ${CHUNK_LEVEL_S:-20} --work-dir /root/lg
                                      --requests ${CHUNK_REQUESTS:-0})
-  # CHUNK_VARIANTS: "chunk:rows" pairs at concurrency 16 (rows 0: uncaptured exact-length chunks)
-  local v chunk rows
+  # CHUNK_VARIANTS: "chunk:rows[:gc]" at concurrency 16 (rows 0: uncaptured exact-length chunks;
+  # gc: the collector left alone, LOOPCAST_GC_FREEZE=0, the baseline of the engine's gc.freeze)
+  local v chunk rows tag
   for v in ${CHUNK_VARIANTS:-64:0 32:32}; do
-    chunk=${v%%:*}; rows=${v##*:}
+    IFS=: read -r chunk rows tag <<< "$v"
     local extra=(); [ "$rows" = 0 ] || extra=(--prefill-rows "$rows")
-    timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
-      --cuda-graphs --prefill-chunk "$chunk" "${extra[@]}" --out "$RES/serve-ouro-1.4b-chunk$chunk-rows$rows.json" \
-      > "$RES/serve-ouro-1.4b-chunk$chunk-rows$rows.txt" 2>&1
+    local name="serve-ouro-1.4b-chunk$chunk-rows$rows${tag:+-$tag}"
+    LOOPCAST_GC_FREEZE=$([ "$tag" = gc ] && echo 0 || echo 1) timeout 150 python3 -m tools.bench.loadgen \
+      preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 --cuda-graphs --prefill-chunk "$chunk" \
+      "${extra[@]}" --out "$RES/$name.json" > "$RES/$name.txt" 2>&1
   done
   [ "${CHUNK_MULTITURN:-1}" = 1 ] || return 0
   timeout 200 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 1,4 \
