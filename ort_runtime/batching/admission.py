@@ -8,9 +8,7 @@ engine thread (``_loop``, each engine's own) takes requests with ``_take_waiting
 
 from __future__ import annotations
 
-import gc
 import itertools
-import os
 import threading
 from collections import deque
 
@@ -34,14 +32,6 @@ class EngineBase:
         self.steps = 0
 
     def start(self):
-        # What is alive at start (the model, its sessions, the tokenizer, the imports) leaves the
-        # collector's reach: a full collection over it pauses every thread for tens of ms, a stall
-        # on every running request's next token (the serving p99). What requests allocate later
-        # is collected as before. LOOPCAST_GC_FREEZE=0 leaves the collector alone (the load
-        # generator's baseline).
-        if os.environ.get("LOOPCAST_GC_FREEZE", "1") != "0":
-            gc.collect()
-            gc.freeze()
         self._thread.start()
         return self
 

@@ -103,16 +103,14 @@ phase_serve_chunk() {  # chunked prefill (one chunk between two steps) and the m
   [ ${#common[@]} -gt 0 ] || common=(--device cuda --dtype fp16 --max-batch 64 --max-length 512 --prompt-len 64
                                      --max-tokens 64 --time-limit ${CHUNK_LEVEL_S:-20} --work-dir /root/lg
                                      --requests ${CHUNK_REQUESTS:-0})
-  # CHUNK_VARIANTS: "chunk:rows[:gc]" at concurrency 16 (rows 0: uncaptured exact-length chunks;
-  # gc: the collector left alone, LOOPCAST_GC_FREEZE=0, the baseline of the engine's gc.freeze)
-  local v chunk rows tag
+  # CHUNK_VARIANTS: "chunk:rows" at concurrency 16 (rows 0: uncaptured exact-length chunks)
+  local v chunk rows
   for v in ${CHUNK_VARIANTS:-64:0 32:32}; do
-    IFS=: read -r chunk rows tag <<< "$v"
+    IFS=: read -r chunk rows <<< "$v"
     local extra=(); [ "$rows" = 0 ] || extra=(--prefill-rows "$rows")
-    local name="serve-ouro-1.4b-chunk$chunk-rows$rows${tag:+-$tag}"
-    LOOPCAST_GC_FREEZE=$([ "$tag" = gc ] && echo 0 || echo 1) timeout 150 python3 -m tools.bench.loadgen \
-      preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 --cuda-graphs --prefill-chunk "$chunk" \
-      "${extra[@]}" --out "$RES/$name.json" > "$RES/$name.txt" 2>&1
+    timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
+      --cuda-graphs --prefill-chunk "$chunk" "${extra[@]}" --out "$RES/serve-ouro-1.4b-chunk$chunk-rows$rows.json" \
+      > "$RES/serve-ouro-1.4b-chunk$chunk-rows$rows.txt" 2>&1
   done
   [ "${CHUNK_MULTITURN:-1}" = 1 ] || return 0
   timeout 200 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 1,4 \
