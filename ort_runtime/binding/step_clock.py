@@ -28,11 +28,13 @@ class StepClock:
         self._steady: dict[str, int] = defaultdict(int)
         self._steady_seconds: dict[str, float] = defaultdict(float)
         self._gates: dict[tuple[str, ...], dict] = {}
+        self.worst: dict[str, float] = {}  # kind -> its slowest run's seconds (reset_worst() clears)
 
     # -- graph runs ------------------------------------------------------------------------------
     def record(self, kind: str, seconds: float, steady: bool) -> None:
         self._runs[kind] += 1
         self._seconds[kind] += seconds
+        self.worst[kind] = max(self.worst.get(kind, 0.0), seconds)
         if steady:
             self._steady[kind] += 1
             self._steady_seconds[kind] += seconds

@@ -126,9 +126,13 @@ class GcPauses:
 
 def _timing_line(level: dict) -> str:
     """Where a batched level's time went: graph runs and their mean ms, the token gaps' tail,
-    and the engine loop's worst phase (admit, prefill, step)."""
+    and the engine loop's worst phase (admit, prefill, step): a stall inside a graph's run shows in
+    its worst, one in the host's work only in the engine's."""
     ms = level["graph_ms_mean"]
-    runs = ", ".join(f"{k} {n} x {ms[k]:.2f} ms" for k, n in level["graph_runs"].items())
+    slowest = level.get("graph_ms_worst", {})
+    runs = ", ".join(
+        f"{k} {n} x {ms[k]:.2f} ms (worst {slowest.get(k, 0):.1f})" for k, n in level["graph_runs"].items()
+    )
     tail = "/".join(f"{level[f'token_latency_ms_{q}'] or 0:.1f}" for q in ("p90", "p95", "max"))
     worst = ", ".join(f"{k[:-4]} {v:.1f}" for k, v in level["engine_phase_ms"].items() if k.endswith("_max"))
     gc_note = (
@@ -471,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                 counts.clear()
                 before = engine.gen.clock.reading() if mode == "batched" else None
                 if mode == "batched":
+                    engine.gen.clock.worst.clear()
+                if mode == "batched":
                     engine.phase_ms.clear()
                 gc_pauses.pauses.clear()
                 level = run_level(submit, work, clients, args.max_tokens, args.time_limit, second)
@@ -498,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
                     level["engine_phase_ms"] = {k: round(v, 2) for k, v in engine.phase_ms.items()}
                     ran = engine.gen.clock.since(before)
                     level["graph_runs"] = {k: n for k, n in ran.runs.items() if n}
+                    slowest = engine.gen.clock.worst
+                    level["graph_ms_worst"] = {k: round(1e3 * v, 2) for k, v in slowest.items()}
                     level["graph_ms_mean"] = {
                         k: round(1e3 * ran.seconds[k] / n, 3) for k, n in ran.runs.items() if n
                     }
