@@ -97,8 +97,7 @@ class BatchCostGate(GateCounters):
         all running requests in each; it is taken with the prefix of that order that maximises
         (running + Σα) / ((K + 1)·t_draft(w) + t_tail(w)), when that beats running / t_decode(w).
         Otherwise a probe every ``probe_every`` steps. Costs at a width not measured yet are
-        scaled from the nearest measured one by the decode costs, so a new width costs no
-        exploring round."""
+        priced from the measured ones (``_scaled``), so a new width costs no exploring round."""
         prior = self._self_prior
         alpha = {
             s: self._self_alpha.setdefault(s, float(k) if prior is None else min(prior, k))
@@ -135,17 +134,30 @@ class BatchCostGate(GateCounters):
         return {s: candidates[s] for s in best}
 
     def _scaled(self, kind: str, width: int) -> float | None:
-        """``kind``'s cost at ``width``: measured, else the nearest measured width's scaled by
-        the ratio of the decode costs (None: not measured at any width with a decode cost)."""
+        """``kind``'s cost at ``width``: measured; else between two measured widths, linear
+        between them; above every measured width, the widest one's cost times the ratio of the
+        widths; below every measured width, the narrowest one's scaled by the ratio of the decode
+        costs (None: nothing to scale from). Upward the ratio of the widths is an upper bound (a
+        call's cost grows at most in proportion to its rows, the weights' reads being shared),
+        where the decode costs' ratio under-priced the kinds of several rows a slot: decode rows
+        grow with the width more slowly than a cycle's R rows or a tail's W do, and every width
+        not yet measured was then priced on, ran, and turned off again."""
         cost = self.cost.get((kind, width))
         if cost is not None:
             return cost
+        known = sorted(w for (k, w) in self.cost if k == kind)
+        below, above = [w for w in known if w < width], [w for w in known if w > width]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            t_lo, t_hi = self.cost[(kind, lo)], self.cost[(kind, hi)]
+            return t_lo + (t_hi - t_lo) * (width - lo) / (hi - lo)
+        if below:
+            return self.cost[(kind, below[-1])] * width / below[-1]
         decode = self.cost.get((DECODE_BATCH, width))
-        known = [w for (k, w) in self.cost if k == kind and (DECODE_BATCH, w) in self.cost]
-        if decode is None or not known:
+        near = self.cost.get((DECODE_BATCH, above[0])) if above else None
+        if decode is None or near is None:
             return None
-        near = min(known, key=lambda w: abs(w - width))
-        return self.cost[(kind, near)] * decode / self.cost[(DECODE_BATCH, near)]
+        return self.cost[(kind, above[0])] * decode / near
 
     def observe_self(self, slot: int, accepted: int) -> None:
         """A self-drafting request's round accepted ``accepted`` drafts."""

@@ -97,3 +97,28 @@ def test_probes_back_off_while_the_cycle_never_pays_and_start_over_when_it_does(
     gate.cost[(CYCLE_BATCH, 4)] = 5.0
     taken = [gate.engage_pipeline(4, 1, [0], loops=1) for _ in range(9)]
     assert [i for i, t in enumerate(taken) if t] == [7]  # the gap started over at 8
+
+
+def test_a_wider_unmeasured_width_is_priced_by_its_rows_until_measured():
+    """Above every measured width a cycle is priced at the widest one's cost times the ratio of
+    the widths (an upper bound), not by the decode costs' ratio: a cycle's R rows a slot grow
+    with the width faster than decode's one, and the H200 C = 32 level turned the lanes on at
+    each new width that way, then off again once it was measured."""
+    gate = _gate(5.9, 2.46, width=8)
+    gate.cost[(DECODE_BATCH, 32)] = 10.25
+    slots = list(range(32))
+    for slot in slots:
+        _steady(gate, slot, 0.8)
+    # 2.46 · 32/8 = 9.84: 32 · 0.8 / 9.84 = 2.6 tokens a ms against plain 32 / 10.25 = 3.1
+    assert gate._scaled(CYCLE_BATCH, 32) == 2.46 * 4
+    assert gate.engage_pipeline(32, 32, slots, loops=4) == set()
+    # measured at 6.3 ms: 32 · 0.8 / 6.3 = 4.1 beats 3.1 (with the margin): lanes
+    gate.cost[(CYCLE_BATCH, 32)] = 6.3
+    gate._pipe_epoch = 0
+    assert gate.engage_pipeline(32, 32, slots, loops=4) == set(slots)
+    # between two measured widths: linear between them
+    assert abs(gate._scaled(CYCLE_BATCH, 20) - (2.46 + (6.3 - 2.46) * 12 / 24)) < 1e-12
+    # below every measured width: the narrowest one's cost scaled by the decode costs
+    gate.cost[(DECODE_BATCH, 4)] = 5.0
+    assert abs(gate._scaled(CYCLE_BATCH, 4) - 2.46 * 5.0 / 5.9) < 1e-12
+    assert gate._scaled(CYCLE_BATCH, 2) is None  # no decode cost there to scale by

@@ -1,11 +1,12 @@
 """Load generator for the serving path (docs/serving.md, docs/perf.md "Serving").
 
 Closed loop, bounded, loopback only: C clients each send a request, wait for its last token, and
-send the next, until the level's request budget (``--requests``, at least 2 per client) or its
-time limit is spent. Each level runs the batched engine (continuous batching over decode_batch)
-and the one-sequence-at-a-time engine (one Generator, the captured single-sequence decode on
-CUDA) on the same prompts, and reports aggregate tokens/s, per-token latency (the gaps between
-a request's consecutive tokens) p50/p99, time to first token p50/p99, and whether the two modes
+send the next, until the level's request budget (``--requests``, at least 2 per client, or
+``--requests-per-client``: the same work in every mode) or its time limit is spent. Each level
+runs the batched engine (continuous batching over decode_batch) and the one-sequence-at-a-time
+engine (one Generator, the captured single-sequence decode on CUDA) on the same prompts, and
+reports aggregate tokens/s, per-token latency (the gaps between a request's consecutive tokens)
+p50/p99, time to first token p50/p99, and whether the two modes
 produced the same greedy tokens for every request.
 
     python -m tools.bench.loadgen ART --concurrency 1,4,16,64        # an artifact with --max-batch
@@ -122,6 +123,14 @@ class GcPauses:
             "gc_full_collections": len(full),
             "gc_pause_ms_max": round(1e3 * max((s for _, s in self.pauses), default=0.0), 2),
         }
+
+
+def level_requests(args, clients: int) -> int:
+    """A level's request count: --requests-per-client times the clients, else --requests, else
+    two a client (at least 8)."""
+    if args.requests_per_client:
+        return args.requests_per_client * clients
+    return args.requests or max(8, 2 * clients)
 
 
 def _timing_line(level: dict) -> str:
@@ -345,6 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--requests", type=int, default=0, help="requests per level (default: 2 per client, >= 8)"
     )
+    ap.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=0,
+        help="requests per level = this times the level's clients (overrides --requests): every "
+        "mode does the same work at each level, so tok/s compare whole levels, not time-limited cuts",
+    )
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument(
@@ -412,9 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         everything = [
             p
             for clients in levels
-            for p in prompts(
-                args.requests or max(8, 2 * clients), args.prompt_len, vocab, shared=args.shared_prefix
-            )
+            for p in prompts(level_requests(args, clients), args.prompt_len, vocab, shared=args.shared_prefix)
         ]
         t0 = time.perf_counter()
         plain = (
@@ -469,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             noted: set[tuple[str, str]] = set()
             gc_pauses = GcPauses()
             for clients in levels:
-                n = args.requests or max(8, 2 * clients)
+                n = level_requests(args, clients)
                 work = prompts(n, args.prompt_len, vocab, shared=args.shared_prefix)
                 second = prompts(n, args.prompt_len, vocab, seed=7) if args.multi_turn else None
                 counts.clear()

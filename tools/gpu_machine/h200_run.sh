@@ -310,11 +310,11 @@ phase_quick_tests() {  # the kernel tests, then the ORT-level GPU tests named in
 }
 phase_serve_pipeline() {  # the batched pipeline beside batched plain, oracle drafts 92 % right, Ouro-1.4B shapes
   # (every width captured at the engine's start, prompts prefilled by captured 32-token chunks;
-  # levels end at SP_LEVEL_S seconds or 256 requests)
+  # SP_PER_CLIENT requests a client, the same work in both modes; SP_LEVEL_S a guard)
   # the log goes straight to $OUT: a call cut short keeps the levels that ran
   timeout ${SP_TIMEOUT:-300} python3 -m tools.bench.loadgen preset:ouro-1.4b --device cuda --dtype ${SP_DTYPE:-fp16} \
-    --max-batch 32 --max-length 512 --prompt-len 32 --max-tokens ${SP_MAX_TOKENS:-128} --requests 256 \
-    --time-limit ${SP_LEVEL_S:-12} \
+    --max-batch 32 --max-length 512 --prompt-len 32 --max-tokens ${SP_MAX_TOKENS:-128} \
+    --requests-per-client ${SP_PER_CLIENT:-6} --time-limit ${SP_LEVEL_S:-60} \
     --work-dir /root/lg --modes batched --cuda-graphs --prefill-rows ${SP_PREFILL_ROWS:-32} --oracle-reject 0.08 \
     --speculative none,pipeline \
     --concurrency ${SP_LEVELS:-1,4,8,32} --out "$RES/serve-pipeline.json" > "$OUT/serve-pipeline.txt" 2>&1
