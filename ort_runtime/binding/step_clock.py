@@ -28,7 +28,7 @@ class StepClock:
         self._steady: dict[str, int] = defaultdict(int)
         self._steady_seconds: dict[str, float] = defaultdict(float)
         self._gates: dict[tuple[str, ...], dict] = {}
-        self.worst: dict[str, float] = {}  # kind -> its slowest run's seconds (reset_worst() clears)
+        self.worst: dict[str, float] = {}  # kind -> its slowest run's seconds (a reader clears it)
 
     # -- graph runs ------------------------------------------------------------------------------
     def record(self, kind: str, seconds: float, steady: bool) -> None:
