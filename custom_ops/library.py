@@ -63,6 +63,9 @@ def usable_prebuilt() -> tuple[Prebuilt | None, str]:
     return prebuilt, ""
 
 
+SOURCE_STAMP = "source_digest.txt"  # beside a local build: the kernel sources' digest
+
+
 def _build_dir() -> tuple[Path, Path | None]:
     """Where the local build for these sources and switches lives in the loopcast cache, and the
     nvcc it compiles CUDA kernels with (None: CPU kernels only)."""
@@ -113,5 +116,7 @@ def custom_op_library() -> Path:
             flush=True,
         )
         build.build_library(out, cuda=nvcc is not None)
+        # what it was built from, for a copy carried to another machine (tools/gpu_machine)
+        (out / SOURCE_STAMP).write_text(build.source_digest())
         print(f"loopcast: built {library}", file=sys.stderr, flush=True)
     return library

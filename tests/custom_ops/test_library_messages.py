@@ -72,3 +72,20 @@ def test_the_stock_fallback_note_names_no_flag_the_demo_lacks(monkeypatch, tmp_p
     op_set, lib = _resolve_op_set(ExportOptions(), notes.append)
     assert (op_set, lib) == (OpSet.STOCK, None)
     assert len(notes) == 1 and "tools/c_generate/fetch_deps.sh" in notes[0] and "--" not in notes[0]
+
+
+def test_a_local_build_records_the_sources_it_was_built_from(monkeypatch, tmp_path) -> None:
+    """Beside a fresh local build, the kernel sources' digest: what a copy carried to another
+    machine is checked against (tools/gpu_machine/h200_run.sh setup) before it is used."""
+    monkeypatch.setenv("LOOPCAST_CACHE", str(tmp_path))
+    monkeypatch.setenv("LOOPCAST_NO_CUDA", "1")
+    monkeypatch.setattr(library, "usable_prebuilt", lambda: (None, "no prebuilt library installed"))
+    monkeypatch.setattr(build, "find_ort_include", lambda: tmp_path)
+
+    def fake_build(out, cuda):  # the compile itself is tested elsewhere
+        out.mkdir(parents=True, exist_ok=True)
+        (out / build.LIBRARY_NAME).write_bytes(b"")
+
+    monkeypatch.setattr(build, "build_library", fake_build)
+    path = library.custom_op_library()
+    assert (path.parent / library.SOURCE_STAMP).read_text() == build.source_digest()

@@ -37,7 +37,18 @@ phase_setup() {
     [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$w"
   done
   python3 -c "import onnxruntime as o; o.preload_dlls(); print(o.__version__, o.get_available_providers())" | tee "$RES/setup.txt"
-  # the op library now (~100 s), so that no later phase's timeout pays for it
+  # A library built on the dev machine (LOOPCAST_CUDA=1, sm_90) and carried in .lccache/ops-*/
+  # goes where this machine's build would (the cache key holds the nvcc path, which differs),
+  # only if its source stamp is these sources' digest: saves the ~100 s build per fresh machine
+  local key digest lib
+  key=$(python3 -c "from loopcast.custom_ops.library import _build_dir; print(_build_dir()[0])")
+  digest=$(python3 -c "from loopcast.custom_ops import build; print(build.source_digest())")
+  for lib in .lccache/ops-*/libloopcast_ops.so; do
+    [ -f "$lib" ] && [ ! -f "$key/libloopcast_ops.so" ] || continue
+    [ "$(cat "$(dirname "$lib")/source_digest.txt" 2>/dev/null)" = "$digest" ] || continue
+    mkdir -p "$key" && cp "$lib" "$key/" && echo "carried $lib" >> "$RES/setup.txt"
+  done
+  # the op library now (~100 s unless carried), so that no later phase's timeout pays for it
   python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())" >> "$RES/setup.txt" 2>&1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$RES/setup.txt"
 }
