@@ -113,10 +113,10 @@ phase_serve_chunk() {  # chunked prefill (one chunk between two steps) and the m
   local common=("$@")
   [ ${#common[@]} -gt 0 ] || common=(--device cuda --dtype fp16 --max-batch 64 --max-length 512 --prompt-len 64
                                      --max-tokens 64 --time-limit ${CHUNK_LEVEL_S:-20} --work-dir /root/lg
-                                     --requests ${CHUNK_REQUESTS:-0})
+                                     --requests ${CHUNK_REQUESTS:-160})
   # CHUNK_VARIANTS: "chunk:rows" at concurrency 16 (rows 0: uncaptured exact-length chunks)
   local v chunk rows
-  for v in ${CHUNK_VARIANTS:-64:0 32:32}; do
+  for v in ${CHUNK_VARIANTS:-16:16 32:32}; do
     IFS=: read -r chunk rows <<< "$v"
     local extra=(); [ "$rows" = 0 ] || extra=(--prefill-rows "$rows")
     timeout 150 python3 -m tools.bench.loadgen preset:ouro-1.4b "${common[@]}" --modes batched --concurrency 16 \
