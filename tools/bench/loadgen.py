@@ -488,9 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                 second = prompts(n, args.prompt_len, vocab, seed=7) if args.multi_turn else None
                 counts.clear()
                 before = engine.gen.clock.reading() if mode == "batched" else None
-                if mode == "batched":
+                if mode == "batched":  # this level's worst calls and loop phases only
                     engine.gen.clock.worst.clear()
-                if mode == "batched":
                     engine.phase_ms.clear()
                 gc_pauses.pauses.clear()
                 level = run_level(submit, work, clients, args.max_tokens, args.time_limit, second)
