@@ -97,6 +97,31 @@ def test_prefill_writes_only_its_slot():
     assert bg.lengths == [0, len(PROMPTS[0]), len(PROMPTS[2]), 0]
 
 
+def test_warm_up_writes_idle_kv_entries_and_leaves_held_ones():
+    """On the CPU warm_up writes the KV entries of the slots that hold nothing (their pages, or
+    a slot's first prefill faults them in: a stall on the batch) and no slot that holds KV, a
+    prefix kept by release, or lanes; tokens after it are those without it."""
+    model = load(artifact("ouro-r3", max_batch=4))
+    bg = BatchGenerator(model.loaded)
+    bg.prefill(1, PROMPTS[0])
+    bg.prefill(3, PROMPTS[2])
+    bg.release(3, keep=len(PROMPTS[2]))
+    for kv_slot in range(model.config.num_kv_slots):  # idle slots' entries: not zero before
+        for buf in bg._kv[kv_slot]:
+            buf.host[0] = 7.0
+            buf.host[2] = 7.0
+    held = [bg.kv_arrays(0, s)[0].copy() for s in (1, 3)]
+    bg.warm_up()
+    assert [np.array_equal(a, bg.kv_arrays(0, s)[0]) for a, s in zip(held, (1, 3))] == [True, True]
+    for s in (0, 2):
+        key, value = bg.kv_arrays(model.config.num_kv_slots - 1, s)
+        assert not key.any() and not value.any()
+    fresh = BatchGenerator(model.loaded)
+    fresh.prefill(1, PROMPTS[0])
+    want = fresh.decode({1: 5}).next_ids
+    assert bg.decode({1: 5}).next_ids == want
+
+
 def test_batched_kinds_in_the_manifest(tmp_path):
     path = artifact("ouro-r3", max_batch=4)
     manifest = Manifest.read(path)
