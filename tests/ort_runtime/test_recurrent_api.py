@@ -350,7 +350,9 @@ def test_the_server_takes_loops_in_the_request_body(huginn):
 
     _, model = huginn
     state = open_serving(model.loaded.path, ServeOptions(model_name="h"))
-    body = {"model": "h", "prompt": PROMPT, "max_tokens": 6}
+    # greedy and past any EOS: an unseeded sampled answer (the API's default temperature 1) could
+    # end early at random
+    body = {"model": "h", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     with running_server(state) as url:
         ok = httpx.post(f"{url}/v1/completions", json={**body, "loops": 32, "kl_threshold": 0.3}, timeout=60)
         bad = httpx.post(f"{url}/v1/completions", json={**body, "loops": 33}, timeout=60)
