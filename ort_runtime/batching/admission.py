@@ -30,6 +30,13 @@ class EngineBase:
         self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
         self.steps = 0
+        self.phase_ms: dict[str, float] = {}  # the engine loop's phases: total and worst ms
+
+    def _timed(self, phase: str, seconds: float) -> None:
+        """One pass of an engine loop's phase (admit, prefill, step): its total and worst, in ms
+        (the load generator reads them beside its token gaps: where a stall was spent)."""
+        self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + seconds * 1e3
+        self.phase_ms[f"{phase}_max"] = max(self.phase_ms.get(f"{phase}_max", 0.0), seconds * 1e3)
 
     def start(self):
         self._thread.start()

@@ -163,7 +163,6 @@ class BatchingEngine(EngineBase):
         self._running: dict[int, _Running] = {}  # slot -> request
         self._prefilling: dict[int, _Running] = {}  # slot -> request whose prompt is being prefilled
         self.peak_batch = 0
-        self.phase_ms: dict[str, float] = {}
         self.stats = {"decode_steps": 0, "verify_steps": 0, "self_rounds": 0, "proposed": 0, "accepted": 0}
         model = generator.model
         # A cached prefix is the cold one bit for bit where rows do not depend on their call
@@ -294,12 +293,6 @@ class BatchingEngine(EngineBase):
                         self._finish(slot, error=message)
             elif self._stopping and not self._waiting and not self._prefilling:
                 return
-
-    def _timed(self, phase: str, seconds: float) -> None:
-        """The engine loop's wall time per phase (admit, prefill, step): total and worst, in ms
-        (the load generator reads them beside its token gaps: where a stall was spent)."""
-        self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + seconds * 1e3
-        self.phase_ms[f"{phase}_max"] = max(self.phase_ms.get(f"{phase}_max", 0.0), seconds * 1e3)
 
     def _drop_cancelled(self) -> None:
         with self._cv:
