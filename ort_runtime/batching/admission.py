@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 
 from loopcast.ort_runtime.batching.requests import BatchRequest, Completion, EventSink
@@ -31,12 +32,26 @@ class EngineBase:
         self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
         self.steps = 0
         self.phase_ms: dict[str, float] = {}  # the engine loop's phases: total and worst ms
+        self.phase_runs: dict[str, int] = {}
+        # the latest slow passes: (perf_counter at the pass's end, phase, ms) of any phase above 3x
+        # the mean step, a stall that every running request's next token waits out
+        self.slow_phases: deque[tuple[float, str, float]] = deque(maxlen=64)
 
     def _timed(self, phase: str, seconds: float) -> None:
         """One pass of an engine loop's phase (admit, prefill, step): its total and worst, in ms
         (the load generator reads them beside its token gaps: where a stall was spent)."""
-        self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + seconds * 1e3
-        self.phase_ms[f"{phase}_max"] = max(self.phase_ms.get(f"{phase}_max", 0.0), seconds * 1e3)
+        ms, steps = seconds * 1e3, self.phase_runs.get("step", 0)
+        if steps >= 16 and ms > 3.0 * self.phase_ms.get("step", 0.0) / steps:
+            self.slow_phases.append((time.perf_counter(), phase, ms))
+        self.phase_runs[phase] = self.phase_runs.get(phase, 0) + 1
+        self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + ms
+        self.phase_ms[f"{phase}_max"] = max(self.phase_ms.get(f"{phase}_max", 0.0), ms)
+
+    def reset_phase_timer(self) -> None:
+        """Start the phases' totals, worsts and slow passes afresh (a load level's own)."""
+        self.phase_ms.clear()
+        self.phase_runs.clear()
+        self.slow_phases.clear()
 
     def start(self):
         self._thread.start()

@@ -9,8 +9,12 @@ next generation on it starts from there (``gate_state``).
 
 from __future__ import annotations
 
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from dataclasses import dataclass
+
+SLOW_FACTOR = 3.0  # a run this many times its kind's steady mean is a stall worth naming
+SLOW_AFTER = 16  # steady runs of a kind before its mean is trusted for that
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,18 @@ class StepClock:
         self._steady_seconds: dict[str, float] = defaultdict(float)
         self._gates: dict[tuple[str, ...], dict] = {}
         self.worst: dict[str, float] = {}  # kind -> its slowest run's seconds (a reader clears it)
+        # the latest stalls: (perf_counter at the run's end, kind, seconds), for telling a stall
+        # inside ORT's run from one in the host's work around it (tools/bench/loadgen.py)
+        self.slow: deque[tuple[float, str, float]] = deque(maxlen=64)
 
     # -- graph runs ------------------------------------------------------------------------------
     def record(self, kind: str, seconds: float, steady: bool) -> None:
         self._runs[kind] += 1
         self._seconds[kind] += seconds
         self.worst[kind] = max(self.worst.get(kind, 0.0), seconds)
+        count = self._steady.get(kind, 0)
+        if count >= SLOW_AFTER and seconds > SLOW_FACTOR * self._steady_seconds[kind] / count:
+            self.slow.append((time.perf_counter(), kind, seconds))
         if steady:
             self._steady[kind] += 1
             self._steady_seconds[kind] += seconds

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.artifacts import artifact, require_exact_cpu_artifacts
@@ -170,3 +171,34 @@ def test_loadgen_names_a_kind_that_runs_uncaptured(tmp_path, monkeypatch, capsys
         lv["graph_fallbacks"] == {"prefill": "ORT refused the capture\nsecond line"}
         for lv in report["levels"]
     )
+
+
+def test_stalls_name_the_passes_over_three_steps_and_the_graph_runs_inside_them():
+    """A pass over 3x the mean step is a stall; one whose time is a slow graph run's is named as
+    inside ORT's run, one without as the host's; passes outside the level are left out."""
+    from types import SimpleNamespace
+
+    from loopcast.ort_runtime.batching.admission import EngineBase
+    from loopcast.ort_runtime.binding.step_clock import StepClock
+    from tools.bench.loadgen import _stall_line, stalls
+
+    engine = EngineBase(max_length=64, max_waiting=4)
+    clock = StepClock()
+    engine.gen = SimpleNamespace(clock=clock)
+    for _ in range(20):
+        engine._timed("step", 0.010)
+        clock.record("decode_batch", 0.009, steady=True)
+    assert not engine.slow_phases and not clock.slow
+    start = time.perf_counter()
+    clock.record("decode_batch", 0.040, steady=True)  # a slow run inside the next pass
+    engine._timed("step", 0.045)
+    time.sleep(0.06)  # the next pass's window (its end minus its time) starts after that run
+    engine._timed("prefill", 0.040)  # a slow pass with no slow graph run: the host's
+    engine._timed("step", 0.012)  # not a stall
+    found = stalls(engine, start, time.perf_counter())
+    assert [(f["phase"], round(f["ms"])) for f in found] == [("step", 45), ("prefill", 40)]
+    assert [g["kind"] for g in found[0]["graph_runs"]] == ["decode_batch"] and not found[1]["graph_runs"]
+    assert "2, 1 of them mostly one slow graph run (decode_batch)" in _stall_line(found)
+    assert stalls(engine, time.perf_counter(), time.perf_counter() + 1) == []
+    engine.reset_phase_timer()
+    assert not engine.phase_ms and not engine.slow_phases and stalls(engine, 0.0, 1e12) == []

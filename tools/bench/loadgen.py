@@ -133,6 +133,44 @@ def level_requests(args, clients: int) -> int:
     return args.requests or max(8, 2 * clients)
 
 
+def stalls(engine, start: float, end: float) -> list[dict]:
+    """The engine loop's passes between ``start`` and ``end`` (perf_counter) that took over 3x
+    the mean step, each with the slow graph runs that ended inside it: a stall whose time is one
+    graph run's is inside ORT's run (the device or the provider), one without is the host's work.
+    ``at_s``: seconds from ``start``, whose spacing tells a periodic stall from a random one."""
+    steps = engine.phase_runs.get("step", 0)
+    if not steps:
+        return []
+    limit = 3.0 * engine.phase_ms.get("step", 0.0) / steps
+    runs = [r for r in engine.gen.clock.slow if start <= r[0] <= end]
+    found = []
+    for t, phase, ms in engine.slow_phases:
+        if not start <= t <= end or ms <= limit:
+            continue
+        inside = [(kind, s) for r_t, kind, s in runs if t - ms / 1e3 <= r_t <= t]
+        found.append(
+            {
+                "at_s": round(t - start, 3),
+                "phase": phase,
+                "ms": round(ms, 2),
+                "graph_runs": [{"kind": k, "ms": round(1e3 * s, 2)} for k, s in inside],
+            }
+        )
+    return found
+
+
+def _stall_line(found: list[dict]) -> str:
+    if not found:
+        return "  stalls (engine passes over 3x the mean step): none"
+    in_graph = sum(1 for f in found if sum(g["ms"] for g in f["graph_runs"]) >= 0.5 * f["ms"])
+    kinds = sorted({g["kind"] for f in found for g in f["graph_runs"]})
+    at = ", ".join(f"{f['at_s']:.2f}s {f['phase']} {f['ms']:.0f}" for f in found[:12])
+    return (
+        f"  stalls (engine passes over 3x the mean step): {len(found)}, {in_graph} of them mostly one "
+        f"slow graph run ({', '.join(kinds) or 'none'}); at {at}{' ...' if len(found) > 12 else ''}"
+    )
+
+
 def _timing_line(level: dict) -> str:
     """Where a batched level's time went: graph runs and their mean ms, the token gaps' tail,
     and the engine loop's worst phase (admit, prefill, step): a stall inside a graph's run shows in
@@ -490,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
                 before = engine.gen.clock.reading() if mode == "batched" else None
                 if mode == "batched":  # this level's worst calls and loop phases only
                     engine.gen.clock.worst.clear()
-                    engine.phase_ms.clear()
+                    engine.reset_phase_timer()
                 gc_pauses.pauses.clear()
+                level_start = time.perf_counter()
                 level = run_level(submit, work, clients, args.max_tokens, args.time_limit, second)
                 for turn in ("outputs", "second_outputs"):
                     for i, toks in level.pop(turn).items():
@@ -515,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
                     level["engine_stats"] = dict(engine.stats)
                     level["gate_report"] = engine.gate.report()
                     level["engine_phase_ms"] = {k: round(v, 2) for k, v in engine.phase_ms.items()}
+                    level["stalls"] = stalls(engine, level_start, time.perf_counter())
                     ran = engine.gen.clock.since(before)
                     level["graph_runs"] = {k: n for k, n in ran.runs.items() if n}
                     slowest = engine.gen.clock.worst
@@ -544,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if level.get("graph_runs"):
                     print(_timing_line(level), flush=True)
+                    print(_stall_line(level["stalls"]), flush=True)
                 for kind, why in level.get("graph_fallbacks", {}).items():
                     if (name, kind) not in noted:  # once a run: a kind that runs uncaptured
                         noted.add((name, kind))
