@@ -29,7 +29,9 @@ class EngineBase:
         self._cv = threading.Condition()
         self._stopping = False
         self._ids = itertools.count(1)
-        self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=type(self).__name__, daemon=True)
+        self._ready = threading.Event()
+        self._prepare_error: BaseException | None = None
         self.steps = 0
         self.phase_ms: dict[str, float] = {}  # the engine loop's phases: total and worst ms
         self.phase_runs: dict[str, int] = {}
@@ -54,8 +56,29 @@ class EngineBase:
         self.slow_phases.clear()
 
     def start(self):
+        """Start the engine thread and wait until it is ready to serve: ``_prepare`` runs there
+        first, since ORT's CUDA provider keeps captured graphs per calling thread (a graph
+        captured on another thread is warmed up and captured again inside a request's step).
+        An error in ``_prepare`` is raised here."""
         self._thread.start()
+        self._ready.wait()
+        if self._prepare_error is not None:
+            self._thread.join()
+            raise self._prepare_error
         return self
+
+    def _prepare(self) -> None:
+        """Work that must run on the engine thread before the first request (none here)."""
+
+    def _serve(self) -> None:
+        try:
+            self._prepare()
+        except BaseException as exc:  # start() raises it in the caller's thread
+            self._prepare_error = exc
+            return
+        finally:
+            self._ready.set()
+        self._loop()
 
     speculative_modes: tuple[str, ...] = ("none",)
 

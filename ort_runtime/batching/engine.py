@@ -20,19 +20,18 @@ One engine thread owns a BatchGenerator (ort_runtime/binding/batch_generator.py)
   requests whose prompt-lookup proposer (ort_runtime/decoding/proposers.py) offers drafts are verified in
   one ``verify_batch`` step together with every other running request (one real row each);
   ``accept_round`` (the one accept path of both engines) takes the accepted prefix and the
-  verifier's token, and the slot commits
-  1 + accepted rows. ``BatchCostGate`` decides per step, from measured step costs per width and the
-  observed acceptance, whether that verify step yields more tokens per second than a decode
-  step. Sampled requests (and artifacts whose verify rows are not exact on the device) decode
-  plainly; ``Completion.speculative`` says which applied and why. Greedy tokens equal plain
-  greedy's of ``loopcast generate`` either way (tests/ort_runtime/test_batching.py).
+  verifier's token, and the slot commits 1 + accepted rows. ``BatchCostGate`` decides per
+  step, from measured step costs per width and the observed acceptance, whether that verify
+  step yields more tokens per second than a decode step. Sampled requests (and artifacts
+  whose verify rows are not exact on the device) decode plainly; ``Completion.speculative``
+  says which applied and why. Greedy tokens equal plain greedy's of ``loopcast generate``
+  either way (tests/ort_runtime/test_batching.py).
 - **Self-speculation in the batch** (``speculative="self"``, ort_runtime/batching/self_round.py):
   ``BatchCostGate.engage_self`` picks, per request, which self-speculating requests draft this
   step (their own acceptance, the measured draft_batch / verify_tail_batch / decode_batch costs,
   ``draft_row_budget``); then one round runs every running request through k+1 draft_batch calls
   and one verify_tail_batch call (prompt-lookup drafts ride along as given rows, everyone else
-  is a plain row), and the same ``accept_round`` settles each slot
-  (tests/ort_runtime/test_batch_self.py).
+  is a plain row), and the same ``accept_round`` settles each slot (test_batch_self.py).
 - **Prefix caching** (ort_runtime/batching/prefix_cache.py): a prompt starts from the longest
   prefix whose KV a freed or running slot holds (``Completion.cached_tokens``).
 - **Chunked prefill**: prompts are prefilled ``prefill_chunk`` tokens at a time, at most one
@@ -145,8 +144,8 @@ class BatchingEngine(EngineBase):
         step (default: every slot's). ``self_perturb(sequence, token) -> token`` replaces a
         self-drafted token (``sequence``: the request's tokens and drafts before it) before it is
         fed on: forced rejections, or an oracle's drafts, in tests; the pipeline's exit-loop
-        drafts (pipeline_lanes.py) pass through it too. ``warm_up``: with captured CUDA graphs,
-        capture every width of every batched kind now (BatchGenerator.warm_up), as vLLM captures
+        drafts (pipeline_lanes.py) pass through it too. ``warm_up``: capture every width of every
+        captured kind at ``start`` (BatchGenerator.warm_up, on the engine thread), as vLLM captures
         its batch sizes at start, so that no request's step pays a capture."""
         super().__init__(generator.max_length, max_waiting)
         self.gen = generator
@@ -223,11 +222,12 @@ class BatchingEngine(EngineBase):
             self.pipeline = BatchedPipeline(generator, hook=hook)
             self.speculative_modes += (PIPELINE,)
         self.stats["pipeline_cycles"] = 0
-        self.stats["warm_up_runs"] = (
-            generator.warm_up() + (self.pipeline.cycle.warm_up() if self.pipeline is not None else 0)
-            if warm_up
-            else 0
-        )
+        self.stats["warm_up_runs"], self._warm_up = 0, warm_up
+
+    def _prepare(self) -> None:  # on the engine thread (EngineBase.start), whose steps replay graphs
+        if self._warm_up:
+            cycle = self.pipeline.cycle.warm_up() if self.pipeline is not None else 0
+            self.stats["warm_up_runs"] = self.gen.warm_up() + cycle
 
     kind = "batching engine"
     modes_note = " (the pipeline: where the artifact has the cycle_batch graph)"

@@ -208,3 +208,31 @@ def test_gate_turns_verify_off_when_it_does_not_pay():
         gate.observe_accept(0.0)
     decisions = [gate.engage(2, 2, 1) for _ in range(8)]
     assert decisions.count(True) == 2  # only the probes every 4 steps
+
+
+def test_warm_up_runs_on_the_engine_thread_and_its_error_reaches_start(model, monkeypatch):
+    """ORT's CUDA provider keeps a captured graph per calling thread, so the warm-up that captures
+    every width runs on the thread whose steps replay them; start() waits for it and raises its
+    error in the caller."""
+    gen = BatchGenerator(model.loaded, max_batch=2)
+    ran_on = []
+    monkeypatch.setattr(gen, "warm_up", lambda: ran_on.append(threading.current_thread()) or 3)
+    engine = BatchingEngine(gen)
+    assert not ran_on and engine.stats["warm_up_runs"] == 0  # not before start
+    engine.start()
+    try:
+        assert ran_on == [engine._thread] and engine.stats["warm_up_runs"] == 3
+        assert engine.submit(BatchRequest([1, 2, 3], 3)).result(60) == list(
+            model.stream_ids([1, 2, 3], 3, stop_ids=())
+        )
+    finally:
+        engine.shutdown()
+
+    broken = BatchGenerator(model.loaded, max_batch=2)
+
+    def fail() -> int:
+        raise RequestError("warm-up failed")
+
+    monkeypatch.setattr(broken, "warm_up", fail)
+    with pytest.raises(RequestError, match="warm-up failed"):
+        BatchingEngine(broken).start()

@@ -180,6 +180,7 @@ def test_stalls_name_the_passes_over_three_steps_and_the_graph_runs_inside_them(
 
     from loopcast.ort_runtime.batching.admission import EngineBase
     from loopcast.ort_runtime.binding.step_clock import StepClock
+
     from tools.bench.loadgen import _stall_line, stalls
 
     engine = EngineBase(max_length=64, max_waiting=4)
