@@ -3,7 +3,7 @@
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
 # | quant-llama | quant-ouro | depth-demo | prep-1p4b | depth-1p4b | huginn | gpu-tests | quick-tests
-# | serve-pipeline | serve-chunk | nbits-kernels
+# | serve-pipeline | serve-equal | serve-chunk | nbits-kernels
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -326,9 +326,16 @@ phase_serve_pipeline() {  # the batched pipeline beside batched plain, oracle dr
   timeout ${SP_TIMEOUT:-300} python3 -m tools.bench.loadgen preset:ouro-1.4b --device cuda --dtype ${SP_DTYPE:-fp16} \
     --max-batch 32 --max-length 512 --prompt-len 32 --max-tokens ${SP_MAX_TOKENS:-128} \
     --requests-per-client ${SP_PER_CLIENT:-6} --time-limit ${SP_LEVEL_S:-60} \
-    --work-dir /root/lg --modes batched --cuda-graphs --prefill-rows ${SP_PREFILL_ROWS:-32} --oracle-reject 0.08 \
-    --speculative none,pipeline \
-    --concurrency ${SP_LEVELS:-1,4,8,32} --out "$RES/serve-pipeline.json" > "$OUT/serve-pipeline.txt" 2>&1
+    --work-dir /root/lg --modes ${SP_MODES:-batched} --cuda-graphs --prefill-rows ${SP_PREFILL_ROWS:-32} --oracle-reject 0.08 \
+    --speculative ${SP_SPEC:-none,pipeline} \
+    --concurrency ${SP_LEVELS:-1,4,8,32} --out "$RES/serve-pipeline${SP_TAG:-}.json" > "$OUT/serve-pipeline${SP_TAG:-}.txt" 2>&1
+}
+phase_serve_equal() {  # every mode at C=32 beside one request at a time (sequential = `loopcast generate` alone)
+  local dt
+  for dt in ${SE_DTYPES:-fp16 bf16}; do
+    SP_DTYPE=$dt SP_TAG=-equal-$dt SP_MODES=sequential,batched SP_SPEC=none,prompt-lookup,self,pipeline \
+      SP_LEVELS=32 SP_PER_CLIENT=1 SP_MAX_TOKENS=${SE_MAX_TOKENS:-64} SP_TIMEOUT=${SE_TIMEOUT:-200} phase_serve_pipeline
+  done
 }
 for p in "$@"; do
   echo "== $p $(date -u +%T)" >> "$RES/phases.txt"
