@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - GPU machine without onnxruntime
 CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OUTPUTS = ["output", "present_key", "present_value"]
-CHUNK = 64  # kChunk of attention_cuda.cu: positions per split-attention chunk
+CHUNK = 64  # kChunk of attention_split_cuda.cuh: positions per split-attention chunk
 
 
 def _lib(path: Path) -> ctypes.CDLL:

@@ -1,0 +1,294 @@
+// BatchInvariantAttention's split (flash-decoding) kernel, CUDA: the numerics and the launch
+// (attention_cuda.cu's header comment says what it computes and why rows stay invariant).
+// Included once, by attention_cuda.cu, inside its anonymous namespace: one translation unit,
+// so the statics below (scratch, counters) exist once.
+#pragma once
+
+constexpr int kChunk = 64;                 // positions per chunk: part of the numerics, fixed
+constexpr int kSplitThreads = 128;
+constexpr int kSplitWarps = kSplitThreads / 32;
+constexpr int kMaxChunks = (kLoopcastMaxCudaCapacity + kChunk - 1) / kChunk;
+constexpr int kMaxUnitsPerBlock = 16;      // (row, q head) pairs one block serves
+constexpr int kSplitRowsBound = 32;        // the scratch is sized for this many rows
+constexpr size_t kScratchFloats = size_t(12) << 20;  // 48 MiB of partials
+constexpr int kMaxUnits = 1 << 16;
+
+// RowAttention's rows as the kernel's batch entries (S = 1 each), every entry on its own KV
+// buffer pair: entry b's cache is k[b] / v[b] instead of pk / pv + b * Hkv * cap * D. rows = 0:
+// the ordinary contiguous [B, Hkv, cap, D] buffers. sequences (device, [rows]) or null: entry b's
+// cache is batch entry sequences[b] of its pair's [entries, Hkv, cap, D] buffers (RowAttention's
+// sequence index); an index outside 0..entries-1 makes the row write nothing and output zeros.
+constexpr int kRowTableMax = 32;
+struct KVTable {
+  void* k[kRowTableMax];
+  void* v[kRowTableMax];
+  int rows;
+  const int32_t* sequences;
+  int entries;
+};
+
+__device__ float g_attn_scratch[kScratchFloats];       // [B*S*Hq][nch][2 + D]: m, l, a[D]
+__device__ unsigned int g_attn_counters[kMaxUnits];    // zero between launches
+
+// K (rotated, rounded to T) and V of new row i (position p) for dims t*VEC .. t*VEC+VEC-1, from
+// qkv: exactly what the cache holds for that position once it is written.
+template <typename T, int D>
+__device__ __forceinline__ void new_kv(const T* __restrict__ qkv, const T* __restrict__ cos_cache,
+                                       const T* __restrict__ sin_cache, int b, int S, int i, int p, int Hq, int Hkv,
+                                       int kvh, int t, bool do_rotary, uint4& k_out, uint4& v_out) {
+  constexpr int VEC = Vec<T>::N;
+  const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D;
+  const T* k = row + (Hq + kvh) * D;
+  const T* v = row + (Hq + Hkv + kvh) * D;
+  T* ko = reinterpret_cast<T*>(&k_out);
+  T* vo = reinterpret_cast<T*>(&v_out);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const int d = t * VEC + e;
+    ko[e] = from_f<T>(rotated(k, d, D / 2, p, cos_cache, sin_cache, do_rotary));
+    vo[e] = v[d];
+  }
+}
+
+// grid (NB, Hq/HB, B*nRG): block x takes chunks x, x+NB, ...; y the q heads y*HB..y*HB+HB-1 (one
+// kv head); z = b*nRG + rg the rows rg*RG..rg*RG+RG-1.
+//
+// The new rows' K/V are written to the cache by this kernel (no separate kv_write launch): the
+// blocks with x == 0 whose q heads start a kv-head group write their rows, and within the launch
+// every block takes positions >= n (the new rows) from qkv instead of the cache, so no block
+// reads an entry that this launch writes.
+template <typename T, int D>
+__global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
+    const T* __restrict__ qkv, T* __restrict__ pk, T* __restrict__ pv, const int32_t* __restrict__ seqlens,
+    const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, T* __restrict__ out, int S, int Hq, int Hkv,
+    int cap, int rotary_len, float scale, bool do_rotary, int nch_cap, int HB, int RG, const KVTable tab,
+    const int32_t* __restrict__ masked) {
+  constexpr int VEC = Vec<T>::N, LPP = D / VEC, PPI = kSplitThreads / LPP, R = kChunk / PPI, half = D / 2;
+  static_assert(LPP >= 1 && LPP <= 32 && 32 % LPP == 0 && kChunk % PPI == 0 && D <= kSplitThreads, "layout");
+  constexpr int P = D + 2;  // floats per chunk partial
+  __shared__ float q_s[kMaxUnitsPerBlock][D];
+  __shared__ float mx_s[2][kSplitWarps];
+  __shared__ float l_s2[2][kSplitWarps];
+  __shared__ float red_s[2][kSplitWarps][D];
+  __shared__ float w_s[kMaxChunks];
+  __shared__ float cl_s[kMaxChunks];
+  __shared__ float cm_s[kSplitWarps];
+  __shared__ int last_s[kMaxUnitsPerBlock];
+
+  pdl_trigger();
+  pdl_wait();  // also orders this launch's use of the static scratch and counters after the last one's
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int t = tid % LPP, g = tid / LPP;
+  const int nRG = (S + RG - 1) / RG;
+  const int b = blockIdx.z / nRG, i0 = (blockIdx.z % nRG) * RG, i1 = min(S, i0 + RG);
+  const int hq0 = blockIdx.y * HB, kvh = hq0 / (Hq / Hkv);
+  int n = seqlens[b] + 1 - S;
+  // Tree verify (RowAttention's masked_keys; one row per batch entry, S = 1): keys [lo, hi)
+  // leave the row's sequence. The kernel runs at the row's logical position n - (hi - lo) — the
+  // decode row's chunks, rotation and key order there — reading key j >= lo from cache position
+  // j + shift and writing the row's own K/V at its cache position. A row inside its own masked
+  // range (the CPU refuses it) writes nothing and outputs zeros, as an out-of-range row does.
+  int lo = 0, shift = 0, cap_eff = cap;
+  if (masked != nullptr) {
+    const int mlo = masked[2 * b], mhi = masked[2 * b + 1];
+    if (mlo < 0 || mhi < mlo || (n >= mlo && n < mhi)) {
+      cap_eff = -1;
+    } else if (n >= mhi) {
+      lo = mlo;
+      shift = mhi - mlo;
+      n -= shift;
+      cap_eff = cap - shift;
+    }
+  }
+  size_t entry = 0;  // the row's batch entry of its pair (the sequence index), in elements
+  if (tab.sequences != nullptr) {
+    const int sq = tab.sequences[b];
+    if (sq < 0 || sq >= tab.entries)
+      cap_eff = -1;
+    else
+      entry = static_cast<size_t>(sq) * Hkv * cap * D;
+  }
+  const int NB = gridDim.x, x = blockIdx.x;
+  const int nunits = (i1 - i0) * HB;  // unit u: row i0 + u / HB, head hq0 + u % HB
+  T* const kb = tab.rows ? static_cast<T*>(tab.k[b]) + entry : pk + static_cast<size_t>(b) * Hkv * cap * D;
+  T* const vb = tab.rows ? static_cast<T*>(tab.v[b]) + entry : pv + static_cast<size_t>(b) * Hkv * cap * D;
+
+  // Rows out of range get zeros (block x == 0); valid rows form one interval of i.
+  int p_hi = -1;
+  for (int i = i0; i < i1; ++i) {
+    const int p = n + i;
+    if (row_valid(p, cap_eff, rotary_len, do_rotary)) {
+      p_hi = p;
+    } else if (x == 0) {
+      for (int e = tid; e < HB * D; e += kSplitThreads)
+        out[(static_cast<size_t>(b * S + i) * Hq + hq0 + e / D) * D + e % D] = from_f<T>(0.0f);
+    }
+  }
+  if (p_hi < 0 || x * kChunk > p_hi) return;  // uniform over the block
+
+  // Rotated q of every unit (the same expression in every block: the same bits).
+  for (int e = tid; e < nunits * D; e += kSplitThreads) {
+    const int u = e / D, d = e % D, i = i0 + u / HB, h = hq0 + u % HB, p = n + i;
+    if (!row_valid(p, cap_eff, rotary_len, do_rotary)) continue;
+    const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D + h * D;
+    q_s[u][d] = rotated(row, d, half, p, cos_cache, sin_cache, do_rotary);
+  }
+  if (x == 0 && hq0 % (Hq / Hkv) == 0) {  // this block's new rows -> the cache (see above)
+    for (int e = tid; e < (i1 - i0) * D; e += kSplitThreads) {
+      const int i = i0 + e / D, d = e % D, p = n + i;
+      if (!row_valid(p, cap_eff, rotary_len, do_rotary)) continue;
+      const T* row = qkv + static_cast<size_t>(b * S + i) * (Hq + 2 * Hkv) * D;
+      const size_t dst = (static_cast<size_t>(kvh) * cap + p + shift) * D + d;
+      kb[dst] = from_f<T>(rotated(row + (Hq + kvh) * D, d, half, p, cos_cache, sin_cache, do_rotary));
+      vb[dst] = row[(Hq + Hkv + kvh) * D + d];
+    }
+  }
+  __syncthreads();
+
+  const T* kc = kb + static_cast<size_t>(kvh) * cap * D + t * VEC;
+  const T* vc = vb + static_cast<size_t>(kvh) * cap * D + t * VEC;
+  int buf = 0;
+  for (int c = x; c * kChunk <= p_hi; c += NB) {
+    const int j0 = c * kChunk;
+    uint4 kr[R], vr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int j = j0 + g + r * PPI;
+      kr[r] = make_uint4(0u, 0u, 0u, 0u);
+      vr[r] = make_uint4(0u, 0u, 0u, 0u);
+      if (j <= p_hi && j >= n) {  // a new row: not in the cache yet within this launch
+        new_kv<T, D>(qkv, cos_cache, sin_cache, b, S, j - n, j, Hq, Hkv, kvh, t, do_rotary, kr[r], vr[r]);
+      } else if (j <= p_hi) {
+        const size_t at = static_cast<size_t>(j >= lo ? j + shift : j) * D;  // shift 0: unmasked
+        kr[r] = __ldg(reinterpret_cast<const uint4*>(kc + at));
+        vr[r] = __ldg(reinterpret_cast<const uint4*>(vc + at));
+      }
+    }
+    for (int u = 0; u < nunits; ++u) {
+      const int i = i0 + u / HB, p = n + i;
+      if (!row_valid(p, cap_eff, rotary_len, do_rotary) || p < j0) continue;  // uniform
+      float qr[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) qr[e] = q_s[u][t * VEC + e];
+      float s[R];
+      const float mloc = chunk_scores<T, LPP, R, PPI>(s, qr, kr, scale, j0 + g, p);
+      if (lane == 0) mx_s[buf][warp] = mloc;
+      __syncthreads();
+      float m = mx_s[buf][0];
+#pragma unroll
+      for (int w = 1; w < kSplitWarps; ++w) m = fmaxf(m, mx_s[buf][w]);
+      float acc[VEC];
+      const float lsum = chunk_values<T, LPP, R, PPI>(acc, s, vr, m, j0 + g, p);
+      if (lane < LPP) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) red_s[buf][warp][t * VEC + e] = acc[e];
+      }
+      if (lane == 0) l_s2[buf][warp] = lsum;
+      __syncthreads();
+      const int unit = (b * S + i) * Hq + hq0 + u % HB;
+      float* part = g_attn_scratch + (static_cast<size_t>(unit) * nch_cap + c) * P;
+      if (tid < D) {
+        float a = red_s[buf][0][tid];
+#pragma unroll
+        for (int w = 1; w < kSplitWarps; ++w) a += red_s[buf][w][tid];
+        part[2 + tid] = a;
+      }
+      if (tid == 0) {
+        float l = l_s2[buf][0];
+#pragma unroll
+        for (int w = 1; w < kSplitWarps; ++w) l += l_s2[buf][w];
+        part[0] = m;
+        part[1] = l;
+      }
+      buf ^= 1;  // double-buffered shared memory: no third barrier per unit
+    }
+  }
+
+  // Count this block in for every unit it served; the last one in merges that unit's chunks.
+  __threadfence();
+  __syncthreads();
+  if (tid < nunits) {
+    const int i = i0 + tid / HB, p = n + i;
+    int last = 0;
+    if (row_valid(p, cap_eff, rotary_len, do_rotary) && x * kChunk <= p) {
+      const int nc = p / kChunk + 1;
+      const unsigned expected = static_cast<unsigned>(min(NB, nc));
+      const int unit = (b * S + i) * Hq + hq0 + tid % HB;
+      last = atomicAdd(&g_attn_counters[unit], 1u) == expected - 1u;
+    }
+    last_s[tid] = last;
+  }
+  __syncthreads();
+  for (int u = 0; u < nunits; ++u) {
+    if (!last_s[u]) continue;  // uniform
+    __threadfence();
+    const int i = i0 + u / HB, p = n + i, nc = p / kChunk + 1;
+    const int unit = (b * S + i) * Hq + hq0 + u % HB;
+    const float* part = g_attn_scratch + static_cast<size_t>(unit) * nch_cap * P;
+    float mloc = -FLT_MAX;
+    for (int c = tid; c < nc; c += kSplitThreads) {
+      const float mc = __ldcg(part + static_cast<size_t>(c) * P);
+      w_s[c] = mc;
+      cl_s[c] = __ldcg(part + static_cast<size_t>(c) * P + 1);
+      mloc = fmaxf(mloc, mc);
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+    if (lane == 0) cm_s[warp] = mloc;
+    __syncthreads();
+    float M = cm_s[0];
+#pragma unroll
+    for (int w = 1; w < kSplitWarps; ++w) M = fmaxf(M, cm_s[w]);
+    for (int c = tid; c < nc; c += kSplitThreads) w_s[c] = expf(__fsub_rn(w_s[c], M));
+    __syncthreads();
+    if (tid < D) {
+      float L = 0.0f, O = 0.0f;
+      const float* a = part + 2 + tid;
+#pragma unroll 8
+      for (int c = 0; c < nc; ++c) {
+        const float w = w_s[c];
+        L = fmaf(w, cl_s[c], L);
+        O = fmaf(w, __ldcg(a + static_cast<size_t>(c) * P), O);
+      }
+      out[(static_cast<size_t>(b * S + i) * Hq + hq0 + u % HB) * D + tid] = from_f<T>(O / L);
+    }
+    if (tid == 0) g_attn_counters[unit] = 0u;  // every block of this unit has counted in
+    __syncthreads();  // w_s, cl_s, cm_s reuse
+  }
+}
+
+int split_target_blocks() { return 4 * device_sm_count(); }
+
+// Whether the split kernel serves this shape: depends on B, Hq, Hkv, D and cap, never on S <= 32.
+bool split_fits(int B, int S, int Hq, int Hkv, int D, int cap) {
+  const long long rows = static_cast<long long>(B) * (S > kSplitRowsBound ? S : kSplitRowsBound);
+  const long long units = rows * Hq;
+  const long long nch = (cap + kChunk - 1) / kChunk;
+  (void)Hkv;
+  return units <= kMaxUnits && units * nch * (D + 2) <= static_cast<long long>(kScratchFloats) && nch <= kMaxChunks;
+}
+
+template <typename T, int D>
+int launch_split(const T* qkv, T* pk, T* pv, const int32_t* seqlens, const T* cos_cache,
+                 const T* sin_cache, T* out, int B, int S, int Hq, int Hkv, int cap, int rotary_len, float scale,
+                 bool do_rotary, cudaStream_t stream, const KVTable& tab = KVTable{},
+                 const int32_t* masked = nullptr) {
+  const int group = Hq / Hkv;
+  int HB = group;
+  while (HB > kMaxUnitsPerBlock) HB = HB % 2 == 0 ? HB / 2 : 1;
+  int nRG = (S * HB + 3) / 4;  // about 4 (row, head) units per block
+  if (nRG > S) nRG = S;
+  if (nRG < 1) nRG = 1;
+  const int RG = (S + nRG - 1) / nRG;
+  nRG = (S + RG - 1) / RG;
+  const int nch = (cap + kChunk - 1) / kChunk;
+  const long long cols = static_cast<long long>(Hq / HB) * B * nRG;
+  if (static_cast<long long>(B) * nRG > 65535 || Hq / HB > 65535) return static_cast<int>(cudaErrorInvalidValue);
+  long long NB = (split_target_blocks() + cols - 1) / cols;
+  if (NB > nch) NB = nch;
+  if (NB < 1) NB = 1;
+  return static_cast<int>(launch_kernel(split_attend_kernel<T, D>, dim3(static_cast<unsigned>(NB), Hq / HB, B * nRG),
+                                        dim3(kSplitThreads), 0, stream, 0, qkv, pk, pv, seqlens, cos_cache, sin_cache,
+                                        out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG, tab,
+                                        masked));
+}
