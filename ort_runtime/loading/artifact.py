@@ -17,8 +17,10 @@ shared prepacked-weights container is in ORT's C API only). Two mechanisms keep 
   (``share_weights=True`` turns it off: ``exact_verify`` is then false for the stock MatMul).
 Numbers and commands: docs/perf.md ("Run-time memory").
 
-Several sessions alternate on the same cores, so their intra-op threads must not spin after
-a run (spinning threads of one session starve the next session's run).
+Several sessions alternate on the same cores: they share one process-wide intra-op pool whose
+threads spin between ops (``ort_runtime/loading/thread_pool.py``), or, where that pool cannot
+be had, each has its own that sleeps after a run (a session's spinning threads would starve
+the next session's run).
 
 CUDA graphs (docs/architecture.md §5): every fixed-width kind (decode, verify, draft, verify_tail) gets a
 session with ``enable_cuda_graph``; each generator takes its own ``gpu_graph_id`` per kind from
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnxruntime as ort
+from loopcast.ort_runtime.loading import thread_pool
 from loopcast.ort_runtime.loading.graph_ids import GraphIdPool
 from loopcast.ort_runtime.loading.op_attributes import check_cuda_shapes, check_op_attributes
 from loopcast.ort_runtime.loading.pinned_files import check_unchanged
@@ -154,9 +157,7 @@ def _session_options(library: Path | None, threads: int | None, share_weights: b
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
-    if threads:
-        so.intra_op_num_threads = threads
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    thread_pool.configure(so, threads)  # one spinning pool for every session, where it can
     if share_weights:
         so.add_session_config_entry("session.disable_prepacking", "1")
     if library is not None:  # already passed the trust rule (ort_runtime/loading/trust.py)
