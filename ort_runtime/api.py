@@ -408,6 +408,7 @@ def load(
     device: str = "cpu",
     *,
     threads: int | None = None,
+    spin: bool | None = None,
     share_weights: bool = False,
     cuda_graphs: bool | str = True,
     kinds: tuple[str, ...] | None = None,
@@ -419,12 +420,15 @@ def load(
     unless ``cuda_graphs=False`` (stock graphs run eagerly: see ort_runtime/loading/artifact.py);
     ``kinds`` opens only those graph kinds (prefill is always needed to generate).
     ``trust_ops=True`` lets the artifact's custom-op library load even when it is not one you
-    built (loading native code runs it: docs/trust.md)."""
+    built (loading native code runs it: docs/trust.md). ``spin``: whether the CPU sessions'
+    intra-op threads spin between ops (default yes: faster for one sequence; the server and
+    the batching engine's callers pass False; ort_runtime/loading/thread_pool.py)."""
     return LoopcastModel(
         open_artifact(
             artifact_dir,
             device,
             threads=threads,
+            spin=spin,
             share_weights=share_weights,
             cuda_graphs=cuda_graphs,
             kinds=kinds,

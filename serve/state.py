@@ -254,7 +254,9 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
 
     from loopcast.manifest import DECODE_BATCH
 
-    model = load(artifact, options.device, threads=options.threads, trust_ops=options.trust_ops)
+    # threads that sleep between ops: spinning ones starve the engine's host work and the
+    # server's own threads (ort_runtime/loading/thread_pool.py)
+    model = load(artifact, options.device, threads=options.threads, spin=False, trust_ops=options.trust_ops)
     manifest = model.loaded.manifest
     name = options.model_name or Path(artifact).resolve().name
     if DECODE_BATCH in manifest.graphs and not options.sequential:

@@ -17,10 +17,8 @@ shared prepacked-weights container is in ORT's C API only). Two mechanisms keep 
   (``share_weights=True`` turns it off: ``exact_verify`` is then false for the stock MatMul).
 Numbers and commands: docs/perf.md ("Run-time memory").
 
-Several sessions alternate on the same cores: they share one process-wide intra-op pool whose
-threads spin between ops (``ort_runtime/loading/thread_pool.py``), or, where that pool cannot
-be had, each has its own that sleeps after a run (a session's spinning threads would starve
-the next session's run).
+Several sessions alternate on the same cores; whether their intra-op threads spin between ops
+is ``open_artifact(spin=...)``'s choice (``ort_runtime/loading/thread_pool.py`` says why).
 
 CUDA graphs (docs/architecture.md §5): every fixed-width kind (decode, verify, draft, verify_tail) gets a
 session with ``enable_cuda_graph``; each generator takes its own ``gpu_graph_id`` per kind from
@@ -153,11 +151,13 @@ class LoadedModel:
             return self._eager[kind]
 
 
-def _session_options(library: Path | None, threads: int | None, share_weights: bool) -> ort.SessionOptions:
+def _session_options(
+    library: Path | None, threads: int | None, share_weights: bool, spin: bool | None = None
+) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
-    thread_pool.configure(so, threads)  # one spinning pool for every session, where it can
+    thread_pool.configure(so, threads, spin)
     if share_weights:
         so.add_session_config_entry("session.disable_prepacking", "1")
     if library is not None:  # already passed the trust rule (ort_runtime/loading/trust.py)
@@ -251,6 +251,7 @@ def open_artifact(
     device: str = "cpu",
     *,
     threads: int | None = None,
+    spin: bool | None = None,
     kinds: tuple[str, ...] | None = None,
     share_weights: bool = False,
     cuda_graphs: bool | str = True,
@@ -260,7 +261,8 @@ def open_artifact(
     defer_sessions: bool = True,
 ) -> LoadedModel:
     """Validate and open an artifact. ``threads``: ONNX Runtime's intra-op threads per session
-    (None: its default, one per core). ``trust_ops`` allows loading its custom-op library even
+    (None: its default, one per core); ``spin``: whether they spin between ops
+    (ort_runtime/loading/thread_pool.py; None: yes). ``trust_ops`` allows loading its custom-op library even
     when it is not one this user built (ort_runtime/loading/trust.py states the whole rule).
     ``share_sessions=False`` gives every kind its own CPU session, as before decode and verify
     shared prefill's (a tuple: only those kinds share it); ``shared_initializers`` (default:
@@ -335,7 +337,7 @@ def open_artifact(
         if deferred:  # made after load: the files must still be the ones loaded (pinned_files.py)
             check_unchanged(path, manifest, kind, library)
         # check_only: the graph loads and has the manifest's IO; no packed copy of the weights
-        options = _session_options(library, threads, share_weights or check_only)
+        options = _session_options(library, threads, share_weights or check_only, spin)
         if weights is not None:
             weights.add_to(options, weight_names[kind])
         cuda_options = {"enable_cuda_graph": "1"} if capture else {}

@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     art = prepare(args.source, args.device, args.dtype, args.max_batch, args.max_length, args.work_dir)
-    model = load(art, args.device, threads=args.threads)
+    model = load(art, args.device, threads=args.threads, spin=False)  # as the server loads it
     max_batch = min(args.max_batch, model.loaded.manifest.max_batch or 1)
     vocab = model.config.vocab_size
     report = {
