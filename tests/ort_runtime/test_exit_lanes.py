@@ -148,8 +148,10 @@ def test_demo_equals_the_reference_in_fewer_cycles(demo) -> None:
         assert auto.tokens == want
         # the default (cost) gate prices the lanes against plain gated rows (GatedRowCosts): it
         # has a price for both and decides, rather than waiting for a decode step that never runs
-        assert not auto.stats.gate_report["reason"].startswith("measuring"), auto.stats.gate_report
-        assert auto.stats.proposed > 0
+        reason = auto.stats.gate_report["reason"]
+        assert reason.startswith(("engaged", "stood down")), auto.stats.gate_report
+        # which way it decides is the measured costs' (timing); engaged, its lanes ran
+        assert auto.stats.proposed > 0 or not reason.startswith("engaged"), auto.stats.gate_report
 
 
 def test_redrafts_from_deeper_heads(demo) -> None:
