@@ -181,7 +181,7 @@ def test_stalls_name_the_passes_over_three_steps_and_the_graph_runs_inside_them(
     from loopcast.ort_runtime.batching.admission import EngineBase
     from loopcast.ort_runtime.binding.step_clock import StepClock
 
-    from tools.bench.loadgen import _stall_line, stalls
+    from tools.bench.loadgen_report import stall_line, stalls
 
     engine = EngineBase(max_length=64, max_waiting=4)
     clock = StepClock()
@@ -199,7 +199,7 @@ def test_stalls_name_the_passes_over_three_steps_and_the_graph_runs_inside_them(
     found = stalls(engine, start, time.perf_counter())
     assert [(f["phase"], round(f["ms"])) for f in found] == [("step", 45), ("prefill", 40)]
     assert [g["kind"] for g in found[0]["graph_runs"]] == ["decode_batch"] and not found[1]["graph_runs"]
-    assert "2, 1 of them mostly one slow graph run (decode_batch)" in _stall_line(found)
+    assert "2, 1 of them mostly one slow graph run (decode_batch)" in stall_line(found)
     assert stalls(engine, time.perf_counter(), time.perf_counter() + 1) == []
     engine.reset_phase_timer()
     assert not engine.phase_ms and not engine.slow_phases and stalls(engine, 0.0, 1e12) == []
