@@ -34,7 +34,7 @@ class StepClock:
         self._gates: dict[tuple[str, ...], dict] = {}
         self.worst: dict[str, float] = {}  # kind -> its slowest run's seconds (a reader clears it)
         # the latest stalls: (perf_counter at the run's end, kind, seconds), for telling a stall
-        # inside ORT's run from one in the host's work around it (tools/bench/loadgen.py)
+        # inside ORT's run from one in the host's work around it (tools/bench/loadgen_report.py)
         self.slow: deque[tuple[float, str, float]] = deque(maxlen=64)
 
     # -- graph runs ------------------------------------------------------------------------------
