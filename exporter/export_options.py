@@ -111,20 +111,23 @@ class ExportOptions:
 
     def _recurrent(self, max_length: int) -> ExportOptions:
         """A recurrent-depth model (Huginn) exports prelude, core_step and coda with float weights
-        in any op set; the other kinds' options are refused, not ignored."""
+        in any op set (with ``--max-batch``, their batched kinds too); the other kinds' options
+        are refused, not ignored."""
         if self.op_set not in ("auto", *OpSet):
             raise ExportError(f"--ops must be one of auto, {', '.join(OpSet)}, got {self.ops!r}")
+        if self.max_batch is not None and not 1 <= self.max_batch <= MAX_BATCH:
+            raise ExportError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
         for on, flag in (
             (self.draft_depth is not None, "--draft-depth"),
             (self.tree_verify, "--tree-verify"),
-            (self.max_batch is not None, "--max-batch"),
             (self.genai, "--genai"),
             (self.quantization is not None, "--quantize"),
         ):
             if on:
                 raise ExportError(
                     f"{flag} is not supported for recurrent-depth (huginn_raven) models yet: they "
-                    "export prelude, core_step and coda (and recurrent_cycle) with float weights"
+                    "export prelude, core_step and coda (recurrent_cycle, and the batched kinds "
+                    "with --max-batch) with float weights"
                 )
         return dataclasses.replace(self, max_length=max_length, draft_depth=None)
 

@@ -29,10 +29,11 @@ from loopcast.graphs import blocks
 from loopcast.graphs.batched_cycle import build_cycle_batch, cycle_batch_lanes
 from loopcast.graphs.builder import GraphBuilder
 from loopcast.graphs.ops import op_set_builders
+from loopcast.graphs.recurrent import build_recurrent_kind
 
 from loopcast.config import ModelConfig
 from loopcast.manifest import GraphSpec
-from loopcast.vocab import BATCH_KINDS, GraphKind, OpSet
+from loopcast.vocab import BATCH_KINDS, RECURRENT_BATCH_KINDS, GraphKind, GraphPlan, OpSet
 
 BATCH = "batch"  # the symbolic batch dimension (ort_runtime/loading/artifact.py BATCH_DIM)
 
@@ -53,6 +54,10 @@ def build_batched_kind(
     if kind not in BATCH_KINDS:
         raise ValueError(f"unknown batched kind {kind!r}")
     R = config.num_loops
+    if kind in RECURRENT_BATCH_KINDS:  # prelude_batch, core_step_batch, coda_batch
+        first, last = loops or (0, R)
+        plan = GraphPlan(GraphKind(kind), rows, first, last)
+        return build_recurrent_kind(plan, config, dtype, max_length, b, op_set=op_set)
     if kind == GraphKind.CYCLE_BATCH:
         lanes = cycle_batch_lanes(rows, R)
         return build_cycle_batch(config, dtype, max_length, b, op_set=op_set, lanes=lanes)

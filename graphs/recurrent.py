@@ -7,7 +7,12 @@ A token's forward is composed by the host, so r is chosen per request without ON
     core_step = adapter([state, embedded]) → core blocks              → state_BSH_out   (× r)
     coda      = ln_f → coda blocks → ln_f → head → argmax             → next_token_ids_BS, logits_BSV
 
-Every kind takes dynamic rows (prefill, decode and verify are the same graphs). core_step's KV
+Every kind takes dynamic rows (prefill, decode and verify are the same graphs). The batched
+kinds (``prelude_batch``, ``core_step_batch``, ``coda_batch``; ``export --max-batch``) are the
+same stacks over ``[B, 1]`` rows, one sequence per batch entry, each at its own length
+(``seqlens_k[b]``), as graphs/batched.py's; ``core_step_batch`` passes a row's state through
+unchanged where ``active_B[b]`` is false (its request runs fewer core steps than the call's
+longest): a selection, so the row keeps its bits. core_step's KV
 inputs are named for step 0's slots (``past_key.{l}``, l = 0..L-1); the host binds step k's
 buffers, slots ``k*L + l``, to them for its k-th call (docs/architecture.md §2). The prelude
 and coda bind their own slots.
@@ -35,7 +40,7 @@ from loopcast.graphs.ops import op_set_builders
 
 from loopcast.config import ModelConfig
 from loopcast.manifest import GraphSpec
-from loopcast.vocab import GraphKind, GraphPlan, OpSet
+from loopcast.vocab import RECURRENT_BATCH_KINDS, GraphKind, GraphPlan, OpSet
 
 EMBED_SCALE = "embed_scale"  # [1] weight: the embedding multiplier (√H)
 ADAPTER = "adapter.weight_T"  # [2H, H]: the injection on [state, embedded]
@@ -125,6 +130,15 @@ def coda_blocks(b: GraphBuilder, state_BSH: ir.Value, ctx: blocks.BlockContext) 
     return blocks.lm_head(b, x, ctx)
 
 
+# a batched kind -> the single-sequence kind whose stack it runs
+_SINGLE = {
+    GraphKind.PRELUDE_BATCH: GraphKind.PRELUDE,
+    GraphKind.CORE_STEP_BATCH: GraphKind.CORE_STEP,
+    GraphKind.CODA_BATCH: GraphKind.CODA,
+}
+BATCH = "batch"  # the symbolic batch dimension (graphs/batched.py's)
+
+
 def build_recurrent_kind(
     plan: GraphPlan,
     config: ModelConfig,
@@ -134,27 +148,43 @@ def build_recurrent_kind(
     *,
     op_set: OpSet | str = OpSet.STOCK,
 ) -> tuple[ir.Model, GraphSpec]:
-    rows = "num_rows"
-    hidden = [1, rows, config.hidden_size]
+    batched = plan.kind in RECURRENT_BATCH_KINDS
+    batch: int | str = BATCH if batched else 1
+    rows: int | str = 1 if batched else "num_rows"
+    kind = _SINGLE.get(plan.kind, plan.kind)
+    hidden = [batch, rows, config.hidden_size]
     step = blocks.StepInputs(
-        seqlens_k=b.input("seqlens_k", ir.DataType.INT32, [1]),
+        # batched: seqlens_k[b] = n_b (each row at its own sequence's position)
+        seqlens_k=b.input("seqlens_k", ir.DataType.INT32, [batch]),
         total_sequence_length=b.input("total_sequence_length", ir.DataType.INT32, []),
         cos_cache=b.weight("rotary.cos_SD2"),
         sin_cache=b.weight("rotary.sin_SD2"),
     )
-    ctx = blocks.BlockContext(config, dtype, max_length, step, op_set_builders(op_set))
-    if plan.kind == GraphKind.PRELUDE:
-        ids = b.input("input_ids_BS", ir.DataType.INT64, [1, rows])
+    ctx = blocks.BlockContext(
+        config, dtype, max_length, step, op_set_builders(op_set), batch=batch, batch_rows=1
+    )
+    if kind == GraphKind.PRELUDE:
+        ids = b.input("input_ids_BS", ir.DataType.INT64, [batch, rows])
         b.output(prelude_blocks(b, ids, ctx), dtype, hidden, "embedded_BSH")
-    elif plan.kind == GraphKind.CORE_STEP:
+    elif kind == GraphKind.CORE_STEP:
         state = b.input("state_BSH", dtype, hidden)
         embedded = b.input("embedded_BSH", dtype, hidden)
         joined = b.op("Concat", [state, embedded], path="/step/inject", out="injected_BS2H", axis=-1)
         slots = [config.core_slot(0, l) for l in range(config.num_layers)]
-        b.output(core_step_blocks(b, joined, slots, ctx), dtype, hidden, "state_BSH_out")
-    elif plan.kind == GraphKind.CODA:
+        out = core_step_blocks(b, joined, slots, ctx)
+        if batched:
+            active = b.input("active_B", ir.DataType.BOOL, [batch])
+            active_B11 = b.op(
+                "Unsqueeze",
+                [active, b.const_i64("active_axes", [1, 2])],
+                path="/step/active",
+                out="active_B11",
+            )
+            out = b.op("Where", [active_B11, out, state], path="/step/keep_inactive", out="kept_BSH")
+        b.output(out, dtype, hidden, "state_BSH_out")
+    elif kind == GraphKind.CODA:
         state = b.input("state_BSH", dtype, hidden)
-        blocks.greedy_outputs(b, coda_blocks(b, state, ctx), rows, config.vocab_size)
+        blocks.greedy_outputs(b, coda_blocks(b, state, ctx), rows, config.vocab_size, batch=batch)
     else:
         raise ValueError(f"{plan.kind} is not a recurrent-depth kind")
     model = b.build(plan.kind, __doc__.split("\n\n")[0])

@@ -31,6 +31,7 @@ from loopcast.manifest import (
 from loopcast.quant import QuantScheme
 from loopcast.vocab import (
     BATCH_KINDS,
+    RECURRENT_BATCH_KINDS,
     RECURRENT_KINDS,
     SELF_BATCH_KINDS,
     TREE_KINDS,
@@ -103,11 +104,14 @@ def expected_io(
     ``exit_gate``: the model has Ouro's exit gate (the cycle graph then gives each row's gate)."""
     inputs = {"input_ids_BS" if first_loop == 0 else "hidden_BSH", "seqlens_k", "total_sequence_length"}
     outputs = {"next_token_ids_BS", "logits_BSV"}
-    if kind in RECURRENT_KINDS:  # graphs/recurrent.py
+    if kind in RECURRENT_KINDS or kind in RECURRENT_BATCH_KINDS:  # graphs/recurrent.py
         inputs, outputs = {
             GraphKind.PRELUDE: ({"input_ids_BS"}, {"embedded_BSH"}),
             GraphKind.CORE_STEP: ({"state_BSH", "embedded_BSH"}, {"state_BSH_out"}),
             GraphKind.CODA: ({"state_BSH"}, outputs),
+            GraphKind.PRELUDE_BATCH: ({"input_ids_BS"}, {"embedded_BSH"}),
+            GraphKind.CORE_STEP_BATCH: ({"state_BSH", "embedded_BSH", "active_B"}, {"state_BSH_out"}),
+            GraphKind.CODA_BATCH: ({"state_BSH"}, outputs),
         }[GraphKind(kind)]
         inputs = inputs | {"seqlens_k", "total_sequence_length"}
     if kind == GraphKind.RECURRENT_CYCLE:  # graphs/recurrent_cycles.py
@@ -153,11 +157,11 @@ def expected_slots(
     """KV slots a graph running loops first..last-1 binds: those loops' core layers, the prelude
     when it starts from tokens, and the coda (docs/architecture.md §2 slot numbering). The
     recurrent kinds bind their part's slots only (core_step: step 0's, rebound per step)."""
-    if kind == GraphKind.PRELUDE:
+    if kind in (GraphKind.PRELUDE, GraphKind.PRELUDE_BATCH):
         return [config.prelude_slot(l) for l in range(config.num_prelude_layers)]
-    if kind == GraphKind.CORE_STEP:
+    if kind in (GraphKind.CORE_STEP, GraphKind.CORE_STEP_BATCH):
         return [config.core_slot(0, l) for l in range(config.num_layers)]
-    if kind == GraphKind.CODA:
+    if kind in (GraphKind.CODA, GraphKind.CODA_BATCH):
         return [config.coda_slot(l) for l in range(config.num_coda_layers)]
     slots = {config.core_slot(r, l) for r in range(first_loop, last_loop) for l in range(config.num_layers)}
     if first_loop == 0:

@@ -52,6 +52,12 @@ class GraphKind(StrEnum):
     # The recurrent-depth pipeline (graphs/recurrent_cycles.py): R rows, row k a lane at core
     # step k, the entering lane's prelude and the leaving lane's coda in the same call.
     RECURRENT_CYCLE = "recurrent_cycle"
+    # The recurrent-depth kinds over a batch of sequences (``export --max-batch B``): one row per
+    # sequence, batch entry b reading and writing batch entry b of every KV buffer; core_step_batch
+    # keeps the state of a row whose request runs fewer core steps (``active_B``).
+    PRELUDE_BATCH = "prelude_batch"
+    CORE_STEP_BATCH = "core_step_batch"
+    CODA_BATCH = "coda_batch"
     DECODE_BATCH = "decode_batch"
     VERIFY_BATCH = "verify_batch"
     # Self-speculation of several sequences (with --max-batch and a draft depth d): the draft
@@ -79,8 +85,15 @@ TREE_KINDS = (GraphKind.TREE_DRAFT, GraphKind.TREE_TAIL)
 # Added after the first batched artifacts: both or neither (an older artifact has neither).
 SELF_BATCH_KINDS = (GraphKind.DRAFT_BATCH, GraphKind.VERIFY_TAIL_BATCH)
 # Added after the self-speculation ones: an older batched artifact has no cycle_batch.
-BATCH_KINDS = (GraphKind.DECODE_BATCH, GraphKind.VERIFY_BATCH, *SELF_BATCH_KINDS, GraphKind.CYCLE_BATCH)
 RECURRENT_KINDS = (GraphKind.PRELUDE, GraphKind.CORE_STEP, GraphKind.CODA)
+RECURRENT_BATCH_KINDS = (GraphKind.PRELUDE_BATCH, GraphKind.CORE_STEP_BATCH, GraphKind.CODA_BATCH)
+BATCH_KINDS = (
+    GraphKind.DECODE_BATCH,
+    GraphKind.VERIFY_BATCH,
+    *SELF_BATCH_KINDS,
+    GraphKind.CYCLE_BATCH,
+    *RECURRENT_BATCH_KINDS,
+)
 LOOP_STEP_KINDS = (GraphKind.LOOP_EMBED, GraphKind.LOOP_STEP, GraphKind.EXIT_HEAD)
 
 
@@ -230,7 +243,8 @@ def graph_plan(
     exits, loop_embed, loop_step, exit_head   where has_exits (a looped model with an exit gate)
 
     A recurrent-depth model has prelude, core_step and coda, and recurrent_cycle where
-    has_recurrent_cycle (the op set), whatever the options.
+    has_recurrent_cycle (the op set); with ``max_batch``, prelude_batch, core_step_batch and
+    coda_batch (one row per sequence).
     """
     R = config.num_loops
     if config.recurrent_depth:
@@ -244,6 +258,12 @@ def graph_plan(
         ]
         if has_recurrent_cycle(config, op_set):
             recurrent.append(GraphPlan(GraphKind.RECURRENT_CYCLE, R, 0, R))
+        if max_batch is not None:
+            recurrent += [
+                GraphPlan(GraphKind.PRELUDE_BATCH, 1, 0, 0),
+                GraphPlan(GraphKind.CORE_STEP_BATCH, 1, 0, 1),
+                GraphPlan(GraphKind.CODA_BATCH, 1, R, R),
+            ]
         return tuple(recurrent)
     plans = [GraphPlan(GraphKind.PREFILL, None, 0, R), GraphPlan(GraphKind.DECODE, 1, 0, R)]
     if verify_width is not None:

@@ -1,6 +1,7 @@
 """Continuous batching: requests join and leave a running batch between decode steps.
 
-One engine thread owns a BatchGenerator (ort_runtime/binding/batch_generator.py) and loops:
+One engine thread owns a generator of sequence slots (ort_runtime/binding/batch_slots.py: the
+looped family's BatchGenerator, or a recurrent-depth RecurrentBatchGenerator) and loops:
 
     cancel → admit (waiting requests into free slots, with their cached prefix) → prefill (at
     most ``prefill_chunk`` prompt tokens, in place; a finished prompt emits its first token) →
@@ -40,9 +41,10 @@ One engine thread owns a BatchGenerator (ort_runtime/binding/batch_generator.py)
   slot inside the batch without a row writes a dummy row past its committed KV).
 - Both are on where a row does not depend on the rows sharing its call (``exact_verify`` on the
   device), so they never change a token (tests/ort_runtime/test_prefix_cache.py,
-  test_chunked_prefill.py); elsewhere prompts run whole and uncached.
+  test_chunked_prefill.py); elsewhere prompts run whole and uncached (and recurrent-depth ones
+  uncached: their KV holds their request's depth).
 - Options a request sets (``BatchRequest.config``) are honoured or refused by name
-  (``BATCHED_OPTIONS``, ort_runtime/batching/options.py).
+  (``BATCHED_OPTIONS``, options.py, and the generator's ``caps.request_options``).
 - ``SequentialEngine`` (ort_runtime/batching/sequential.py) is the same interface over one
   Generator, one request at a time.
 
@@ -64,7 +66,7 @@ from loopcast.ort_runtime.batching.pipeline_lanes import BatchedPipeline
 from loopcast.ort_runtime.batching.prefix_cache import PrefixCache, PrefixPlan
 from loopcast.ort_runtime.batching.requests import BatchRequest, Completion
 from loopcast.ort_runtime.batching.self_round import RoundRows, self_round
-from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
+from loopcast.ort_runtime.binding.batch_slots import BatchSlots
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
 from loopcast.ort_runtime.decoding.finish import FinishRule
 from loopcast.ort_runtime.decoding.proposers import PromptLookupProposer, Proposal
@@ -90,13 +92,7 @@ NONE, PROMPT_LOOKUP, SELF, PIPELINE = (
 BATCHED_OPTIONS = frozenset(
     {"max_new_tokens", "sampling", "stop_ids", "speculative", "num_draft_tokens", "min_ngram", "max_ngram"}
 )
-__all__ = [
-    "BatchCostGate",
-    "BatchRequest",
-    "BatchingEngine",
-    "CapacityError",
-    "Completion",
-]
+__all__ = ["BatchCostGate", "BatchRequest", "BatchingEngine", "CapacityError", "Completion"]
 
 
 @dataclass
@@ -121,11 +117,11 @@ class _Running:
 
 
 class BatchingEngine(EngineBase):
-    """Continuous batching over a BatchGenerator of ``max_batch`` slots."""
+    """Continuous batching over the ``max_batch`` slots of a generator."""
 
     def __init__(
         self,
-        generator: BatchGenerator,
+        generator: BatchSlots,
         *,
         max_waiting: int = 256,
         gate: BatchCostGate | None = None,
@@ -143,10 +139,8 @@ class BatchingEngine(EngineBase):
         that is exact. ``draft_row_budget``: self-draft rows (k + 1 per drafting request) per
         step (default: every slot's). ``self_perturb(sequence, token) -> token`` replaces a
         self-drafted token (``sequence``: the request's tokens and drafts before it) before it is
-        fed on: forced rejections, or an oracle's drafts, in tests; the pipeline's exit-loop
-        drafts (pipeline_lanes.py) pass through it too. ``warm_up``: capture every width of every
-        captured kind at ``start`` (BatchGenerator.warm_up, on the engine thread), as vLLM captures
-        its batch sizes at start, so that no request's step pays a capture."""
+        fed on: forced rejections, or an oracle's drafts, in tests (the pipeline's exit-loop drafts
+        too). ``warm_up``: capture every width of every captured kind at ``start``."""
         super().__init__(generator.max_length, max_waiting)
         self.gen = generator
         self.gate = gate or BatchCostGate()
@@ -170,6 +164,8 @@ class BatchingEngine(EngineBase):
         off = (
             "turned off"
             if not prefix_caching
+            else generator.caps.prefix_reuse
+            if generator.caps.prefix_reuse
             else f"needs exact rows on {model.device} (manifest exact_verify)"
             if not model.exact_verify
             else "copying KV rows on the device needs the artifact's custom-op library"
@@ -234,7 +230,8 @@ class BatchingEngine(EngineBase):
 
     def check(self, request: BatchRequest) -> None:
         super().check(request)
-        check_honoured(request.config, BATCHED_OPTIONS, self.kind)
+        check_honoured(request.config, BATCHED_OPTIONS | self.gen.caps.request_options, self.kind)
+        self.gen.check_options(self._slot_options(request))
         k, W = request.config.speculation.num_draft_tokens, self.gen.verify_width or self.gen.tail_width
         if k is not None and W is not None and not 1 <= k <= W - 1:
             raise RequestError(
@@ -242,9 +239,11 @@ class BatchingEngine(EngineBase):
                 parameter="num_draft_tokens",
             )
 
+    def _slot_options(self, request: BatchRequest) -> dict[str, object]:  # the generator's caps
+        return {name: getattr(request.config, name) for name in self.gen.caps.request_options}
+
     def _speculation_for(self, request: BatchRequest) -> tuple[PromptLookupProposer | None, str]:
-        """The request's proposer (prompt lookup) and what serves it; "self": no proposer, its
-        drafts come from the round's draft rows (self_round.py)."""
+        """The request's proposer (prompt lookup) and what serves it ("self": its round's drafts)."""
         if request.speculative == NONE:
             return None, NONE
         if request.speculative == SELF:
@@ -337,7 +336,7 @@ class BatchingEngine(EngineBase):
                     self.gen.copy_prefix(plan.source, slot, plan.cached)
                 if self.prefix is not None:
                     self.prefix.occupy(slot)
-                self.gen.begin(slot, plan.cached)
+                self.gen.begin(slot, plan.cached, self._slot_options(request))
             except Exception as exc:
                 self._finish(slot, error=f"prefill failed: {str(exc).splitlines()[0][:300]}")
                 del occupied[slot]

@@ -43,12 +43,13 @@ as rewind does. ``prefill(b, ids, start=k)`` continues after ``k`` positions alr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-import ml_dtypes
 import numpy as np
 import onnxruntime as ort
-from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _ONNX_BFLOAT16, _Buffer
+from loopcast.ort_runtime.binding.batch_kv import BatchStepOutput, DeviceKV, bind_type, entry_ptr
+from loopcast.ort_runtime.binding.batch_slots import SlotCaps
+from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
 from loopcast.ort_runtime.binding.device_move import load_device_move
 from loopcast.ort_runtime.binding.graph_runner import CapturedRunner
 from loopcast.ort_runtime.binding.step_clock import StepClock
@@ -58,48 +59,11 @@ from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import DECODE_BATCH, DRAFT_BATCH, PREFILL, VERIFY_BATCH, VERIFY_TAIL_BATCH
 
 
-@dataclass(frozen=True)
-class BatchStepOutput:
-    next_ids: dict[int, int]  # slot -> argmax of its row
-    logits: dict[int, np.ndarray] | None  # slot -> [V] float32 row (copies), when asked
-    hidden: dict[int, np.ndarray] | None = None  # draft rows: slot -> [H] depth-d state (copies)
-
-
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-class _DeviceKV:
-    """A KV buffer on the GPU without a host mirror (a generator's ``_Buffer`` keeps one; for
-    max_batch sequences that would be gigabytes of host memory copied once for nothing). Left
-    uninitialised: a row reads only positions its sequence (or its dummy row) has written."""
-
-    def __init__(self, shape: tuple[int, ...], dtype, device: str) -> None:
-        self.device, self.dtype = device, np.dtype(dtype)
-        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), _bind_type(self.dtype), device, 0)
-
-    def pull(self) -> np.ndarray:
-        if self.dtype != _BF16:
-            return self.value.numpy()
-        host = np.empty(self.value.shape(), _BF16)  # ORT's numpy bridge has no bf16: raw bits
-        mirror = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(host.view(np.uint16), _ONNX_BFLOAT16)
-        mirror.update_inplace(self.value)
-        return host
-
-
-def _bind_type(dtype: np.dtype):
-    """The element type IOBinding takes for a buffer: bf16 as its ONNX type number (ORT's numpy
-    bridge has no bf16), anything else as its numpy type."""
-    return _ONNX_BFLOAT16 if dtype == _BF16 else dtype.type
-
-
-def _ptr(buf, offset_bytes: int = 0) -> int:
-    base = buf.host.ctypes.data if buf.device == "cpu" else buf.value.data_ptr()
-    return base + offset_bytes
-
-
 class BatchGenerator:
     """Up to ``max_batch`` sequences stepped together. Not thread-safe: one thread drives it
     (ort_runtime/batching/engine.py's engine loop)."""
+
+    caps = SlotCaps()  # prefixes reused where rows are exact (the engine's check); no options of its own
 
     def __init__(
         self,
@@ -138,7 +102,7 @@ class BatchGenerator:
         self._dtype = np.dtype(_NP_DTYPES[manifest.dtype])
         self._entry_shape = (cfg.num_kv_heads, self.max_length, manifest.kv_head_size)
         self._entry_bytes = int(np.prod(self._entry_shape)) * self._dtype.itemsize
-        kv_buffer = _Buffer if device == "cpu" else _DeviceKV  # on the CPU the array is the buffer
+        kv_buffer = _Buffer if device == "cpu" else DeviceKV  # on the CPU the array is the buffer
         self._kv = {
             s: (
                 kv_buffer((B, *self._entry_shape), self._dtype.type, device),
@@ -224,14 +188,14 @@ class BatchGenerator:
             if kv_slots is not None and slot not in kv_slots:
                 continue
             for name, buf in ((f"key.{slot}", key), (f"value.{slot}", value)):
-                ptr = _ptr(buf, first * self._entry_bytes)
-                binding.bind_input(f"past_{name}", device, 0, _bind_type(self._dtype), shape, ptr)
-                binding.bind_output(f"present_{name}", device, 0, _bind_type(self._dtype), shape, ptr)
+                ptr = entry_ptr(buf, first * self._entry_bytes)
+                binding.bind_input(f"past_{name}", device, 0, bind_type(self._dtype), shape, ptr)
+                binding.bind_output(f"present_{name}", device, 0, bind_type(self._dtype), shape, ptr)
 
     @staticmethod
     def _bind_prefix(binding: ort.IOBinding, name: str, buf: _Buffer, shape: list[int], output: bool) -> None:
         bind = binding.bind_output if output else binding.bind_input
-        bind(name, buf.device, 0, _bind_type(buf.host.dtype), shape, _ptr(buf))
+        bind(name, buf.device, 0, bind_type(buf.host.dtype), shape, entry_ptr(buf))
 
     def _bind_step(self, kind: str, width: int, binding) -> None:
         """A batched kind over the occupied prefix 0..width-1 of every buffer."""
@@ -546,9 +510,13 @@ class BatchGenerator:
         self._keep[slot] = max(0, min(keep, self.max_length - rows))
         return self._keep[slot]
 
-    def begin(self, slot: int, start: int = 0) -> None:
+    def check_options(self, options: Mapping[str, object]) -> None:
+        """Nothing to refuse: every option this generator's requests set is the engine's."""
+
+    def begin(self, slot: int, start: int = 0, options: Mapping[str, object] | None = None) -> None:
         """``slot`` starts a sequence whose first ``start`` positions already hold its prefix's KV
-        (kept there or copied by ``copy_prefix``): n_b = start; ``prefill(start=...)`` continues it."""
+        (kept there or copied by ``copy_prefix``): n_b = start; ``prefill(start=...)`` continues it.
+        ``options``: the request's options of ``caps.request_options`` (none: it has no options)."""
         if not 0 <= start < self.max_length:
             raise RequestError(f"begin: {start} cached positions outside the KV capacity {self.max_length}")
         self.lengths[slot], self._keep[slot], self._held[slot] = start, 0, 0
@@ -585,7 +553,7 @@ class BatchGenerator:
         capacity = self.max_batch * H * S
         for key, value in self._kv.values():
             for buf in (key, value):
-                ptr = buf.value.data_ptr()
+                ptr = buf.value.dataentry_ptr()
                 for h in range(H):
                     first, to = (src * H + h) * S, (dst * H + h) * S
                     code = self._move(ptr, 1, capacity, row_bytes, first, to, count, None)

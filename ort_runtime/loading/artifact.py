@@ -66,7 +66,15 @@ from loopcast.manifest import (
     VERIFY,
     Manifest,
 )
-from loopcast.vocab import LOOP_STEP_KINDS, RECURRENT_KINDS, GraphKind, OpSet, depth_key, parse_graph_key
+from loopcast.vocab import (
+    LOOP_STEP_KINDS,
+    RECURRENT_BATCH_KINDS,
+    RECURRENT_KINDS,
+    GraphKind,
+    OpSet,
+    depth_key,
+    parse_graph_key,
+)
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 BATCH_DIM = "batch"  # the symbolic batch dimension of the batched kinds' inputs and outputs
@@ -217,8 +225,9 @@ def check_session_io(session: ort.InferenceSession, spec, manifest: Manifest, fi
     elif spec.kind == GraphKind.RECURRENT_CYCLE:  # one row per core step, carried between calls
         first = "carried_BW2H"
         rows = inputs[first].shape[1] if len(inputs[first].shape) == 3 else None
-    elif spec.kind in RECURRENT_KINDS:  # graphs/recurrent.py: dynamic rows of tokens or states
-        first = "input_ids_BS" if spec.kind == GraphKind.PRELUDE else "state_BSH"
+    elif spec.kind in RECURRENT_KINDS or spec.kind in RECURRENT_BATCH_KINDS:  # graphs/recurrent.py
+        # tokens or states: dynamic rows, or one row per batch entry
+        first = "input_ids_BS" if spec.kind in (GraphKind.PRELUDE, GraphKind.PRELUDE_BATCH) else "state_BSH"
         rows = inputs[first].shape[1] if len(inputs[first].shape) >= 2 else None
     elif spec.kind in LOOP_STEP_KINDS:  # graphs/loop_steps.py: a token (loop_embed) or a state
         first = "input_ids_BS" if spec.kind == GraphKind.LOOP_EMBED else "hidden_BSH"

@@ -1,0 +1,372 @@
+"""A batch of recurrent-depth (Huginn) sequences: their KV slots, lengths and per-request depth.
+
+The batching engine's slots (ort_runtime/binding/batch_slots.py) over a recurrent-depth
+artifact exported with ``--max-batch``. Every (step, layer) KV buffer, and the prelude's and
+coda's, is one ``[max_batch, H_kv, S_max, D]`` array; sequence slot b owns batch entry b of each
+(docs/serving.md), as in ort_runtime/binding/batch_generator.py. A decode step over the occupied
+prefix 0..w-1 of the slots is
+
+    prelude_batch(ids)                         → e           (a row per slot, at its own n_b)
+    s_0 = initial_state(seed_b, n_b)           per row (loopcast/recurrent_state.py)
+    core_step_batch k = 0..max_b r_b - 1       (s_k, e, active_B = [k < r_b]) → s_k+1
+    coda_batch(s)                              → each row's argmax and logits
+
+Each request keeps its own r (``loops``) and initial-state seed (``state_seed``), given at
+``begin``: a row whose request runs fewer core steps than the call's longest is passed through
+unchanged by the later calls (``active_B``, a selection in the graph), so its coda reads the
+state after its own r steps, as a one-sequence step at that r does. Those calls still write
+the row's KV at steps ≥ r_b; its request never reads them (a request's r is fixed), and a later
+request in the slot prefills every step it reads. A slot's prompt runs through the
+one-sequence prelude, core_step and coda graphs bound to its entry (its r, its seed): the
+prefill ``RecurrentGenerator`` runs. A free slot, or one whose prompt is still being
+prefilled, runs a dummy row (id 0, inactive) at position n_b of its own entry, which the next
+prefill there rewrites before any row reads it.
+
+Prefix reuse is off: a prefix's KV holds the core steps its request ran, which another request
+at another r or seed would read as its own. The calls run eagerly (no captured CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import onnxruntime as ort
+from loopcast.ort_runtime.binding.batch_kv import BF16, BatchStepOutput, DeviceKV, bind_type, entry_ptr
+from loopcast.ort_runtime.binding.batch_slots import SlotCaps
+from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
+from loopcast.ort_runtime.binding.step_clock import StepClock
+from loopcast.ort_runtime.loading.artifact import LoadedModel
+
+from loopcast.errors import ArtifactError, RequestError
+from loopcast.recurrent_state import initial_state
+from loopcast.vocab import RECURRENT_BATCH_KINDS, RECURRENT_KINDS, GraphKind
+
+PRELUDE, CORE_STEP, CODA = GraphKind.PRELUDE, GraphKind.CORE_STEP, GraphKind.CODA
+PRELUDE_BATCH, CORE_STEP_BATCH, CODA_BATCH = RECURRENT_BATCH_KINDS
+CAPS = SlotCaps(
+    request_options=frozenset({"loops", "state_seed"}),
+    prefix_reuse="a recurrent-depth prefix's KV holds the core steps of its request's loops and seed",
+)
+
+
+class RecurrentBatchGenerator:
+    """Up to ``max_batch`` recurrent-depth sequences stepped together; ``max_loops``: KV for
+    core steps 0..max_loops-1 only (default the artifact's max_recurrence). Not thread-safe:
+    one thread drives it (the engine loop)."""
+
+    caps = CAPS
+    verify_width: int | None = None  # no batched verify kinds: plain rows only
+    tail_width: int | None = None
+    prefill_rows: int | None = None  # prompts run eagerly at their own lengths
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        max_batch: int | None = None,
+        *,
+        max_loops: int | None = None,
+        cuda_graphs: bool | str = False,
+        prefill_rows: int | None = None,
+    ) -> None:
+        manifest, cfg = model.manifest, model.config
+        if not cfg.recurrent_depth:
+            raise ArtifactError(f"{model.path}: RecurrentBatchGenerator runs recurrent-depth artifacts")
+        missing = [k for k in (*RECURRENT_KINDS, *RECURRENT_BATCH_KINDS) if k not in model.sessions]
+        if missing:
+            have = (
+                "no batched graphs (export with --max-batch B)"
+                if PRELUDE_BATCH not in manifest.graphs
+                else ("them not opened (kinds=...)")
+            )
+            raise ArtifactError(
+                f"{model.path}: batched recurrent-depth decoding needs the {', '.join(missing)} "
+                f"graphs; this artifact has {have}"
+            )
+        if manifest.dtype != "fp32" and model.device == "cpu":
+            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device")
+        limit = manifest.max_batch or 1
+        self.max_batch = limit if max_batch is None else max_batch
+        if isinstance(self.max_batch, bool) or not 1 <= self.max_batch <= limit:
+            raise RequestError(
+                f"max_batch must be in 1..{limit} (the artifact's --max-batch), got {max_batch}"
+            )
+        self.max_loops = cfg.num_loops if max_loops is None else max_loops
+        if isinstance(self.max_loops, bool) or not 1 <= self.max_loops <= cfg.num_loops:
+            raise RequestError(
+                f"max_loops must be in 1..{cfg.num_loops} (the artifact's max_recurrence), got {max_loops}",
+                parameter="max_loops",
+            )
+        if prefill_rows is not None:
+            raise RequestError(
+                "prefill_rows (captured prefill chunks) is not supported for recurrent-depth artifacts: "
+                "their batched calls run eagerly",
+                parameter="prefill_rows",
+            )
+        # no captured graphs: said, not ignored (the serving state reports graph_fallbacks)
+        self.captured: set[str] = set()
+        self.graph_fallbacks: dict[str, str] = (
+            {str(k): "the recurrent-depth batched kinds run eagerly" for k in RECURRENT_BATCH_KINDS}
+            if cuda_graphs
+            else {}
+        )
+        self.model, self.config, self.device = model, cfg, model.device
+        self.max_length, self.vocab = manifest.max_length, cfg.vocab_size
+        self._dtype = np.dtype(_NP_DTYPES[manifest.dtype])
+        self._entry_shape = (cfg.num_kv_heads, self.max_length, manifest.kv_head_size)
+        self._entry_bytes = int(np.prod(self._entry_shape)) * self._dtype.itemsize
+        L, B = cfg.num_layers, self.max_batch
+        used = [cfg.core_slot(k, l) for k in range(self.max_loops) for l in range(L)]
+        used += [cfg.prelude_slot(l) for l in range(cfg.num_prelude_layers)]
+        used += [cfg.coda_slot(l) for l in range(cfg.num_coda_layers)]
+        kv_buffer = _Buffer if self.device == "cpu" else DeviceKV  # on the CPU the array is the buffer
+        self._kv = {
+            s: (
+                kv_buffer((B, *self._entry_shape), self._dtype.type, self.device),
+                kv_buffer((B, *self._entry_shape), self._dtype.type, self.device),
+            )
+            for s in used
+        }
+        # a graph's KV names -> the buffers bound to them: step k's core slots under step 0's names
+        self._slot_names = {
+            PRELUDE: {s: s for s in (cfg.prelude_slot(l) for l in range(cfg.num_prelude_layers))},
+            CODA: {s: s for s in (cfg.coda_slot(l) for l in range(cfg.num_coda_layers))},
+        }
+        self._step_names = [
+            {cfg.core_slot(0, l): cfg.core_slot(k, l) for l in range(L)} for k in range(self.max_loops)
+        ]
+        default = cfg.loops_default if cfg.loops_default <= self.max_loops else self.max_loops
+        self._default_loops = default
+        self.lengths = [0] * B  # n_b: tokens whose KV is committed in slot b
+        self._loops = [default] * B  # r_b: the request's core steps per token
+        self._seeds: list[int | None] = [None] * B  # the request's initial-state seed
+        self._bindings: dict[tuple[str, int, int], ort.IOBinding] = {}  # (kind, step, width) -> binding
+        self.clock = StepClock()
+        self.rows_run = 0  # decode rows computed, occupied or not
+        self.core_runs = 0  # core_step(_batch) calls: passes over the core
+
+    # -- binding -----------------------------------------------------------------------------
+    def _bind_kv(self, binding: ort.IOBinding, names: dict[int, int], first: int, count: int) -> None:
+        """``names``: the graph's KV name -> the buffer bound to it, entries first..first+count-1."""
+        shape = [count, *self._entry_shape]
+        for name, slot in names.items():
+            for which, buf in zip(("key", "value"), self._kv[slot]):
+                ptr = entry_ptr(buf, first * self._entry_bytes)
+                kind = bind_type(self._dtype)
+                binding.bind_input(f"past_{which}.{name}", self.device, 0, kind, shape, ptr)
+                binding.bind_output(f"present_{which}.{name}", self.device, 0, kind, shape, ptr)
+
+    def _names(self, kind: str, step: int) -> dict[int, int]:
+        if kind in (CORE_STEP, CORE_STEP_BATCH):
+            return self._step_names[step]
+        return self._slot_names[PRELUDE if kind in (PRELUDE, PRELUDE_BATCH) else CODA]
+
+    def _binding(self, kind: str, step: int, width: int) -> ort.IOBinding:
+        """A batched kind's binding over entries 0..width-1 (its KV bound once, made on first use)."""
+        key = (kind, step, width)
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self._bindings[key] = self.model.sessions[kind].io_binding()
+            self._bind_kv(binding, self._names(kind, step), 0, width)
+        return binding
+
+    def _run(self, kind: str, binding: ort.IOBinding, inputs: dict, outputs: list[str], on_host=False):
+        """Bind ``inputs`` (OrtValues as they are, numpy arrays from the host) and ``outputs`` (on
+        the device, or the host: the coda's ids and logits), run, and return the outputs."""
+        for name, value in inputs.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
+        for name in outputs:
+            binding.bind_output(name, "cpu" if on_host else self.device)
+        t0 = time.perf_counter()
+        self.model.sessions[kind].run_with_iobinding(binding)
+        self.clock.record(str(kind), time.perf_counter() - t0, steady=True)
+        values = binding.get_outputs()
+        return list(values[len(values) - len(outputs) :])  # the present KV come first
+
+    def _value(self, array: np.ndarray) -> ort.OrtValue | np.ndarray:
+        """A host state for binding (bf16 as its bits with the ONNX type)."""
+        array = np.ascontiguousarray(array, dtype=self._dtype)
+        if self._dtype == BF16:  # ORT's numpy bridge has no bf16: its bits, with the ONNX type
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                array.view(np.uint16), bind_type(self._dtype)
+            )
+        return array
+
+    # -- slots -------------------------------------------------------------------------------
+    def check_options(self, options: Mapping[str, object]) -> None:
+        """Refuse a request's depth this generator cannot run (before it waits for a slot)."""
+        loops = options.get("loops")
+        if loops is not None:
+            self.check_loops(loops)
+        seed = options.get("state_seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise RequestError(
+                f"state_seed must be a non-negative integer or None, got {seed!r}", parameter="state_seed"
+            )
+
+    def begin(self, slot: int, start: int = 0, options: Mapping[str, object] | None = None) -> None:
+        """``slot`` starts a request with ``options``' ``loops`` (None: the release's default r)
+        and ``state_seed`` (None: a zero initial state); no prefix is reused (``start`` must be 0)."""
+        if not 0 <= slot < self.max_batch:
+            raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
+        if start != 0:
+            raise RequestError(
+                f"begin: a cached prefix ({start} positions) cannot start a recurrent-depth slot"
+            )
+        options = options or {}
+        self.check_options(options)
+        loops = options.get("loops")
+        self._loops[slot] = self.check_loops(self._default_loops if loops is None else loops)
+        seed = options.get("state_seed")
+        self._seeds[slot] = int(seed) if isinstance(seed, int) else None
+        self.lengths[slot] = 0
+
+    def check_loops(self, loops: object) -> int:
+        if isinstance(loops, bool) or not isinstance(loops, int) or not 1 <= loops <= self.max_loops:
+            bound = (
+                "the artifact's max_recurrence" if self.max_loops == self.config.num_loops else "max_loops"
+            )
+            raise RequestError(
+                f"loops must be an integer in 1..{self.max_loops} ({bound}), got {loops!r}", parameter="loops"
+            )
+        return loops
+
+    def release(self, slot: int, keep: int = 0) -> int:
+        """Free ``slot`` (only its length is reset); nothing is kept for a prefix cache."""
+        self.lengths[slot] = 0
+        return 0
+
+    def warm_up(self, kinds: tuple[str, ...] | None = None) -> int:
+        """Nothing is captured; on the CPU, write zeros over the idle slots' KV entries, whose
+        pages the OS would otherwise map inside a request's first prefill (a latency spike for
+        every running request; BatchGenerator.warm_up says more). Returns 0 runs."""
+        if kinds is None and self.device == "cpu":
+            for slot in range(self.max_batch):
+                if not self.lengths[slot]:
+                    for key, value in self._kv.values():
+                        key.host[slot].fill(0)
+                        value.host[slot].fill(0)
+        return 0
+
+    # -- steps -------------------------------------------------------------------------------
+    def prefill(
+        self, slot: int, ids: list[int], *, start: int = 0, want_logits: bool = False
+    ) -> tuple[int, np.ndarray | None]:
+        """Write ``ids`` at positions start.. of ``slot`` through the one-sequence prelude, the
+        slot's r core steps and coda, bound to its KV entry; commit them and return the next
+        token (and its logits row when asked)."""
+        if not 0 <= slot < self.max_batch:
+            raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
+        if not ids:
+            raise RequestError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= int(t) < self.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        if start != self.lengths[slot] or start + len(ids) > self.max_length:
+            raise RequestError(
+                f"prefill of {len(ids)} tokens at {start} on slot {slot} (length {self.lengths[slot]}, "
+                f"max length {self.max_length})"
+            )
+        m, cfg = len(ids), self.config
+        lengths = {
+            "seqlens_k": np.array([start + m - 1], np.int32),
+            "total_sequence_length": np.array(start + m, np.int32),
+        }
+
+        def one(kind: str, step: int = 0) -> ort.IOBinding:
+            binding = self.model.sessions[kind].io_binding()
+            self._bind_kv(binding, self._names(kind, step), slot, 1)
+            return binding
+
+        (embedded,) = self._run(
+            PRELUDE, one(PRELUDE), {"input_ids_BS": np.array([ids], np.int64), **lengths}, ["embedded_BSH"]
+        )
+        positions = np.arange(start, start + m)
+        state = self._value(initial_state(cfg.hidden_size, cfg.state_std, positions, self._seeds[slot])[None])
+        for k in range(self._loops[slot]):
+            self.core_runs += 1
+            (state,) = self._run(
+                CORE_STEP,
+                one(CORE_STEP, k),
+                {"state_BSH": state, "embedded_BSH": embedded, **lengths},
+                ["state_BSH_out"],
+            )
+        next_ids, logits = self._run(
+            CODA,
+            one(CODA),
+            {"state_BSH": state, **lengths},
+            ["next_token_ids_BS", "logits_BSV"],
+            on_host=True,
+        )
+        self.lengths[slot] = start + m
+        return int(next_ids.numpy()[0, -1]), logits.numpy()[0, -1].copy() if want_logits else None
+
+    def decode(self, tokens: dict[int, int], *, want_logits: bool = False) -> BatchStepOutput:
+        """One row per slot in ``tokens`` (slot -> its pending token, written at position n_b),
+        each through its request's r core steps; commits each and returns each slot's next token."""
+        if not tokens:
+            raise RequestError("a step needs at least one sequence")
+        for slot, token in tokens.items():
+            if not 0 <= slot < self.max_batch:
+                raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
+            if not 1 <= self.lengths[slot] < self.max_length:
+                raise RequestError(
+                    f"slot {slot} has {self.lengths[slot]} committed tokens; a decode step needs a "
+                    f"prefilled sequence with room for one more (max length {self.max_length})"
+                )
+            if not 0 <= int(token) < self.vocab:
+                raise RequestError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
+        cfg, width = self.config, max(tokens) + 1
+        ids = np.zeros((width, 1), np.int64)
+        # a row sits at its slot's length: a dummy row (free, or prefilling) past what its entry holds
+        positions = np.minimum(np.asarray(self.lengths[:width], np.int32), self.max_length - 1)
+        loops = np.zeros(width, np.int32)  # dummy rows: no core step counts
+        state = np.zeros((width, 1, cfg.hidden_size), np.float32)
+        for slot, token in tokens.items():
+            ids[slot, 0], loops[slot] = token, self._loops[slot]
+            state[slot, 0] = initial_state(
+                cfg.hidden_size, cfg.state_std, positions[slot : slot + 1], self._seeds[slot]
+            )
+        lengths = {
+            "seqlens_k": positions,
+            "total_sequence_length": np.array(int(positions.max()) + 1, np.int32),
+        }
+        (embedded,) = self._run(
+            PRELUDE_BATCH,
+            self._binding(PRELUDE_BATCH, 0, width),
+            {"input_ids_BS": ids, **lengths},
+            ["embedded_BSH"],
+        )
+        current: ort.OrtValue | np.ndarray = self._value(state)
+        for k in range(int(loops.max())):
+            self.core_runs += 1
+            (current,) = self._run(
+                CORE_STEP_BATCH,
+                self._binding(CORE_STEP_BATCH, k, width),
+                {"state_BSH": current, "embedded_BSH": embedded, "active_B": loops > k, **lengths},
+                ["state_BSH_out"],
+            )
+        next_ids, logits = self._run(
+            CODA_BATCH,
+            self._binding(CODA_BATCH, 0, width),
+            {"state_BSH": current, **lengths},
+            ["next_token_ids_BS", "logits_BSV"],
+            on_host=True,
+        )
+        self.rows_run += width
+        out_ids, out_logits = next_ids.numpy(), logits.numpy() if want_logits else None
+        for slot in tokens:
+            self.lengths[slot] += 1
+        return BatchStepOutput(
+            {s: int(out_ids[s, 0]) for s in tokens},
+            {s: out_logits[s, 0].copy() for s in tokens} if out_logits is not None else None,
+        )
+
+    def kv_arrays(self, kv_slot: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of one sequence slot's K and V ``[1, H_kv, S_max, D]`` in one KV slot (checks)."""
+        key, value = self._kv[kv_slot]
+        return key.pull()[slot : slot + 1].copy(), value.pull()[slot : slot + 1].copy()
