@@ -222,16 +222,21 @@ def _huginn_checkpoint(out: Path) -> Path:
 
 
 @cache
-def huginn(max_length: int = 48, ops: str = "auto", pad_heads_to: int | None = None) -> tuple[Path, Path]:
+def huginn(
+    max_length: int = 48, ops: str = "auto", pad_heads_to: int | None = None, max_batch: int | None = None
+) -> tuple[Path, Path]:
     """The tiny-huginn checkpoint (std 0.1: the random recurrence is contractive, as the trained
     one is; tests/exporter/test_huginn_reference.py) and its fp32 export with ``ops`` (default:
-    loopcast attention where the op library is built; ``pad_heads_to``: heads stored padded),
-    shared by the recurrent-depth runtime tests."""
+    loopcast attention where the op library is built; ``pad_heads_to``: heads stored padded;
+    ``max_batch``: with the batched kinds), shared by the recurrent-depth runtime tests."""
 
     root = scratch_root() / f"huginn-{max_length}"
     ckpt = _huginn_checkpoint(root / "ckpt")
     art = root / (
-        ("art" if ops == "auto" else f"art-{ops}") + (f"-pad{pad_heads_to}" if pad_heads_to else "")
+        ("art" if ops == "auto" else f"art-{ops}")
+        + (f"-pad{pad_heads_to}" if pad_heads_to else "")
+        + (f"-batch{max_batch}" if max_batch else "")
     )
-    export_checkpoint(ckpt, art, ExportOptions(max_length=max_length, ops=ops, pad_heads_to=pad_heads_to))
+    options = ExportOptions(max_length=max_length, ops=ops, pad_heads_to=pad_heads_to, max_batch=max_batch)
+    export_checkpoint(ckpt, art, options)
     return ckpt, art

@@ -165,3 +165,42 @@ def test_row_invariant_rows_are_decode_rows_on_cuda(invariant, dtype, loops):
     for mode, extra in (("prompt-lookup", {}), ("self", {"draft_loops": max(1, loops // 4)})):
         got, stats, _ = run(gen, PROMPT, 16, loops=loops, state_seed=7, speculative=mode, **extra)
         assert got == want and stats.exact_greedy, mode
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_batched_rows_are_one_sequence_rows_on_cuda(checkpoint, dtype):
+    """--ops loopcast with --max-batch on CUDA: every row of prelude_batch → core_step_batch (mixed
+    depths, seeds, a free slot, a prompt prefilled in chunks) → coda_batch is its request's
+    one-sequence step bit for bit, and the batching engine gives each request its tokens alone."""
+    from loopcast.ort_runtime.api import load
+    from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest
+    from loopcast.ort_runtime.binding.recurrent_batch_generator import RecurrentBatchGenerator
+
+    from tests.ort_runtime.test_recurrent_batch import check_batched_rows
+
+    ckpt, root = checkpoint
+    out = root / f"art-{dtype}-loopcast-batch4"
+    if not out.exists():
+        export_checkpoint(ckpt, out, ExportOptions(dtype=dtype, max_length=48, ops="loopcast", max_batch=4))
+    model = load(out, "cuda")
+    check_batched_rows(model.loaded)
+    engine = BatchingEngine(RecurrentBatchGenerator(model.loaded)).start()
+    try:
+        cases = [
+            ([3, 17, 42, 8], 4, None),
+            ([5, 6, 7], 32, 7),
+            ([9, 9], 1, 2),
+            ([1, 2], 8, None),
+            ([4], 2, 3),
+        ]
+        done = [
+            engine.submit(BatchRequest(p, 10, config=model.generation_config(None, loops=r, state_seed=s)))
+            for p, r, s in cases
+        ]
+        for completion, (p, r, s) in zip(done, cases, strict=True):
+            assert (
+                completion.result(timeout=120)
+                == model.generate(p, 10, loops=r, state_seed=s, stop_ids=()).tokens
+            )
+    finally:
+        engine.shutdown()

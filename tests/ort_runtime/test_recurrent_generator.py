@@ -128,8 +128,10 @@ def test_loops_and_seed_are_checked(huginn):
 
 def test_other_kinds_options_are_refused(huginn, tmp_path):
     ckpt, _, _ = huginn
-    with pytest.raises(ExportError, match="--max-batch"):
-        export_checkpoint(ckpt, tmp_path / "x", ExportOptions(max_length=MAX_LENGTH, max_batch=2))
+    with pytest.raises(ExportError, match="--draft-depth"):
+        export_checkpoint(ckpt, tmp_path / "x", ExportOptions(max_length=MAX_LENGTH, draft_depth=1))
+    with pytest.raises(ExportError, match="--max-batch must be in"):
+        export_checkpoint(ckpt, tmp_path / "x", ExportOptions(max_length=MAX_LENGTH, max_batch=0))
 
 
 def test_graphs_are_unrolled_and_rotate_halves(huginn):

@@ -1,0 +1,204 @@
+"""Batched recurrent-depth (Huginn) decoding: prelude_batch, core_step_batch and coda_batch
+(``export --max-batch``) under the batching engine and the server, fp32 on the CPU.
+
+Every row of a batched step is the one-sequence step of its request bit for bit (logits equal),
+whatever the other rows' depths, seeds and states; the engine gives each request the tokens it
+gets alone, with requests joining, leaving and queueing, sampled or greedy, up to the KV
+capacity; what it does not serve is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from loopcast.errors import ArtifactError, RequestError
+
+pytest.importorskip("torch")
+
+from loopcast.ort_runtime.api import load  # noqa: E402
+from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest  # noqa: E402
+from loopcast.ort_runtime.binding.recurrent_batch_generator import RecurrentBatchGenerator  # noqa: E402
+from loopcast.ort_runtime.binding.recurrent_generator import RecurrentGenerator  # noqa: E402
+from loopcast.ort_runtime.decoding.sampling import SamplingParams  # noqa: E402
+from loopcast.ort_runtime.loading.describe import describe_artifact  # noqa: E402
+
+from tests.artifacts import huginn as tiny_huginn  # noqa: E402
+
+MAX_LENGTH = 48
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def batched():
+    _, art = tiny_huginn(MAX_LENGTH, max_batch=SLOTS)
+    return load(art)
+
+
+def alone(model, prompt, n, *, loops=None, state_seed=None, sampling=None):
+    """The request alone: the one-sequence engine's tokens (no stop ids)."""
+    config = model.generation_config(None, loops=loops, state_seed=state_seed)
+    return list(model.stream_ids(prompt, n, config=config, stop_ids=(), sampling=sampling))
+
+
+def test_the_batched_kinds_are_in_the_manifest_and_inspect(batched):
+    manifest = json.loads((batched.loaded.path / "manifest.json").read_text())
+    graphs = manifest["graphs"]
+    assert {"prelude_batch", "core_step_batch", "coda_batch"} <= set(graphs)
+    assert manifest["max_batch"] == SLOTS
+    assert all(graphs[k]["rows"] == 1 for k in ("prelude_batch", "core_step_batch", "coda_batch"))
+    assert graphs["core_step_batch"]["kv_slots"] == graphs["core_step"]["kv_slots"]  # step 0's names
+    assert "active_B" in graphs["core_step_batch"]["inputs"]
+    text = describe_artifact(batched.loaded.path)
+    assert "core_step_batch" in text and "up to r times, a row per sequence at its own r" in text
+    assert f"max batch       {SLOTS} sequences" in text
+
+
+def test_batched_rows_are_one_sequence_rows_bit_for_bit(batched):
+    check_batched_rows(batched.loaded)
+
+
+def check_batched_rows(loaded) -> None:
+    """Slots at depths 4, 32 and 1 (seeded and zero states) with a free slot between them, and a
+    prompt prefilled in two chunks while the others decode: every row's logits equal its
+    request's one-sequence step's, at every step (tests/ort_runtime/test_recurrent_cuda.py runs
+    it on CUDA)."""
+    gen = RecurrentBatchGenerator(loaded)
+    requests = {  # slot -> (prompt, loops, seed)
+        0: ([3, 17, 42, 8], 4, None),
+        2: ([5, 6, 7], 32, 5),
+        3: ([9, 9, 1, 2, 3], 1, 2),
+    }
+    singles, pending = {}, {}
+    for slot, (prompt, loops, seed) in requests.items():
+        gen.begin(slot, 0, {"loops": loops, "state_seed": seed})
+        token, logits = gen.prefill(slot, prompt, want_logits=True)
+        single = singles[slot] = RecurrentGenerator(loaded, loops=loops, state_seed=seed)
+        out = single.step(prompt)
+        assert token == int(out.next_ids[-1]) and np.array_equal(logits, out.logits[-1])
+        pending[slot] = token
+    late_prompt, late_single = [11, 12, 13, 14, 15, 16], RecurrentGenerator(loaded, loops=8, state_seed=1)
+    gen.begin(1, 0, {"loops": 8, "state_seed": 1})
+    gen.prefill(1, late_prompt[:4])  # slot 1 is mid-prompt: a dummy row at its length
+    for step in range(6):
+        if step == 2:  # its last chunk, then it decodes with the others
+            token, _ = gen.prefill(1, late_prompt[4:], start=4)
+            out = late_single.step(late_prompt)
+            assert token == int(out.next_ids[-1])
+            singles[1], pending[1] = late_single, token
+        out = gen.decode(dict(pending), want_logits=True)
+        for slot, token in pending.items():
+            want = singles[slot].step([token])
+            assert out.next_ids[slot] == int(want.next_ids[-1]), (step, slot)
+            assert np.array_equal(out.logits[slot], want.logits[-1]), (step, slot)
+        pending = dict(out.next_ids)
+    assert gen.lengths[:SLOTS] == [s.n for s in (singles[0], singles[1], singles[2], singles[3])]
+
+
+def test_the_engine_gives_every_request_its_tokens_alone(batched):
+    """Seven requests through four slots (three wait, then join as others finish): mixed depths
+    and seeds, one sampled with a seed, one running into the KV capacity ("length" inside the
+    batch); each gets the tokens it gets alone."""
+    model = batched
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    cases = [
+        ([3, 17, 42, 8], 12, dict(loops=4)),
+        ([5, 6, 7], 10, dict(loops=8, state_seed=3)),
+        ([9] * 6, 15, dict(loops=1)),
+        ([11, 12], 9, dict(loops=32, state_seed=7)),
+        ([1, 2, 3, 4, 5], 7, dict(loops=2, state_seed=1)),
+        ([20, 21], 11, dict(sampling=sampled, loops=4, state_seed=2)),
+        (list(range(3, 43)), 20, dict(loops=4)),  # 40 prompt tokens: capacity after 9 more
+    ]
+    engine = BatchingEngine(RecurrentBatchGenerator(model.loaded)).start()
+    try:
+        completions = []
+        for prompt, n, options in cases:
+            sampling = options.pop("sampling", None)
+            config = model.generation_config(None, **options)
+            completions.append(engine.submit(BatchRequest(prompt, n, sampling=sampling, config=config)))
+            options["sampling"] = sampling
+        for completion, (prompt, n, options) in zip(completions, cases, strict=True):
+            assert completion.result(timeout=120) == alone(model, prompt, n, **options), options
+        assert completions[-1].finish_reason == "length" and len(completions[-1].tokens) == 9
+        assert engine.peak_batch == SLOTS and engine.stats["decode_steps"] > 0
+        assert engine.prefix_caching.startswith("off (a recurrent-depth prefix")
+    finally:
+        engine.shutdown()
+
+
+def test_what_the_batched_engine_does_not_serve_is_refused_by_name(batched):
+    model = batched
+    engine = BatchingEngine(RecurrentBatchGenerator(model.loaded)).start()
+    try:
+        assert engine.speculative_modes == ("none", "prompt-lookup")
+        for options, parameter in (
+            (dict(kl_threshold=0.3), "kl_threshold"),
+            (dict(loops=33), "loops"),
+        ):
+            config = model.generation_config(None, **options)
+            with pytest.raises(RequestError, match=parameter) as info:
+                engine.submit(BatchRequest([3, 4], 4, config=config))
+            assert info.value.parameter == parameter
+        for mode in ("self", "pipeline"):
+            with pytest.raises(RequestError, match="speculative") as info:
+                engine.submit(BatchRequest([3, 4], 4, speculative=mode))
+        # prompt lookup has no batched verify kind here: plain rows, said per request
+        done = engine.submit(BatchRequest([5, 9, 5, 9, 5, 9], 6, speculative="prompt-lookup"))
+        assert done.result(timeout=60) == alone(model, [5, 9, 5, 9, 5, 9], 6)
+        assert done.speculative.startswith("none (")
+    finally:
+        engine.shutdown()
+    with pytest.raises(RequestError, match="max_batch must be in 1..4"):
+        RecurrentBatchGenerator(model.loaded, SLOTS + 1)
+    with pytest.raises(RequestError, match="prefill_rows"):
+        RecurrentBatchGenerator(model.loaded, prefill_rows=16)
+    small = RecurrentBatchGenerator(model.loaded, max_loops=3)  # KV for 3 core steps only
+    with pytest.raises(RequestError, match=r"1\.\.3 \(max_loops\)"):
+        small.begin(0, 0, {"loops": 4})
+
+
+def test_an_artifact_without_the_batched_kinds_is_named():
+    _, art = tiny_huginn(MAX_LENGTH)
+    with pytest.raises(ArtifactError, match="export with --max-batch"):
+        RecurrentBatchGenerator(load(art).loaded)
+
+
+def test_the_server_batches_a_recurrent_artifact(batched):
+    """``loopcast serve`` on a Huginn artifact exported with --max-batch runs the batching engine;
+    concurrent requests with their own loops and state_seed get their tokens alone."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loopcast.serve.state import ServeOptions, open_serving
+
+    from tests.serve.helpers import running_server
+
+    model = batched
+    state = open_serving(model.loaded.path, ServeOptions(model_name="h"))
+    cases = [([3, 17, 42, 8], {"loops": 32, "state_seed": 4}), ([5, 6, 7], {"loops": 2}), ([9, 8], {})] * 2
+    with running_server(state) as url:
+        assert httpx.get(f"{url}/health", timeout=10).json()["mode"].startswith("batched (up to 4")
+
+        def post(case):
+            prompt, extra = case
+            body = {"model": "h", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(
+                f"{url}/v1/completions", json={**body, **extra, "return_token_ids": True}, timeout=60
+            )
+            return r.status_code, r.json()
+
+        with ThreadPoolExecutor(len(cases)) as pool:
+            answers = list(pool.map(post, cases))
+        bad = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "h", "prompt": [3], "max_tokens": 2, "kl_threshold": 0.2},
+            timeout=60,
+        )
+    for (prompt, extra), (status, body) in zip(cases, answers, strict=True):
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == alone(model, prompt, 6, **extra)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kl_threshold"
