@@ -3,7 +3,7 @@
 # setup | kernels | tests | parity | bench-demo | bench-1p4b | gate-1p4b | sampling | fresh-install | export-mem
 # | serve | host-loop | weight-mem | export-profile | export-speed | alternate | gate-overhead | nbits
 # | quant-llama | quant-ouro | depth-demo | prep-1p4b | depth-1p4b | huginn | gpu-tests | quick-tests
-# | serve-pipeline | serve-equal | serve-chunk | nbits-kernels
+# | serve-pipeline | serve-equal | serve-chunk | nbits-kernels | huginn-long
 # (kernels needs no setup). Results go to /root/res and are packed into
 # $OUT/results.tgz after every phase (the device returns only a few files per call).
 # setup expects the onnxruntime-gpu wheel staged in parts under /root/og (see docs/perf.md)
@@ -306,6 +306,19 @@ phase_huginn() {  # issue 41 on CUDA (worst case ~8.5 min): the tiny GPU tests, 
   # plain decoding at r = 32 with the stock ops (which take head_dim 96; tools/bench/bench_huginn.py)
   timeout 120 python3 -m tools.bench.bench_huginn --preset huginn-3.5b --dtype bf16 --device cuda --loops 32 \
     --tokens 32 --work /root/hug-plain --json "$RES/huginn-plain-bf16.json" > "$RES/huginn-plain-bf16.txt" 2>&1
+}
+phase_huginn_long() {  # issue 41 (~8 min): the batched recurrent kinds on CUDA, the pipeline over
+  # longer generations (a lane leaves after r cycles: the fill is amortised over more tokens), and
+  # where a recurrent_cycle's GPU time goes (tools/bench/profile_recurrent.py)
+  LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
+  LOOPCAST_OPS_LIB=$LIB timeout ${HL_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/ort_runtime/test_recurrent_cuda.py -k "${HL_TESTS:-batched}" 2>&1 | tail -15 > "$RES/huginn-batch-tests.txt"
+  timeout ${HUGINN_TIMEOUT:-360} python3 -m loopcast.cli bench preset:huginn-3.5b --device cuda --dtype fp16 --dtype bf16 \
+    --variant batch-invariant --loops 32 --oracle-reject 0,0.1 --iters 10 --new-tokens ${HUGINN_TOKENS:-256} --no-torch \
+    --no-profile --alternate-tokens 0 --work-dir /root/hug --out "$RES/huginn-long.json" > "$RES/huginn-long.txt" 2>&1
+  local art; art=$(ls -d /root/hug/art-*-fp16-batch-invariant 2>/dev/null | head -1)
+  [ -n "$art" ] && timeout ${PROFILE_TIMEOUT:-120} python3 -m tools.bench.profile_recurrent --artifact "$art" \
+    --dtype fp16 --loops 32 --past 1024 --json "$RES/huginn-profile.json" > "$RES/huginn-profile.txt" 2>&1
 }
 phase_gpu_tests() {  # every GPU test file (ctypes kernels and ORT sessions) in one pytest run, one line per failure
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
