@@ -262,6 +262,13 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
     manifest = model.loaded.manifest
     name = options.model_name or Path(artifact).resolve().name
     batched = DECODE_BATCH in manifest.graphs or GraphKind.PRELUDE_BATCH in manifest.graphs
+    if batched and not options.sequential and model.config.recurrent_depth and model.loaded.device != "cpu":
+        # its rows are checked against one-sequence rows on the CPU; its CUDA test has not passed
+        # on a GPU yet (docs/serving.md, "Recurrent-depth artifacts")
+        raise RequestError(
+            f"--device {model.loaded.device}: batched serving of recurrent-depth artifacts is verified "
+            "on the CPU only so far; serve it with --sequential (one request at a time)"
+        )
     if batched and not options.sequential:
         # a recurrent-depth artifact's slots: prelude_batch, r core_step_batch calls, coda_batch
         kind = RecurrentBatchGenerator if model.config.recurrent_depth else BatchGenerator

@@ -90,8 +90,11 @@ def check_batched_rows(loaded) -> None:
         out = gen.decode(dict(pending), want_logits=True)
         for slot, token in pending.items():
             want = singles[slot].step([token])
+            diff = float(np.abs(out.logits[slot] - want.logits[-1]).max())
+            assert np.array_equal(out.logits[slot], want.logits[-1]), (
+                f"step {step} slot {slot}: max |diff| {diff}"
+            )
             assert out.next_ids[slot] == int(want.next_ids[-1]), (step, slot)
-            assert np.array_equal(out.logits[slot], want.logits[-1]), (step, slot)
         pending = dict(out.next_ids)
     assert gen.lengths[:SLOTS] == [s.n for s in (singles[0], singles[1], singles[2], singles[3])]
 

@@ -311,8 +311,8 @@ phase_huginn_long() {  # issue 41 (~8 min): the batched recurrent kinds on CUDA,
   # longer generations (a lane leaves after r cycles: the fill is amortised over more tokens), and
   # where a recurrent_cycle's GPU time goes (tools/bench/profile_recurrent.py)
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  LOOPCAST_OPS_LIB=$LIB timeout ${HL_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE \
-    tests/ort_runtime/test_recurrent_cuda.py -k "${HL_TESTS:-batched}" 2>&1 | tail -15 > "$RES/huginn-batch-tests.txt"
+  LOOPCAST_OPS_LIB=$LIB timeout ${HL_TEST_TIMEOUT:-300} python3 -m pytest -q -x --tb=short -p no:cacheprovider -rfE \
+    tests/ort_runtime/test_recurrent_cuda.py -k "${HL_TESTS:-batched}" > "$RES/huginn-batch-tests.txt" 2>&1
   timeout ${HUGINN_TIMEOUT:-360} python3 -m loopcast.cli bench preset:huginn-3.5b --device cuda --dtype fp16 --dtype bf16 \
     --variant batch-invariant --loops 32 --oracle-reject 0,0.1 --iters 10 --new-tokens ${HUGINN_TOKENS:-256} --no-torch \
     --no-profile --alternate-tokens 0 --work-dir /root/hug --out "$RES/huginn-long.json" > "$RES/huginn-long.txt" 2>&1
