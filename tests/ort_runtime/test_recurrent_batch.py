@@ -114,6 +114,7 @@ def test_the_engine_gives_every_request_its_tokens_alone(batched):
         ([20, 21], 11, dict(sampling=sampled, loops=4, state_seed=2)),
         (list(range(3, 43)), 20, dict(loops=4)),  # 40 prompt tokens: capacity after 9 more
     ]
+    want = [alone(model, prompt, n, **options) for prompt, n, options in cases]  # before the engine runs
     engine = BatchingEngine(RecurrentBatchGenerator(model.loaded)).start()
     try:
         completions = []
@@ -121,9 +122,7 @@ def test_the_engine_gives_every_request_its_tokens_alone(batched):
             sampling = options.pop("sampling", None)
             config = model.generation_config(None, **options)
             completions.append(engine.submit(BatchRequest(prompt, n, sampling=sampling, config=config)))
-            options["sampling"] = sampling
-        for completion, (prompt, n, options) in zip(completions, cases, strict=True):
-            assert completion.result(timeout=120) == alone(model, prompt, n, **options), options
+        assert [completion.result(timeout=120) for completion in completions] == want
         assert completions[-1].finish_reason == "length" and len(completions[-1].tokens) == 9
         assert engine.peak_batch == SLOTS and engine.stats["decode_steps"] > 0
         assert engine.prefix_caching.startswith("off (a recurrent-depth prefix")

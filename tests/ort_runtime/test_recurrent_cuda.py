@@ -167,40 +167,44 @@ def test_row_invariant_rows_are_decode_rows_on_cuda(invariant, dtype, loops):
         assert got == want and stats.exact_greedy, mode
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_batched_rows_are_one_sequence_rows_on_cuda(checkpoint, dtype):
+@pytest.fixture(scope="module", params=["fp16", "bf16"])
+def batched(checkpoint, request):
+    """The row-invariant op set's artifact with the batched kinds (--ops loopcast --max-batch 4)."""
+    from loopcast.ort_runtime.api import load
+
+    ckpt, root = checkpoint
+    out = root / f"art-{request.param}-loopcast-batch4"
+    if not out.exists():
+        options = ExportOptions(dtype=request.param, max_length=48, ops="loopcast", max_batch=4)
+        export_checkpoint(ckpt, out, options)
+    return load(out, "cuda")
+
+
+def test_batched_rows_are_one_sequence_rows_on_cuda(batched):
     """--ops loopcast with --max-batch on CUDA: every row of prelude_batch → core_step_batch (mixed
     depths, seeds, a free slot, a prompt prefilled in chunks) → coda_batch is its request's
-    one-sequence step bit for bit, and the batching engine gives each request its tokens alone."""
-    from loopcast.ort_runtime.api import load
+    one-sequence step bit for bit."""
+    from tests.ort_runtime.test_recurrent_batch import check_batched_rows
+
+    check_batched_rows(batched.loaded)
+
+
+def test_batched_engine_gives_each_request_its_tokens_alone_on_cuda(batched):
+    """The batching engine over the recurrent slots on CUDA. The references run first: a second
+    thread's CUDA generation beside the engine thread's would share the attention kernel's
+    process-wide scratch (custom_ops/src/attention_cuda.cu), which forbids concurrent launches."""
     from loopcast.ort_runtime.batching.engine import BatchingEngine, BatchRequest
     from loopcast.ort_runtime.binding.recurrent_batch_generator import RecurrentBatchGenerator
 
-    from tests.ort_runtime.test_recurrent_batch import check_batched_rows
-
-    ckpt, root = checkpoint
-    out = root / f"art-{dtype}-loopcast-batch4"
-    if not out.exists():
-        export_checkpoint(ckpt, out, ExportOptions(dtype=dtype, max_length=48, ops="loopcast", max_batch=4))
-    model = load(out, "cuda")
-    check_batched_rows(model.loaded)
+    model = batched
+    cases = [([3, 17, 42, 8], 4, None), ([5, 6, 7], 32, 7), ([9, 9], 1, 2), ([1, 2], 8, None), ([4], 2, 3)]
+    want = [model.generate(p, 10, loops=r, state_seed=s, stop_ids=()).tokens for p, r, s in cases]
     engine = BatchingEngine(RecurrentBatchGenerator(model.loaded)).start()
     try:
-        cases = [
-            ([3, 17, 42, 8], 4, None),
-            ([5, 6, 7], 32, 7),
-            ([9, 9], 1, 2),
-            ([1, 2], 8, None),
-            ([4], 2, 3),
-        ]
         done = [
             engine.submit(BatchRequest(p, 10, config=model.generation_config(None, loops=r, state_seed=s)))
             for p, r, s in cases
         ]
-        for completion, (p, r, s) in zip(done, cases, strict=True):
-            assert (
-                completion.result(timeout=120)
-                == model.generate(p, 10, loops=r, state_seed=s, stop_ids=()).tokens
-            )
+        assert [completion.result(timeout=120) for completion in done] == want
     finally:
         engine.shutdown()
