@@ -250,18 +250,13 @@ def served_mode(value: object) -> SpeculativeMode:
 
 def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -> ServingState:
     """Load ``artifact`` and start its engine (batched when it has the batched graphs)."""
-    from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
-    from loopcast.ort_runtime.binding.recurrent_batch_generator import RecurrentBatchGenerator
-
-    from loopcast.manifest import DECODE_BATCH
-    from loopcast.vocab import GraphKind
+    from loopcast.ort_runtime.binding.slots import has_batch_slots, open_batch_slots
 
     # threads that sleep between ops: spinning ones starve the engine's host work and the
     # server's own threads (ort_runtime/loading/thread_pool.py)
     model = load(artifact, options.device, threads=options.threads, spin=False, trust_ops=options.trust_ops)
-    manifest = model.loaded.manifest
     name = options.model_name or Path(artifact).resolve().name
-    batched = DECODE_BATCH in manifest.graphs or GraphKind.PRELUDE_BATCH in manifest.graphs
+    batched = has_batch_slots(model.loaded)
     if batched and not options.sequential and model.config.recurrent_depth and model.loaded.device != "cpu":
         # its rows are checked against one-sequence rows on the CPU; its CUDA test has not passed
         # on a GPU yet (docs/serving.md, "Recurrent-depth artifacts")
@@ -270,9 +265,7 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
             "on the CPU only so far; serve it with --sequential (one request at a time)"
         )
     if batched and not options.sequential:
-        # a recurrent-depth artifact's slots: prelude_batch, r core_step_batch calls, coda_batch
-        kind = RecurrentBatchGenerator if model.config.recurrent_depth else BatchGenerator
-        generator = kind(
+        generator = open_batch_slots(
             model.loaded,
             options.max_batch,
             cuda_graphs=options.cuda_graphs,

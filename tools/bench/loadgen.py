@@ -277,10 +277,10 @@ def make_engine(
     from loopcast.ort_runtime.batching.batch_gate import AlwaysBatchGate, BatchCostGate
     from loopcast.ort_runtime.batching.engine import BatchingEngine
     from loopcast.ort_runtime.batching.sequential import SequentialEngine
-    from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
+    from loopcast.ort_runtime.binding.slots import open_batch_slots
 
     if mode == "batched":
-        generator = BatchGenerator(
+        generator = open_batch_slots(
             model.loaded, max_batch, cuda_graphs=cuda_graphs, prefill_rows=prefill_rows
         )
         options = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
