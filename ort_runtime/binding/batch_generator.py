@@ -47,7 +47,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnxruntime as ort
-from loopcast.ort_runtime.binding.batch_kv import BatchStepOutput, DeviceKV, bind_type, entry_ptr
+from loopcast.ort_runtime.binding.batch_kv import BatchStepOutput, DeviceKV, bind_type, entry_ptr, slots_of
 from loopcast.ort_runtime.binding.batch_slots import SlotCaps
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
 from loopcast.ort_runtime.binding.device_move import load_device_move
@@ -79,24 +79,7 @@ class BatchGenerator:
         a graph captured per slot (``prefill_rows`` is then set; the engine sizes its prompt
         chunks to it): an uncaptured prefill is one launch per node, many decode steps' time."""
         manifest = model.manifest
-        if DECODE_BATCH not in model.sessions or PREFILL not in model.sessions:
-            have = (
-                "no batched graphs (export with --max-batch B)"
-                if DECODE_BATCH not in manifest.graphs
-                else "them not opened (kinds=...)"
-            )
-            raise ArtifactError(
-                f"{model.path}: batched decoding needs the prefill and decode_batch graphs; "
-                f"this artifact has {have}"
-            )
-        if manifest.dtype != "fp32" and model.device == "cpu":
-            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device")
-        limit = manifest.max_batch or 1
-        self.max_batch = limit if max_batch is None else max_batch
-        if not 1 <= self.max_batch <= limit:
-            raise RequestError(
-                f"max_batch must be in 1..{limit} (the artifact's --max-batch), got {max_batch}"
-            )
+        self.max_batch = slots_of(model, (PREFILL, DECODE_BATCH), DECODE_BATCH, "batched decoding", max_batch)
         cfg, device, B = model.config, model.device, self.max_batch
         self.model, self.max_length, self.vocab = model, manifest.max_length, cfg.vocab_size
         self._dtype = np.dtype(_NP_DTYPES[manifest.dtype])

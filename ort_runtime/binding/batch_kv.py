@@ -14,6 +14,8 @@ import numpy as np
 import onnxruntime as ort
 from loopcast.ort_runtime.binding.bindings import _ONNX_BFLOAT16
 
+from loopcast.errors import ArtifactError, RequestError
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -52,3 +54,27 @@ def entry_ptr(buf, offset_bytes: int = 0) -> int:
     """The address ``offset_bytes`` into a buffer's memory (its host array, or its device value)."""
     base = buf.host.ctypes.data if buf.device == "cpu" else buf.value.data_ptr()
     return base + offset_bytes
+
+
+def slots_of(model, needed: tuple[str, ...], marker: str, what: str, max_batch: int | None) -> int:
+    """The slots a batch generator of ``model`` holds (``max_batch``, None: the artifact's
+    --max-batch), after checking that its sessions hold the ``needed`` kinds (``marker``: the
+    batched kind an artifact without --max-batch lacks) and that its dtype runs on its device."""
+    manifest = model.manifest
+    missing = [str(kind) for kind in needed if kind not in model.sessions]
+    if missing:
+        have = (
+            "no batched graphs (export with --max-batch B)"
+            if marker not in manifest.graphs
+            else "them not opened (kinds=...)"
+        )
+        raise ArtifactError(
+            f"{model.path}: {what} needs the {', '.join(missing)} graphs; this artifact has {have}"
+        )
+    if manifest.dtype != "fp32" and model.device == "cpu":
+        raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device")
+    limit = manifest.max_batch or 1
+    slots = limit if max_batch is None else max_batch
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= limit:
+        raise RequestError(f"max_batch must be in 1..{limit} (the artifact's --max-batch), got {max_batch}")
+    return slots

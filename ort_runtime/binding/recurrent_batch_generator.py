@@ -33,7 +33,14 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnxruntime as ort
-from loopcast.ort_runtime.binding.batch_kv import BF16, BatchStepOutput, DeviceKV, bind_type, entry_ptr
+from loopcast.ort_runtime.binding.batch_kv import (
+    BF16,
+    BatchStepOutput,
+    DeviceKV,
+    bind_type,
+    entry_ptr,
+    slots_of,
+)
 from loopcast.ort_runtime.binding.batch_slots import SlotCaps
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
 from loopcast.ort_runtime.binding.step_clock import StepClock
@@ -73,25 +80,9 @@ class RecurrentBatchGenerator:
         manifest, cfg = model.manifest, model.config
         if not cfg.recurrent_depth:
             raise ArtifactError(f"{model.path}: RecurrentBatchGenerator runs recurrent-depth artifacts")
-        missing = [k for k in (*RECURRENT_KINDS, *RECURRENT_BATCH_KINDS) if k not in model.sessions]
-        if missing:
-            have = (
-                "no batched graphs (export with --max-batch B)"
-                if PRELUDE_BATCH not in manifest.graphs
-                else ("them not opened (kinds=...)")
-            )
-            raise ArtifactError(
-                f"{model.path}: batched recurrent-depth decoding needs the {', '.join(missing)} "
-                f"graphs; this artifact has {have}"
-            )
-        if manifest.dtype != "fp32" and model.device == "cpu":
-            raise ArtifactError(f"{model.path}: {manifest.dtype} artifacts need the CUDA device")
-        limit = manifest.max_batch or 1
-        self.max_batch = limit if max_batch is None else max_batch
-        if isinstance(self.max_batch, bool) or not 1 <= self.max_batch <= limit:
-            raise RequestError(
-                f"max_batch must be in 1..{limit} (the artifact's --max-batch), got {max_batch}"
-            )
+        needed = (*RECURRENT_KINDS, *RECURRENT_BATCH_KINDS)
+        what = "batched recurrent-depth decoding"
+        self.max_batch = slots_of(model, needed, PRELUDE_BATCH, what, max_batch)
         self.max_loops = cfg.num_loops if max_loops is None else max_loops
         if isinstance(self.max_loops, bool) or not 1 <= self.max_loops <= cfg.num_loops:
             raise RequestError(
