@@ -167,7 +167,7 @@ def export(
     )
     manifest = export_checkpoint(checkpoint, out_dir, options, progress=True, overwrite=overwrite)
     kinds = ", ".join(
-        f"{k}({v.rows or 'M'})" if k not in BATCH_KINDS else f"{k}({v.rows} x B<={manifest.max_batch})"
+        f"{k}({v.rows or 'M'})" if k not in BATCH_KINDS else f"{k}({v.rows or 'M'} x B<={manifest.max_batch})"
         for k, v in manifest.graphs.items()
     )
     exact = ", ".join(d for d, ok in manifest.exact_verify.items() if ok) or "no device"

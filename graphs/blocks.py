@@ -64,7 +64,8 @@ class BlockContext:
     # the batched kinds (graphs/batched.py) take one row per sequence and a symbolic B.
     batch: int | str = 1
     # rows per sequence in a batched kind (decode_batch 1, verify_batch W); -1: the batched
-    # cycle's activations, one entry of a symbolic row count (graphs/batched_cycle.py)
+    # cycle's activations, one entry of a symbolic row count (graphs/batched_cycle.py); 0: a
+    # symbolic count per sequence (the recurrent batched kinds, graphs/recurrent.py)
     batch_rows: int = 1
     rows: RowAddresses | None = None  # row-addressed graphs only
 

@@ -178,15 +178,22 @@ class OpSetBuilders:
             "Gemm", [flat, b.weight("embed_tokens.weight")], path="/lm_head/gemm", out="logits_NV", transB=1
         )
         # single sequence: [1, rows, V]; batched kinds: [B, rows per sequence, V]
-        # (batch_rows -1: the batched cycle's one activation entry of a symbolic row count)
+        # (batch_rows -1: the batched cycle's one activation entry of a symbolic row count;
+        # 0: a symbolic count per sequence, the recurrent batched kinds': B and S from the input)
         one_entry = ctx.batch == 1 or ctx.batch_rows == -1
-        shape_BSV = [1, -1, cfg.vocab_size] if one_entry else [-1, ctx.batch_rows, cfg.vocab_size]
-        return b.op(
-            "Reshape",
-            [logits, b.const_i64("shape_BSV", shape_BSV)],
-            path="/lm_head/unflatten",
-            out="logits_raw_BSV",
-        )
+        if ctx.batch_rows == 0 and not one_entry:
+            lead = b.op("Shape", [x_BSH], path="/lm_head/lead_dims", out="head_lead_2", start=0, end=2)
+            shape = b.op(
+                "Concat",
+                [lead, b.const_i64("vocab_1", [cfg.vocab_size])],
+                path="/lm_head/shape",
+                out="shape_3",
+                axis=0,
+            )
+        else:
+            dims = [1, -1, cfg.vocab_size] if one_entry else [-1, ctx.batch_rows, cfg.vocab_size]
+            shape = b.const_i64("shape_BSV", dims)
+        return b.op("Reshape", [logits, shape], path="/lm_head/unflatten", out="logits_raw_BSV")
 
 
 class StockOps(OpSetBuilders):

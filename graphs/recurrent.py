@@ -9,13 +9,13 @@ A token's forward is composed by the host, so r is chosen per request without ON
 
 Every kind takes dynamic rows (prefill, decode and verify are the same graphs). The batched
 kinds (``prelude_batch``, ``core_step_batch``, ``coda_batch``; ``export --max-batch``) are the
-same stacks over ``[B, 1]`` rows, one sequence per batch entry, each at its own length
-(``seqlens_k[b]``), as graphs/batched.py's; ``core_step_batch`` passes a row's state through
-unchanged where ``active_B[b]`` is false (its request runs fewer core steps than the call's
-longest): a selection, so the row keeps its bits. core_step's KV
-inputs are named for step 0's slots (``past_key.{l}``, l = 0..L-1); the host binds step k's
-buffers, slots ``k*L + l``, to them for its k-th call (docs/architecture.md §2). The prelude
-and coda bind their own slots.
+same stacks over ``[B, S]`` rows, one sequence per batch entry, its S rows at its own positions
+(``seqlens_k[b]``), as graphs/batched.py's (S = 1 a decode step, the drafts' rows a verify).
+``core_step_batch`` passes a sequence's states through unchanged where ``active_B[b]`` is false
+(its request runs fewer core steps than the call's longest): a selection, so they keep their
+bits. core_step's KV inputs are named for step 0's slots (``past_key.{l}``, l = 0..L-1); the
+host binds step k's buffers, slots ``k*L + l``, to them for its k-th call (docs/architecture.md
+§2). The prelude and coda bind their own slots.
 
 The attention rotates halves: the exporter reorders each q and k head's dims so that the
 halves are the release's adjacent pairs (exporter/recurrent_weights.py), so the stock and the
@@ -150,18 +150,18 @@ def build_recurrent_kind(
 ) -> tuple[ir.Model, GraphSpec]:
     batched = plan.kind in RECURRENT_BATCH_KINDS
     batch: int | str = BATCH if batched else 1
-    rows: int | str = 1 if batched else "num_rows"
+    rows = "num_rows"  # batched: rows per sequence (1 for a decode step, its drafts' for a verify)
     kind = _SINGLE.get(plan.kind, plan.kind)
     hidden = [batch, rows, config.hidden_size]
     step = blocks.StepInputs(
-        # batched: seqlens_k[b] = n_b (each row at its own sequence's position)
+        # batched: seqlens_k[b] = n_b + rows - 1 (each sequence's rows at its own positions)
         seqlens_k=b.input("seqlens_k", ir.DataType.INT32, [batch]),
         total_sequence_length=b.input("total_sequence_length", ir.DataType.INT32, []),
         cos_cache=b.weight("rotary.cos_SD2"),
         sin_cache=b.weight("rotary.sin_SD2"),
     )
     ctx = blocks.BlockContext(
-        config, dtype, max_length, step, op_set_builders(op_set), batch=batch, batch_rows=1
+        config, dtype, max_length, step, op_set_builders(op_set), batch=batch, batch_rows=0 if batched else 1
     )
     if kind == GraphKind.PRELUDE:
         ids = b.input("input_ids_BS", ir.DataType.INT64, [batch, rows])

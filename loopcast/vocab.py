@@ -52,8 +52,8 @@ class GraphKind(StrEnum):
     # The recurrent-depth pipeline (graphs/recurrent_cycles.py): R rows, row k a lane at core
     # step k, the entering lane's prelude and the leaving lane's coda in the same call.
     RECURRENT_CYCLE = "recurrent_cycle"
-    # The recurrent-depth kinds over a batch of sequences (``export --max-batch B``): one row per
-    # sequence, batch entry b reading and writing batch entry b of every KV buffer; core_step_batch
+    # The recurrent-depth kinds over a batch of sequences (``export --max-batch B``): dynamic rows
+    # per sequence, batch entry b reading and writing batch entry b of every KV buffer; core_step_batch
     # keeps the state of a row whose request runs fewer core steps (``active_B``).
     PRELUDE_BATCH = "prelude_batch"
     CORE_STEP_BATCH = "core_step_batch"
@@ -259,10 +259,10 @@ def graph_plan(
         if has_recurrent_cycle(config, op_set):
             recurrent.append(GraphPlan(GraphKind.RECURRENT_CYCLE, R, 0, R))
         if max_batch is not None:
-            recurrent += [
-                GraphPlan(GraphKind.PRELUDE_BATCH, 1, 0, 0),
-                GraphPlan(GraphKind.CORE_STEP_BATCH, 1, 0, 1),
-                GraphPlan(GraphKind.CODA_BATCH, 1, R, R),
+            recurrent += [  # dynamic rows per sequence: decode and verify steps
+                GraphPlan(GraphKind.PRELUDE_BATCH, None, 0, 0),
+                GraphPlan(GraphKind.CORE_STEP_BATCH, None, 0, 1),
+                GraphPlan(GraphKind.CODA_BATCH, None, R, R),
             ]
         return tuple(recurrent)
     plans = [GraphPlan(GraphKind.PREFILL, None, 0, R), GraphPlan(GraphKind.DECODE, 1, 0, R)]

@@ -22,6 +22,11 @@ prefill ``RecurrentGenerator`` runs. A free slot, or one whose prompt is still b
 prefilled, runs a dummy row (id 0, inactive) at position n_b of its own entry, which the next
 prefill there rewrites before any row reads it.
 
+A verify step (prompt lookup in the batch) is the same three kinds over S rows a slot, the most
+its slots give (the pending token and up to ``verify_width - 1`` drafts, padded by repeating the
+last), at positions n_b..n_b+S-1; it commits nothing (``advance`` commits the accepted rows; the
+rows past them hold stale KV that the slot's next step rewrites before any row reads it).
+
 Prefix reuse is off: a prefix's KV holds the core steps its request ran, which another request
 at another r or seed would read as its own. The calls run eagerly (no captured CUDA graphs).
 """
@@ -48,10 +53,13 @@ from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.recurrent_state import initial_state
-from loopcast.vocab import RECURRENT_BATCH_KINDS, RECURRENT_KINDS, GraphKind
+from loopcast.vocab import RECURRENT_BATCH_KINDS, RECURRENT_KINDS, GraphKind, OpSet
 
 PRELUDE, CORE_STEP, CODA = GraphKind.PRELUDE, GraphKind.CORE_STEP, GraphKind.CODA
 PRELUDE_BATCH, CORE_STEP_BATCH, CODA_BATCH = RECURRENT_BATCH_KINDS
+# Rows a verify step takes per sequence: the pending token and up to 4 drafts, the one-sequence
+# engine's default draft count for this family (ort_runtime/decoding/recurrent_stream.py).
+VERIFY_WIDTH = 5
 CAPS = SlotCaps(
     request_options=frozenset({"loops", "state_seed"}),
     prefix_reuse="a recurrent-depth prefix's KV holds the core steps of its request's loops and seed",
@@ -64,8 +72,7 @@ class RecurrentBatchGenerator:
     one thread drives it (the engine loop)."""
 
     caps = CAPS
-    verify_width: int | None = None  # no batched verify kinds: plain rows only
-    tail_width: int | None = None
+    tail_width: int | None = None  # no self-speculation in the batch
     prefill_rows: int | None = None  # prompts run eagerly at their own lengths
 
     def __init__(
@@ -74,6 +81,7 @@ class RecurrentBatchGenerator:
         max_batch: int | None = None,
         *,
         max_loops: int | None = None,
+        verify_width: int = VERIFY_WIDTH,
         cuda_graphs: bool | str = False,
         prefill_rows: int | None = None,
     ) -> None:
@@ -83,6 +91,13 @@ class RecurrentBatchGenerator:
         needed = (*RECURRENT_KINDS, *RECURRENT_BATCH_KINDS)
         what = "batched recurrent-depth decoding"
         self.max_batch = slots_of(model, needed, PRELUDE_BATCH, what, max_batch)
+        if isinstance(verify_width, bool) or not isinstance(verify_width, int) or verify_width < 2:
+            raise RequestError(
+                f"verify_width must be an integer >= 2, got {verify_width!r}", parameter="verify_width"
+            )
+        # the rows are dynamic: a verify step runs the most rows its slots give, up to this. Stock
+        # attention (GroupQueryAttention) takes several rows a sequence only in a batch of one.
+        self.verify_width: int | None = verify_width if OpSet(manifest.op_set).loopcast_attention else None
         self.max_loops = cfg.num_loops if max_loops is None else max_loops
         if isinstance(self.max_loops, bool) or not 1 <= self.max_loops <= cfg.num_loops:
             raise RequestError(
@@ -299,37 +314,74 @@ class RecurrentBatchGenerator:
     def decode(self, tokens: dict[int, int], *, want_logits: bool = False) -> BatchStepOutput:
         """One row per slot in ``tokens`` (slot -> its pending token, written at position n_b),
         each through its request's r core steps; commits each and returns each slot's next token."""
-        if not tokens:
+        out, logits = self._step({slot: [token] for slot, token in tokens.items()}, want_logits)
+        for slot in tokens:
+            self.lengths[slot] += 1
+        return BatchStepOutput(
+            {s: ids[0] for s, ids in out.items()},
+            {s: rows[0] for s, rows in logits.items()} if logits is not None else None,
+        )
+
+    def verify(
+        self, rows: dict[int, list[int]], *, want_logits: bool = False
+    ) -> tuple[dict[int, list[int]], dict[int, np.ndarray] | None]:
+        """Slot -> its pending token and drafts (1..verify_width ids) at positions n_b.., each row
+        through the request's r core steps; each slot's argmax per given row (and [rows, V]
+        logits when asked). Commits nothing: ``advance``."""
+        if self.verify_width is None:
+            raise RequestError(
+                "batched verify needs the loopcast attention op (this artifact has stock attention)"
+            )
+        for ids in rows.values():
+            if not 1 <= len(ids) <= self.verify_width:
+                raise RequestError(f"verify takes 1..{self.verify_width} rows per sequence, got {len(ids)}")
+        return self._step(rows, want_logits)
+
+    def advance(self, slot: int, count: int) -> None:
+        """Commit the first ``count`` rows of ``slot``'s last verify step."""
+        if not 0 <= count <= (self.verify_width or 1) or self.lengths[slot] + count > self.max_length:
+            raise RequestError(f"cannot commit {count} rows on slot {slot} at length {self.lengths[slot]}")
+        self.lengths[slot] += count
+
+    def _step(
+        self, rows: dict[int, list[int]], want_logits: bool
+    ) -> tuple[dict[int, list[int]], dict[int, np.ndarray] | None]:
+        """S = the most rows given (1 for a decode step) per slot of the occupied prefix, slot b's
+        at positions n_b..n_b+S-1 (its given ids, padded by repeating the last), through
+        prelude_batch, max_b r_b core_step_batch calls and coda_batch. Commits nothing."""
+        if not rows:
             raise RequestError("a step needs at least one sequence")
-        for slot, token in tokens.items():
+        S = max(len(ids) for ids in rows.values())
+        for slot, ids in rows.items():
             if not 0 <= slot < self.max_batch:
                 raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
-            if not 1 <= self.lengths[slot] < self.max_length:
+            if self.lengths[slot] < 1 or self.lengths[slot] + S > self.max_length:
                 raise RequestError(
-                    f"slot {slot} has {self.lengths[slot]} committed tokens; a decode step needs a "
-                    f"prefilled sequence with room for one more (max length {self.max_length})"
+                    f"slot {slot} has {self.lengths[slot]} committed tokens; a step needs a prefilled "
+                    f"sequence with room for {S} more (max length {self.max_length})"
                 )
-            if not 0 <= int(token) < self.vocab:
-                raise RequestError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
-        cfg, width = self.config, max(tokens) + 1
-        ids = np.zeros((width, 1), np.int64)
-        # a row sits at its slot's length: a dummy row (free, or prefilling) past what its entry holds
-        positions = np.minimum(np.asarray(self.lengths[:width], np.int32), self.max_length - 1)
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        cfg, width = self.config, max(rows) + 1
+        ids_BS = np.zeros((width, S), np.int64)
+        # rows sit at their slot's length: dummy rows (a free or prefilling slot) past what its entry holds
+        first = np.minimum(np.asarray(self.lengths[:width], np.int32), self.max_length - S)
         loops = np.zeros(width, np.int32)  # dummy rows: no core step counts
-        state = np.zeros((width, 1, cfg.hidden_size), np.float32)
-        for slot, token in tokens.items():
-            ids[slot, 0], loops[slot] = token, self._loops[slot]
-            state[slot, 0] = initial_state(
-                cfg.hidden_size, cfg.state_std, positions[slot : slot + 1], self._seeds[slot]
-            )
+        state = np.zeros((width, S, cfg.hidden_size), np.float32)
+        for slot, given in rows.items():
+            ids_BS[slot, : len(given)], ids_BS[slot, len(given) :] = given, given[-1]
+            loops[slot] = self._loops[slot]
+            positions = np.arange(first[slot], first[slot] + S)
+            state[slot] = initial_state(cfg.hidden_size, cfg.state_std, positions, self._seeds[slot])
         lengths = {
-            "seqlens_k": positions,
-            "total_sequence_length": np.array(int(positions.max()) + 1, np.int32),
+            "seqlens_k": (first + S - 1).astype(np.int32),
+            "total_sequence_length": np.array(int(first.max()) + S, np.int32),
         }
         (embedded,) = self._run(
             PRELUDE_BATCH,
             self._binding(PRELUDE_BATCH, 0, width),
-            {"input_ids_BS": ids, **lengths},
+            {"input_ids_BS": ids_BS, **lengths},
             ["embedded_BSH"],
         )
         current: ort.OrtValue | np.ndarray = self._value(state)
@@ -348,14 +400,15 @@ class RecurrentBatchGenerator:
             ["next_token_ids_BS", "logits_BSV"],
             on_host=True,
         )
-        self.rows_run += width
+        self.rows_run += width * S
         out_ids, out_logits = next_ids.numpy(), logits.numpy() if want_logits else None
-        for slot in tokens:
-            self.lengths[slot] += 1
-        return BatchStepOutput(
-            {s: int(out_ids[s, 0]) for s in tokens},
-            {s: out_logits[s, 0].copy() for s in tokens} if out_logits is not None else None,
+        out = {s: [int(t) for t in out_ids[s, : len(given)]] for s, given in rows.items()}
+        kept = (
+            {s: out_logits[s, : len(given)].copy() for s, given in rows.items()}
+            if out_logits is not None
+            else None
         )
+        return out, kept
 
     def kv_arrays(self, kv_slot: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of one sequence slot's K and V ``[1, H_kv, S_max, D]`` in one KV slot (checks)."""

@@ -70,9 +70,9 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         GraphKind.CORE_STEP: f"r = 1..{cfg.num_loops} times (default {cfg.loops_default})",
         GraphKind.CODA: "once",
         GraphKind.RECURRENT_CYCLE: f"per pipeline cycle, row k a lane at step k (k < {cfg.num_loops})",
-        GraphKind.PRELUDE_BATCH: "once, a row per sequence",
-        GraphKind.CORE_STEP_BATCH: "up to r times, a row per sequence at its own r",
-        GraphKind.CODA_BATCH: "once, a row per sequence",
+        GraphKind.PRELUDE_BATCH: "once, rows per sequence",
+        GraphKind.CORE_STEP_BATCH: "up to r times, each sequence at its own r",
+        GraphKind.CODA_BATCH: "once, rows per sequence",
     }
     for kind, spec in manifest.graphs.items():
         size = (Path(path) / spec.file).stat().st_size

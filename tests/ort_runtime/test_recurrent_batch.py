@@ -36,10 +36,10 @@ def batched():
     return load(art)
 
 
-def alone(model, prompt, n, *, loops=None, state_seed=None, sampling=None):
-    """The request alone: the one-sequence engine's tokens (no stop ids)."""
+def alone(model, prompt, n, *, loops=None, state_seed=None, sampling=None, stop_ids=()):
+    """The request alone: the one-sequence engine's plain tokens (no stop ids unless given)."""
     config = model.generation_config(None, loops=loops, state_seed=state_seed)
-    return list(model.stream_ids(prompt, n, config=config, stop_ids=(), sampling=sampling))
+    return list(model.stream_ids(prompt, n, config=config, stop_ids=stop_ids, sampling=sampling))
 
 
 def test_the_batched_kinds_are_in_the_manifest_and_inspect(batched):
@@ -47,11 +47,11 @@ def test_the_batched_kinds_are_in_the_manifest_and_inspect(batched):
     graphs = manifest["graphs"]
     assert {"prelude_batch", "core_step_batch", "coda_batch"} <= set(graphs)
     assert manifest["max_batch"] == SLOTS
-    assert all(graphs[k]["rows"] == 1 for k in ("prelude_batch", "core_step_batch", "coda_batch"))
+    assert all(graphs[k]["rows"] is None for k in ("prelude_batch", "core_step_batch", "coda_batch"))
     assert graphs["core_step_batch"]["kv_slots"] == graphs["core_step"]["kv_slots"]  # step 0's names
     assert "active_B" in graphs["core_step_batch"]["inputs"]
     text = describe_artifact(batched.loaded.path)
-    assert "core_step_batch" in text and "up to r times, a row per sequence at its own r" in text
+    assert "core_step_batch" in text and "up to r times, each sequence at its own r" in text
     assert f"max batch       {SLOTS} sequences" in text
 
 
@@ -97,6 +97,109 @@ def check_batched_rows(loaded) -> None:
             assert out.next_ids[slot] == int(want.next_ids[-1]), (step, slot)
         pending = dict(out.next_ids)
     assert gen.lengths[:SLOTS] == [s.n for s in (singles[0], singles[1], singles[2], singles[3])]
+
+
+def test_verify_rows_are_one_sequence_rows_bit_for_bit(batched):
+    check_verify_rows(batched.loaded)
+
+
+@pytest.mark.parametrize("ops", ["stock", "loopcast"])
+def test_every_op_set_gives_one_sequence_rows(ops):
+    """The batched kinds of the stock ops and of the row-invariant loopcast op set (their tied
+    heads are built differently) give the one-sequence rows in decode steps, and the loopcast
+    ones in verify steps (stock attention takes several rows a sequence only alone)."""
+    _, art = tiny_huginn(MAX_LENGTH, ops=ops, max_batch=SLOTS)
+    loaded = load(art).loaded
+    check_batched_rows(loaded)
+    gen = RecurrentBatchGenerator(loaded)
+    if ops == "stock":
+        assert gen.verify_width is None
+        with pytest.raises(RequestError, match="loopcast attention"):
+            gen.verify({0: [1, 2]})
+        assert BatchingEngine(gen).speculation is None  # prompt lookup: plain rows, said per request
+    else:
+        check_verify_rows(loaded)
+
+
+def check_verify_rows(loaded) -> None:
+    """A verify step over three slots at depths 4, 32 and 1 with 4, 2 and 0 drafts (the call's
+    rows are the most given: the others' padded): each given row's logits are its request's
+    one-row step's at that position; committing some rows (``advance``) and decoding on gives
+    the one-sequence rows still."""
+    gen = RecurrentBatchGenerator(loaded)
+    requests = {0: ([3, 17, 42, 8], 4, None), 1: ([5, 6, 7], 32, 5), 3: ([9, 9, 1], 1, 2)}
+    drafts = {0: 4, 1: 2, 3: 0}
+    given, singles, want = {}, {}, {}
+    for slot, (prompt, loops, seed) in requests.items():
+        gen.begin(slot, 0, {"loops": loops, "state_seed": seed})
+        first, _ = gen.prefill(slot, prompt)
+        single = singles[slot] = RecurrentGenerator(loaded, loops=loops, state_seed=seed)
+        single.step(prompt)
+        rows, token = [], first  # the plain continuation: one-row steps
+        for _ in range(drafts[slot] + 1):
+            out = single.step([token])
+            rows.append(out.logits[-1])
+            token = int(out.next_ids[-1])
+        given[slot] = [first] + [int(np.argmax(r)) for r in rows[:-1]]  # drafts that all hit
+        want[slot] = rows
+        single.rewind(len(prompt))
+    targets, logits = gen.verify(given, want_logits=True)
+    for slot in requests:
+        assert len(targets[slot]) == len(given[slot])
+        for i, row in enumerate(want[slot]):
+            assert np.array_equal(logits[slot][i], row), (slot, i)
+    # commit 2 rows of slot 0, all of slot 1, 1 of slot 3; then a decode step at the new lengths
+    for slot, count in {0: 2, 1: 3, 3: 1}.items():
+        gen.advance(slot, count)
+        singles[slot].step(given[slot][:count])
+    pending = {
+        slot: given[slot][count] if count < len(given[slot]) else targets[slot][-1]
+        for slot, count in {0: 2, 1: 3, 3: 1}.items()
+    }
+    out = gen.decode(pending, want_logits=True)
+    for slot, token in pending.items():
+        assert np.array_equal(out.logits[slot], singles[slot].step([token]).logits[-1]), slot
+    with pytest.raises(RequestError, match="verify takes 1..5 rows"):
+        gen.verify({0: [1] * 6})
+
+
+def test_prompt_lookup_in_the_batch_gives_plain_tokens(batched):
+    """Prompt-lookup requests verified in the batch (every step with drafts verified: the always
+    gate), beside plain ones, at their own depths and seeds, one stopping on a stop id that a
+    verify step proposes and one at the KV capacity: each request's tokens are its plain tokens
+    alone, at the first step they could differ."""
+    from loopcast.ort_runtime.batching.batch_gate import AlwaysBatchGate
+
+    model = batched
+    loop = [5, 9, 11, 5, 9, 11, 5, 9]  # repeats itself: prompt lookup has n-grams to draft from
+    cases = [
+        (loop, 14, dict(loops=4), "prompt-lookup"),
+        (loop[:5], 12, dict(loops=32, state_seed=3), "prompt-lookup"),
+        ([3, 17, 42, 8], 10, dict(loops=1), "none"),
+        (loop * 5, 20, dict(loops=8), "prompt-lookup"),  # 40 tokens: the capacity after 9 more
+    ]
+    want = [alone(model, p, n, **o) for p, n, o, _ in cases]
+    stop = want[0][6]  # a stop id inside the first request's continuation
+    cases.append((loop, 14, dict(loops=4, stop_ids=(stop,)), "prompt-lookup"))
+    want.append(alone(model, loop, 14, loops=4, stop_ids=(stop,)))
+    engine = BatchingEngine(RecurrentBatchGenerator(model.loaded), gate=AlwaysBatchGate()).start()
+    try:
+        done = []
+        for prompt, n, options, mode in cases:
+            stop_ids = options.pop("stop_ids", ())
+            config = model.generation_config(None, **options)
+            done.append(
+                engine.submit(BatchRequest(prompt, n, stop_ids=stop_ids, speculative=mode, config=config))
+            )
+        got = [completion.result(timeout=120) for completion in done]
+    finally:
+        engine.shutdown()
+    for g, w in zip(got, want, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        assert g == w, f"first differing token at {first}"
+    assert done[-1].finish_reason == "eos" and done[-2].finish_reason == "length"
+    assert engine.stats["verify_steps"] > 0 and engine.stats["accepted"] > 0
+    assert all(c.speculative == "prompt-lookup" for c, case in zip(done, cases) if case[3] != "none")
 
 
 def test_the_engine_gives_every_request_its_tokens_alone(batched):
@@ -146,10 +249,9 @@ def test_what_the_batched_engine_does_not_serve_is_refused_by_name(batched):
         for mode in ("self", "pipeline"):
             with pytest.raises(RequestError, match="speculative") as info:
                 engine.submit(BatchRequest([3, 4], 4, speculative=mode))
-        # prompt lookup has no batched verify kind here: plain rows, said per request
-        done = engine.submit(BatchRequest([5, 9, 5, 9, 5, 9], 6, speculative="prompt-lookup"))
-        assert done.result(timeout=60) == alone(model, [5, 9, 5, 9, 5, 9], 6)
-        assert done.speculative.startswith("none (")
+        with pytest.raises(RequestError, match="num_draft_tokens must be in 1..4"):
+            config = model.generation_config(None, num_draft_tokens=5)
+            engine.submit(BatchRequest([3, 4], 4, speculative="prompt-lookup", config=config))
     finally:
         engine.shutdown()
     with pytest.raises(RequestError, match="max_batch must be in 1..4"):
