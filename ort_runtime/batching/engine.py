@@ -17,22 +17,17 @@ looped family's BatchGenerator, or a recurrent-depth RecurrentBatchGenerator) an
   logits are pulled and drawn on the host with the request's own RNG; greedy rows use the
   device argmax), cancellation (takes effect at the next step boundary). Stop *strings* are
   text: the caller watches the text (``StopStringMatcher``) and cancels.
-- **Speculation per request** (``speculative="prompt-lookup"``, greedy requests): each step,
-  requests whose prompt-lookup proposer (ort_runtime/decoding/proposers.py) offers drafts are verified in
-  one ``verify_batch`` step together with every other running request (one real row each);
-  ``accept_round`` (the one accept path of both engines) takes the accepted prefix and the
-  verifier's token, and the slot commits 1 + accepted rows. ``BatchCostGate`` decides per
-  step, from measured step costs per width and the observed acceptance, whether that verify
-  step yields more tokens per second than a decode step. Sampled requests (and artifacts
-  whose verify rows are not exact on the device) decode plainly; ``Completion.speculative``
-  says which applied and why. Greedy tokens equal plain greedy's of ``loopcast generate``
-  either way (tests/ort_runtime/test_batching.py).
-- **Self-speculation in the batch** (``speculative="self"``, ort_runtime/batching/self_round.py):
-  ``BatchCostGate.engage_self`` picks, per request, which self-speculating requests draft this
-  step (their own acceptance, the measured draft_batch / verify_tail_batch / decode_batch costs,
-  ``draft_row_budget``); then one round runs every running request through k+1 draft_batch calls
-  and one verify_tail_batch call (prompt-lookup drafts ride along as given rows, everyone else
-  is a plain row), and the same ``accept_round`` settles each slot (test_batch_self.py).
+- **Speculation per request** (``speculative="prompt-lookup"``): requests whose proposer offers
+  drafts are verified in one ``verify_batch`` step with every other running request (one real
+  row each); ``accept_round`` (the one accept path of both engines) settles each slot, which
+  commits 1 + accepted rows. ``BatchCostGate`` decides per step, from measured step costs per
+  width and the observed acceptance, whether that beats a decode step; ``Completion.speculative``
+  says what applied and why. Greedy tokens equal ``loopcast generate``'s either way.
+- **Self-speculation in the batch** (``speculative="self"``, self_round.py): the gate picks which
+  self-speculating requests draft this step (``engage_self``); one round drafts for them (the
+  looped family's draft_batch rows, a recurrent-depth model's rows at fewer core steps) and
+  verifies every running request, prompt-lookup drafts riding along, through the same
+  ``accept_round``.
 - **Prefix caching** (ort_runtime/batching/prefix_cache.py): a prompt starts from the longest
   prefix whose KV a freed or running slot holds (``Completion.cached_tokens``).
 - **Chunked prefill**: prompts are prefilled ``prefill_chunk`` tokens at a time, at most one
@@ -146,7 +141,7 @@ class BatchingEngine(EngineBase):
         self.gate = gate or BatchCostGate()
         self.proposer_factory = proposer_factory
         self.self_perturb = self_perturb
-        W = generator.tail_width or 1
+        W = generator.tail_width or generator.verify_width or 1  # a draft chain and its pending row
         self.draft_row_budget = draft_row_budget or generator.max_batch * W
         if self.draft_row_budget < 2:
             raise RequestError(
@@ -189,12 +184,17 @@ class BatchingEngine(EngineBase):
         )
         # self-speculation where the model drafts with its shallow loops (a draft depth), in
         # rounds of the batched draft and verify_tail kinds (self_round.py) where rows are exact
-        self.speculative_modes = (NONE, PROMPT_LOOKUP) + ((SELF,) if model.manifest.draft_depth else ())
+        recurrent = generator.caps.recurrent_self  # drafts at fewer core steps, verified by verify
+        self.speculative_modes = (NONE, PROMPT_LOOKUP) + (
+            (SELF,) if model.manifest.draft_depth or recurrent else ()
+        )
         self.self_speculation = (
             "off (the model has no draft depth)"
-            if not model.manifest.draft_depth
+            if not model.manifest.draft_depth and not recurrent
             else "off (the artifact has no draft_batch graph: re-export with --max-batch)"
-            if generator.tail_width is None
+            if generator.tail_width is None and not recurrent
+            else "off (its batched verify needs the loopcast attention op)"
+            if recurrent and generator.verify_width is None
             else f"off (rows are not exact on {model.device} for this artifact: exact_verify)"
             if not model.exact_verify
             else "on"
@@ -240,7 +240,8 @@ class BatchingEngine(EngineBase):
             )
 
     def _slot_options(self, request: BatchRequest) -> dict[str, object]:  # the generator's caps
-        return {name: getattr(request.config, name) for name in self.gen.caps.request_options}
+        values = {name: request.config.value(name) for name in self.gen.caps.request_options}
+        return {**values, "speculative": request.speculative} if "speculative" in values else values
 
     def _speculation_for(self, request: BatchRequest) -> tuple[PromptLookupProposer | None, str]:
         """The request's proposer (prompt lookup) and what serves it ("self": its round's drafts)."""
@@ -486,7 +487,7 @@ class BatchingEngine(EngineBase):
 
     def _self_drafts(self, width: int) -> dict[int, int]:
         """Slot -> drafts of the self-speculating requests that draft this step (the gate's choice)."""
-        W = self.gen.tail_width
+        W = self.gen.verify_width if self.gen.caps.recurrent_self else self.gen.tail_width
         if not W:
             return {}
         candidates = {

@@ -19,6 +19,20 @@ at n_b + k_b + 1.. (a row past its chain, a tail padding row) and every rejected
 its committed length; the next round rewrites those positions (draft row i, tail row i) before
 any row reads them. Each row is the one-sequence draft / verify_tail row bit for bit
 (tests/ort_runtime/test_batch_self_rows.py), so greedy tokens are plain greedy's.
+
+A recurrent-depth generator (``caps.recurrent_self``) drafts whole tokens with fewer core steps
+instead, as one sequence does alone (ort_runtime/decoding/recurrent_stream.py):
+
+    call i = 0..K-1 (``draft_tokens``, a row per drafting slot):  its row at n_b + i at its draft
+                                                             depth → draft token i
+    one ``verify`` call:                                     every running slot's pending token
+                                                             and drafts at n_b.. at its own r
+
+Only the drafting slots have rows in the draft calls (the others, and a chain that ended, get
+dummy rows at their n_b, which the verify rewrites); the drafts write KV at steps below the
+draft depth, which the verify, running every step up to r on those positions, rewrites before
+any of its rows reads it. Verify rows are the one-sequence rows bit for bit
+(tests/ort_runtime/test_recurrent_batch.py), so tokens are plain decoding's.
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from loopcast.ort_runtime.binding.batch_generator import BatchGenerator
+from loopcast.ort_runtime.binding.batch_slots import BatchSlots
 
 from loopcast.manifest import DRAFT_BATCH, VERIFY_TAIL_BATCH
 
@@ -44,7 +58,7 @@ class RoundRows:
 
 
 def self_round(
-    gen: BatchGenerator,
+    gen: BatchSlots,
     pending: dict[int, int],
     drafting: dict[int, int],
     proposals: dict[int, list[int]],
@@ -59,6 +73,8 @@ def self_round(
     tail logits are pulled (sampled requests). ``observe(kind, seconds)``: each call's time.
     ``perturb(slot, drafts so far, token) -> token`` replaces a self-drafted token before it is
     fed on (tests: forced rejections, or an oracle's drafts)."""
+    if gen.caps.recurrent_self:
+        return _recurrent_round(gen, pending, drafting, proposals, logits_for, observe, perturb)
     limit = {s: drafting.get(s, len(proposals.get(s, ()))) for s in pending}
     K = max(limit.values())
     feed = dict(pending)
@@ -86,6 +102,31 @@ def self_round(
     )
     if observe is not None:
         observe(VERIFY_TAIL_BATCH, time.perf_counter() - t0)
+    return {
+        s: RoundRows(drafts[s], targets[s], logits[s] if logits is not None and s in logits_for else None)
+        for s in pending
+    }
+
+
+def _recurrent_round(gen, pending, drafting, proposals, logits_for, observe, perturb) -> dict[int, RoundRows]:
+    """The round of a recurrent-depth generator (the module's second diagram)."""
+    drafts: dict[int, list[int]] = {s: list(proposals.get(s, ())) for s in pending}
+    feed = {s: pending[s] for s in drafting}
+    for i in range(max(drafting.values(), default=0)):
+        chain = {s: feed[s] for s, k in drafting.items() if i < k}
+        t0 = time.perf_counter()
+        out = gen.draft_tokens(chain, {s: i for s in chain})
+        if observe is not None:
+            observe(DRAFT_BATCH, time.perf_counter() - t0)
+        for s, token in out.items():
+            if perturb is not None:
+                token = perturb(s, list(drafts[s]), int(token))
+            drafts[s].append(int(token))
+            feed[s] = int(token)
+    t0 = time.perf_counter()
+    targets, logits = gen.verify({s: [pending[s], *drafts[s]] for s in pending}, want_logits=bool(logits_for))
+    if observe is not None:
+        observe(VERIFY_TAIL_BATCH, time.perf_counter() - t0)  # the gate prices a round's verify as its tail
     return {
         s: RoundRows(drafts[s], targets[s], logits[s] if logits is not None and s in logits_for else None)
         for s in pending

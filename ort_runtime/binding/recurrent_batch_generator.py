@@ -61,8 +61,9 @@ PRELUDE_BATCH, CORE_STEP_BATCH, CODA_BATCH = RECURRENT_BATCH_KINDS
 # engine's default draft count for this family (ort_runtime/decoding/recurrent_stream.py).
 VERIFY_WIDTH = 5
 CAPS = SlotCaps(
-    request_options=frozenset({"loops", "state_seed"}),
+    request_options=frozenset({"loops", "state_seed", "draft_loops", "speculative"}),
     prefix_reuse="a recurrent-depth prefix's KV holds the core steps of its request's loops and seed",
+    recurrent_self=True,
 )
 
 
@@ -147,6 +148,7 @@ class RecurrentBatchGenerator:
         self.lengths = [0] * B  # n_b: tokens whose KV is committed in slot b
         self._loops = [default] * B  # r_b: the request's core steps per token
         self._seeds: list[int | None] = [None] * B  # the request's initial-state seed
+        self._drafts: list[int | None] = [None] * B  # a self-speculating request's draft depth
         self._bindings: dict[tuple[str, int, int], ort.IOBinding] = {}  # (kind, step, width) -> binding
         self.clock = StepClock()
         self.rows_run = 0  # decode rows computed, occupied or not
@@ -213,6 +215,27 @@ class RecurrentBatchGenerator:
             raise RequestError(
                 f"state_seed must be a non-negative integer or None, got {seed!r}", parameter="state_seed"
             )
+        self._draft_loops_of(options)
+
+    def _draft_loops_of(self, options: Mapping[str, object]) -> int | None:
+        """A self-speculating request's draft depth (``draft_loops``, default a quarter of its
+        loops, as alone: ort_runtime/decoding/recurrent_stream.py); None for other requests."""
+        d, mode = options.get("draft_loops"), options.get("speculative")
+        if mode != "self":
+            if d is not None:
+                raise RequestError("draft_loops goes with speculative='self'", parameter="draft_loops")
+            return None
+        r = options.get("loops") or self._default_loops
+        assert isinstance(r, int)
+        d = max(1, r // 4) if d is None else d
+        if r < 2 or isinstance(d, bool) or not isinstance(d, int) or not 1 <= d < r:
+            raise RequestError(
+                f"draft_loops must be in 1..{r - 1} (fewer core steps than loops={r}), got {d}"
+                if r >= 2
+                else "self-speculation drafts with fewer core steps than loops: it needs loops >= 2",
+                parameter="draft_loops" if r >= 2 else "loops",
+            )
+        return d
 
     def begin(self, slot: int, start: int = 0, options: Mapping[str, object] | None = None) -> None:
         """``slot`` starts a request with ``options``' ``loops`` (None: the release's default r)
@@ -229,6 +252,7 @@ class RecurrentBatchGenerator:
         self._loops[slot] = self.check_loops(self._default_loops if loops is None else loops)
         seed = options.get("state_seed")
         self._seeds[slot] = int(seed) if isinstance(seed, int) else None
+        self._drafts[slot] = self._draft_loops_of(options)
         self.lengths[slot] = 0
 
     def check_loops(self, loops: object) -> int:
@@ -337,6 +361,20 @@ class RecurrentBatchGenerator:
                 raise RequestError(f"verify takes 1..{self.verify_width} rows per sequence, got {len(ids)}")
         return self._step(rows, want_logits)
 
+    def draft_tokens(self, tokens: dict[int, int], offsets: dict[int, int]) -> dict[int, int]:
+        """One draft row per slot in ``tokens`` (slot -> the token at position n_b + offset_b, its
+        self-drafted chain so far) at the request's draft depth: each slot's next draft token.
+        Writes KV at those positions (steps < the draft depth), which the round's verify rewrites
+        before any row reads it; commits nothing."""
+        depth = {}
+        for slot in tokens:
+            d = self._drafts[slot] if 0 <= slot < self.max_batch else None
+            if d is None:
+                raise RequestError(f"slot {slot} holds no self-speculating request")
+            depth[slot] = d
+        out, _ = self._step({s: [t] for s, t in tokens.items()}, False, offsets=offsets, loops=depth)
+        return {s: ids[0] for s, ids in out.items()}
+
     def advance(self, slot: int, count: int) -> None:
         """Commit the first ``count`` rows of ``slot``'s last verify step."""
         if not 0 <= count <= (self.verify_width or 1) or self.lengths[slot] + count > self.max_length:
@@ -344,21 +382,29 @@ class RecurrentBatchGenerator:
         self.lengths[slot] += count
 
     def _step(
-        self, rows: dict[int, list[int]], want_logits: bool
+        self,
+        rows: dict[int, list[int]],
+        want_logits: bool,
+        *,
+        offsets: dict[int, int] | None = None,
+        loops: dict[int, int] | None = None,
     ) -> tuple[dict[int, list[int]], dict[int, np.ndarray] | None]:
         """S = the most rows given (1 for a decode step) per slot of the occupied prefix, slot b's
-        at positions n_b..n_b+S-1 (its given ids, padded by repeating the last), through
-        prelude_batch, max_b r_b core_step_batch calls and coda_batch. Commits nothing."""
+        at positions n_b + offset_b.. (its given ids, padded by repeating the last), through
+        prelude_batch, max_b r_b core_step_batch calls (``loops``: other depths, for drafts) and
+        coda_batch. Commits nothing."""
+        offsets, loops = offsets or {}, loops or {}
         if not rows:
             raise RequestError("a step needs at least one sequence")
         S = max(len(ids) for ids in rows.values())
         for slot, ids in rows.items():
             if not 0 <= slot < self.max_batch:
                 raise RequestError(f"slot {slot} outside 0..{self.max_batch - 1}")
-            if self.lengths[slot] < 1 or self.lengths[slot] + S > self.max_length:
+            at = self.lengths[slot] + offsets.get(slot, 0)
+            if self.lengths[slot] < 1 or at + S > self.max_length:
                 raise RequestError(
                     f"slot {slot} has {self.lengths[slot]} committed tokens; a step needs a prefilled "
-                    f"sequence with room for {S} more (max length {self.max_length})"
+                    f"sequence with room for {S} more at {at} (max length {self.max_length})"
                 )
             bad = [t for t in ids if not 0 <= int(t) < self.vocab]
             if bad:
@@ -367,11 +413,12 @@ class RecurrentBatchGenerator:
         ids_BS = np.zeros((width, S), np.int64)
         # rows sit at their slot's length: dummy rows (a free or prefilling slot) past what its entry holds
         first = np.minimum(np.asarray(self.lengths[:width], np.int32), self.max_length - S)
-        loops = np.zeros(width, np.int32)  # dummy rows: no core step counts
+        depth = np.zeros(width, np.int32)  # dummy rows: no core step counts
         state = np.zeros((width, S, cfg.hidden_size), np.float32)
         for slot, given in rows.items():
             ids_BS[slot, : len(given)], ids_BS[slot, len(given) :] = given, given[-1]
-            loops[slot] = self._loops[slot]
+            depth[slot] = loops.get(slot, self._loops[slot])
+            first[slot] = self.lengths[slot] + offsets.get(slot, 0)
             positions = np.arange(first[slot], first[slot] + S)
             state[slot] = initial_state(cfg.hidden_size, cfg.state_std, positions, self._seeds[slot])
         lengths = {
@@ -385,12 +432,12 @@ class RecurrentBatchGenerator:
             ["embedded_BSH"],
         )
         current: ort.OrtValue | np.ndarray = self._value(state)
-        for k in range(int(loops.max())):
+        for k in range(int(depth.max())):
             self.core_runs += 1
             (current,) = self._run(
                 CORE_STEP_BATCH,
                 self._binding(CORE_STEP_BATCH, k, width),
-                {"state_BSH": current, "embedded_BSH": embedded, "active_B": loops > k, **lengths},
+                {"state_BSH": current, "embedded_BSH": embedded, "active_B": depth > k, **lengths},
                 ["state_BSH_out"],
             )
         next_ids, logits = self._run(

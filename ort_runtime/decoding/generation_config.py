@@ -256,6 +256,14 @@ class GenerationConfig:
         "draft_loops": "draft_loops",
     }
 
+    def value(self, keyword: str) -> object:
+        """The value of one keyword option (a field of this config or of its SpeculationConfig)."""
+        if keyword in self._SPECULATION_KEYWORDS:
+            return getattr(self.speculation, self._SPECULATION_KEYWORDS[keyword])
+        if keyword not in {f.name for f in dataclasses.fields(self)}:
+            raise RequestError(f"unknown generation option {keyword!r}")
+        return getattr(self, keyword)
+
     def replace(self, **options: object) -> GenerationConfig:
         """This config with keyword options applied (``None`` for a speculation option keeps it)."""
         spec_changes: dict[str, Any] = {}

@@ -202,6 +202,60 @@ def test_prompt_lookup_in_the_batch_gives_plain_tokens(batched):
     assert all(c.speculative == "prompt-lookup" for c, case in zip(done, cases) if case[3] != "none")
 
 
+@pytest.mark.parametrize("spoil", [None, 3, 1])
+def test_self_speculation_in_the_batch_gives_plain_tokens(batched, spoil):
+    """Self-speculating requests (drafts at fewer core steps, verified in the batch at their own
+    r), beside prompt-lookup and plain ones, every round taken (the always gate); ``spoil``: every
+    spoil-th drafted token replaced by a wrong one (forced rejections; 1: every draft). One
+    request stops on a stop id its drafts run into, one reaches the KV capacity. Each request's
+    tokens are its plain tokens alone, at the first step they could differ."""
+    from loopcast.ort_runtime.batching.batch_gate import AlwaysBatchGate
+
+    model = batched
+    cases = [
+        ([3, 17, 42, 8], 14, dict(loops=8), "self"),  # draft_loops 2 (a quarter)
+        ([5, 6, 7], 12, dict(loops=32, state_seed=3, draft_loops=4), "self"),
+        ([5, 9, 11, 5, 9, 11], 10, dict(loops=4), "prompt-lookup"),
+        (list(range(3, 43)), 20, dict(loops=4, draft_loops=3), "self"),  # the capacity after 9 more
+    ]
+    want = [alone(model, p, n, loops=o["loops"], state_seed=o.get("state_seed")) for p, n, o, _ in cases]
+    stop = want[0][5]
+    cases.append(([3, 17, 42, 8], 14, dict(loops=8, stop_ids=(stop,)), "self"))
+    want.append(alone(model, [3, 17, 42, 8], 14, loops=8, stop_ids=(stop,)))
+    seen = [0]
+
+    def perturb(sequence, token):
+        seen[0] += 1
+        return (token + 1) % model.loaded.config.vocab_size if spoil and seen[0] % spoil == 0 else token
+
+    engine = BatchingEngine(
+        RecurrentBatchGenerator(model.loaded), gate=AlwaysBatchGate(), self_perturb=perturb
+    )
+    assert engine.self_speculation == "on"
+    engine.start()
+    try:
+        done = []
+        for prompt, n, options, mode in cases:
+            stop_ids = options.pop("stop_ids", ())
+            config = model.generation_config(None, **options)
+            done.append(
+                engine.submit(BatchRequest(prompt, n, stop_ids=stop_ids, speculative=mode, config=config))
+            )
+        got = [completion.result(timeout=120) for completion in done]
+    finally:
+        engine.shutdown()
+    for g, w in zip(got, want, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        assert g == w, f"first differing token at {first}"
+    assert done[-1].finish_reason == "eos" and done[-2].finish_reason == "length"
+    assert engine.stats["self_rounds"] > 0 and engine.stats["proposed"] > 0
+    if spoil is None:
+        assert done[1].accepted > 0  # r = 32 drafted at 4 core steps: the drafts hit
+    if spoil == 1:
+        assert all(c.accepted == 0 for c, case in zip(done, cases) if case[3] == "self")
+    assert all(c.speculative == case[3] for c, case in zip(done, cases))
+
+
 def test_the_engine_gives_every_request_its_tokens_alone(batched):
     """Seven requests through four slots (three wait, then join as others finish): mixed depths
     and seeds, one sampled with a seed, one running into the KV capacity ("length" inside the
@@ -237,18 +291,20 @@ def test_what_the_batched_engine_does_not_serve_is_refused_by_name(batched):
     model = batched
     engine = BatchingEngine(RecurrentBatchGenerator(model.loaded)).start()
     try:
-        assert engine.speculative_modes == ("none", "prompt-lookup")
-        for options, parameter in (
-            (dict(kl_threshold=0.3), "kl_threshold"),
-            (dict(loops=33), "loops"),
+        assert engine.speculative_modes == ("none", "prompt-lookup", "self")
+        for options, mode, parameter in (
+            (dict(kl_threshold=0.3), "none", "kl_threshold"),
+            (dict(loops=33), "none", "loops"),
+            (dict(draft_loops=2), "none", "draft_loops"),  # goes with self
+            (dict(loops=4, draft_loops=4), "self", "draft_loops"),  # fewer core steps than loops
+            (dict(loops=1), "self", "loops"),  # nothing to draft with
         ):
             config = model.generation_config(None, **options)
             with pytest.raises(RequestError, match=parameter) as info:
-                engine.submit(BatchRequest([3, 4], 4, config=config))
+                engine.submit(BatchRequest([3, 4], 4, speculative=mode, config=config))
             assert info.value.parameter == parameter
-        for mode in ("self", "pipeline"):
-            with pytest.raises(RequestError, match="speculative") as info:
-                engine.submit(BatchRequest([3, 4], 4, speculative=mode))
+        with pytest.raises(RequestError, match="speculative") as info:
+            engine.submit(BatchRequest([3, 4], 4, speculative="pipeline"))
         with pytest.raises(RequestError, match="num_draft_tokens must be in 1..4"):
             config = model.generation_config(None, num_draft_tokens=5)
             engine.submit(BatchRequest([3, 4], 4, speculative="prompt-lookup", config=config))
