@@ -69,11 +69,12 @@ CAPS = SlotCaps(
 
 class RecurrentBatchGenerator:
     """Up to ``max_batch`` recurrent-depth sequences stepped together; ``max_loops``: KV for
-    core steps 0..max_loops-1 only (default the artifact's max_recurrence). Not thread-safe:
+    core steps 0..max_loops-1 only (default the artifact's max_recurrence); ``verify_width``: the
+    most rows a verify step takes per sequence (its pending token and drafts). Not thread-safe:
     one thread drives it (the engine loop)."""
 
     caps = CAPS
-    tail_width: int | None = None  # no self-speculation in the batch
+    tail_width: int | None = None  # no draft_batch / verify_tail_batch: self-drafts are whole tokens
     prefill_rows: int | None = None  # prompts run eagerly at their own lengths
 
     def __init__(
@@ -100,7 +101,11 @@ class RecurrentBatchGenerator:
         # attention (GroupQueryAttention) takes several rows a sequence only in a batch of one.
         self.verify_width: int | None = verify_width if OpSet(manifest.op_set).loopcast_attention else None
         self.max_loops = cfg.num_loops if max_loops is None else max_loops
-        if isinstance(self.max_loops, bool) or not 1 <= self.max_loops <= cfg.num_loops:
+        if (
+            isinstance(self.max_loops, bool)
+            or not isinstance(self.max_loops, int)
+            or not 1 <= self.max_loops <= cfg.num_loops
+        ):
             raise RequestError(
                 f"max_loops must be in 1..{cfg.num_loops} (the artifact's max_recurrence), got {max_loops}",
                 parameter="max_loops",
