@@ -121,7 +121,6 @@ class ExportOptions:
             (self.draft_depth is not None, "--draft-depth"),
             (self.tree_verify, "--tree-verify"),
             (self.genai, "--genai"),
-            (self.quantization is not None, "--quantize"),
         ):
             if on:
                 raise ExportError(
@@ -129,6 +128,8 @@ class ExportOptions:
                     "export prelude, core_step and coda (recurrent_cycle, and the batched kinds "
                     "with --max-batch) with float weights"
                 )
+        if self.quantization is not None:
+            _check_quantized(self)
         return dataclasses.replace(self, max_length=max_length, draft_depth=None)
 
 

@@ -97,6 +97,21 @@ def recurrent_tensors(
     return specs + rotary_tables(config, max_length, pad)
 
 
+def recurrent_matrix(config: ModelConfig, name: str, read: Read) -> np.ndarray:
+    """The checkpoint matrix ``[N, K]`` behind the graphs' matrix ``name`` (``{layer}.{proj}.weight_T``,
+    the head or the embedding), in the artifact's layout (Wqkv's q and k heads in halves order):
+    what ``--quantize`` quantizes (exporter/weights.py). Heads are never padded under it."""
+    if name in ("lm_head.weight_T", "embed_tokens.weight"):
+        tied = config.tie_word_embeddings or name == "embed_tokens.weight"
+        return read("transformer.wte.weight" if tied else "lm_head.weight")
+    ours, proj = name.removesuffix(".weight_T").rsplit(".", 1)
+    theirs = dict(recurrent_layer_prefixes(config))[ours]
+    if proj == "qkv_proj":
+        return pairs_to_halves(config, read(f"{theirs}.attn.Wqkv.weight"))
+    source = {"o_proj": "attn.proj", "gate_up_proj": "mlp.fc", "down_proj": "mlp.proj"}[proj]
+    return read(f"{theirs}.{source}.weight")
+
+
 def _packed_bias(config: ModelConfig, read: Read, layer: str) -> np.ndarray:
     """[q bias | k bias | 0] over the model's heads, halves reordered: [(Hq + 2·Hkv)·head_dim]."""
     qk = np.asarray(read(f"{layer}.attn.qk_bias"))  # [2, 1, heads, D]

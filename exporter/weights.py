@@ -149,15 +149,26 @@ def _quantized(
     per worker."""
     from loopcast.exporter.quantize import quantize, shapes
 
-    sources = _sources(config, name)
+    if config.recurrent_depth:  # the release's fused matrices, q/k halves reordered
+        from loopcast.exporter.recurrent_weights import recurrent_matrix
+
+        if native is not None:
+            raise ValueError("a recurrent-depth checkpoint has no native quantized blocks")
+        sources: list[str] = []
+    else:
+        sources = _sources(config, name)
+
+    def matrix_NK() -> np.ndarray:
+        if config.recurrent_depth:
+            return np.asarray(recurrent_matrix(config, name, read), np.float32)
+        return np.concatenate([np.asarray(read(s), np.float32) for s in sources], axis=0)
 
     def role(key: str) -> Callable[[], np.ndarray]:
         def produce() -> np.ndarray:
             if native is not None:
                 qt = native(sources, linear)
             else:
-                w_NK = np.concatenate([np.asarray(read(s), np.float32) for s in sources], axis=0)
-                qt = quantize(w_NK, linear.bits, linear.block_size, linear.symmetric)
+                qt = quantize(matrix_NK(), linear.bits, linear.block_size, linear.symmetric)
             tensor = {"packed": qt.packed, "scales": qt.scales, "zero_points": qt.zero_points}[key]
             if linear.gathered:  # GatherBlockQuantized's shapes of the same bytes (loopcast/quant.py)
                 tensor = np.ascontiguousarray(tensor.reshape(linear.n, -1)[:, : dims[key][1]])
