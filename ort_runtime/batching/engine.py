@@ -226,7 +226,7 @@ class BatchingEngine(EngineBase):
             self.stats["warm_up_runs"] = self.gen.warm_up() + cycle
 
     kind = "batching engine"
-    modes_note = " (the pipeline: where the artifact has the cycle_batch graph)"
+    modes_note = " (the pipeline where it has cycle_batch; serve --sequential: every mode, one at a time)"
 
     def check(self, request: BatchRequest) -> None:
         super().check(request)
