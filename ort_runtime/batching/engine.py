@@ -347,19 +347,19 @@ class BatchingEngine(EngineBase):
 
     def _prefill(self) -> None:
         """Prefill the admitted prompts in admission order, at most ``prefill_chunk`` tokens in
-        all before the next decode step (so a joining prompt delays the running requests by at
-        most one chunk); a prompt whose last token is prefilled emits its first token and decodes
-        from the next step on. Each chunk continues its slot's committed prefix (positions n..).
-        With the generator's captured prefill (``prefill_rows`` = C, where rows are exact) every
-        chunk is C tokens: a prompt's last chunk ends at its last token and so starts inside the
-        chunk before, whose rows it recomputes bit for bit (a prompt shorter than C runs whole)."""
+        all before the next decode step (a joining prompt delays the running requests by at most
+        one chunk; one the generator prefills whole takes its call); a finished prompt emits its
+        first token. Each chunk continues its slot's committed prefix. With the captured prefill
+        (``prefill_rows`` = C, where rows are exact) every chunk is C tokens: a prompt's last
+        chunk ends at its last token and so starts inside the chunk before, whose rows it
+        recomputes bit for bit (a prompt shorter than C runs whole)."""
         C = self.gen.prefill_rows if self.prefill_chunk else None
         budget = C or self.prefill_chunk or self.max_length * self.gen.max_batch
         for slot, r in list(self._prefilling.items()):
             if budget <= 0:
                 break
-            start = self.gen.lengths[slot]
-            end = start + min(len(r.todo), budget)
+            start, whole = self.gen.lengths[slot], self.gen.prefills_whole(slot)  # (a KL exit's prompt)
+            end = start + (len(r.todo) if whole else min(len(r.todo), budget))
             if C and end - start < C <= end:  # the last chunk, shifted back to C tokens
                 start = end - C
             part, r.todo = r.context[start:end], r.todo[end - self.gen.lengths[slot] :]

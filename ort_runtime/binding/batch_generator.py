@@ -496,6 +496,10 @@ class BatchGenerator:
     def check_options(self, options: Mapping[str, object]) -> None:
         """Nothing to refuse: every option this generator's requests set is the engine's."""
 
+    def prefills_whole(self, slot: int) -> bool:
+        """A prompt may be prefilled in chunks (where rows are exact: the engine's choice)."""
+        return False
+
     def begin(self, slot: int, start: int = 0, options: Mapping[str, object] | None = None) -> None:
         """``slot`` starts a sequence whose first ``start`` positions already hold its prefix's KV
         (kept there or copied by ``copy_prefix``): n_b = start; ``prefill(start=...)`` continues it.

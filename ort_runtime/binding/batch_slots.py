@@ -52,6 +52,7 @@ class BatchSlots(Protocol):
     caps: SlotCaps
 
     def check_options(self, options: Mapping[str, object]) -> None: ...
+    def prefills_whole(self, slot: int) -> bool: ...  # the slot's prompt in one call, never chunked
     def begin(self, slot: int, start: int = 0, options: Mapping[str, object] | None = None) -> None: ...
     def prefill(
         self, slot: int, ids: list[int], *, start: int = 0, want_logits: bool = False

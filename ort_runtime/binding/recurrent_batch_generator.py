@@ -33,6 +33,7 @@ at another r or seed would read as its own. The calls run eagerly (no captured C
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 
@@ -47,11 +48,13 @@ from loopcast.ort_runtime.binding.batch_kv import (
     slots_of,
 )
 from loopcast.ort_runtime.binding.batch_slots import SlotCaps
-from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer
+from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _ONNX_BFLOAT16, _Buffer
+from loopcast.ort_runtime.binding.device_move import load_device_copy
 from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
 from loopcast.errors import ArtifactError, RequestError
+from loopcast.kl_exit import KLExit, step_kl, uniform_log_probs
 from loopcast.recurrent_state import initial_state
 from loopcast.vocab import RECURRENT_BATCH_KINDS, RECURRENT_KINDS, GraphKind, OpSet
 
@@ -61,7 +64,9 @@ PRELUDE_BATCH, CORE_STEP_BATCH, CODA_BATCH = RECURRENT_BATCH_KINDS
 # engine's default draft count for this family (ort_runtime/decoding/recurrent_stream.py).
 VERIFY_WIDTH = 5
 CAPS = SlotCaps(
-    request_options=frozenset({"loops", "state_seed", "draft_loops", "speculative"}),
+    request_options=frozenset(
+        {"loops", "state_seed", "draft_loops", "speculative", "kl_threshold", "min_loops", "kv_policy"}
+    ),
     prefix_reuse="a recurrent-depth prefix's KV holds the core steps of its request's loops and seed",
     recurrent_self=True,
 )
@@ -154,6 +159,8 @@ class RecurrentBatchGenerator:
         self._loops = [default] * B  # r_b: the request's core steps per token
         self._seeds: list[int | None] = [None] * B  # the request's initial-state seed
         self._drafts: list[int | None] = [None] * B  # a self-speculating request's draft depth
+        self._kl: list[KLExit | None] = [None] * B  # a request's KL exit
+        self._device_copy = None  # CUDA: the op library's KV position copy (last-exited), on first use
         self._bindings: dict[tuple[str, int, int], ort.IOBinding] = {}  # (kind, step, width) -> binding
         self.clock = StepClock()
         self.rows_run = 0  # decode rows computed, occupied or not
@@ -221,6 +228,29 @@ class RecurrentBatchGenerator:
                 f"state_seed must be a non-negative integer or None, got {seed!r}", parameter="state_seed"
             )
         self._draft_loops_of(options)
+        self._kl_exit_of(options)
+
+    def _kl_exit_of(self, options: Mapping[str, object]) -> KLExit | None:
+        """A request's KL exit (``kl_threshold``, ``min_loops``, ``kv_policy``; None: r steps). Its
+        rows decode plainly: a verify call over several rows cannot know each row's exit."""
+        threshold = options.get("kl_threshold")
+        if threshold is None:
+            return None
+        if options.get("speculative", "none") != "none":
+            raise RequestError(
+                "kl_threshold with speculation is served one request at a time (loopcast serve "
+                "--sequential); the batching engine decodes KL-exit requests plainly",
+                parameter="kl_threshold",
+            )
+        policy = options.get("kv_policy")
+        min_loops = options.get("min_loops") or 1
+        assert isinstance(threshold, float | int) and isinstance(min_loops, int)
+        return KLExit(float(threshold), min_loops, str(getattr(policy, "value", policy or "full")))
+
+    def prefills_whole(self, slot: int) -> bool:
+        """Whether ``slot``'s prompt must be prefilled in one call: a KL exit's prompt rows leave
+        together, at the step the last row's distribution settles (as alone)."""
+        return self._kl[slot] is not None
 
     def _draft_loops_of(self, options: Mapping[str, object]) -> int | None:
         """A self-speculating request's draft depth (``draft_loops``, default a quarter of its
@@ -258,6 +288,7 @@ class RecurrentBatchGenerator:
         seed = options.get("state_seed")
         self._seeds[slot] = int(seed) if isinstance(seed, int) else None
         self._drafts[slot] = self._draft_loops_of(options)
+        self._kl[slot] = self._kl_exit_of(options)
         self.lengths[slot] = 0
 
     def check_loops(self, loops: object) -> int:
@@ -322,23 +353,64 @@ class RecurrentBatchGenerator:
         )
         positions = np.arange(start, start + m)
         state = self._value(initial_state(cfg.hidden_size, cfg.state_std, positions, self._seeds[slot])[None])
-        for k in range(self._loops[slot]):
+        r, kl, out = self._loops[slot], self._kl[slot], None
+
+        def core(k: int, state):
             self.core_runs += 1
-            (state,) = self._run(
-                CORE_STEP,
-                one(CORE_STEP, k),
-                {"state_BSH": state, "embedded_BSH": embedded, **lengths},
-                ["state_BSH_out"],
-            )
-        next_ids, logits = self._run(
-            CODA,
-            one(CODA),
-            {"state_BSH": state, **lengths},
-            ["next_token_ids_BS", "logits_BSV"],
-            on_host=True,
-        )
+            inputs = {"state_BSH": state, "embedded_BSH": embedded, **lengths}
+            return self._run(CORE_STEP, one(CORE_STEP, k), inputs, ["state_BSH_out"])[0]
+
+        def coda(state):
+            inputs = {"state_BSH": state, **lengths}
+            return self._run(CODA, one(CODA), inputs, ["next_token_ids_BS", "logits_BSV"], on_host=True)
+
+        exit_loops, previous = r, uniform_log_probs(cfg.vocab_size)
+        for k in range(r):  # as RecurrentGenerator.step: the rows leave at the last row's exit
+            state = core(k, state)
+            if kl is not None and k + 1 >= kl.min_loops:
+                out = coda(state)  # the check writes the coda KV, as the release's
+                value, previous = step_kl(previous, out[1].numpy()[0, -1])
+                if value < kl.threshold:
+                    exit_loops = k + 1
+                    break
+        if out is None:
+            out = coda(state)
+        for k in range(exit_loops, r):  # the steps the rows skipped: their KV by the policy
+            if kl is not None and kl.kv_policy == "full":
+                state = core(k, state)
+            else:
+                self._copy_step_kv(slot, exit_loops - 1, k, start, m)
+        next_ids, logits = out
         self.lengths[slot] = start + m
         return int(next_ids.numpy()[0, -1]), logits.numpy()[0, -1].copy() if want_logits else None
+
+    def _copy_step_kv(self, slot: int, src_step: int, dst_step: int, n: int, m: int) -> None:
+        """Core step ``src_step``'s K/V at positions n..n+m-1 of ``slot`` into step ``dst_step``'s,
+        every core layer (kv_policy last-exited): a host copy on the CPU, the op library's
+        device copy on CUDA (ort_runtime/binding/device_move.py)."""
+        cfg = self.config
+        if self.device != "cpu" and self._device_copy is None:
+            self._device_copy = load_device_copy(self.model)
+        row_bytes = self._entry_bytes // (cfg.num_kv_heads * self.max_length)
+        for l in range(cfg.num_layers):
+            src, dst = self._kv[cfg.core_slot(src_step, l)], self._kv[cfg.core_slot(dst_step, l)]
+            for s_buf, d_buf in zip(src, dst):
+                if self._device_copy is None:
+                    d_buf.host[slot, :, n : n + m] = s_buf.host[slot, :, n : n + m]
+                    continue
+                at = slot * self._entry_bytes
+                code = self._device_copy(
+                    entry_ptr(d_buf, at),
+                    entry_ptr(s_buf, at),
+                    cfg.num_kv_heads,
+                    self.max_length,
+                    row_bytes,
+                    n,
+                    m,
+                    None,
+                )
+                if code:
+                    raise ArtifactError(f"copying KV on {self.device} failed (CUDA error {code})")
 
     def decode(self, tokens: dict[int, int], *, want_logits: bool = False) -> BatchStepOutput:
         """One row per slot in ``tokens`` (slot -> its pending token, written at position n_b),
@@ -437,21 +509,43 @@ class RecurrentBatchGenerator:
             ["embedded_BSH"],
         )
         current: ort.OrtValue | np.ndarray = self._value(state)
+        coda = functools.partial(self._run, CODA_BATCH, self._binding(CODA_BATCH, 0, width))
+        heads = ["next_token_ids_BS", "logits_BSV"]
+        # KL-exit rows (decode steps only): slot -> its exit state; last-exited rows stop there
+        kl = {s: x for s in rows if (x := self._kl[s]) is not None} if S == 1 and not loops else {}
+        exited: dict[int, tuple[int, np.ndarray]] = {}
+        previous = {s: uniform_log_probs(cfg.vocab_size) for s in kl}
+        stopped = np.zeros(width, bool)
         for k in range(int(depth.max())):
             self.core_runs += 1
             (current,) = self._run(
                 CORE_STEP_BATCH,
                 self._binding(CORE_STEP_BATCH, k, width),
-                {"state_BSH": current, "embedded_BSH": embedded, "active_B": depth > k, **lengths},
+                {
+                    "state_BSH": current,
+                    "embedded_BSH": embedded,
+                    "active_B": (depth > k) & ~stopped,
+                    **lengths,
+                },
                 ["state_BSH_out"],
             )
-        next_ids, logits = self._run(
-            CODA_BATCH,
-            self._binding(CODA_BATCH, 0, width),
-            {"state_BSH": current, **lengths},
-            ["next_token_ids_BS", "logits_BSV"],
-            on_host=True,
-        )
+            checking = [s for s, x in kl.items() if s not in exited and x.min_loops <= k + 1 <= depth[s]]
+            if checking:  # the coda after this step for the rows still deciding (writes the coda KV)
+                host = self._to_host(current)
+                _, check = coda(
+                    {"state_BSH": self._value(self._frozen(host, exited)), **lengths}, heads, True
+                )
+                for s in checking:
+                    value, previous[s] = step_kl(previous[s], check.numpy()[s, 0])
+                    if value < kl[s].threshold:
+                        exited[s] = (k + 1, host[s].copy())
+                        stopped[s] = kl[s].kv_policy != "full"  # full runs the rest for the KV only
+        if exited:  # the coda reads each exited row's state at its exit
+            current = self._value(self._frozen(self._to_host(current), exited))
+        next_ids, logits = coda({"state_BSH": current, **lengths}, heads, True)
+        for s, (e, _) in exited.items():
+            for k in range(e, int(depth[s])) if stopped[s] else ():
+                self._copy_step_kv(s, e - 1, k, int(first[s]), 1)
         self.rows_run += width * S
         out_ids, out_logits = next_ids.numpy(), logits.numpy() if want_logits else None
         out = {s: [int(t) for t in out_ids[s, : len(given)]] for s, given in rows.items()}
@@ -461,6 +555,23 @@ class RecurrentBatchGenerator:
             else None
         )
         return out, kept
+
+    @staticmethod
+    def _frozen(host: np.ndarray, exited: dict[int, tuple[int, np.ndarray]]) -> np.ndarray:
+        """``host`` states with each exited row's state at its exit."""
+        for s, (_, state) in exited.items():
+            host[s] = state
+        return host
+
+    def _to_host(self, value: ort.OrtValue | np.ndarray) -> np.ndarray:
+        """A state's host copy in the artifact's dtype (bf16 through its bits)."""
+        if isinstance(value, np.ndarray):
+            return value.copy()
+        if value.data_type() == "tensor(bfloat16)":  # ORT's numpy bridge has no bf16: copy the bits
+            bits = np.empty(value.shape(), np.uint16)
+            ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, _ONNX_BFLOAT16).update_inplace(value)
+            return bits.view(BF16)
+        return value.numpy().copy()
 
     def kv_arrays(self, kv_slot: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of one sequence slot's K and V ``[1, H_kv, S_max, D]`` in one KV slot (checks)."""

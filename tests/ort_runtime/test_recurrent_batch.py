@@ -36,9 +36,9 @@ def batched():
     return load(art)
 
 
-def alone(model, prompt, n, *, loops=None, state_seed=None, sampling=None, stop_ids=()):
+def alone(model, prompt, n, *, loops=None, state_seed=None, sampling=None, stop_ids=(), kl_threshold=None):
     """The request alone: the one-sequence engine's plain tokens (no stop ids unless given)."""
-    config = model.generation_config(None, loops=loops, state_seed=state_seed)
+    config = model.generation_config(None, loops=loops, state_seed=state_seed, kl_threshold=kl_threshold)
     return list(model.stream_ids(prompt, n, config=config, stop_ids=stop_ids, sampling=sampling))
 
 
@@ -256,6 +256,73 @@ def test_self_speculation_in_the_batch_gives_plain_tokens(batched, spoil):
     assert all(c.speculative == case[3] for c, case in zip(done, cases))
 
 
+def test_kl_exit_rows_are_one_sequence_rows_bit_for_bit(batched):
+    """Decode steps with KL-exit rows (full and last-exited, their own thresholds and min_loops)
+    beside plain rows at other depths: every row's logits equal its request's one-sequence step
+    with the same exit, and the rows exit where alone they do (the skipped steps' KV filled by
+    each policy, so the later steps agree too)."""
+    from loopcast.kl_exit import KLExit
+
+    loaded = batched.loaded
+    gen = RecurrentBatchGenerator(loaded)
+    requests = {  # slot -> (prompt, loops, seed, KL exit)
+        0: ([3, 17, 42, 8], 32, 7, KLExit(0.3, 1, "full")),
+        1: ([5, 6, 7], 4, None, None),
+        2: ([9, 1, 2], 32, None, KLExit(0.05, 3, "last-exited")),
+        3: ([11, 12], 8, 2, KLExit(1e9, 2, "full")),  # exits at its min_loops
+    }
+    singles, pending, exits = {}, {}, []
+    for slot, (prompt, loops, seed, kl) in requests.items():
+        options = {"loops": loops, "state_seed": seed}
+        if kl is not None:
+            options |= {"kl_threshold": kl.threshold, "min_loops": kl.min_loops, "kv_policy": kl.kv_policy}
+        gen.begin(slot, 0, options)
+        token, logits = gen.prefill(slot, prompt, want_logits=True)
+        single = singles[slot] = RecurrentGenerator(loaded, loops=loops, state_seed=seed)
+        out = single.step(prompt, kl_exit=kl)
+        assert token == int(out.next_ids[-1]) and np.array_equal(logits, out.logits[-1]), slot
+        pending[slot] = token
+    for step in range(6):
+        out = gen.decode(dict(pending), want_logits=True)
+        for slot, token in pending.items():
+            want = singles[slot].step([token], kl_exit=requests[slot][3])
+            exits.append((slot, want.exit_loops))
+            assert np.array_equal(out.logits[slot], want.logits[-1]), f"step {step} slot {slot}"
+        pending = dict(out.next_ids)
+    early = {slot for slot, e in exits if e < requests[slot][1]}
+    assert {0, 2, 3} <= early  # every KL row exited before its r at least once
+
+
+def test_kl_exit_requests_in_the_batch_get_their_tokens_alone(batched):
+    """KL-exit requests (both KV policies) beside plain ones through the engine, a prompt longer
+    than the prefill chunk among them (its rows leave together: prefilled in one call), greedy
+    and sampled: each request's tokens are its tokens alone."""
+    model = batched
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    cases = [
+        (list(range(3, 23)), 10, dict(loops=32, kl_threshold=0.3, state_seed=1)),  # 20 > the chunk
+        ([5, 6, 7], 12, dict(loops=8, kl_threshold=0.05, min_loops=3, kv_policy="last-exited")),
+        ([9, 1, 2], 12, dict(loops=4)),
+        ([11, 12], 9, dict(loops=32, kl_threshold=0.3, kv_policy="last-exited", sampling=sampled)),
+        ([4, 4, 4], 8, dict(loops=32, state_seed=2)),
+    ]
+    want = []
+    for prompt, n, options in cases:
+        config = model.generation_config(None, **{k: v for k, v in options.items() if k != "sampling"})
+        sampling = options.get("sampling")
+        want.append(list(model.stream_ids(prompt, n, config=config, stop_ids=(), sampling=sampling)))
+    engine = BatchingEngine(RecurrentBatchGenerator(model.loaded), prefill_chunk=8).start()
+    try:
+        done = []
+        for prompt, n, options in cases:
+            sampling = options.get("sampling")
+            config = model.generation_config(None, **{k: v for k, v in options.items() if k != "sampling"})
+            done.append(engine.submit(BatchRequest(prompt, n, sampling=sampling, config=config)))
+        assert [c.result(timeout=120) for c in done] == want
+    finally:
+        engine.shutdown()
+
+
 def test_the_engine_gives_every_request_its_tokens_alone(batched):
     """Seven requests through four slots (three wait, then join as others finish): mixed depths
     and seeds, one sampled with a seed, one running into the KV capacity ("length" inside the
@@ -293,7 +360,7 @@ def test_what_the_batched_engine_does_not_serve_is_refused_by_name(batched):
     try:
         assert engine.speculative_modes == ("none", "prompt-lookup", "self")
         for options, mode, parameter in (
-            (dict(kl_threshold=0.3), "none", "kl_threshold"),
+            (dict(kl_threshold=0.3), "prompt-lookup", "kl_threshold"),  # KL rows decode plainly
             (dict(loops=33), "none", "loops"),
             (dict(draft_loops=2), "none", "draft_loops"),  # goes with self
             (dict(loops=4, draft_loops=4), "self", "draft_loops"),  # fewer core steps than loops
@@ -340,6 +407,7 @@ def test_the_server_batches_a_recurrent_artifact(batched):
     model = batched
     state = open_serving(model.loaded.path, ServeOptions(model_name="h"))
     cases = [([3, 17, 42, 8], {"loops": 32, "state_seed": 4}), ([5, 6, 7], {"loops": 2}), ([9, 8], {})] * 2
+    cases.append(([9, 8, 7], {"loops": 32, "kl_threshold": 0.3}))
     with running_server(state) as url:
         assert httpx.get(f"{url}/health", timeout=10).json()["mode"].startswith("batched (up to 4")
 
@@ -355,7 +423,13 @@ def test_the_server_batches_a_recurrent_artifact(batched):
             answers = list(pool.map(post, cases))
         bad = httpx.post(
             f"{url}/v1/completions",
-            json={"model": "h", "prompt": [3], "max_tokens": 2, "kl_threshold": 0.2},
+            json={
+                "model": "h",
+                "prompt": [3],
+                "max_tokens": 2,
+                "kl_threshold": 0.2,
+                "speculative": "prompt-lookup",
+            },
             timeout=60,
         )
     for (prompt, extra), (status, body) in zip(cases, answers, strict=True):
