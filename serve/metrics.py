@@ -6,8 +6,9 @@ several apps, e.g. tests', each count their own requests). Two kinds of series:
 - observed per finished request (the app calls :meth:`ServerMetrics.observe`): time to first
   token, time per output token, end-to-end latency (histograms); prompt and generation tokens,
   finished requests by finish reason (counters); where the engine reports adaptive depth (the
-  one-request engine, docs/adaptive-depth.md): each generated token's exit depth, the loops it
-  was read at (histogram), and the passes over the core layers (counter, prefill excluded);
+  one-request engine, docs/adaptive-depth.md; the batching engine over a recurrent-depth
+  artifact, exits only): each generated token's exit depth, the loops it was read at
+  (histogram), and the passes over the core layers (counter, prefill excluded);
 - read from the engine at scrape time (:class:`_EngineCollector`): requests running and waiting,
   KV slots in use and committed KV tokens, engine steps, prefix-cache queries and hits, and
   speculation's drafted and accepted tokens (the engine's own monotonic counters, so they

@@ -591,8 +591,8 @@ class BatchingEngine(EngineBase):
         self.gate.forget(slot)
         if self.pipeline is not None:
             self.pipeline.drop(slot)
-        # a finished sequence's committed KV stays in its slot for the prefix cache (not after an
-        # error: its KV may be incomplete)
+        r.completion.depth = self.gen.depth_stats(slot, len(r.completion.tokens))  # where it keeps them
+        # its committed KV stays in its slot for the prefix cache (not after an error: maybe incomplete)
         keep = self.gen.lengths[slot] if self.prefix is not None and error is None else 0
         kept = self.gen.release(slot, keep)
         if self.prefix is not None:

@@ -500,6 +500,10 @@ class BatchGenerator:
         """A prompt may be prefilled in chunks (where rows are exact: the engine's choice)."""
         return False
 
+    def depth_stats(self, slot: int, emitted: int) -> dict:
+        """No per-request depth: every token runs every loop."""
+        return {}
+
     def begin(self, slot: int, start: int = 0, options: Mapping[str, object] | None = None) -> None:
         """``slot`` starts a sequence whose first ``start`` positions already hold its prefix's KV
         (kept there or copied by ``copy_prefix``): n_b = start; ``prefill(start=...)`` continues it.

@@ -160,7 +160,10 @@ class RecurrentBatchGenerator:
         self._seeds: list[int | None] = [None] * B  # the request's initial-state seed
         self._drafts: list[int | None] = [None] * B  # a self-speculating request's draft depth
         self._kl: list[KLExit | None] = [None] * B  # a request's KL exit
+        # each committed token's core steps (r, or its KL exit): the prompt's last call, then rows
+        self._prompt_exit, self._exits = [0] * B, [[] for _ in range(B)]
         self._device_copy = None  # CUDA: the op library's KV position copy (last-exited), on first use
+        self._last_exits: dict[int, int] = {}  # the last step's KL exits
         self._bindings: dict[tuple[str, int, int], ort.IOBinding] = {}  # (kind, step, width) -> binding
         self.clock = StepClock()
         self.rows_run = 0  # decode rows computed, occupied or not
@@ -289,6 +292,7 @@ class RecurrentBatchGenerator:
         self._seeds[slot] = int(seed) if isinstance(seed, int) else None
         self._drafts[slot] = self._draft_loops_of(options)
         self._kl[slot] = self._kl_exit_of(options)
+        self._prompt_exit[slot], self._exits[slot] = 0, []
         self.lengths[slot] = 0
 
     def check_loops(self, loops: object) -> int:
@@ -300,6 +304,21 @@ class RecurrentBatchGenerator:
                 f"loops must be an integer in 1..{self.max_loops} ({bound}), got {loops!r}", parameter="loops"
             )
         return loops
+
+    def depth_stats(self, slot: int, emitted: int) -> dict:
+        """The request's depth, as the one-request engine reports it: each emitted token's core
+        steps (its exit) as a histogram and a mean, and the KL exit's kv_policy ("" without one).
+        The core passes are shared by the batch's rows, so they are not per request here."""
+        exits = ([self._prompt_exit[slot]] + self._exits[slot])[:emitted]
+        histogram: dict[int, int] = {}
+        for k in exits:
+            histogram[k] = histogram.get(k, 0) + 1
+        kl = self._kl[slot]
+        return {
+            "exit_histogram": dict(sorted(histogram.items())),
+            "mean_loops": round(sum(exits) / len(exits), 4) if exits else 0.0,
+            "kv_policy": kl.kv_policy if kl is not None else "",
+        }
 
     def release(self, slot: int, keep: int = 0) -> int:
         """Free ``slot`` (only its length is reset); nothing is kept for a prefix cache."""
@@ -381,7 +400,7 @@ class RecurrentBatchGenerator:
             else:
                 self._copy_step_kv(slot, exit_loops - 1, k, start, m)
         next_ids, logits = out
-        self.lengths[slot] = start + m
+        self.lengths[slot], self._prompt_exit[slot] = start + m, exit_loops
         return int(next_ids.numpy()[0, -1]), logits.numpy()[0, -1].copy() if want_logits else None
 
     def _copy_step_kv(self, slot: int, src_step: int, dst_step: int, n: int, m: int) -> None:
@@ -418,6 +437,7 @@ class RecurrentBatchGenerator:
         out, logits = self._step({slot: [token] for slot, token in tokens.items()}, want_logits)
         for slot in tokens:
             self.lengths[slot] += 1
+            self._exits[slot].append(self._last_exits.get(slot, self._loops[slot]))
         return BatchStepOutput(
             {s: ids[0] for s, ids in out.items()},
             {s: rows[0] for s, rows in logits.items()} if logits is not None else None,
@@ -457,6 +477,7 @@ class RecurrentBatchGenerator:
         if not 0 <= count <= (self.verify_width or 1) or self.lengths[slot] + count > self.max_length:
             raise RequestError(f"cannot commit {count} rows on slot {slot} at length {self.lengths[slot]}")
         self.lengths[slot] += count
+        self._exits[slot] += [self._loops[slot]] * count  # verified rows run every step
 
     def _step(
         self,
@@ -543,6 +564,7 @@ class RecurrentBatchGenerator:
         if exited:  # the coda reads each exited row's state at its exit
             current = self._value(self._frozen(self._to_host(current), exited))
         next_ids, logits = coda({"state_BSH": current, **lengths}, heads, True)
+        self._last_exits = {s: e for s, (e, _) in exited.items()}
         for s, (e, _) in exited.items():
             for k in range(e, int(depth[s])) if stopped[s] else ():
                 self._copy_step_kv(s, e - 1, k, int(first[s]), 1)
@@ -572,8 +594,3 @@ class RecurrentBatchGenerator:
             ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, _ONNX_BFLOAT16).update_inplace(value)
             return bits.view(BF16)
         return value.numpy().copy()
-
-    def kv_arrays(self, kv_slot: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of one sequence slot's K and V ``[1, H_kv, S_max, D]`` in one KV slot (checks)."""
-        key, value = self._kv[kv_slot]
-        return key.pull()[slot : slot + 1].copy(), value.pull()[slot : slot + 1].copy()

@@ -306,11 +306,13 @@ def test_kl_exit_requests_in_the_batch_get_their_tokens_alone(batched):
         ([11, 12], 9, dict(loops=32, kl_threshold=0.3, kv_policy="last-exited", sampling=sampled)),
         ([4, 4, 4], 8, dict(loops=32, state_seed=2)),
     ]
-    want = []
+    want, depth = [], []
     for prompt, n, options in cases:
         config = model.generation_config(None, **{k: v for k, v in options.items() if k != "sampling"})
-        sampling = options.get("sampling")
-        want.append(list(model.stream_ids(prompt, n, config=config, stop_ids=(), sampling=sampling)))
+        alone = model.generate(prompt, n, config=config, stop_ids=(), sampling=options.get("sampling"))
+        want.append(alone.tokens)
+        depth.append({k: getattr(alone.stats, k) for k in ("exit_histogram", "mean_loops", "kv_policy")})
+    assert any(len(d["exit_histogram"]) > 1 for d in depth)  # the exits vary token by token
     engine = BatchingEngine(RecurrentBatchGenerator(model.loaded), prefill_chunk=8).start()
     try:
         done = []
@@ -319,6 +321,7 @@ def test_kl_exit_requests_in_the_batch_get_their_tokens_alone(batched):
             config = model.generation_config(None, **{k: v for k, v in options.items() if k != "sampling"})
             done.append(engine.submit(BatchRequest(prompt, n, sampling=sampling, config=config)))
         assert [c.result(timeout=120) for c in done] == want
+        assert [c.depth for c in done] == depth  # each token's exit, as the one-request engine reports
     finally:
         engine.shutdown()
 
