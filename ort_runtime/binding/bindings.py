@@ -30,6 +30,35 @@ _EXACT_BYTES = (
 )  # device buffers from this size on get exact allocations (ort_runtime/loading/device_memory.py)
 
 
+def run_bound(binding: ort.IOBinding, run, inputs: dict, outputs: list[str], device: str) -> list:
+    """Bind ``inputs`` (OrtValues as they are, numpy arrays from the host) and ``outputs`` (on
+    ``device``: "cpu" for what the host reads, such as a coda's ids and logits), call ``run()``
+    (the session's run_with_iobinding of ``binding``), and return the new outputs (the present
+    KV, bound first, come before them)."""
+    for name, value in inputs.items():
+        if isinstance(value, ort.OrtValue):
+            binding.bind_ortvalue_input(name, value)
+        else:
+            binding.bind_cpu_input(name, value)
+    for name in outputs:
+        binding.bind_output(name, device)
+    run()
+    values = binding.get_outputs()
+    return list(values[len(values) - len(outputs) :])
+
+
+def host_copy(value: ort.OrtValue | np.ndarray) -> np.ndarray:
+    """A host copy of a state in its own dtype (bf16 through its bits: ORT's numpy bridge has none)."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if value.data_type() == "tensor(bfloat16)":
+        bits = np.empty(value.shape(), np.uint16)
+        ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, _ONNX_BFLOAT16).update_inplace(value)
+        return bits.view(ml_dtypes.bfloat16)
+    array = value.numpy()
+    return array.view(ml_dtypes.bfloat16) if array.dtype == np.uint16 else array.copy()
+
+
 def _logit_rows_input(session: ort.InferenceSession, rows: int) -> tuple[str, ort.OrtValue]:
     """The prefill input that asks for logits of the last ``rows`` rows: ``logit_start`` = -rows,
     or ``logit_rows`` = rows in graphs exported before it."""

@@ -17,7 +17,7 @@ import ctypes
 
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
-from loopcast.errors import RequestError
+from loopcast.errors import ArtifactError, RequestError
 
 
 def _library_function(model: LoadedModel, name: str, what: str, argtypes: list):
@@ -49,3 +49,39 @@ def load_device_copy(model: LoadedModel):
     """``copy(dst, src, planes, capacity, position_bytes, position, count, stream) -> CUDA error``."""
     argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p]
     return _library_function(model, "loopcast_cuda_copy_positions", "copying KV", argtypes)
+
+
+def copy_kv_positions(
+    copy,
+    pairs,
+    *,
+    entry: int | None,
+    entry_bytes: int,
+    heads: int,
+    capacity: int,
+    row_bytes: int,
+    n: int,
+    m: int,
+) -> None:
+    """Positions n..n+m-1 of every plane of each ``(src, dst)`` KV buffer pair into the same
+    positions of ``dst`` (the last-exited policy's deeper steps): a host copy where ``copy`` is
+    None (the CPU), else ``copy`` (load_device_copy). ``entry``: one batch entry's block
+    (``entry_bytes`` each) of ``[B, H_kv, S_max, D]`` buffers; None for ``[1, ...]`` buffers."""
+    for src, dst in pairs:
+        if copy is None:
+            at = slice(None) if entry is None else entry
+            dst.host[at, :, n : n + m] = src.host[at, :, n : n + m]
+            continue
+        offset = (entry or 0) * entry_bytes
+        code = copy(
+            dst.value.data_ptr() + offset,
+            src.value.data_ptr() + offset,
+            heads,
+            capacity,
+            row_bytes,
+            n,
+            m,
+            None,
+        )
+        if code:
+            raise ArtifactError(f"copying KV on the device failed (CUDA error {code})")

@@ -48,8 +48,8 @@ from loopcast.ort_runtime.binding.batch_kv import (
     slots_of,
 )
 from loopcast.ort_runtime.binding.batch_slots import SlotCaps
-from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _ONNX_BFLOAT16, _Buffer
-from loopcast.ort_runtime.binding.device_move import load_device_copy
+from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer, host_copy, run_bound
+from loopcast.ort_runtime.binding.device_move import copy_kv_positions, load_device_copy
 from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
@@ -195,20 +195,15 @@ class RecurrentBatchGenerator:
         return binding
 
     def _run(self, kind: str, binding: ort.IOBinding, inputs: dict, outputs: list[str], on_host=False):
-        """Bind ``inputs`` (OrtValues as they are, numpy arrays from the host) and ``outputs`` (on
-        the device, or the host: the coda's ids and logits), run, and return the outputs."""
-        for name, value in inputs.items():
-            if isinstance(value, ort.OrtValue):
-                binding.bind_ortvalue_input(name, value)
-            else:
-                binding.bind_cpu_input(name, value)
-        for name in outputs:
-            binding.bind_output(name, "cpu" if on_host else self.device)
-        t0 = time.perf_counter()
-        self.model.sessions[kind].run_with_iobinding(binding)
-        self.clock.record(str(kind), time.perf_counter() - t0, steady=True)
-        values = binding.get_outputs()
-        return list(values[len(values) - len(outputs) :])  # the present KV come first
+        """Bind and run one call (bindings.run_bound) on the step clock: outputs on the device, or
+        the host (the coda's ids and logits)."""
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            self.model.sessions[kind].run_with_iobinding(binding)
+            self.clock.record(str(kind), time.perf_counter() - t0, steady=True)
+
+        return run_bound(binding, run, inputs, outputs, "cpu" if on_host else self.device)
 
     def _value(self, array: np.ndarray) -> ort.OrtValue | np.ndarray:
         """A host state for binding (bf16 as its bits with the ONNX type)."""
@@ -412,24 +407,18 @@ class RecurrentBatchGenerator:
             self._device_copy = load_device_copy(self.model)
         row_bytes = self._entry_bytes // (cfg.num_kv_heads * self.max_length)
         for l in range(cfg.num_layers):
-            src, dst = self._kv[cfg.core_slot(src_step, l)], self._kv[cfg.core_slot(dst_step, l)]
-            for s_buf, d_buf in zip(src, dst):
-                if self._device_copy is None:
-                    d_buf.host[slot, :, n : n + m] = s_buf.host[slot, :, n : n + m]
-                    continue
-                at = slot * self._entry_bytes
-                code = self._device_copy(
-                    entry_ptr(d_buf, at),
-                    entry_ptr(s_buf, at),
-                    cfg.num_kv_heads,
-                    self.max_length,
-                    row_bytes,
-                    n,
-                    m,
-                    None,
-                )
-                if code:
-                    raise ArtifactError(f"copying KV on {self.device} failed (CUDA error {code})")
+            pairs = zip(self._kv[cfg.core_slot(src_step, l)], self._kv[cfg.core_slot(dst_step, l)])
+            copy_kv_positions(
+                self._device_copy,
+                pairs,
+                entry=slot,
+                entry_bytes=self._entry_bytes,
+                heads=cfg.num_kv_heads,
+                capacity=self.max_length,
+                row_bytes=row_bytes,
+                n=n,
+                m=m,
+            )
 
     def decode(self, tokens: dict[int, int], *, want_logits: bool = False) -> BatchStepOutput:
         """One row per slot in ``tokens`` (slot -> its pending token, written at position n_b),
@@ -552,7 +541,7 @@ class RecurrentBatchGenerator:
             )
             checking = [s for s, x in kl.items() if s not in exited and x.min_loops <= k + 1 <= depth[s]]
             if checking:  # the coda after this step for the rows still deciding (writes the coda KV)
-                host = self._to_host(current)
+                host = host_copy(current)
                 _, check = coda(
                     {"state_BSH": self._value(self._frozen(host, exited)), **lengths}, heads, True
                 )
@@ -562,7 +551,7 @@ class RecurrentBatchGenerator:
                         exited[s] = (k + 1, host[s].copy())
                         stopped[s] = kl[s].kv_policy != "full"  # full runs the rest for the KV only
         if exited:  # the coda reads each exited row's state at its exit
-            current = self._value(self._frozen(self._to_host(current), exited))
+            current = self._value(self._frozen(host_copy(current), exited))
         next_ids, logits = coda({"state_BSH": current, **lengths}, heads, True)
         self._last_exits = {s: e for s, (e, _) in exited.items()}
         for s, (e, _) in exited.items():
@@ -584,13 +573,3 @@ class RecurrentBatchGenerator:
         for s, (_, state) in exited.items():
             host[s] = state
         return host
-
-    def _to_host(self, value: ort.OrtValue | np.ndarray) -> np.ndarray:
-        """A state's host copy in the artifact's dtype (bf16 through its bits)."""
-        if isinstance(value, np.ndarray):
-            return value.copy()
-        if value.data_type() == "tensor(bfloat16)":  # ORT's numpy bridge has no bf16: copy the bits
-            bits = np.empty(value.shape(), np.uint16)
-            ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, _ONNX_BFLOAT16).update_inplace(value)
-            return bits.view(BF16)
-        return value.numpy().copy()

@@ -29,27 +29,16 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import onnxruntime as ort
-from loopcast.ort_runtime.binding.bindings import _Buffer
-from loopcast.ort_runtime.binding.device_move import load_device_copy
+from loopcast.ort_runtime.binding.bindings import _Buffer, host_copy, run_bound
+from loopcast.ort_runtime.binding.device_move import copy_kv_positions, load_device_copy
 from loopcast.ort_runtime.binding.recurrent_cycle import RecurrentCycleBinding
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
-from loopcast.errors import ArtifactError, ConfigError, RequestError
+from loopcast.errors import ConfigError, RequestError
 from loopcast.kl_exit import KLExit, step_kl, uniform_log_probs
 from loopcast.kv_sharing import core_kv_slot, parse_sharing
 from loopcast.recurrent_state import initial_state
 from loopcast.vocab import GraphKind
-
-
-def _host(value: ort.OrtValue) -> np.ndarray:
-    """A state's host copy (bf16 comes back as its bits, viewed as ml_dtypes' bfloat16)."""
-    if value.data_type() == "tensor(bfloat16)":  # ORT's numpy bridge has no bf16: copy the bits
-        bits = np.empty(value.shape(), np.uint16)
-        ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, _ONNX_BFLOAT16).update_inplace(value)
-        return bits.view(ml_dtypes.bfloat16)
-    array = value.numpy()
-    return array.view(ml_dtypes.bfloat16) if array.dtype == np.uint16 else array
-
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 _ONNX_BFLOAT16 = 16
@@ -182,20 +171,11 @@ class RecurrentGenerator:
         return ort.OrtValue.ortvalue_from_numpy(array)
 
     def _run(self, graph, inputs: dict, outputs: list[str], on_host: bool = False) -> list[ort.OrtValue]:
-        """Bind ``inputs`` (OrtValues as they are, numpy arrays from the host) and ``outputs``
-        (on the generator's device, or the host: the coda's ids and logits) and run."""
+        """Bind and run one call (bindings.run_bound): outputs on the generator's device, or the
+        host (the coda's ids and logits)."""
         session, binding = graph
-        for name, value in inputs.items():
-            if isinstance(value, ort.OrtValue):
-                binding.bind_ortvalue_input(name, value)
-            else:
-                binding.bind_cpu_input(name, value)
-        for name in outputs:
-            binding.bind_output(name, "cpu" if on_host else self.device)
-        session.run_with_iobinding(binding)
-        values = binding.get_outputs()
-        # get_outputs lists the present KV (bound first) before the new outputs
-        return list(values[len(values) - len(outputs) :])
+        device = "cpu" if on_host else self.device
+        return run_bound(binding, lambda: session.run_with_iobinding(binding), inputs, outputs, device)
 
     def step(
         self, ids: list[int], *, loops: int | None = None, kl_exit: KLExit | None = None
@@ -244,23 +224,18 @@ class RecurrentGenerator:
             self._device_copy = load_device_copy(self.loaded)
         row_bytes = self.loaded.manifest.kv_head_size * np.dtype(self.dtype).itemsize
         for l in range(cfg.num_layers):
-            src, dst = self.kv[cfg.core_slot(src_step, l)], self.kv[cfg.core_slot(dst_step, l)]
-            for s_buf, d_buf in zip(src, dst):
-                if self._device_copy is None:
-                    d_buf.host[:, :, n : n + m] = s_buf.host[:, :, n : n + m]
-                    continue
-                code = self._device_copy(
-                    d_buf.value.data_ptr(),
-                    s_buf.value.data_ptr(),
-                    cfg.num_kv_heads,
-                    self.max_length,
-                    row_bytes,
-                    n,
-                    m,
-                    None,
-                )
-                if code:
-                    raise ArtifactError(f"copying KV on {self.device} failed (CUDA error {code})")
+            pairs = zip(self.kv[cfg.core_slot(src_step, l)], self.kv[cfg.core_slot(dst_step, l)])
+            copy_kv_positions(
+                self._device_copy,
+                pairs,
+                entry=None,
+                entry_bytes=0,
+                heads=cfg.num_kv_heads,
+                capacity=self.max_length,
+                row_bytes=row_bytes,
+                n=n,
+                m=m,
+            )
 
     def _enter(self, ids: list[int], n: int) -> tuple[dict, ort.OrtValue, ort.OrtValue]:
         """Rows ids at positions n..: their lengths inputs, the prelude's embedding and the
@@ -316,9 +291,9 @@ class RecurrentGenerator:
         for k in range(r):
             state = self._core_step(k, state, embedded, lengths)
             if k + 1 >= kl_exit.min_loops:
-                states.append(np.asarray(_host(state))[0])
+                states.append(np.asarray(host_copy(state))[0])
         if not states:
-            states.append(np.asarray(_host(state))[0])
+            states.append(np.asarray(host_copy(state))[0])
         first = r - len(states) + 1  # the core steps after states[0]
         ids_out = np.empty(m, np.int64)
         logits = np.empty((m, self.config.vocab_size), np.float32)

@@ -99,6 +99,27 @@ def check_batched_rows(loaded) -> None:
     assert gen.lengths[:SLOTS] == [s.n for s in (singles[0], singles[1], singles[2], singles[3])]
 
 
+def serve_cases(engine, model, cases, want):
+    """Submit every (prompt, max tokens, options, mode) case to the started ``engine``, wait,
+    shut it down, and check each request's tokens against ``want`` (naming the first token that
+    differs); returns the completions."""
+    try:
+        done = []
+        for prompt, n, options, mode in cases:
+            stop_ids = options.pop("stop_ids", ())
+            config = model.generation_config(None, **options)
+            done.append(
+                engine.submit(BatchRequest(prompt, n, stop_ids=stop_ids, speculative=mode, config=config))
+            )
+        got = [completion.result(timeout=120) for completion in done]
+    finally:
+        engine.shutdown()
+    for g, w in zip(got, want, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        assert g == w, f"first differing token at {first}"
+    return done
+
+
 def test_verify_rows_are_one_sequence_rows_bit_for_bit(batched):
     check_verify_rows(batched.loaded)
 
@@ -183,20 +204,7 @@ def test_prompt_lookup_in_the_batch_gives_plain_tokens(batched):
     cases.append((loop, 14, dict(loops=4, stop_ids=(stop,)), "prompt-lookup"))
     want.append(alone(model, loop, 14, loops=4, stop_ids=(stop,)))
     engine = BatchingEngine(RecurrentBatchGenerator(model.loaded), gate=AlwaysBatchGate()).start()
-    try:
-        done = []
-        for prompt, n, options, mode in cases:
-            stop_ids = options.pop("stop_ids", ())
-            config = model.generation_config(None, **options)
-            done.append(
-                engine.submit(BatchRequest(prompt, n, stop_ids=stop_ids, speculative=mode, config=config))
-            )
-        got = [completion.result(timeout=120) for completion in done]
-    finally:
-        engine.shutdown()
-    for g, w in zip(got, want, strict=True):
-        first = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
-        assert g == w, f"first differing token at {first}"
+    done = serve_cases(engine, model, cases, want)
     assert done[-1].finish_reason == "eos" and done[-2].finish_reason == "length"
     assert engine.stats["verify_steps"] > 0 and engine.stats["accepted"] > 0
     assert all(c.speculative == "prompt-lookup" for c, case in zip(done, cases) if case[3] != "none")
@@ -233,20 +241,7 @@ def test_self_speculation_in_the_batch_gives_plain_tokens(batched, spoil):
     )
     assert engine.self_speculation == "on"
     engine.start()
-    try:
-        done = []
-        for prompt, n, options, mode in cases:
-            stop_ids = options.pop("stop_ids", ())
-            config = model.generation_config(None, **options)
-            done.append(
-                engine.submit(BatchRequest(prompt, n, stop_ids=stop_ids, speculative=mode, config=config))
-            )
-        got = [completion.result(timeout=120) for completion in done]
-    finally:
-        engine.shutdown()
-    for g, w in zip(got, want, strict=True):
-        first = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
-        assert g == w, f"first differing token at {first}"
+    done = serve_cases(engine, model, cases, want)
     assert done[-1].finish_reason == "eos" and done[-2].finish_reason == "length"
     assert engine.stats["self_rounds"] > 0 and engine.stats["proposed"] > 0
     if spoil is None:
