@@ -257,13 +257,6 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
     model = load(artifact, options.device, threads=options.threads, spin=False, trust_ops=options.trust_ops)
     name = options.model_name or Path(artifact).resolve().name
     batched = has_batch_slots(model.loaded)
-    if batched and not options.sequential and model.config.recurrent_depth and model.loaded.device != "cpu":
-        # its rows are checked against one-sequence rows on the CPU; its CUDA test has not passed
-        # on a GPU yet (docs/serving.md, "Recurrent-depth artifacts")
-        raise RequestError(
-            f"--device {model.loaded.device}: batched serving of recurrent-depth artifacts is verified "
-            "on the CPU only so far; serve it with --sequential (one request at a time)"
-        )
     if batched and not options.sequential:
         generator = open_batch_slots(
             model.loaded,
