@@ -58,6 +58,7 @@ class RecurrentCycleBinding:
             _Direction(session, spec, kv, model, self, carried[1], carried[0]),
         )
         self.turn = 0  # the direction whose input holds the last call's rows
+        self._last_out = carried[1]
 
     def run(self, token: int, leaving_row: int, positions: list[int], state_0: np.ndarray) -> int:
         host = self.lanes.host
@@ -66,9 +67,17 @@ class RecurrentCycleBinding:
         self.lanes.push()
         self.state_0.host[0, 0] = state_0
         self.state_0.push()
-        self.directions[self.turn].execute()
+        direction = self.directions[self.turn]
+        direction.execute()
+        self._last_out = direction.carried_out
         self.turn ^= 1
         return int(self.next_ids.pull()[0, 0])
+
+    def pull_states(self) -> np.ndarray:
+        """A host copy of the last call's states ``[R, H]``, row k the lane that ran step k (the
+        KL exit's coda checks run on them)."""
+        H = self._last_out.host.shape[-1] // 2
+        return self._last_out.pull()[0, :, :H].copy()
 
     def pull_logits(self) -> np.ndarray:
         """The last call's leaving-row logits ``[V]`` (tests, the tie guard)."""

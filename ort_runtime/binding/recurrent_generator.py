@@ -294,29 +294,44 @@ class RecurrentGenerator:
                 states.append(np.asarray(host_copy(state))[0])
         if not states:
             states.append(np.asarray(host_copy(state))[0])
-        first = r - len(states) + 1  # the core steps after states[0]
         ids_out = np.empty(m, np.int64)
         logits = np.empty((m, self.config.vocab_size), np.float32)
         exits = []
         for j in range(m):
-            row = {
-                "seqlens_k": np.array([n + j], np.int32),
-                "total_sequence_length": np.array(n + j + 1, np.int32),
-            }
-            previous, exit_loops = uniform_log_probs(self.config.vocab_size), r
-            for i, s_k in enumerate(states):
-                out = self._coda_outputs(self._value(s_k[j : j + 1][None]), row)
-                if first + i < kl_exit.min_loops:
-                    break  # min_loops > r: the output after r steps, unchecked
-                kl, previous = step_kl(previous, out.logits[-1])
-                if kl < kl_exit.threshold:
-                    exit_loops = first + i
-                    break
-            ids_out[j], logits[j] = out.next_ids[-1], out.logits[-1]
+            ids_out[j], logits[j], exit_loops = self.exit_output([s[j] for s in states], n + j, kl_exit)
             exits.append(exit_loops)
         self.n = n + m
         self._commit(n, ids, r)
         return RecurrentStep(ids_out, logits, exits[-1], tuple(exits))
+
+    def exit_output(
+        self, states_H: list[np.ndarray], position: int, kl_exit: KLExit
+    ) -> tuple[int, np.ndarray, int]:
+        """One row's KL exit after it ran all r core steps (``full`` KV): ``states_H`` holds its
+        state after each checked step (steps min_loops..r; only step r's when min_loops > r).
+        The coda at ``position`` after each of them, in order, until the first whose KL to the
+        previous step's distribution is below the threshold: (argmax, logits, exit loops). Each
+        coda call writes the row's coda KV, so the exit step's is what stays, as in ``step``; it
+        reads the coda KV of the positions before, which must hold their own exits' (the verify
+        rows and the pipeline's lanes take their exits in position order)."""
+        r = self.loops
+        first = r - len(states_H) + 1  # the core steps after states_H[0]
+        row = {
+            "seqlens_k": np.array([position], np.int32),
+            "total_sequence_length": np.array(position + 1, np.int32),
+        }
+        previous, exit_loops = uniform_log_probs(self.config.vocab_size), r
+        out = None
+        for i, s_k in enumerate(states_H):
+            out = self._coda_outputs(self._value(s_k[None, None]), row)
+            if first + i < kl_exit.min_loops:
+                break  # min_loops > r: the output after r steps, unchecked
+            kl, previous = step_kl(previous, out.logits[-1])
+            if kl < kl_exit.threshold:
+                exit_loops = first + i
+                break
+        assert out is not None, "exit_output needs at least one state"
+        return int(out.next_ids[-1]), out.logits[-1], exit_loops
 
     def _commit(self, n: int, ids: list[int], r: int) -> None:
         del self.tokens[n:]

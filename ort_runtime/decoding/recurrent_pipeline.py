@@ -23,6 +23,14 @@ with probability p(x) and otherwise the token is drawn from p with x removed
 (``sampling.accept_one``); without a successor the token is a plain draw. Each token's law is
 then plain sampling's, though not its draws for a seed.
 
+With the KL exit (``kl_exit``, ``full`` KV only: every lane still runs all r core steps, as a
+one-row step does for the skipped steps' KV), each lane keeps its state after every checked
+step (the cycle's carried rows) and, when it leaves, takes the coda after each of them in order
+until its exit (``RecurrentGenerator.exit_output``, as a verify row does): the token is the exit
+step's. Those coda calls rewrite its coda KV last, so the exit step's is what stays, and lanes
+leave in position order, so each reads the coda KV of the earlier positions' exits, as plain
+decoding does; the cycle's own coda row of that lane is overwritten before any lane reads it.
+
 KV invariant (docs/architecture.md §5, "Pipeline cycle"): lane q at step k reads slot (k, l) at
 positions < q, the prelude slots at positions < q and the coda slots at positions < q. Lane q-1
 wrote those one cycle earlier (it runs every stage one cycle ahead of q), and a lane exists only
@@ -43,6 +51,7 @@ from loopcast.ort_runtime.decoding.protocols import ProposerBase
 from loopcast.ort_runtime.decoding.sampling import accept_one, sample
 
 from loopcast.errors import RequestError
+from loopcast.kl_exit import KLExit
 from loopcast.recurrent_state import initial_state
 from loopcast.vocab import GraphKind
 
@@ -52,6 +61,7 @@ class Lane:
     position: int
     token: int  # the token at ``position``: a draft until the lane before it confirms it
     steps: int = 0  # core steps run so far
+    checked: list = field(default_factory=list)  # KL exit: the states after its checked steps
 
 
 @dataclass
@@ -71,12 +81,21 @@ class RecurrentPipeline:
     its position and returns the token after it. Lanes live across calls; a call that finds the
     generator moved on (plain steps in between) starts cold from ``pending``."""
 
-    def __init__(self, gen, drafts: ProposerBase, *, trace: bool = False, draw=None) -> None:
-        """``draw``: sampling's ``(logits_V, context) -> p_V`` with its ``rng`` (None: greedy)."""
+    def __init__(
+        self, gen, drafts: ProposerBase, *, trace: bool = False, draw=None, kl_exit: KLExit | None = None
+    ) -> None:
+        """``draw``: sampling's ``(logits_V, context) -> p_V`` with its ``rng`` (None: greedy);
+        ``kl_exit``: each token at its KL exit (``full`` KV policy only)."""
         refusal = pipeline_refusal(gen)
         if refusal is not None:
             raise RequestError(refusal, parameter="speculative")
-        self.gen, self.drafts, self.r, self.draw = gen, drafts, gen.loops, draw
+        if kl_exit is not None and kl_exit.kv_policy != "full":
+            raise RequestError(
+                "the pipeline with the KL exit needs kv_policy 'full': every lane runs all r core steps",
+                parameter="kv_policy",
+            )
+        self.gen, self.drafts, self.r, self.draw, self.kl_exit = gen, drafts, gen.loops, draw, kl_exit
+        self.last_exit = self.r  # the core steps of the last token's output (its KL exit, or r)
         self.binding = gen.cycle
         self.lanes: list[Lane] = []
         self.stats = RecurrentPipelineStats(trace=[] if trace else None)
@@ -118,7 +137,14 @@ class RecurrentPipeline:
         gen.core_runs += 1
         self.stats.cycles += 1
         leaving = lanes[0].steps + 1 == r
-        logits = self.binding.pull_logits().copy() if leaving and self.draw is not None else None
+        kl = self.kl_exit
+        if kl is not None:  # the states of the lanes that just ran a checked step
+            states = self.binding.pull_states()
+            for lane in lanes:
+                if lane.steps + 1 >= min(kl.min_loops, r):
+                    lane.checked.append(states[lane.steps])
+        sampled_leave = leaving and self.draw is not None and kl is None  # (KL: the exit step's logits)
+        logits = self.binding.pull_logits().copy() if sampled_leave else None
         if self.stats.trace is not None:
             logits = self.binding.pull_logits().copy() if logits is None else logits
             self.stats.trace.append((positions, target, entering.token if entering else -1, logits))
@@ -146,6 +172,9 @@ class RecurrentPipeline:
         lane = self.lanes.pop(0)
         if lane.position != self.gen.n:
             raise AssertionError(f"pipeline lane at {lane.position} left with n = {self.gen.n}")
+        self.last_exit = self.r
+        if self.kl_exit is not None:  # the coda after each checked step until the exit
+            target, logits_V, self.last_exit = self.gen.exit_output(lane.checked, lane.position, self.kl_exit)
         self.gen.commit_lane(lane.token)
         p_V = self.draw(logits_V, self.gen.tokens) if self.draw is not None else None
         if not self.lanes:

@@ -30,9 +30,9 @@ drafts hit (prompt lookup's free one-token guesses count on plain steps) and pro
 then when they do not; it decides on tokens only, so it never changes a greedy token. Not
 offered here: the cost gate.
 
-The pipeline (``speculative='pipeline'``, greedy or sampled, without the KL exit) runs its rounds on the
-``recurrent_cycle`` graph (ort_runtime/decoding/recurrent_pipeline.py): each round runs cycles
-until the oldest lane leaves the coda and gives one token; its lanes' tokens are drafted by
+The pipeline (``speculative='pipeline'``, greedy or sampled, with or without the KL exit) runs
+its rounds on the ``recurrent_cycle`` graph (ort_runtime/decoding/recurrent_pipeline.py): each
+round runs cycles until the oldest lane leaves the coda and gives one token; its lanes' tokens are drafted by
 prompt lookup or the caller's proposer, one lane per cycle. The gate decides per round between
 a pipeline round and a plain step (lanes in flight are dropped when it stands down).
 """
@@ -141,12 +141,6 @@ def _refuse(gen: RecurrentGenerator, config: GenerationConfig, proposer: object 
 def _refuse_pipeline(gen: RecurrentGenerator, config: GenerationConfig) -> None:
     """What the pipeline does not take (it runs every lane through all r core steps, and drafts
     one token per lane)."""
-    if config.kl_threshold is not None:
-        raise RequestError(
-            "the recurrent-depth pipeline runs every lane through all r core steps; with the KL "
-            "exit use speculative='self' or 'prompt-lookup'",
-            parameter="kl_threshold",
-        )
     spec = config.speculation
     if spec.num_draft_tokens is not None or spec.pipeline_exit != 1:
         raise RequestError(
@@ -241,7 +235,7 @@ def stream_recurrent(
     stats.prompt_tokens = len(ids)
     stats.speculative = "none" if chosen is None else (spec.mode.value if proposer is None else "custom")
     pipeline = (
-        RecurrentPipeline(gen, chosen, trace=trace, draw=draw)
+        RecurrentPipeline(gen, chosen, trace=trace, draw=draw, kl_exit=kl)
         if chosen is not None and spec.mode == SpeculativeMode.PIPELINE
         else None
     )
@@ -322,7 +316,7 @@ def stream_recurrent(
                 engaged = k if gate is None else gate.engage(step)
                 if engaged and pipeline is not None:
                     new_tokens = [_pipeline_round(pipeline, pending, limit_position, stats, gate, step)]
-                    new_exits = [gen.loops]
+                    new_exits = [pipeline.last_exit]
                     continue
                 if engaged:
                     raw = chosen.propose([*gen.tokens, pending], min(k, engaged))

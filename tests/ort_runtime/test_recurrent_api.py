@@ -83,7 +83,7 @@ def test_default_depth_and_zero_state(huginn):
 
 
 @pytest.mark.parametrize("loops, kl", [(4, None), (32, None), (32, 0.15), (32, 0.3), (4, 0.3)])
-@pytest.mark.parametrize("mode", ["prompt-lookup", "self"])
+@pytest.mark.parametrize("mode", ["prompt-lookup", "self", "pipeline"])
 def test_every_speculative_mode_is_plain(huginn, loops, kl, mode):
     """Same r, same exit policy: the same tokens, and each token read at the same core step,
     speculating every round (gate always) or as the default gate decides."""
@@ -234,7 +234,11 @@ def test_sampled_speculation_keeps_the_distribution(huginn, mode):
     "options, needle, parameter",
     [
         (dict(loops=33), r"loops must be an integer in 1\.\.32 \(the artifact's max_recurrence\)", "loops"),
-        (dict(speculative="pipeline", kl_threshold=0.1), "with the KL exit use", "kl_threshold"),
+        (
+            dict(speculative="pipeline", kl_threshold=0.1, kv_policy="last-exited"),
+            "kv_policy 'full'",
+            "kv_policy",
+        ),
         (dict(speculative="pipeline", num_draft_tokens=2), "one token per lane", "num_draft_tokens"),
         (dict(exit_threshold=0.5), "kl_threshold", "exit_threshold"),
         (

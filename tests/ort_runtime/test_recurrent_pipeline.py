@@ -269,3 +269,52 @@ def test_sampled_pipeline_replays_for_a_seed(gen):
     b, _, _ = run(gen, PROMPT, 24, **options)
     assert a == b and len(a) == 24
     assert stats.cycles > 0 and stats.proposed > 0
+
+
+def kv_below(gen, n: int) -> dict:
+    """Every KV slot's keys and values at positions < n (host copies)."""
+    return {slot: [np.array(buffer.pull()[..., :n, :]) for buffer in pair] for slot, pair in gen.kv.items()}
+
+
+@pytest.mark.parametrize(
+    "loops, kl, min_loops", [(1, 0.3, None), (4, 0.3, None), (32, 0.15, None), (32, 0.3, 3), (8, 0.3, 8)]
+)
+@pytest.mark.parametrize("spoil", [(), range(0, 99, 3)], ids=["none", "every-third"])
+def test_kl_exit_lanes_equal_plain(gen, loops, kl, min_loops, spoil):
+    """With the KL exit (kv_policy full) the leaving lane takes the coda after each checked step
+    until its exit: the same tokens as plain decoding at the same exit policy, each read at the
+    same core step, and every KV slot below n as plain leaves it (the coda slots hold each
+    position's exit-step KV, the core slots every step's)."""
+    options = dict(loops=loops, kl_threshold=kl, min_loops=min_loops, state_seed=5)
+    want, want_stats, n_left = run(gen, PROMPT, 16, **options)
+    want_kv = kv_below(gen, n_left)
+    if loops > 1 and (min_loops or 1) < loops:  # the case has teeth: tokens exit at several depths
+        assert min(want_stats.exit_histogram) < loops and len(want_stats.exit_histogram) > 1
+    got, stats, n_got = run(
+        gen,
+        PROMPT,
+        16,
+        speculative="pipeline",
+        gate="always",
+        proposer=Oracle(PROMPT + want, spoil),
+        **options,
+    )
+    assert got == want and n_got == n_left
+    assert stats.exit_histogram == want_stats.exit_histogram and stats.kv_policy == "full"
+    assert stats.strategy == "pipeline" and stats.rounds > 0
+    got_kv = kv_below(gen, n_got)
+    for slot, pair in want_kv.items():
+        for w, g in zip(pair, got_kv[slot], strict=True):
+            assert np.array_equal(w, g), slot
+    # prompt lookup's own drafts, and the default gate: still plain's tokens
+    for gate in ("always", "auto"):
+        got, _, _ = run(gen, PROMPT, 16, speculative="pipeline", gate=gate, **options)
+        assert got == want, gate
+
+
+def test_kl_exit_pipeline_refuses_last_exited(gen):
+    config = GenerationConfig.from_options(
+        max_new_tokens=4, speculative="pipeline", kl_threshold=0.3, kv_policy="last-exited"
+    )
+    with pytest.raises(RequestError, match="kv_policy 'full'"):
+        list(stream_recurrent(gen, PROMPT, config))
