@@ -221,24 +221,40 @@ class Repeat:
         return [context[-1]]
 
 
-def test_sampled_lanes_keep_plain_samplings_distribution(gen):
-    """The second token (the first lane leaving the coda, its successor's draft checked by the
-    rejection rule) over many seeds against its exact marginal under plain sampling,
-    Σ_t1 p(t1) p(t2 | t1), computed from plain steps' rows. A rule that always kept the draft, or
-    always took the argmax, would put mass on one token."""
+def exact_second_token(gen, params: dict, kl_exit) -> dict[int, float]:
+    """The second token's exact marginal under plain sampling at r = 4, Σ_t1 p(t1) p(t2 | t1),
+    from plain steps' rows (at their KL exits where ``kl_exit`` is given)."""
     from loopcast.ort_runtime.decoding.sampling import SamplingParams, probabilities
 
-    params = dict(temperature=1.0, top_k=3)
     processed = SamplingParams(**params, seed=0)
     gen.rewind(0)
     gen.configure(4, None)
-    p1 = probabilities(gen.step(PROMPT).logits[-1], processed, gen.tokens)
+    p1 = probabilities(gen.step(PROMPT, kl_exit=kl_exit).logits[-1], processed, gen.tokens)
     exact: dict[int, float] = {}
     for t1 in map(int, p1.nonzero()[0]):
         gen.rewind(len(PROMPT))
-        p2 = probabilities(gen.step([t1]).logits[-1], processed, gen.tokens)
+        p2 = probabilities(gen.step([t1], kl_exit=kl_exit).logits[-1], processed, gen.tokens)
         for t2 in map(int, p2.nonzero()[0]):
             exact[t2] = exact.get(t2, 0.0) + float(p1[t1] * p2[t2])
+    return exact
+
+
+@pytest.mark.parametrize("kl", [None, 0.3])
+def test_sampled_lanes_keep_plain_samplings_distribution(gen, kl):
+    """The second token (the first lane leaving the coda, its successor's draft checked by the
+    rejection rule) over many seeds against its exact marginal under plain sampling, at the same
+    exit policy. A rule that always kept the draft, or always took the argmax, would put mass
+    on one token; with the KL exit, one that drew from the lane's step-r row would follow the
+    other marginal."""
+    from loopcast.ort_runtime.decoding.sampling import SamplingParams
+
+    from loopcast.kl_exit import KLExit
+
+    params = dict(temperature=1.0, top_k=3)
+    exact = exact_second_token(gen, params, None if kl is None else KLExit(kl))
+    if kl is not None:  # the exits move the marginal far enough for the check to tell them apart
+        other = exact_second_token(gen, params, None)
+        assert 0.5 * sum(abs(exact.get(t, 0.0) - other.get(t, 0.0)) for t in set(exact) | set(other)) > 0.3
     runs, counts, verified = 400, {}, 0
     for seed in range(runs):
         tokens, stats, _ = run(
@@ -250,6 +266,7 @@ def test_sampled_lanes_keep_plain_samplings_distribution(gen):
             gate="always",
             proposer=Repeat(),
             sampling=SamplingParams(**params, seed=seed),
+            kl_threshold=kl,
         )
         counts[tokens[1]] = counts.get(tokens[1], 0) + 1
         verified += stats.proposed
