@@ -109,6 +109,14 @@ Examples:
 @click.option("--stream", is_flag=True, help="Print text as tokens are committed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (tokens, text, stats).")
 @click.option(
+    "--kv-sharing",
+    default=None,
+    metavar="compress-s<c>|compress-r<c>",
+    help="Recurrent depth (Huginn): the release's KV lookup sharing c core slots across every "
+    "step and layer (block k·L+l -> slot mod c, or div c); plain decoding only. Default: a slot "
+    "per step and layer.",
+)
+@click.option(
     "--trust-ops",
     is_flag=True,
     help="Load the artifact's native custom-op library even if you did not build it (runs its code; "
@@ -150,6 +158,7 @@ def generate(
     skip_special_tokens: bool,
     stream: bool,
     as_json: bool,
+    kv_sharing: str | None,
     trust_ops: bool,
 ) -> None:
     """Generate from a prompt: greedy, or sampled with --temperature/--top-p/... ."""
@@ -181,7 +190,7 @@ def generate(
     )
     refuse_contradictions(click.get_current_context())  # after the values' own checks
     if backend == "torch":
-        result = _generate_with_torch(path, source, config, device)
+        result = _generate_with_torch(path, source, config, device, kv_sharing)
     else:
         from loopcast.cli.generate_ort import generate_with_ort
 
@@ -193,6 +202,7 @@ def generate(
             threads=threads,
             trust_ops=trust_ops,
             draft_depth=draft_depth,
+            kv_sharing=kv_sharing,
             on_text=(lambda t: click.echo(t, nl=False)) if stream and not as_json else None,
         )
     if as_json:
@@ -241,7 +251,7 @@ def refuse_contradictions(ctx: click.Context) -> None:
             raise RequestError(f"{ort[0]} is an ONNX Runtime option; --backend torch does not take it")
 
 
-def _generate_with_torch(path: str, source, config, device: str) -> dict:
+def _generate_with_torch(path: str, source, config, device: str, kv_sharing: str | None = None) -> dict:
     """The PyTorch reference: plain greedy on the CPU, from text or token ids."""
     spec = config.speculation
     if spec.mode != SpeculativeMode.NONE or device != "cpu" or spec.alternate_gap is not None:
@@ -253,4 +263,4 @@ def _generate_with_torch(path: str, source, config, device: str) -> dict:
     require_torch("--backend torch")
     from loopcast.exporter.torch_backend import generate_with_reference
 
-    return generate_with_reference(path, source.text, source.ids, config)
+    return generate_with_reference(path, source.text, source.ids, config, kv_sharing=kv_sharing)

@@ -23,12 +23,13 @@ def generate_with_ort(
     trust_ops: bool = False,
     draft_depth: int | None = None,
     on_text: Callable[[str], None] | None = None,
+    kv_sharing: str | None = None,
 ) -> dict:
     """Run ``config`` on the artifact at ``path``; ``on_text`` gets the text as it is committed
     (the token ids, comma-terminated, when the artifact has no tokenizer). On a looped artifact
     ``draft_depth`` is a check, not an option (its draft graph's depth is fixed at export); on a
     recurrent-depth artifact it is the drafts' core steps (``draft_loops``), chosen per run."""
-    model = load(path, device, threads=threads, trust_ops=trust_ops)
+    model = load(path, device, threads=threads, trust_ops=trust_ops, kv_sharing=kv_sharing)
     if draft_depth is not None and model.config.recurrent_depth:
         # a recurrent-depth artifact drafts at any core-step count below --loops, chosen per run
         config = config.replace(draft_loops=draft_depth)

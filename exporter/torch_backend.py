@@ -8,7 +8,8 @@ from pathlib import Path
 from loopcast.exporter.checkpoint import load_checkpoint, resolve_checkpoint
 from loopcast.exporter.reference_depth import depth_generate
 
-from loopcast.errors import RequestError
+from loopcast.errors import ConfigError, RequestError
+from loopcast.kv_sharing import parse_sharing
 
 
 def load_tokenizer(directory: Path):
@@ -21,9 +22,11 @@ def load_tokenizer(directory: Path):
     return Tokenizer.from_file(str(path))
 
 
-def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int] | None, config) -> dict:
+def generate_with_reference(
+    path: str, prompt: str | None, prompt_ids: list[int] | None, config, *, kv_sharing: str | None = None
+) -> dict:
     """Plain greedy with the reference on ``config`` (a GenerationConfig: its length, static
-    depth ``loops`` or exit gate)."""
+    depth ``loops`` or exit gate); ``kv_sharing``: a recurrent-depth checkpoint's KV lookup."""
     checkpoint_dir = resolve_checkpoint(path)
     tokenizer = load_tokenizer(checkpoint_dir)
     if prompt is not None:
@@ -38,8 +41,14 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
     if q is not None and q < 1.0 and config.loops is None and not config.gated:
         config = config.replace(exit_threshold=q)  # the checkpoint's default (docs/adaptive-depth.md)
     start = time.perf_counter()
+    if kv_sharing is not None and not model.config.recurrent_depth:
+        raise RequestError(
+            f"kv_sharing {kv_sharing!r}: sharing KV slots across core steps is the recurrent-depth "
+            "(Huginn) family's; a looped checkpoint keeps a slot per loop and layer",
+            parameter="kv_sharing",
+        )
     if model.config.recurrent_depth:  # Huginn: r, the KL exit, the state seed (below)
-        result = _recurrent(model, prompt_ids, config, stop)
+        result = _recurrent(model, prompt_ids, config, stop, kv_sharing)
     else:
         result = depth_generate(model, prompt_ids, config, stop_ids=stop)
     seconds = time.perf_counter() - start
@@ -59,7 +68,7 @@ def generate_with_reference(path: str, prompt: str | None, prompt_ids: list[int]
     }
 
 
-def _recurrent(model, prompt_ids: list[int], config, stop: tuple[int, ...]):
+def _recurrent(model, prompt_ids: list[int], config, stop: tuple[int, ...], kv_sharing: str | None = None):
     """The recurrent-depth reference on the options the runtime takes for the family
     (ort_runtime/decoding/recurrent_stream.py): r, the KL exit, the initial state's seed."""
     from loopcast.exporter.reference_generate import ReferenceResult
@@ -84,6 +93,14 @@ def _recurrent(model, prompt_ids: list[int], config, stop: tuple[int, ...]):
         if config.kl_threshold is not None
         else None
     )
+    try:
+        sharing = parse_sharing(kv_sharing)
+    except ConfigError as exc:
+        raise RequestError(str(exc), parameter="kv_sharing") from None
+    if sharing is not None and kl is not None:
+        raise RequestError(
+            "the KL exit needs a KV slot per (step, layer): kv_sharing must be None", parameter="kv_sharing"
+        )
     max_length = min(cfg.max_position_embeddings, len(prompt_ids) + config.max_new_tokens)
     tokens, _ = recurrent_greedy(
         model,
@@ -92,6 +109,7 @@ def _recurrent(model, prompt_ids: list[int], config, stop: tuple[int, ...]):
         loops=config.loops,
         seed=config.state_seed,
         kl_exit=kl,
+        sharing=sharing,
         stop_ids=stop,
         max_length=max_length,
     )

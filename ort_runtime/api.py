@@ -36,7 +36,8 @@ from loopcast.ort_runtime.text.stopping import artifact_eos_ids, trim_at_stop
 from loopcast.ort_runtime.text.streamer import TextStreamer
 from loopcast.ort_runtime.text.utf8 import checked_text
 
-from loopcast.errors import RequestError
+from loopcast.errors import ConfigError, RequestError
+from loopcast.kv_sharing import parse_sharing
 from loopcast.vocab import GraphKind, SpeculativeMode
 
 TokenIds = TokenStream[int, None, None]  # a token stream: close() it to end the generation early
@@ -92,10 +93,21 @@ class LoopcastModel:
     caller's and is shared if the caller shares it.
     """
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, *, kv_sharing: str | None = None) -> None:
+        """``kv_sharing``: every generator's KV lookup on a recurrent-depth artifact (the
+        release's ``compress-s<c>``/``compress-r<c>``: c core slots in all, plain decoding only;
+        loopcast/kv_sharing.py); None: a slot per (step, layer)."""
         self.loaded = loaded
         # the family's decoding, chosen once: looped (Ouro, Llama) or recurrent depth (Huginn)
         self.decoding = decoding_for(loaded)
+        if kv_sharing is not None:
+            if not loaded.config.recurrent_depth:
+                self.decoding.new_generator(loaded, kv_sharing)  # the family's refusal, by name
+            try:
+                parse_sharing(kv_sharing)
+            except ConfigError as exc:
+                raise RequestError(str(exc), parameter="kv_sharing") from None
+        self.kv_sharing = kv_sharing
         self._pool = _GeneratorPool(self.new_generator)
         self._eos: tuple[int, ...] | None = None
         self._chat: tuple[ChatTemplate | None] | None = None
@@ -109,7 +121,7 @@ class LoopcastModel:
         return self.loaded.tokenizer
 
     def new_generator(self) -> SequenceGenerator:
-        return self.decoding.new_generator(self.loaded)
+        return self.decoding.new_generator(self.loaded, self.kv_sharing)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of ``prompt``: text through the tokenizer, or ids checked as ids (integers in
@@ -413,6 +425,7 @@ def load(
     cuda_graphs: bool | str = True,
     kinds: tuple[str, ...] | None = None,
     trust_ops: bool = False,
+    kv_sharing: str | None = None,
 ) -> LoopcastModel:
     """Open an artifact. ``share_weights`` keeps one resident copy of the weights for all
     graph kinds at the cost of slower multi-row steps (see ort_runtime/loading/artifact.py).
@@ -422,7 +435,10 @@ def load(
     ``trust_ops=True`` lets the artifact's custom-op library load even when it is not one you
     built (loading native code runs it: docs/trust.md). ``spin``: whether the CPU sessions'
     intra-op threads spin between ops (default yes: faster for one sequence; the server and
-    the batching engine's callers pass False; ort_runtime/loading/thread_pool.py)."""
+    the batching engine's callers pass False; ort_runtime/loading/thread_pool.py).
+    ``kv_sharing`` (recurrent-depth artifacts): the release's ``compress-s<c>`` or
+    ``compress-r<c>`` KV lookup for every generator (c core slots shared by all steps and
+    layers; plain decoding only); None: a slot per (step, layer)."""
     return LoopcastModel(
         open_artifact(
             artifact_dir,
@@ -433,5 +449,6 @@ def load(
             cuda_graphs=cuda_graphs,
             kinds=kinds,
             trust_ops=trust_ops,
-        )
+        ),
+        kv_sharing=kv_sharing,
     )

@@ -36,7 +36,7 @@ class Decoding(Protocol):
     family: str
     generator_type: type
 
-    def new_generator(self, loaded: LoadedModel) -> SequenceGenerator: ...
+    def new_generator(self, loaded: LoadedModel, kv_sharing: str | None = None) -> SequenceGenerator: ...
     def speculative_modes(self, loaded: LoadedModel) -> tuple[str, ...]: ...
     def stream(
         self,
@@ -53,7 +53,12 @@ class LoopedDecoding:
     family = "looped"
     generator_type = Generator
 
-    def new_generator(self, loaded: LoadedModel) -> Generator:
+    def new_generator(self, loaded: LoadedModel, kv_sharing: str | None = None) -> Generator:
+        if kv_sharing is not None:
+            raise RequestError(
+                f"kv_sharing {kv_sharing!r}: sharing KV slots across core steps is the recurrent-depth "
+                "(Huginn) family's; a looped artifact keeps a slot per loop and layer"
+            )
         return Generator(loaded)
 
     def speculative_modes(self, loaded: LoadedModel) -> tuple[str, ...]:
@@ -87,8 +92,9 @@ class RecurrentDecoding:
     family = "recurrent-depth"
     generator_type = RecurrentGenerator
 
-    def new_generator(self, loaded: LoadedModel) -> RecurrentGenerator:
-        return RecurrentGenerator(loaded)
+    def new_generator(self, loaded: LoadedModel, kv_sharing: str | None = None) -> RecurrentGenerator:
+        """``kv_sharing``: the release's compress-s/r lookup (loopcast/kv_sharing.py; plain decoding)."""
+        return RecurrentGenerator(loaded, kv_sharing=kv_sharing)
 
     def speculative_modes(self, loaded: LoadedModel) -> tuple[str, ...]:
         """Drafts verified through the core-step graphs, and the pipeline where the artifact has

@@ -291,6 +291,39 @@ def test_the_torch_backend_takes_the_same_options(huginn):
     assert json.loads(run.stdout)["tokens"] == want
 
 
+def test_kv_sharing_through_load_the_cli_and_the_torch_backend(huginn):
+    """``load(..., kv_sharing=)`` and ``--kv-sharing``: every generator of the model shares its
+    core slots as the release's lookup does; the tokens are the reference's under the same
+    sharing (on the checkpoint, and via ``--backend torch``), not a slot per step's; bad names,
+    a looped artifact and the KL exit are refused by name."""
+    from loopcast.kv_sharing import parse_sharing
+
+    ckpt, model = huginn
+    shared = load(model.loaded.path, kv_sharing="compress-s3")
+    got = shared.generate(PROMPT, 8, loops=8, state_seed=3, stop_ids=())
+    assert len(shared.new_generator().kv) == 3 + 4  # 3 core slots, then the prelude's and coda's
+    reference = load_checkpoint(ckpt, dtype=torch.float32)
+    want, _ = greedy_generate(reference, PROMPT, 8, loops=8, seed=3, sharing=parse_sharing("compress-s3"))
+    assert got.tokens == want != plain(model, PROMPT, 8, loops=8, state_seed=3).tokens
+    base = ["generate", "--prompt-ids", "3,17,42,8", "--max-new-tokens", "8", "--json", "--loops", "8"]
+    flags = ["--state-seed", "3", "--kv-sharing", "compress-s3"]
+    runner = CliRunner()
+    for path, extra in ((str(model.loaded.path), []), (str(ckpt), ["--backend", "torch"])):
+        run = runner.invoke(main, [base[0], path, *base[1:], *flags, *extra])
+        assert run.exit_code == 0, run.output
+        assert json.loads(run.stdout)["tokens"] == want, extra
+    bad = runner.invoke(main, [base[0], str(model.loaded.path), *base[1:], "--kv-sharing", "latest-m4"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: --kv-sharing must be None, 'compress-s<c>'")
+    with pytest.raises(RequestError, match="kv_sharing must be None"):
+        shared.generate(PROMPT, 4, kl_threshold=0.3)
+    with pytest.raises(RequestError, match="speculation needs a KV slot per"):
+        shared.generate(PROMPT, 4, speculative="prompt-lookup")
+    from tests.artifacts import artifact
+
+    with pytest.raises(RequestError, match="recurrent-depth .*family's; a looped artifact"):
+        load(artifact("demo"), kv_sharing="compress-s4")
+
+
 def test_loopcast_bench_runs_the_batch_invariant_variant(huginn, tmp_path):
     """``loopcast bench --variant batch-invariant`` on a recurrent-depth checkpoint exports the
     row-invariant op set (tests/bench/test_bench.py checks the report's rows)."""
