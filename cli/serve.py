@@ -105,6 +105,13 @@ Examples:
     help="With --cuda-graphs: prefill in chunks of exactly this many tokens through a graph captured "
     "per slot (a prompt's last chunk overlaps the one before it; shorter prompts run uncaptured).",
 )
+@click.option(
+    "--kv-sharing",
+    default=None,
+    metavar="compress-s<c>|compress-r<c>",
+    help="Recurrent depth (Huginn): the release's KV lookup sharing c core slots across steps and "
+    "layers (plain decoding; the one-request engine: --sequential where batched graphs exist).",
+)
 @click.option("--ray-address", default=None, help="Ray: an existing cluster (default: start a local one).")
 def serve(
     artifact: str,
@@ -130,6 +137,7 @@ def serve(
     target_ongoing_requests: float,
     replica_cpus: float,
     replica_gpus: float,
+    kv_sharing: str | None,
     ray_address: str | None,
 ) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
@@ -160,6 +168,7 @@ def serve(
         prefill_chunk,
         max_body_bytes=max_body_bytes,
         prefill_rows=prefill_rows,
+        kv_sharing=kv_sharing,
     )
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     if use_ray:

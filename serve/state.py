@@ -48,6 +48,7 @@ class ServeOptions:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens between two decode steps (0: whole)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get HTTP 413
     prefill_rows: int | None = None  # with cuda_graphs: captured prefill chunks of this many tokens
+    kv_sharing: str | None = None  # recurrent-depth: the release's compress-s/r KV lookup (sequential)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", served_mode(self.speculative))
@@ -254,9 +255,21 @@ def open_serving(artifact: str | Path, options: ServeOptions = ServeOptions()) -
 
     # threads that sleep between ops: spinning ones starve the engine's host work and the
     # server's own threads (ort_runtime/loading/thread_pool.py)
-    model = load(artifact, options.device, threads=options.threads, spin=False, trust_ops=options.trust_ops)
+    model = load(
+        artifact,
+        options.device,
+        threads=options.threads,
+        spin=False,
+        trust_ops=options.trust_ops,
+        kv_sharing=options.kv_sharing,
+    )
     name = options.model_name or Path(artifact).resolve().name
     batched = has_batch_slots(model.loaded)
+    if batched and not options.sequential and options.kv_sharing is not None:
+        raise RequestError(
+            f"--kv-sharing {options.kv_sharing}: the batching engine keeps a KV slot per (step, layer); "
+            "serve with --sequential (one request at a time) to share them"
+        )
     if batched and not options.sequential:
         generator = open_batch_slots(
             model.loaded,

@@ -434,3 +434,23 @@ def test_the_server_batches_a_recurrent_artifact(batched):
         assert status == 200, body
         assert body["choices"][0]["token_ids"] == alone(model, prompt, 6, **extra)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "kl_threshold"
+
+
+def test_the_server_shares_kv_one_request_at_a_time(batched):
+    """``serve --kv-sharing``: the one-request engine's generators share their core slots (the
+    release's lookup); the batching engine keeps a slot per (step, layer) and refuses it by name."""
+    from loopcast.serve.state import ServeOptions, open_serving
+
+    path = batched.loaded.path
+    with pytest.raises(RequestError, match="--sequential"):
+        open_serving(path, ServeOptions(kv_sharing="compress-s4"))
+    with pytest.raises(RequestError, match="kv_sharing must be None"):
+        open_serving(path, ServeOptions(kv_sharing="latest-m4", sequential=True))
+    state = open_serving(path, ServeOptions(kv_sharing="compress-s4", sequential=True))
+    try:
+        want = load(path, kv_sharing="compress-s4").generate([3, 17, 42, 8], 6, loops=8, stop_ids=()).tokens
+        config = state.model.generation_config(None, loops=8, stop_ids=())
+        done = state.engine.submit(BatchRequest([3, 17, 42, 8], 6, config=config)).result(timeout=60)
+        assert done == want != alone(batched, [3, 17, 42, 8], 6, loops=8)
+    finally:
+        state.close()
