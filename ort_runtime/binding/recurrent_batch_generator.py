@@ -22,13 +22,13 @@ prefill ``RecurrentGenerator`` runs. A free slot, or one whose prompt is still b
 prefilled, runs a dummy row (id 0, inactive) at position n_b of its own entry, which the next
 prefill there rewrites before any row reads it.
 
-A verify step (prompt lookup in the batch) is the same three kinds over S rows a slot, the most
+A verify step (speculation in the batch) is the same three kinds over S rows a slot, the most
 its slots give (the pending token and up to ``verify_width - 1`` drafts, padded by repeating the
-last), at positions n_b..n_b+S-1; it commits nothing (``advance`` commits the accepted rows; the
-rows past them hold stale KV that the slot's next step rewrites before any row reads it).
-
-Prefix reuse is off: a prefix's KV holds the core steps its request ran, which another request
-at another r or seed would read as its own. The calls run eagerly (no captured CUDA graphs).
+last), at positions n_b..n_b+S-1, a KL request's rows then taking their exits' outputs
+(recurrent_batch_exits.py); it commits nothing (``advance`` commits the accepted rows; the rows
+past them hold stale KV that the slot's next step rewrites before any row reads it). Prefix
+reuse is off: a prefix's KV holds the core steps its request ran, which another request at
+another r or seed would read as its own. The calls run eagerly (no captured CUDA graphs).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from loopcast.ort_runtime.binding.batch_kv import (
 from loopcast.ort_runtime.binding.batch_slots import SlotCaps
 from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, _Buffer, host_copy, run_bound
 from loopcast.ort_runtime.binding.device_move import copy_kv_positions, load_device_copy
+from loopcast.ort_runtime.binding.recurrent_batch_exits import frozen_states, kl_verify_rows
 from loopcast.ort_runtime.binding.step_clock import StepClock
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 
@@ -164,6 +165,7 @@ class RecurrentBatchGenerator:
         self._prompt_exit, self._exits = [0] * B, [[] for _ in range(B)]
         self._device_copy = None  # CUDA: the op library's KV position copy (last-exited), on first use
         self._last_exits: dict[int, int] = {}  # the last step's KL exits
+        self._verify_exits: dict[int, list[int]] = {}  # the last verify's KL exits, row by row
         self._bindings: dict[tuple[str, int, int], ort.IOBinding] = {}  # (kind, step, width) -> binding
         self.clock = StepClock()
         self.rows_run = 0  # decode rows computed, occupied or not
@@ -229,21 +231,21 @@ class RecurrentBatchGenerator:
         self._kl_exit_of(options)
 
     def _kl_exit_of(self, options: Mapping[str, object]) -> KLExit | None:
-        """A request's KL exit (``kl_threshold``, ``min_loops``, ``kv_policy``; None: r steps). Its
-        rows decode plainly: a verify call over several rows cannot know each row's exit."""
+        """A request's KL exit (``kl_threshold``, ``min_loops``, ``kv_policy``; None: r steps);
+        speculating, ``full`` KV only (as alone)."""
         threshold = options.get("kl_threshold")
         if threshold is None:
             return None
-        if options.get("speculative", "none") != "none":
+        policy = str(getattr(options.get("kv_policy"), "value", options.get("kv_policy") or "full"))
+        if options.get("speculative", "none") != "none" and policy != "full":
             raise RequestError(
-                "kl_threshold with speculation is served one request at a time (loopcast serve "
-                "--sequential); the batching engine decodes KL-exit requests plainly",
-                parameter="kl_threshold",
+                "speculation with the KL exit needs kv_policy 'full': with 'last-exited' a token's "
+                "skipped-step KV depends on its exit, which a verify call over several rows cannot know",
+                parameter="kv_policy",
             )
-        policy = options.get("kv_policy")
         min_loops = options.get("min_loops") or 1
         assert isinstance(threshold, float | int) and isinstance(min_loops, int)
-        return KLExit(float(threshold), min_loops, str(getattr(policy, "value", policy or "full")))
+        return KLExit(float(threshold), min_loops, policy)
 
     def prefills_whole(self, slot: int) -> bool:
         """Whether ``slot``'s prompt must be prefilled in one call: a KL exit's prompt rows leave
@@ -445,7 +447,10 @@ class RecurrentBatchGenerator:
         for ids in rows.values():
             if not 1 <= len(ids) <= self.verify_width:
                 raise RequestError(f"verify takes 1..{self.verify_width} rows per sequence, got {len(ids)}")
-        return self._step(rows, want_logits)
+        out = self._step(rows, want_logits)
+        if max(len(ids) for ids in rows.values()) == 1:  # one row a slot: the decode step's exits
+            self._verify_exits = {s: [e] for s, e in self._last_exits.items()}
+        return out
 
     def draft_tokens(self, tokens: dict[int, int], offsets: dict[int, int]) -> dict[int, int]:
         """One draft row per slot in ``tokens`` (slot -> the token at position n_b + offset_b, its
@@ -466,7 +471,8 @@ class RecurrentBatchGenerator:
         if not 0 <= count <= (self.verify_width or 1) or self.lengths[slot] + count > self.max_length:
             raise RequestError(f"cannot commit {count} rows on slot {slot} at length {self.lengths[slot]}")
         self.lengths[slot] += count
-        self._exits[slot] += [self._loops[slot]] * count  # verified rows run every step
+        exits = self._verify_exits.get(slot)  # KL rows: each row's exit; others run every step
+        self._exits[slot] += exits[:count] if exits else [self._loops[slot]] * count
 
     def _step(
         self,
@@ -521,8 +527,12 @@ class RecurrentBatchGenerator:
         current: ort.OrtValue | np.ndarray = self._value(state)
         coda = functools.partial(self._run, CODA_BATCH, self._binding(CODA_BATCH, 0, width))
         heads = ["next_token_ids_BS", "logits_BSV"]
-        # KL-exit rows (decode steps only): slot -> its exit state; last-exited rows stop there
+        # KL-exit rows of a one-row step: slot -> its exit state; last-exited rows stop there
         kl = {s: x for s in rows if (x := self._kl[s]) is not None} if S == 1 and not loops else {}
+        # KL-exit rows of a verify step: every core step's states, for the rows' coda checks
+        kl_rows = {s: x for s in rows if (x := self._kl[s]) is not None} if S > 1 and not loops else {}
+        by_step: dict[int, np.ndarray] = {}
+        self._verify_exits = {}
         exited: dict[int, tuple[int, np.ndarray]] = {}
         previous = {s: uniform_log_probs(cfg.vocab_size) for s in kl}
         stopped = np.zeros(width, bool)
@@ -539,11 +549,13 @@ class RecurrentBatchGenerator:
                 },
                 ["state_BSH_out"],
             )
+            if kl_rows:
+                by_step[k + 1] = host_copy(current)
             checking = [s for s, x in kl.items() if s not in exited and x.min_loops <= k + 1 <= depth[s]]
             if checking:  # the coda after this step for the rows still deciding (writes the coda KV)
                 host = host_copy(current)
                 _, check = coda(
-                    {"state_BSH": self._value(self._frozen(host, exited)), **lengths}, heads, True
+                    {"state_BSH": self._value(frozen_states(host, exited)), **lengths}, heads, True
                 )
                 for s in checking:
                     value, previous[s] = step_kl(previous[s], check.numpy()[s, 0])
@@ -551,7 +563,7 @@ class RecurrentBatchGenerator:
                         exited[s] = (k + 1, host[s].copy())
                         stopped[s] = kl[s].kv_policy != "full"  # full runs the rest for the KV only
         if exited:  # the coda reads each exited row's state at its exit
-            current = self._value(self._frozen(host_copy(current), exited))
+            current = self._value(frozen_states(host_copy(current), exited))
         next_ids, logits = coda({"state_BSH": current, **lengths}, heads, True)
         self._last_exits = {s: e for s, (e, _) in exited.items()}
         for s, (e, _) in exited.items():
@@ -559,6 +571,23 @@ class RecurrentBatchGenerator:
                 self._copy_step_kv(s, e - 1, k, int(first[s]), 1)
         self.rows_run += width * S
         out_ids, out_logits = next_ids.numpy(), logits.numpy() if want_logits else None
+        if kl_rows:  # each KL row's coda after each checked step until its exit (recurrent_batch_exits.py)
+
+            def coda_rows(state_W1H: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                one = {
+                    "seqlens_k": positions.astype(np.int32),
+                    "total_sequence_length": np.array(int(positions.max()) + 1, np.int32),
+                }
+                ids, row_logits = coda({"state_BSH": self._value(state_W1H), **one}, heads, True)
+                return ids.numpy(), row_logits.numpy()
+
+            out_ids, out_logits = out_ids.copy(), logits.numpy().copy()
+            given = {s: len(rows[s]) for s in kl_rows}
+            final = host_copy(current)
+            self._verify_exits = kl_verify_rows(
+                coda_rows, kl_rows, given, by_step, final, depth, first, out_ids, out_logits, cfg.vocab_size
+            )
+            out_logits = out_logits if want_logits else None
         out = {s: [int(t) for t in out_ids[s, : len(given)]] for s, given in rows.items()}
         kept = (
             {s: out_logits[s, : len(given)].copy() for s, given in rows.items()}
@@ -566,10 +595,3 @@ class RecurrentBatchGenerator:
             else None
         )
         return out, kept
-
-    @staticmethod
-    def _frozen(host: np.ndarray, exited: dict[int, tuple[int, np.ndarray]]) -> np.ndarray:
-        """``host`` states with each exited row's state at its exit."""
-        for s, (_, state) in exited.items():
-            host[s] = state
-        return host

@@ -288,6 +288,88 @@ def test_kl_exit_rows_are_one_sequence_rows_bit_for_bit(batched):
     assert {0, 2, 3} <= early  # every KL row exited before its r at least once
 
 
+def test_kl_exit_verify_rows_are_one_sequence_rows_bit_for_bit(batched):
+    """A verify step over KL-exit slots (their own thresholds, min_loops and r, one with
+    min_loops = r) beside a plain one: each given row's logits are the one-sequence verify's with
+    the same KL exit (each row's coda after each checked step until its exit, rows in order), the
+    rows exit where alone they do, and after committing some rows the next decode step's rows
+    agree too (the coda KV holds each committed row's exit)."""
+    from loopcast.kl_exit import KLExit
+
+    loaded = batched.loaded
+    gen = RecurrentBatchGenerator(loaded)
+    requests = {  # slot -> (prompt, loops, seed, KL exit, rows given)
+        0: ([3, 17, 42, 8], 32, 7, KLExit(0.3, 1, "full"), 5),
+        1: ([5, 6, 7], 4, None, None, 3),
+        2: ([9, 1, 2], 32, None, KLExit(0.15, 3, "full"), 4),
+        3: ([11, 12], 8, 2, KLExit(0.3, 8, "full"), 2),  # min_loops = r: only step r is checked
+    }
+    given, singles, want, want_exits = {}, {}, {}, {}
+    for slot, (prompt, loops, seed, kl, m) in requests.items():
+        options = {"loops": loops, "state_seed": seed, "speculative": "prompt-lookup"}
+        if kl is not None:
+            options |= {"kl_threshold": kl.threshold, "min_loops": kl.min_loops, "kv_policy": kl.kv_policy}
+        gen.begin(slot, 0, options)
+        first, _ = gen.prefill(slot, prompt)
+        single = singles[slot] = RecurrentGenerator(loaded, loops=loops, state_seed=seed)
+        single.step(prompt, kl_exit=kl)
+        given[slot] = [first, *[(first + 3 * i) % loaded.config.vocab_size for i in range(1, m)]]
+        out = single.verify(given[slot], kl) if kl is not None else single.step(given[slot])
+        want[slot], want_exits[slot] = out.logits, out.row_exits
+        single.rewind(len(prompt))
+    targets, logits = gen.verify(given, want_logits=True)
+    for slot in requests:
+        for i, row in enumerate(want[slot]):
+            assert np.array_equal(logits[slot][i], row), (slot, i)
+    assert {e for s in (0, 2) for e in want_exits[s]} - {32}  # rows exit early: the check has teeth
+    commit = {0: 3, 1: 3, 2: 1, 3: 2}
+    for slot, count in commit.items():
+        gen.advance(slot, count)
+        kl = requests[slot][3]  # the accepted rows alone: a verify of them (each row its own exit)
+        singles[slot].verify(given[slot][:count], kl) if kl else singles[slot].step(given[slot][:count])
+    pending = {s: targets[s][c - 1] for s, c in commit.items()}
+    out = gen.decode(pending, want_logits=True)
+    for slot, token in pending.items():
+        alone_step = singles[slot].step([token], kl_exit=requests[slot][3])
+        assert np.array_equal(out.logits[slot], alone_step.logits[-1]), slot
+
+
+def test_kl_exit_requests_speculate_in_the_batch(batched):
+    """KL-exit requests with prompt lookup and self-speculation in the batch (every round taken,
+    some drafts forced wrong) beside plain and plain KL ones: each request's tokens and the
+    step each token left at are its own alone."""
+    from loopcast.ort_runtime.batching.batch_gate import AlwaysBatchGate
+
+    model = batched
+    loop = [5, 9, 11, 5, 9, 11, 5, 9]
+    cases = [
+        (loop, 12, dict(loops=32, kl_threshold=0.3), "prompt-lookup"),
+        ([3, 17, 42, 8], 10, dict(loops=8, kl_threshold=0.15, min_loops=2, state_seed=3), "self"),
+        ([9, 1, 2], 10, dict(loops=4), "prompt-lookup"),
+        (loop[:5], 10, dict(loops=32, kl_threshold=0.3, state_seed=1), "none"),
+    ]
+    want, depth = [], []
+    for prompt, n, options, _ in cases:
+        alone_run = model.generate(prompt, n, config=model.generation_config(None, **options), stop_ids=())
+        want.append(alone_run.tokens)
+        depth.append({k: getattr(alone_run.stats, k) for k in ("exit_histogram", "mean_loops", "kv_policy")})
+    seen = [0]
+
+    def perturb(sequence, token):
+        seen[0] += 1
+        return (token + 1) % model.loaded.config.vocab_size if seen[0] % 3 == 0 else token
+
+    engine = BatchingEngine(
+        RecurrentBatchGenerator(model.loaded), gate=AlwaysBatchGate(), self_perturb=perturb
+    ).start()
+    done = serve_cases(engine, model, [(p, n, dict(o), m) for p, n, o, m in cases], want)
+    assert [c.depth for c in done] == depth
+    stats = (engine.stats, [(c.speculative, c.proposed, c.accepted) for c in done])
+    # prompt lookup's drafts verified in the rounds beside self's, some of the drafts rejected
+    assert engine.stats["self_rounds"] > 0, stats
+    assert done[0].proposed > 0 and 0 < done[1].accepted < done[1].proposed, stats
+
+
 def test_kl_exit_requests_in_the_batch_get_their_tokens_alone(batched):
     """KL-exit requests (both KV policies) beside plain ones through the engine, a prompt longer
     than the prefill chunk among them (its rows leave together: prefilled in one call), greedy
@@ -358,7 +440,7 @@ def test_what_the_batched_engine_does_not_serve_is_refused_by_name(batched):
     try:
         assert engine.speculative_modes == ("none", "prompt-lookup", "self")
         for options, mode, parameter in (
-            (dict(kl_threshold=0.3), "prompt-lookup", "kl_threshold"),  # KL rows decode plainly
+            (dict(kl_threshold=0.3, kv_policy="last-exited"), "prompt-lookup", "kv_policy"),
             (dict(loops=33), "none", "loops"),
             (dict(draft_loops=2), "none", "draft_loops"),  # goes with self
             (dict(loops=4, draft_loops=4), "self", "draft_loops"),  # fewer core steps than loops
@@ -426,6 +508,7 @@ def test_the_server_batches_a_recurrent_artifact(batched):
                 "prompt": [3],
                 "max_tokens": 2,
                 "kl_threshold": 0.2,
+                "kv_policy": "last-exited",
                 "speculative": "prompt-lookup",
             },
             timeout=60,
@@ -433,7 +516,7 @@ def test_the_server_batches_a_recurrent_artifact(batched):
     for (prompt, extra), (status, body) in zip(cases, answers, strict=True):
         assert status == 200, body
         assert body["choices"][0]["token_ids"] == alone(model, prompt, 6, **extra)
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kl_threshold"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_policy"
 
 
 def test_the_server_shares_kv_one_request_at_a_time(batched):
