@@ -172,26 +172,10 @@ def test_pipeline_with_the_kl_exit_on_cuda(invariant, dtype):
     """The pipeline under the KL exit on the device: the lanes' states come back from the carried
     buffer for the leaving lane's coda checks; tokens, exits and every KV slot below n equal
     plain decoding's (tests/ort_runtime/test_recurrent_pipeline.py's check)."""
-    from tests.ort_runtime.test_recurrent_pipeline import Oracle, kv_below, run
+    from tests.ort_runtime.test_recurrent_pipeline import check_kl_pipeline
 
     gen = RecurrentGenerator(open_artifact(invariant[dtype], "cuda"))
-    options = dict(loops=32, kl_threshold=0.3, state_seed=7)
-    want, want_stats, n_left = run(gen, PROMPT, 16, **options)
-    want_kv = kv_below(gen, n_left)
-    got, stats, n_got = run(
-        gen,
-        PROMPT,
-        16,
-        speculative="pipeline",
-        gate="always",
-        proposer=Oracle(PROMPT + want, range(0, 99, 3)),
-        **options,
-    )
-    assert got == want and n_got == n_left and stats.exit_histogram == want_stats.exit_histogram
-    got_kv = kv_below(gen, n_got)
-    for slot, pair in want_kv.items():
-        for w, g in zip(pair, got_kv[slot], strict=True):
-            assert np.array_equal(w, g), (dtype, slot)
+    check_kl_pipeline(gen, dict(loops=32, kl_threshold=0.3, state_seed=7), range(0, 99, 3))
 
 
 @pytest.fixture(scope="module", params=["fp16", "bf16"])

@@ -293,6 +293,23 @@ def kv_below(gen, n: int) -> dict:
     return {slot: [np.array(buffer.pull()[..., :n, :]) for buffer in pair] for slot, pair in gen.kv.items()}
 
 
+def check_kl_pipeline(gen, options: dict, spoil=()):
+    """The pipeline with oracle drafts (``spoil``: positions drafted wrong) against plain decoding
+    at the same KL exit: tokens, each token's exit and every KV slot below n; returns plain's
+    tokens and stats and the pipeline's stats."""
+    want, want_stats, n_left = run(gen, PROMPT, 16, **options)
+    want_kv = kv_below(gen, n_left)
+    oracle = Oracle(PROMPT + want, spoil)
+    got, stats, n_got = run(gen, PROMPT, 16, speculative="pipeline", gate="always", proposer=oracle, **options)
+    assert got == want and n_got == n_left
+    assert stats.exit_histogram == want_stats.exit_histogram and stats.kv_policy == "full"
+    got_kv = kv_below(gen, n_got)
+    for slot, pair in want_kv.items():
+        for w, g in zip(pair, got_kv[slot], strict=True):
+            assert np.array_equal(w, g), slot
+    return want, want_stats, stats
+
+
 @pytest.mark.parametrize(
     "loops, kl, min_loops", [(1, 0.3, None), (4, 0.3, None), (32, 0.15, None), (32, 0.3, 3), (8, 0.3, 8)]
 )
@@ -303,26 +320,10 @@ def test_kl_exit_lanes_equal_plain(gen, loops, kl, min_loops, spoil):
     same core step, and every KV slot below n as plain leaves it (the coda slots hold each
     position's exit-step KV, the core slots every step's)."""
     options = dict(loops=loops, kl_threshold=kl, min_loops=min_loops, state_seed=5)
-    want, want_stats, n_left = run(gen, PROMPT, 16, **options)
-    want_kv = kv_below(gen, n_left)
+    want, want_stats, stats = check_kl_pipeline(gen, options, spoil)
     if loops > 1 and (min_loops or 1) < loops:  # the case has teeth: tokens exit at several depths
         assert min(want_stats.exit_histogram) < loops and len(want_stats.exit_histogram) > 1
-    got, stats, n_got = run(
-        gen,
-        PROMPT,
-        16,
-        speculative="pipeline",
-        gate="always",
-        proposer=Oracle(PROMPT + want, spoil),
-        **options,
-    )
-    assert got == want and n_got == n_left
-    assert stats.exit_histogram == want_stats.exit_histogram and stats.kv_policy == "full"
     assert stats.strategy == "pipeline" and stats.rounds > 0
-    got_kv = kv_below(gen, n_got)
-    for slot, pair in want_kv.items():
-        for w, g in zip(pair, got_kv[slot], strict=True):
-            assert np.array_equal(w, g), slot
     # prompt lookup's own drafts, and the default gate: still plain's tokens
     for gate in ("always", "auto"):
         got, _, _ = run(gen, PROMPT, 16, speculative="pipeline", gate=gate, **options)
