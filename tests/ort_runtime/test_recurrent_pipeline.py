@@ -300,7 +300,8 @@ def check_kl_pipeline(gen, options: dict, spoil=()):
     want, want_stats, n_left = run(gen, PROMPT, 16, **options)
     want_kv = kv_below(gen, n_left)
     oracle = Oracle(PROMPT + want, spoil)
-    got, stats, n_got = run(gen, PROMPT, 16, speculative="pipeline", gate="always", proposer=oracle, **options)
+    spec = dict(speculative="pipeline", gate="always", proposer=oracle)
+    got, stats, n_got = run(gen, PROMPT, 16, **spec, **options)
     assert got == want and n_got == n_left
     assert stats.exit_histogram == want_stats.exit_histogram and stats.kv_policy == "full"
     got_kv = kv_below(gen, n_got)
