@@ -289,6 +289,10 @@ def test_kl_exit_rows_are_one_sequence_rows_bit_for_bit(batched):
 
 
 def test_kl_exit_verify_rows_are_one_sequence_rows_bit_for_bit(batched):
+    check_kl_verify_rows(batched.loaded)
+
+
+def check_kl_verify_rows(loaded) -> None:
     """A verify step over KL-exit slots (their own thresholds, min_loops and r, one with
     min_loops = r) beside a plain one: each given row's logits are the one-sequence verify's with
     the same KL exit (each row's coda after each checked step until its exit, rows in order), the
@@ -296,7 +300,6 @@ def test_kl_exit_verify_rows_are_one_sequence_rows_bit_for_bit(batched):
     agree too (the coda KV holds each committed row's exit)."""
     from loopcast.kl_exit import KLExit
 
-    loaded = batched.loaded
     gen = RecurrentBatchGenerator(loaded)
     requests = {  # slot -> (prompt, loops, seed, KL exit, rows given)
         0: ([3, 17, 42, 8], 32, 7, KLExit(0.3, 1, "full"), 5),

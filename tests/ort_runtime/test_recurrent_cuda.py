@@ -195,9 +195,10 @@ def test_batched_rows_are_one_sequence_rows_on_cuda(batched):
     """--ops loopcast with --max-batch on CUDA: every row of prelude_batch → core_step_batch (mixed
     depths, seeds, a free slot, a prompt prefilled in chunks) → coda_batch is its request's
     one-sequence step bit for bit."""
-    from tests.ort_runtime.test_recurrent_batch import check_batched_rows
+    from tests.ort_runtime.test_recurrent_batch import check_batched_rows, check_kl_verify_rows
 
     check_batched_rows(batched.loaded)
+    check_kl_verify_rows(batched.loaded)  # KL-exit verify rows (not yet run on a GPU)
 
 
 def test_batched_engine_gives_each_request_its_tokens_alone_on_cuda(batched):
