@@ -122,7 +122,7 @@ def _build_twin(manifest: Manifest, shallow, path: Path, probe: Path, read_store
     refs = weight_refs(read_stored(path / manifest.weights_file))
     # the artifact's quantized matrices, read through the same MatMulNBits nodes (the twin's
     # first layers are the artifact's, so their names and shapes agree)
-    quantized = quantized_linears(shallow, manifest.quantization)
+    quantized = quantized_linears(shallow, manifest.quantization, manifest.attention_head_size)
     graphs = {}
     for plan in graph_plan(
         shallow,

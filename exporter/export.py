@@ -190,6 +190,12 @@ def _write_artifact(
     # the stored head size: padded for the CUDA attention kernels where they lack head_dim
     heads = head_size(config, opts, op_set)
     padded = heads if heads != config.head_dim else None
+    if padded is not None and source.native is not None:
+        raise ExportError(
+            f"heads of {config.head_dim} stored as {heads} (the loopcast attention ops' CUDA kernels "
+            "take 16, 32, 64 or 128) would move the blocks of this file's quantized tensors; export "
+            "it with --ops stock, or from a float (F16/F32/BF16) source"
+        )
     layout = weight_layout(config, opts.max_length, opts.dtype, read, quant, padded)
     total = weights_nbytes(config, opts.max_length, opts.dtype, read, quant, padded)
     bar = tqdm(
@@ -323,7 +329,7 @@ def _build_graphs(
         exit_depths=opts.exit_depths or (),
     )
     refs = weight_refs(layout)
-    quantized = quantized_linears(config, opts.quantization)
+    quantized = quantized_linears(config, opts.quantization, head_size)
     models, graphs, custom_ops = {}, {}, set()
     for plan in plans:
         builder = GraphBuilder(refs, WEIGHTS_FILE, staging, quantized, head_size=head_size)
@@ -387,7 +393,7 @@ def with_verify_width(
 
     dtype = _ir_dtype(manifest.dtype)
     refs = weight_refs(read_stored(src / manifest.weights_file))
-    quantized = quantized_linears(config, manifest.quantization)
+    quantized = quantized_linears(config, manifest.quantization, manifest.attention_head_size)
     keep = [manifest.weights_file, *manifest.tokenizer_files, *manifest.genai_files]
     if manifest.custom_op_library:
         keep.append(manifest.custom_op_library)
@@ -476,7 +482,7 @@ def _write_batched(
     )
     for plan in (p for p in plans if p.kind in BATCH_KINDS):
         builder = GraphBuilder(
-            refs, weights_file, staging, quantized_linears(config, quant), head_size=head_size
+            refs, weights_file, staging, quantized_linears(config, quant, head_size), head_size=head_size
         )
         model, spec = build_batched_kind(
             plan.kind,

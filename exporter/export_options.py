@@ -140,8 +140,6 @@ def _check_pad_heads_to(config: ModelConfig, opts: ExportOptions) -> None:
             f"pad_heads_to must be an even head size in {config.head_dim}..256 (head_dim "
             f"{config.head_dim}: the rotary halves get the zeros), got {size!r}"
         )
-    if size != config.head_dim and opts.quantization is not None:
-        raise ExportError("pad_heads_to with --quantize: padded heads would move the quantized blocks")
 
 
 def _check_quantized(opts: ExportOptions) -> None:
@@ -186,7 +184,8 @@ def head_size(config: ModelConfig, opts: ExportOptions, op_set: OpSet | str) -> 
     exporter/head_padding.py): ``opts.pad_heads_to`` when given; with the loopcast attention ops
     and float weights, a head_dim their CUDA kernels lack is padded to the next size they take
     (Huginn-0125's 96 → 128), on every dtype, so that one artifact runs on the CPU and on CUDA;
-    otherwise head_dim. Padding beyond 128 or with quantized weights is not done
+    quantized weights only in fp16/bf16 artifacts (they run on CUDA only; an fp32 quantized
+    artifact is the CPU's, kept unpadded); otherwise head_dim. Padding beyond 128 is not done
     (check_cuda_attention refuses what then cannot run on CUDA)."""
     d = config.head_dim
     if opts.pad_heads_to is not None and opts.pad_heads_to != d:
@@ -196,7 +195,9 @@ def head_size(config: ModelConfig, opts: ExportOptions, op_set: OpSet | str) -> 
                 f"loopcast-attention or loopcast), got --ops {OpSet(op_set)}"
             )
         return opts.pad_heads_to
-    if opts.pad_heads_to is not None or not OpSet(op_set).loopcast_attention or opts.quantization is not None:
+    if opts.pad_heads_to is not None or not OpSet(op_set).loopcast_attention:
+        return d
+    if opts.quantization is not None and opts.dtype == "fp32":
         return d
     return next((size for size in CUDA_ATTENTION_HEAD_DIMS if size >= d), d)
 
@@ -205,15 +206,13 @@ def check_cuda_attention(config: ModelConfig, opts: ExportOptions, op_set: OpSet
     """An fp16/bf16 artifact runs on CUDA only: with the loopcast attention ops its stored head
     size must be one their CUDA kernels take, or the artifact would fail at its first step, after
     the whole export. Padding (head_size) makes most head sizes one (Huginn-0125's 96); what it
-    cannot fix is refused here: a head_dim above 128, or quantized weights."""
+    cannot fix is refused here: a head_dim above 128."""
     if opts.dtype == "fp32" or op_set is None or op_set == "auto" or not OpSet(op_set).loopcast_attention:
         return
     size = head_size(config, opts, op_set)
     if size not in CUDA_ATTENTION_HEAD_DIMS:
         if opts.pad_heads_to is not None:
             why = f"pad_heads_to {opts.pad_heads_to}"
-        elif opts.quantization is not None and config.head_dim <= CUDA_ATTENTION_HEAD_DIMS[-1]:
-            why = "quantized weights are not padded"
         else:
             why = f"heads are padded to at most {CUDA_ATTENTION_HEAD_DIMS[-1]}"
         raise ExportError(

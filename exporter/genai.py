@@ -105,7 +105,9 @@ def write_genai(
     """Write the GenAI graph and config into ``staging``; returns the file names written. With
     ``quant`` the graph reads the artifact's quantized matrices through MatMulNBits, as the
     stock op set's own graphs do."""
-    builder = GraphBuilder(refs, weights_file, staging, quantized_linears(config, quant), head_size=head_size)
+    builder = GraphBuilder(
+        refs, weights_file, staging, quantized_linears(config, quant, head_size), head_size=head_size
+    )
     ir.save(build_genai_decoder(config, dtype, max_length, builder), staging / GENAI_FILE)
     text = json.dumps(genai_config(config, max_length, head_size), indent=2) + "\n"
     (staging / GENAI_CONFIG_FILE).write_text(text)

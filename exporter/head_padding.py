@@ -20,7 +20,8 @@ bit; rows stay row-invariant (each row is still its one-row call).
 
 What makes this exact is that nothing but the rotary and q·k reads a head's dims: a q/k norm
 over the head would count the zeros (no supported architecture has one: loopcast/config.py
-refuses unknown fields), and quantized matrices would need their blocks re-laid (refused).
+refuses unknown fields). Quantized matrices are quantized after the padding (exporter/weights.py):
+the q/k/v rows' blocks are the unpadded ones, o_proj's run over each stored head.
 """
 
 from __future__ import annotations

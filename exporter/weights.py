@@ -106,10 +106,17 @@ def artifact_tensors(
     ``quant`` each quantized matrix becomes its MatMulNBits tensors (_quantized). ``head_size``:
     the stored attention head size when it pads the model's heads (exporter/head_padding.py)."""
     pad = HeadPadding(config.head_dim, head_size or config.head_dim)
-    if pad.padded and quant is not None:
-        raise ValueError("padded attention heads with quantized weights: their blocks would move")
+    if pad.padded and native is not None:
+        raise ValueError("padded attention heads with a source's quantized blocks: their blocks would move")
     specs = _float_tensors(config, max_length, read, dtype, pad)
-    linears = quantized_linears(config, quant)
+    linears = quantized_linears(config, quant, head_size)
+    # padded heads: the attention matrices are quantized in their stored (padded) layout, from
+    # the fp32 float tensors (head_padding.py)
+    padded_float = (
+        {name: produce for name, _, produce, _ in _float_tensors(config, max_length, read, None, pad)}
+        if pad.padded and linears
+        else {}
+    )
     if config.tie_word_embeddings and "lm_head.weight_T" in linears:
         # a tied head under a quantized scheme: a quantized copy of the embedding ([V, H] is
         # already MatMulNBits' [N, K]); the Gather keeps reading the float embedding
@@ -117,7 +124,7 @@ def artifact_tensors(
     out: list[Spec] = []
     for name, shape, produce, code in specs:
         if name in linears:  # the embedding too, under --quantize-embedding
-            out += _quantized(linears[name], config, read, name, native)
+            out += _quantized(linears[name], config, read, name, native, padded_float.get(name))
         else:
             out.append((name, shape, produce, code))
     return out
@@ -141,12 +148,17 @@ def _sources(config: ModelConfig, name: str) -> list[str]:
 
 
 def _quantized(
-    linear: QuantLinear, config: ModelConfig, read: Read, name: str, native: Native | None
+    linear: QuantLinear,
+    config: ModelConfig,
+    read: Read,
+    name: str,
+    native: Native | None,
+    padded: Callable[[], np.ndarray] | None = None,
 ) -> list[Spec]:
-    """The MatMulNBits tensors of one matrix, quantized after fusion (or ``native``'s blocks).
-    Each is produced on its own (the RTN pass runs once per stored tensor: cheap beside the
-    copy, and no quantized matrix outlives its write), so memory stays at one fused fp32 matrix
-    per worker."""
+    """The MatMulNBits tensors of one matrix, quantized after fusion (or ``native``'s blocks;
+    ``padded``: the float [K, N] matrix with its heads padded). Each is produced on its own (the
+    RTN pass runs once per stored tensor: cheap beside the copy, and no quantized matrix outlives
+    its write), so memory stays at one fused fp32 matrix per worker."""
     from loopcast.exporter.quantize import quantize, shapes
 
     if config.recurrent_depth:  # the release's fused matrices, q/k halves reordered
@@ -159,6 +171,8 @@ def _quantized(
         sources = _sources(config, name)
 
     def matrix_NK() -> np.ndarray:
+        if padded is not None:
+            return np.ascontiguousarray(np.asarray(padded(), np.float32).T)
         if config.recurrent_depth:
             return np.asarray(recurrent_matrix(config, name, read), np.float32)
         return np.concatenate([np.asarray(read(s), np.float32) for s in sources], axis=0)

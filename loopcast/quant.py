@@ -167,13 +167,17 @@ class QuantLinear:
         return out
 
 
-def quantized_linears(config, scheme: QuantScheme | None) -> dict[str, QuantLinear]:
+def quantized_linears(
+    config, scheme: QuantScheme | None, head_size: int | None = None
+) -> dict[str, QuantLinear]:
     """Every matrix ``scheme`` quantizes in an artifact of ``config`` (a ``ModelConfig``), by the
     float name the graphs know it by; the exporter's weights and every graph builder use this one
-    map, so the twin of the exactness probe and a re-widened artifact see the same weights."""
+    map, so the twin of the exactness probe and a re-widened artifact see the same weights.
+    ``head_size``: the stored attention head size of padded heads (exporter/head_padding.py; the
+    attention matrices are quantized in the padded layout)."""
     if scheme is None:
         return {}
-    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    h, d, inter = config.hidden_size, head_size or config.head_dim, config.intermediate_size
     qkv = (config.num_heads + 2 * config.num_kv_heads) * d
     shapes = {"qkv_proj": (h, qkv), "o_proj": (config.num_heads * d, h)}
     shapes |= {"gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}

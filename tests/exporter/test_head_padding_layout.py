@@ -87,13 +87,16 @@ def test_padded_heads_compute_the_models_attention() -> None:
 
 def test_the_stored_head_size() -> None:
     """Padded with the loopcast attention ops to the next size their CUDA kernels take, on every
-    dtype; never with the stock ops, quantized weights or above 128; pad_heads_to for tests."""
+    dtype (quantized weights: fp16/bf16 only); never with the stock ops or above 128;
+    pad_heads_to for tests."""
     fp32 = ExportOptions()
     for ops in ("loopcast-attention", "loopcast"):
         assert head_size(HUGINN, fp32, ops) == 128
         assert head_size(HUGINN, ExportOptions(dtype="bf16"), ops) == 128
     assert head_size(HUGINN, fp32, "stock") == 96
     assert head_size(HUGINN, dataclasses.replace(fp32, quantization=QuantScheme("int4")), "loopcast") == 96
+    bf16_int4 = ExportOptions(dtype="bf16", quantization=QuantScheme("int4"))
+    assert head_size(HUGINN, bf16_int4, "loopcast") == 128  # a CUDA-only artifact: padded
     tiny = PRESETS["tiny-ouro"]
     assert head_size(tiny, fp32, "loopcast-attention") == 16
     assert head_size(tiny.replace(hidden_size=96, head_dim=24), fp32, "loopcast-attention") == 32
@@ -105,8 +108,7 @@ def test_the_stored_head_size() -> None:
     for bad in (15, 14, 258):
         with pytest.raises(ExportError, match="pad_heads_to must be an even head size in 16..256"):
             ExportOptions(pad_heads_to=bad).resolved(tiny)
-    with pytest.raises(ExportError, match="pad_heads_to with --quantize"):
-        ExportOptions(pad_heads_to=32, quantization=QuantScheme("int8")).resolved(tiny)
+    assert ExportOptions(pad_heads_to=32, quantization=QuantScheme("int8")).resolved(tiny).pad_heads_to == 32
 
 
 @pytest.fixture(scope="module")

@@ -150,3 +150,29 @@ def test_a_head_size_the_cuda_kernels_lack_is_padded_on_its_own(huginn_24, loops
     want_ids, want_logits = greedy_generate(model, PROMPT, 8, loops=loops, seed=7, max_length=MAX_LENGTH)
     _same_generation(got, (want_ids, [w.numpy() for w in want_logits]))
     assert rows_match_on_cpu(arts[None])
+
+
+def test_a_cuda_quantized_export_pads_its_heads_and_the_cpu_one_does_not(tmp_path) -> None:
+    """Heads of 24 under --quantize: a bf16 --ops loopcast artifact (CUDA only) stores them as
+    32, its attention matrices quantized in that layout (o_proj's K = heads·32); the fp32 one
+    (the CPU's) keeps 24."""
+    from loopcast.exporter.weights import read_stored
+
+    from loopcast.quant import QuantScheme
+
+    config = dataclasses.replace(
+        PRESETS["tiny-huginn"],
+        hidden_size=96,
+        head_dim=24,
+        embed_scale=math.sqrt(96),
+        state_std=math.sqrt(2 / (5 * 96)) * math.sqrt(96),
+    )
+    ckpt = write_random_checkpoint(config, tmp_path / "ckpt", seed=4, std=0.1)
+    for dtype, stored in (("bf16", 32), ("fp32", 24)):
+        out = tmp_path / dtype
+        options = dict(max_length=MAX_LENGTH, ops="loopcast", quantization=QuantScheme("int4"))
+        export_checkpoint(ckpt, out, ExportOptions(dtype, **options))
+        manifest = Manifest.read(out)
+        assert manifest.kv_head_size == stored, dtype
+        o_proj = read_stored(out / manifest.weights_file)["layers.0.o_proj.weight_q"]
+        assert o_proj.shape == (96, config.num_heads * stored // 32, 16), dtype  # [N, K blocks, 32 codes]

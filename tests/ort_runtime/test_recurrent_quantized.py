@@ -35,14 +35,21 @@ PROMPT = [3, 17, 42, 8]
 PROJECTIONS = ("attn.Wqkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")
 
 
-def dequantized_checkpoint(scheme: QuantScheme):
+def dequantized_checkpoint(scheme: QuantScheme, pad_heads_to: int | None = None):
     """tiny-huginn with every quantized matrix replaced by its RTN round trip; a quantized tied
-    head becomes an untied head holding the embedding's round trip (the embedding stays float)."""
+    head becomes an untied head holding the embedding's round trip (the embedding stays float).
+    ``pad_heads_to``: the round trip in the padded layout (attn.proj's input columns, one block
+    run per stored head, then the model's columns taken back; Wqkv's padded rows are whole zero
+    rows, so its real rows' blocks do not move)."""
+    from loopcast.exporter.head_padding import HeadPadding
     from loopcast.exporter.quantize import dequantize, quantize
     from safetensors.numpy import load_file, save_file
 
+    from loopcast.presets import PRESETS
+
     ckpt, _ = tiny_huginn(MAX_LENGTH)
-    out = scratch_root() / ("huginn-deq-" + "-".join(f"{v}" for v in scheme.to_dict().values()))
+    tag = "-".join(f"{v}" for v in scheme.to_dict().values())
+    out = scratch_root() / ("huginn-deq-" + tag + (f"-pad{pad_heads_to}" if pad_heads_to else ""))
     out.mkdir(exist_ok=True)
     tensors = {}
     for f in sorted(ckpt.glob("*.safetensors")):
@@ -52,8 +59,14 @@ def dequantized_checkpoint(scheme: QuantScheme):
     def roundtrip(w, fmt: WeightFormat):
         return dequantize(quantize(w, fmt.bits, scheme.block_size, scheme.symmetric)).astype(w.dtype)
 
+    cfg = PRESETS["tiny-huginn"]
+    pad = HeadPadding(cfg.head_dim, pad_heads_to or cfg.head_dim)
+    model_columns = np.concatenate([h * pad.stored + pad.positions() for h in range(cfg.num_heads)])
     for key in list(tensors):
-        if key.endswith(PROJECTIONS):
+        if key.endswith("attn.proj.weight") and pad.padded:
+            padded = pad.heads(tensors[key], cfg.num_heads, axis=1)
+            tensors[key] = np.ascontiguousarray(roundtrip(padded, scheme.layers)[:, model_columns])
+        elif key.endswith(PROJECTIONS):
             tensors[key] = roundtrip(tensors[key], scheme.layers)
     if scheme.head is not WeightFormat.FLOAT:
         assert config.get("tie_embeddings", True)
@@ -85,6 +98,34 @@ def test_logits_track_the_dequantized_reference(tag, scheme, loops):
     art = quantized_artifact(scheme, tag)
     reference = load_checkpoint(dequantized_checkpoint(scheme))
     tokens, logits = greedy_generate(reference, PROMPT, 8, loops=loops, seed=7, max_length=MAX_LENGTH)
+    gen = RecurrentGenerator(load(art).loaded, loops=loops, state_seed=7)
+    rows = [gen.step(PROMPT).logits[-1]] + [gen.step([t]).logits[-1] for t in tokens[:-1]]
+    for got, want in zip(rows, logits, strict=True):
+        assert float(np.abs(got - want.numpy()).max()) < 2e-4
+        assert int(np.argmax(got)) == int(want.argmax())
+
+
+@pytest.mark.parametrize("loops", [1, 4])
+def test_padded_heads_are_quantized_in_their_stored_layout(loops):
+    """--quantize with heads stored padded (what --target cuda does for Huginn-0125's heads of
+    96): the attention matrices are quantized after the padding, so attn.proj's blocks run over
+    each stored head; the logits track the reference dequantized in that layout, which differs
+    from the unpadded layout's."""
+    from loopcast.manifest import Manifest
+
+    scheme = QuantScheme(WeightFormat.INT4, 32, True, WeightFormat.INT4, accuracy_level=0)
+    ckpt, _ = tiny_huginn(MAX_LENGTH)
+    art = scratch_root() / "huginn-q-int4-b32-pad32"
+    if not art.exists():
+        options = ExportOptions(max_length=MAX_LENGTH, quantization=scheme, ops="loopcast", pad_heads_to=32)
+        export_checkpoint(ckpt, art, options)
+    manifest = Manifest.read(art)
+    assert manifest.attention_head_size == 32 and manifest.exact_verify["cpu"]
+    reference = load_checkpoint(dequantized_checkpoint(scheme, pad_heads_to=32))
+    unpadded = load_checkpoint(dequantized_checkpoint(scheme))
+    tokens, logits = greedy_generate(reference, PROMPT, 8, loops=loops, seed=7, max_length=MAX_LENGTH)
+    _, other = greedy_generate(unpadded, PROMPT, 8, loops=loops, seed=7, max_length=MAX_LENGTH)
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, other)) > 1e-3  # the layout matters
     gen = RecurrentGenerator(load(art).loaded, loops=loops, state_seed=7)
     rows = [gen.step(PROMPT).logits[-1]] + [gen.step([t]).logits[-1] for t in tokens[:-1]]
     for got, want in zip(rows, logits, strict=True):
