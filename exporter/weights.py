@@ -110,10 +110,14 @@ def artifact_tensors(
         raise ValueError("padded attention heads with a source's quantized blocks: their blocks would move")
     specs = _float_tensors(config, max_length, read, dtype, pad)
     linears = quantized_linears(config, quant, head_size)
-    # padded heads: the attention matrices are quantized in their stored (padded) layout, from
-    # the fp32 float tensors (head_padding.py)
+    # padded heads: the attention matrices ([K, N] float tensors) are quantized in their stored
+    # (padded) layout, from full precision (head_padding.py); the others are not padded
     padded_float = (
-        {name: produce for name, _, produce, _ in _float_tensors(config, max_length, read, None, pad)}
+        {
+            name: produce
+            for name, _, produce, _ in _float_tensors(config, max_length, read, None, pad)
+            if name.endswith(("qkv_proj.weight_T", "o_proj.weight_T"))
+        }
         if pad.padded and linears
         else {}
     )

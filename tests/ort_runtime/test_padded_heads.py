@@ -31,7 +31,7 @@ from loopcast.ort_runtime.loading.describe import describe_artifact  # noqa: E40
 
 from loopcast.manifest import Manifest  # noqa: E402
 from loopcast.presets import PRESETS  # noqa: E402
-from tests.artifacts import artifact, huginn, require_exact_cpu_artifacts, scratch_root  # noqa: E402
+from tests.artifacts import artifact, checkpoint, huginn, require_exact_cpu_artifacts, scratch_root  # noqa: E402
 
 OPS = "loopcast-attention"
 PROMPT = [3, 17, 42, 8, 3, 17, 42]
@@ -176,3 +176,25 @@ def test_a_cuda_quantized_export_pads_its_heads_and_the_cpu_one_does_not(tmp_pat
         assert manifest.kv_head_size == stored, dtype
         o_proj = read_stored(out / manifest.weights_file)["layers.0.o_proj.weight_q"]
         assert o_proj.shape == (96, config.num_heads * stored // 32, 16), dtype  # [N, K blocks, 32 codes]
+
+
+def test_a_padded_quantized_looped_artifact_tracks_the_unpadded_one() -> None:
+    """A looped model's heads of 16 stored as 32 under --quantize int8 (the embedding quantized
+    too, which is not padded): the projections' blocks are the unpadded ones but o_proj's, so
+    the logits stay near the unpadded quantized artifact's, and rows stay the decode rows."""
+    from loopcast.quant import QuantScheme, WeightFormat
+    from tests.artifacts import quantized_artifact
+
+    scheme = QuantScheme(WeightFormat.INT8, 32, True, WeightFormat.INT8, WeightFormat.INT8)
+    plain = quantized_artifact("llama-tied-gqa", scheme, ops="loopcast")
+    padded = scratch_root() / "qart-llama-tied-gqa-int8-pad32"
+    if not padded.exists():
+        options = ExportOptions(ops="loopcast", quantization=scheme, pad_heads_to=32)
+        export_checkpoint(checkpoint("llama-tied-gqa"), padded, options)
+    _declares_padding(padded, 16, 32)
+    fed, rows, _ = _looped_rows(plain, PROMPT, 4)
+    fed_p, rows_p, _ = _looped_rows(padded, PROMPT, 4)
+    assert fed_p == fed
+    for a, b in zip(rows_p, rows, strict=True):
+        assert np.corrcoef(a, b)[0, 1] > 0.999
+    assert rows_match_on_cpu(padded)
