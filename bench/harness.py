@@ -88,6 +88,8 @@ class BenchOptions:
     quantize: tuple[str, ...] = ("none",)
     # recurrent-depth checkpoints (bench/recurrent.py): the r values timed (default: its default r)
     loops: tuple[int, ...] = ()
+    # recurrent-depth: KL-exit rows too (plain and the pipeline's oracle rows at this threshold)
+    kl_threshold: float | None = None
 
 
 @dataclass
@@ -360,8 +362,10 @@ def variant_results(opts: BenchOptions, dtype: str, variant: str, log=print, qua
     checkpoint = _checkpoint(opts, dtype)
     if load_config(checkpoint).recurrent_depth:
         return recurrent_runs(opts, dtype, variant, checkpoint, log, quantize)
-    if opts.loops:
-        raise RequestError("--loops sets r for a recurrent-depth (Huginn) checkpoint; this one is looped")
+    if opts.loops or opts.kl_threshold is not None:
+        raise RequestError(
+            "--loops and --kl-threshold are for a recurrent-depth (Huginn) checkpoint; this one is looped"
+        )
     return [bench_variant(opts, dtype, variant, log, quantize)]
 
 

@@ -181,6 +181,9 @@ def recurrent_runs(
             result.rows_identical = _leaving_rows_identical(
                 gen, prompts[0], plain[0][0], new_tokens, r, inexact
             )
+        if opts.kl_threshold is not None:
+            vocab, baseline = config.vocab_size, (plain_seconds, plain_tokens)
+            rows |= _kl_rows(gen, prompts, new_tokens, r, opts, has_cycle, inexact, vocab, baseline)
         for name, entry in rows.items():
             log(
                 f"  r={r} {name}: {entry['ms_per_token']:.3f} ms/token (x{entry['speedup']:.2f}), "
@@ -189,6 +192,30 @@ def recurrent_runs(
         result.end_to_end = rows
         results.append(result)
     return results
+
+
+def _kl_rows(
+    gen, prompts, new_tokens: int, r: int, opts, has_cycle: bool, inexact, vocab: int, baseline
+) -> dict:
+    """Plain decoding with the KL exit (kv_policy full; its ratio against plain decoding without
+    it, ``baseline`` = (seconds, tokens)) and the pipeline's oracle rows at that exit (their
+    ratios and divergent prompts against the KL plain row: its tokens and each token's exit)."""
+    kl = {"kl_threshold": opts.kl_threshold}
+    plain = [_generate(gen, p, new_tokens, r, **kl) for p in prompts]
+    tokens, seconds = sum(len(t) for t, _, _ in plain), sum(s for _, _, s in plain)
+    rows = {"plain KL": _rows([(t, st, s, True) for t, st, s in plain], *baseline)}
+    rows["plain KL"]["mean_loops"] = sum(st.mean_loops * len(t) for t, st, _ in plain) / tokens
+    for fraction in opts.oracle_rejects if has_cycle else ():
+        runs = []
+        for i, p in enumerate(prompts):
+            drafts = OracleDrafts(p + plain[i][0], fraction, vocab)
+            t, st, s = _generate(
+                gen, p, new_tokens, r, drafts, speculative="pipeline", gate="always", **kl, **inexact
+            )
+            same = t == plain[i][0] and st.exit_histogram == plain[i][1].exit_histogram
+            runs.append((t, st, s, same))
+        rows[f"pipeline KL oracle {100 * (1 - fraction):.0f}% (x plain KL)"] = _rows(runs, seconds, tokens)
+    return rows
 
 
 def _leaving_rows_identical(

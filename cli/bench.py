@@ -51,6 +51,13 @@ import click
     help="Recurrent-depth (Huginn) checkpoints: the r values to time (comma-separated; default: its "
     "default r): plain steps, the pipeline's cycle and generation, with oracle rows per --oracle-reject.",
 )
+@click.option(
+    "--kl-threshold",
+    type=float,
+    default=None,
+    help="Recurrent-depth (Huginn) checkpoints: also plain decoding and the pipeline's oracle rows "
+    "with the KL exit at this threshold (kv_policy full), against plain decoding at that exit.",
+)
 @click.option("--widths", default="2,5,8", show_default=True, help="Verify widths W (comma-separated).")
 @click.option("--iters", type=int, default=50, show_default=True, help="Timed runs per step kind.")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens per end-to-end prompt.")
@@ -105,6 +112,7 @@ def bench(
     quantize: tuple[str, ...],
     past: int,
     loops: str,
+    kl_threshold: float | None,
     widths: str,
     iters: int,
     new_tokens: int,
@@ -190,6 +198,7 @@ def bench(
         threads,
         quantize or ("none",),
         loop_list,
+        kl_threshold,
     )
     click.echo(f"bench on {device}: artifacts in {work_dir}, report {out}", err=True)
     report = run_bench(

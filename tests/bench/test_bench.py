@@ -4,6 +4,7 @@ Timings are not asserted (benchmarks prove speed, tests prove behaviour)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -194,5 +195,7 @@ def test_loops_is_refused_for_a_looped_checkpoint(tmp_path) -> None:
     opts = BenchOptions(
         str(checkpoint("ouro-r3")), tmp_path / "work", device="cpu", dtypes=("fp32",), loops=(4,)
     )
-    with pytest.raises(RequestError, match="--loops sets r for a recurrent-depth"):
+    with pytest.raises(RequestError, match="--loops and --kl-threshold are for a recurrent-depth"):
         run_bench(opts, log=lambda line: None)
+    with pytest.raises(RequestError, match="--loops and --kl-threshold are for a recurrent-depth"):
+        run_bench(dataclasses.replace(opts, loops=(), kl_threshold=0.3), log=lambda line: None)

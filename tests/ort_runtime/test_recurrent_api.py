@@ -331,6 +331,7 @@ def test_loopcast_bench_runs_the_batch_invariant_variant(huginn, tmp_path):
     out = tmp_path / "r.json"
     work = ["--work-dir", str(tmp_path / "w"), "--out", str(out), "--no-torch", "--no-profile"]
     flags = ["--loops", "4", "--oracle-reject", "0", "--iters", "2", "--new-tokens", "8"]
+    flags += ["--kl-threshold", "0.3"]
     run = CliRunner().invoke(
         main,
         ["bench", str(ckpt), "--device", "cpu", "--variant", "batch-invariant", "--alternate-tokens", "0"]
@@ -342,6 +343,8 @@ def test_loopcast_bench_runs_the_batch_invariant_variant(huginn, tmp_path):
     assert report["variant"] == "batch-invariant" and report["loops"] == 4
     assert report["rows_identical"]["max_abs_diff"] == 0.0
     assert all(e["divergent_prompts"] == 0 for e in report["end_to_end"].values())
+    rows = report["end_to_end"]  # the KL-exit rows: plain at the exit, the pipeline's against it
+    assert rows["plain KL"]["mean_loops"] < 4 and "pipeline KL oracle 100% (x plain KL)" in rows
 
 
 def test_the_servers_one_request_engine_takes_loops(huginn):
