@@ -117,17 +117,21 @@ def test_padded_huginn_generates_the_unpadded_tokens(huginn_pair, loops) -> None
     )
 
 
+# tiny-huginn with heads of 24 (hidden 96): a size the CUDA kernels lack, as they lack Huginn-0125's 96
+HUGINN_24 = dataclasses.replace(
+    PRESETS["tiny-huginn"],
+    hidden_size=96,
+    head_dim=24,
+    embed_scale=math.sqrt(96),
+    state_std=math.sqrt(2 / (5 * 96)) * math.sqrt(96),
+)
+
+
 @pytest.fixture(scope="module")
 def huginn_24():
     """tiny-huginn with heads of 24 (hidden 96: the CUDA kernels lack 24, as they lack
     Huginn-0125's 96): exported as it is (pad_heads_to=24: no padding) and by default."""
-    config = dataclasses.replace(
-        PRESETS["tiny-huginn"],
-        hidden_size=96,
-        head_dim=24,
-        embed_scale=math.sqrt(96),
-        state_std=math.sqrt(2 / (5 * 96)) * math.sqrt(96),
-    )
+    config = HUGINN_24
     root = scratch_root() / "huginn-24"
     ckpt = write_random_checkpoint(config, root / "ckpt", seed=4, std=0.1)
     arts = {}
@@ -160,13 +164,7 @@ def test_a_cuda_quantized_export_pads_its_heads_and_the_cpu_one_does_not(tmp_pat
 
     from loopcast.quant import QuantScheme
 
-    config = dataclasses.replace(
-        PRESETS["tiny-huginn"],
-        hidden_size=96,
-        head_dim=24,
-        embed_scale=math.sqrt(96),
-        state_std=math.sqrt(2 / (5 * 96)) * math.sqrt(96),
-    )
+    config = HUGINN_24
     ckpt = write_random_checkpoint(config, tmp_path / "ckpt", seed=4, std=0.1)
     for dtype, stored in (("bf16", 32), ("fp32", 24)):
         out = tmp_path / dtype
