@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
     const T* __restrict__ qkv, T* __restrict__ pk, T* __restrict__ pv, const int32_t* __restrict__ seqlens,
     const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, T* __restrict__ out, int S, int Hq, int Hkv,
     int cap, int rotary_len, float scale, bool do_rotary, int nch_cap, int HB, int RG, const KVTable tab,
-    const int32_t* __restrict__ masked) {
+    const int32_t* __restrict__ masked, bool prefetch) {
   constexpr int VEC = Vec<T>::N, LPP = D / VEC, PPI = kSplitThreads / LPP, R = kChunk / PPI, half = D / 2;
   static_assert(LPP >= 1 && LPP <= 32 && 32 % LPP == 0 && kChunk % PPI == 0 && D <= kSplitThreads, "layout");
   constexpr int P = D + 2;  // floats per chunk partial
@@ -76,6 +76,25 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
   __shared__ int last_s[kMaxUnitsPerBlock];
 
   pdl_trigger();
+  if (prefetch && tab.rows == 0 && masked == nullptr) {
+    // The past K/V rows this block reads, pulled into L2 while the projection before still runs:
+    // they were written by earlier steps. seqlens is a step input; should a kernel before this one
+    // still be changing it, the addresses stay inside the cache (clamped to cap), and a prefetch
+    // is only a hint.
+    const int nRG0 = (S + RG - 1) / RG, b = blockIdx.z / nRG0, kvh0 = blockIdx.y * HB / (Hq / Hkv);
+    const int past = min(cap, max(0, seqlens[b] + 1 - S));
+    constexpr int kLines = (D * static_cast<int>(sizeof(T)) + 127) / 128;
+    const char* kbase = reinterpret_cast<const char*>(pk + (static_cast<size_t>(b) * Hkv + kvh0) * cap * D);
+    const char* vbase = reinterpret_cast<const char*>(pv + (static_cast<size_t>(b) * Hkv + kvh0) * cap * D);
+    for (int c = blockIdx.x; c * kChunk < past; c += gridDim.x)
+      for (int e = threadIdx.x; e < kChunk * kLines; e += kSplitThreads) {
+        const int j = c * kChunk + e / kLines;
+        if (j >= past) break;
+        const size_t at = static_cast<size_t>(j) * D * sizeof(T) + 128 * (e % kLines);
+        prefetch_l2(kbase + at);
+        prefetch_l2(vbase + at);
+      }
+  }
   pdl_wait();  // also orders this launch's use of the static scratch and counters after the last one's
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int t = tid % LPP, g = tid / LPP;
@@ -290,5 +309,5 @@ int launch_split(const T* qkv, T* pk, T* pv, const int32_t* seqlens, const T* co
   return static_cast<int>(launch_kernel(split_attend_kernel<T, D>, dim3(static_cast<unsigned>(NB), Hq / HB, B * nRG),
                                         dim3(kSplitThreads), 0, stream, 0, qkv, pk, pv, seqlens, cos_cache, sin_cache,
                                         out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG, tab,
-                                        masked));
+                                        masked, env_knob("LOOPCAST_ATTN_PF", 0, 0, 1) == 1));
 }

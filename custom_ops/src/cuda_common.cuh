@@ -74,6 +74,11 @@ __device__ __forceinline__ uint4 swiglu8(uint4 gate, uint4 up) {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" :::); }
 
+// A hint that pulls one global line into L2 (no data returned, no fault, no ordering): a
+// projection prefetches its constant weights with it, before the PDL wait and ahead of its loads,
+// so the HBM stream does not stop at kernel boundaries. The bits never depend on it.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
 // The device's SM count, queried once (a host attribute query: not a stream operation, so fine
 // under capture); 132 (the H200's) when the query fails.
 inline int device_sm_count() {
@@ -93,6 +98,16 @@ inline int device_sm_count() {
 inline bool pdl_enabled() {
   const char* v = std::getenv("LOOPCAST_PDL");
   return !(v != nullptr && v[0] == '0' && v[1] == '\0');
+}
+
+// An integer launch knob from the environment (read at every launch, like LOOPCAST_PDL, so a
+// benchmark can time several values in one process): `fallback` when unset or outside [lo, hi].
+inline int env_knob(const char* name, int fallback, int lo, int hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  return (*end != '\0' || x < lo || x > hi) ? fallback : static_cast<int>(x);
 }
 
 // cudaLaunchKernelEx with an optional thread-block cluster (cluster_x > 0) and PDL.

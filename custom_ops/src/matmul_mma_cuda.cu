@@ -59,6 +59,7 @@ struct MmaArgs {
   int M, K, N, cpw, chunks;
   int a_stride;       // elements per row of A: K, or 2K with SwiGLU (A = [gate | up])
   bool b_vec, a_vec;  // 16-byte weight loads / aligned activation loads allowed
+  int pf_pre, pf_ahead;  // weight chunks prefetched to L2 before the PDL wait / ahead of the loads
   NormPrologue norm;  // the norm prologue's inputs (kernels with NP only)
 };
 
@@ -151,6 +152,22 @@ __device__ __forceinline__ void load_b(ChunkRegs<MT>& r, const MmaArgs& p, int c
       uint4 v = make_uint4(0, 0, 0, 0);
       if (n < p.N && kcount > 0) v = (p.b_vec && kcount == 8) ? ld_stream16(src) : load8_partial(src, kcount);
       r.b[j] = v;
+    }
+  }
+}
+
+// L2 prefetch of chunk `chunk`'s weights, one line a lane: B[K, N] row k0 + lane (the tile's 64
+// columns, 128 bytes); B[N, K] columns n0 + lane and n0 + 32 + lane (64 bytes each).
+template <bool TB>
+__device__ __forceinline__ void prefetch_chunk(const MmaArgs& p, int chunk, int n0, int lane) {
+  const int k0 = chunk * kChunkK;
+  if (!TB) {
+    if (k0 + lane < p.K && n0 < p.N) prefetch_l2(p.B + static_cast<size_t>(k0 + lane) * p.N + n0);
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = n0 + lane + 32 * h;
+      if (col < p.N && k0 < p.K) prefetch_l2(p.B + static_cast<size_t>(col) * p.K + k0);
     }
   }
 }
@@ -258,6 +275,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
   ChunkRegs<MT> first;
   const bool first_full = MT == 1 && n > 0 && chunk_full(p, c_begin, n0);
   if (first_full) load_b_full<TB, MT>(first, p, c_begin, n0, g, t);
+  int pf_hi = min(n, 1 + p.pf_pre);  // chunks [1, pf_hi) are prefetched (chunk 0 is loaded)
+  for (int c = 1; c < pf_hi; ++c) prefetch_chunk<TB>(p, c_begin + c, n0, lane);
   pdl_wait();
   uint16_t* hrow = reinterpret_cast<uint16_t*>(part + ROWS * kMmaTN);  // NP && ST: h [M][norm_stride]
   if (NP && ST) {  // every block forms the rows' h in shared memory; block (0, 0) writes the sum
@@ -271,6 +290,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2) mma_matmul_kernel(MmaArgs p) {
   uint16_t* act = hrow + warp * p.M * stage_stride(p.cpw);
   if (ST && !NP) stage_swiglu_rows<T>(act, p, c_begin * kChunkK, n, lane);
   for (int i = 0; i < n; ++i) {
+    for (const int want = min(n, i + 1 + p.pf_ahead); pf_hi < want; ++pf_hi)
+      prefetch_chunk<TB>(p, c_begin + pf_hi, n0, lane);
     ChunkRegs<MT> x;
     if (i == 0 && first_full) {
 #pragma unroll
@@ -335,7 +356,10 @@ inline MmaPlan mma_plan(int K, int N) {
   MmaPlan p{};
   p.tiles = (N + kMmaTN - 1) / kMmaTN;
   p.chunks = (K + kChunkK - 1) / kChunkK;
-  p.cs = std::max(1, std::min({kMmaMaxCluster, kMmaCapacity / p.tiles, p.chunks / kMmaWarps}));
+  // LOOPCAST_MMA_CLUSTER (1..8): a benchmark's knob, like LOOPCAST_NBITS_MMA_CLUSTER (a process
+  // keeps one value, so its rows stay invariant; the bits differ between values).
+  const int max_cs = env_knob("LOOPCAST_MMA_CLUSTER", kMmaMaxCluster, 1, 8);
+  p.cs = std::max(1, std::min({max_cs, kMmaCapacity / p.tiles, p.chunks / kMmaWarps}));
   const int warps = p.cs * kMmaWarps;
   p.cpw = (p.chunks + warps - 1) / warps;
   return p;
@@ -357,6 +381,11 @@ inline bool swiglu_stage_enabled() {
   const char* v = std::getenv("LOOPCAST_SWIGLU_STAGE");
   return !(v != nullptr && v[0] == '0' && v[1] == '\0');
 }
+
+// Weight chunks a warp prefetches to L2 before the PDL wait (beyond the one it loads), and how
+// far ahead of its loads it keeps prefetching: LOOPCAST_PF_PRE / LOOPCAST_PF_AHEAD.
+inline int mma_prefetch_before_wait() { return env_knob("LOOPCAST_PF_PRE", 0, 0, 1 << 16); }
+inline int mma_prefetch_ahead() { return env_knob("LOOPCAST_PF_AHEAD", 0, 0, 1 << 16); }
 
 template <typename T, bool TB, bool SW, int MT, bool NP = false, bool ST = false>
 int mma_launch(const MmaArgs& args, const MmaPlan& plan, cudaStream_t stream) {
@@ -391,6 +420,8 @@ int mma_run(const void* A, const void* B, void* Y, int M, int K, int N, bool swi
   args.a_stride = swiglu ? 2 * K : K;
   args.cpw = plan.cpw;
   args.chunks = plan.chunks;
+  args.pf_pre = mma_prefetch_before_wait();
+  args.pf_ahead = mma_prefetch_ahead();
   args.b_vec = reinterpret_cast<uintptr_t>(B) % 16 == 0 && (TB ? K % 8 == 0 : N % 8 == 0);
   for (int m0 = 0; m0 < M; m0 += kMaxRowsPerLaunch) {  // same launch shape for every 32-row group
     const int rows = std::min(kMaxRowsPerLaunch, M - m0);

@@ -102,8 +102,19 @@ struct Args {
   int a_stride;  // K, or 2K with SwiGLU ([gate | up])
   long long row_bytes;
   bool b_vec, a_vec;
+  int pf_pre, pf_ahead;  // code chunks prefetched to L2 before the PDL wait / ahead of the loads
   NormPrologue norm;
 };
+
+// L2 prefetch of chunk c's codes: columns n0 + lane and n0 + 32 + lane, 64 bytes each.
+__device__ __forceinline__ void prefetch_codes(const Args& p, int c, int n0, int lane) {
+  const long long byte0 = static_cast<long long>(c) * kChunkBytes;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int col = n0 + lane + 32 * h;
+    if (col < p.N && byte0 < p.row_bytes) prefetch_l2(p.B + col * p.row_bytes + byte0);
+  }
+}
 
 // One chunk's codes of the lane's 8 columns, with each one's block scale and zero point.
 struct Weights {
@@ -289,6 +300,8 @@ __global__ void __launch_bounds__(kThreads, 2) nbits_mma_kernel(Args p) {
   pdl_trigger();
   Weights w;
   if (n > 0) load_weights<BITS>(w, p, c_begin, n0, g, t);  // constants: before the wait
+  int pf_hi = min(n, 1 + p.pf_pre);  // chunks [1, pf_hi) are prefetched (chunk 0 is loaded)
+  for (int c = 1; c < pf_hi; ++c) prefetch_codes(p, c_begin + c, n0, lane);
   pdl_wait();
   if (NP) {  // every block: the rows' statistics; the sum's elements spread over the grid
     norm_row_stats<T>(p.norm, reinterpret_cast<const T*>(p.A), p.M, p.K, norm_inv, norm_red);
@@ -298,6 +311,7 @@ __global__ void __launch_bounds__(kThreads, 2) nbits_mma_kernel(Args p) {
   uint16_t* act = stage + warp * p.M * p.stage_stride;
   if (n > 0) stage_rows<T, SW, NP>(act, p, c_begin * KC, n * KC, lane, norm_inv);
   for (int i = 0; i < n; ++i) {
+    for (const int want = min(n, i + 1 + p.pf_ahead); pf_hi < want; ++pf_hi) prefetch_codes(p, c_begin + pf_hi, n0, lane);
     if (i > 0) load_weights<BITS>(w, p, c_begin + i, n0, g, t);
     mma_weights<T, BITS>(acc, w, act, p, i * KC + t * (KC / 4), g);
   }
@@ -372,6 +386,8 @@ int run(const void* A, const uint8_t* B, const float* scales, const uint8_t* zp,
   a.a_stride = swiglu ? 2 * K : K;
   a.row_bytes = static_cast<long long>(a.nb) * block_size * BITS / 8;
   a.b_vec = reinterpret_cast<uintptr_t>(B) % 16 == 0 && a.row_bytes % 16 == 0;
+  a.pf_pre = env_knob("LOOPCAST_PF_PRE", 0, 0, 1 << 16);
+  a.pf_ahead = env_knob("LOOPCAST_PF_AHEAD", 0, 0, 1 << 16);
   for (int m0 = 0; m0 < M; m0 += pl.rows) {  // the same launch for every group of rows
     a.M = std::min(pl.rows, M - m0);
     a.A = static_cast<const uint16_t*>(A) + static_cast<size_t>(m0) * a.a_stride;

@@ -13,9 +13,12 @@ for fp16 / bf16 weights (BatchInvariantMatMul) and int4 ones (BatchInvariantMatM
 128 with zero points). Checks first that both chains give the same bits (the fused kernels are
 the norm kernel plus the projection bit for bit), then prints ms per chain and the fraction of
 the copy bandwidth that the chain's bytes (weights + KV read once) would take at that time.
+`--variant NAME:VAR=V[,VAR=V]` also times the 7-kernel chain with those launch knobs set (the
+library reads them at capture: LOOPCAST_PF_PRE, LOOPCAST_PF_AHEAD, LOOPCAST_ATTN_PF, LOOPCAST_PDL)
+and checks that its bits equal the chain's without them.
 
     python3 -m tools.bench.bench_layer_chain_cuda --lib custom_ops/build/libloopcast_ops.so \
-        [--ms 1,4,5] [--past 400] [--out DIR]
+        [--ms 1,4,5] [--past 400] [--variant pf:LOOPCAST_PF_AHEAD=2] [--no-fused] [--out DIR]
 """
 
 from __future__ import annotations
@@ -267,19 +270,52 @@ def time_chain(chain: Chain, fused: bool, reps: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def outputs_equal(chain: Chain) -> bool:
-    chain.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    kv0 = [(k.clone(), v.clone()) for k, v in chain.kv]
-    chain.step(False)
-    torch.cuda.synchronize()
-    last = chain.xs[(2 * LAYERS * LOOPS - 1) % 3]
-    ref = (chain.m.clone(), last.clone(), chain.qkv.clone())
+def _outputs(chain: Chain, fused: bool, kv0) -> tuple:
     for (k, v), (k0, v0) in zip(chain.kv, kv0):
         k.copy_(k0)
         v.copy_(v0)
-    chain.step(True)
+    chain.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    chain.step(fused)
     torch.cuda.synchronize()
-    return all(torch.equal(a, b) for a, b in zip(ref, (chain.m, last, chain.qkv)))
+    last = chain.xs[(2 * LAYERS * LOOPS - 1) % 3]
+    return (chain.m.clone(), last.clone(), chain.qkv.clone())
+
+
+def outputs_equal(chain: Chain, env: dict[str, str] | None = None) -> bool:
+    """The 7-kernel chain's outputs against the 5-kernel chain's (env None), or against the
+    7-kernel chain's under the launch knobs `env`."""
+    kv0 = [(k.clone(), v.clone()) for k, v in chain.kv]
+    ref = _outputs(chain, False, kv0)
+    with knobs(env or {}):
+        other = _outputs(chain, env is None, kv0)
+    return all(torch.equal(a, b) for a, b in zip(ref, other))
+
+
+class knobs:
+    """Launch knobs (environment variables the library reads at each launch) for a block."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env, self.saved = env, {}
+
+    def __enter__(self) -> None:
+        for k, v in self.env.items():
+            self.saved[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, assigns = text.partition(":")
+    env = dict(a.split("=", 1) for a in assigns.split(",") if a)
+    if not name or not env:
+        raise SystemExit(f"error: --variant {text!r}: expected NAME:VAR=VALUE[,VAR=VALUE]")
+    return name, env
 
 
 def main() -> None:
@@ -290,6 +326,8 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=1024)
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--no-int4", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="skip the 5-kernel (norm prologue) chain")
+    ap.add_argument("--variant", action="append", default=[], help="NAME:VAR=VALUE[,VAR=VALUE]")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     lib = load_library(args.lib)
@@ -297,15 +335,29 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
+    variants_env = [parse_variant(v) for v in args.variant]
     kinds = [(d, False) for d in args.dtypes.split(",")] + ([] if args.no_int4 else [("float16", True)])
     for dname, int4 in kinds:
         for M in (int(m) for m in args.ms.split(",")):
             chain = Chain(lib, getattr(torch, dname), M, args.past, args.capacity, int4)
-            same = outputs_equal(chain)
-            t7, t5 = time_chain(chain, False), time_chain(chain, True)
-            t7b, t5b = time_chain(chain, False), time_chain(chain, True)  # a second pass: the spread
+            same = None if args.no_fused else outputs_equal(chain)
+            t7 = time_chain(chain, False)
+            t5 = float("nan") if args.no_fused else time_chain(chain, True)
+            t7b = time_chain(chain, False)  # a second pass: the spread
+            t5b = float("nan") if args.no_fused else time_chain(chain, True)
             t7, t5 = min(t7, t7b), min(t5, t5b)
             floor = (chain.weight_bytes + chain.kv_bytes) / bw / 1e6
+            variants = {}
+            for name, env in variants_env:
+                equal = outputs_equal(chain, env)
+                with knobs(env):
+                    tv = min(time_chain(chain, False), time_chain(chain, False))
+                    tf = (
+                        float("nan")
+                        if args.no_fused
+                        else min(time_chain(chain, True), time_chain(chain, True))
+                    )
+                variants[name] = dict(ms=tv, fused_ms=tf, identical=equal)
             row = dict(
                 dtype=dname,
                 int4=int4,
@@ -317,6 +369,7 @@ def main() -> None:
                 fused_second_ms=t5b,
                 floor_ms=floor,
                 identical=same,
+                variants=variants,
             )
             rows.append(row)
             label = f"{dname}{' int4' if int4 else ''}"
@@ -326,6 +379,13 @@ def main() -> None:
                 f"floor {floor:.3f} ms  identical={same}",
                 flush=True,
             )
+            for name, v in variants.items():
+                print(
+                    f"{'':14s}       {name:24s} {v['ms']:.3f} ms ({floor / v['ms'] * 100:3.0f}%, "
+                    f"x{t7 / v['ms']:.3f} the 7 kernels)  5 kernels {v['fused_ms']:.3f} ms  "
+                    f"bits = without: {v['identical']}",
+                    flush=True,
+                )
             del chain
             torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
