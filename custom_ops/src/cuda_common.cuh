@@ -74,9 +74,9 @@ __device__ __forceinline__ uint4 swiglu8(uint4 gate, uint4 up) {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" :::); }
 
-// A hint that pulls one global line into L2 (no data returned, no fault, no ordering): a
-// projection prefetches its constant weights with it, before the PDL wait and ahead of its loads,
-// so the HBM stream does not stop at kernel boundaries. The bits never depend on it.
+// A hint that pulls one global line into L2 (no data returned, no fault, no ordering): the
+// projections' and attention's prefetch knobs (off by default: on an H100 they did not shorten the
+// layer chain, docs/perf.md). The bits never depend on it.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // The device's SM count, queried once (a host attribute query: not a stream operation, so fine
