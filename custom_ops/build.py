@@ -39,6 +39,7 @@ SOURCES = (
     "swiglu_cpu.cc",
     "lane_step_cpu.cc",
     "matmul_nbits_cpu.cc",
+    "matmul_nbits_q8_cpu.cc",
 )
 CUDA_SOURCES = ("cuda_ops.cc",)  # host glue, compiled by the C++ compiler
 CUDA_KERNELS = (

@@ -353,10 +353,13 @@ def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
     cuBLAS and GroupQueryAttention are not."""
     from loopcast.exporter.exactness_probe import rows_match_shallow
 
+    q = manifest.quantization
+    # fp32 activations at accuracy_level 4, and fp32 zero points, are the CPU kernel's alone
+    cpu_only = q is not None and manifest.dtype == "fp32" and (q.accuracy_level == 4 or q.float_zero_points)
     exact = {
         "cpu": manifest.dtype == "fp32" and rows_match_shallow(staging, manifest=manifest),
         # quantized: BatchInvariantMatMulNBits, row-invariant on CUDA as on the CPU
-        "cuda": OpSet(manifest.op_set).batch_invariant,
+        "cuda": OpSet(manifest.op_set).batch_invariant and not cpu_only,
     }
     return dataclasses.replace(manifest, exact_verify=exact)
 

@@ -43,11 +43,10 @@ def export_gguf(
                 f"{path}: --quantize: the file's layers are already quantized "
                 f"({source.scheme.describe()}); export it without --quantize"
             )
-        if source.scheme.float_zero_points and options.op_set == OpSet.LOOPCAST:
+        if source.scheme.float_zero_points and options.op_set == OpSet.LOOPCAST and options.dtype != "fp32":
             raise ExportError(
-                f"{path}: Q4_1 blocks (fp32 zero points) need ONNX Runtime's MatMulNBits; the loopcast "
-                "op set (--ops loopcast, --target cuda) takes uint8 zero points: use --ops stock or "
-                "loopcast-attention"
+                f"{path}: Q4_1 blocks (fp32 zero points) run on the CPU kernels only; the CUDA kernels "
+                f"(--dtype {options.dtype}) take uint8 zero points: export with --dtype fp32"
             )
         options = dataclasses.replace(
             options, quantization=source.with_accuracy_level(options.source_accuracy_level)

@@ -73,6 +73,15 @@ class GraphBuilder:
     scope: str = ""
     _built: ir.Model | None = None
 
+    @property
+    def activation_dtype(self) -> ir.DataType | None:
+        """The activations' type: the stored type of the norms' weights, which stay float in every
+        artifact (quantized ones included); None before any weights are known."""
+        for name, ref in self.weights.items():
+            if name.endswith("norm.weight"):
+                return ref.dtype
+        return None
+
     # -- values ------------------------------------------------------------------------------
     def input(self, name: str, dtype: ir.DataType, shape: Sequence[int | str]) -> ir.Value:
         """A graph input (asking twice for one name gives the same value: a repeated body's KV)."""

@@ -244,11 +244,14 @@ class LoopcastOps(LoopcastAttentionOps):
         """``x @ W`` for a block-quantized ``W``: the loopcast BatchInvariantMatMulNBits, which reads
         MatMulNBits' tensors (loopcast/quant.py) and keeps each row independent of the call's
         row count on the CPU and CUDA; with ``swiglu`` x is [gate | up]. Inputs: A, B, scales,
-        zero_points (omitted when symmetric)."""
+        zero_points (omitted when symmetric; fp32 ones are a GGUF Q4_1's). fp32 activations take
+        the scheme's accuracy_level (4: int8 activations per block, the CPU kernel only); 16-bit
+        ones are multiplied as they are (the CUDA kernels)."""
         names = q.stored
         inputs = [x, b.weight(names["packed"]), b.weight(names["scales"])]
         if "zero_points" in names:
             inputs.append(b.weight(names["zero_points"]))
+        level = q.accuracy_level if b.activation_dtype == ir.DataType.FLOAT and q.accuracy_level == 4 else 0
         return b.op(
             "BatchInvariantMatMulNBits",
             inputs,
@@ -260,6 +263,7 @@ class LoopcastOps(LoopcastAttentionOps):
             bits=q.bits,
             block_size=q.block_size,
             **({"swiglu": 1} if swiglu else {}),
+            **({"accuracy_level": level} if level else {}),
         )
 
     def _matmul(

@@ -56,12 +56,17 @@ struct MatMulCudaKernel {
 template <typename T>
 struct NBitsCudaKernel {
   NBitsAttrs attrs;
-  NBitsCudaKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {}
+  NBitsCudaKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {
+    if (attrs.accuracy_level != 0)
+      fail("BatchInvariantMatMulNBits: accuracy_level 4 (int8 activations) runs on the CPU only; CUDA takes 0");
+  }
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);
     Ort::UnownedValue y(nullptr);
     const NBitsCall call = nbits_call(ctx, attrs, &y);
+    if (call.float_zero_points != nullptr)
+      fail("BatchInvariantMatMulNBits: float zero_points run on the CPU only; CUDA takes packed uint8 ones");
     if (call.rows == 0) return;
     if (call.norm.on) {
       check_launch(loopcast_cuda_norm_matmul_nbits(

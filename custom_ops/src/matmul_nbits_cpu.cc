@@ -18,6 +18,7 @@
 
 #include "cpu_ops.h"
 #include "matmul_nbits_op.h"
+#include "matmul_nbits_q8_cpu.h"
 #include "residual_norm_rows.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -50,7 +51,8 @@ struct NBitsJob {
   const float* A;  // [rows, Kp] fp32, SwiGLU already applied, zeros from K to Kp
   const uint8_t* B;
   const float* scales;
-  const uint8_t* zp;  // null: symmetric
+  const uint8_t* zp;  // packed uint8; both null: symmetric
+  const float* zp_f32;
   float* Y;           // [rows, N]
   int64_t rows, K, Kp, N, bits, bs, nb, zp_row;
 };
@@ -62,7 +64,9 @@ LOOPCAST_INLINE void dequantize_column(const NBitsJob& job, int64_t n, float* __
   for (int64_t blk = 0; blk < job.nb; ++blk) {
     const int64_t index = n * job.nb + blk;
     float zp = static_cast<float>(1 << (job.bits - 1));
-    if (job.zp != nullptr) {
+    if (job.zp_f32 != nullptr) {
+      zp = job.zp_f32[index];
+    } else if (job.zp != nullptr) {
       const uint8_t z = job.zp[n * job.zp_row + (job.bits == 4 ? blk / 2 : blk)];
       zp = static_cast<float>(job.bits == 4 ? ((blk & 1) ? (z >> 4) : (z & 0xF)) : z);
     }
@@ -132,6 +136,18 @@ void task(void* data, size_t index) {
   columns_task(job, n0, std::min(job.N, n0 + kCols), w.data());
 }
 
+struct Q8Job {
+  Q8Rows rows;
+  Q8Weights w;
+  float* Y;
+};
+
+void q8_task(void* data, size_t index) {
+  const Q8Job& job = *static_cast<const Q8Job*>(data);
+  const int64_t n0 = static_cast<int64_t>(index) * kCols;
+  q8_columns(job.rows, job.w, n0, std::min(job.w.N, n0 + kCols), job.Y);
+}
+
 template <typename T>
 struct NBitsCpuKernel {
   NBitsAttrs attrs;
@@ -168,11 +184,21 @@ struct NBitsCpuKernel {
       y_f.resize(static_cast<size_t>(rows * N));
       y_ptr = y_f.data();
     }
-    NBitsJob job{a_f.data(), call.B, call.scales, call.zero_points, y_ptr, rows, K, Kp, N,
-                 attrs.bits, attrs.block_size, attrs.n_blocks(), attrs.zp_per_row()};
     // Columns split over the session's intra-op threads: each output element is still computed
     // by one task in its fixed order, so threads change nothing in the bits.
-    ctx.ParallelFor(&task, static_cast<size_t>((N + kCols - 1) / kCols), 0, &job);
+    const size_t tasks = static_cast<size_t>((N + kCols - 1) / kCols);
+    if (attrs.accuracy_level == 4) {
+      Q8Job q8;
+      q8_quantize_rows(a_f.data(), rows, Kp, attrs.bits, attrs.block_size, attrs.n_blocks(), &q8.rows);
+      q8.w = Q8Weights{call.B, call.scales, call.zero_points, call.float_zero_points, N, attrs.bits,
+                       attrs.block_size, attrs.n_blocks(), attrs.zp_per_row()};
+      q8.Y = y_ptr;
+      ctx.ParallelFor(&q8_task, tasks, 0, &q8);
+    } else {
+      NBitsJob job{a_f.data(), call.B, call.scales, call.zero_points, call.float_zero_points, y_ptr, rows, K, Kp, N,
+                   attrs.bits, attrs.block_size, attrs.n_blocks(), attrs.zp_per_row()};
+      ctx.ParallelFor(&task, tasks, 0, &job);
+    }
     if (!y_f.empty())
       for (int64_t i = 0; i < rows * N; ++i) Y[i] = from_float<T>(y_f[i]);
   }

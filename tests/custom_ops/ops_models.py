@@ -321,10 +321,13 @@ def matmul_nbits_model(
     zero_points: bool,
     swiglu: bool = False,
     symbolic: bool = False,
+    accuracy_level: int = 0,
+    float_zero_points: bool = False,
 ) -> bytes:
-    """BatchInvariantMatMulNBits over fed quantized tensors B, scales (and zero_points): A [M, K]
-    (with `swiglu` [M, 2K] = gate | up) -> Y [M, N]; `symbolic`: every input dim symbolic, so the
-    op's own shape checks see what is fed."""
+    """BatchInvariantMatMulNBits over fed quantized tensors B, scales (and zero_points, packed
+    uint8 or with `float_zero_points` fp32 [N · n_blocks]): A [M, K] (with `swiglu` [M, 2K] =
+    gate | up) -> Y [M, N]; `symbolic`: every input dim symbolic, so the op's own shape checks see
+    what is fed."""
     t = _io(dtype)
     nb = -(-K // block_size)
     names = ["A", "B", "scales", *(["zero_points"] if zero_points else [])]
@@ -339,13 +342,16 @@ def matmul_nbits_model(
         bits=bits,
         block_size=block_size,
         **({"swiglu": 1} if swiglu else {}),
+        **({"accuracy_level": accuracy_level} if accuracy_level else {}),
     )
     inputs = [
         ("A", t, ["M", 2 * K if swiglu else K]),
         ("B", TensorProto.UINT8, [N, nb, block_size * bits // 8]),
         ("scales", TensorProto.FLOAT, [N * nb]),
     ]
-    if zero_points:
+    if zero_points and float_zero_points:
+        inputs.append(("zero_points", TensorProto.FLOAT, [N * nb]))
+    elif zero_points:
         inputs.append(("zero_points", TensorProto.UINT8, [N * (-(-nb * bits // 8))]))
     if symbolic:
         inputs = [(name, ty, [f"{name}{i}" for i in range(len(shape))]) for name, ty, shape in inputs]

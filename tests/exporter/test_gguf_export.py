@@ -21,6 +21,7 @@ from loopcast.exporter.weights import read_stored
 from loopcast.ort_runtime.api import load
 
 from loopcast.demo_checkpoint import demo_checkpoint_dir
+from loopcast.errors import ExportError
 from loopcast.manifest import Manifest
 from loopcast.quant import QuantMethod, QuantScheme, WeightFormat
 from tests.artifacts import checkpoint, scratch_root
@@ -160,6 +161,26 @@ def test_q4_1_layers_under_a_q8_0_head_load_and_decode_like_their_values() -> No
     art = _export(str(g), "llama-q41-q80head-acc0", ExportOptions(source_accuracy_level=0))
     deq = dequantized_checkpoint(g, TINY_MODELS[LLAMA], scratch_root() / "deq-llama-q41-q80head")
     assert _tokens(art) == _tokens(_export(str(deq), "llama-q41-q80head-float"))
+
+
+def test_q4_1_gguf_on_the_loopcast_op_set_speculates_exactly() -> None:
+    """The loopcast op set's CPU kernel takes Q4_1's fp32 zero points: rows exact at accuracy
+    level 4 (int8 activations), so prompt lookup returns plain greedy's tokens; at level 0 the
+    tokens are those of the float export of the file's values. CUDA is not declared (its kernels
+    take uint8 zero points), and a 16-bit export is refused at once."""
+    g = _gguf(LLAMA, "Q4_1", "Q8_0")
+    art = _export(str(g), "llama-q41-loopcast", ExportOptions(ops="loopcast"))
+    manifest = Manifest.read(art)
+    assert manifest.exact_verify == {"cpu": True, "cuda": False}
+    model = load(art)
+    plain = model.generate(PROMPT + PROMPT, 24, stop_ids=()).tokens
+    lookup = model.generate(PROMPT + PROMPT, 24, stop_ids=(), speculative="prompt-lookup", gate="always")
+    assert lookup.tokens == plain and lookup.stats.proposed > 0
+    acc0 = _export(str(g), "llama-q41-loopcast-acc0", ExportOptions(ops="loopcast", source_accuracy_level=0))
+    deq = dequantized_checkpoint(g, TINY_MODELS[LLAMA], scratch_root() / "deq-llama-q41-q80head")
+    assert _tokens(acc0) == _tokens(_export(str(deq), "llama-q41-q80head-float"))
+    with pytest.raises(ExportError, match="Q4_1 blocks .* run on the CPU kernels only"):
+        export_checkpoint(str(g), scratch_root() / "never", ExportOptions(ops="loopcast", dtype="fp16"))
 
 
 @pytest.mark.parametrize("name,qtype", [(LLAMA, "F32"), (LLAMA, "F16"), (LLAMA, "BF16"), (QWEN2, "F32")])

@@ -6,8 +6,9 @@ quantized tensors (docs/architecture.md, "Quantized weights").
 
 One-node graphs per projection shape (a ~135M Llama's and Ouro-1.4B's), weights as initializers,
 M rows of fp32 activations; the contenders are timed interleaved (median of --repeats rounds of
---iters calls each). Prints µs per call and our time over MatMulNBits' at accuracy_level 0 (fp32
-compute, like ours) and 4 (int8 activations). Wall time needs a quiet machine; ``--cpu-time``
+--iters calls each). Prints µs per call of ours at accuracy_level 0 (fp32 compute) and 4 (int8
+activations), each over MatMulNBits' at the same level, and ours at level 4 over its own one-row
+call (what a verify row costs). Wall time needs a quiet machine; ``--cpu-time``
 times the process's CPU time instead (with ``--threads 1``: one core's work, what a shared VM can
 still measure).
 """
@@ -67,16 +68,12 @@ def sessions(k: int, n: int, bits: int, block: int, symmetric: bool, library, th
         inits.append(numpy_helper.from_array(qt.zero_points, "zp"))
         inputs.append("zp")
     attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
-    out = {
-        "ours": _session(
-            helper.make_node("BatchInvariantMatMulNBits", inputs, ["Y"], domain="loopcast", **attrs),
-            k,
-            n,
-            inits,
-            library,
-            threads,
+    out = {}
+    for name, level in (("ours", 0), ("ours4", 4)):
+        node = helper.make_node(
+            "BatchInvariantMatMulNBits", inputs, ["Y"], domain="loopcast", accuracy_level=level, **attrs
         )
-    }
+        out[name] = _session(node, k, n, inits, library, threads)
     for level in (0, 4):
         node = helper.make_node(
             "MatMulNBits", inputs, ["Y"], domain="com.microsoft", accuracy_level=level, **attrs
@@ -110,7 +107,11 @@ def main() -> None:
     print(
         f"onnxruntime {ort.__version__}; int{args.bits} block {args.block} {zp}; {what} µs per call (median)"
     )
-    print(f"{'shape':<14} {'M':>3} {'ours':>9} {'level 0':>9} {'level 4':>9} {'ours/l0':>8} {'ours/l4':>8}")
+    print(
+        f"{'shape':<14} {'M':>3} {'ours 0':>9} {'ours 4':>9} {'level 0':>9} {'level 4':>9} {'ours0/l0':>8} "
+        f"{'ours4/l4':>8} {'ours4 xM1':>9}"
+    )
+    ours4_m1: dict[str, float] = {}
     for label, k, n in SHAPES:
         sess = sessions(k, n, args.bits, args.block, not args.asymmetric, library, args.threads)
         for m in (int(r) for r in args.rows.split(",")):
@@ -122,9 +123,15 @@ def main() -> None:
                 for name, s in sess.items():
                     rounds[name].append(time_calls(s, feeds, args.iters, clock))
             med = {name: float(np.median(v)) for name, v in rounds.items()}
+            ours4_m1.setdefault(label, med["ours4"])
+            ratios = (
+                med["ours"] / med["nbits0"],
+                med["ours4"] / med["nbits4"],
+                med["ours4"] / ours4_m1[label],
+            )
             print(
-                f"{label:<14} {m:>3} {med['ours']:>9.1f} {med['nbits0']:>9.1f} {med['nbits4']:>9.1f} "
-                f"{med['ours'] / med['nbits0']:>8.2f} {med['ours'] / med['nbits4']:>8.2f}"
+                f"{label:<14} {m:>3} {med['ours']:>9.1f} {med['ours4']:>9.1f} {med['nbits0']:>9.1f} "
+                f"{med['nbits4']:>9.1f} {ratios[0]:>8.2f} {ratios[1]:>8.2f} {ratios[2]:>9.2f}"
             )
 
 
