@@ -1,10 +1,13 @@
 // BatchInvariantMatMulNBits, accuracy_level 4 on the CPU (matmul_nbits_q8_cpu.h: the arithmetic).
 //
-// Operand order: a chunk's codes come out of one 64-byte load (4 bits: byte j holds k = 2j and
-// 2j + 1) or two (8 bits), and the activations are stored in the order the codes unpack to, so
-// VPDPBUSD (unsigned codes × signed activations, 4 products a lane) needs no shuffle on the
-// 4-bit path: "lo" pairs the low nibbles with the even k, "hi" the high nibbles with the odd k.
-// 8 bits: "lo" holds k0..k0+3 of each lane, "hi" k0+4..k0+7 (one VPERMT2B each).
+// Operand order: the activations are stored in the order the codes unpack to, so VPDPBUSD
+// (unsigned codes × signed activations, 4 products a 32-bit lane) pairs them with no shuffle of
+// the activations. Operand vector v, byte j = 4l + t (lane l) holds k = operand_k(v, j) of the
+// chunk:
+//   narrow, 4 bits: one 64-byte load; v = 0 the low nibbles (k = 2j), v = 1 the high (2j + 1)
+//   narrow, 8 bits: two loads, one VPERMT2B each: v = 0 holds k = 8l + t, v = 1 k = 8l + 4 + t
+//   wide (4 bits): four loads transposed (VPERMT2D, VSHUFI64X2) into four steps s, each split
+//     into nibbles (v = 2s + h): k = 32l + 8s + 2t + h, so a lane sums 32 k of one block.
 #include "matmul_nbits_q8_cpu.h"
 
 #include <algorithm>
@@ -27,9 +30,12 @@ namespace {
 
 constexpr int kLanes = 16;
 
-// k of byte j of the lo / hi operand in a chunk (the codes' order, above).
-inline int64_t lo_k(int64_t bits, int j) { return bits == 4 ? 2 * j : 8 * (j / 4) + j % 4; }
-inline int64_t hi_k(int64_t bits, int j) { return bits == 4 ? 2 * j + 1 : 8 * (j / 4) + 4 + j % 4; }
+// k within the chunk of byte j of operand vector v (the header comment above).
+inline int64_t operand_k(const Q8Layout& lay, int64_t bits, int v, int j) {
+  const int l = j / 4, t = j % 4;
+  if (lay.wide) return 32 * l + 8 * (v / 2) + 2 * t + v % 2;
+  return bits == 4 ? 2 * j + v : 8 * l + 4 * v + t;
+}
 
 float lanes_combine(float* lanes) {
   for (int width = kLanes / 2; width > 0; width /= 2)  // fixed pairwise combine
@@ -43,10 +49,10 @@ int8_t quantize_value(float x, float inv) {
   return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
 }
 
-// A lane's zero point and weight scale for column n, chunk c (0 scale past the last block).
-void column_lanes(const Q8Weights& w, int64_t n, int64_t c, float* sw, float* zp) {
+// A lane's weight scale and zero point for column n, chunk c (scale 0 past the last block).
+void column_lanes(const Q8Weights& w, const Q8Layout& lay, int64_t n, int64_t c, float* sw, float* zp) {
   for (int l = 0; l < kLanes; ++l) {
-    const int64_t b = (kQ8Chunk * c + 8 * l) / w.bs;
+    const int64_t b = (lay.chunk_k * c + lay.lane_k * l) / w.bs;
     const bool in = b < w.nb;
     sw[l] = in ? w.scales[n * w.nb + b] : 0.0f;
     if (w.zp_f32 != nullptr) {
@@ -67,25 +73,24 @@ uint8_t code_at(const Q8Weights& w, int64_t n, int64_t k) {
 }
 
 void portable_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
+  const Q8Layout& lay = a.layout;
   float sw[kLanes], zp[kLanes];
+  std::vector<uint8_t> codes(static_cast<size_t>(lay.vecs * 64));
   for (int64_t n = n0; n < n1; ++n) {
     std::vector<float> lanes(static_cast<size_t>(a.rows * kLanes), 0.0f);
     for (int64_t c = 0; c < a.chunks; ++c) {
-      column_lanes(w, n, c, sw, zp);
-      uint8_t lo[64], hi[64];
-      for (int j = 0; j < 64; ++j) {
-        lo[j] = code_at(w, n, kQ8Chunk * c + lo_k(w.bits, j));
-        hi[j] = code_at(w, n, kQ8Chunk * c + hi_k(w.bits, j));
-      }
+      column_lanes(w, lay, n, c, sw, zp);
+      for (int v = 0; v < lay.vecs; ++v)
+        for (int j = 0; j < 64; ++j) codes[v * 64 + j] = code_at(w, n, lay.chunk_k * c + operand_k(lay, w.bits, v, j));
       for (int64_t r = 0; r < a.rows; ++r) {
-        const int8_t* q = a.q.data() + (r * a.chunks + c) * 128;
-        const float* sa = a.scale.data() + (r * a.chunks + c) * kLanes;
-        const float* qs = a.q_sum.data() + (r * a.chunks + c) * kLanes;
+        const int64_t rc = r * a.chunks + c;
+        const int8_t* q = a.q.data() + rc * lay.vecs * 64;
         for (int l = 0; l < kLanes; ++l) {
           int32_t i = 0;
-          for (int t = 0; t < 4; ++t) i += lo[4 * l + t] * q[4 * l + t] + hi[4 * l + t] * q[64 + 4 * l + t];
-          const float tv = std::fma(-zp[l], qs[l], static_cast<float>(i));
-          const float s = sa[l] * sw[l];
+          for (int v = 0; v < lay.vecs; ++v)
+            for (int t = 0; t < 4; ++t) i += codes[v * 64 + 4 * l + t] * q[v * 64 + 4 * l + t];
+          const float tv = std::fma(-zp[l], a.q_sum[rc * kLanes + l], static_cast<float>(i));
+          const float s = a.scale[rc * kLanes + l] * sw[l];
           float& acc = lanes[static_cast<size_t>(r * kLanes + l)];
           acc = std::fma(tv, s, acc);
         }
@@ -97,97 +102,124 @@ void portable_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n
 
 #ifdef LOOPCAST_Q8_AVX512
 
-struct ColChunk {
-  __m512i lo, hi;
-  __m512 sw, zp;
-};
-
-Q8_INLINE __m512i byte_index(bool hi) {
-  alignas(64) int8_t idx[64];
-  for (int j = 0; j < 64; ++j) idx[j] = static_cast<int8_t>(hi_k(8, j) - (hi ? 0 : 4));
-  return _mm512_load_si512(idx);
-}
-
 enum ZeroPoints { kNoZeroPoints, kPackedZeroPoints, kFloatZeroPoints };
 
 // Where chunk c lies in every column (the same for all): computed once a call, so the column
 // loop does no division.
 struct ChunkPlace {
-  int64_t byte0;           // first code byte in a column
-  __mmask64 m0, m1;        // code bytes present (the last chunk may be partial)
-  int64_t first;           // first block
-  __mmask16 blocks;        // blocks present, from `first`
+  int64_t byte0;      // first code byte in a column
+  __mmask64 m[4];     // code bytes present in each 64-byte load (the last chunk may be partial)
+  int64_t first;      // first block
+  __mmask16 blocks;   // blocks present, from `first`
 };
 
-std::vector<ChunkPlace> chunk_places(const Q8Weights& w, int64_t chunks) {
+std::vector<ChunkPlace> chunk_places(const Q8Weights& w, const Q8Layout& lay, int64_t chunks) {
   std::vector<ChunkPlace> out(static_cast<size_t>(chunks));
-  const int64_t col_bytes = w.nb * w.bs * w.bits / 8, chunk_bytes = kQ8Chunk * w.bits / 8;
+  const int64_t col_bytes = w.nb * w.bs * w.bits / 8, chunk_bytes = lay.chunk_k * w.bits / 8;
   auto mask = [](int64_t n) { return n >= 64 ? ~0ULL : n <= 0 ? 0ULL : ((1ULL << n) - 1); };
   for (int64_t c = 0; c < chunks; ++c) {
     ChunkPlace& p = out[static_cast<size_t>(c)];
     p.byte0 = chunk_bytes * c;
-    p.m0 = mask(col_bytes - p.byte0);
-    p.m1 = mask(col_bytes - p.byte0 - 64);
-    p.first = kQ8Chunk * c / w.bs;
-    const int64_t count = std::min<int64_t>(std::max<int64_t>(1, kQ8Chunk / w.bs), w.nb - p.first);
+    for (int i = 0; i < 4; ++i) p.m[i] = mask(col_bytes - p.byte0 - 64 * i);
+    p.first = lay.chunk_k * c / w.bs;
+    const int64_t count = std::min<int64_t>(std::max<int64_t>(1, lay.chunk_k / w.bs), w.nb - p.first);
     p.blocks = static_cast<__mmask16>((1u << count) - 1);
   }
   return out;
 }
 
-template <int BITS, int ZP>
-Q8_INLINE void load_column(const Q8Weights& w, int64_t n, int64_t c, const ChunkPlace& at, __m512i block_of_lane,
-                           ColChunk* cc) {
-  const uint8_t* p = w.B + n * (w.nb * w.bs * BITS / 8) + at.byte0;
-  if constexpr (BITS == 4) {
-    const __m512i v = _mm512_maskz_loadu_epi8(at.m0, p);
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    cc->lo = _mm512_and_si512(v, nib);
-    cc->hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-  } else {
-    const __m512i v0 = _mm512_maskz_loadu_epi8(at.m0, p);
-    const __m512i v1 = _mm512_maskz_loadu_epi8(at.m1, p + 64);
-    cc->lo = _mm512_permutex2var_epi8(v0, byte_index(false), v1);
-    cc->hi = _mm512_permutex2var_epi8(v0, byte_index(true), v1);
+Q8_INLINE __m512i index_of(int which) {  // the constant shuffles of the code loads
+  alignas(64) int8_t b[64];
+  alignas(64) int32_t d[16];
+  if (which < 2) {  // narrow 8-bit: VPERMT2B picks, from two loads, k = 8l + 4·which + t
+    for (int j = 0; j < 64; ++j) b[j] = static_cast<int8_t>(8 * (j / 4) + 4 * which + j % 4);
+    return _mm512_load_si512(b);
   }
+  // wide: VPERMT2D picks, from two loads (8 lanes' 4 steps each), steps 2·(which−2) and +1
+  for (int q = 0; q < 16; ++q) d[q] = 4 * (q % 8) + 2 * (which - 2) + q / 8;
+  return _mm512_load_si512(d);
+}
+
+template <int BITS, int ZP>
+Q8_INLINE void column_scales(const Q8Weights& w, const Q8Layout& lay, int64_t n, int64_t c, const ChunkPlace& at,
+                             __m512i block_of_lane, __m512* sw, __m512* zp) {
   const int64_t row = n * w.nb + at.first;
-  cc->sw = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(at.blocks, w.scales + row));
+  *sw = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(at.blocks, w.scales + row));
   if constexpr (ZP == kFloatZeroPoints) {
-    cc->zp = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(at.blocks, w.zp_f32 + row));
+    *zp = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(at.blocks, w.zp_f32 + row));
   } else if constexpr (ZP == kPackedZeroPoints) {
-    alignas(64) float sw[kLanes], zp[kLanes];
-    column_lanes(w, n, c, sw, zp);
-    cc->zp = _mm512_load_ps(zp);
+    alignas(64) float s[kLanes], z[kLanes];
+    column_lanes(w, lay, n, c, s, z);
+    *zp = _mm512_load_ps(z);
   } else {
-    cc->zp = _mm512_set1_ps(static_cast<float>(1 << (BITS - 1)));
+    *zp = _mm512_set1_ps(static_cast<float>(1 << (BITS - 1)));
+  }
+}
+
+// The chunk's code vectors of column n (VECS of them, the operand order above).
+template <int BITS, int VECS>
+Q8_INLINE void column_codes(const Q8Weights& w, int64_t n, const ChunkPlace& at, const __m512i* idx, __m512i* codes) {
+  const uint8_t* p = w.B + n * (w.nb * w.bs * BITS / 8) + at.byte0;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  if constexpr (VECS == 8) {
+    const __m512i v0 = _mm512_maskz_loadu_epi8(at.m[0], p), v1 = _mm512_maskz_loadu_epi8(at.m[1], p + 64);
+    const __m512i v2 = _mm512_maskz_loadu_epi8(at.m[2], p + 128), v3 = _mm512_maskz_loadu_epi8(at.m[3], p + 192);
+    const __m512i xa = _mm512_permutex2var_epi32(v0, idx[2], v1), xb = _mm512_permutex2var_epi32(v0, idx[3], v1);
+    const __m512i ya = _mm512_permutex2var_epi32(v2, idx[2], v3), yb = _mm512_permutex2var_epi32(v2, idx[3], v3);
+    const __m512i s[4] = {_mm512_shuffle_i64x2(xa, ya, 0x44), _mm512_shuffle_i64x2(xa, ya, 0xEE),
+                          _mm512_shuffle_i64x2(xb, yb, 0x44), _mm512_shuffle_i64x2(xb, yb, 0xEE)};
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      codes[2 * i] = _mm512_and_si512(s[i], nib);
+      codes[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(s[i], 4), nib);
+    }
+  } else if constexpr (BITS == 4) {
+    const __m512i v = _mm512_maskz_loadu_epi8(at.m[0], p);
+    codes[0] = _mm512_and_si512(v, nib);
+    codes[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  } else {
+    const __m512i v0 = _mm512_maskz_loadu_epi8(at.m[0], p), v1 = _mm512_maskz_loadu_epi8(at.m[1], p + 64);
+    codes[0] = _mm512_permutex2var_epi8(v0, idx[0], v1);
+    codes[1] = _mm512_permutex2var_epi8(v0, idx[1], v1);
   }
 }
 
 // R rows × C columns, every chunk, the accumulators in registers (the loops over R and C are
-// unrolled so that the arrays become registers).
-template <int R, int C, int BITS, int ZP>
-Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* places, int64_t r0, int64_t n0,
-                    __m512i block_of_lane, float* Y) {
+// unrolled so that the arrays become registers). Without zero points the symmetric correction
+// −2^(bits−1)·Σq starts the integer sum (exact, so the same t as the fp32 step).
+template <int R, int C, int BITS, int VECS, int ZP>
+Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* places, const __m512i* idx, int64_t r0,
+                    int64_t n0, __m512i block_of_lane, float* Y) {
   __m512 acc[R][C];
 #pragma GCC unroll 16
   for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm512_setzero_ps();
   for (int64_t c = 0; c < a.chunks; ++c) {
-    ColChunk cc[C];
+    __m512i codes[C][VECS];
+    __m512 sw[C], zp[C];
 #pragma GCC unroll 4
-    for (int j = 0; j < C; ++j) load_column<BITS, ZP>(w, n0 + j, c, places[c], block_of_lane, &cc[j]);
+    for (int j = 0; j < C; ++j) {
+      column_codes<BITS, VECS>(w, n0 + j, places[c], idx, codes[j]);
+      column_scales<BITS, ZP>(w, a.layout, n0 + j, c, places[c], block_of_lane, &sw[j], &zp[j]);
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       const int64_t rc = (r0 + i) * a.chunks + c;
-      const __m512i alo = _mm512_loadu_si512(a.q.data() + rc * 128);
-      const __m512i ahi = _mm512_loadu_si512(a.q.data() + rc * 128 + 64);
+      const int8_t* q = a.q.data() + rc * VECS * 64;
       const __m512 sa = _mm512_loadu_ps(a.scale.data() + rc * kLanes);
       const __m512 qs = _mm512_loadu_ps(a.q_sum.data() + rc * kLanes);
+      const __m512i mid = _mm512_loadu_si512(a.q_sum_mid.data() + rc * kLanes);
 #pragma GCC unroll 4
       for (int j = 0; j < C; ++j) {
-        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), cc[j].lo, alo);
-        d = _mm512_dpbusd_epi32(d, cc[j].hi, ahi);
-        const __m512 t = _mm512_fnmadd_ps(cc[j].zp, qs, _mm512_cvtepi32_ps(d));
-        acc[i][j] = _mm512_fmadd_ps(t, _mm512_mul_ps(sa, cc[j].sw), acc[i][j]);
+        // two integer chains (exact sums: any split gives the same i) so VPDPBUSD's latency overlaps
+        __m512i d0 = ZP == kNoZeroPoints ? mid : _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int v = 0; v < VECS; v += 2) {
+          d0 = _mm512_dpbusd_epi32(d0, codes[j][v], _mm512_loadu_si512(q + 64 * v));
+          d1 = _mm512_dpbusd_epi32(d1, codes[j][v + 1], _mm512_loadu_si512(q + 64 * v + 64));
+        }
+        __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+        if constexpr (ZP != kNoZeroPoints) t = _mm512_fnmadd_ps(zp[j], qs, t);
+        acc[i][j] = _mm512_fmadd_ps(t, _mm512_mul_ps(sa, sw[j]), acc[i][j]);
       }
     }
   }
@@ -199,34 +231,37 @@ Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
     }
 }
 
-template <int BITS, int ZP>
+template <int BITS, int VECS, int ZP>
 Q8_TARGET void avx512_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
   alignas(64) int32_t blk[kLanes];
-  for (int l = 0; l < kLanes; ++l) blk[l] = static_cast<int32_t>((8 * l) / w.bs);  // chunks start on a block
+  for (int l = 0; l < kLanes; ++l) blk[l] = static_cast<int32_t>((a.layout.lane_k * l) / w.bs);  // chunks start on a block
   const __m512i block_of_lane = _mm512_load_si512(blk);
-  const std::vector<ChunkPlace> places = chunk_places(w, a.chunks);
+  const __m512i idx[4] = {index_of(0), index_of(1), index_of(2), index_of(3)};
+  const std::vector<ChunkPlace> places = chunk_places(w, a.layout, a.chunks);
   const ChunkPlace* at = places.data();
+  // wide chunks hold 8 code vectors a column: fewer columns a tile keep them in registers
+  constexpr int kC4 = VECS == 8 ? 1 : 2, kC1 = VECS == 8 ? 2 : 4;
   int64_t r = 0;
   for (; r + 4 <= a.rows; r += 4) {
     int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) tile<4, 2, BITS, ZP>(a, w, at, r, n, block_of_lane, Y);
-    for (; n < n1; ++n) tile<4, 1, BITS, ZP>(a, w, at, r, n, block_of_lane, Y);
+    for (; n + kC4 <= n1; n += kC4) tile<4, kC4, BITS, VECS, ZP>(a, w, at, idx, r, n, block_of_lane, Y);
+    for (; n < n1; ++n) tile<4, 1, BITS, VECS, ZP>(a, w, at, idx, r, n, block_of_lane, Y);
   }
   for (; r < a.rows; ++r) {
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) tile<1, 4, BITS, ZP>(a, w, at, r, n, block_of_lane, Y);
-    for (; n < n1; ++n) tile<1, 1, BITS, ZP>(a, w, at, r, n, block_of_lane, Y);
+    for (; n + kC1 <= n1; n += kC1) tile<1, kC1, BITS, VECS, ZP>(a, w, at, idx, r, n, block_of_lane, Y);
+    for (; n < n1; ++n) tile<1, 1, BITS, VECS, ZP>(a, w, at, idx, r, n, block_of_lane, Y);
   }
 }
 
-template <int BITS>
+template <int BITS, int VECS>
 void avx512_columns_zp(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
   if (w.zp_f32 != nullptr)
-    avx512_columns<BITS, kFloatZeroPoints>(a, w, n0, n1, Y);
+    avx512_columns<BITS, VECS, kFloatZeroPoints>(a, w, n0, n1, Y);
   else if (w.zp_u8 != nullptr)
-    avx512_columns<BITS, kPackedZeroPoints>(a, w, n0, n1, Y);
+    avx512_columns<BITS, VECS, kPackedZeroPoints>(a, w, n0, n1, Y);
   else
-    avx512_columns<BITS, kNoZeroPoints>(a, w, n0, n1, Y);
+    avx512_columns<BITS, VECS, kNoZeroPoints>(a, w, n0, n1, Y);
 }
 
 bool cpu_has_vnni() {
@@ -240,13 +275,16 @@ bool cpu_has_vnni() {
 }  // namespace
 
 void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out) {
-  const int64_t chunks = (nb * bs + kQ8Chunk - 1) / kQ8Chunk;
+  const Q8Layout lay = Q8Layout::of(bits, bs);
+  const int64_t chunks = (nb * bs + lay.chunk_k - 1) / lay.chunk_k;
+  out->layout = lay;
   out->rows = rows;
   out->chunks = chunks;
-  out->q.assign(static_cast<size_t>(rows * chunks * 128), 0);
+  out->q.assign(static_cast<size_t>(rows * chunks * lay.vecs * 64), 0);
   out->scale.assign(static_cast<size_t>(rows * chunks * kLanes), 0.0f);
   out->q_sum.assign(static_cast<size_t>(rows * chunks * kLanes), 0.0f);
-  std::vector<int8_t> qk(static_cast<size_t>(chunks * kQ8Chunk));
+  out->q_sum_mid.assign(static_cast<size_t>(rows * chunks * kLanes), 0);
+  std::vector<int8_t> qk(static_cast<size_t>(chunks * lay.chunk_k));
   std::vector<float> sa(static_cast<size_t>(nb));
   for (int64_t r = 0; r < rows; ++r) {
     const float* a = A + r * K;
@@ -260,18 +298,18 @@ void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int
       for (int64_t k = k0; k < k1; ++k) qk[k] = quantize_value(a[k], inv);
     }
     for (int64_t c = 0; c < chunks; ++c) {
-      int8_t* q = out->q.data() + (r * chunks + c) * 128;
-      const int8_t* src = qk.data() + c * kQ8Chunk;
-      for (int j = 0; j < 64; ++j) {
-        q[j] = src[lo_k(bits, j)];
-        q[64 + j] = src[hi_k(bits, j)];
-      }
+      const int64_t rc = r * chunks + c;
+      int8_t* q = out->q.data() + rc * lay.vecs * 64;
+      const int8_t* src = qk.data() + c * lay.chunk_k;
+      for (int v = 0; v < lay.vecs; ++v)
+        for (int j = 0; j < 64; ++j) q[v * 64 + j] = src[operand_k(lay, bits, v, j)];
       for (int l = 0; l < kLanes; ++l) {
-        const int64_t b = (kQ8Chunk * c + 8 * l) / bs;
+        const int64_t b = (lay.chunk_k * c + lay.lane_k * l) / bs;
         int32_t sum = 0;
-        for (int t = 0; t < 8; ++t) sum += src[8 * l + t];
-        out->scale[(r * chunks + c) * kLanes + l] = b < nb ? sa[b] : 0.0f;
-        out->q_sum[(r * chunks + c) * kLanes + l] = static_cast<float>(sum);
+        for (int64_t t = 0; t < lay.lane_k; ++t) sum += src[lay.lane_k * l + t];
+        out->scale[rc * kLanes + l] = b < nb ? sa[b] : 0.0f;
+        out->q_sum[rc * kLanes + l] = static_cast<float>(sum);
+        out->q_sum_mid[rc * kLanes + l] = -(1 << (bits - 1)) * sum;
       }
     }
   }
@@ -281,10 +319,12 @@ void q8_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, flo
 #ifdef LOOPCAST_Q8_AVX512
   const char* portable = std::getenv("LOOPCAST_CPU_PORTABLE");  // tests compare the two paths' bits
   if (cpu_has_vnni() && !(portable != nullptr && std::strcmp(portable, "1") == 0)) {
-    if (w.bits == 4)
-      avx512_columns_zp<4>(a, w, n0, n1, Y);
+    if (a.layout.wide)
+      avx512_columns_zp<4, 8>(a, w, n0, n1, Y);
+    else if (w.bits == 4)
+      avx512_columns_zp<4, 2>(a, w, n0, n1, Y);
     else
-      avx512_columns_zp<8>(a, w, n0, n1, Y);
+      avx512_columns_zp<8, 2>(a, w, n0, n1, Y);
     return;
   }
 #endif

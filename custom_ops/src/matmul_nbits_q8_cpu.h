@@ -2,16 +2,20 @@
 // products (matmul_nbits_q8_cpu.cc).
 //
 // Each row's activations are quantized per weight block: sa = max|a| / 127, q = round(a · 127 /
-// max|a|), a row's own values only. The K axis is cut into chunks of 128; lane l (0..15) of chunk
-// c owns k in [128c + 8l, 128c + 8l + 8), which lies in one block. Per lane, in chunk order:
+// max|a|), a row's own values only. The K axis is cut into chunks; lane l (0..15) of a chunk owns
+// a run of k inside one block (the layout, below). Per lane, in chunk order:
 //
 //   i = Σ code_k · q_k (int32, exact)      t = i − zp · Σ q_k      s = sa_block · scale_block
 //   acc_l = fma(t, s, acc_l)
 //
-// and y = the 16 lanes combined pairwise in one fixed order. Every step depends on (k, K,
+// and y = the 16 lanes combined pairwise in one fixed order. Every step depends on (k, K, bits,
 // block_size) only, never on the rows, the tile, the thread or the ISA: the AVX-512 VNNI path and
 // the portable one give the same bits (integer sums are exact; each float step rounds once,
 // fma included), so a row's result does not depend on how many rows share the call.
+//
+// Layouts: 4-bit weights in blocks of 32 or more take "wide" chunks of 512 k, a lane 32 k (the
+// fewest float steps a product); 8-bit weights and 4-bit blocks of 16 take chunks of 128 k, a
+// lane 8 k.
 #pragma once
 
 #include <cstdint>
@@ -19,16 +23,25 @@
 
 namespace loopcast {
 
-constexpr int64_t kQ8Chunk = 128;  // k a chunk: 16 lanes of 8
+struct Q8Layout {
+  bool wide;
+  int64_t chunk_k, lane_k, vecs;  // k a chunk, k a lane, 64-byte operand vectors a chunk
+  static Q8Layout of(int64_t bits, int64_t block_size) {
+    const bool wide = bits == 4 && block_size >= 32;
+    return wide ? Q8Layout{true, 512, 32, 8} : Q8Layout{false, 128, 8, 2};
+  }
+};
 
-// One call's activations in lane order: per row and chunk, 64 bytes each of the two operand
-// vectors (the codes' low/high halves, matmul_nbits_q8_cpu.cc), then per lane the block's scale
-// and the lane's sum of q.
+// One call's activations in operand order: per row and chunk, `vecs` vectors of 64 bytes (the
+// order the codes unpack to, matmul_nbits_q8_cpu.cc), then per lane the block's scale and the
+// lane's sum of q (as fp32: exact, and as −2^(bits-1)·Σq, the symmetric correction).
 struct Q8Rows {
+  Q8Layout layout{};
   int64_t rows = 0, chunks = 0;
-  std::vector<int8_t> q;      // [rows, chunks, 2, 64]
-  std::vector<float> scale;   // [rows, chunks, 16]
-  std::vector<float> q_sum;   // [rows, chunks, 16] (exact: |Σ| ≤ 8 · 127)
+  std::vector<int8_t> q;           // [rows, chunks, vecs, 64]
+  std::vector<float> scale;        // [rows, chunks, 16]
+  std::vector<float> q_sum;        // [rows, chunks, 16]
+  std::vector<int32_t> q_sum_mid;  // [rows, chunks, 16]: −2^(bits−1) · Σq
 };
 
 // What the weights are: MatMulNBits' layout (matmul_nbits_op.h). Zero points: float ones
