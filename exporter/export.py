@@ -81,7 +81,7 @@ def custom_op_library() -> Path:
 
 def _requested_op_set(opts: ExportOptions) -> OpSet | None:
     """The op set the options ask for; None: "auto" for fp32, decided by whether the custom-op
-    library can be had (fp16/bf16 "auto" is stock)."""
+    library can be had and by the weights (fp16/bf16 "auto" is stock)."""
     if opts.op_set == "auto":
         return OpSet.STOCK if opts.dtype != "fp32" else None
     return OpSet(opts.op_set)
@@ -92,8 +92,12 @@ def _resolve_op_set(opts: ExportOptions, log) -> tuple[OpSet, Path | None]:
     missing toolchain fails before minutes of writing)."""
     op_set = _requested_op_set(opts)
     if op_set is None:
+        # fp32 zero points (a GGUF's Q4_1 blocks): MatMulNBits' rows are not exact on them and its
+        # fp32-zero-point path is slow (docs/quantization.md); the loopcast kernel is both
+        q = opts.quantization
+        auto = OpSet.LOOPCAST if q is not None and q.float_zero_points else OpSet.LOOPCAST_ATTENTION
         try:
-            return OpSet.LOOPCAST_ATTENTION, custom_op_library()
+            return auto, custom_op_library()
         except ExportError as exc:
             # The advice fits every caller (export, demo, bench): what fixes it, not a flag of one.
             log(

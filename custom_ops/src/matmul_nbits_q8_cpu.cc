@@ -31,9 +31,9 @@ namespace {
 constexpr int kLanes = 16;
 
 // k within the chunk of byte j of operand vector v (the header comment above).
-inline int64_t operand_k(const Q8Layout& lay, int64_t bits, int v, int j) {
+inline int64_t operand_k(bool wide, int64_t bits, int v, int j) {
   const int l = j / 4, t = j % 4;
-  if (lay.wide) return 32 * l + 8 * (v / 2) + 2 * t + v % 2;
+  if (wide) return 32 * l + 8 * (v / 2) + 2 * t + v % 2;
   return bits == 4 ? 2 * j + v : 8 * l + 4 * v + t;
 }
 
@@ -50,9 +50,9 @@ int8_t quantize_value(float x, float inv) {
 }
 
 // A lane's weight scale and zero point for column n, chunk c (scale 0 past the last block).
-void column_lanes(const Q8Weights& w, const Q8Layout& lay, int64_t n, int64_t c, float* sw, float* zp) {
+void column_lanes(const Q8Weights& w, const Q8Chunk& ch, int64_t n, float* sw, float* zp) {
   for (int l = 0; l < kLanes; ++l) {
-    const int64_t b = (lay.chunk_k * c + lay.lane_k * l) / w.bs;
+    const int64_t b = (ch.k0 + ch.lane_k * l) / w.bs;
     const bool in = b < w.nb;
     sw[l] = in ? w.scales[n * w.nb + b] : 0.0f;
     if (w.zp_f32 != nullptr) {
@@ -73,21 +73,22 @@ uint8_t code_at(const Q8Weights& w, int64_t n, int64_t k) {
 }
 
 void portable_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
-  const Q8Layout& lay = a.layout;
+  const int64_t nc = static_cast<int64_t>(a.chunks.size());
   float sw[kLanes], zp[kLanes];
-  std::vector<uint8_t> codes(static_cast<size_t>(lay.vecs * 64));
+  uint8_t codes[8 * 64];
   for (int64_t n = n0; n < n1; ++n) {
     std::vector<float> lanes(static_cast<size_t>(a.rows * kLanes), 0.0f);
-    for (int64_t c = 0; c < a.chunks; ++c) {
-      column_lanes(w, lay, n, c, sw, zp);
-      for (int v = 0; v < lay.vecs; ++v)
-        for (int j = 0; j < 64; ++j) codes[v * 64 + j] = code_at(w, n, lay.chunk_k * c + operand_k(lay, w.bits, v, j));
+    for (int64_t c = 0; c < nc; ++c) {
+      const Q8Chunk& ch = a.chunks[static_cast<size_t>(c)];
+      column_lanes(w, ch, n, sw, zp);
+      for (int v = 0; v < ch.vecs; ++v)
+        for (int j = 0; j < 64; ++j) codes[v * 64 + j] = code_at(w, n, ch.k0 + operand_k(ch.wide, w.bits, v, j));
       for (int64_t r = 0; r < a.rows; ++r) {
-        const int64_t rc = r * a.chunks + c;
-        const int8_t* q = a.q.data() + rc * lay.vecs * 64;
+        const int64_t rc = r * nc + c;
+        const int8_t* q = a.q.data() + r * a.row_bytes + ch.q_offset;
         for (int l = 0; l < kLanes; ++l) {
           int32_t i = 0;
-          for (int v = 0; v < lay.vecs; ++v)
+          for (int v = 0; v < ch.vecs; ++v)
             for (int t = 0; t < 4; ++t) i += codes[v * 64 + 4 * l + t] * q[v * 64 + 4 * l + t];
           const float tv = std::fma(-zp[l], a.q_sum[rc * kLanes + l], static_cast<float>(i));
           const float s = a.scale[rc * kLanes + l] * sw[l];
@@ -113,16 +114,16 @@ struct ChunkPlace {
   __mmask16 blocks;   // blocks present, from `first`
 };
 
-std::vector<ChunkPlace> chunk_places(const Q8Weights& w, const Q8Layout& lay, int64_t chunks) {
-  std::vector<ChunkPlace> out(static_cast<size_t>(chunks));
-  const int64_t col_bytes = w.nb * w.bs * w.bits / 8, chunk_bytes = lay.chunk_k * w.bits / 8;
+std::vector<ChunkPlace> chunk_places(const Q8Weights& w, const std::vector<Q8Chunk>& chunks) {
+  std::vector<ChunkPlace> out(chunks.size());
+  const int64_t col_bytes = w.nb * w.bs * w.bits / 8;
   auto mask = [](int64_t n) { return n >= 64 ? ~0ULL : n <= 0 ? 0ULL : ((1ULL << n) - 1); };
-  for (int64_t c = 0; c < chunks; ++c) {
-    ChunkPlace& p = out[static_cast<size_t>(c)];
-    p.byte0 = chunk_bytes * c;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    ChunkPlace& p = out[c];
+    p.byte0 = chunks[c].k0 * w.bits / 8;
     for (int i = 0; i < 4; ++i) p.m[i] = mask(col_bytes - p.byte0 - 64 * i);
-    p.first = lay.chunk_k * c / w.bs;
-    const int64_t count = std::min<int64_t>(std::max<int64_t>(1, lay.chunk_k / w.bs), w.nb - p.first);
+    p.first = chunks[c].k0 / w.bs;
+    const int64_t count = std::min<int64_t>(std::max<int64_t>(1, chunks[c].chunk_k / w.bs), w.nb - p.first);
     p.blocks = static_cast<__mmask16>((1u << count) - 1);
   }
   return out;
@@ -141,7 +142,7 @@ Q8_INLINE __m512i index_of(int which) {  // the constant shuffles of the code lo
 }
 
 template <int BITS, int ZP>
-Q8_INLINE void column_scales(const Q8Weights& w, const Q8Layout& lay, int64_t n, int64_t c, const ChunkPlace& at,
+Q8_INLINE void column_scales(const Q8Weights& w, const Q8Chunk& ch, int64_t n, const ChunkPlace& at,
                              __m512i block_of_lane, __m512* sw, __m512* zp) {
   const int64_t row = n * w.nb + at.first;
   *sw = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(at.blocks, w.scales + row));
@@ -149,7 +150,7 @@ Q8_INLINE void column_scales(const Q8Weights& w, const Q8Layout& lay, int64_t n,
     *zp = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(at.blocks, w.zp_f32 + row));
   } else if constexpr (ZP == kPackedZeroPoints) {
     alignas(64) float s[kLanes], z[kLanes];
-    column_lanes(w, lay, n, c, s, z);
+    column_lanes(w, ch, n, s, z);
     *zp = _mm512_load_ps(z);
   } else {
     *zp = _mm512_set1_ps(static_cast<float>(1 << (BITS - 1)));
@@ -184,27 +185,26 @@ Q8_INLINE void column_codes(const Q8Weights& w, int64_t n, const ChunkPlace& at,
   }
 }
 
-// R rows × C columns, every chunk, the accumulators in registers (the loops over R and C are
-// unrolled so that the arrays become registers). Without zero points the symmetric correction
-// −2^(bits−1)·Σq starts the integer sum (exact, so the same t as the fp32 step).
+// One span of chunks [c0, c1) (all with VECS vectors) of R rows × C columns into acc.
+// Without zero points the symmetric correction −2^(bits−1)·Σq starts the integer sum (exact, so
+// the same t as the fp32 step).
 template <int R, int C, int BITS, int VECS, int ZP>
-Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* places, const __m512i* idx, int64_t r0,
-                    int64_t n0, __m512i block_of_lane, float* Y) {
-  __m512 acc[R][C];
-#pragma GCC unroll 16
-  for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < a.chunks; ++c) {
+Q8_INLINE void span(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* places, const __m512i* idx, int64_t c0,
+                    int64_t c1, int64_t r0, int64_t n0, __m512i block_of_lane, __m512 (&acc)[R][C]) {
+  const int64_t nc = static_cast<int64_t>(a.chunks.size());
+  for (int64_t c = c0; c < c1; ++c) {
+    const Q8Chunk& ch = a.chunks[static_cast<size_t>(c)];
     __m512i codes[C][VECS];
     __m512 sw[C], zp[C];
 #pragma GCC unroll 4
     for (int j = 0; j < C; ++j) {
       column_codes<BITS, VECS>(w, n0 + j, places[c], idx, codes[j]);
-      column_scales<BITS, ZP>(w, a.layout, n0 + j, c, places[c], block_of_lane, &sw[j], &zp[j]);
+      column_scales<BITS, ZP>(w, ch, n0 + j, places[c], block_of_lane, &sw[j], &zp[j]);
     }
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
-      const int64_t rc = (r0 + i) * a.chunks + c;
-      const int8_t* q = a.q.data() + rc * VECS * 64;
+      const int64_t rc = (r0 + i) * nc + c;
+      const int8_t* q = a.q.data() + (r0 + i) * a.row_bytes + ch.q_offset;
       const __m512 sa = _mm512_loadu_ps(a.scale.data() + rc * kLanes);
       const __m512 qs = _mm512_loadu_ps(a.q_sum.data() + rc * kLanes);
       const __m512i mid = _mm512_loadu_si512(a.q_sum_mid.data() + rc * kLanes);
@@ -223,6 +223,19 @@ Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
       }
     }
   }
+}
+
+// R rows × C columns, every chunk (the wide ones, then the narrow ones), the accumulators in
+// registers (the loops over R and C are unrolled so that the arrays become registers).
+template <int R, int C, int BITS, int ZP>
+Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* places, const __m512i* idx,
+                    const __m512i* block_of_lane, int64_t r0, int64_t n0, float* Y) {
+  __m512 acc[R][C];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm512_setzero_ps();
+  const int64_t nc = static_cast<int64_t>(a.chunks.size());
+  if constexpr (BITS == 4) span<R, C, 4, 8, ZP>(a, w, places, idx, 0, a.n_wide, r0, n0, block_of_lane[0], acc);
+  span<R, C, BITS, 2, ZP>(a, w, places, idx, a.n_wide, nc, r0, n0, block_of_lane[1], acc);
   alignas(64) float lanes[kLanes];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < C; ++j) {
@@ -231,37 +244,40 @@ Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
     }
 }
 
-template <int BITS, int VECS, int ZP>
+template <int BITS, int ZP>
 Q8_TARGET void avx512_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
-  alignas(64) int32_t blk[kLanes];
-  for (int l = 0; l < kLanes; ++l) blk[l] = static_cast<int32_t>((a.layout.lane_k * l) / w.bs);  // chunks start on a block
-  const __m512i block_of_lane = _mm512_load_si512(blk);
+  alignas(64) int32_t blk[2][kLanes];
+  for (int l = 0; l < kLanes; ++l) {  // chunks start on a block
+    blk[0][l] = static_cast<int32_t>((32 * l) / w.bs);
+    blk[1][l] = static_cast<int32_t>((8 * l) / w.bs);
+  }
+  const __m512i block_of_lane[2] = {_mm512_load_si512(blk[0]), _mm512_load_si512(blk[1])};
   const __m512i idx[4] = {index_of(0), index_of(1), index_of(2), index_of(3)};
-  const std::vector<ChunkPlace> places = chunk_places(w, a.layout, a.chunks);
+  const std::vector<ChunkPlace> places = chunk_places(w, a.chunks);
   const ChunkPlace* at = places.data();
   // wide chunks hold 8 code vectors a column: fewer columns a tile keep them in registers
-  constexpr int kC4 = VECS == 8 ? 1 : 2, kC1 = VECS == 8 ? 2 : 4;
+  constexpr int kC4 = BITS == 4 ? 1 : 2, kC1 = BITS == 4 ? 2 : 4;
   int64_t r = 0;
   for (; r + 4 <= a.rows; r += 4) {
     int64_t n = n0;
-    for (; n + kC4 <= n1; n += kC4) tile<4, kC4, BITS, VECS, ZP>(a, w, at, idx, r, n, block_of_lane, Y);
-    for (; n < n1; ++n) tile<4, 1, BITS, VECS, ZP>(a, w, at, idx, r, n, block_of_lane, Y);
+    for (; n + kC4 <= n1; n += kC4) tile<4, kC4, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
+    for (; n < n1; ++n) tile<4, 1, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
   }
   for (; r < a.rows; ++r) {
     int64_t n = n0;
-    for (; n + kC1 <= n1; n += kC1) tile<1, kC1, BITS, VECS, ZP>(a, w, at, idx, r, n, block_of_lane, Y);
-    for (; n < n1; ++n) tile<1, 1, BITS, VECS, ZP>(a, w, at, idx, r, n, block_of_lane, Y);
+    for (; n + kC1 <= n1; n += kC1) tile<1, kC1, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
+    for (; n < n1; ++n) tile<1, 1, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
   }
 }
 
-template <int BITS, int VECS>
+template <int BITS>
 void avx512_columns_zp(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
   if (w.zp_f32 != nullptr)
-    avx512_columns<BITS, VECS, kFloatZeroPoints>(a, w, n0, n1, Y);
+    avx512_columns<BITS, kFloatZeroPoints>(a, w, n0, n1, Y);
   else if (w.zp_u8 != nullptr)
-    avx512_columns<BITS, VECS, kPackedZeroPoints>(a, w, n0, n1, Y);
+    avx512_columns<BITS, kPackedZeroPoints>(a, w, n0, n1, Y);
   else
-    avx512_columns<BITS, VECS, kNoZeroPoints>(a, w, n0, n1, Y);
+    avx512_columns<BITS, kNoZeroPoints>(a, w, n0, n1, Y);
 }
 
 bool cpu_has_vnni() {
@@ -274,17 +290,28 @@ bool cpu_has_vnni() {
 
 }  // namespace
 
+std::vector<Q8Chunk> q8_chunks(int64_t bits, int64_t bs, int64_t nb) {
+  const int64_t kb = nb * bs;
+  const int64_t n_wide = bits == 4 && bs >= 32 ? kb / 512 : 0;
+  std::vector<Q8Chunk> out;
+  int64_t offset = 0;
+  for (int64_t c = 0; c < n_wide; ++c, offset += 512) out.push_back({true, 512 * c, 512, 32, 8, offset});
+  for (int64_t k0 = 512 * n_wide; k0 < kb; k0 += 128, offset += 128) out.push_back({false, k0, 128, 8, 2, offset});
+  return out;
+}
+
 void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out) {
-  const Q8Layout lay = Q8Layout::of(bits, bs);
-  const int64_t chunks = (nb * bs + lay.chunk_k - 1) / lay.chunk_k;
-  out->layout = lay;
+  out->chunks = q8_chunks(bits, bs, nb);
+  const int64_t nc = static_cast<int64_t>(out->chunks.size());
+  out->n_wide = 0;
+  for (const Q8Chunk& ch : out->chunks) out->n_wide += ch.wide ? 1 : 0;
   out->rows = rows;
-  out->chunks = chunks;
-  out->q.assign(static_cast<size_t>(rows * chunks * lay.vecs * 64), 0);
-  out->scale.assign(static_cast<size_t>(rows * chunks * kLanes), 0.0f);
-  out->q_sum.assign(static_cast<size_t>(rows * chunks * kLanes), 0.0f);
-  out->q_sum_mid.assign(static_cast<size_t>(rows * chunks * kLanes), 0);
-  std::vector<int8_t> qk(static_cast<size_t>(chunks * lay.chunk_k));
+  out->row_bytes = out->chunks.back().q_offset + out->chunks.back().vecs * 64;
+  out->q.assign(static_cast<size_t>(rows * out->row_bytes), 0);
+  out->scale.assign(static_cast<size_t>(rows * nc * kLanes), 0.0f);
+  out->q_sum.assign(static_cast<size_t>(rows * nc * kLanes), 0.0f);
+  out->q_sum_mid.assign(static_cast<size_t>(rows * nc * kLanes), 0);
+  std::vector<int8_t> qk(static_cast<size_t>(out->row_bytes));  // k order, zeros past K
   std::vector<float> sa(static_cast<size_t>(nb));
   for (int64_t r = 0; r < rows; ++r) {
     const float* a = A + r * K;
@@ -297,16 +324,17 @@ void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       for (int64_t k = k0; k < k1; ++k) qk[k] = quantize_value(a[k], inv);
     }
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t rc = r * chunks + c;
-      int8_t* q = out->q.data() + rc * lay.vecs * 64;
-      const int8_t* src = qk.data() + c * lay.chunk_k;
-      for (int v = 0; v < lay.vecs; ++v)
-        for (int j = 0; j < 64; ++j) q[v * 64 + j] = src[operand_k(lay, bits, v, j)];
+    for (int64_t c = 0; c < nc; ++c) {
+      const Q8Chunk& ch = out->chunks[static_cast<size_t>(c)];
+      const int64_t rc = r * nc + c;
+      int8_t* q = out->q.data() + r * out->row_bytes + ch.q_offset;
+      const int8_t* src = qk.data() + ch.k0;
+      for (int v = 0; v < ch.vecs; ++v)
+        for (int j = 0; j < 64; ++j) q[v * 64 + j] = src[operand_k(ch.wide, bits, v, j)];
       for (int l = 0; l < kLanes; ++l) {
-        const int64_t b = (lay.chunk_k * c + lay.lane_k * l) / bs;
+        const int64_t b = (ch.k0 + ch.lane_k * l) / bs;
         int32_t sum = 0;
-        for (int64_t t = 0; t < lay.lane_k; ++t) sum += src[lay.lane_k * l + t];
+        for (int64_t t = 0; t < ch.lane_k; ++t) sum += src[ch.lane_k * l + t];
         out->scale[rc * kLanes + l] = b < nb ? sa[b] : 0.0f;
         out->q_sum[rc * kLanes + l] = static_cast<float>(sum);
         out->q_sum_mid[rc * kLanes + l] = -(1 << (bits - 1)) * sum;
@@ -319,12 +347,10 @@ void q8_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, flo
 #ifdef LOOPCAST_Q8_AVX512
   const char* portable = std::getenv("LOOPCAST_CPU_PORTABLE");  // tests compare the two paths' bits
   if (cpu_has_vnni() && !(portable != nullptr && std::strcmp(portable, "1") == 0)) {
-    if (a.layout.wide)
-      avx512_columns_zp<4, 8>(a, w, n0, n1, Y);
-    else if (w.bits == 4)
-      avx512_columns_zp<4, 2>(a, w, n0, n1, Y);
+    if (w.bits == 4)
+      avx512_columns_zp<4>(a, w, n0, n1, Y);
     else
-      avx512_columns_zp<8, 2>(a, w, n0, n1, Y);
+      avx512_columns_zp<8>(a, w, n0, n1, Y);
     return;
   }
 #endif

@@ -14,8 +14,8 @@
 // fma included), so a row's result does not depend on how many rows share the call.
 //
 // Layouts: 4-bit weights in blocks of 32 or more take "wide" chunks of 512 k, a lane 32 k (the
-// fewest float steps a product); 8-bit weights and 4-bit blocks of 16 take chunks of 128 k, a
-// lane 8 k.
+// fewest float steps a product), and the rest of K (under 512) chunks of 128 k; 8-bit weights and
+// 4-bit blocks of 16 take chunks of 128 k, a lane 8 k.
 #pragma once
 
 #include <cstdint>
@@ -23,22 +23,22 @@
 
 namespace loopcast {
 
-struct Q8Layout {
+struct Q8Chunk {
   bool wide;
-  int64_t chunk_k, lane_k, vecs;  // k a chunk, k a lane, 64-byte operand vectors a chunk
-  static Q8Layout of(int64_t bits, int64_t block_size) {
-    const bool wide = bits == 4 && block_size >= 32;
-    return wide ? Q8Layout{true, 512, 32, 8} : Q8Layout{false, 128, 8, 2};
-  }
+  int64_t k0, chunk_k, lane_k, vecs;  // first k, k a chunk, k a lane, 64-byte operand vectors
+  int64_t q_offset;                   // its operand bytes' offset in a row
 };
+
+// The chunks of a K axis stored as n_blocks · block_size (a function of bits and block size).
+std::vector<Q8Chunk> q8_chunks(int64_t bits, int64_t block_size, int64_t n_blocks);
 
 // One call's activations in operand order: per row and chunk, `vecs` vectors of 64 bytes (the
 // order the codes unpack to, matmul_nbits_q8_cpu.cc), then per lane the block's scale and the
 // lane's sum of q (as fp32: exact, and as −2^(bits-1)·Σq, the symmetric correction).
 struct Q8Rows {
-  Q8Layout layout{};
-  int64_t rows = 0, chunks = 0;
-  std::vector<int8_t> q;           // [rows, chunks, vecs, 64]
+  std::vector<Q8Chunk> chunks;
+  int64_t rows = 0, row_bytes = 0, n_wide = 0;  // the wide chunks come first
+  std::vector<int8_t> q;           // [rows, row_bytes]
   std::vector<float> scale;        // [rows, chunks, 16]
   std::vector<float> q_sum;        // [rows, chunks, 16]
   std::vector<int32_t> q_sum_mid;  // [rows, chunks, 16]: −2^(bits−1) · Σq
