@@ -358,8 +358,9 @@ def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
     from loopcast.exporter.exactness_probe import rows_match_shallow
 
     q = manifest.quantization
-    # fp32 activations at accuracy_level 4, and fp32 zero points, are the CPU kernel's alone
-    cpu_only = q is not None and manifest.dtype == "fp32" and (q.accuracy_level == 4 or q.float_zero_points)
+    # fp32 zero points are the CPU kernels' alone (the CUDA kernels compute every level in the
+    # activation dtype, rows invariant)
+    cpu_only = q is not None and q.float_zero_points
     exact = {
         "cpu": manifest.dtype == "fp32" and rows_match_shallow(staging, manifest=manifest),
         # quantized: BatchInvariantMatMulNBits, row-invariant on CUDA as on the CPU

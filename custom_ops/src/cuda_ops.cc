@@ -56,10 +56,9 @@ struct MatMulCudaKernel {
 template <typename T>
 struct NBitsCudaKernel {
   NBitsAttrs attrs;
-  NBitsCudaKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {
-    if (attrs.accuracy_level != 0)
-      fail("BatchInvariantMatMulNBits: accuracy_level 4 (int8 activations) runs on the CPU only; CUDA takes 0");
-  }
+  // accuracy_level 4 permits int8 activations (MatMulNBits' meaning: a minimum accuracy); these
+  // kernels compute in the activation dtype at every level, as MatMulNBits' CUDA kernels do.
+  NBitsCudaKernel(const OrtApi&, const OrtKernelInfo* info) : attrs(info) {}
 
   void Compute(OrtKernelContext* raw) {
     Ort::KernelContext ctx(raw);

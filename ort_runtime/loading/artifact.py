@@ -292,6 +292,13 @@ def open_artifact(
     if device not in PROVIDERS:
         raise RequestError(f"unknown device {device!r}; choose cpu or cuda")
     provider = PROVIDERS[device]
+    # the artifact's own limits before this machine's: no GPU could run these
+    q = manifest.quantization
+    if device == "cuda" and q is not None and q.float_zero_points and OpSet(manifest.op_set).batch_invariant:
+        raise ArtifactError(
+            f"{path}: fp32 zero points (a GGUF's Q4_1 blocks) run on the CPU kernels only; load it "
+            "with device 'cpu' (the CUDA kernels take uint8 zero points)"
+        )
     if provider not in ort.get_available_providers():
         raise RequestError(
             f"device {device!r} needs {provider}, which this onnxruntime lacks (a CPU-only install): "

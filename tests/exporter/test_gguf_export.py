@@ -19,9 +19,10 @@ from loopcast.exporter.gguf_tokenizer import tokenizer_files
 from loopcast.exporter.quantize import Quantized, dequantize
 from loopcast.exporter.weights import read_stored
 from loopcast.ort_runtime.api import load
+from loopcast.ort_runtime.loading.artifact import open_artifact
 
 from loopcast.demo_checkpoint import demo_checkpoint_dir
-from loopcast.errors import ExportError
+from loopcast.errors import ArtifactError, ExportError
 from loopcast.manifest import Manifest
 from loopcast.quant import QuantMethod, QuantScheme, WeightFormat
 from tests.artifacts import checkpoint, scratch_root
@@ -170,7 +171,7 @@ def test_q4_1_gguf_on_the_loopcast_op_set_speculates_exactly() -> None:
     """The loopcast op set's CPU kernel takes Q4_1's fp32 zero points: rows exact at accuracy
     level 4 (int8 activations), so prompt lookup returns plain greedy's tokens; at level 0 the
     tokens are those of the float export of the file's values. CUDA is not declared (its kernels
-    take uint8 zero points), and a 16-bit export is refused at once."""
+    take uint8 zero points): a 16-bit export is refused at once, a CUDA load before any session."""
     g = _gguf(LLAMA, "Q4_1", "Q8_0")
     art = _export(str(g), "llama-q41-loopcast", ExportOptions(ops="loopcast"))
     manifest = Manifest.read(art)
@@ -184,6 +185,9 @@ def test_q4_1_gguf_on_the_loopcast_op_set_speculates_exactly() -> None:
     assert _tokens(acc0) == _tokens(_export(str(deq), "llama-q41-q80head-float"))
     with pytest.raises(ExportError, match="Q4_1 blocks .* run on the CPU kernels only"):
         export_checkpoint(str(g), scratch_root() / "never", ExportOptions(ops="loopcast", dtype="fp16"))
+    # refused on CUDA before any session (or the provider check) is made
+    with pytest.raises(ArtifactError, match="fp32 zero points .* run on the CPU kernels only"):
+        open_artifact(art, "cuda")
 
 
 @pytest.mark.parametrize("name,qtype", [(LLAMA, "F32"), (LLAMA, "F16"), (LLAMA, "BF16"), (QWEN2, "F32")])
