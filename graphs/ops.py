@@ -245,7 +245,7 @@ class LoopcastOps(LoopcastAttentionOps):
         MatMulNBits' tensors (loopcast/quant.py) and keeps each row independent of the call's
         row count on the CPU and CUDA; with ``swiglu`` x is [gate | up]. Inputs: A, B, scales,
         zero_points (omitted when symmetric; fp32 ones are a GGUF Q4_1's). fp32 activations take
-        the scheme's accuracy_level (4: int8 activations per block, the CPU kernel only); 16-bit
+        the scheme's accuracy_level (4: int8 activations per block on the CPU; CUDA computes fp32); 16-bit
         ones are multiplied as they are (the CUDA kernels)."""
         names = q.stored
         inputs = [x, b.weight(names["packed"]), b.weight(names["scales"])]

@@ -13,7 +13,7 @@
 //                         (norm_prologue_io.h); output 1 sum, optional
 //   attributes K, N, bits (4 or 8), block_size (16..256, a power of two), swiglu (0/1),
 //   epsilon (the norm prologue's), accuracy_level (0: fp32 activations; 4: int8 activations
-//   per block, the CPU kernels only: matmul_nbits_q8_cpu.h)
+//   per block on the CPU, matmul_nbits_q8_cpu.h; the CUDA kernels compute in T at every level)
 //
 // Every weight is (q - zero_point) · scale (level 0: dequantized in fp32, the numpy reference's
 // expression) and every output element is reduced in an order fixed by (K, N, block_size) alone,
