@@ -225,6 +225,16 @@ Q8_INLINE void span(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
   }
 }
 
+// lanes_combine's pairs (j with j + 8, then j + 4, j + 2, j + 1) as in-register shuffles: the
+// same additions of the same operands, so the same bits, without a store and 15 scalar adds.
+Q8_INLINE float combine16(__m512 x) {
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(3, 2, 3, 2)));
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 1, 1, 1)));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(3, 2, 3, 2)));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 1, 1, 1)));
+  return _mm512_cvtss_f32(x);
+}
+
 // R rows × C columns, every chunk (the wide ones, then the narrow ones), the accumulators in
 // registers (the loops over R and C are unrolled so that the arrays become registers).
 template <int R, int C, int BITS, int ZP>
@@ -236,12 +246,8 @@ Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
   const int64_t nc = static_cast<int64_t>(a.chunks.size());
   if constexpr (BITS == 4) span<R, C, 4, 8, ZP>(a, w, places, idx, 0, a.n_wide, r0, n0, block_of_lane[0], acc);
   span<R, C, BITS, 2, ZP>(a, w, places, idx, a.n_wide, nc, r0, n0, block_of_lane[1], acc);
-  alignas(64) float lanes[kLanes];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) {
-      _mm512_store_ps(lanes, acc[i][j]);
-      Y[(r0 + i) * w.N + n0 + j] = lanes_combine(lanes);
-    }
+    for (int j = 0; j < C; ++j) Y[(r0 + i) * w.N + n0 + j] = combine16(acc[i][j]);
 }
 
 template <int BITS, int ZP>
