@@ -112,6 +112,11 @@ struct ChunkPlace {
   __mmask64 m[4];     // code bytes present in each 64-byte load (the last chunk may be partial)
   int64_t first;      // first block
   __mmask16 blocks;   // blocks present, from `first`
+  // packed zero points: the bytes from zp_byte0 (zp_bytes of them), and per lane the dword of
+  // those bytes (one byte each) and the shift that hold its block's zero point
+  int64_t zp_byte0;
+  __mmask16 zp_bytes;
+  alignas(64) int32_t zp_index[16], zp_shift[16];
 };
 
 std::vector<ChunkPlace> chunk_places(const Q8Weights& w, const std::vector<Q8Chunk>& chunks) {
@@ -125,6 +130,15 @@ std::vector<ChunkPlace> chunk_places(const Q8Weights& w, const std::vector<Q8Chu
     p.first = chunks[c].k0 / w.bs;
     const int64_t count = std::min<int64_t>(std::max<int64_t>(1, chunks[c].chunk_k / w.bs), w.nb - p.first);
     p.blocks = static_cast<__mmask16>((1u << count) - 1);
+    const int64_t last = p.first + count - 1;  // last block present
+    p.zp_byte0 = w.bits == 4 ? p.first / 2 : p.first;
+    const int64_t bytes = (w.bits == 4 ? last / 2 : last) - p.zp_byte0 + 1;
+    p.zp_bytes = static_cast<__mmask16>((1u << bytes) - 1);
+    for (int l = 0; l < 16; ++l) {
+      const int64_t b = std::min(last, p.first + chunks[c].lane_k * l / w.bs);  // past the last: scale 0
+      p.zp_index[l] = static_cast<int32_t>((w.bits == 4 ? b / 2 : b) - p.zp_byte0);
+      p.zp_shift[l] = w.bits == 4 ? static_cast<int32_t>(4 * (b & 1)) : 0;
+    }
   }
   return out;
 }
@@ -149,9 +163,11 @@ Q8_INLINE void column_scales(const Q8Weights& w, const Q8Chunk& ch, int64_t n, c
   if constexpr (ZP == kFloatZeroPoints) {
     *zp = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(at.blocks, w.zp_f32 + row));
   } else if constexpr (ZP == kPackedZeroPoints) {
-    alignas(64) float s[kLanes], z[kLanes];
-    column_lanes(w, ch, n, s, z);
-    *zp = _mm512_load_ps(z);
+    const __m512i bytes =
+        _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(at.zp_bytes, w.zp_u8 + n * w.zp_row + at.zp_byte0));
+    const __m512i z = _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(at.zp_index), bytes),
+                                        _mm512_load_si512(at.zp_shift));
+    *zp = _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(BITS == 4 ? 0xF : 0xFF)));
   } else {
     *zp = _mm512_set1_ps(static_cast<float>(1 << (BITS - 1)));
   }

@@ -114,6 +114,28 @@ def test_vector_and_portable_paths_give_the_same_bits(
     assert np.array_equal(vector, portable)
 
 
+@pytest.mark.parametrize("bits,block", [(4, 32), (4, 64), (4, 128), (4, 256), (8, 16), (8, 128)])
+@pytest.mark.parametrize("K", [700, 1300])
+def test_packed_zero_points_on_both_paths(
+    library: Path, monkeypatch: pytest.MonkeyPatch, bits: int, block: int, K: int
+) -> None:
+    """uint8 zero points unpacked in registers (two blocks a byte at 4 bits; a chunk's first
+    block odd for blocks of 128 and 256 past the wide chunks) against the portable path and the
+    reference."""
+    rng = np.random.default_rng(K + block)
+    N = 45
+    qt, feeds = _case(rng, K, N, bits, block, "u8")
+    sess = session(_model(K, N, bits, block, "u8"), library)
+    A = rng.standard_normal((3, K)).astype(np.float32)
+    vector = sess.run(None, {"A": A, **feeds})[0]
+    w = dequantize(qt).T.astype(np.float64)
+    expected = _q8_reference(A, K, block) @ w
+    scale = np.abs(_q8_reference(A, K, block)) @ np.abs(w)
+    assert np.all(np.abs(vector - expected) <= 1e-5 * scale + 1e-7)
+    monkeypatch.setenv("LOOPCAST_CPU_PORTABLE", "1")
+    assert np.array_equal(vector, sess.run(None, {"A": A, **feeds})[0])
+
+
 def test_threads_change_nothing(library: Path) -> None:
     rng = np.random.default_rng(6)
     K, N = 576, 960
