@@ -201,6 +201,21 @@ Q8_INLINE void column_codes(const Q8Weights& w, int64_t n, const ChunkPlace& at,
   }
 }
 
+// The same chunk's codes and scales kPrefetchCols columns ahead, into L1: the weights stream
+// from DRAM once a call, and the hardware prefetcher alone leaves the column loop waiting.
+constexpr int64_t kPrefetchCols = 16;
+
+template <int BITS, int VECS>
+Q8_INLINE void prefetch_ahead(const Q8Weights& w, int64_t n, const ChunkPlace& at) {
+  if (n + kPrefetchCols >= w.N) return;
+  const int64_t col_bytes = w.nb * w.bs * BITS / 8;
+  const char* p = reinterpret_cast<const char*>(w.B + (n + kPrefetchCols) * col_bytes + at.byte0);
+  constexpr int kLines = BITS == 4 ? VECS / 2 : VECS;  // 64-byte lines of the chunk's codes
+#pragma GCC unroll 4
+  for (int i = 0; i < kLines; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(w.scales + (n + kPrefetchCols) * w.nb + at.first), _MM_HINT_T0);
+}
+
 // One span of chunks [c0, c1) (all with VECS vectors) of R rows × C columns into acc.
 // Without zero points the symmetric correction −2^(bits−1)·Σq starts the integer sum (exact, so
 // the same t as the fp32 step).
@@ -214,6 +229,7 @@ Q8_INLINE void span(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
     __m512 sw[C], zp[C];
 #pragma GCC unroll 4
     for (int j = 0; j < C; ++j) {
+      prefetch_ahead<BITS, VECS>(w, n0 + j, places[c]);
       column_codes<BITS, VECS>(w, n0 + j, places[c], idx, codes[j]);
       column_scales<BITS, ZP>(w, ch, n0 + j, places[c], block_of_lane, &sw[j], &zp[j]);
     }

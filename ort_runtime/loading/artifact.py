@@ -166,6 +166,10 @@ def _session_options(
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     thread_pool.configure(so, threads, spin)
+    prefix = os.environ.get("LOOPCAST_ORT_PROFILE")
+    if prefix:  # ONNX Runtime's profiler, one JSON per session (tools/bench/profile_ops.py reads them)
+        so.enable_profiling = True
+        so.profile_file_prefix = prefix
     if share_weights:
         so.add_session_config_entry("session.disable_prepacking", "1")
     if library is not None:  # already passed the trust rule (ort_runtime/loading/trust.py)
