@@ -296,6 +296,10 @@ Q8_TARGET void avx512_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, i
   // wide chunks hold 8 code vectors a column: fewer columns a tile keep them in registers
   constexpr int kC4 = BITS == 4 ? 1 : 2, kC1 = BITS == 4 ? 2 : 4;
   int64_t r = 0;
+  // eight rows share each column's unpacked codes (a verify step's width); a row's arithmetic is
+  // the same in every tile, so the tiling never changes its bits
+  for (; r + 8 <= a.rows; r += 8)
+    for (int64_t n = n0; n < n1; ++n) tile<8, 1, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
   for (; r + 4 <= a.rows; r += 4) {
     int64_t n = n0;
     for (; n + kC4 <= n1; n += kC4) tile<4, kC4, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
@@ -324,7 +328,76 @@ bool cpu_has_vnni() {
   return has;
 }
 
+// One row's blocks quantized into qk (k order) and sa: quantize_value's steps on 16 lanes at a
+// time (the same product, rounding to nearest even, clamp, NaN to 0), so the same bytes.
+Q8_TARGET void avx512_quantize_row(const float* a, int64_t K, int64_t bs, int64_t nb, int8_t* qk, float* sa) {
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t k0 = b * bs, k1 = std::min(K, k0 + bs);
+    // max(|x|, m): a NaN x keeps m (MAXPS returns its second operand), as std::max does
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __mmask16 in = k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1);
+      m = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(in, a + k)), m);
+    }
+    const float amax = _mm512_reduce_max_ps(m);
+    sa[b] = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __mmask16 in = k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1);
+      const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, a + k), inv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __mmask16 number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+      const __m512 c = _mm512_maskz_mov_ps(number, _mm512_min_ps(_mm512_max_ps(v, lo), hi));
+      _mm_mask_storeu_epi8(qk + k, in, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
+    }
+  }
+}
+
+// A chunk's operand vectors from its k-order bytes src, and each lane's Σq (VPDPBUSD by ones:
+// a lane's bytes across the chunk's vectors are exactly its k).
+Q8_TARGET void avx512_operands(const Q8Chunk& ch, int64_t bits, const int8_t* src, int8_t* q, int32_t* lane_sums) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  alignas(64) int8_t t[2][64];
+  __m512i sum = _mm512_setzero_si512();
+  if (ch.wide) {  // v = 2s + h, byte 4l + t: k = 32l + 8s + 2t + h
+    for (int j = 0; j < 64; ++j)
+      for (int h = 0; h < 2; ++h) t[h][j] = static_cast<int8_t>(8 * (j / 4) + 2 * (j % 4) + h);
+    const __m512i pick[2] = {_mm512_load_si512(t[0]), _mm512_load_si512(t[1])};
+    const __m512i lanes = _mm512_setr_epi64(0, 32, 64, 96, 128, 160, 192, 224);
+    for (int s = 0; s < 4; ++s) {  // qword s of each lane's 32 bytes: lanes 0-7, then 8-15
+      const __m512i g0 = _mm512_i64gather_epi64(lanes, src + 8 * s, 1);
+      const __m512i g1 = _mm512_i64gather_epi64(lanes, src + 256 + 8 * s, 1);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i x = _mm512_permutex2var_epi8(g0, pick[h], g1);
+        _mm512_storeu_si512(q + 64 * (2 * s + h), x);
+        sum = _mm512_dpbusd_epi32(sum, ones, x);
+      }
+    }
+  } else {  // 4 bits: k = 2j + v; 8 bits: k = 8l + 4v + t
+    for (int j = 0; j < 64; ++j)
+      for (int v = 0; v < 2; ++v)
+        t[v][j] = static_cast<int8_t>(bits == 4 ? 2 * j + v : 8 * (j / 4) + 4 * v + j % 4);
+    const __m512i x0 = _mm512_loadu_si512(src), x1 = _mm512_loadu_si512(src + 64);
+    for (int v = 0; v < 2; ++v) {
+      const __m512i x = _mm512_permutex2var_epi8(x0, _mm512_load_si512(t[v]), x1);
+      _mm512_storeu_si512(q + 64 * v, x);
+      sum = _mm512_dpbusd_epi32(sum, ones, x);
+    }
+  }
+  _mm512_storeu_si512(lane_sums, sum);
+}
+
 #endif
+
+bool vector_path() {
+#ifdef LOOPCAST_Q8_AVX512
+  const char* portable = std::getenv("LOOPCAST_CPU_PORTABLE");  // tests compare the two paths' bits
+  return cpu_has_vnni() && !(portable != nullptr && std::strcmp(portable, "1") == 0);
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -351,6 +424,27 @@ void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int
   out->q_sum_mid.assign(static_cast<size_t>(rows * nc * kLanes), 0);
   std::vector<int8_t> qk(static_cast<size_t>(out->row_bytes));  // k order, zeros past K
   std::vector<float> sa(static_cast<size_t>(nb));
+#ifdef LOOPCAST_Q8_AVX512
+  if (vector_path()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::fill(qk.begin(), qk.end(), 0);
+      avx512_quantize_row(A + r * K, K, bs, nb, qk.data(), sa.data());
+      for (int64_t c = 0; c < nc; ++c) {
+        const Q8Chunk& ch = out->chunks[static_cast<size_t>(c)];
+        const int64_t rc = r * nc + c;
+        int32_t sum[kLanes];
+        avx512_operands(ch, bits, qk.data() + ch.k0, out->q.data() + r * out->row_bytes + ch.q_offset, sum);
+        for (int l = 0; l < kLanes; ++l) {
+          const int64_t b = (ch.k0 + ch.lane_k * l) / bs;
+          out->scale[rc * kLanes + l] = b < nb ? sa[b] : 0.0f;
+          out->q_sum[rc * kLanes + l] = static_cast<float>(sum[l]);
+          out->q_sum_mid[rc * kLanes + l] = -(1 << (bits - 1)) * sum[l];
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     const float* a = A + r * K;
     std::fill(qk.begin(), qk.end(), 0);
@@ -383,8 +477,7 @@ void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int
 
 void q8_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
 #ifdef LOOPCAST_Q8_AVX512
-  const char* portable = std::getenv("LOOPCAST_CPU_PORTABLE");  // tests compare the two paths' bits
-  if (cpu_has_vnni() && !(portable != nullptr && std::strcmp(portable, "1") == 0)) {
+  if (vector_path()) {
     if (w.bits == 4)
       avx512_columns_zp<4>(a, w, n0, n1, Y);
     else

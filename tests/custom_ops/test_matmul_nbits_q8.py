@@ -88,7 +88,8 @@ def test_matches_the_int8_activation_reference(library: Path, bits: int, block: 
 
 @pytest.mark.parametrize("bits,block,zp", [(4, 32, "none"), (4, 32, "f32"), (4, 128, "u8"), (8, 64, "none")])
 def test_rows_do_not_depend_on_the_number_of_rows(library: Path, bits: int, block: int, zp: str) -> None:
-    """M = 1..40 against M = 1, bit for bit (the kernel tiles 4 rows and 2 or 4 columns)."""
+    """M = 1..40 against M = 1, bit for bit (the kernel tiles 8 rows and 1 column, 4 rows and 1 or 2
+    columns, 1 row and 2 or 4 columns)."""
     rng = np.random.default_rng(3)
     K, N = 328, 203  # a partial block and chunk; N: partial column tiles and tasks
     _, feeds = _case(rng, K, N, bits, block, zp)
@@ -107,11 +108,32 @@ def test_vector_and_portable_paths_give_the_same_bits(
     K, N = 456, 37
     _, feeds = _case(rng, K, N, bits, block, zp)
     sess = session(_model(K, N, bits, block, zp), library)
-    A = (rng.standard_normal((7, K)) * rng.uniform(0.1, 10, (7, 1))).astype(np.float32)
+    # 13 rows: an 8-row tile, a 4-row tile and a row
+    A = (rng.standard_normal((13, K)) * rng.uniform(0.1, 10, (13, 1))).astype(np.float32)
     vector = sess.run(None, {"A": A, **feeds})[0]
     monkeypatch.setenv("LOOPCAST_CPU_PORTABLE", "1")
     portable = sess.run(None, {"A": A, **feeds})[0]
     assert np.array_equal(vector, portable)
+
+
+@pytest.mark.parametrize("bits,block,zp", [(4, 32, "none"), (4, 16, "f32"), (8, 32, "u8")])
+def test_non_finite_activations_quantize_alike_on_both_paths(
+    library: Path, monkeypatch: pytest.MonkeyPatch, bits: int, block: int, zp: str
+) -> None:
+    """A NaN, an inf and a block of zeros in a row: the vector quantizer's blocks (a NaN skipped
+    by max|a|, an inf block's codes NaN and so 0) are the portable one's, row by row."""
+    rng = np.random.default_rng(7)
+    K, N = 600, 29
+    _, feeds = _case(rng, K, N, bits, block, zp)
+    sess = session(_model(K, N, bits, block, zp), library)
+    A = rng.standard_normal((9, K)).astype(np.float32)
+    A[0, 3], A[1, 40], A[2, 77], A[3, 100 : 100 + block] = np.nan, np.inf, -np.inf, 0.0
+    A[4, ::7] = np.nan
+    vector = sess.run(None, {"A": A, **feeds})[0]
+    monkeypatch.setenv("LOOPCAST_CPU_PORTABLE", "1")
+    portable = sess.run(None, {"A": A, **feeds})[0]
+    assert np.array_equal(vector, portable, equal_nan=True)
+    assert np.isfinite(vector[5:]).all()  # the rows without a non-finite value
 
 
 @pytest.mark.parametrize("bits,block", [(4, 32), (4, 64), (4, 128), (4, 256), (8, 16), (8, 128)])
@@ -126,7 +148,7 @@ def test_packed_zero_points_on_both_paths(
     N = 45
     qt, feeds = _case(rng, K, N, bits, block, "u8")
     sess = session(_model(K, N, bits, block, "u8"), library)
-    A = rng.standard_normal((3, K)).astype(np.float32)
+    A = rng.standard_normal((9, K)).astype(np.float32)  # an 8-row tile and a row
     vector = sess.run(None, {"A": A, **feeds})[0]
     w = dequantize(qt).T.astype(np.float64)
     expected = _q8_reference(A, K, block) @ w
