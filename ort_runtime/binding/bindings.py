@@ -128,6 +128,8 @@ def _bind_kv(b: ort.IOBinding, kv: dict[int, tuple[_Buffer, _Buffer]], slots) ->
 class _KindBinding:
     """One graph kind's session, IO binding and fixed buffers."""
 
+    variable_rows = False  # runs only the rows a call passes (bind_rows); fixed width otherwise
+
     def __init__(
         self,
         session: ort.InferenceSession,
@@ -161,8 +163,35 @@ class _KindBinding:
         self.logit_rows: tuple[str, ort.OrtValue] | None = None
         if model.shared_sessions.get(self.key, "").partition("@")[0] == PREFILL and rows > 1:
             self.logit_rows = _logit_rows_input(session, rows)
+        # Prefill's session takes any row count, so a verify on it runs only the rows a round
+        # uses (a round of k drafts costs k + 1 rows, not the width): the same computation at
+        # fewer rows, which the kernels keep row-invariant (exact_verify probes every count).
+        self.variable_rows = self.logit_rows is not None and device == "cpu"
+        self._row_views: dict[int, list[tuple[str, ort.OrtValue]]] = {}
+        self._bound_rows = rows
         self._kv = kv
         self._open(session, model)
+
+    def bind_rows(self, used: int) -> None:
+        """A variable-rows binding: bind the first ``used`` rows of the fixed buffers (views,
+        made once per row count) as the ids, the logit rows and the outputs."""
+        if used == self._bound_rows:
+            return
+        views = self._row_views.get(used)
+        if views is None:
+            views = [
+                ("input_ids_BS", ort.OrtValue.ortvalue_from_numpy(self.ids.host[:, :used])),
+                _logit_rows_input(self.session, used),
+                ("next_token_ids_BS", ort.OrtValue.ortvalue_from_numpy(self.next_ids.host[:, :used])),
+                ("logits_BSV", ort.OrtValue.ortvalue_from_numpy(self.logits.host[:, :used])),
+            ]
+            self._row_views[used] = views
+        binding = self.binding
+        for name, value in views[:2]:
+            binding.bind_ortvalue_input(name, value)
+        for name, value in views[2:]:
+            binding.bind_ortvalue_output(name, value)
+        self._bound_rows = used
 
     def _open(self, session: ort.InferenceSession, model: LoadedModel) -> None:
         """The runner: the session, an IO binding of this binding's buffers and, when the kind is

@@ -20,7 +20,7 @@ from loopcast.ort_runtime.binding.bindings import _NP_DTYPES, StepOutput, _Buffe
 from loopcast.ort_runtime.binding.cycle_bindings import CycleBinding, CycleRunBinding
 from loopcast.ort_runtime.binding.device_move import load_device_copy, load_device_move
 from loopcast.ort_runtime.binding.loop_steps import LoopSteps
-from loopcast.ort_runtime.binding.step_clock import StepClock
+from loopcast.ort_runtime.binding.step_clock import StepClock, rows_timer
 from loopcast.ort_runtime.loading.artifact import LoadedModel
 from loopcast.ort_runtime.loading.session_table import SessionTable
 
@@ -281,6 +281,10 @@ class Generator:
         rows = kb.spec.rows or used
         if used < 1 or used > rows:
             raise RequestError(f"{kind} takes 1..{rows} rows, got {used}")
+        variable = kb.variable_rows and tokens is not None
+        if variable:  # verify on prefill's CPU session: only the rows this call uses
+            rows = used
+            kb.bind_rows(used)
         if start + rows > self.max_length:
             raise RequestError(
                 f"{kind} at position {start} with {rows} rows passes the KV capacity {self.max_length}"
@@ -301,7 +305,9 @@ class Generator:
         kb.seqlens.push()
         kb.total.host[...] = start + rows
         kb.total.push()
-        self._execute(kind, kb)
+        elapsed, steady = self._execute(kind, kb)
+        if variable and steady:
+            self.clock.add(rows_timer(kind, used), elapsed)  # what a round of this many rows costs
         out_rows = 1 if kb.spec.kind == PREFILL else used
         next_ids = kb.next_ids.pull()[0, :out_rows].copy()
         logits = kb.logits.pull()[0, :out_rows] if want_logits or kb.logits.device == "cpu" else None
@@ -309,11 +315,18 @@ class Generator:
             return StepOutput(next_ids, logits, kb.hidden_out.pull()[0].copy(), float(kb.gap.pull()[0, 0]))
         return StepOutput(next_ids, logits)
 
-    def _execute(self, kind: str, runner) -> None:
+    def _execute(self, kind: str, runner) -> tuple[float, bool]:
         t0 = time.perf_counter()
-        steady = runner.execute(self.model)
+        steady = bool(runner.execute(self.model))
         elapsed = time.perf_counter() - t0
-        self.clock.record(kind, elapsed, bool(steady))
+        self.clock.record(kind, elapsed, steady)
+        return elapsed, steady
+
+    def variable_rows(self, kind: str) -> bool:
+        """Whether ``kind`` runs only the rows a call passes (verify on prefill's CPU session),
+        so its cost depends on the row count (``rows_timer``)."""
+        kind = self.resolve(kind)
+        return kind in self._kinds.kinds and self._kinds[kind].variable_rows
 
     def run_rows(
         self,

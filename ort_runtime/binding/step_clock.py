@@ -17,6 +17,11 @@ SLOW_FACTOR = 3.0  # a run this many times its kind's steady mean is a stall wor
 SLOW_AFTER = 16  # steady runs of a kind before its mean is trusted for that
 
 
+def rows_timer(kind: str, rows: int) -> str:
+    """The timer of a variable-rows kind's steady runs at one row count (Generator.run)."""
+    return f"{kind}/rows{rows}"
+
+
 @dataclass(frozen=True)
 class ClockReading:
     """Runs and seconds per kind at one moment (``StepClock.reading``)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from loopcast.ort_runtime.binding.step_clock import rows_timer
 from loopcast.ort_runtime.decoding.protocols import CostsBase
 
 from loopcast.errors import RequestError
@@ -47,6 +48,33 @@ class StepCosts(CostsBase):
 
     def decode(self) -> float:
         return self.mean(DECODE) or 1e-3
+
+    def rows_cost(self, kind: str, rows: int) -> float | None:
+        """The price of ``rows`` rows of a variable-rows kind (verify on the CPU: a round runs
+        only the rows it uses). The steady mean at that count where measured; between measured
+        counts (decode's one row is the first), the line joining the neighbours; past the
+        largest, its cost per row after the first. None before any count is measured."""
+        gen = self.gen
+        if not gen.variable_rows(kind):
+            return None
+        kind = gen.resolve(kind)
+        points = {1: self.decode()}
+        for m in range(2, (gen.rows(kind) or 1) + 1):
+            mean = gen.clock.mean(rows_timer(kind, m))
+            if mean is not None:
+                points[m] = mean
+        if rows in points:
+            return points[rows]
+        if len(points) == 1:
+            return None
+        below = max(m for m in points if m < rows)
+        above = [m for m in points if m > rows]
+        if above:
+            hi = min(above)
+            t = (rows - below) / (hi - below)
+            return points[below] + t * (points[hi] - points[below])
+        top = max(points)
+        return points[top] + (rows - top) * (points[top] - points[1]) / (top - 1)
 
     def host_factor(self) -> float:
         """How much dearer a speculative round is on the wall than its steps' timers say,

@@ -81,6 +81,7 @@ class Costs(Protocol):
 
     def decode(self) -> float: ...
     def mean(self, kind: str) -> float | None: ...
+    def rows_cost(self, kind: str, rows: int) -> float | None: ...
     def host_factor(self) -> float: ...
     def snapshot_ms(self) -> dict[str, float]: ...
 
@@ -89,6 +90,9 @@ class CostsBase:
     """Defaults for step costs given by hand (tests, what-if benches): no host overhead."""
 
     draft_share = 0.25
+
+    def rows_cost(self, kind: str, rows: int) -> float | None:
+        return None  # fixed-width kinds: a round costs the kind's mean whatever its rows
 
     def host_factor(self) -> float:
         return 1.0

@@ -73,7 +73,8 @@ class VerifyRows(VerifierBase):
         )
 
     def round_cost(self, costs, k: int) -> float:
-        return costs.mean(VERIFY) or costs.decode() * 1.2
+        priced = costs.rows_cost(VERIFY, k + 1)  # the CPU: a round runs its k + 1 rows only
+        return priced or costs.mean(VERIFY) or costs.decode() * 1.2
 
 
 class DraftTail(VerifierBase):

@@ -318,3 +318,57 @@ def test_first_run_of_a_binding_is_not_timed() -> None:
         gen.run(kind, gen.n, tokens=tokens)
         assert (gen.clock.runs(kind), gen.clock.steady(kind)) == (2, 1)
     assert not model.sessions.pending(DRAFT)
+
+
+@pytest.mark.parametrize("name,kw", [("demo", {}), ("ouro-r2-gqa", {"draft_depth": 1})])
+def test_verify_on_prefill_session_runs_only_the_rows_used(name, kw) -> None:
+    """A round of m < W rows runs m rows (the KV past them untouched) whose logits are the W-row
+    call's first m rows bit for bit; each count's steady runs are timed apart for the gate."""
+    from loopcast.ort_runtime.binding.step_clock import rows_timer
+    from loopcast.ort_runtime.decoding.gates import StepCosts
+
+    model = open_artifact(artifact(name, **kw), "cpu")
+    own = open_artifact(artifact(name, **kw), "cpu", share_sessions=(DECODE,))  # verify's own session
+    width = model.manifest.graphs[VERIFY].rows
+    gen, fixed = Generator(model), Generator(own)
+    assert gen.variable_rows(VERIFY) and not fixed.variable_rows(VERIFY) and not gen.variable_rows(DECODE)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    fed = [7, 8, 9, 10, 11, 12, 13, 14][:width]
+    gen.prefill(prompt)
+    full = gen.run(VERIFY, gen.n, tokens=fed).logits.copy()
+    slot = model.config.num_kv_slots - 1
+    for m in (1, 2, width - 1, 2, width):
+        key_before = gen.kv_arrays(slot)[0].copy()
+        key_before[..., gen.n : gen.n + m, :] = 0
+        for _ in range(2):  # the second run of a count is steady
+            out = gen.run(VERIFY, gen.n, tokens=fed[:m])
+        assert out.logits.shape[0] == m == len(out.next_ids)
+        assert np.array_equal(out.logits, full[:m])
+        key_after = gen.kv_arrays(slot)[0].copy()
+        key_after[..., gen.n : gen.n + m, :] = 0
+        assert np.array_equal(key_before, key_after)  # nothing written past the m rows
+        assert gen.clock.mean(rows_timer(VERIFY, m)) is not None
+        expected = [int(np.argmax(r)) for r in full[:m]]
+        assert out.next_ids.tolist() == expected
+    fixed.prefill(prompt)
+    assert np.array_equal(fixed.run(VERIFY, fixed.n, tokens=fed[:2]).logits[:2], full[:2])
+    assert StepCosts(fixed, 0.25).rows_cost(VERIFY, 3) is None  # fixed width: priced by its mean
+
+
+def test_rows_cost_interpolates_the_measured_counts() -> None:
+    """The gate's price of m verify rows: measured counts as measured, the line between them,
+    past the largest its cost per row after the first; nothing before any count is timed."""
+    from loopcast.ort_runtime.binding.step_clock import rows_timer
+    from loopcast.ort_runtime.decoding.gates import StepCosts
+
+    model = open_artifact(artifact("demo"), "cpu")
+    gen = Generator(model)
+    costs = StepCosts(gen, 0.25)
+    gen.clock.add(gen.resolve(DECODE), 1.0)
+    assert costs.rows_cost(VERIFY, 3) is None
+    gen.clock.add(rows_timer(VERIFY, 2), 1.5)
+    assert costs.rows_cost(VERIFY, 2) == 1.5
+    assert costs.rows_cost(VERIFY, 4) == pytest.approx(2.5)  # 0.5 a row past the first
+    gen.clock.add(rows_timer(VERIFY, 4), 1.7)
+    assert costs.rows_cost(VERIFY, 3) == pytest.approx(1.6)
+    assert costs.rows_cost(VERIFY, 5) == pytest.approx(1.7 + 0.7 / 3)
