@@ -165,12 +165,13 @@ class _KindBinding:
             self.logit_rows = _logit_rows_input(session, rows)
         # Prefill's session takes any row count, so a verify on it runs only the rows a round
         # uses (a round of k drafts costs k + 1 rows, not the width): the same computation at
-        # fewer rows, which the kernels keep row-invariant (exact_verify probes every count).
-        self.variable_rows = self.logit_rows is not None and device == "cpu"
+        # fewer rows, which the kernels keep row-invariant (exact_verify probes every count). Not
+        # where a graph is captured: it bakes in its shapes, and its fallback binds the full width.
         self._row_views: dict[int, list[tuple[str, ort.OrtValue]]] = {}
         self._bound_rows = rows
         self._kv = kv
         self._open(session, model)
+        self.variable_rows = self.logit_rows is not None and device == "cpu" and self.slot is None
 
     def bind_rows(self, used: int) -> None:
         """A variable-rows binding: bind the first ``used`` rows of the fixed buffers (views,
