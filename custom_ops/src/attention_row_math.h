@@ -99,10 +99,47 @@ LOOPCAST_ROW_INLINE void dot8x4(const float* q, const float* k, int64_t D, float
   for (int u = 0; u < 4; ++u) out[u] = combine8(lane[u]);
 }
 
+// [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]: one level of combine8's pairs for two
+// vectors of lanes at once (a macro: helpers pass no vectors, above).
+#define LOOPCAST_ADJACENT_PAIRS(a, b)                         \
+  (__builtin_shuffle(a, b, i32x8{0, 2, 8, 10, 4, 6, 12, 14}) + \
+   __builtin_shuffle(a, b, i32x8{1, 3, 9, 11, 5, 7, 13, 15}))
+
+// dot8 of q with the 8 keys k, k + D, ..., k + 7D into out[0..8): each key's lanes are dot8's, and
+// combine8's pairs are taken for the 8 keys together (the keys transposed across the vectors as
+// they combine: the same additions of the same operands, so the same bits, in 7 vector adds
+// where 8 keys alone take 56 scalar ones).
+LOOPCAST_ROW_INLINE void dot8x8(const float* q, const float* k, int64_t D, float* out) {
+  f32x8 acc[8] = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    f32x8 a;
+    std::memcpy(&a, q + d, sizeof a);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      f32x8 b;
+      std::memcpy(&b, k + u * D + d, sizeof b);
+      acc[u] += a * b;
+    }
+  }
+  const f32x8 p0 = LOOPCAST_ADJACENT_PAIRS(acc[0], acc[1]), p1 = LOOPCAST_ADJACENT_PAIRS(acc[2], acc[3]);
+  const f32x8 p2 = LOOPCAST_ADJACENT_PAIRS(acc[4], acc[5]), p3 = LOOPCAST_ADJACENT_PAIRS(acc[6], acc[7]);
+  // per key: (l0+l1)+(l2+l3) in lanes 0-3, (l4+l5)+(l6+l7) in lanes 4-7 (keys 0-3, then 4-7)
+  const f32x8 g0 = LOOPCAST_ADJACENT_PAIRS(p0, p1), g1 = LOOPCAST_ADJACENT_PAIRS(p2, p3);
+  const f32x8 sums = __builtin_shuffle(g0, g1, i32x8{0, 1, 2, 3, 8, 9, 10, 11}) +
+                     __builtin_shuffle(g0, g1, i32x8{4, 5, 6, 7, 12, 13, 14, 15});
+  std::memcpy(out, &sums, sizeof sums);
+}
+
 // scores[t] = dot8(q, key t)·scale for the keys t = 0..count-1 stored contiguously from `keys`.
 LOOPCAST_ROW_INLINE void score_keys(const float* q, const float* keys, int64_t count, int64_t D, float scale,
                                     float* scores) {
   int64_t t = 0;
+  if (D % 8 == 0) {
+    for (; t + 8 <= count; t += 8) {
+      dot8x8(q, keys + t * D, D, scores + t);
+      for (int u = 0; u < 8; ++u) scores[t + u] *= scale;
+    }
+  }
   for (; t + 4 <= count; t += 4) {
     dot8x4(q, keys + t * D, D, scores + t);
     for (int u = 0; u < 4; ++u) scores[t + u] *= scale;

@@ -18,8 +18,9 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 // GCC's intrinsics pass an "undefined" vector as the unmasked source, which -Werror reads as
-// maybe-uninitialized once inlined.
+// (maybe-)uninitialized once inlined.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #define LOOPCAST_Q8_AVX512 1
 #define Q8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma")))
 #define Q8_INLINE Q8_TARGET inline __attribute__((always_inline))
@@ -233,7 +234,7 @@ Q8_INLINE void span(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
       column_codes<BITS, VECS>(w, n0 + j, places[c], idx, codes[j]);
       column_scales<BITS, ZP>(w, ch, n0 + j, places[c], block_of_lane, &sw[j], &zp[j]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const int64_t rc = (r0 + i) * nc + c;
       const int8_t* q = a.q.data() + (r0 + i) * a.row_bytes + ch.q_offset;
@@ -267,11 +268,49 @@ Q8_INLINE float combine16(__m512 x) {
   return _mm512_cvtss_f32(x);
 }
 
+// lanes_combine for 16 columns at once: the same pairs of the same column's lanes (j with j + 8,
+// then j + 4, j + 2, j + 1), so the same bits, with the columns transposed across the vectors as
+// they reduce: 45 shuffles and adds for 16 columns where one column alone takes 8.
+// v[c] holds column c's 16 lanes; the sums come out in the lane order kCombinedColumn names.
+Q8_INLINE __m512 combine_columns(const __m512* v) {
+  __m512 t[8], u[4], x[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // lanes j + 8: two columns a vector, 8 partials each
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // j + 4: four columns a vector, 4 partials each (one per 128 bits)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // j + 2: eight columns a vector, 2 partials each
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // j + 1: sixteen columns, one sum each
+  return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Which column's sum lane l of combine_columns holds, found by running it on vectors whose
+// lanes all hold their column's number (a sum of 16 equal lanes is 16 times the column).
+Q8_TARGET __m512i combined_order() {
+  alignas(64) __m512 v[16];
+  for (int c = 0; c < 16; ++c) v[c] = _mm512_set1_ps(static_cast<float>(c));
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, combine_columns(v));
+  alignas(64) int32_t lane_of_column[16];
+  for (int l = 0; l < 16; ++l) lane_of_column[static_cast<int>(sums[l]) / 16] = l;
+  return _mm512_load_si512(lane_of_column);
+}
+
 // R rows × C columns, every chunk (the wide ones, then the narrow ones), the accumulators in
-// registers (the loops over R and C are unrolled so that the arrays become registers).
+// registers (the loops over R and C are unrolled so that the arrays become registers). One row
+// combines its lanes column by column into Y (its few lane vectors leave the combine nothing
+// to share); more rows leave each row's C lane vectors at lanes[i · 16 + j] for
+// combine_columns, which costs each row an eighth of combine16 a column.
 template <int R, int C, int BITS, int ZP>
 Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* places, const __m512i* idx,
-                    const __m512i* block_of_lane, int64_t r0, int64_t n0, float* Y) {
+                    const __m512i* block_of_lane, int64_t r0, int64_t n0, __m512* lanes, float* Y) {
   __m512 acc[R][C];
 #pragma GCC unroll 16
   for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm512_setzero_ps();
@@ -279,7 +318,39 @@ Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
   if constexpr (BITS == 4) span<R, C, 4, 8, ZP>(a, w, places, idx, 0, a.n_wide, r0, n0, block_of_lane[0], acc);
   span<R, C, BITS, 2, ZP>(a, w, places, idx, a.n_wide, nc, r0, n0, block_of_lane[1], acc);
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) Y[(r0 + i) * w.N + n0 + j] = combine16(acc[i][j]);
+    for (int j = 0; j < C; ++j) {
+      if constexpr (R == 1)
+        Y[(r0 + i) * w.N + n0 + j] = combine16(acc[i][j]);
+      else
+        _mm512_store_ps(reinterpret_cast<float*>(lanes + i * 16 + j), acc[i][j]);
+    }
+}
+
+// Rows r0..r0+R of columns [n0, n1): groups of 16 columns, each in tiles of C columns, C as wide
+// as the registers allow (a wide chunk holds 8 code vectors a column, and each row adds C
+// accumulators); then, for more than one row, each row's 16 columns combined at once. A group
+// short of 16 columns combines stale lanes beside its own, which no column's sum reads.
+template <int R, int BITS, int ZP>
+Q8_TARGET void columns_pass(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* at, const __m512i* idx,
+                            const __m512i* block_of_lane, __m512i order, int64_t r0, int64_t n0, int64_t n1,
+                            float* Y) {
+  constexpr int C = BITS == 4 ? (R <= 2 ? 2 : 1) : (R <= 2 ? 4 : R <= 4 ? 2 : 1);
+  alignas(64) __m512 lanes[R == 1 ? 1 : R * 16];
+  for (__m512& v : lanes) v = _mm512_setzero_ps();
+  for (int64_t g0 = n0; g0 < n1; g0 += 16) {
+    const int64_t g = std::min<int64_t>(16, n1 - g0);
+    int64_t j = 0;
+    for (; j + C <= g; j += C)
+      tile<R, C, BITS, ZP>(a, w, at, idx, block_of_lane, r0, g0 + j, R == 1 ? nullptr : lanes + j, Y);
+    for (; j < g; ++j) tile<R, 1, BITS, ZP>(a, w, at, idx, block_of_lane, r0, g0 + j, R == 1 ? nullptr : lanes + j, Y);
+    if constexpr (R > 1) {
+      const __mmask16 keep = static_cast<__mmask16>((1u << g) - 1);
+      for (int i = 0; i < R; ++i) {
+        const __m512 sums = _mm512_permutexvar_ps(order, combine_columns(lanes + i * 16));
+        _mm512_mask_storeu_ps(Y + (r0 + i) * w.N + g0, keep, sums);
+      }
+    }
+  }
 }
 
 template <int BITS, int ZP>
@@ -293,22 +364,22 @@ Q8_TARGET void avx512_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, i
   const __m512i idx[4] = {index_of(0), index_of(1), index_of(2), index_of(3)};
   const std::vector<ChunkPlace> places = chunk_places(w, a.chunks);
   const ChunkPlace* at = places.data();
-  // wide chunks hold 8 code vectors a column: fewer columns a tile keep them in registers
-  constexpr int kC4 = BITS == 4 ? 1 : 2, kC1 = BITS == 4 ? 2 : 4;
+  const __m512i order = combined_order();
   int64_t r = 0;
-  // eight rows share each column's unpacked codes (a verify step's width); a row's arithmetic is
-  // the same in every tile, so the tiling never changes its bits
-  for (; r + 8 <= a.rows; r += 8)
-    for (int64_t n = n0; n < n1; ++n) tile<8, 1, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
-  for (; r + 4 <= a.rows; r += 4) {
-    int64_t n = n0;
-    for (; n + kC4 <= n1; n += kC4) tile<4, kC4, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
-    for (; n < n1; ++n) tile<4, 1, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
-  }
-  for (; r < a.rows; ++r) {
-    int64_t n = n0;
-    for (; n + kC1 <= n1; n += kC1) tile<1, kC1, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
-    for (; n < n1; ++n) tile<1, 1, BITS, ZP>(a, w, at, idx, block_of_lane, r, n, Y);
+  // eight rows share each column's unpacked codes (a verify step's width), and the rows left
+  // over share them in one tile of their count: the codes stream through the cache once a
+  // call for any count up to eight. A row's arithmetic is the same in every tile, so the
+  // tiling never changes its bits.
+  for (; r + 8 <= a.rows; r += 8) columns_pass<8, BITS, ZP>(a, w, at, idx, block_of_lane, order, r, n0, n1, Y);
+  switch (a.rows - r) {
+    case 7: columns_pass<7, BITS, ZP>(a, w, at, idx, block_of_lane, order, r, n0, n1, Y); break;
+    case 6: columns_pass<6, BITS, ZP>(a, w, at, idx, block_of_lane, order, r, n0, n1, Y); break;
+    case 5: columns_pass<5, BITS, ZP>(a, w, at, idx, block_of_lane, order, r, n0, n1, Y); break;
+    case 4: columns_pass<4, BITS, ZP>(a, w, at, idx, block_of_lane, order, r, n0, n1, Y); break;
+    case 3: columns_pass<3, BITS, ZP>(a, w, at, idx, block_of_lane, order, r, n0, n1, Y); break;
+    case 2: columns_pass<2, BITS, ZP>(a, w, at, idx, block_of_lane, order, r, n0, n1, Y); break;
+    case 1: columns_pass<1, BITS, ZP>(a, w, at, idx, block_of_lane, order, r, n0, n1, Y); break;
+    default: break;
   }
 }
 

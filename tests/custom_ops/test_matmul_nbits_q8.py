@@ -88,8 +88,9 @@ def test_matches_the_int8_activation_reference(library: Path, bits: int, block: 
 
 @pytest.mark.parametrize("bits,block,zp", [(4, 32, "none"), (4, 32, "f32"), (4, 128, "u8"), (8, 64, "none")])
 def test_rows_do_not_depend_on_the_number_of_rows(library: Path, bits: int, block: int, zp: str) -> None:
-    """M = 1..40 against M = 1, bit for bit (the kernel tiles 8 rows and 1 column, 4 rows and 1 or 2
-    columns, 1 row and 2 or 4 columns)."""
+    """M = 1..40 against M = 1, bit for bit (the kernel tiles 8 rows, then the rows left in one
+    tile of their count, 1 to 7, each over 1, 2 or 4 columns; the lanes of 16 columns combine
+    at once, and N = 203 leaves a group of 11)."""
     rng = np.random.default_rng(3)
     K, N = 328, 203  # a partial block and chunk; N: partial column tiles and tasks
     _, feeds = _case(rng, K, N, bits, block, zp)
@@ -108,12 +109,14 @@ def test_vector_and_portable_paths_give_the_same_bits(
     K, N = 456, 37
     _, feeds = _case(rng, K, N, bits, block, zp)
     sess = session(_model(K, N, bits, block, zp), library)
-    # 13 rows: an 8-row tile, a 4-row tile and a row
+    # 1..8 rows: each tile's own row count; 13: an 8-row tile and a 5-row one
     A = (rng.standard_normal((13, K)) * rng.uniform(0.1, 10, (13, 1))).astype(np.float32)
-    vector = sess.run(None, {"A": A, **feeds})[0]
+    counts = [*range(1, 9), 13]
+    vector = [sess.run(None, {"A": A[:m], **feeds})[0] for m in counts]
     monkeypatch.setenv("LOOPCAST_CPU_PORTABLE", "1")
-    portable = sess.run(None, {"A": A, **feeds})[0]
-    assert np.array_equal(vector, portable)
+    portable = [sess.run(None, {"A": A[:m], **feeds})[0] for m in counts]
+    for m, v, p in zip(counts, vector, portable, strict=True):
+        assert np.array_equal(v, p), m
 
 
 @pytest.mark.parametrize("bits,block,zp", [(4, 32, "none"), (4, 16, "f32"), (8, 32, "u8")])

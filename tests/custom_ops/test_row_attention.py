@@ -198,12 +198,17 @@ def test_sequence_index_and_masked_keys_follow_the_reference(library: Path) -> N
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_branch_rows_past_a_masked_range_are_the_decode_rows_bit_for_bit(library: Path, dtype: str) -> None:
+@pytest.mark.parametrize("lo,hi", [(6, 9), (13, 17)])
+def test_branch_rows_past_a_masked_range_are_the_decode_rows_bit_for_bit(
+    library: Path, dtype: str, lo: int, hi: int
+) -> None:
     """Tree verify's exactness: branch rows written at scratch positions past another branch,
     with that branch masked, equal the rows of a call on the compacted cache (the other
-    branch's keys removed) at their logical positions, outputs and stored K/V bit for bit."""
+    branch's keys removed) at their logical positions, outputs and stored K/V bit for bit.
+    The masked rows score their keys in two runs (below lo, from hi) and the compacted ones in
+    one, so a key falls in blocks of 8, 4 or 1 keys in one and another block in the other."""
     rng = np.random.default_rng(8)
-    lo, hi, m = 6, 9, 3  # stem 0..5, other branch 6..8, this branch at 9..11
+    m = 3  # stem 0..lo-1, other branch lo..hi-1, this branch at hi..hi+2
     sess = session(row_model([0] * m, 1, dtype=dtype, masked=True), library)
     bia = session(attention_model("BatchInvariantAttention", Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype), library)
     f = feeds(rng, m, 1, list(range(hi, hi + m)), dtype)
