@@ -240,6 +240,16 @@ class CostGate(GateCounters):
     maximises E(k)/cost when that beats 1/decode by ``margin`` (hysteresis: staying engaged
     only needs to lose less than ``margin``, so one unlucky round does not flip the gate).
 
+    Engaged, the draft count follows the run where a round's price grows with its drafts (rows
+    that are not computed cost nothing: variable-rows verify on the CPU, self-drafts): a round
+    whose every draft was accepted lengthens the next by ``run_up``, a round with a rejection
+    shortens it by ``run_down`` (Hugging Face's "heuristic" schedule for assisted generation),
+    from the priced k at the first engagement, within 1..k_max. Runs of right drafts come in
+    stretches (a copied passage, a repeated block), and the count that fits the stretch is one
+    the running α, which weighs the stretch and the misses around it together, does not give.
+    Where a round costs the same at every count (a fixed-width verify), every round takes the
+    priced k.
+
     Disengaged, the gate still learns: from the free one-token guess of proposers that declare
     ``free_guess`` (prompt lookup), otherwise from probe rounds of one draft, the cheapest
     round that measures α. A probe wastes its wall price less the (1 + α) tokens it commits at
@@ -258,6 +268,8 @@ class CostGate(GateCounters):
         margin: float = 0.05,
         prior_alpha: float = 0.6,
         probe_budget: float = 0.02,
+        run_up: int = 2,
+        run_down: int = 1,
         name: str = "cost",
         chosen_by: str = "caller",
         memory: dict | None = None,
@@ -265,6 +277,10 @@ class CostGate(GateCounters):
         super().__init__(name, chosen_by)
         self.k_max, self.costs, self.strategy, self.margin = k_max, costs, strategy, margin
         self.free_guess, self.probe_budget = free_guess, probe_budget
+        self.run_up, self.run_down = run_up, run_down
+        self._run_k: int | None = None  # the draft count of the run schedule (None: not started)
+        self._by_count = False  # whether the schedule sets k (re-read with each decision)
+        self._provisional = False  # the decision waits on a measurement: re-decided next step
         # α = accepted / (accepted + rejections), as decayed counts: a ratio of sums, not a
         # mean of per-round ratios (which undercounts long accepted runs).
         self._accepted, self._trials = 2.0 * prior_alpha, 2.0
@@ -275,6 +291,7 @@ class CostGate(GateCounters):
         if self.memory:
             self._accepted, self._trials = self.memory["accepted"], self.memory["trials"]
             self._next_probe, self._backoff = self.memory["probe_in"], self.memory["backoff"]
+            self._run_k = self.memory.get("run_k")
         self._probing = False
         self._step = 0
         self._decision, self._decided_at, self.refresh_every = None, 0, 16
@@ -303,26 +320,38 @@ class CostGate(GateCounters):
 
     def engage(self, step: int) -> int | None:
         self._step = step
-        if self._decision is None or step >= self._decided_at + self.refresh_every:
+        if self._decision is None or self._provisional or step >= self._decided_at + self.refresh_every:
             # Re-priced when a round moved α or every refresh_every steps (the costs drift
             # slowly): a standing decision costs the host almost nothing per token, which
-            # matters when a step takes half a millisecond.
+            # matters when a step takes half a millisecond. A decision taken while a kind is
+            # still unmeasured holds for one step: the step that measures it re-decides.
             self._decision, self._decided_at = self._decide(), step
             self.reason = self._decision[1]
         k = self._decision[0]
         self._switch(k > 0)
         if k:
+            if self._by_count:
+                if self._run_k is None:
+                    self._run_k = k
+                k = self._run_k
             return self._count(k)
         if (self._measuring or not self.free_guess) and step >= self._next_probe:
             self._probing = True
             return self._count(1, probe=True)
         return self._count(None)
 
+    def _priced_by_count(self) -> bool:
+        """Whether a round's price grows with its drafts (then the run schedule sets k)."""
+        if self.k_max < 2 or self.strategy.token_rate(self.costs, self.alpha) is not None:
+            return False
+        cost = self.strategy.round_cost
+        return cost(self.costs, self.k_max) > cost(self.costs, 1)
+
     def plain_streak(self, step: int) -> int:
         """How many plain steps from ``step`` on (this one included) need no decision: the
         gate stands down and nothing is due before then (re-pricing, a probe, or for a
         free-guess proposer the next evidence step). The engine runs them back to back."""
-        if self._decision is None or self._decision[0] or self._measuring:
+        if self._decision is None or self._decision[0] or self._measuring or self._provisional:
             return 1
         until = self._decided_at + self.refresh_every
         if self.free_guess:
@@ -341,6 +370,7 @@ class CostGate(GateCounters):
         # Decode is the price to beat: nothing is priced against a guessed decode time (a guess
         # off by 2x keeps a losing mode engaged).
         self._measuring = any(self.costs.mean(kind) is None for kind in self.strategy.kinds)
+        self._provisional = self._measuring or self.costs.mean(DECODE) is None
         if self._measuring:
             # Unmeasured kinds: price nothing on guesses; probe rounds of one draft time them.
             self._next_probe = min(self._next_probe, self._step)
@@ -349,6 +379,7 @@ class CostGate(GateCounters):
             return 0, "measuring: plain steps time decode first"
         k, ratio = self.best_k()
         self.last_rate_ratio = ratio
+        self._by_count = self._priced_by_count()
         if k:
             return k, f"engaged: α={self.alpha:.2f}, k={k} expected at {ratio:.2f}x plain decode"
         return 0, f"stood down: α={self.alpha:.2f}, no k beats plain decode by {self.margin:.0%}"
@@ -357,6 +388,11 @@ class CostGate(GateCounters):
         # A strategy whose rounds carry one draft each (the pipeline) remembers more rounds.
         decay = self.strategy.caps.alpha_decay
         if proposed:  # a round moved α (and timed its kinds): re-price on the next step
+            if self._run_k is not None and not self._probing:
+                if accepted >= proposed:
+                    self._run_k = min(self.k_max, self._run_k + self.run_up)
+                else:
+                    self._run_k = max(1, self._run_k - self.run_down)
             self._decision = None
             self._accepted = decay * self._accepted + accepted
             self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
@@ -385,6 +421,7 @@ class CostGate(GateCounters):
         host = self.costs.host_factor()
         out.update(
             alpha=round(self.alpha, 4),
+            run_drafts=self._run_k,
             costs_ms=self.costs.snapshot_ms(),
             host_factor=round(host, 3),
             expected_ratio=None if self.last_rate_ratio is None else round(self.last_rate_ratio, 4),
@@ -398,6 +435,7 @@ class CostGate(GateCounters):
             trials=self._trials,
             backoff=self._backoff,
             probe_in=max(self._next_probe - self._step, 0),
+            run_k=self._run_k,
         )
 
 

@@ -1,0 +1,82 @@
+"""The cost gate's rules on fixed costs (no model): the draft count that follows the run, the
+fixed-width rounds that keep the priced k, and decisions that wait on a measurement."""
+
+from __future__ import annotations
+
+from loopcast.ort_runtime.decoding.gates import CostGate
+from loopcast.ort_runtime.decoding.protocols import CostsBase, VerifierBase
+
+
+class Costs(CostsBase):
+    """Decode 1.0 once measured (``decode_measured``), verify 1.2."""
+
+    def __init__(self, decode_measured: bool = True) -> None:
+        self.decode_measured = decode_measured
+
+    def decode(self) -> float:
+        return 1.0
+
+    def mean(self, kind: str) -> float | None:
+        if kind == "decode":
+            return 1.0 if self.decode_measured else None
+        return {"verify": 1.2}.get(kind)
+
+
+class ByCount(VerifierBase):
+    """A round's price grows with its drafts (the CPU's variable-rows verify)."""
+
+    kinds = ("verify",)
+
+    def round_cost(self, costs, k: int) -> float:
+        return 1.0 + 0.05 * k
+
+
+class FixedWidth(ByCount):
+    """Every round costs the full width (a fixed-width verify graph)."""
+
+    def round_cost(self, costs, k: int) -> float:
+        return 1.4
+
+
+def test_the_draft_count_follows_the_run_where_rounds_are_priced_by_count() -> None:
+    gate = CostGate(7, Costs(), ByCount())
+    first = gate.engage(0)
+    assert first is not None and first > 1
+    gate.observe(first, 0, step=0)  # a rejection: one draft fewer
+    assert gate.engage(1) == first - 1
+    gate.observe(first - 1, first - 1, step=1)  # every draft right: two more
+    assert gate.engage(2) == min(7, first + 1)
+    for step in range(3, 10):  # a long run of right drafts: up to k_max, no further
+        k = gate.engage(step)
+        gate.observe(k, k, step=step)
+    assert gate.engage(10) == 7 and gate.report()["run_drafts"] == 7
+    for step in range(11, 30):  # misses: down to one draft, no further
+        k = gate.engage(step)
+        if not k:
+            break
+        gate.observe(k, 0, step=step)
+    assert gate.report()["run_drafts"] == 1
+    # the next generation on the same generator starts where this one left off
+    gate.remember()
+    assert CostGate(7, Costs(), ByCount(), memory=gate.memory).engage(0) in (None, 1)
+
+
+def test_fixed_width_rounds_take_the_priced_k_whatever_the_run() -> None:
+    gate = CostGate(7, Costs(), FixedWidth())
+    priced = gate.engage(0)
+    assert priced is not None
+    for step in range(1, 6):
+        gate.observe(priced, 0 if step % 2 else priced, step=step)
+        k = gate.engage(step)
+        assert k in (None, gate.best_k()[0]) and gate.report()["run_drafts"] is None
+
+
+def test_a_decision_waiting_on_the_decode_time_is_taken_again_on_the_next_step() -> None:
+    """Before decode is timed the gate runs plain steps; the first one that times it lets the
+    next step engage, instead of holding the wait for the whole re-pricing interval."""
+    costs = Costs(decode_measured=False)
+    gate = CostGate(7, costs, ByCount(), free_guess=True)
+    assert not gate.engage(1) and "measuring" in gate.reason
+    assert gate.plain_streak(1) == 1  # no streak of plain steps past the measurement
+    costs.decode_measured = True  # the plain step timed decode
+    assert gate.engage(2) and "engaged" in gate.reason
