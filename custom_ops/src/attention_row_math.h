@@ -199,11 +199,37 @@ LOOPCAST_ROW_INLINE void add_weighted(float* __restrict acc, float e, const floa
   for (int64_t d = 0; d < D; ++d) acc[d] += e * v[d];
 }
 
+// acc[r] = Σ_j e_rj · v_j over row r's keys j = 0..counts[r]-1 in ascending j, for a head size D
+// known at compile time: add_weighted's products and sums in the same order (so the same bits),
+// with the row's accumulator in registers for its whole key loop instead of a load and a store a
+// key. Rows outer: the values are read again for each row, from the cache.
+template <int D>
+LOOPCAST_ROW_INLINE void weighted_rows(const float* scores, int64_t stride, const int64_t* counts, int64_t rows,
+                                       const float* values, float* acc) {
+  constexpr int V = D / 8;
+  for (int64_t r = 0; r < rows; ++r) {
+    f32x8 a[V] = {};
+    const float* e = scores + r * stride;
+    for (int64_t j = 0; j < counts[r]; ++j) {
+      const float* v = values + j * D;
+      const f32x8 w = f32x8{} + e[j];
+#pragma GCC unroll 16
+      for (int i = 0; i < V; ++i) {
+        f32x8 x;
+        std::memcpy(&x, v + 8 * i, sizeof x);
+        a[i] += w * x;
+      }
+    }
+    std::memcpy(acc + r * D, a, sizeof a);
+  }
+}
+
 // BatchInvariantAttention's rows that share one (sequence, kv head): row r sees keys
 // 0..counts[r]-1. q [rows, D] rotated; keys, values [max count, D]; scores [rows, stride] (stride >=
 // every count), acc [rows, D] and sums [rows] scratch; out [rows, D]. A row's operations are the
-// same whatever rows share the call; the weighted sum runs keys outer, rows inner, so a value's
-// load serves every row that sees it (the q heads of a GQA group and the call's positions).
+// same whatever rows share the call; the weighted sum keeps each row's accumulator in registers
+// over its keys where the head size is 32, 64 or 128 (weighted_rows), else runs keys outer, rows
+// inner (a value's load then serves every row that sees it).
 __attribute__((unused)) LOOPCAST_ROW_CLONES void attend_causal_rows(const float* q, int64_t rows, const int64_t* counts,
                                                                     const float* keys, const float* values, int64_t D,
                                                                     float scale, int64_t stride, float* scores,
@@ -214,10 +240,18 @@ __attribute__((unused)) LOOPCAST_ROW_CLONES void attend_causal_rows(const float*
     sums[r] = softmax_weights(scores + r * stride, counts[r]);
     most = std::max(most, counts[r]);
   }
-  std::fill(acc, acc + rows * D, 0.0f);
-  for (int64_t j = 0; j < most; ++j)
-    for (int64_t r = 0; r < rows; ++r)
-      if (j < counts[r]) add_weighted(acc + r * D, scores[r * stride + j], values + j * D, D);
+  if (D == 64) {
+    weighted_rows<64>(scores, stride, counts, rows, values, acc);
+  } else if (D == 128) {
+    weighted_rows<128>(scores, stride, counts, rows, values, acc);
+  } else if (D == 32) {
+    weighted_rows<32>(scores, stride, counts, rows, values, acc);
+  } else {
+    std::fill(acc, acc + rows * D, 0.0f);
+    for (int64_t j = 0; j < most; ++j)
+      for (int64_t r = 0; r < rows; ++r)
+        if (j < counts[r]) add_weighted(acc + r * D, scores[r * stride + j], values + j * D, D);
+  }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] / sums[r];
 }

@@ -100,7 +100,13 @@ def one_row(sess_bia, f: dict, i: int, pair: int, seq: int = 0) -> tuple[np.ndar
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_each_row_is_the_one_row_call_bit_for_bit(library: Path, dtype: str) -> None:
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_each_row_is_the_one_row_call_bit_for_bit(
+    library: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, head_dim: int
+) -> None:
+    """Every head size: BatchInvariantAttention's weighted sum keeps its accumulators in
+    registers at 32, 64 and 128 (RowAttention's runs key by key), the same bits."""
+    monkeypatch.setitem(globals(), "D", head_dim)  # the module's helpers read D at call time
     rng = np.random.default_rng(1)
     # The pipeline's shape: row r at depth r on its own buffer pair, positions one apart.
     sess = session(row_model([0, 1, 2, 3], 4, dtype=dtype), library)
