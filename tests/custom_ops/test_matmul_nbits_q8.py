@@ -92,7 +92,7 @@ def test_rows_do_not_depend_on_the_number_of_rows(library: Path, bits: int, bloc
     tile of their count, 1 to 7, each over 1, 2 or 4 columns; the lanes of 16 columns combine
     at once, and N = 203 leaves a group of 11)."""
     rng = np.random.default_rng(3)
-    K, N = 328, 203  # a partial block and chunk; N: partial column tiles and tasks
+    K, N = 600, 203  # (4-bit) a wide chunk, then a partial block and chunk; N: partial column tiles and tasks
     _, feeds = _case(rng, K, N, bits, block, zp)
     sess = session(_model(K, N, bits, block, zp), library)
     A = rng.standard_normal((40, K)).astype(np.float32)
@@ -101,12 +101,14 @@ def test_rows_do_not_depend_on_the_number_of_rows(library: Path, bits: int, bloc
         assert np.array_equal(sess.run(None, {"A": A[:m], **feeds})[0], single[:m]), m
 
 
-@pytest.mark.parametrize("bits,block,zp", [(4, 32, "f32"), (4, 16, "u8"), (8, 32, "none"), (4, 256, "none")])
+@pytest.mark.parametrize(
+    "bits,block,zp", [(4, 32, "f32"), (4, 16, "u8"), (8, 32, "none"), (8, 64, "u8"), (4, 256, "none")]
+)
 def test_vector_and_portable_paths_give_the_same_bits(
     library: Path, monkeypatch: pytest.MonkeyPatch, bits: int, block: int, zp: str
 ) -> None:
     rng = np.random.default_rng(5)
-    K, N = 456, 37
+    K, N = 1100, 37  # 4-bit blocks of 32 and more: two wide chunks, then narrow ones
     _, feeds = _case(rng, K, N, bits, block, zp)
     sess = session(_model(K, N, bits, block, zp), library)
     # 1..8 rows: each tile's own row count; 13: an 8-row tile and a 5-row one
