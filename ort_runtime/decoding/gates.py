@@ -291,7 +291,8 @@ class CostGate(GateCounters):
         if self.memory:
             self._accepted, self._trials = self.memory["accepted"], self.memory["trials"]
             self._next_probe, self._backoff = self.memory["probe_in"], self.memory["backoff"]
-            self._run_k = self.memory.get("run_k")
+            run_k = self.memory.get("run_k")  # an earlier generation's, maybe at another k_max
+            self._run_k = None if run_k is None else max(1, min(run_k, k_max))
         self._probing = False
         self._step = 0
         self._decision, self._decided_at, self.refresh_every = None, 0, 16

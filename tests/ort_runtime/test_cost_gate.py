@@ -56,9 +56,16 @@ def test_the_draft_count_follows_the_run_where_rounds_are_priced_by_count() -> N
             break
         gate.observe(k, 0, step=step)
     assert gate.report()["run_drafts"] == 1
-    # the next generation on the same generator starts where this one left off
+    # the next generation on the same generator starts where this one left off, within its
+    # own k_max (a request may ask for fewer drafts)
     gate.remember()
     assert CostGate(7, Costs(), ByCount(), memory=gate.memory).engage(0) in (None, 1)
+    for step in range(4):
+        gate.observe(1, 1, step=step)
+        gate.engage(step)
+    gate.remember()
+    assert gate.memory["run_k"] > 3
+    assert CostGate(3, Costs(), ByCount(), memory=gate.memory).engage(0) == 3
 
 
 def test_fixed_width_rounds_take_the_priced_k_whatever_the_run() -> None:
