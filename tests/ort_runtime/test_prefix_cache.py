@@ -51,23 +51,28 @@ def test_cached_prefix_gives_the_cold_tokens(model):
     cached_tokens says how many prompt tokens were reused."""
     rng = random.Random(5)
     base = [rng.randrange(12, 50) for _ in range(14)]
+    a_prompt, d_prompt = base + [4], [7, 8, 9, 10]
+    # the references first: B decodes alone while the test thread works between submissions, and
+    # B must still be running (below its capacity) when D arrives
+    a_cold = plain(model, a_prompt, 3)
+    d_cold = plain(model, d_prompt, 5)
     engine = BatchingEngine(BatchGenerator(model.loaded, max_batch=3))
     # A (slot 0) finishes while B (slot 1) runs on: every step of B runs a dummy row in slot 0
     a = engine.submit(BatchRequest(base + [4], 3))
     b = engine.submit(BatchRequest([7, 8, 9], 10_000))
     engine.start()
     try:
-        assert a.result(30) == plain(model, base + [4], 3) and a.cached_tokens == 0
+        assert a.result(30) == a_cold and a.cached_tokens == 0
         # C continues A's prompt and first generated tokens: in place in A's freed slot
-        c_prompt = base + [4] + a.tokens[:2] + [5]
+        c_prompt = a_prompt + a.tokens[:2] + [5]
         c = engine.submit(BatchRequest(c_prompt, 6))
-        assert c.result(30) == plain(model, c_prompt, 6)
-        assert c.cached_tokens == len(base) + 3
+        c_tokens = c.result(30)
         # D shares B's prompt while B runs: copied from B's slot into slot 0
-        d_prompt = [7, 8, 9, 10]
         d = engine.submit(BatchRequest(d_prompt, 5))
-        assert d.result(30) == plain(model, d_prompt, 5) and d.cached_tokens == 3
+        assert d.result(30) == d_cold and d.cached_tokens == 3
         assert not b.finish_reason  # B was running throughout
+        assert c_tokens == plain(model, c_prompt, 6)
+        assert c.cached_tokens == len(base) + 3
         # the same prompt again: all but its last token cached
         e = engine.submit(BatchRequest(d_prompt, 5))
         assert e.result(30) == d.tokens and e.cached_tokens == len(d_prompt) - 1
