@@ -40,6 +40,7 @@ SOURCES = (
     "lane_step_cpu.cc",
     "matmul_nbits_cpu.cc",
     "matmul_nbits_q8_cpu.cc",
+    "matmul_nbits_q8_avx2.cc",
 )
 CUDA_SOURCES = ("cuda_ops.cc",)  # host glue, compiled by the C++ compiler
 CUDA_KERNELS = (

@@ -469,13 +469,21 @@ Q8_TARGET void avx512_operands(const Q8Chunk& ch, int64_t bits, const int8_t* sr
 Q8_TARGET void upper_state_clean() { _mm256_zeroupper(); }
 #endif
 
-bool vector_path() {
+enum class Isa { kPortable, kAvx2, kAvx512 };
+
+// The widest path this CPU runs, at most LOOPCAST_CPU_ISA's (read at every call, so tests can
+// compare the paths' bits in one process).
+Isa vector_isa() {
+  const char* portable = std::getenv("LOOPCAST_CPU_PORTABLE");
+  if (portable != nullptr && std::strcmp(portable, "1") == 0) return Isa::kPortable;
+  const char* cap = std::getenv("LOOPCAST_CPU_ISA");
+  const bool avx512_ok = cap == nullptr || std::strcmp(cap, "avx512") == 0;
+  const bool avx2_ok = avx512_ok || std::strcmp(cap, "avx2") == 0;
 #ifdef LOOPCAST_Q8_AVX512
-  const char* portable = std::getenv("LOOPCAST_CPU_PORTABLE");  // tests compare the two paths' bits
-  return cpu_has_vnni() && !(portable != nullptr && std::strcmp(portable, "1") == 0);
-#else
-  return false;
+  if (avx512_ok && cpu_has_vnni()) return Isa::kAvx512;
 #endif
+  if (avx2_ok && q8_detail::avx2_available()) return Isa::kAvx2;
+  return Isa::kPortable;
 }
 
 }  // namespace
@@ -504,7 +512,7 @@ void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int
   std::vector<int8_t> qk(static_cast<size_t>(out->row_bytes));  // k order, zeros past K
   std::vector<float> sa(static_cast<size_t>(nb));
 #ifdef LOOPCAST_Q8_AVX512
-  if (vector_path()) {
+  if (vector_isa() == Isa::kAvx512) {
     for (int64_t r = 0; r < rows; ++r) {
       std::fill(qk.begin(), qk.end(), 0);
       avx512_quantize_row(A + r * K, K, bs, nb, qk.data(), sa.data());
@@ -556,17 +564,19 @@ void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int
 }
 
 void q8_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
+  switch (vector_isa()) {
 #ifdef LOOPCAST_Q8_AVX512
-  if (vector_path()) {
-    if (w.bits == 4)
-      avx512_columns_zp<4>(a, w, n0, n1, Y);
-    else
-      avx512_columns_zp<8>(a, w, n0, n1, Y);
-    upper_state_clean();
-    return;
-  }
+    case Isa::kAvx512:
+      if (w.bits == 4)
+        avx512_columns_zp<4>(a, w, n0, n1, Y);
+      else
+        avx512_columns_zp<8>(a, w, n0, n1, Y);
+      upper_state_clean();
+      return;
 #endif
-  portable_columns(a, w, n0, n1, Y);
+    case Isa::kAvx2: q8_detail::avx2_columns(a, w, n0, n1, Y); return;
+    default: portable_columns(a, w, n0, n1, Y); return;
+  }
 }
 
 }  // namespace loopcast

@@ -9,8 +9,8 @@
 //   acc_l = fma(t, s, acc_l)
 //
 // and y = the 16 lanes combined pairwise in one fixed order. Every step depends on (k, K, bits,
-// block_size) only, never on the rows, the tile, the thread or the ISA: the AVX-512 VNNI path and
-// the portable one give the same bits (integer sums are exact; each float step rounds once,
+// block_size) only, never on the rows, the tile, the thread or the ISA: the AVX-512 VNNI, AVX2 and
+// portable paths give the same bits (integer sums are exact; each float step rounds once,
 // fma included), so a row's result does not depend on how many rows share the call.
 //
 // Layouts: 4-bit weights in blocks of 32 or more take "wide" chunks of 512 k, a lane 32 k (the
@@ -57,8 +57,15 @@ struct Q8Weights {
 // Quantizes `rows` rows of fp32 activations [rows, K] (K ≤ n_blocks · block_size).
 void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out);
 
-// Y[r, n] for n in [n0, n1): the AVX-512 VNNI path where the CPU has it (and
-// LOOPCAST_CPU_PORTABLE is not 1), else the portable one, with the same bits.
+// Y[r, n] for n in [n0, n1), with the same bits on every path: AVX-512 VNNI where the CPU has
+// it, else AVX2 + FMA, else the portable one. LOOPCAST_CPU_ISA=portable|avx2|avx512 caps the
+// path at that one (tests compare their bits; LOOPCAST_CPU_PORTABLE=1 is the portable cap).
 void q8_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y);
+
+namespace q8_detail {
+// The AVX2 + FMA path (matmul_nbits_q8_avx2.cc).
+bool avx2_available();
+void avx2_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y);
+}  // namespace q8_detail
 
 }  // namespace loopcast

@@ -1,7 +1,8 @@
 """BatchInvariantMatMulNBits with accuracy_level 4 on the CPU (int8 activations per block,
 custom_ops/src/matmul_nbits_q8_cpu.h): against a numpy reference of the same quantization, rows
-that do not depend on the number of rows, the AVX-512 VNNI path's bits equal to the portable
-path's, the thread count changing nothing, fp32 zero points (a GGUF Q4_1's), and the refusals."""
+that do not depend on the number of rows, the AVX-512 VNNI and AVX2 paths' bits equal to the
+portable path's, the thread count changing nothing, fp32 zero points (a GGUF Q4_1's), and the
+refusals."""
 
 from __future__ import annotations
 
@@ -14,6 +15,27 @@ import pytest
 from loopcast.exporter.quantize import Quantized, dequantize, n_blocks, quantize
 
 from tests.custom_ops.ops_models import matmul_nbits_model, session, swiglu_model
+
+# The vector paths (LOOPCAST_CPU_ISA caps the kernel at one) and the CPU flags each needs.
+ISA_FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"}}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def _pin(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
+    """The kernel on `isa` from here on (skips where this CPU lacks it)."""
+    if isa != "portable" and not ISA_FLAGS[isa] <= _cpu_flags():
+        pytest.skip(f"this CPU has no {isa}")
+    monkeypatch.setenv("LOOPCAST_CPU_ISA", isa)
+
+
+VECTOR_ISAS = pytest.mark.parametrize("isa", ["avx2", "avx512"])
 
 # (bits, block, zero points: "none" | "u8" | "f32")
 SCHEMES = [
@@ -101,11 +123,12 @@ def test_rows_do_not_depend_on_the_number_of_rows(library: Path, bits: int, bloc
         assert np.array_equal(sess.run(None, {"A": A[:m], **feeds})[0], single[:m]), m
 
 
+@VECTOR_ISAS
 @pytest.mark.parametrize(
     "bits,block,zp", [(4, 32, "f32"), (4, 16, "u8"), (8, 32, "none"), (8, 64, "u8"), (4, 256, "none")]
 )
 def test_vector_and_portable_paths_give_the_same_bits(
-    library: Path, monkeypatch: pytest.MonkeyPatch, bits: int, block: int, zp: str
+    library: Path, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int, block: int, zp: str
 ) -> None:
     rng = np.random.default_rng(5)
     K, N = 1100, 37  # 4-bit blocks of 32 and more: two wide chunks, then narrow ones
@@ -114,16 +137,18 @@ def test_vector_and_portable_paths_give_the_same_bits(
     # 1..8 rows: each tile's own row count; 13: an 8-row tile and a 5-row one
     A = (rng.standard_normal((13, K)) * rng.uniform(0.1, 10, (13, 1))).astype(np.float32)
     counts = [*range(1, 9), 13]
+    _pin(monkeypatch, isa)
     vector = [sess.run(None, {"A": A[:m], **feeds})[0] for m in counts]
-    monkeypatch.setenv("LOOPCAST_CPU_PORTABLE", "1")
+    _pin(monkeypatch, "portable")
     portable = [sess.run(None, {"A": A[:m], **feeds})[0] for m in counts]
     for m, v, p in zip(counts, vector, portable, strict=True):
         assert np.array_equal(v, p), m
 
 
+@VECTOR_ISAS
 @pytest.mark.parametrize("bits,block,zp", [(4, 32, "none"), (4, 16, "f32"), (8, 32, "u8")])
 def test_non_finite_activations_quantize_alike_on_both_paths(
-    library: Path, monkeypatch: pytest.MonkeyPatch, bits: int, block: int, zp: str
+    library: Path, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int, block: int, zp: str
 ) -> None:
     """A NaN, an inf and a block of zeros in a row: the vector quantizer's blocks (a NaN skipped
     by max|a|, an inf block's codes NaN and so 0) are the portable one's, row by row."""
@@ -134,17 +159,19 @@ def test_non_finite_activations_quantize_alike_on_both_paths(
     A = rng.standard_normal((9, K)).astype(np.float32)
     A[0, 3], A[1, 40], A[2, 77], A[3, 100 : 100 + block] = np.nan, np.inf, -np.inf, 0.0
     A[4, ::7] = np.nan
+    _pin(monkeypatch, isa)
     vector = sess.run(None, {"A": A, **feeds})[0]
-    monkeypatch.setenv("LOOPCAST_CPU_PORTABLE", "1")
+    _pin(monkeypatch, "portable")
     portable = sess.run(None, {"A": A, **feeds})[0]
     assert np.array_equal(vector, portable, equal_nan=True)
     assert np.isfinite(vector[5:]).all()  # the rows without a non-finite value
 
 
+@VECTOR_ISAS
 @pytest.mark.parametrize("bits,block", [(4, 32), (4, 64), (4, 128), (4, 256), (8, 16), (8, 128)])
 @pytest.mark.parametrize("K", [700, 1300])
 def test_packed_zero_points_on_both_paths(
-    library: Path, monkeypatch: pytest.MonkeyPatch, bits: int, block: int, K: int
+    library: Path, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int, block: int, K: int
 ) -> None:
     """uint8 zero points unpacked in registers (two blocks a byte at 4 bits; a chunk's first
     block odd for blocks of 128 and 256 past the wide chunks) against the portable path and the
@@ -154,12 +181,13 @@ def test_packed_zero_points_on_both_paths(
     qt, feeds = _case(rng, K, N, bits, block, "u8")
     sess = session(_model(K, N, bits, block, "u8"), library)
     A = rng.standard_normal((9, K)).astype(np.float32)  # an 8-row tile and a row
+    _pin(monkeypatch, isa)
     vector = sess.run(None, {"A": A, **feeds})[0]
     w = dequantize(qt).T.astype(np.float64)
     expected = _q8_reference(A, K, block) @ w
     scale = np.abs(_q8_reference(A, K, block)) @ np.abs(w)
     assert np.all(np.abs(vector - expected) <= 1e-5 * scale + 1e-7)
-    monkeypatch.setenv("LOOPCAST_CPU_PORTABLE", "1")
+    _pin(monkeypatch, "portable")
     assert np.array_equal(vector, sess.run(None, {"A": A, **feeds})[0])
 
 

@@ -13,6 +13,8 @@ for fp16 / bf16 weights (BatchInvariantMatMul) and int4 ones (BatchInvariantMatM
 128 with zero points). Checks first that both chains give the same bits (the fused kernels are
 the norm kernel plus the projection bit for bit), then prints ms per chain and the fraction of
 the copy bandwidth that the chain's bytes (weights + KV read once) would take at that time.
+`--omit KIND[,KIND]` times the 7-kernel chain without those kernels (outputs not checked): the
+difference is what they cost inside the captured chain, launch and dependency included.
 `--variant NAME:VAR=V[,VAR=V]` also times the 7-kernel chain with those launch knobs set (the
 library reads them at capture: LOOPCAST_PF_PRE, LOOPCAST_PF_AHEAD, LOOPCAST_ATTN_PF, LOOPCAST_PDL)
 and checks that its bits equal the chain's without them.
@@ -37,6 +39,7 @@ H, HEADS, D, INTER, LAYERS, LOOPS = 2048, 16, 128, 5632, 24, 4
 QKV = 3 * HEADS * D
 CODES = {torch.float16: 1, torch.bfloat16: 2}
 BLOCK = 128
+OMITTABLE = ("norm1", "qkv", "attention", "o", "norm2", "gate_up", "down")
 
 
 def _p(t) -> ctypes.c_void_p:
@@ -48,6 +51,7 @@ class Chain:
 
     def __init__(self, lib, dtype, M: int, past: int, capacity: int, int4: bool) -> None:
         self.lib, self.dtype, self.M, self.int4 = lib, dtype, M, int4
+        self.omit: frozenset[str] = frozenset()  # kernels left out (--omit: timing only)
         self.code = CODES[dtype]
         dev = dict(dtype=dtype, device="cuda")
         self.layers = []
@@ -226,20 +230,28 @@ class Chain:
             lay = self.layers[app % LAYERS]
             bw = lay["n4"] if residual is not None else None
             out = xs[(2 * app) % 3]
+            run = lambda kind: kind not in self.omit  # noqa: E731
             if fused:
                 self._norm_mm(branch, residual, bw, lay["n1"], out, lay["qkv"], self.qkv, H, QKV)
             else:
-                self._norm(branch, residual, bw, lay["n1"], out, self.h)
-                self._mm(self.h, lay["qkv"], self.qkv, H, QKV)
-            self._attention(app)
-            self._mm(self.att, lay["o"], self.a, H, H)
+                if run("norm1"):
+                    self._norm(branch, residual, bw, lay["n1"], out, self.h)
+                if run("qkv"):
+                    self._mm(self.h, lay["qkv"], self.qkv, H, QKV)
+            if run("attention"):
+                self._attention(app)
+            if run("o"):
+                self._mm(self.att, lay["o"], self.a, H, H)
             out2 = xs[(2 * app + 1) % 3]
             if fused:
                 self._norm_mm(self.a, out, lay["n2"], lay["n3"], out2, lay["gu"], self.gu, H, 2 * INTER)
             else:
-                self._norm(self.a, out, lay["n2"], lay["n3"], out2, self.h)
-                self._mm(self.h, lay["gu"], self.gu, H, 2 * INTER)
-            self._mm(self.gu, lay["down"], self.m, INTER, H, swiglu=True)
+                if run("norm2"):
+                    self._norm(self.a, out, lay["n2"], lay["n3"], out2, self.h)
+                if run("gate_up"):
+                    self._mm(self.h, lay["gu"], self.gu, H, 2 * INTER)
+            if run("down"):
+                self._mm(self.gu, lay["down"], self.m, INTER, H, swiglu=True)
             branch, residual = self.m, out2
 
 
@@ -328,8 +340,19 @@ def main() -> None:
     ap.add_argument("--no-int4", action="store_true")
     ap.add_argument("--no-fused", action="store_true", help="skip the 5-kernel (norm prologue) chain")
     ap.add_argument("--variant", action="append", default=[], help="NAME:VAR=VALUE[,VAR=VALUE]")
+    ap.add_argument(
+        "--omit",
+        action="append",
+        default=[],
+        help=f"time the 7-kernel chain without these kernels ({','.join(OMITTABLE)}; repeatable): "
+        "the difference is what they cost inside the captured chain",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    omits = [frozenset(o.split(",")) for o in args.omit]
+    for o in omits:
+        if not o <= set(OMITTABLE):
+            raise SystemExit(f"error: --omit {','.join(sorted(o))}: expected some of {','.join(OMITTABLE)}")
     lib = load_library(args.lib)
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -358,6 +381,11 @@ def main() -> None:
                         else min(time_chain(chain, True), time_chain(chain, True))
                     )
                 variants[name] = dict(ms=tv, fused_ms=tf, identical=equal)
+            omitted = {}
+            for o in omits:
+                chain.omit = o
+                omitted[",".join(sorted(o))] = min(time_chain(chain, False), time_chain(chain, False))
+            chain.omit = frozenset()
             row = dict(
                 dtype=dname,
                 int4=int4,
@@ -370,6 +398,7 @@ def main() -> None:
                 floor_ms=floor,
                 identical=same,
                 variants=variants,
+                omitted=omitted,
             )
             rows.append(row)
             label = f"{dname}{' int4' if int4 else ''}"
@@ -386,6 +415,9 @@ def main() -> None:
                     f"bits = without: {v['identical']}",
                     flush=True,
                 )
+            for name, tv in omitted.items():
+                per_layer = (t7 - tv) / (LAYERS * LOOPS) * 1e3
+                print(f"{'':21s}without {name:24s} {tv:.3f} ms: {per_layer:5.2f} us a layer", flush=True)
             del chain
             torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
