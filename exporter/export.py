@@ -87,17 +87,41 @@ def _requested_op_set(opts: ExportOptions) -> OpSet | None:
     return OpSet(opts.op_set)
 
 
-def _resolve_op_set(opts: ExportOptions, log) -> tuple[OpSet, Path | None]:
+def _auto_op_set(config, opts: ExportOptions, log) -> OpSet:
+    """fp32 "auto" with the library at hand: loopcast-attention (the stock MatMul and
+    MatMulNBits, loopcast attention), or the loopcast op set for quantized weights that the stock
+    MatMulNBits cannot keep row-invariant on this CPU (exporter/matmulnbits_rows.py): fp32 zero
+    points (a GGUF's Q4_1 blocks, where its path is slow too), or int8 activations (accuracy
+    level 4, where the two kernels run at comparable speed) in a scheme whose rows this CPU's
+    MLAS kernels change with the row count. Levels 0/1 keep MatMulNBits (its fp32 path is the
+    faster; never row-invariant: --ops loopcast is the exact choice there)."""
+    q = opts.quantization
+    if q is None:
+        return OpSet.LOOPCAST_ATTENTION
+    if q.float_zero_points:
+        return OpSet.LOOPCAST
+    if q.accuracy_level != 4:
+        return OpSet.LOOPCAST_ATTENTION
+    from loopcast.exporter.matmulnbits_rows import stock_rows_invariant
+
+    if stock_rows_invariant(quantized_linears(config, q)):
+        return OpSet.LOOPCAST_ATTENTION
+    log(
+        f"note: MatMulNBits' rows change with the row count on this CPU at {q.layers.value} block "
+        f"{q.block_size} accuracy level {q.accuracy_level}; exporting the loopcast op set "
+        "(BatchInvariantMatMulNBits, row-invariant) so that speculation stays exact"
+    )
+    return OpSet.LOOPCAST
+
+
+def _resolve_op_set(config, opts: ExportOptions, log) -> tuple[OpSet, Path | None]:
     """The op set to build and the library it needs (built or found in the cache first, so a
     missing toolchain fails before minutes of writing)."""
+    quantized_linears(config, opts.quantization)  # a scheme this config refuses: before any build
     op_set = _requested_op_set(opts)
     if op_set is None:
-        # fp32 zero points (a GGUF's Q4_1 blocks): MatMulNBits' rows are not exact on them and its
-        # fp32-zero-point path is slow (docs/quantization.md); the loopcast kernel is both
-        q = opts.quantization
-        auto = OpSet.LOOPCAST if q is not None and q.float_zero_points else OpSet.LOOPCAST_ATTENTION
         try:
-            return auto, custom_op_library()
+            library = custom_op_library()
         except ExportError as exc:
             # The advice fits every caller (export, demo, bench): what fixes it, not a flag of one.
             log(
@@ -105,6 +129,7 @@ def _resolve_op_set(opts: ExportOptions, log) -> tuple[OpSet, Path | None]:
                 "on them is refused (plain decoding runs as usual)"
             )
             return OpSet.STOCK, None
+        return _auto_op_set(config, opts, log), library
     return op_set, custom_op_library() if op_set.needs_library else None
 
 
@@ -185,7 +210,7 @@ def _write_artifact(
     loopcast/manifest.py), so the file records skip a pass."""
     config, read = source.config, source.read
     op_set, built_library = _resolve_op_set(
-        opts, lambda line: print(line, file=sys.stderr) if show_progress else None
+        config, opts, lambda line: print(line, file=sys.stderr) if show_progress else None
     )
     check_supported(config, op_set)
     if opts.tree_verify and can_tree_verify(config, op_set):

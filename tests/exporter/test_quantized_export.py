@@ -78,14 +78,18 @@ def test_symmetric_int4_blocks_use_every_code() -> None:
 )
 def test_matmulnbits_reads_our_layout(bits: int, block: int, symmetric: bool) -> None:
     """One MatMulNBits node on our tensors equals x @ dequantize(W)ᵀ (fp32 compute)."""
-    from tools.probes.check_matmulnbits_rows import session
+    from loopcast.exporter.matmulnbits_rows import matmulnbits_session
+
+    from loopcast.quant import QuantLinear
 
     rng = np.random.default_rng(1)
     k, n = 96, 40
-    sess = session(k, n, bits, block, symmetric, 0, np.random.default_rng(5), 1)
     w = np.random.default_rng(5).standard_normal((n, k)).astype(np.float32) * 0.05
+    qt = quantize(w, bits, block, symmetric)
+    linear = QuantLinear("w", k, n, bits, block, symmetric, 0)
+    sess = matmulnbits_session(linear, qt.packed, qt.scales, qt.zero_points, threads=1)
     x = rng.standard_normal((3, k)).astype(np.float32)
-    expected = x @ dequantize(quantize(w, bits, block, symmetric)).T
+    expected = x @ dequantize(qt).T
     np.testing.assert_allclose(sess.run(None, {"A": x})[0], expected, rtol=1e-4, atol=1e-5)
 
 
