@@ -63,13 +63,14 @@ def test_the_stock_fallback_note_names_no_flag_the_demo_lacks(monkeypatch, tmp_p
     from loopcast.exporter.export import ExportOptions, _resolve_op_set
 
     from loopcast.vocab import OpSet
+    from tests.artifacts import config_of
 
     monkeypatch.setenv("LOOPCAST_CACHE", str(tmp_path))
     monkeypatch.setenv("LOOPCAST_NO_FETCH", "1")
     monkeypatch.setattr(build, "find_ort_include", lambda: None)
     monkeypatch.setattr(library, "usable_prebuilt", lambda: (None, "no prebuilt library installed"))
     notes: list[str] = []
-    op_set, lib = _resolve_op_set(ExportOptions(), notes.append)
+    op_set, lib = _resolve_op_set(config_of("llama-tied-gqa"), ExportOptions(), notes.append)
     assert (op_set, lib) == (OpSet.STOCK, None)
     assert len(notes) == 1 and "tools/c_generate/fetch_deps.sh" in notes[0] and "--" not in notes[0]
 
