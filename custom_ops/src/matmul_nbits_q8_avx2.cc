@@ -38,6 +38,7 @@ struct Place {
   int64_t byte0;  // first code byte in a column
   int64_t bytes;  // code bytes present: fewer than the chunk's in a partial last chunk
   bool full;
+  bool live[2];   // whether half h has a lane before the last block's end
   int64_t first;  // first block
   // per half h: the lanes' blocks come from 8 blocks loaded at first + base[h] (those present
   // masked in), lane i taking element pick[h][i]; a lane past the last block reads 0
@@ -69,6 +70,7 @@ std::vector<Place> chunk_places(const Q8Weights& w, const std::vector<Q8Chunk>& 
     for (int h = 0; h < 2; ++h) {
       // lane_k ≤ block size, so a half's 8 lanes span at most 8 blocks
       p.base[h] = ch.lane_k * 8 * h / w.bs;
+      p.live[h] = ch.lane_k * 8 * h / w.bs < count;  // its first lane's block is present
       std::memset(p.zp_pick[h], -1, sizeof(p.zp_pick[h]));  // PSHUFB: index −1 gives 0
       for (int i = 0; i < 8; ++i) {
         const int64_t rb = ch.lane_k * (8 * h + i) / w.bs;
@@ -190,81 +192,122 @@ AVX2_INLINE float combine16(__m256 lo, __m256 hi) {
 // from DRAM once a call).
 constexpr int64_t kPrefetchCols = 16;
 
-// Chunks [c0, c1) (all of VECS vectors) of rows r0..r0+R of column n into acc.
-template <int R, int BITS, int VECS, int ZP>
+// Chunks [c0, c1) (all of VECS vectors) of rows r0..r0+R of columns n..n+C-1 into acc. The C
+// columns' chains are independent: interleaved, they keep the core busy where one column's
+// chain (unpack, dot, fma, combine) would leave it waiting.
+template <int C, int R, int BITS, int VECS, int ZP>
 AVX2_INLINE void span(const Q8Rows& a, const Q8Weights& w, const Place* places, int64_t c0, int64_t c1, int64_t r0,
-                      int64_t n, bool prefetch, __m256 (&acc)[R][2]) {
+                      int64_t n, bool prefetch, __m256 (&acc)[C][R][2]) {
   const int64_t nc = static_cast<int64_t>(a.chunks.size());
   const int64_t col_bytes = w.nb * w.bs * BITS / 8;
   for (int64_t c = c0; c < c1; ++c) {
     const Q8Chunk& ch = a.chunks[static_cast<size_t>(c)];
     const Place& at = places[c];
-    if (prefetch && n + kPrefetchCols < w.N) {
-      const char* ahead = reinterpret_cast<const char*>(w.B + (n + kPrefetchCols) * col_bytes + at.byte0);
-      for (int64_t i = 0; i < at.bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w.scales + (n + kPrefetchCols) * w.nb + at.first), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) {
+      if (prefetch && n + j + kPrefetchCols < w.N) {
+        const char* ahead = reinterpret_cast<const char*>(w.B + (n + j + kPrefetchCols) * col_bytes + at.byte0);
+        for (int64_t i = 0; i < at.bytes; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w.scales + (n + j + kPrefetchCols) * w.nb + at.first),
+                     _MM_HINT_T0);
+      }
     }
-    const uint8_t* p = w.B + n * col_bytes + at.byte0;
-    alignas(32) uint8_t tail[128];
-    if (!at.full) {  // a partial last chunk: the absent bytes read as zero codes
-      std::memset(tail, 0, sizeof(tail));
-      std::memcpy(tail, p, static_cast<size_t>(at.bytes));
-      p = tail;
+    const uint8_t* p[C];
+    alignas(32) uint8_t tail[C][128];
+#pragma GCC unroll 4
+    for (int j = 0; j < C; ++j) {
+      p[j] = w.B + (n + j) * col_bytes + at.byte0;
+      // A partial last chunk reads on into the next column: the codes of its absent k meet q = 0
+      // (the operand is zero past K), so they add nothing, and those lanes' scales are 0. Only a
+      // chunk that would run past the tensor's end copies.
+      if (!at.full && (n + j) * col_bytes + at.byte0 + ch.chunk_k * BITS / 8 > w.N * col_bytes) {
+        std::memset(tail[j], 0, sizeof(tail[j]));
+        std::memcpy(tail[j], p[j], static_cast<size_t>(at.bytes));
+        p[j] = tail[j];
+      }
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      __m256 sw, zp;
-      lane_params<BITS, ZP>(w, n, at, h, &sw, &zp);
-      __m256i codes[VECS];
-      half_codes<BITS, VECS>(p, h, codes);
+      // Every lane past the last block: each would add t·(sa·sw) = 0·0 to an accumulator that
+      // is never −0 (it starts at +0, and a sum is −0 only when both terms are), so skipping
+      // the half leaves the same bits.
+      if (!at.live[h]) continue;
 #pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) {
-        const int64_t rc = (r0 + i) * nc + c;
-        const int8_t* q = a.q.data() + (r0 + i) * a.row_bytes + ch.q_offset + 32 * h;
-        const __m256 sa = _mm256_loadu_ps(a.scale.data() + rc * 16 + 8 * h);
-        const __m256i mid =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_sum_mid.data() + rc * 16 + 8 * h));
-        __m256i d = lane_dot<BITS, VECS>(codes, q);
-        // 4 bits: Σ code·q, less 2^(bits−1)·Σq without zero points; 8 bits: Σ (code − 128)·q,
-        // which is that already, and Σ code·q with zero points
-        if constexpr (BITS == 4 && ZP == kNoZeroPoints) d = _mm256_add_epi32(d, mid);
-        if constexpr (BITS == 8 && ZP != kNoZeroPoints) d = _mm256_sub_epi32(d, mid);
-        __m256 t = _mm256_cvtepi32_ps(d);
-        if constexpr (ZP != kNoZeroPoints) t = _mm256_fnmadd_ps(zp, _mm256_loadu_ps(a.q_sum.data() + rc * 16 + 8 * h), t);
-        acc[i][h] = _mm256_fmadd_ps(t, _mm256_mul_ps(sa, sw), acc[i][h]);
+      for (int j = 0; j < C; ++j) {
+        __m256 sw, zp;
+        lane_params<BITS, ZP>(w, n + j, at, h, &sw, &zp);
+        __m256i codes[VECS];
+        half_codes<BITS, VECS>(p[j], h, codes);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+          const int64_t rc = (r0 + i) * nc + c;
+          const int8_t* q = a.q.data() + (r0 + i) * a.row_bytes + ch.q_offset + 32 * h;
+          const __m256 sa = _mm256_loadu_ps(a.scale.data() + rc * 16 + 8 * h);
+          const __m256i mid =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_sum_mid.data() + rc * 16 + 8 * h));
+          __m256i d = lane_dot<BITS, VECS>(codes, q);
+          // 4 bits: Σ code·q, less 2^(bits−1)·Σq without zero points; 8 bits: Σ (code − 128)·q,
+          // which is that already, and Σ code·q with zero points
+          if constexpr (BITS == 4 && ZP == kNoZeroPoints) d = _mm256_add_epi32(d, mid);
+          if constexpr (BITS == 8 && ZP != kNoZeroPoints) d = _mm256_sub_epi32(d, mid);
+          __m256 t = _mm256_cvtepi32_ps(d);
+          if constexpr (ZP != kNoZeroPoints)
+            t = _mm256_fnmadd_ps(zp, _mm256_loadu_ps(a.q_sum.data() + rc * 16 + 8 * h), t);
+          acc[j][i][h] = _mm256_fmadd_ps(t, _mm256_mul_ps(sa, sw), acc[j][i][h]);
+        }
       }
     }
   }
 }
 
-// Rows r0..r0+R of column n, every chunk (the wide ones, then the narrow ones).
-template <int R, int BITS, int ZP>
+// Rows r0..r0+R of columns n..n+C-1, every chunk (the wide ones, then the narrow ones).
+template <int C, int R, int BITS, int ZP>
 AVX2_TARGET void column_rows(const Q8Rows& a, const Q8Weights& w, const Place* places, int64_t r0, int64_t n,
                              float* Y) {
-  __m256 acc[R][2];
+  __m256 acc[C][R][2];
+#pragma GCC unroll 4
+  for (int j = 0; j < C; ++j)
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int i = 0; i < R; ++i) acc[j][i][0] = acc[j][i][1] = _mm256_setzero_ps();
   const int64_t nc = static_cast<int64_t>(a.chunks.size());
-  if constexpr (BITS == 4) span<R, 4, 8, ZP>(a, w, places, 0, a.n_wide, r0, n, r0 == 0, acc);
-  span<R, BITS, 2, ZP>(a, w, places, a.n_wide, nc, r0, n, r0 == 0, acc);
-  for (int i = 0; i < R; ++i) Y[(r0 + i) * w.N + n] = combine16(acc[i][0], acc[i][1]);
+  if constexpr (BITS == 4) span<C, R, 4, 8, ZP>(a, w, places, 0, a.n_wide, r0, n, r0 == 0, acc);
+  span<C, R, BITS, 2, ZP>(a, w, places, a.n_wide, nc, r0, n, r0 == 0, acc);
+  for (int j = 0; j < C; ++j)
+    for (int i = 0; i < R; ++i) Y[(r0 + i) * w.N + n + j] = combine16(acc[j][i][0], acc[j][i][1]);
 }
 
-// Column by column, the rows in groups of four: a column's codes (under 1 KiB for K ≤ 2048 at 4
-// bits) stay in L1 while each group unpacks them, and four rows' accumulators fit the 16
-// registers. The grouping never changes a row's arithmetic, so never its bits.
+// The rows in groups of four per column: a column's codes (under 1 KiB for K ≤ 2048 at 4 bits)
+// stay in L1 while each group unpacks them, and four rows' accumulators fit the 16 registers;
+// the one to three rows left take two columns at a time (one row alone: four). No grouping
+// changes a row's arithmetic, so none changes its bits.
 template <int BITS, int ZP>
 AVX2_TARGET void columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
   const std::vector<Place> places = chunk_places(w, a.chunks);
   const Place* at = places.data();
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t r = 0;
-    for (; r + 4 <= a.rows; r += 4) column_rows<4, BITS, ZP>(a, w, at, r, n, Y);
-    switch (a.rows - r) {
-      case 3: column_rows<3, BITS, ZP>(a, w, at, r, n, Y); break;
-      case 2: column_rows<2, BITS, ZP>(a, w, at, r, n, Y); break;
-      case 1: column_rows<1, BITS, ZP>(a, w, at, r, n, Y); break;
-      default: break;
+  const int64_t full = a.rows / 4 * 4;
+  int64_t n = n0;
+  for (; n < n1; ++n) {
+    for (int64_t r = 0; r < full; r += 4) column_rows<1, 4, BITS, ZP>(a, w, at, r, n, Y);
+    if (a.rows == full) continue;
+    if (a.rows == 1 && n + 3 < n1) {  // one row: four columns at a time
+      column_rows<4, 1, BITS, ZP>(a, w, at, 0, n, Y);
+      n += 3;
+      continue;
+    }
+    if (n + 1 < n1) {  // two columns of the rows left
+      switch (a.rows - full) {
+        case 3: column_rows<2, 3, BITS, ZP>(a, w, at, full, n, Y); break;
+        case 2: column_rows<2, 2, BITS, ZP>(a, w, at, full, n, Y); break;
+        default: column_rows<2, 1, BITS, ZP>(a, w, at, full, n, Y); break;
+      }
+      for (int64_t r = 0; r < full; r += 4) column_rows<1, 4, BITS, ZP>(a, w, at, r, n + 1, Y);
+      ++n;
+      continue;
+    }
+    switch (a.rows - full) {
+      case 3: column_rows<1, 3, BITS, ZP>(a, w, at, full, n, Y); break;
+      case 2: column_rows<1, 2, BITS, ZP>(a, w, at, full, n, Y); break;
+      default: column_rows<1, 1, BITS, ZP>(a, w, at, full, n, Y); break;
     }
   }
 }

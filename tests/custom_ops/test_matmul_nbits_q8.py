@@ -146,6 +146,27 @@ def test_vector_and_portable_paths_give_the_same_bits(
 
 
 @VECTOR_ISAS
+@pytest.mark.parametrize("bits,block,zp", [(4, 32, "none"), (8, 32, "none"), (4, 16, "u8"), (8, 16, "f32")])
+@pytest.mark.parametrize("K", [16, 48, 200])
+def test_short_columns_read_no_further_than_the_tensor(
+    library: Path, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int, block: int, zp: str, K: int
+) -> None:
+    """A partial last chunk longer than the rest of the tensor's columns (K = 16 at 8 bits: a
+    column of 16 bytes, a chunk of 128): the vector path reads on into the next columns except
+    near the tensor's end, and gives the portable path's bits for every column and row count."""
+    rng = np.random.default_rng(K + bits)
+    N = 11  # 1-row tiles of four columns, then two, then one
+    _, feeds = _case(rng, K, N, bits, block, zp)
+    sess = session(_model(K, N, bits, block, zp), library)
+    A = rng.standard_normal((6, K)).astype(np.float32)
+    _pin(monkeypatch, isa)
+    vector = [sess.run(None, {"A": A[:m], **feeds})[0] for m in (1, 2, 3, 6)]
+    _pin(monkeypatch, "portable")
+    for m, v in zip((1, 2, 3, 6), vector, strict=True):
+        assert np.array_equal(v, sess.run(None, {"A": A[:m], **feeds})[0]), m
+
+
+@VECTOR_ISAS
 @pytest.mark.parametrize("bits,block,zp", [(4, 32, "none"), (4, 16, "f32"), (8, 32, "u8")])
 def test_non_finite_activations_quantize_alike_on_both_paths(
     library: Path, monkeypatch: pytest.MonkeyPatch, isa: str, bits: int, block: int, zp: str
