@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from loopcast import __version__
 from loopcast.config import ModelConfig, generation_max_length, load_config
+from loopcast.cpu_features import cpu_signature
 from loopcast.errors import ExportError
 from loopcast.manifest import (
     MANIFEST_FILE,
@@ -391,7 +392,10 @@ def _with_exactness(manifest: Manifest, staging: Path) -> Manifest:
         # quantized: BatchInvariantMatMulNBits, row-invariant on CUDA as on the CPU
         "cuda": OpSet(manifest.op_set).batch_invariant and not cpu_only,
     }
-    return dataclasses.replace(manifest, exact_verify=exact)
+    # MLAS's kernels (the stock MatMul and MatMulNBits) are picked by the CPU's vector features:
+    # the CPU answer holds where they are this CPU's
+    measured_on = None if OpSet(manifest.op_set).batch_invariant else cpu_signature()
+    return dataclasses.replace(manifest, exact_verify=exact, exact_verify_cpu=measured_on)
 
 
 def with_verify_width(

@@ -43,7 +43,8 @@ from loopcast.vocab import (  # noqa: F401  (re-exported: the manifest's vocabul
 # pipeline's graph: graphs/recurrent_cycles.py); the cycle graph's `exit_gates_BR` (each row's
 # exit-gate logit) where the model has the gate. Later in 7, optional (absent or null in older
 # artifacts: heads of head_dim): `attention_head_size`, the padded size each attention head is
-# stored in (q, k, v and the KV buffers; exporter/head_padding.py).
+# stored in (q, k, v and the KV buffers; exporter/head_padding.py); `exact_verify_cpu`, the
+# signature of the CPU the CPU exactness was measured on (loopcast/cpu_features.py).
 SCHEMA_VERSION = 7
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -150,6 +151,11 @@ class Manifest:
     # attention kernels take (Huginn-0125: 96 -> 128; exporter/head_padding.py): the graphs' q, k,
     # v and every KV buffer's last dimension (kv_layout.shape). None: head_dim, unpadded.
     attention_head_size: int | None = None
+    # The CPU exact_verify["cpu"] was measured on (loopcast/cpu_features.py: the vector features
+    # that pick MLAS's kernels), for op sets whose CPU rows depend on them (not batch-invariant);
+    # the declaration holds on CPUs of this signature only. None: every CPU (the loopcast ops), or
+    # an artifact written before the field.
+    exact_verify_cpu: str | None = None
 
     @property
     def kv_head_size(self) -> int:

@@ -294,6 +294,9 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
     exact = top.get("exact_verify", dict)
     if not all(isinstance(k, str) and isinstance(v, bool) for k, v in exact.items()):
         top.fail("must map device names to true/false", "exact_verify")
+    exact_cpu = top.get("exact_verify_cpu", str, optional=True)
+    if exact_cpu is not None and len(exact_cpu) > 1024:
+        top.fail(f"must be at most 1024 characters, got {len(exact_cpu)}", "exact_verify_cpu")
     genai_files = top.str_list("genai_files")
     quantization = _quantization(top, dtype, op_set)
     source_format = top.get("source_format", str, optional=True, default="safetensors")
@@ -323,6 +326,7 @@ def parse_manifest(raw: dict[str, Any], path: Path) -> Manifest:
         exit_depths=exit_depths,
         source_format=source_format,
         attention_head_size=head_size,
+        exact_verify_cpu=exact_cpu,
     )
 
 

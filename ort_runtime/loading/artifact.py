@@ -53,6 +53,7 @@ from loopcast.ort_runtime.loading.shared_weights import SharedWeights, load_shar
 from loopcast.ort_runtime.loading.trust import op_library_to_load
 
 from loopcast.confined_files import TOKENIZER_MAX_BYTES, read_confined_text
+from loopcast.cpu_features import same_cpu_kernels
 from loopcast.devices import CUDA_INSTALL_ADVICE
 from loopcast.errors import ArtifactError, RequestError
 from loopcast.manifest import (
@@ -120,9 +121,12 @@ class LoadedModel:
         (declared by the exporter in the manifest; missing means no). The CPU declaration was
         measured with prepacked weights; without prepacking (``share_weights=True``) MLAS runs
         one-row MatMuls on its GEMV path and the rows differ, so it does not hold there for the
-        op sets that use the stock MatMul (the loopcast MatMul never prepacks)."""
-        if self.device == "cpu" and not self.prepacked and not OpSet(self.manifest.op_set).batch_invariant:
-            return False
+        op sets that use the stock MatMul (the loopcast MatMul never prepacks). Nor on a CPU whose
+        vector features pick other MLAS kernels than the exporting CPU's (the manifest's
+        ``exact_verify_cpu``; loopcast/cpu_features.py)."""
+        if self.device == "cpu" and not OpSet(self.manifest.op_set).batch_invariant:
+            if not self.prepacked or not same_cpu_kernels(self.manifest.exact_verify_cpu):
+                return False
         return bool(self.manifest.exact_verify.get(self.device, False))
 
     def has(self, kind: str) -> bool:
