@@ -58,6 +58,7 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
         f"weights         {manifest.weights_file} {weights / 2**20:.1f} MiB "
         f"(artifact total {total / 2**20:.1f} MiB)",
         f"custom ops      {', '.join(manifest.custom_ops) or 'none'}{_library_status(Path(path), manifest)}",
+        f"exact verify    {_exact_verify(manifest)}",
         *(
             [f"max batch       {manifest.max_batch} sequences (batched kinds; docs/serving.md)"]
             if manifest.max_batch
@@ -95,6 +96,19 @@ def describe_artifact(path: Path, verify: bool = False) -> str:
             "(loopcast inspect --verify checks them)"
         )
     return "\n".join(lines)
+
+
+def _exact_verify(manifest) -> str:
+    """Where verify rows equal decode rows, as declared, and whether the CPU declaration holds on
+    this CPU (the manifest's exact_verify_cpu names the CPU it was measured on)."""
+    from loopcast.cpu_features import cpu_signature, same_cpu_kernels
+
+    text = ", ".join(f"{d}: {str(v).lower()}" for d, v in sorted(manifest.exact_verify.items())) or "none"
+    measured = manifest.exact_verify_cpu
+    if measured is None or not manifest.exact_verify.get("cpu", False):
+        return text
+    here = "this CPU too" if same_cpu_kernels(measured) else f"not this CPU ({cpu_signature()}): false here"
+    return f"{text} (cpu measured on {measured}; {here})"
 
 
 def _depth(cfg) -> str:

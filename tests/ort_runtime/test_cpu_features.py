@@ -66,3 +66,21 @@ def test_another_cpus_declaration_is_not_trusted(monkeypatch) -> None:
     assert got.stats.exact_greedy and got.tokens == invariant.generate(PROMPT, 16).tokens
     assert plain  # the stock artifact's plain decoding is unaffected
     assert model.generate(PROMPT, 16).tokens == plain
+
+
+def test_inspect_says_which_cpu_the_declaration_holds_on(monkeypatch) -> None:
+    from loopcast.ort_runtime.loading.describe import describe_artifact
+
+    require_exact_cpu_artifacts()
+    here = cpu_features.cpu_signature()
+    line = next(
+        x for x in describe_artifact(artifact("llama-tied-gqa")).splitlines() if x.startswith("exact verify")
+    )
+    assert "cpu: true" in line and line.endswith(f"(cpu measured on {here}; this CPU too)")
+    monkeypatch.setattr(cpu_features, "cpu_signature", lambda: "x86_64: avx some_other_cpu")
+    line = next(
+        x for x in describe_artifact(artifact("llama-tied-gqa")).splitlines() if x.startswith("exact verify")
+    )
+    assert "not this CPU (x86_64: avx some_other_cpu): false here" in line
+    invariant = describe_artifact(artifact("llama-tied-gqa", batch_invariant=True))
+    assert "exact verify    cpu: true" in invariant and "measured on" not in invariant
