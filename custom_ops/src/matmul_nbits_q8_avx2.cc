@@ -16,6 +16,7 @@
 #include "matmul_nbits_q8_cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -325,6 +326,41 @@ void columns_zp(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, flo
 // The upper halves cleared before returning to code that may run legacy SSE (libm's expf).
 AVX2_TARGET void upper_state_clean() { _mm256_zeroupper(); }
 
+// quantize_value (matmul_nbits_q8_cpu.cc) for one value: the tail of a block under 8 values.
+inline int8_t quantize_one(float x, float inv) {
+  const float v = std::nearbyint(x * inv);
+  if (!(v == v)) return 0;
+  return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+}
+
+AVX2_TARGET void quantize_row(const float* a, int64_t K, int64_t bs, int64_t nb, int8_t* qk, float* sa) {
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f), sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t k0 = b * bs, k1 = std::min(K, k0 + bs);
+    // max(|x|, m): a NaN x keeps m (MAXPS returns its second operand), as std::max(m, |x|) does;
+    // m is never NaN, so the order of the maxima changes nothing
+    __m256 m = _mm256_setzero_ps();
+    int64_t k = k0;
+    for (; k + 8 <= k1; k += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(a + k)), m);
+    const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+    for (; k < k1; ++k) amax = std::max(amax, std::fabs(a[k]));
+    sa[b] = amax / 127.0f;
+    const float inv_s = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 inv = _mm256_set1_ps(inv_s);
+    for (k = k0; k + 8 <= k1; k += 8) {
+      const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(a + k), inv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256 c = _mm256_and_ps(_mm256_cmp_ps(v, v, _CMP_ORD_Q), _mm256_min_ps(_mm256_max_ps(v, lo), hi));
+      const __m256i i32 = _mm256_cvtps_epi32(c);
+      const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qk + k), _mm_packs_epi16(i16, i16));
+    }
+    for (; k < k1; ++k) qk[k] = quantize_one(a[k], inv_s);
+  }
+}
+
 }  // namespace
 
 bool avx2_available() {
@@ -340,10 +376,16 @@ void avx2_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, f
   upper_state_clean();
 }
 
+void avx2_quantize_row(const float* a, int64_t K, int64_t bs, int64_t nb, int8_t* qk, float* sa) {
+  quantize_row(a, K, bs, nb, qk, sa);
+  upper_state_clean();
+}
+
 #else  // not x86-64 GCC: no AVX2 path (q8_columns then takes the portable one)
 
 bool avx2_available() { return false; }
 void avx2_columns(const Q8Rows&, const Q8Weights&, int64_t, int64_t, float*) {}
+void avx2_quantize_row(const float*, int64_t, int64_t, int64_t, int8_t*, float*) {}
 
 #endif
 

@@ -38,6 +38,14 @@ inline int64_t operand_k(bool wide, int64_t bits, int v, int j) {
   return bits == 4 ? 2 * j + v : 8 * l + 4 * v + t;
 }
 
+// operand_k of every byte of a chunk's operand vectors (8 vectors wide, else 2), in order.
+std::vector<uint16_t> operand_order(bool wide, int64_t bits) {
+  std::vector<uint16_t> out;
+  for (int v = 0; v < (wide ? 8 : 2); ++v)
+    for (int j = 0; j < 64; ++j) out.push_back(static_cast<uint16_t>(operand_k(wide, bits, v, j)));
+  return out;
+}
+
 float lanes_combine(float* lanes) {
   for (int width = kLanes / 2; width > 0; width /= 2)  // fixed pairwise combine
     for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
@@ -533,24 +541,32 @@ void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int
     return;
   }
 #endif
+  const bool avx2 = vector_isa() == Isa::kAvx2;
+  // operand_k of each byte of a chunk's operand vectors, per chunk form (wide; narrow 4 or 8 bits)
+  static const std::vector<uint16_t> order[3] = {operand_order(true, 4), operand_order(false, 4),
+                                                 operand_order(false, 8)};
   for (int64_t r = 0; r < rows; ++r) {
     const float* a = A + r * K;
     std::fill(qk.begin(), qk.end(), 0);
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t k0 = b * bs, k1 = std::min(K, k0 + bs);
-      float amax = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(a[k]));
-      sa[b] = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int64_t k = k0; k < k1; ++k) qk[k] = quantize_value(a[k], inv);
+    if (avx2) {
+      q8_detail::avx2_quantize_row(a, K, bs, nb, qk.data(), sa.data());
+    } else {
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t k0 = b * bs, k1 = std::min(K, k0 + bs);
+        float amax = 0.0f;
+        for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(a[k]));
+        sa[b] = amax / 127.0f;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int64_t k = k0; k < k1; ++k) qk[k] = quantize_value(a[k], inv);
+      }
     }
     for (int64_t c = 0; c < nc; ++c) {
       const Q8Chunk& ch = out->chunks[static_cast<size_t>(c)];
       const int64_t rc = r * nc + c;
       int8_t* q = out->q.data() + r * out->row_bytes + ch.q_offset;
       const int8_t* src = qk.data() + ch.k0;
-      for (int v = 0; v < ch.vecs; ++v)
-        for (int j = 0; j < 64; ++j) q[v * 64 + j] = src[operand_k(ch.wide, bits, v, j)];
+      const uint16_t* at = order[ch.wide ? 0 : bits == 4 ? 1 : 2].data();
+      for (int64_t i = 0; i < ch.vecs * 64; ++i) q[i] = src[at[i]];
       for (int l = 0; l < kLanes; ++l) {
         const int64_t b = (ch.k0 + ch.lane_k * l) / bs;
         int32_t sum = 0;

@@ -66,6 +66,9 @@ namespace q8_detail {
 // The AVX2 + FMA path (matmul_nbits_q8_avx2.cc).
 bool avx2_available();
 void avx2_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y);
+// One row's blocks quantized into qk (k order, K of them) and sa (per block): the portable
+// quantize's bytes and scales, 8 lanes at a time.
+void avx2_quantize_row(const float* a, int64_t K, int64_t bs, int64_t nb, int8_t* qk, float* sa);
 }  // namespace q8_detail
 
 }  // namespace loopcast
