@@ -36,18 +36,28 @@ def test_report_rows_lookup_identity_and_equal_scores(tmp_path) -> None:
     art = tmp_path / "art"
     export_checkpoint(ckpt, art, ExportOptions(max_length=640, verify_width=4, genai=True))
     _byte_tokenizer(art / "tokenizer.json")
+    config_file = art / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    tok_config["chat_template"] = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    config_file.write_text(json.dumps(tok_config))
     out = tmp_path / "r.json"
     argv = [f"--ours=ours={art}", f"--genai=genai={art}", "--passes=1", "--new-tokens=8"]
     argv += ["--lookup=ours", "--windows=2", "--seq=32", f"--json={out}"]
     assert bench_vs_genai.main(argv) == 0
     report = json.loads(out.read_text())
-    for name in bench_vs_genai.PROMPTS:
+    assert set(report["prompts"]) == {*bench_vs_genai.PROMPTS, "chat-edit"}
+    for name in report["prompts"]:
         rows = report["prompts"][name]
-        assert set(rows) == ({"ours", "genai", "ours+lookup"} if name == "edit" else {"ours", "genai"})
+        edit = name in bench_vs_genai.EDITS
+        assert set(rows) == ({"ours", "genai", "ours+lookup"} if edit else {"ours", "genai"})
         assert rows["genai"]["ratio_decode"] == 1.0
         assert all(len(rows[label]["decode_tok_s"]) == 1 for label in rows)
         assert all(rows[label]["cpu_ms_per_token"][0] > 0 for label in rows)
-    assert report["lookup"]["identical_to_plain"] is True
+    assert set(report["lookup"]) == {"edit", "chat-edit"}
+    assert all(v["identical_to_plain"] is True for v in report["lookup"].values())
     ours, genai = report["contenders"]["ours"], report["contenders"]["genai"]
     assert ours["peak_rss_mib"] > 0 and genai["peak_rss_mib"] > 0
     # byte tokens: the split's tokens per byte is 1, and random weights score near log2(256) = 8

@@ -9,7 +9,8 @@
 
 Each contender runs in its own child process (ours through loopcast's Python API, GenAI
 through ``onnxruntime_genai``'s greedy generator), loaded once; the parent sends each pass's
-prompts (code, prose and an edit prompt whose answer copies the prompt) to every contender in
+prompts (code, prose, an edit prompt whose answer copies the prompt, and the same edit as a chat
+request through the first artifact's chat template) to every contender in
 turn, the order rotated pass by pass, so one child computes at a time. Every contender gets the
 same token ids (the first ``--ours`` artifact's tokenizer) and stops at EOS or ``--new-tokens``.
 Decode tok/s = (tokens - 1) / (time from the first token to the last), end to end = tokens /
@@ -17,8 +18,8 @@ Decode tok/s = (tokens - 1) / (time from the first token to the last), end to en
 its threads, spinning included) per token, the figure a shared machine's load disturbs least.
 Peak RSS is the child's own ``ru_maxrss``. Ratios are taken in the same pass against the
 reference (``--against``, default the first ``--genai``) and the median over passes is
-reported. ``--lookup LABEL`` also runs that artifact with prompt lookup on the edit prompt and
-checks its tokens equal its plain greedy tokens (exit status 1 if not). Held-out bits/byte:
+reported. ``--lookup LABEL`` also runs that artifact with prompt lookup on the two edit prompts
+and checks its tokens equal its plain greedy tokens (exit status 1 if not). Held-out bits/byte:
 every artifact scores the same windows of this interpreter's stdlib held-out split
 (tools/demo_model/demo_corpus.py) tokenized with that tokenizer, teacher-forced (ours through
 the verify graph, W rows a call; GenAI's through onnxruntime_genai, each window one prompt
@@ -65,6 +66,14 @@ PROMPTS["edit"] = (
     "The same function with the variable `config` renamed to `settings`:\n\n```python\n"
 )
 EDIT = "edit"
+# The same edit asked of an instruct model as its users ask it: one user turn through the first
+# artifact's chat template (skipped when that artifact has none).
+CHAT_EDIT = "chat-edit"
+CHAT_EDIT_REQUEST = (
+    "Rename the variable `config` to `settings` in this Python function. Reply with the whole function "
+    "only.\n\n```python\n" + EDIT_SOURCE + "```"
+)
+EDITS = (EDIT, CHAT_EDIT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="our sessions' intra-op threads")
-    p.add_argument("--lookup", default=None, help="--ours label: also prompt lookup on edit")
+    p.add_argument("--lookup", default=None, help="--ours label: also prompt lookup on the edit prompts")
     p.add_argument("--windows", type=int, default=8, help="held-out windows for bits/byte (0: skip)")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--json", type=Path, default=None)
@@ -201,6 +210,12 @@ def main(argv=None) -> int:
 
     tokenizer = Tokenizer.from_file(str(next(iter(ours.values())) / "tokenizer.json"))
     prompts = {name: tokenizer.encode(text).ids for name, text in PROMPTS.items()}
+    from loopcast.ort_runtime.text.chat import load_chat_template
+
+    template = load_chat_template(next(iter(ours.values())))
+    if template is not None:
+        text = template.render([{"role": "user", "content": CHAT_EDIT_REQUEST}], add_generation_prompt=True)
+        prompts[CHAT_EDIT] = tokenizer.encode(text, add_special_tokens=False).ids
     runners = {c.label: c for c in contenders}
     if args.lookup is not None:
         lookup = Contender(args.lookup + "+lookup", "ours", ours[args.lookup])
@@ -220,7 +235,7 @@ def main(argv=None) -> int:
             turn = order[i % len(order) :] + order[: i % len(order)]
             for label in turn:
                 c = runners[label]
-                if c.label.endswith("+lookup") and name != EDIT:
+                if c.label.endswith("+lookup") and name not in EDITS:
                     continue
                 mode = "prompt-lookup" if c.label.endswith("+lookup") else "none"
                 reply = c.generate(ids, args.new_tokens, mode)
@@ -265,18 +280,19 @@ def main(argv=None) -> int:
             )
     bad = 0
     if args.lookup is not None:
-        plain, spec = tokens[(EDIT, args.lookup)], tokens[(EDIT, args.lookup + "+lookup")]
-        same = all(s == plain[0] for s in spec + plain)
-        bad += not same
-        speedup = statistics.median(
-            s[0] / p[0]
-            for s, p in zip(results[EDIT][args.lookup + "+lookup"], results[EDIT][args.lookup], strict=True)
-        )
-        report["lookup"] = {"identical_to_plain": same, "speedup_decode": speedup}
-        print(
-            f"\nprompt lookup on {EDIT}: x{speedup:.2f} decode over {args.lookup} plain; tokens "
-            f"{'identical to' if same else 'DIFFER from'} plain greedy"
-        )
+        report["lookup"] = {}
+        print()
+        for name in (e for e in EDITS if e in prompts):
+            plain, spec = tokens[(name, args.lookup)], tokens[(name, args.lookup + "+lookup")]
+            same = all(s == plain[0] for s in spec + plain)
+            bad += not same
+            pairs = zip(results[name][args.lookup + "+lookup"], results[name][args.lookup], strict=True)
+            speedup = statistics.median(s[0] / p[0] for s, p in pairs)
+            report["lookup"][name] = {"identical_to_plain": same, "speedup_decode": speedup}
+            print(
+                f"prompt lookup on {name}: x{speedup:.2f} decode over "
+                f"{args.lookup} plain; tokens {'identical to' if same else 'DIFFER from'} plain greedy"
+            )
     tokenizer_json = next(iter(ours.values())) / "tokenizer.json"
     windows, tpb = stdlib_windows(tokenizer_json, args.windows, args.seq) if args.windows else ([], 0.0)
     print("\n| contender | bits/byte | peak RSS MiB | artifact MiB |")
