@@ -18,17 +18,24 @@
 //           then an xor butterfly over the LPP = D/VEC lanes of the position
 //   l, a    position group g (PPI = 128/LPP groups) sums positions g, g+PPI, ... serially, then
 //           an xor butterfly over the groups of a warp, then serially over the 4 warps
-// and stores (m_c, l_c, a_c) to a static scratch. The last block of a (row, head) to finish (an
-// atomic counter; it only decides who combines) merges chunks 0..p/C in ascending order:
+// and keeps (m_c, l_c, a_c) for the merge of chunks 0..p/C in ascending order:
 //   M = max m_c, w_c = exp(m_c - M), out = (sum_c w_c a_c) / (sum_c w_c l_c), serial in c.
+// They go to a static scratch and the last block of a (row, head) to finish (an atomic counter; it
+// only decides who combines) merges them. Under LOOPCAST_ATTN_CLUSTER (a launch knob, off by
+// default) the blocks of a (rows, heads) group are one thread-block cluster instead: the partials
+// stay in each block's shared memory and, after a cluster barrier, one rank per unit merges them
+// in place. Same terms, same bits.
 // Which block computes which chunk (blocks stride over chunks; one block serves several rows and
 // the q heads of a kv head, so K/V are loaded once for them) is free: it changes no arithmetic.
 // The scratch and counters are process-wide statics: calls on one device must not run
 // concurrently on different streams (a session runs its steps one at a time). Whether the split
 // kernel is used depends on Hq, D and the capacity only (sized for S = 32 rows per batch entry),
 // never on B or on S <= 32: a batch that overflows the scratch runs as several launches.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cfloat>
+#include <mutex>
 
 #include "attention_common.cuh"
 #include "cuda_common.cuh"
@@ -36,6 +43,8 @@
 
 namespace loopcast_cuda {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;

@@ -50,6 +50,58 @@ __device__ __forceinline__ void new_kv(const T* __restrict__ qkv, const T* __res
   }
 }
 
+// The cluster merge (CL below): after the barrier that publishes every rank's partials, rank x
+// merges units x, x + NB, ... of its group; then a second barrier, so no rank exits (its shared
+// memory gone) while a peer still reads it. The merge is the scratch path's, term for term.
+template <typename T, int D>
+__device__ void cluster_merge(float* part_s, float* w_s, float* cl_s, float* cm_s, T* __restrict__ out, int b, int S,
+                              int i0, int i1, int hq0, int n, int HB, int Hq, int NB, int x, int cpb, int cap_eff,
+                              int rotary_len, bool do_rotary) {
+  constexpr int P = D + 2;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nunits = (i1 - i0) * HB;
+  for (int u = x; u < nunits; u += NB) {
+    const int i = i0 + u / HB, p = n + i;
+    if (!row_valid(p, cap_eff, rotary_len, do_rotary)) continue;  // uniform
+    const int nc = p / kChunk + 1;
+    // chunk c's partial: rank c % NB, slot c / NB
+    auto part = [&](int c) {
+      return cluster.map_shared_rank(part_s, c % NB) + (static_cast<size_t>(u) * cpb + c / NB) * P;
+    };
+    float mloc = -FLT_MAX;
+    for (int c = tid; c < nc; c += kSplitThreads) {
+      const float* pc = part(c);
+      const float mc = pc[0];
+      w_s[c] = mc;
+      cl_s[c] = pc[1];
+      mloc = fmaxf(mloc, mc);
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+    if (lane == 0) cm_s[warp] = mloc;
+    __syncthreads();
+    float M = cm_s[0];
+#pragma unroll
+    for (int w = 1; w < kSplitWarps; ++w) M = fmaxf(M, cm_s[w]);
+    for (int c = tid; c < nc; c += kSplitThreads) w_s[c] = expf(__fsub_rn(w_s[c], M));
+    __syncthreads();
+    if (tid < D) {
+      float L = 0.0f, O = 0.0f;
+#pragma unroll 8
+      for (int c = 0; c < nc; ++c) {
+        const float w = w_s[c];
+        L = fmaf(w, cl_s[c], L);
+        O = fmaf(w, part(c)[2 + tid], O);
+      }
+      out[(static_cast<size_t>(b * S + i) * Hq + hq0 + u % HB) * D + tid] = from_f<T>(O / L);
+    }
+    __syncthreads();  // w_s, cl_s, cm_s reuse
+  }
+  cluster.sync();
+}
+
 // grid (NB, Hq/HB, B*nRG): block x takes chunks x, x+NB, ...; y the q heads y*HB..y*HB+HB-1 (one
 // kv head); z = b*nRG + rg the rows rg*RG..rg*RG+RG-1.
 //
@@ -57,12 +109,18 @@ __device__ __forceinline__ void new_kv(const T* __restrict__ qkv, const T* __res
 // blocks with x == 0 whose q heads start a kv-head group write their rows, and within the launch
 // every block takes positions >= n (the new rows) from qkv instead of the cache, so no block
 // reads an entry that this launch writes.
-template <typename T, int D>
+//
+// CL (cluster merge): the NB blocks of a (rows, heads) group form one thread-block cluster, each
+// keeps its chunks' partials in its own shared memory (chunk c at rank c % NB, slot c / NB), and
+// after one cluster barrier rank u % NB merges unit u reading its peers' partials in place: the
+// same partials and the same merge expression as the scratch path, so the same bits, without the
+// fence, the counter's atomic and the partials' round trip through L2.
+template <typename T, int D, bool CL>
 __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
     const T* __restrict__ qkv, T* __restrict__ pk, T* __restrict__ pv, const int32_t* __restrict__ seqlens,
     const T* __restrict__ cos_cache, const T* __restrict__ sin_cache, T* __restrict__ out, int S, int Hq, int Hkv,
     int cap, int rotary_len, float scale, bool do_rotary, int nch_cap, int HB, int RG, const KVTable tab,
-    const int32_t* __restrict__ masked, bool prefetch) {
+    const int32_t* __restrict__ masked, bool prefetch, int cpb) {
   constexpr int VEC = Vec<T>::N, LPP = D / VEC, PPI = kSplitThreads / LPP, R = kChunk / PPI, half = D / 2;
   static_assert(LPP >= 1 && LPP <= 32 && 32 % LPP == 0 && kChunk % PPI == 0 && D <= kSplitThreads, "layout");
   constexpr int P = D + 2;  // floats per chunk partial
@@ -74,6 +132,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
   __shared__ float cl_s[kMaxChunks];
   __shared__ float cm_s[kSplitWarps];
   __shared__ int last_s[kMaxUnitsPerBlock];
+  extern __shared__ __align__(16) float cluster_part_s[];  // CL: [units][cpb][P]
 
   pdl_trigger();
   if (prefetch && tab.rows == 0 && masked == nullptr) {
@@ -143,7 +202,16 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
         out[(static_cast<size_t>(b * S + i) * Hq + hq0 + e / D) * D + e % D] = from_f<T>(0.0f);
     }
   }
-  if (p_hi < 0 || x * kChunk > p_hi) return;  // uniform over the block
+  const bool active = p_hi >= 0 && x * kChunk <= p_hi;  // uniform over the block
+  if constexpr (!CL) {
+    if (!active) return;
+  } else {
+    if (!active) {  // nothing to compute, but every rank takes part in the cluster's barriers
+      cluster_merge<T, D>(cluster_part_s, w_s, cl_s, cm_s, out, b, S, i0, i1, hq0, n, HB, Hq, NB, x, cpb, cap_eff,
+                          rotary_len, do_rotary);
+      return;
+    }
+  }
 
   // Rotated q of every unit (the same expression in every block: the same bits).
   for (int e = tid; e < nunits * D; e += kSplitThreads) {
@@ -205,7 +273,8 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
       if (lane == 0) l_s2[buf][warp] = lsum;
       __syncthreads();
       const int unit = (b * S + i) * Hq + hq0 + u % HB;
-      float* part = g_attn_scratch + (static_cast<size_t>(unit) * nch_cap + c) * P;
+      float* part = CL ? cluster_part_s + (static_cast<size_t>(u) * cpb + c / NB) * P
+                       : g_attn_scratch + (static_cast<size_t>(unit) * nch_cap + c) * P;
       if (tid < D) {
         float a = red_s[buf][0][tid];
 #pragma unroll
@@ -223,6 +292,11 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
     }
   }
 
+  if constexpr (CL) {
+    cluster_merge<T, D>(cluster_part_s, w_s, cl_s, cm_s, out, b, S, i0, i1, hq0, n, HB, Hq, NB, x, cpb, cap_eff,
+                          rotary_len, do_rotary);
+    return;
+  }
   // Count this block in for every unit it served; the last one in merges that unit's chunks.
   __threadfence();
   __syncthreads();
@@ -287,6 +361,47 @@ bool split_fits(int B, int S, int Hq, int Hkv, int D, int cap) {
   return units <= kMaxUnits && units * nch * (D + 2) <= static_cast<long long>(kScratchFloats) && nch <= kMaxChunks;
 }
 
+// The cluster merge is a launch knob, off by default: LOOPCAST_ATTN_CLUSTER=N (2..16) takes it with
+// clusters of up to N blocks, 0 or unset the scratch path (read at every launch, so a benchmark can
+// time both; the bits are the same). On an H200 clusters of 8 shortened the captured Ouro-1.4B
+// chain by up to 6 % at 400 past positions and lengthened it by up to 7 % at 1000, where a rank
+// takes two chunks one after the other (docs/perf.md, "Split attention's cluster merge").
+constexpr int kClusterMax = 16;
+constexpr int kClusterPartBytes = 96 << 10;
+
+// Whether the device can place a cluster of nb blocks of this kernel with smem bytes each (a host
+// query, not a stream operation: fine while a graph is captured), remembered per shape.
+template <typename Kernel>
+bool cluster_fits(Kernel kernel, int nb, size_t smem) {
+  static const void* last_fn = nullptr;
+  static int last_nb = 0;
+  static size_t last_smem = 0;
+  static bool last_ok = false;
+  static std::mutex guard;
+  const std::lock_guard<std::mutex> hold(guard);
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  if (fn == last_fn && nb == last_nb && smem == last_smem) return last_ok;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(nb), 1, 1);
+  cfg.blockDim = dim3(kSplitThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(nb);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  const bool ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters >= 1;
+  if (!ok) (void)cudaGetLastError();
+  last_fn = fn;
+  last_nb = nb;
+  last_smem = smem;
+  last_ok = ok;
+  return ok;
+}
+
 template <typename T, int D>
 int launch_split(const T* qkv, T* pk, T* pv, const int32_t* seqlens, const T* cos_cache,
                  const T* sin_cache, T* out, int B, int S, int Hq, int Hkv, int cap, int rotary_len, float scale,
@@ -303,11 +418,34 @@ int launch_split(const T* qkv, T* pk, T* pv, const int32_t* seqlens, const T* co
   const int nch = (cap + kChunk - 1) / kChunk;
   const long long cols = static_cast<long long>(Hq / HB) * B * nRG;
   if (static_cast<long long>(B) * nRG > 65535 || Hq / HB > 65535) return static_cast<int>(cudaErrorInvalidValue);
+  const bool pf = env_knob("LOOPCAST_ATTN_PF", 0, 0, 1) == 1;
+  const dim3 grid_yz(1, Hq / HB, B * nRG);
+  // The cluster merge: NB = the cluster, from the capacity (never from the positions, which the
+  // device holds), where one block's partials fit its shared memory.
+  const int cl_max = env_knob("LOOPCAST_ATTN_CLUSTER", 0, 0, kClusterMax);
+  if (cl_max >= 2 && nch >= 2) {
+    const int nb = std::min(cl_max, nch), cpb = (nch + nb - 1) / nb;
+    const size_t smem = static_cast<size_t>(RG) * HB * cpb * (D + 2) * sizeof(float);
+    auto kernel = split_attend_kernel<T, D, true>;
+    bool ok = smem <= static_cast<size_t>(kClusterPartBytes) &&
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) ==
+                  cudaSuccess;
+    if (ok && nb > 8) ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
+    if (ok) ok = cluster_fits(kernel, nb, smem);
+    if (ok) {
+      const cudaError_t err = launch_kernel(kernel, dim3(static_cast<unsigned>(nb), grid_yz.y, grid_yz.z),
+                                            dim3(kSplitThreads), smem, stream, nb, qkv, pk, pv, seqlens, cos_cache,
+                                            sin_cache, out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG,
+                                            tab, masked, pf, cpb);
+      if (err == cudaSuccess) return 0;
+      (void)cudaGetLastError();  // a cluster this device cannot place: the scratch path below
+    }
+  }
   long long NB = (split_target_blocks() + cols - 1) / cols;
   if (NB > nch) NB = nch;
   if (NB < 1) NB = 1;
-  return static_cast<int>(launch_kernel(split_attend_kernel<T, D>, dim3(static_cast<unsigned>(NB), Hq / HB, B * nRG),
-                                        dim3(kSplitThreads), 0, stream, 0, qkv, pk, pv, seqlens, cos_cache, sin_cache,
-                                        out, S, Hq, Hkv, cap, rotary_len, scale, do_rotary, nch, HB, RG, tab,
-                                        masked, env_knob("LOOPCAST_ATTN_PF", 0, 0, 1) == 1));
+  return static_cast<int>(launch_kernel(split_attend_kernel<T, D, false>,
+                                        dim3(static_cast<unsigned>(NB), grid_yz.y, grid_yz.z), dim3(kSplitThreads), 0,
+                                        stream, 0, qkv, pk, pv, seqlens, cos_cache, sin_cache, out, S, Hq, Hkv, cap,
+                                        rotary_len, scale, do_rotary, nch, HB, RG, tab, masked, pf, 0));
 }

@@ -351,6 +351,37 @@ def test_attention_long_cache_rows_invariant(cuda_library: Path, dtype: str) -> 
     np.testing.assert_allclose(_host(single), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "Hq,Hkv,D,T,S,n",
+    [
+        (16, 16, 128, 4160, 8, [4096 - 3, 1000]),  # Ouro-1.4B heads, many chunks a rank
+        (16, 4, 128, 300, 5, [250, 61]),
+        (8, 1, 64, 300, 3, [0, 130]),  # one group of 8 q heads a block; a row alone in chunk 0
+        (32, 2, 64, 1000, 16, [0, 937]),
+        (4, 4, 32, 128, 1, [0, 127]),  # two chunks: one rank idle at position 0
+    ],
+)
+def test_attention_cluster_merge_is_the_scratch_merge(
+    cuda_library: Path, monkeypatch, dtype: str, Hq: int, Hkv: int, D: int, T: int, S: int, n: list[int]
+) -> None:
+    """The split kernel's cluster merge (partials in the ranks' shared memory; the launch knob
+    LOOPCAST_ATTN_CLUSTER=N caps the cluster) gives the bits of the default scratch-and-counter merge,
+    output and cache, whatever the cluster."""
+    lib = _lib(cuda_library)
+    kw = dict(Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+    feeds = attention_feeds(
+        np.random.default_rng(D + S), B=2, S=S, n=np.array(n), Hq=Hq, Hkv=Hkv, D=D, T=T, dtype=dtype
+    )
+    monkeypatch.delenv("LOOPCAST_ATTN_CLUSTER", raising=False)
+    scratch = cuda_attention(lib, feeds, **kw)
+    _close(scratch, reference_attention(feeds, **kw), dtype)
+    for cluster in ("2", "5", "8", "16"):
+        monkeypatch.setenv("LOOPCAST_ATTN_CLUSTER", cluster)
+        got = cuda_attention(lib, feeds, **kw)
+        assert all(np.array_equal(a, b) for a, b in zip(got, scratch, strict=True)), cluster
+
+
 def test_attention_serial_fallback_rows_invariant(cuda_library: Path) -> None:
     """A capacity whose partials do not fit the static scratch: the serial kernel, still invariant."""
     lib = _lib(cuda_library)
