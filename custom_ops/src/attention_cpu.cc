@@ -2,8 +2,8 @@
 // packed-QKV GroupQueryAttention form our graphs use.
 //
 // Row invariance: all new rows' K/V are rotated, rounded to T and stored first; then each row
-// attends over positions 0..p reading only the stored cache and its own q (one task per kv head on
-// ORT's thread pool; a task's rows share key and value loads, never a partial sum). Every
+// attends over positions 0..p reading only the stored cache and its own q (tasks of a few rows of
+// one kv head on ORT's thread pool; a task's rows share key and value loads, never a partial sum). Every
 // reduction has an order fixed by the row's keys alone (attention_row_math.h), so row i of an
 // S-row call is bit-identical to the same row computed alone after rows < i were committed.
 #include <algorithm>
@@ -19,6 +19,8 @@
 
 namespace loopcast {
 namespace {
+
+constexpr int64_t kTasks = 12;  // tasks to aim for per call (rows allowing): even on 2-4 threads
 
 template <typename T>
 struct AttentionCpuKernel {
@@ -69,12 +71,18 @@ struct AttentionCpuKernel {
         }
       }
     }
-    // 2. Each (batch, kv head) is its own task on ORT's intra-op pool: the rows of its q heads
-    // attend over the stored cache at positions 0..p. Tasks share nothing but the read-only
-    // cache, so how they are scheduled cannot change a bit; the rows of a task share only the
-    // loads of each key and value, never a partial sum.
-    Heads heads{this, s, qkv, cos, sin, pk, pv, out, seqlens, width, group, half};
-    ctx.ParallelFor(&Heads::run, static_cast<size_t>(B * Hkv), 0, &heads);
+    // 2. The rows of each (batch, kv head) — its q heads at the new positions — attend over the
+    // stored cache at positions 0..p, in tasks on ORT's intra-op pool of up to `chunk` rows each.
+    // Tasks share nothing but the read-only cache, so how they are scheduled cannot change a
+    // bit; the rows of a task share only the loads of each key and value, never a partial sum,
+    // so neither can how the rows are cut into tasks. About kTasks of them: with one task per
+    // kv head, 3 kv heads on 2 threads left one thread idle a third of the time.
+    const int64_t rows = group * S, heads_b = B * Hkv;
+    const int64_t pieces = std::min(rows, (kTasks + heads_b - 1) / heads_b);
+    const int64_t chunk = (rows + pieces - 1) / pieces;
+    const int64_t per_head = (rows + chunk - 1) / chunk;
+    Heads heads{this, s, qkv, cos, sin, pk, pv, out, seqlens, width, group, half, chunk, per_head};
+    ctx.ParallelFor(&Heads::run, static_cast<size_t>(heads_b * per_head), 0, &heads);
   }
 
   struct Heads {
@@ -83,15 +91,21 @@ struct AttentionCpuKernel {
     const T *qkv, *cos, *sin, *pk, *pv;
     T* out;
     const int32_t* seqlens;
-    int64_t width, group, half;
+    int64_t width, group, half, chunk, per_head;
 
-    static void run(void* raw, size_t task) {
+    static void run(void* raw, size_t task_index) {
       const Heads& r = *static_cast<const Heads*>(raw);
       const AttentionAttrs& attrs = r.self->attrs;
       const int64_t S = r.s.S, D = r.s.D, T_cap = r.s.T, Hq = attrs.num_heads, Hkv = attrs.kv_num_heads;
-      const int64_t kvh = static_cast<int64_t>(task) % Hkv, b = static_cast<int64_t>(task) / Hkv;
-      const int64_t n = static_cast<int64_t>(r.seqlens[b]) + 1 - S, last = n + S - 1;
-      const int64_t rows = r.group * S;  // row g·S + i: q head kvh·group + g at position n + i
+      const int64_t task = static_cast<int64_t>(task_index);
+      const int64_t head = task / r.per_head, piece = task % r.per_head;
+      const int64_t kvh = head % Hkv, b = head / Hkv;
+      const int64_t n = static_cast<int64_t>(r.seqlens[b]) + 1 - S;
+      // this task's rows j = first..first+rows-1 of the kv head's row j = g·S + i: q head
+      // kvh·group + g at position n + i
+      const int64_t first = piece * r.chunk, rows = std::min(r.chunk, r.group * S - first);
+      int64_t last = 0;  // the latest position among them: the keys they read are 0..last
+      for (int64_t j = first; j < first + rows; ++j) last = std::max(last, n + j % S);
       thread_local std::vector<float> q, acc, scores, sums, out, keys32, values32;
       thread_local std::vector<int64_t> counts;
       q.resize(static_cast<size_t>(rows * D));
@@ -100,23 +114,22 @@ struct AttentionCpuKernel {
       scores.resize(static_cast<size_t>(rows * (last + 1)));
       sums.resize(static_cast<size_t>(rows));
       counts.resize(static_cast<size_t>(rows));
-      for (int64_t g = 0; g < r.group; ++g)
-        for (int64_t i = 0; i < S; ++i) {
-          const int64_t p = n + i, h = kvh * r.group + g;
-          rotate(r.qkv + (b * S + i) * r.width + h * D, r.cos ? r.cos + p * r.half : nullptr,
-                 r.sin ? r.sin + p * r.half : nullptr, D, attrs.do_rotary, q.data() + (g * S + i) * D);
-          counts[static_cast<size_t>(g * S + i)] = p + 1;  // keys 0..p
-        }
+      for (int64_t t = 0; t < rows; ++t) {
+        const int64_t g = (first + t) / S, i = (first + t) % S, p = n + i, h = kvh * r.group + g;
+        rotate(r.qkv + (b * S + i) * r.width + h * D, r.cos ? r.cos + p * r.half : nullptr,
+               r.sin ? r.sin + p * r.half : nullptr, D, attrs.do_rotary, q.data() + t * D);
+        counts[static_cast<size_t>(t)] = p + 1;  // keys 0..p
+      }
       const size_t cache = static_cast<size_t>((b * Hkv + kvh) * T_cap * D);
       const float* kc = rows_f32(r.pk + cache, last + 1, D, keys32);
       const float* vc = rows_f32(r.pv + cache, last + 1, D, values32);
       attend_causal_rows(q.data(), rows, counts.data(), kc, vc, D, r.s.scale, last + 1, scores.data(), acc.data(),
                          sums.data(), out.data());
-      for (int64_t g = 0; g < r.group; ++g)
-        for (int64_t i = 0; i < S; ++i) {
-          T* o = r.out + (b * S + i) * Hq * D + (kvh * r.group + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(out[(g * S + i) * D + d]);
-        }
+      for (int64_t t = 0; t < rows; ++t) {
+        const int64_t g = (first + t) / S, i = (first + t) % S;
+        T* o = r.out + (b * S + i) * Hq * D + (kvh * r.group + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(out[t * D + d]);
+      }
     }
   };
 };

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ops_common.h"
+#include "vector_math.h"
 
 namespace loopcast {
 
@@ -47,9 +48,6 @@ inline void rotate(const T* x, const T* cos_row, const T* sin_row, int64_t D, bo
 #define LOOPCAST_ROW_INLINE inline __attribute__((always_inline))
 
 namespace {
-
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 LOOPCAST_ROW_INLINE float combine8(const float* l) {
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
@@ -147,30 +145,10 @@ LOOPCAST_ROW_INLINE void score_keys(const float* q, const float* keys, int64_t c
   for (; t < count; ++t) scores[t] = dot8(q, keys + t * D, D) * scale;
 }
 
-// e[0..8) = exp(e - mx) for e <= mx, within 2 ulp: x = n·ln2 + r (n rounded to nearest, ln2 in two
-// parts), e^r by Cephes' degree-6 polynomial, times 2^n from the exponent bits. Below -87 it
-// gives about 2^-126 (such a key's weight is nil beside the max's 1).
+// e[0..8) = exp(e - mx) for e <= mx: exp8 (vector_math.h) of the differences.
 LOOPCAST_ROW_INLINE void exp8_minus(float* e, float mx) {
-  f32x8 x;
-  std::memcpy(&x, e, sizeof x);
-  x = x - mx;
-  const f32x8 lo = f32x8{} - 87.0f;
-  x = x < lo ? lo : x;
-  const f32x8 magic = f32x8{} + 12582912.0f;  // 1.5·2^23: adding and subtracting it rounds to an integer
-  const f32x8 n = (x * 1.44269504088896341f + magic) - magic;
-  f32x8 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  f32x8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
-  f32x8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  p = p * scale;
-  std::memcpy(e, &p, sizeof p);
+  for (int l = 0; l < 8; ++l) e[l] = e[l] - mx;
+  exp8(e);
 }
 
 // e[0..n): scores in, weights exp(s - max) out; returns their sum (eight fixed lanes over t).

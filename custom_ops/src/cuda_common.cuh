@@ -21,7 +21,7 @@ template <> __device__ __forceinline__ __half from_f<__half>(float v) { return _
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // SwiGLU of one element pair, T(T(silu(gate)) * up): explicit _rn operations (no contraction), the
-// roundings of the CPU kernels (ops_common.h swiglu_value).
+// roundings of the CPU kernels (swiglu_row.h).
 template <typename T>
 __device__ __forceinline__ T swiglu_value(T gate, T up) {
   const float g = to_f(gate);

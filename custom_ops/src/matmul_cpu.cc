@@ -15,6 +15,7 @@
 #include "norm_prologue_io.h"
 #include "op_schemas.h"
 #include "residual_norm_rows.h"
+#include "swiglu_row.h"
 
 namespace loopcast {
 namespace {
@@ -43,7 +44,7 @@ struct MatMulCpuKernel {
     } else if (attrs.swiglu) {
       act.resize(static_cast<size_t>(rows * K));
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < K; ++k) act[r * K + k] = swiglu_value(A[r * 2 * K + k], A[r * 2 * K + K + k]);
+        swiglu_row(A + r * 2 * K, A + r * 2 * K + K, act.data() + r * K, K);
       A = act.data();
     }
     const T* B = b.GetTensorData<T>();

@@ -20,6 +20,7 @@
 #include "matmul_nbits_op.h"
 #include "matmul_nbits_q8_cpu.h"
 #include "residual_norm_rows.h"
+#include "swiglu_row.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LOOPCAST_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -175,10 +176,13 @@ struct NBitsCpuKernel {
     // row padded with zeros to a multiple of 16.
     const int64_t Kp = (K + kLanes - 1) / kLanes * kLanes;
     std::vector<float> a_f(static_cast<size_t>(rows * Kp), 0.0f);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < K; ++k)
-        a_f[r * Kp + k] = attrs.swiglu ? to_float(swiglu_value(A[r * 2 * K + k], A[r * 2 * K + K + k]))
-                                       : to_float(A[r * K + k]);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (attrs.swiglu) {
+        swiglu_row(A + r * 2 * K, A + r * 2 * K + K, a_f.data() + r * Kp, K);
+      } else {
+        for (int64_t k = 0; k < K; ++k) a_f[r * Kp + k] = to_float(A[r * K + k]);
+      }
+    }
     T* Y = y.GetTensorMutableData<T>();
     std::vector<float> y_f;
     float* y_ptr = nullptr;

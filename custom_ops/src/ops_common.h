@@ -18,14 +18,6 @@ template <typename T> inline T from_float(float v) { return static_cast<T>(v); }
 template <> inline Ort::Float16_t from_float(float v) { return Ort::Float16_t(v); }
 template <> inline Ort::BFloat16_t from_float(float v) { return Ort::BFloat16_t(v); }
 
-// SwiGLU of one element pair, T(T(silu(gate)) * up) in fp32 math: silu rounded to T before the
-// product, as torch's F.silu(gate) * up does in half precision (SwiGLU op and the swiglu=1 matmul).
-template <typename T> inline T swiglu_value(T gate, T up) {
-  const float g = to_float(gate);
-  const float silu = to_float(from_float<T>(g / (1.0f + std::exp(-g))));
-  return from_float<T>(silu * to_float(up));
-}
-
 template <typename T> struct ElementType;
 template <> struct ElementType<float> { static constexpr auto value = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
 template <> struct ElementType<Ort::Float16_t> { static constexpr auto value = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; };

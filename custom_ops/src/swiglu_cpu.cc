@@ -1,10 +1,9 @@
 // SwiGLU, CPU kernel: out = T(T(silu(gate)) * up) over gate_up = [gate | up], fp32 math. silu is
 // rounded to T before the product, as torch's F.silu(gate) * up does in half precision.
 // Elementwise, so a row never depends on the other rows of the call.
-#include <cmath>
-
 #include "cpu_ops.h"
 #include "op_schemas.h"
+#include "swiglu_row.h"
 
 namespace loopcast {
 namespace {
@@ -24,7 +23,7 @@ struct SwiGLUCpuKernel {
       const T* gate = in + r * 2 * I;
       const T* up = gate + I;
       T* o = out + r * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = swiglu_value(gate[i], up[i]);
+      swiglu_row(gate, up, o, I);
     }
   }
 };

@@ -145,6 +145,11 @@ class GateCounters:
     def wants_evidence(self, step: int) -> bool:
         return False
 
+    def fit(self, drafts: int, evidence: int | None) -> int:
+        """How many of a proposal's ``drafts`` to verify (gates that price evidence: fewer,
+        or 0 for a plain step); ``evidence``: the proposal's (``Proposal.evidence``)."""
+        return drafts
+
     def plain_streak(self, step: int) -> int:
         """Steps from this one on that are sure to be plain (1: only this one)."""
         return 1
@@ -179,7 +184,14 @@ class AlwaysGate(GateCounters):
         self._switch(True)
         return self._count(self.k)
 
-    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+    def observe(
+        self,
+        proposed: int,
+        accepted: int,
+        would_hit: bool | None = None,
+        step: int = 0,
+        evidence: int | None = None,
+    ) -> None:
         pass
 
 
@@ -220,7 +232,14 @@ class HitDensityGate(GateCounters):
             return self._count(self.k, probe=True)
         return self._count(self.k if now else None)
 
-    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+    def observe(
+        self,
+        proposed: int,
+        accepted: int,
+        would_hit: bool | None = None,
+        step: int = 0,
+        evidence: int | None = None,
+    ) -> None:
         if would_hit is not None:
             self.hits.append(would_hit)
             self._last_info = step
@@ -256,7 +275,16 @@ class CostGate(GateCounters):
     decode's price; the next probe waits until that waste is at most ``probe_budget`` of the
     decode time spent since, and the wait doubles while probes leave the gate standing down,
     so a workload where speculation never pays loses at most about ``probe_budget`` to probing.
+
+    A proposal that carries evidence (prompt lookup: the length of the match its drafts
+    continue) is priced again at the acceptance seen for that evidence (``fit``): drafts after
+    a one-token match are right far less often than drafts after a long copied run, and the
+    run schedule's count, set by both together, over-drafts the first and stops the second
+    short. Evidence 1..``EVIDENCE_CLASSES`` each keep their own α (the last class: that long
+    or longer), started from the overall α and remembered like it.
     """
+
+    EVIDENCE_CLASSES = 4
 
     def __init__(
         self,
@@ -293,6 +321,11 @@ class CostGate(GateCounters):
             self._next_probe, self._backoff = self.memory["probe_in"], self.memory["backoff"]
             run_k = self.memory.get("run_k")  # an earlier generation's, maybe at another k_max
             self._run_k = None if run_k is None else max(1, min(run_k, k_max))
+        # evidence class -> [accepted, trials], decayed like the overall α (fit())
+        self._by_evidence: dict[int, list[float]] = {
+            int(c): list(v) for c, v in self.memory.get("by_evidence", {}).items()
+        }
+        self._round_prices: list[float] | None = None  # k -> a round's wall price (k - 1 indexed)
         self._probing = False
         self._step = 0
         self._decision, self._decided_at, self.refresh_every = None, 0, 16
@@ -341,6 +374,29 @@ class CostGate(GateCounters):
             return self._count(1, probe=True)
         return self._count(None)
 
+    def _evidence_class(self, evidence: int) -> list[float]:
+        c = max(1, min(int(evidence), self.EVIDENCE_CLASSES))
+        if c not in self._by_evidence:
+            self._by_evidence[c] = [2.0 * self.alpha, 2.0]  # starts from the overall α
+        return self._by_evidence[c]
+
+    def fit(self, drafts: int, evidence: int | None) -> int:
+        """The draft count (at most ``drafts``) with the best expected rate at the acceptance
+        of drafts with this ``evidence``; 0 where a plain step beats every count. All of them
+        without evidence or before the round prices are known."""
+        prices = self._round_prices
+        if evidence is None or not drafts or prices is None:
+            return drafts
+        accepted, trials = self._evidence_class(evidence)
+        alpha = accepted / trials
+        best, best_rate, expected = 0, 1.0 / self.costs.decode(), 1.0
+        for k in range(1, min(drafts, len(prices)) + 1):
+            expected += alpha**k
+            rate = expected / prices[k - 1]
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
     def _priced_by_count(self) -> bool:
         """Whether a round's price grows with its drafts (then the run schedule sets k)."""
         if self.k_max < 2 or self.strategy.token_rate(self.costs, self.alpha) is not None:
@@ -381,11 +437,23 @@ class CostGate(GateCounters):
         k, ratio = self.best_k()
         self.last_rate_ratio = ratio
         self._by_count = self._priced_by_count()
+        if self.strategy.token_rate(self.costs, self.alpha) is None:
+            host = self.costs.host_factor()
+            self._round_prices = [
+                self.strategy.round_cost(self.costs, j) * host for j in range(1, self.k_max + 1)
+            ]
         if k:
             return k, f"engaged: α={self.alpha:.2f}, k={k} expected at {ratio:.2f}x plain decode"
         return 0, f"stood down: α={self.alpha:.2f}, no k beats plain decode by {self.margin:.0%}"
 
-    def observe(self, proposed: int, accepted: int, would_hit: bool | None = None, step: int = 0) -> None:
+    def observe(
+        self,
+        proposed: int,
+        accepted: int,
+        would_hit: bool | None = None,
+        step: int = 0,
+        evidence: int | None = None,
+    ) -> None:
         # A strategy whose rounds carry one draft each (the pipeline) remembers more rounds.
         decay = self.strategy.caps.alpha_decay
         if proposed:  # a round moved α (and timed its kinds): re-price on the next step
@@ -397,6 +465,10 @@ class CostGate(GateCounters):
             self._decision = None
             self._accepted = decay * self._accepted + accepted
             self._trials = decay * self._trials + accepted + (1 if accepted < proposed else 0)
+            if evidence is not None:
+                counts = self._evidence_class(evidence)
+                counts[0] = decay * counts[0] + accepted
+                counts[1] = decay * counts[1] + accepted + (1 if accepted < proposed else 0)
             if self._probing:
                 # Every probe schedules the next one. A probe that leaves the gate standing down
                 # stretches the wait (doubling), even when its draft was accepted: drafts can hit
@@ -415,6 +487,10 @@ class CostGate(GateCounters):
             # Free evidence from a plain step (prompt lookup): one draft, hit or miss.
             self._accepted = decay * self._accepted + float(would_hit)
             self._trials = decay * self._trials + 1.0
+            if evidence is not None:
+                counts = self._evidence_class(evidence)
+                counts[0] = decay * counts[0] + float(would_hit)
+                counts[1] = decay * counts[1] + 1.0
         self._probing = False
 
     def report(self) -> dict:
@@ -422,6 +498,7 @@ class CostGate(GateCounters):
         host = self.costs.host_factor()
         out.update(
             alpha=round(self.alpha, 4),
+            alpha_by_evidence={c: round(a / t, 4) for c, (a, t) in sorted(self._by_evidence.items())},
             run_drafts=self._run_k,
             costs_ms=self.costs.snapshot_ms(),
             host_factor=round(host, 3),
@@ -437,6 +514,7 @@ class CostGate(GateCounters):
             backoff=self._backoff,
             probe_in=max(self._next_probe - self._step, 0),
             run_k=self._run_k,
+            by_evidence={c: list(v) for c, v in self._by_evidence.items()},
         )
 
 

@@ -13,6 +13,9 @@ proposal is up to ``k`` token ids that continue it. Capabilities are declared, n
 ``free_guess = True`` says that a one-token proposal costs nothing, so the engine may compare
 it with the token a plain step produced (evidence for the gate at no cost); ``drafts_hidden``
 says the proposal carries depth-d hidden states that the draft+verify_tail strategy continues.
+A proposal may carry ``evidence``, a small integer saying how strongly its drafts are supported
+(prompt lookup: the length of the context suffix its source matched); the cost gate keeps an
+acceptance per evidence and verifies as many drafts as that acceptance pays for.
 """
 
 from __future__ import annotations
@@ -55,11 +58,17 @@ class Proposal:
     probs: list[np.ndarray] | None = None  # sampled drafts: the distribution each was drawn from
     branch: Branch | None = None  # at most one alternate suffix (AlternateDraftProposer)
     fork_skipped: bool = False  # a near tie whose branch did not fit the width or the KV
+    evidence: int | None = None  # how strongly the drafts are supported (module doc)
 
 
 class PromptLookupProposer(ProposerBase):
     """Drafts by n-gram match: find the latest earlier occurrence of the last n tokens
-    (n from ``max_ngram`` down to ``min_ngram``) and propose what followed it."""
+    (n from ``max_ngram`` down to ``min_ngram``) and propose what followed it. The proposal's
+    evidence is how many tokens before that occurrence agree with the context's end (n, and
+    further back up to ``MAX_EVIDENCE``): a continuation found after a one-token match is
+    right far less often than one after a long copied run, and the gate prices them apart."""
+
+    MAX_EVIDENCE = 16
 
     name = "prompt-lookup"
     caps = ProposerCaps(free_guess=True)
@@ -94,14 +103,21 @@ class PromptLookupProposer(ProposerBase):
                 if i - n >= 0:
                     index[tuple(seq[i - n : i])] = i - n
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int) -> Proposal:
         self._sync(context)
         seq = self._seq
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             start = self._index[n].get(tuple(seq[-n:]))
             if start is not None:
-                return seq[start + n : start + n + k]
-        return []
+                matched = n  # extend the match backwards: seq[start - j] against seq[-n - 1 - j]
+                while (
+                    matched < self.MAX_EVIDENCE
+                    and start - (matched - n) > 0
+                    and seq[start - (matched - n) - 1] == seq[-matched - 1]
+                ):
+                    matched += 1
+                return Proposal(seq[start + n : start + n + k], evidence=matched)
+        return Proposal([])
 
 
 class SelfDraftProposer(ProposerBase):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator as Generator_
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
@@ -477,24 +477,34 @@ class _Engine:
             context.pop()
             if not isinstance(proposal, Proposal):
                 proposal = Proposal(list(proposal))
+            drafts, evidence = proposal.tokens, proposal.evidence
+            if drafts and evidence is not None and proposal.branch is None:
+                # Priced again at its evidence's acceptance (CostGate.fit); with none kept, the
+                # first draft is a free guess beside a plain step.
+                keep = gate.fit(len(drafts), evidence)
+                if keep < len(drafts):
+                    probs = proposal.probs[:keep] if proposal.probs is not None else None
+                    hidden = proposal.hidden[: keep + 1] if proposal.hidden is not None else None
+                    proposal = replace(proposal, tokens=drafts[:keep], probs=probs, hidden=hidden)
             if proposal.tokens:
                 committed = self._speculate(pending, proposal, step)
                 clock.stop(SPEC_ROUND)
                 return committed
-            guess = proposal.tokens
+            guess = drafts[:1]
         elif plan.proposer.caps.free_guess and gate.wants_evidence(step):
             # Free evidence for the gate: would the proposer's first draft have been right?
             context.append(pending)
             guess = plan.proposer.propose(context, 1)
             context.pop()
+            evidence = guess.evidence if isinstance(guess, Proposal) else None
             guess = guess.tokens if isinstance(guess, Proposal) else guess
         else:
-            guess = None
+            guess, evidence = None, None
         token = self.acceptor.decode(gen, pending, context)
         context.append(pending)
         plan.proposer.advance([pending])
         if guess is not None:
-            gate.observe(0, 0, would_hit=bool(guess) and guess[0] == token, step=step)
+            gate.observe(0, 0, would_hit=bool(guess) and guess[0] == token, step=step, evidence=evidence)
         if clock is not None and not k:
             clock.stop(DECODE_ROUND)
         if not k and guess is None:
@@ -550,7 +560,7 @@ class _Engine:
             proposal.tokens, result, proposal.branch.fork if result.branch_accepted else result.accepted
         )
         self._count_branch(proposal, result)
-        self.gate.observe(len(proposal.tokens), result.accepted, step=step)
+        self.gate.observe(len(proposal.tokens), result.accepted, step=step, evidence=proposal.evidence)
         return drafts + [result.next_token]
 
     def _count_branch(self, proposal: Proposal, result) -> None:

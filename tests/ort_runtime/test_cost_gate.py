@@ -87,3 +87,37 @@ def test_a_decision_waiting_on_the_decode_time_is_taken_again_on_the_next_step()
     assert gate.plain_streak(1) == 1  # no streak of plain steps past the measurement
     costs.decode_measured = True  # the plain step timed decode
     assert gate.engage(2) and "engaged" in gate.reason
+
+
+def test_drafts_are_priced_again_at_the_acceptance_of_their_evidence() -> None:
+    """Drafts after short matches that keep missing are cut (to none: a plain step), drafts after
+    long matches that keep hitting are all verified, and drafts without evidence are untouched;
+    each evidence class starts from the overall α and is remembered for the next generation."""
+    gate = CostGate(7, Costs(), ByCount(), free_guess=True)
+    k = gate.engage(0)
+    assert k and gate.fit(k, 2) == gate.fit(k, 3)  # unseen classes: both the overall α
+    for step in range(1, 40):
+        gate.observe(k, 0, step=step, evidence=1)  # one-token matches: every first draft wrong
+        gate.observe(0, 0, would_hit=False, step=step, evidence=1)
+        gate.observe(k, k, step=step, evidence=5)  # long matches: every draft right
+        gate.engage(step)
+    assert gate.fit(7, 1) == 0
+    assert gate.fit(7, 4) == 7 and gate.fit(7, 16) == 7  # 4 and longer: one class
+    assert gate.fit(3, None) == 3
+    report = gate.report()["alpha_by_evidence"]
+    assert report[1] < 0.1 and report[4] > 0.9
+    gate.remember()
+    again = CostGate(7, Costs(), ByCount(), free_guess=True, memory=gate.memory)
+    again.engage(0)
+    assert again.fit(7, 1) == 0 and again.fit(7, 4) == 7
+
+
+def test_a_fixed_width_round_is_never_cut_short_by_evidence() -> None:
+    """Where every round costs the full width, fewer drafts save nothing: the count is all of
+    them or none."""
+    gate = CostGate(7, Costs(), FixedWidth(), free_guess=True)
+    gate.engage(0)
+    for step in range(1, 6):
+        gate.observe(5, 2, step=step, evidence=2)
+        gate.engage(step)
+    assert gate.fit(5, 2) in (0, 5)

@@ -254,7 +254,19 @@ def test_prompt_lookup_index_matches_a_plain_scan() -> None:
     for trial in range(30):
         seq = rng.integers(0, 6, int(rng.integers(1, 60))).tolist()
         for end in range(1, len(seq) + 1):  # growing context, then a rewound/different one
-            assert proposer.propose(seq[:end], 4) == scan(seq[:end], 4, 1, 3), (trial, end)
+            assert proposer.propose(seq[:end], 4).tokens == scan(seq[:end], 4, 1, 3), (trial, end)
+
+
+def test_prompt_lookup_evidence_is_the_length_of_the_match() -> None:
+    proposer = PromptLookupProposer(1, 3)
+    # the latest "3 4" follows "1 2 3 4" earlier: the match extends back past the 3-gram limit
+    seq = [1, 2, 3, 4, 9, 8, 1, 2, 3, 4]
+    got = proposer.propose(seq, 2)
+    assert got.tokens == [9, 8] and got.evidence == 4
+    assert proposer.propose([5, 6, 7, 5], 3).evidence == 1  # a one-token match
+    assert proposer.propose([5, 6, 7], 3).tokens == [] and proposer.propose([5, 6, 7], 3).evidence is None
+    long = [7] * 40
+    assert proposer.propose(long, 1).evidence == PromptLookupProposer.MAX_EVIDENCE
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -67,7 +67,7 @@ def prompt_lookup_rounds(prompt: list[int], tokens: list[int], drafts: int = 5) 
     drafts plus the verifier's own token)."""
     proposer, done, rounds = PromptLookupProposer(), 0, 0
     while done < len(tokens):
-        proposal = proposer.propose(prompt + tokens[:done], drafts)
+        proposal = proposer.propose(prompt + tokens[:done], drafts).tokens
         accepted = 0
         while (
             accepted < len(proposal)
