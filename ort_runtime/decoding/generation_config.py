@@ -33,7 +33,7 @@ class SpeculationConfig:
     num_draft_tokens: int | None = None  # K drafts per round; default: the verify width - 1
     gate: GateKind = GateKind.AUTO
     min_ngram: int = 1  # prompt lookup's n-gram range
-    max_ngram: int = 3
+    max_ngram: int = 6  # longer matches first: the continuation of a long one is right more often
     tie_guard: TieGuard = field(default_factory=TieGuard)
     allow_inexact: bool = False  # speculate even where verify rows are not decode rows bit for bit
     pipeline_exit: int = 1  # pipeline: the loop whose head drafts the next lane's token

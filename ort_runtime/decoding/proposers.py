@@ -73,7 +73,7 @@ class PromptLookupProposer(ProposerBase):
     name = "prompt-lookup"
     caps = ProposerCaps(free_guess=True)
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 6) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise RequestError(
                 f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
