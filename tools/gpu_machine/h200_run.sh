@@ -66,7 +66,7 @@ phase_kernels() {  # ctypes microbenchmarks; needs no onnxruntime-gpu. baseline 
   [ -f .lccache/baseline/libloopcast_ops.so ] && libs+=(--lib "baseline=$PWD/.lccache/baseline/libloopcast_ops.so")
   timeout 150 python3 -m tools.bench.bench_matmul_cuda "${libs[@]}" --ms 1,5,16 --variant nopdl:LOOPCAST_PDL=0 \
     --variant nostage:LOOPCAST_SWIGLU_STAGE=0 --calls 96 --out "$RES" > "$RES/bench-matmul.txt" 2>&1
-  LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py tests/custom_ops/test_cuda_norm_kernels.py \
+  LOOPCAST_OPS_LIB=$LIB timeout 60 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py tests/custom_ops/test_cuda_kv_rows.py tests/custom_ops/test_cuda_norm_kernels.py \
     2>&1 | tail -30 > "$RES/gpu-kernel-tests.txt"
 }
 phase_parity() {
@@ -202,7 +202,7 @@ phase_host_loop() {  # plain decode end to end: a 1.43B Llama (Ouro-1.4B layer s
 }
 phase_alternate() {  # tree verify on CUDA (masked kernel rows, engine exactness), then the table
   LIB=$(python3 -c "from loopcast.exporter.export import custom_op_library as c; print(c())")
-  { LOOPCAST_OPS_LIB=$LIB timeout 100 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py tests/custom_ops/test_cuda_norm_kernels.py \
+  { LOOPCAST_OPS_LIB=$LIB timeout 100 python3 -m pytest -q -p no:cacheprovider tests/custom_ops/test_cuda_kernels.py tests/custom_ops/test_cuda_kv_rows.py tests/custom_ops/test_cuda_norm_kernels.py \
       -k "masked or move_positions" 2>&1 | tail -8
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ort_runtime/test_cuda.py -k alternate 2>&1 | tail -8
   } > "$RES/alternate-tests.txt"
