@@ -152,6 +152,30 @@ void q8_task(void* data, size_t index) {
   q8_columns(job.rows, job.w, n0, std::min(job.w.N, n0 + kQ8Cols), job.Y);
 }
 
+// Row r's activations in fp32 (SwiGLU of [gate | up] first, with the SwiGLU op's roundings),
+// padded with zeros to Kp, then quantized to int8 where q8 is set (accuracy level 4).
+template <typename T>
+struct RowPrep {
+  const T* A;
+  float* a_f;
+  int64_t K, Kp;
+  bool swiglu;
+  Q8Rows* q8;
+  int64_t bits, block_size, n_blocks;
+
+  static void run(void* data, size_t index) {
+    const RowPrep& p = *static_cast<const RowPrep*>(data);
+    const int64_t r = static_cast<int64_t>(index), K = p.K;
+    float* row = p.a_f + r * p.Kp;
+    if (p.swiglu) {
+      swiglu_row(p.A + r * 2 * K, p.A + r * 2 * K + K, row, K);
+    } else {
+      for (int64_t k = 0; k < K; ++k) row[k] = to_float(p.A[r * K + k]);
+    }
+    if (p.q8 != nullptr) q8_quantize_row(row, r, p.Kp, p.bits, p.block_size, p.n_blocks, p.q8);
+  }
+};
+
 template <typename T>
 struct NBitsCpuKernel {
   NBitsAttrs attrs;
@@ -172,17 +196,10 @@ struct NBitsCpuKernel {
                              static_cast<T*>(call.norm.sum), normed.data(), rows, K, attrs.epsilon);
       A = normed.data();
     }
-    // Activations in fp32 (SwiGLU of [gate | up] first, with the SwiGLU op's roundings), each
-    // row padded with zeros to a multiple of 16.
+    // Each row padded with zeros to a multiple of 16 (RowPrep).
     const int64_t Kp = (K + kLanes - 1) / kLanes * kLanes;
     std::vector<float> a_f(static_cast<size_t>(rows * Kp), 0.0f);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (attrs.swiglu) {
-        swiglu_row(A + r * 2 * K, A + r * 2 * K + K, a_f.data() + r * Kp, K);
-      } else {
-        for (int64_t k = 0; k < K; ++k) a_f[r * Kp + k] = to_float(A[r * K + k]);
-      }
-    }
+    RowPrep<T> prep{A, a_f.data(), K, Kp, attrs.swiglu, nullptr, attrs.bits, attrs.block_size, attrs.n_blocks()};
     T* Y = y.GetTensorMutableData<T>();
     std::vector<float> y_f;
     float* y_ptr = nullptr;
@@ -196,12 +213,21 @@ struct NBitsCpuKernel {
     const size_t tasks = static_cast<size_t>((N + kCols - 1) / kCols);
     if (attrs.accuracy_level == 4) {
       Q8Job q8;
-      q8_quantize_rows(a_f.data(), rows, Kp, attrs.bits, attrs.block_size, attrs.n_blocks(), &q8.rows);
+      q8_prepare_rows(rows, attrs.bits, attrs.block_size, attrs.n_blocks(), &q8.rows);
+      prep.q8 = &q8.rows;
+      // Each row's prologue and quantization on its own task: a row's bytes are its own, and a
+      // verify call's rows would otherwise wait on one thread before the column split.
+      if (rows > 1) {
+        ctx.ParallelFor(&RowPrep<T>::run, static_cast<size_t>(rows), 0, &prep);
+      } else {
+        RowPrep<T>::run(&prep, 0);
+      }
       q8.w = Q8Weights{call.B, call.scales, call.zero_points, call.float_zero_points, N, attrs.bits,
                        attrs.block_size, attrs.n_blocks(), attrs.zp_per_row()};
       q8.Y = y_ptr;
       ctx.ParallelFor(&q8_task, static_cast<size_t>((N + kQ8Cols - 1) / kQ8Cols), 0, &q8);
     } else {
+      for (int64_t r = 0; r < rows; ++r) RowPrep<T>::run(&prep, static_cast<size_t>(r));
       NBitsJob job{a_f.data(), call.B, call.scales, call.zero_points, call.float_zero_points, y_ptr, rows, K, Kp, N,
                    attrs.bits, attrs.block_size, attrs.n_blocks(), attrs.zp_per_row()};
       ctx.ParallelFor(&task, tasks, 0, &job);

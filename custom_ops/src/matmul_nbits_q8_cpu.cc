@@ -506,7 +506,7 @@ std::vector<Q8Chunk> q8_chunks(int64_t bits, int64_t bs, int64_t nb) {
   return out;
 }
 
-void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out) {
+void q8_prepare_rows(int64_t rows, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out) {
   out->chunks = q8_chunks(bits, bs, nb);
   const int64_t nc = static_cast<int64_t>(out->chunks.size());
   out->n_wide = 0;
@@ -517,66 +517,69 @@ void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int
   out->scale.assign(static_cast<size_t>(rows * nc * kLanes), 0.0f);
   out->q_sum.assign(static_cast<size_t>(rows * nc * kLanes), 0.0f);
   out->q_sum_mid.assign(static_cast<size_t>(rows * nc * kLanes), 0);
-  std::vector<int8_t> qk(static_cast<size_t>(out->row_bytes));  // k order, zeros past K
-  std::vector<float> sa(static_cast<size_t>(nb));
+}
+
+void q8_quantize_row(const float* a, int64_t r, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out) {
+  const int64_t nc = static_cast<int64_t>(out->chunks.size());
+  thread_local std::vector<int8_t> qk;  // k order, zeros past K
+  thread_local std::vector<float> sa;
+  qk.assign(static_cast<size_t>(out->row_bytes), 0);
+  sa.assign(static_cast<size_t>(nb), 0.0f);
 #ifdef LOOPCAST_Q8_AVX512
   if (vector_isa() == Isa::kAvx512) {
-    for (int64_t r = 0; r < rows; ++r) {
-      std::fill(qk.begin(), qk.end(), 0);
-      avx512_quantize_row(A + r * K, K, bs, nb, qk.data(), sa.data());
-      for (int64_t c = 0; c < nc; ++c) {
-        const Q8Chunk& ch = out->chunks[static_cast<size_t>(c)];
-        const int64_t rc = r * nc + c;
-        int32_t sum[kLanes];
-        avx512_operands(ch, bits, qk.data() + ch.k0, out->q.data() + r * out->row_bytes + ch.q_offset, sum);
-        for (int l = 0; l < kLanes; ++l) {
-          const int64_t b = (ch.k0 + ch.lane_k * l) / bs;
-          out->scale[rc * kLanes + l] = b < nb ? sa[b] : 0.0f;
-          out->q_sum[rc * kLanes + l] = static_cast<float>(sum[l]);
-          out->q_sum_mid[rc * kLanes + l] = -(1 << (bits - 1)) * sum[l];
-        }
+    avx512_quantize_row(a, K, bs, nb, qk.data(), sa.data());
+    for (int64_t c = 0; c < nc; ++c) {
+      const Q8Chunk& ch = out->chunks[static_cast<size_t>(c)];
+      const int64_t rc = r * nc + c;
+      int32_t sum[kLanes];
+      avx512_operands(ch, bits, qk.data() + ch.k0, out->q.data() + r * out->row_bytes + ch.q_offset, sum);
+      for (int l = 0; l < kLanes; ++l) {
+        const int64_t b = (ch.k0 + ch.lane_k * l) / bs;
+        out->scale[rc * kLanes + l] = b < nb ? sa[b] : 0.0f;
+        out->q_sum[rc * kLanes + l] = static_cast<float>(sum[l]);
+        out->q_sum_mid[rc * kLanes + l] = -(1 << (bits - 1)) * sum[l];
       }
     }
     upper_state_clean();
     return;
   }
 #endif
-  const bool avx2 = vector_isa() == Isa::kAvx2;
   // operand_k of each byte of a chunk's operand vectors, per chunk form (wide; narrow 4 or 8 bits)
   static const std::vector<uint16_t> order[3] = {operand_order(true, 4), operand_order(false, 4),
                                                  operand_order(false, 8)};
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* a = A + r * K;
-    std::fill(qk.begin(), qk.end(), 0);
-    if (avx2) {
-      q8_detail::avx2_quantize_row(a, K, bs, nb, qk.data(), sa.data());
-    } else {
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t k0 = b * bs, k1 = std::min(K, k0 + bs);
-        float amax = 0.0f;
-        for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(a[k]));
-        sa[b] = amax / 127.0f;
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int64_t k = k0; k < k1; ++k) qk[k] = quantize_value(a[k], inv);
-      }
-    }
-    for (int64_t c = 0; c < nc; ++c) {
-      const Q8Chunk& ch = out->chunks[static_cast<size_t>(c)];
-      const int64_t rc = r * nc + c;
-      int8_t* q = out->q.data() + r * out->row_bytes + ch.q_offset;
-      const int8_t* src = qk.data() + ch.k0;
-      const uint16_t* at = order[ch.wide ? 0 : bits == 4 ? 1 : 2].data();
-      for (int64_t i = 0; i < ch.vecs * 64; ++i) q[i] = src[at[i]];
-      for (int l = 0; l < kLanes; ++l) {
-        const int64_t b = (ch.k0 + ch.lane_k * l) / bs;
-        int32_t sum = 0;
-        for (int64_t t = 0; t < ch.lane_k; ++t) sum += src[ch.lane_k * l + t];
-        out->scale[rc * kLanes + l] = b < nb ? sa[b] : 0.0f;
-        out->q_sum[rc * kLanes + l] = static_cast<float>(sum);
-        out->q_sum_mid[rc * kLanes + l] = -(1 << (bits - 1)) * sum;
-      }
+  if (vector_isa() == Isa::kAvx2) {
+    q8_detail::avx2_quantize_row(a, K, bs, nb, qk.data(), sa.data());
+  } else {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t k0 = b * bs, k1 = std::min(K, k0 + bs);
+      float amax = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(a[k]));
+      sa[b] = amax / 127.0f;
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      for (int64_t k = k0; k < k1; ++k) qk[k] = quantize_value(a[k], inv);
     }
   }
+  for (int64_t c = 0; c < nc; ++c) {
+    const Q8Chunk& ch = out->chunks[static_cast<size_t>(c)];
+    const int64_t rc = r * nc + c;
+    int8_t* q = out->q.data() + r * out->row_bytes + ch.q_offset;
+    const int8_t* src = qk.data() + ch.k0;
+    const uint16_t* at = order[ch.wide ? 0 : bits == 4 ? 1 : 2].data();
+    for (int64_t i = 0; i < ch.vecs * 64; ++i) q[i] = src[at[i]];
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t b = (ch.k0 + ch.lane_k * l) / bs;
+      int32_t sum = 0;
+      for (int64_t t = 0; t < ch.lane_k; ++t) sum += src[ch.lane_k * l + t];
+      out->scale[rc * kLanes + l] = b < nb ? sa[b] : 0.0f;
+      out->q_sum[rc * kLanes + l] = static_cast<float>(sum);
+      out->q_sum_mid[rc * kLanes + l] = -(1 << (bits - 1)) * sum;
+    }
+  }
+}
+
+void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out) {
+  q8_prepare_rows(rows, bits, bs, nb, out);
+  for (int64_t r = 0; r < rows; ++r) q8_quantize_row(A + r * K, r, K, bits, bs, nb, out);
 }
 
 void q8_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {

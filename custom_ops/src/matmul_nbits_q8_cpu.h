@@ -56,6 +56,10 @@ struct Q8Weights {
 
 // Quantizes `rows` rows of fp32 activations [rows, K] (K ≤ n_blocks · block_size).
 void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out);
+// The same in two steps, for callers that quantize the rows in parallel: the buffers for `rows`
+// rows, then row r from its activations a (each row's bytes depend on that row alone).
+void q8_prepare_rows(int64_t rows, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out);
+void q8_quantize_row(const float* a, int64_t r, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out);
 
 // Y[r, n] for n in [n0, n1), with the same bits on every path: AVX-512 VNNI where the CPU has
 // it, else AVX2 + FMA, else the portable one. LOOPCAST_CPU_ISA=portable|avx2|avx512 caps the
