@@ -53,6 +53,41 @@ __device__ __forceinline__ void new_kv(const T* __restrict__ qkv, const T* __res
 // The cluster merge (CL below): after the barrier that publishes every rank's partials, rank x
 // merges units x, x + NB, ... of its group; then a second barrier, so no rank exits (its shared
 // memory gone) while a peer still reads it. The merge is the scratch path's, term for term.
+// One (row, head)'s output from its nc chunk partials, load(c, j) reading partial c's element j
+// (0: its max m, 1: its sum l, 2 + d: its output o[d]): M = max m, then o = Σ e^(m_c - M) o_c over
+// Σ e^(m_c - M) l_c in ascending c, the same terms and order for the scratch and cluster merges.
+template <typename T, int D, typename Load>
+__device__ __forceinline__ void merge_partials(const Load& load, int nc, float* w_s, float* cl_s, float* cm_s,
+                                               T* __restrict__ out_row) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float mloc = -FLT_MAX;
+  for (int c = tid; c < nc; c += kSplitThreads) {
+    const float mc = load(c, 0);
+    w_s[c] = mc;
+    cl_s[c] = load(c, 1);
+    mloc = fmaxf(mloc, mc);
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+  if (lane == 0) cm_s[warp] = mloc;
+  __syncthreads();
+  float M = cm_s[0];
+#pragma unroll
+  for (int w = 1; w < kSplitWarps; ++w) M = fmaxf(M, cm_s[w]);
+  for (int c = tid; c < nc; c += kSplitThreads) w_s[c] = expf(__fsub_rn(w_s[c], M));
+  __syncthreads();
+  if (tid < D) {
+    float L = 0.0f, O = 0.0f;
+#pragma unroll 8
+    for (int c = 0; c < nc; ++c) {
+      const float w = w_s[c];
+      L = fmaf(w, cl_s[c], L);
+      O = fmaf(w, load(c, 2 + tid), O);
+    }
+    out_row[tid] = from_f<T>(O / L);
+  }
+}
+
 template <typename T, int D>
 __device__ void cluster_merge(float* part_s, float* w_s, float* cl_s, float* cm_s, T* __restrict__ out, int b, int S,
                               int i0, int i1, int hq0, int n, int HB, int Hq, int NB, int x, int cpb, int cap_eff,
@@ -60,43 +95,16 @@ __device__ void cluster_merge(float* part_s, float* w_s, float* cl_s, float* cm_
   constexpr int P = D + 2;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nunits = (i1 - i0) * HB;
   for (int u = x; u < nunits; u += NB) {
     const int i = i0 + u / HB, p = n + i;
     if (!row_valid(p, cap_eff, rotary_len, do_rotary)) continue;  // uniform
     const int nc = p / kChunk + 1;
     // chunk c's partial: rank c % NB, slot c / NB
-    auto part = [&](int c) {
-      return cluster.map_shared_rank(part_s, c % NB) + (static_cast<size_t>(u) * cpb + c / NB) * P;
+    auto load = [&](int c, int j) {
+      return cluster.map_shared_rank(part_s, c % NB)[(static_cast<size_t>(u) * cpb + c / NB) * P + j];
     };
-    float mloc = -FLT_MAX;
-    for (int c = tid; c < nc; c += kSplitThreads) {
-      const float* pc = part(c);
-      const float mc = pc[0];
-      w_s[c] = mc;
-      cl_s[c] = pc[1];
-      mloc = fmaxf(mloc, mc);
-    }
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
-    if (lane == 0) cm_s[warp] = mloc;
-    __syncthreads();
-    float M = cm_s[0];
-#pragma unroll
-    for (int w = 1; w < kSplitWarps; ++w) M = fmaxf(M, cm_s[w]);
-    for (int c = tid; c < nc; c += kSplitThreads) w_s[c] = expf(__fsub_rn(w_s[c], M));
-    __syncthreads();
-    if (tid < D) {
-      float L = 0.0f, O = 0.0f;
-#pragma unroll 8
-      for (int c = 0; c < nc; ++c) {
-        const float w = w_s[c];
-        L = fmaf(w, cl_s[c], L);
-        O = fmaf(w, part(c)[2 + tid], O);
-      }
-      out[(static_cast<size_t>(b * S + i) * Hq + hq0 + u % HB) * D + tid] = from_f<T>(O / L);
-    }
+    merge_partials<T, D>(load, nc, w_s, cl_s, cm_s, out + (static_cast<size_t>(b * S + i) * Hq + hq0 + u % HB) * D);
     __syncthreads();  // w_s, cl_s, cm_s reuse
   }
   cluster.sync();
@@ -318,33 +326,8 @@ __global__ void __launch_bounds__(kSplitThreads) split_attend_kernel(
     const int i = i0 + u / HB, p = n + i, nc = p / kChunk + 1;
     const int unit = (b * S + i) * Hq + hq0 + u % HB;
     const float* part = g_attn_scratch + static_cast<size_t>(unit) * nch_cap * P;
-    float mloc = -FLT_MAX;
-    for (int c = tid; c < nc; c += kSplitThreads) {
-      const float mc = __ldcg(part + static_cast<size_t>(c) * P);
-      w_s[c] = mc;
-      cl_s[c] = __ldcg(part + static_cast<size_t>(c) * P + 1);
-      mloc = fmaxf(mloc, mc);
-    }
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
-    if (lane == 0) cm_s[warp] = mloc;
-    __syncthreads();
-    float M = cm_s[0];
-#pragma unroll
-    for (int w = 1; w < kSplitWarps; ++w) M = fmaxf(M, cm_s[w]);
-    for (int c = tid; c < nc; c += kSplitThreads) w_s[c] = expf(__fsub_rn(w_s[c], M));
-    __syncthreads();
-    if (tid < D) {
-      float L = 0.0f, O = 0.0f;
-      const float* a = part + 2 + tid;
-#pragma unroll 8
-      for (int c = 0; c < nc; ++c) {
-        const float w = w_s[c];
-        L = fmaf(w, cl_s[c], L);
-        O = fmaf(w, __ldcg(a + static_cast<size_t>(c) * P), O);
-      }
-      out[(static_cast<size_t>(b * S + i) * Hq + hq0 + u % HB) * D + tid] = from_f<T>(O / L);
-    }
+    auto load = [&](int c, int j) { return __ldcg(part + static_cast<size_t>(c) * P + j); };
+    merge_partials<T, D>(load, nc, w_s, cl_s, cm_s, out + static_cast<size_t>(unit) * D);
     if (tid == 0) g_attn_counters[unit] = 0u;  // every block of this unit has counted in
     __syncthreads();  // w_s, cl_s, cm_s reuse
   }
