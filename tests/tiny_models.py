@@ -46,3 +46,14 @@ ARTIFACT_MODELS = ("ouro-r3", "ouro-r2-gqa", "ouro-r4-1layer", "llama-tied-gqa",
 TEST_CHECKPOINT_STD = 0.1
 # The artifacts' checkpoints: 0.15 keeps argmax margins clear.
 ARTIFACT_CHECKPOINT_STD = 0.15
+
+
+def write_byte_tokenizer(path) -> None:
+    """A tokenizer.json of 256 ids, one a byte (a byte-level BPE with no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(path))

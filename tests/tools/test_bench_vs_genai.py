@@ -13,21 +13,10 @@ import pytest
 from loopcast.exporter.export import ExportOptions, export_checkpoint
 from loopcast.exporter.random_checkpoint import write_random_checkpoint
 
-from tests.tiny_models import ARTIFACT_CHECKPOINT_STD, TINY_MODELS
+from tests.tiny_models import ARTIFACT_CHECKPOINT_STD, TINY_MODELS, write_byte_tokenizer
 from tools.bench import bench_vs_genai
 
 pytest.importorskip("onnxruntime_genai")
-
-
-def _byte_tokenizer(path) -> None:
-    """256 ids, one a byte (a byte-level BPE with no merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(path))
 
 
 def test_report_rows_lookup_identity_and_equal_scores(tmp_path) -> None:
@@ -35,7 +24,7 @@ def test_report_rows_lookup_identity_and_equal_scores(tmp_path) -> None:
     ckpt = write_random_checkpoint(config, tmp_path / "ckpt", seed=0, std=ARTIFACT_CHECKPOINT_STD)
     art = tmp_path / "art"
     export_checkpoint(ckpt, art, ExportOptions(max_length=640, verify_width=4, genai=True))
-    _byte_tokenizer(art / "tokenizer.json")
+    write_byte_tokenizer(art / "tokenizer.json")
     config_file = art / "tokenizer_config.json"
     tok_config = json.loads(config_file.read_text()) if config_file.exists() else {}
     tok_config["chat_template"] = (
