@@ -480,7 +480,7 @@ class BatchingEngine(EngineBase):
         for slot, r in self._running.items():
             k = self._draft_limit(r, W)
             if r.proposer is not None and k > 0:
-                raw = r.proposer.propose(r.context, k)
+                raw = r.proposer.propose(r.context, k)  # a list from a test's own proposer
                 drafts = raw.tokens if isinstance(raw, Proposal) else raw
                 if drafts:
                     proposals[slot] = [int(t) for t in drafts]

@@ -21,7 +21,7 @@ acceptance per evidence and verifies as many drafts as that acceptance pays for.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from loopcast.ort_runtime.decoding.protocols import ProposerBase, ProposerCaps
@@ -59,6 +59,12 @@ class Proposal:
     branch: Branch | None = None  # at most one alternate suffix (AlternateDraftProposer)
     fork_skipped: bool = False  # a near tie whose branch did not fit the width or the KV
     evidence: int | None = None  # how strongly the drafts are supported (module doc)
+
+    def first(self, keep: int) -> Proposal:
+        """The first ``keep`` drafts, with their distributions and states."""
+        probs = self.probs[:keep] if self.probs is not None else None
+        hidden = self.hidden[: keep + 1] if self.hidden is not None else None
+        return replace(self, tokens=self.tokens[:keep], probs=probs, hidden=hidden)
 
 
 class PromptLookupProposer(ProposerBase):

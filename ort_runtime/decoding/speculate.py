@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator as Generator_
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from loopcast.ort_runtime.binding.generator import Generator
 from loopcast.ort_runtime.decoding.acceptors import GreedyAcceptor, SampledAcceptor, accept_round
@@ -479,13 +479,10 @@ class _Engine:
                 proposal = Proposal(list(proposal))
             drafts, evidence = proposal.tokens, proposal.evidence
             if drafts and evidence is not None and proposal.branch is None:
-                # Priced again at its evidence's acceptance (CostGate.fit); with none kept, the
-                # first draft is a free guess beside a plain step.
+                # Re-priced at its evidence's α (CostGate.fit); none kept: a plain step, guessed
                 keep = gate.fit(len(drafts), evidence)
                 if keep < len(drafts):
-                    probs = proposal.probs[:keep] if proposal.probs is not None else None
-                    hidden = proposal.hidden[: keep + 1] if proposal.hidden is not None else None
-                    proposal = replace(proposal, tokens=drafts[:keep], probs=probs, hidden=hidden)
+                    proposal = proposal.first(keep)
             if proposal.tokens:
                 committed = self._speculate(pending, proposal, step)
                 clock.stop(SPEC_ROUND)
