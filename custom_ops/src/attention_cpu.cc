@@ -79,7 +79,8 @@ struct AttentionCpuKernel {
     // kv head, 3 kv heads on 2 threads left one thread idle a third of the time.
     const int64_t rows = group * S, heads_b = B * Hkv;
     const int64_t pieces = std::min(rows, (kTasks + heads_b - 1) / heads_b);
-    const int64_t chunk = (rows + pieces - 1) / pieces;
+    // an even count where it can: a task's rows go in pairs (attention_row_pairs.h)
+    const int64_t chunk = std::min(rows, ((rows + pieces - 1) / pieces + 1) / 2 * 2);
     const int64_t per_head = (rows + chunk - 1) / chunk;
     Heads heads{this, s, qkv, cos, sin, pk, pv, out, seqlens, width, group, half, chunk, per_head};
     ctx.ParallelFor(&Heads::run, static_cast<size_t>(heads_b * per_head), 0, &heads);

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_row_pairs.h"
 #include "ops_common.h"
 #include "vector_math.h"
 
@@ -97,16 +98,8 @@ LOOPCAST_ROW_INLINE void dot8x4(const float* q, const float* k, int64_t D, float
   for (int u = 0; u < 4; ++u) out[u] = combine8(lane[u]);
 }
 
-// [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]: one level of combine8's pairs for two
-// vectors of lanes at once (a macro: helpers pass no vectors, above).
-#define LOOPCAST_ADJACENT_PAIRS(a, b)                         \
-  (__builtin_shuffle(a, b, i32x8{0, 2, 8, 10, 4, 6, 12, 14}) + \
-   __builtin_shuffle(a, b, i32x8{1, 3, 9, 11, 5, 7, 13, 15}))
-
-// dot8 of q with the 8 keys k, k + D, ..., k + 7D into out[0..8): each key's lanes are dot8's, and
-// combine8's pairs are taken for the 8 keys together (the keys transposed across the vectors as
-// they combine: the same additions of the same operands, so the same bits, in 7 vector adds
-// where 8 keys alone take 56 scalar ones).
+// dot8 of q with the 8 keys k, k + D, ..., k + 7D into out[0..8): each key's lanes are dot8's,
+// combined by combine8x8.
 LOOPCAST_ROW_INLINE void dot8x8(const float* q, const float* k, int64_t D, float* out) {
   f32x8 acc[8] = {};
   for (int64_t d = 0; d < D; d += 8) {
@@ -119,19 +112,13 @@ LOOPCAST_ROW_INLINE void dot8x8(const float* q, const float* k, int64_t D, float
       acc[u] += a * b;
     }
   }
-  const f32x8 p0 = LOOPCAST_ADJACENT_PAIRS(acc[0], acc[1]), p1 = LOOPCAST_ADJACENT_PAIRS(acc[2], acc[3]);
-  const f32x8 p2 = LOOPCAST_ADJACENT_PAIRS(acc[4], acc[5]), p3 = LOOPCAST_ADJACENT_PAIRS(acc[6], acc[7]);
-  // per key: (l0+l1)+(l2+l3) in lanes 0-3, (l4+l5)+(l6+l7) in lanes 4-7 (keys 0-3, then 4-7)
-  const f32x8 g0 = LOOPCAST_ADJACENT_PAIRS(p0, p1), g1 = LOOPCAST_ADJACENT_PAIRS(p2, p3);
-  const f32x8 sums = __builtin_shuffle(g0, g1, i32x8{0, 1, 2, 3, 8, 9, 10, 11}) +
-                     __builtin_shuffle(g0, g1, i32x8{4, 5, 6, 7, 12, 13, 14, 15});
-  std::memcpy(out, &sums, sizeof sums);
+  combine8x8(acc, out);
 }
 
-// scores[t] = dot8(q, key t)·scale for the keys t = 0..count-1 stored contiguously from `keys`.
+// scores[t] = dot8(q, key t)·scale for the keys t = from..count-1 stored contiguously from `keys`.
 LOOPCAST_ROW_INLINE void score_keys(const float* q, const float* keys, int64_t count, int64_t D, float scale,
-                                    float* scores) {
-  int64_t t = 0;
+                                    float* scores, int64_t from = 0) {
+  int64_t t = from;
   if (D % 8 == 0) {
     for (; t + 8 <= count; t += 8) {
       dot8x8(q, keys + t * D, D, scores + t);
@@ -205,7 +192,8 @@ LOOPCAST_ROW_INLINE void weighted_rows(const float* scores, int64_t stride, cons
 // BatchInvariantAttention's rows that share one (sequence, kv head): row r sees keys
 // 0..counts[r]-1. q [rows, D] rotated; keys, values [max count, D]; scores [rows, stride] (stride >=
 // every count), acc [rows, D] and sums [rows] scratch; out [rows, D]. A row's operations are the
-// same whatever rows share the call; the weighted sum keeps each row's accumulator in registers
+// same whatever rows share the call (on AVX-512, rows in pairs: attention_row_pairs.h, the same
+// bits); the weighted sum keeps each row's accumulator in registers
 // over its keys where the head size is 32, 64 or 128 (weighted_rows), else runs keys outer, rows
 // inner (a value's load then serves every row that sees it).
 __attribute__((unused)) LOOPCAST_ROW_CLONES void attend_causal_rows(const float* q, int64_t rows, const int64_t* counts,
@@ -213,17 +201,40 @@ __attribute__((unused)) LOOPCAST_ROW_CLONES void attend_causal_rows(const float*
                                                                     float scale, int64_t stride, float* scores,
                                                                     float* acc, float* sums, float* out) {
   int64_t most = 0;
+  int64_t paired = 0;  // rows 0..paired-1 go two at a time (attention_row_pairs.h)
+#ifdef LOOPCAST_ROW_PAIRS
+  if ((D == 32 || D == 64 || D == 128) && row_pairs_available()) paired = rows / 2 * 2;
+#endif
   for (int64_t r = 0; r < rows; ++r) {
-    score_keys(q + r * D, keys, counts[r], D, scale, scores + r * stride);
+    int64_t from = 0;  // keys scored with the row's pair
+#ifdef LOOPCAST_ROW_PAIRS
+    if (r % 2 == 0 && r < paired) {
+      const int64_t both = std::min(counts[r], counts[r + 1]);
+      float *sa = scores + r * stride, *sb = sa + stride;
+      from = D == 32   ? score_pair<32>(q + r * D, q + (r + 1) * D, keys, both, scale, sa, sb)
+             : D == 64 ? score_pair<64>(q + r * D, q + (r + 1) * D, keys, both, scale, sa, sb)
+                       : score_pair<128>(q + r * D, q + (r + 1) * D, keys, both, scale, sa, sb);
+    } else if (r < paired) {
+      from = std::min(counts[r], counts[r - 1]) / 8 * 8;
+    }
+#endif
+    score_keys(q + r * D, keys, counts[r], D, scale, scores + r * stride, from);
     sums[r] = softmax_weights(scores + r * stride, counts[r]);
     most = std::max(most, counts[r]);
   }
-  if (D == 64) {
-    weighted_rows<64>(scores, stride, counts, rows, values, acc);
-  } else if (D == 128) {
-    weighted_rows<128>(scores, stride, counts, rows, values, acc);
-  } else if (D == 32) {
-    weighted_rows<32>(scores, stride, counts, rows, values, acc);
+  if (D == 32 || D == 64 || D == 128) {
+#ifdef LOOPCAST_ROW_PAIRS
+    for (int64_t r = 0; r < paired; r += 2) {
+      const float *ea = scores + r * stride, *eb = ea + stride;
+      if (D == 32) weighted_pair<32>(ea, eb, counts[r], counts[r + 1], values, acc + r * D, acc + (r + 1) * D);
+      if (D == 64) weighted_pair<64>(ea, eb, counts[r], counts[r + 1], values, acc + r * D, acc + (r + 1) * D);
+      if (D == 128) weighted_pair<128>(ea, eb, counts[r], counts[r + 1], values, acc + r * D, acc + (r + 1) * D);
+    }
+#endif
+    const int64_t left = rows - paired;
+    if (D == 64) weighted_rows<64>(scores + paired * stride, stride, counts + paired, left, values, acc + paired * D);
+    if (D == 128) weighted_rows<128>(scores + paired * stride, stride, counts + paired, left, values, acc + paired * D);
+    if (D == 32) weighted_rows<32>(scores + paired * stride, stride, counts + paired, left, values, acc + paired * D);
   } else {
     std::fill(acc, acc + rows * D, 0.0f);
     for (int64_t j = 0; j < most; ++j)

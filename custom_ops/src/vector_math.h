@@ -45,5 +45,24 @@ inline __attribute__((always_inline)) void exp8(float* e) {
   std::memcpy(e, &p, sizeof p);
 }
 
+// [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]: one level of combine8's pairs for two
+// vectors of lanes at once (a macro: helpers pass no vectors).
+#define LOOPCAST_ADJACENT_PAIRS(a, b)                         \
+  (__builtin_shuffle(a, b, i32x8{0, 2, 8, 10, 4, 6, 12, 14}) + \
+   __builtin_shuffle(a, b, i32x8{1, 3, 9, 11, 5, 7, 13, 15}))
+
+// combine8 of 8 keys' lane vectors acc[0..8) into out[0..8): combine8's pairs for the 8 keys
+// together (the keys transposed across the vectors as they combine: the same additions of the
+// same operands, so the same bits, in 7 vector adds where 8 keys alone take 56 scalar ones).
+inline __attribute__((always_inline)) void combine8x8(const f32x8* acc, float* out) {
+  const f32x8 p0 = LOOPCAST_ADJACENT_PAIRS(acc[0], acc[1]), p1 = LOOPCAST_ADJACENT_PAIRS(acc[2], acc[3]);
+  const f32x8 p2 = LOOPCAST_ADJACENT_PAIRS(acc[4], acc[5]), p3 = LOOPCAST_ADJACENT_PAIRS(acc[6], acc[7]);
+  // per key: (l0+l1)+(l2+l3) in lanes 0-3, (l4+l5)+(l6+l7) in lanes 4-7 (keys 0-3, then 4-7)
+  const f32x8 g0 = LOOPCAST_ADJACENT_PAIRS(p0, p1), g1 = LOOPCAST_ADJACENT_PAIRS(p2, p3);
+  const f32x8 sums = __builtin_shuffle(g0, g1, i32x8{0, 1, 2, 3, 8, 9, 10, 11}) +
+                     __builtin_shuffle(g0, g1, i32x8{4, 5, 6, 7, 12, 13, 14, 15});
+  std::memcpy(out, &sums, sizeof sums);
+}
+
 }  // namespace
 }  // namespace loopcast
