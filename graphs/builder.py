@@ -95,9 +95,14 @@ class GraphBuilder:
     def output(
         self, value: ir.Value, dtype: ir.DataType, shape: Sequence[int | str], name: str | None = None
     ) -> ir.Value:
-        """Declare a graph output (graph outputs carry their type and shape)."""
+        """Declare a graph output (graph outputs carry their type and shape). A value a node makes
+        takes the output's name itself (an Identity would copy it: 1.5 MB of logits a verify step);
+        a graph input, or a value already declared, is copied under the name."""
         if name is not None and value.name != name:
-            value = self.op("Identity", [value], path=f"/outputs/{name}", out=name)
+            if value.producer() is not None and value not in self.outputs and value not in self.inputs:
+                value.name = name
+            else:
+                value = self.op("Identity", [value], path=f"/outputs/{name}", out=name)
         value.type = ir.TensorType(dtype)
         value.shape = ir.Shape(list(shape))
         self.outputs.append(value)
