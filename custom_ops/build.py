@@ -41,6 +41,7 @@ SOURCES = (
     "matmul_nbits_cpu.cc",
     "matmul_nbits_q8_cpu.cc",
     "matmul_nbits_q8_avx2.cc",
+    "matmul_nbits_q8_rows.cc",
 )
 CUDA_SOURCES = ("cuda_ops.cc",)  # host glue, compiled by the C++ compiler
 CUDA_KERNELS = (

@@ -326,7 +326,7 @@ void columns_zp(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, flo
 // The upper halves cleared before returning to code that may run legacy SSE (libm's expf).
 AVX2_TARGET void upper_state_clean() { _mm256_zeroupper(); }
 
-// quantize_value (matmul_nbits_q8_cpu.cc) for one value: the tail of a block under 8 values.
+// quantize_value (matmul_nbits_q8_rows.cc) for one value: the tail of a block under 8 values.
 inline int8_t quantize_one(float x, float inv) {
   const float v = std::nearbyint(x * inv);
   if (!(v == v)) return 0;

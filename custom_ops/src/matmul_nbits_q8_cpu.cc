@@ -14,48 +14,21 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#include <immintrin.h>
-// GCC's intrinsics pass an "undefined" vector as the unmasked source, which -Werror reads as
-// (maybe-)uninitialized once inlined.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#define LOOPCAST_Q8_AVX512 1
-#define Q8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma")))
-#define Q8_INLINE Q8_TARGET inline __attribute__((always_inline))
-#endif
+#include "matmul_nbits_q8_isa.h"
 
 namespace loopcast {
 namespace {
 
-constexpr int kLanes = 16;
-
-// k within the chunk of byte j of operand vector v (the header comment above).
-inline int64_t operand_k(bool wide, int64_t bits, int v, int j) {
-  const int l = j / 4, t = j % 4;
-  if (wide) return 32 * l + 8 * (v / 2) + 2 * t + v % 2;
-  return bits == 4 ? 2 * j + v : 8 * l + 4 * v + t;
-}
-
-// operand_k of every byte of a chunk's operand vectors (8 vectors wide, else 2), in order.
-std::vector<uint16_t> operand_order(bool wide, int64_t bits) {
-  std::vector<uint16_t> out;
-  for (int v = 0; v < (wide ? 8 : 2); ++v)
-    for (int j = 0; j < 64; ++j) out.push_back(static_cast<uint16_t>(operand_k(wide, bits, v, j)));
-  return out;
-}
+using q8_detail::Isa;
+using q8_detail::kLanes;
+using q8_detail::operand_k;
 
 float lanes_combine(float* lanes) {
   for (int width = kLanes / 2; width > 0; width /= 2)  // fixed pairwise combine
     for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
   return lanes[0];
-}
-
-int8_t quantize_value(float x, float inv) {
-  float v = std::nearbyint(x * inv);
-  if (!(v == v)) return 0;  // NaN (an inf or NaN activation): no UB in the conversion
-  return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
 }
 
 // A lane's weight scale and zero point for column n, chunk c (scale 0 past the last block).
@@ -251,14 +224,24 @@ Q8_INLINE void span(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
       const __m512i mid = _mm512_loadu_si512(a.q_sum_mid.data() + rc * kLanes);
 #pragma GCC unroll 4
       for (int j = 0; j < C; ++j) {
-        // two integer chains (exact sums: any split gives the same i) so VPDPBUSD's latency overlaps
-        __m512i d0 = ZP == kNoZeroPoints ? mid : _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+        // Integer sums are exact, so any split gives the same i: a small tile takes two chains so
+        // VPDPBUSD's latency overlaps; four or more (row, column) chains overlap on their own,
+        // and one chain each saves an add and a zeroing a chunk.
+        __m512i d0 = ZP == kNoZeroPoints ? mid : _mm512_setzero_si512();
+        __m512 t;
+        if constexpr (R * C >= 4) {
 #pragma GCC unroll 8
-        for (int v = 0; v < VECS; v += 2) {
-          d0 = _mm512_dpbusd_epi32(d0, codes[j][v], _mm512_loadu_si512(q + 64 * v));
-          d1 = _mm512_dpbusd_epi32(d1, codes[j][v + 1], _mm512_loadu_si512(q + 64 * v + 64));
+          for (int v = 0; v < VECS; ++v) d0 = _mm512_dpbusd_epi32(d0, codes[j][v], _mm512_loadu_si512(q + 64 * v));
+          t = _mm512_cvtepi32_ps(d0);
+        } else {
+          __m512i d1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+          for (int v = 0; v < VECS; v += 2) {
+            d0 = _mm512_dpbusd_epi32(d0, codes[j][v], _mm512_loadu_si512(q + 64 * v));
+            d1 = _mm512_dpbusd_epi32(d1, codes[j][v + 1], _mm512_loadu_si512(q + 64 * v + 64));
+          }
+          t = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
         }
-        __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
         if constexpr (ZP != kNoZeroPoints) t = _mm512_fnmadd_ps(zp[j], qs, t);
         acc[i][j] = _mm512_fmadd_ps(t, _mm512_mul_ps(sa, sw[j]), acc[i][j]);
       }
@@ -334,15 +317,17 @@ Q8_TARGET void tile(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* place
     }
 }
 
-// Rows r0..r0+R of columns [n0, n1): groups of 16 columns, each in tiles of C columns, C as wide
-// as the registers allow (a wide chunk holds 8 code vectors a column, and each row adds C
-// accumulators); then, for more than one row, each row's 16 columns combined at once. A group
-// short of 16 columns combines stale lanes beside its own, which no column's sum reads.
+// Rows r0..r0+R of columns [n0, n1): groups of 16 columns, each in tiles of C columns; then, for
+// more than one row, each row's 16 columns combined at once. A group short of 16 columns
+// combines stale lanes beside its own, which no column's sum reads.
 template <int R, int BITS, int ZP>
 Q8_TARGET void columns_pass(const Q8Rows& a, const Q8Weights& w, const ChunkPlace* at, const __m512i* idx,
                             const __m512i* block_of_lane, __m512i order, int64_t r0, int64_t n0, int64_t n1,
                             float* Y) {
-  constexpr int C = BITS == 4 ? (R <= 2 ? 2 : 1) : (R <= 2 ? 4 : R <= 4 ? 2 : 1);
+  // Two columns a tile (four for one or two 8-bit rows): each row's operand, scale and sum loads
+  // then serve two columns. One column a tile at eight rows measured 1.3-1.5x the time a row,
+  // although two wide 4-bit columns' codes and eight rows' accumulators overfill the registers.
+  constexpr int C = BITS == 4 ? 2 : (R <= 2 ? 4 : 2);
   alignas(64) __m512 lanes[R == 1 ? 1 : R * 16];
   for (__m512& v : lanes) v = _mm512_setzero_ps();
   for (int64_t g0 = n0; g0 < n1; g0 += 16) {
@@ -407,80 +392,19 @@ bool cpu_has_vnni() {
   return has;
 }
 
-// One row's blocks quantized into qk (k order) and sa: quantize_value's steps on 16 lanes at a
-// time (the same product, rounding to nearest even, clamp, NaN to 0), so the same bytes.
-Q8_TARGET void avx512_quantize_row(const float* a, int64_t K, int64_t bs, int64_t nb, int8_t* qk, float* sa) {
-  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t k0 = b * bs, k1 = std::min(K, k0 + bs);
-    // max(|x|, m): a NaN x keeps m (MAXPS returns its second operand), as std::max does
-    __m512 m = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; k += 16) {
-      const __mmask16 in = k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1);
-      m = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(in, a + k)), m);
-    }
-    const float amax = _mm512_reduce_max_ps(m);
-    sa[b] = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    for (int64_t k = k0; k < k1; k += 16) {
-      const __mmask16 in = k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1);
-      const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, a + k), inv),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __mmask16 number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
-      const __m512 c = _mm512_maskz_mov_ps(number, _mm512_min_ps(_mm512_max_ps(v, lo), hi));
-      _mm_mask_storeu_epi8(qk + k, in, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
-    }
-  }
-}
-
-// A chunk's operand vectors from its k-order bytes src, and each lane's Σq (VPDPBUSD by ones:
-// a lane's bytes across the chunk's vectors are exactly its k).
-Q8_TARGET void avx512_operands(const Q8Chunk& ch, int64_t bits, const int8_t* src, int8_t* q, int32_t* lane_sums) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  alignas(64) int8_t t[2][64];
-  __m512i sum = _mm512_setzero_si512();
-  if (ch.wide) {  // v = 2s + h, byte 4l + t: k = 32l + 8s + 2t + h
-    for (int j = 0; j < 64; ++j)
-      for (int h = 0; h < 2; ++h) t[h][j] = static_cast<int8_t>(8 * (j / 4) + 2 * (j % 4) + h);
-    const __m512i pick[2] = {_mm512_load_si512(t[0]), _mm512_load_si512(t[1])};
-    const __m512i lanes = _mm512_setr_epi64(0, 32, 64, 96, 128, 160, 192, 224);
-    for (int s = 0; s < 4; ++s) {  // qword s of each lane's 32 bytes: lanes 0-7, then 8-15
-      const __m512i g0 = _mm512_i64gather_epi64(lanes, src + 8 * s, 1);
-      const __m512i g1 = _mm512_i64gather_epi64(lanes, src + 256 + 8 * s, 1);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i x = _mm512_permutex2var_epi8(g0, pick[h], g1);
-        _mm512_storeu_si512(q + 64 * (2 * s + h), x);
-        sum = _mm512_dpbusd_epi32(sum, ones, x);
-      }
-    }
-  } else {  // 4 bits: k = 2j + v; 8 bits: k = 8l + 4v + t
-    for (int j = 0; j < 64; ++j)
-      for (int v = 0; v < 2; ++v)
-        t[v][j] = static_cast<int8_t>(bits == 4 ? 2 * j + v : 8 * (j / 4) + 4 * v + j % 4);
-    const __m512i x0 = _mm512_loadu_si512(src), x1 = _mm512_loadu_si512(src + 64);
-    for (int v = 0; v < 2; ++v) {
-      const __m512i x = _mm512_permutex2var_epi8(x0, _mm512_load_si512(t[v]), x1);
-      _mm512_storeu_si512(q + 64 * v, x);
-      sum = _mm512_dpbusd_epi32(sum, ones, x);
-    }
-  }
-  _mm512_storeu_si512(lane_sums, sum);
-}
-
 #endif
 
-// The 512-bit registers' upper halves cleared before returning to code that may run legacy SSE
-// instructions (libm's expf in the SwiGLU prologue, ORT's own kernels): with them left dirty,
-// every such instruction after an AVX-512 tile pays a state-merge penalty (the same call at one
-// row count measured 2.4x slower). Every path that ran AVX-512 code ends here.
+}  // namespace
+
+namespace q8_detail {
+
 #ifdef LOOPCAST_Q8_AVX512
-Q8_TARGET void upper_state_clean() { _mm256_zeroupper(); }
+Q8_TARGET static void zeroupper() { _mm256_zeroupper(); }
+void avx512_upper_clean() { zeroupper(); }
+#else
+void avx512_upper_clean() {}
 #endif
 
-enum class Isa { kPortable, kAvx2, kAvx512 };
-
-// The widest path this CPU runs, at most LOOPCAST_CPU_ISA's (read at every call, so tests can
-// compare the paths' bits in one process).
 Isa vector_isa() {
   const char* portable = std::getenv("LOOPCAST_CPU_PORTABLE");
   if (portable != nullptr && std::strcmp(portable, "1") == 0) return Isa::kPortable;
@@ -490,107 +414,21 @@ Isa vector_isa() {
 #ifdef LOOPCAST_Q8_AVX512
   if (avx512_ok && cpu_has_vnni()) return Isa::kAvx512;
 #endif
-  if (avx2_ok && q8_detail::avx2_available()) return Isa::kAvx2;
+  if (avx2_ok && avx2_available()) return Isa::kAvx2;
   return Isa::kPortable;
 }
 
-}  // namespace
-
-std::vector<Q8Chunk> q8_chunks(int64_t bits, int64_t bs, int64_t nb) {
-  const int64_t kb = nb * bs;
-  const int64_t n_wide = bits == 4 && bs >= 32 ? kb / 512 : 0;
-  std::vector<Q8Chunk> out;
-  int64_t offset = 0;
-  for (int64_t c = 0; c < n_wide; ++c, offset += 512) out.push_back({true, 512 * c, 512, 32, 8, offset});
-  for (int64_t k0 = 512 * n_wide; k0 < kb; k0 += 128, offset += 128) out.push_back({false, k0, 128, 8, 2, offset});
-  return out;
-}
-
-void q8_prepare_rows(int64_t rows, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out) {
-  out->chunks = q8_chunks(bits, bs, nb);
-  const int64_t nc = static_cast<int64_t>(out->chunks.size());
-  out->n_wide = 0;
-  for (const Q8Chunk& ch : out->chunks) out->n_wide += ch.wide ? 1 : 0;
-  out->rows = rows;
-  out->row_bytes = out->chunks.back().q_offset + out->chunks.back().vecs * 64;
-  out->q.assign(static_cast<size_t>(rows * out->row_bytes), 0);
-  out->scale.assign(static_cast<size_t>(rows * nc * kLanes), 0.0f);
-  out->q_sum.assign(static_cast<size_t>(rows * nc * kLanes), 0.0f);
-  out->q_sum_mid.assign(static_cast<size_t>(rows * nc * kLanes), 0);
-}
-
-void q8_quantize_row(const float* a, int64_t r, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out) {
-  const int64_t nc = static_cast<int64_t>(out->chunks.size());
-  thread_local std::vector<int8_t> qk;  // k order, zeros past K
-  thread_local std::vector<float> sa;
-  qk.assign(static_cast<size_t>(out->row_bytes), 0);
-  sa.assign(static_cast<size_t>(nb), 0.0f);
-#ifdef LOOPCAST_Q8_AVX512
-  if (vector_isa() == Isa::kAvx512) {
-    avx512_quantize_row(a, K, bs, nb, qk.data(), sa.data());
-    for (int64_t c = 0; c < nc; ++c) {
-      const Q8Chunk& ch = out->chunks[static_cast<size_t>(c)];
-      const int64_t rc = r * nc + c;
-      int32_t sum[kLanes];
-      avx512_operands(ch, bits, qk.data() + ch.k0, out->q.data() + r * out->row_bytes + ch.q_offset, sum);
-      for (int l = 0; l < kLanes; ++l) {
-        const int64_t b = (ch.k0 + ch.lane_k * l) / bs;
-        out->scale[rc * kLanes + l] = b < nb ? sa[b] : 0.0f;
-        out->q_sum[rc * kLanes + l] = static_cast<float>(sum[l]);
-        out->q_sum_mid[rc * kLanes + l] = -(1 << (bits - 1)) * sum[l];
-      }
-    }
-    upper_state_clean();
-    return;
-  }
-#endif
-  // operand_k of each byte of a chunk's operand vectors, per chunk form (wide; narrow 4 or 8 bits)
-  static const std::vector<uint16_t> order[3] = {operand_order(true, 4), operand_order(false, 4),
-                                                 operand_order(false, 8)};
-  if (vector_isa() == Isa::kAvx2) {
-    q8_detail::avx2_quantize_row(a, K, bs, nb, qk.data(), sa.data());
-  } else {
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t k0 = b * bs, k1 = std::min(K, k0 + bs);
-      float amax = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(a[k]));
-      sa[b] = amax / 127.0f;
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int64_t k = k0; k < k1; ++k) qk[k] = quantize_value(a[k], inv);
-    }
-  }
-  for (int64_t c = 0; c < nc; ++c) {
-    const Q8Chunk& ch = out->chunks[static_cast<size_t>(c)];
-    const int64_t rc = r * nc + c;
-    int8_t* q = out->q.data() + r * out->row_bytes + ch.q_offset;
-    const int8_t* src = qk.data() + ch.k0;
-    const uint16_t* at = order[ch.wide ? 0 : bits == 4 ? 1 : 2].data();
-    for (int64_t i = 0; i < ch.vecs * 64; ++i) q[i] = src[at[i]];
-    for (int l = 0; l < kLanes; ++l) {
-      const int64_t b = (ch.k0 + ch.lane_k * l) / bs;
-      int32_t sum = 0;
-      for (int64_t t = 0; t < ch.lane_k; ++t) sum += src[ch.lane_k * l + t];
-      out->scale[rc * kLanes + l] = b < nb ? sa[b] : 0.0f;
-      out->q_sum[rc * kLanes + l] = static_cast<float>(sum);
-      out->q_sum_mid[rc * kLanes + l] = -(1 << (bits - 1)) * sum;
-    }
-  }
-}
-
-void q8_quantize_rows(const float* A, int64_t rows, int64_t K, int64_t bits, int64_t bs, int64_t nb, Q8Rows* out) {
-  q8_prepare_rows(rows, bits, bs, nb, out);
-  for (int64_t r = 0; r < rows; ++r) q8_quantize_row(A + r * K, r, K, bits, bs, nb, out);
-}
+}  // namespace q8_detail
 
 void q8_columns(const Q8Rows& a, const Q8Weights& w, int64_t n0, int64_t n1, float* Y) {
-  switch (vector_isa()) {
+  switch (q8_detail::vector_isa()) {
 #ifdef LOOPCAST_Q8_AVX512
     case Isa::kAvx512:
       if (w.bits == 4)
         avx512_columns_zp<4>(a, w, n0, n1, Y);
       else
         avx512_columns_zp<8>(a, w, n0, n1, Y);
-      upper_state_clean();
+      q8_detail::avx512_upper_clean();
       return;
 #endif
     case Isa::kAvx2: q8_detail::avx2_columns(a, w, n0, n1, Y); return;

